@@ -1,0 +1,196 @@
+"""Training metrics: FLOPs and MFU, memory, and where they go (stdout, metrics.jsonl, wandb).
+
+MFU = model FLOPs per token x tokens/s / peak FLOP/s of the hardware.
+  model FLOPs per token = 6 x N + 12 x n_layers x dim x seq_len
+N counts every parameter that takes part in a matmul (the embedding lookup does not, the output
+projection does, once even when tied); the second term is attention's QK^T and AV (forward and
+backward, PaLM's convention, counted as if not causal). On a GPU the peak comes from a table of
+dense bf16 peaks; on CPU it is measured at start-up with a short matmul benchmark in the run's
+dtype and cached, so MFU on CPU is "fraction of what a large matmul reaches on this machine".
+"""
+
+import json
+import logging
+import math
+import os
+import platform
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Dense (non-sparse) peak FLOP/s per GPU from the vendors' data sheets (SXM parts).
+GPU_PEAK_FLOPS = {
+    "bf16": {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12},
+    "fp32": {"H100": 67e12, "H200": 67e12, "A100": 19.5e12, "B200": 80e12},  # without TF32
+}
+
+
+@dataclass
+class LoggingArgs:
+    every: int = 1                  # a line to stdout and metrics.jsonl every N steps
+    wandb: bool = False
+    wandb_project: str = "lingua"
+    wandb_entity: Optional[str] = None
+    wandb_mode: str = "offline"     # offline | online (online needs WANDB_API_KEY in the env)
+    name: Optional[str] = None      # run name (defaults to the dump_dir's name)
+
+
+def flops_per_token(model: nn.Module, n_layers: int, dim: int, seq_len: int,
+                    tied_embeddings: bool = False) -> float:
+    n_matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    if tied_embeddings:  # the output matmul reuses the embedding matrix, but still costs FLOPs
+        n_matmul += model.tok_embeddings.weight.numel()
+    return 6.0 * n_matmul + 12.0 * n_layers * dim * seq_len
+
+
+def _cache_path() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "lingua" / "matmul_peak.json"
+
+
+def measure_cpu_peak(dtype: torch.dtype, seconds: float = 0.5) -> float:
+    """Best FLOP/s of a square matmul on this CPU with the current thread count."""
+    n = 1024
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+    return best
+
+
+def peak_flops(device: torch.device, dtype_name: str) -> float:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_FLOPS[dtype_name].items():
+            if key in name:
+                return value
+        logger.warning("no peak FLOP/s known for %s: MFU is reported against the H100's", name)
+        return GPU_PEAK_FLOPS[dtype_name]["H100"]
+    key = f"{platform.processor() or platform.machine()}|{torch.get_num_threads()}|{dtype_name}|{torch.__version__}"
+    path = _cache_path()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+        cache[key] = measure_cpu_peak(dtype)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only home only costs a re-measurement next time
+        logger.info("measured CPU matmul peak (%s): %.1f GFLOP/s", dtype_name, cache[key] / 1e9)
+    return cache[key]
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    # ru_maxrss is KiB on Linux: the process's resident high-water mark.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+class MetricLogger:
+    """Writes one JSON object per logged step to metrics.jsonl (and wandb), on rank 0 only."""
+
+    def __init__(self, dump_dir, args: LoggingArgs, run_config: dict, enabled: bool):
+        self.enabled = enabled
+        self.wandb_run = None
+        self.file = None
+        if not enabled:
+            return
+        self.file = open(Path(dump_dir) / "metrics.jsonl", "a", buffering=1)
+        if args.wandb:
+            import wandb
+
+            # The API key stays in the environment: we pass only the run config, which holds none.
+            self.wandb_run = wandb.init(
+                project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
+                dir=str(dump_dir), name=args.name or Path(dump_dir).name, config=run_config,
+                id=_wandb_id(dump_dir), resume="allow")
+
+    def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(metrics) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"},
+                               step=metrics["step"])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _wandb_id(dump_dir) -> str:
+    """A stable id per dump_dir, so a resumed run continues the same wandb run."""
+    path = Path(dump_dir) / "wandb_id.txt"
+    if not path.is_file():
+        import uuid
+
+        path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text().strip()
+
+
+def format_line(m: dict) -> str:
+    parts = [f"step {m['step']}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
+             f"gnorm {m['grad_norm']:.3f}", f"tok/s {m['tokens_per_s']:.0f}",
+             f"mfu {100 * m['mfu']:.1f}%", f"data {1000 * m['data_s']:.0f}ms",
+             f"mem {m['peak_mem_gib']:.2f}GiB"]
+    if "val_loss" in m:
+        parts.append(f"val_loss {m['val_loss']:.4f} ppl {m['val_ppl']:.1f}")
+    return " | ".join(parts)
+
+
+def safe_exp(x: float) -> float:
+    return math.exp(x) if x < 700 else float("inf")
+
+
+class Window:
+    """Step times and token counts since the last logged step (tokens/s over the window)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps, self.seconds, self.data_seconds, self.tokens = 0, 0.0, 0.0, 0
+
+    def add(self, step_seconds: float, data_seconds: float, tokens: int) -> None:
+        self.steps += 1
+        self.seconds += step_seconds
+        self.data_seconds += data_seconds
+        self.tokens += tokens
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def step_s(self) -> float:
+        return self.seconds / max(self.steps, 1)
+
+    def data_s(self) -> float:
+        return self.data_seconds / max(self.steps, 1)
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs at INFO; the other ranks only warnings, so a 64-rank log stays readable."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
+        format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s", datefmt="%H:%M:%S", force=True)

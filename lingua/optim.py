@@ -1,0 +1,96 @@
+"""AdamW with weight-decay groups and the learning-rate schedules researchers usually compare."""
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from lingua.errors import ConfigError
+
+SCHEDULES = ("constant", "linear", "cosine", "wsd")
+
+
+@dataclass
+class OptimArgs:
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip: float = 1.0               # max global grad norm, once per optimizer step; <= 0 disables
+    scheduler: str = "cosine"       # constant | linear | cosine | wsd (warmup-stable-decay)
+    warmup: int = 100               # linear warmup steps (all schedules)
+    lr_min_ratio: float = 0.1       # final lr / peak lr for linear, cosine and wsd
+    decay_fraction: float = 0.2     # wsd: the last fraction of steps decays linearly
+    fused: bool = True              # fused AdamW kernel where the device has one
+
+
+def validate_args(args: OptimArgs, steps: int) -> None:
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ConfigError(f"optim.lr={args.lr} must be a positive finite number, e.g. optim.lr=3e-4.")
+    if args.scheduler not in SCHEDULES:
+        raise ConfigError(f"optim.scheduler={args.scheduler!r} is unknown: use one of "
+                          f"{', '.join(SCHEDULES)}.")
+    if args.warmup < 0:
+        raise ConfigError(f"optim.warmup={args.warmup} must be 0 or more steps.")
+    if args.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={args.weight_decay} must be 0 or more.")
+    if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
+        raise ConfigError(f"optim.beta1={args.beta1} and optim.beta2={args.beta2} must lie in [0, 1).")
+    if not 0 <= args.lr_min_ratio <= 1:
+        raise ConfigError(f"optim.lr_min_ratio={args.lr_min_ratio} must lie in [0, 1].")
+    if not 0 < args.decay_fraction <= 1:
+        raise ConfigError(f"optim.decay_fraction={args.decay_fraction} must lie in (0, 1].")
+
+
+def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
+    """Multiplier of the peak lr before optimizer step `step` (0-based)."""
+    if step < args.warmup:
+        return (step + 1) / (args.warmup + 1)
+    if args.scheduler == "constant":
+        return 1.0
+    lo = args.lr_min_ratio
+    if args.scheduler == "wsd":
+        decay_steps = max(1, int(round(args.decay_fraction * total_steps)))
+        decay_start = max(args.warmup, total_steps - decay_steps)
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+        return 1.0 - (1.0 - lo) * progress
+    progress = min(1.0, (step - args.warmup) / max(1, total_steps - args.warmup))
+    if args.scheduler == "linear":
+        return 1.0 - (1.0 - lo) * progress
+    return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list:
+    """Decay matrices (linears, embeddings); leave vectors (norm gains, biases) undecayed."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build(model: nn.Module, args: OptimArgs, total_steps: int, device: torch.device):
+    # The fused kernel exists for CUDA and CPU in this torch; fall back to foreach elsewhere.
+    fused = args.fused and device.type in ("cuda", "cpu")
+    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr,
+                                  betas=(args.beta1, args.beta2), eps=args.eps, fused=fused)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, partial(lr_factor, args=args, total_steps=total_steps))
+    return optimizer, scheduler
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global gradient norm (over all shards), clipped once per optimizer step when max_norm > 0."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if hasattr(norm, "full_tensor"):  # FSDP grads are DTensors: the norm is a partial DTensor
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm

@@ -1,0 +1,65 @@
+"""Shared fixtures: a tiny embedded corpus, and launchers for 1-process and torchrun runs."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Small enough that a 4-rank run of a few steps takes seconds on 2 cores.
+TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+              "model.multiple_of=32", "model.max_seq_len=128"]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    from lingua.data import ensure_embedded_corpus
+
+    root = tmp_path_factory.mktemp("corpus") / "embedded"
+    ensure_embedded_corpus(str(root))
+    return root
+
+
+def tiny_args(corpus: Path, dump_dir: Path, *extra: str, steps: int = 5) -> list:
+    return [f"dump_dir={dump_dir}", f"data.root={corpus}", "data.prepare_embedded=false",
+            "data.seq_len=64", "data.val_sequences=8", f"steps={steps}", "optim.warmup=2",
+            "optim.lr=3e-3", "logging.every=1", "eval.every=0", "checkpoint.every=0",
+            *TINY_MODEL, *extra]
+
+
+def read_metrics(dump_dir: Path) -> list:
+    path = Path(dump_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(nproc: int, module: str, args: list, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Launch `torchrun --nproc-per-node nproc -m module args` and fail with its output if it fails."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_python(module: str, args: list, timeout: int = 240, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{module} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc

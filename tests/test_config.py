@@ -1,0 +1,95 @@
+"""Config composition and refusal of bad input before any work starts."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from apps.llama.train import TrainArgs, validate
+from lingua import config
+from lingua.errors import ConfigError
+from tests.conftest import REPO, TINY_MODEL, run_python, tiny_args
+
+
+def load(argv):
+    return config.load("llama", TrainArgs, argv, validate)
+
+
+def test_debug_preset_and_overrides(corpus, tmp_path):
+    args = load(tiny_args(corpus, tmp_path / "run", "optim.lr=0.01", "model.dim=128"))
+    assert isinstance(args, TrainArgs)
+    assert args.optim.lr == 0.01 and args.model.dim == 128
+    assert args.data.root == str(corpus)
+    default = config.load("llama", TrainArgs, [])
+    assert default.model.n_layers == 4 and default.data.prepare_embedded is True
+
+
+def test_gpu_presets_compose_with_their_usual_shapes(tmp_path):
+    tok = tmp_path / "tok.model"
+    tok.write_text("x")
+    shapes = {"llama_1b": (2048, 16, 32, 8), "llama_8b": (4096, 32, 32, 8), "llama_70b": (8192, 80, 64, 8)}
+    for preset, (dim, layers, heads, kv) in shapes.items():
+        cfg = config.compose_config("llama", [f"config={preset}", f"data.root={tmp_path}",
+                                              f"data.tokenizer.path={tok}"])
+        m = cfg.model
+        assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads) == (dim, layers, heads, kv)
+        assert cfg.distributed.model_dtype == "bf16"
+
+
+def test_missing_mandatory_value_names_the_key():
+    with pytest.raises(ConfigError, match=r"data\.root"):
+        config.load("llama", TrainArgs, ["config=llama_1b"])
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.dimm=3", "dimm"),                    # unknown key
+    ("optim.lr=fast", "optim.lr"),               # wrong type
+    ("steps=-3", "steps"),                       # impossible value
+    ("model.n_kv_heads=3", "n_kv_heads"),        # 8 heads not divisible by 3 kv heads
+    ("optim.scheduler=step", "optim.scheduler"),
+    ("data.seq_len=4096", "max_seq_len"),
+    ("model.vocab_size=100", "vocab_size"),
+    ("distributed.model_dtype=fp8", "model_dtype"),
+    ("config=nope", "nope"),
+])
+def test_bad_config_is_refused_with_the_key_named(corpus, tmp_path, override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load(tiny_args(corpus, tmp_path / "run", override))
+
+
+def test_bad_input_files_are_refused(corpus, tmp_path):
+    with pytest.raises(ConfigError, match="missing_dir"):
+        load(tiny_args(corpus, tmp_path / "run", f"data.root={tmp_path / 'missing_dir'}"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="empty"):
+        load(tiny_args(corpus, tmp_path / "run", f"data.root={empty}"))
+    with pytest.raises(ConfigError, match="no_such.model"):
+        load(tiny_args(corpus, tmp_path / "run", "data.tokenizer.kind=sentencepiece",
+                       f"data.tokenizer.path={tmp_path / 'no_such.model'}"))
+
+
+def test_world_size_mismatch_is_refused(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"dp_replicate=2 x distributed\.dp_shard=2 = 4, but 3"):
+        load(tiny_args(corpus, tmp_path / "run", "distributed.dp_replicate=2", "distributed.dp_shard=2"))
+
+
+def test_config_dump_round_trips(corpus, tmp_path):
+    args = load(tiny_args(corpus, tmp_path / "run"))
+    config.dump(args, tmp_path / "config.yaml")
+    again = config.from_dict(TrainArgs, OmegaConf.load(tmp_path / "config.yaml"))
+    assert again == args
+
+
+def test_cli_error_is_one_paragraph_without_traceback_and_touches_nothing(corpus, tmp_path):
+    dump = tmp_path / "never_created"
+    proc = run_python("apps.llama.train", tiny_args(corpus, dump, "model.n_kv_heads=3"), check=False)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "n_kv_heads" in proc.stderr
+    assert not dump.exists()
+    # Hydra must not have made an outputs/ directory or changed the working directory.
+    assert not (REPO / "outputs").exists()

@@ -1,0 +1,54 @@
+"""Data-parallel layouts on gloo against the single-process run with the same global batch.
+
+Global batch = 8 sequences in every run: 1 process x 8, or N ranks x 8/N (x grad_accum).
+"""
+
+import pytest
+
+from apps.llama import train
+from lingua import checkpoint
+from tests.conftest import read_metrics, run_torchrun, tiny_args
+
+pytestmark = pytest.mark.distributed
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    dump = tmp_path_factory.mktemp("reference") / "run"
+    train.main(tiny_args(corpus, dump, "data.batch_size=8", steps=STEPS))
+    return read_metrics(dump)
+
+
+def assert_same_losses(rows, reference):
+    assert [r["step"] for r in rows] == [r["step"] for r in reference]
+    for got, want in zip(rows, reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (got["step"], got["loss"], want["loss"])
+    assert rows[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-4)
+    assert rows[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("nproc,layout,batch_size", [
+    (2, ["distributed.dp_shard=2"], 4),
+    (4, ["distributed.dp_shard=4"], 2),
+    (2, ["distributed.dp_replicate=2", "distributed.dp_shard=1"], 4),
+    (4, ["distributed.dp_replicate=2", "distributed.dp_shard=2"], 2),
+], ids=["fsdp2", "fsdp4", "replicate2", "hsdp2x2"])
+def test_layout_matches_single_process(corpus, tmp_path, reference, nproc, layout, batch_size):
+    dump = tmp_path / "run"
+    run_torchrun(nproc, "apps.llama.train",
+                 tiny_args(corpus, dump, f"data.batch_size={batch_size}", *layout, steps=STEPS))
+    assert_same_losses(read_metrics(dump), reference)
+
+
+def test_checkpoint_from_two_shards_resumes_in_one_process(corpus, tmp_path, reference):
+    dump = tmp_path / "run"
+    args = tiny_args(corpus, dump, "checkpoint.every=3", "checkpoint.keep=0", steps=STEPS)
+    run_torchrun(2, "apps.llama.train", args + ["data.batch_size=4", "distributed.dp_shard=2"])
+    # Keep only the step-3 checkpoint (saved with dp_shard=2) and continue in one process.
+    import shutil
+    shutil.rmtree(dump / "checkpoints" / str(STEPS))
+    rows = read_metrics(dump)[:3]
+    (dump / "metrics.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    train.main(args + ["data.batch_size=8"])
+    assert_same_losses(read_metrics(dump), reference)

@@ -1,0 +1,64 @@
+import math
+
+import pytest
+import torch
+
+from lingua import optim
+from lingua.errors import ConfigError
+from lingua.optim import OptimArgs, lr_factor
+
+
+def test_warmup_is_linear_then_each_schedule_reaches_its_end():
+    total = 100
+    for name in ("constant", "linear", "cosine", "wsd"):
+        args = OptimArgs(scheduler=name, warmup=10, lr_min_ratio=0.1, decay_fraction=0.2)
+        factors = [lr_factor(s, args, total) for s in range(total)]
+        assert factors[:10] == pytest.approx([(s + 1) / 11 for s in range(10)])
+        assert factors[10] == pytest.approx(1.0)
+        expected_end = 1.0 if name == "constant" else 0.1
+        assert lr_factor(total, args, total) == pytest.approx(expected_end)
+
+
+def test_cosine_midpoint_and_wsd_plateau():
+    args = OptimArgs(scheduler="cosine", warmup=0, lr_min_ratio=0.0)
+    assert lr_factor(50, args, 100) == pytest.approx(0.5)
+    assert lr_factor(25, args, 100) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+    wsd = OptimArgs(scheduler="wsd", warmup=5, lr_min_ratio=0.0, decay_fraction=0.2)
+    assert all(lr_factor(s, wsd, 100) == 1.0 for s in range(5, 80))
+    assert lr_factor(90, wsd, 100) == pytest.approx(0.5)
+
+
+def test_weight_decay_groups_split_matrices_from_vectors():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.LayerNorm(4),
+                                torch.nn.Linear(4, 3))
+    decay, no_decay = optim.param_groups(model, 0.1)
+    assert {p.shape for p in decay["params"]} == {torch.Size([10, 4]), torch.Size([3, 4])}
+    assert {p.ndim for p in no_decay["params"]} == {1}
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+
+
+def test_clip_scales_to_max_norm_and_reports_the_norm_before_clipping():
+    model = torch.nn.Linear(3, 2, bias=False)
+    model.weight.grad = torch.full((2, 3), 2.0)
+    norm = optim.clip_grad_norm(model, max_norm=1.0)
+    assert norm.item() == pytest.approx(math.sqrt(6 * 4))
+    assert model.weight.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_scheduler_drives_the_optimizer_lr():
+    model = torch.nn.Linear(2, 2)
+    args = OptimArgs(lr=1e-2, warmup=4, scheduler="linear", lr_min_ratio=0.0)
+    optimizer, scheduler = optim.build(model, args, total_steps=10, device=torch.device("cpu"))
+    seen = []
+    for _ in range(10):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([1e-2 * lr_factor(s, args, 10) for s in range(10)])
+
+
+@pytest.mark.parametrize("change,key", [({"lr": -1.0}, "optim.lr"), ({"scheduler": "step"}, "optim.scheduler"),
+                                        ({"warmup": -1}, "optim.warmup"), ({"beta2": 1.0}, "optim.beta2")])
+def test_bad_optimizer_values_are_refused_by_name(change, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        optim.validate_args(OptimArgs(**change), steps=10)

@@ -1,0 +1,104 @@
+"""End-to-end single-process training: loss falls, metrics, checkpoints, exact resume, eval."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from apps.llama import train
+from lingua import checkpoint
+from lingua.errors import ConfigError
+from tests.conftest import read_metrics, tiny_args
+
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "data_s", "peak_mem_gib"}
+
+
+def test_loss_falls_and_every_step_is_logged(corpus, tmp_path):
+    dump = tmp_path / "run"
+    assert train.main(tiny_args(corpus, dump, steps=30)) == 0
+    rows = read_metrics(dump)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert METRIC_KEYS <= set(rows[0])
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    assert "val_loss" in rows[-1] and rows[-1]["val_ppl"] > 1
+    assert (dump / "config.yaml").is_file()
+    assert [p.name for p in checkpoint.list_complete(dump)] == ["30"]
+
+
+def test_resume_is_bit_exact(corpus, tmp_path):
+    dump = tmp_path / "run"
+    args = tiny_args(corpus, dump, "checkpoint.every=3", "checkpoint.keep=0", steps=6)
+    train.main(args)
+    uninterrupted = [r["loss"] for r in read_metrics(dump)]
+    # Pretend the run died after step 3: drop what came later, then start the same command.
+    shutil.rmtree(dump / "checkpoints" / "6")
+    (dump / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in read_metrics(dump)[:3]))
+    train.main(args)
+    resumed = [r["loss"] for r in read_metrics(dump)]
+    assert resumed == uninterrupted  # bit-identical, not approximately equal
+
+
+def test_resume_after_a_crash_mid_write_takes_the_last_complete_checkpoint(corpus, tmp_path):
+    dump = tmp_path / "run"
+    train.main(tiny_args(corpus, dump, "checkpoint.every=2", "checkpoint.keep=2", steps=4))
+    assert [p.name for p in checkpoint.list_complete(dump)] == ["2", "4"]
+    # A writer killed mid-save leaves a tmp dir; a step dir without DCP metadata is not complete.
+    (dump / "checkpoints" / "6.tmp-dead").mkdir()
+    (dump / "checkpoints" / "8").mkdir()
+    (dump / "checkpoints" / "8" / "__0_0.distcp").write_bytes(b"partial")
+    assert checkpoint.newest(dump).name == "4"
+
+
+def test_keep_prunes_old_checkpoints(corpus, tmp_path):
+    dump = tmp_path / "run"
+    train.main(tiny_args(corpus, dump, "checkpoint.every=1", "checkpoint.keep=2", steps=4))
+    assert [p.name for p in checkpoint.list_complete(dump)] == ["3", "4"]
+
+
+def test_dump_dir_of_another_model_is_refused_and_left_untouched(corpus, tmp_path):
+    dump = tmp_path / "run"
+    train.main(tiny_args(corpus, dump, steps=2))
+    before = {p: p.stat().st_mtime_ns for p in dump.rglob("*")}
+    with pytest.raises(ConfigError, match="different model"):
+        train.main(tiny_args(corpus, dump, "model.dim=32", steps=4))
+    assert {p: p.stat().st_mtime_ns for p in dump.rglob("*")} == before
+
+
+def test_grad_accum_matches_a_larger_batch(corpus, tmp_path):
+    big = tmp_path / "big"
+    train.main(tiny_args(corpus, big, "data.batch_size=8", steps=3))
+    accum = tmp_path / "accum"
+    train.main(tiny_args(corpus, accum, "data.batch_size=4", "data.grad_accum=2", steps=3))
+    for a, b in zip(read_metrics(big), read_metrics(accum)):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_bf16_trains(corpus, tmp_path):
+    dump = tmp_path / "bf16"
+    train.main(tiny_args(corpus, dump, "distributed.model_dtype=bf16", steps=10))
+    rows = read_metrics(dump)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_flex_backend_with_document_masking_trains(corpus, tmp_path):
+    dump = tmp_path / "flex"
+    train.main(tiny_args(corpus, dump, "model.attn_backend=flex", steps=3))
+    assert len(read_metrics(dump)) == 3
+
+
+def test_wandb_offline_run_and_no_secret_on_disk(corpus, tmp_path, monkeypatch):
+    secret = "sk-test-0123456789abcdef-do-not-write"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    dump = tmp_path / "wb"
+    train.main(tiny_args(corpus, dump, "logging.wandb=true", steps=3))
+    runs = list((dump / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    for path in dump.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
