@@ -85,10 +85,12 @@ def test_bf16_trains(corpus, tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
-def test_flex_backend_with_document_masking_trains(corpus, tmp_path):
-    dump = tmp_path / "flex"
-    train.main(tiny_args(corpus, dump, "model.attn_backend=flex", steps=3))
-    assert len(read_metrics(dump)) == 3
+def test_backends_without_a_cpu_training_kernel_are_refused_before_work(corpus, tmp_path):
+    for backend in ("flex", "xformers"):
+        dump = tmp_path / backend
+        with pytest.raises(ConfigError, match=f"attn_backend={backend}"):
+            train.main(tiny_args(corpus, dump, f"model.attn_backend={backend}", steps=3))
+        assert not dump.exists()
 
 
 def test_wandb_offline_run_and_no_secret_on_disk(corpus, tmp_path, monkeypatch):
@@ -102,3 +104,24 @@ def test_wandb_offline_run_and_no_secret_on_disk(corpus, tmp_path, monkeypatch):
     for path in dump.rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
+
+
+def test_init_from_a_hugging_face_directory_starts_from_its_weights(corpus, tmp_path):
+    from apps.llama.hf import export, load_hf
+    from lingua import data, evaluation
+    from tests.conftest import TINY_MODEL  # noqa: F401  (the shapes both runs share)
+
+    first = tmp_path / "first"
+    train.main(tiny_args(corpus, first, steps=3))
+    hf_dir = tmp_path / "hf"
+    export(str(first / "checkpoints" / "3"), str(hf_dir))
+    tuned = tmp_path / "tuned"
+    args = tiny_args(corpus, tuned, f"checkpoint.init_from={hf_dir}", steps=1)
+    train.main(args)
+    # Independent reference: the exported model's loss on the run's first global batch.
+    model, _ = load_hf(str(hf_dir))
+    cfg = train.config.load("llama", train.TrainArgs, args)
+    (batch,) = data.build_train_loader(cfg.data, 0, 1, cfg.seed).next_step()
+    want = evaluation.token_loss_sum(model(batch.tokens), batch.labels).item() / batch.labels.numel()
+    assert read_metrics(tuned)[0]["loss"] == pytest.approx(want, rel=1e-5)
+    assert want < read_metrics(first)[0]["loss"] - 0.5  # it did start from trained weights

@@ -69,15 +69,14 @@ def validate(args: TrainArgs) -> None:
 
 
 def forward(model, batch):
-    # Document masking needs per-token document ids; only the flex backend uses them in training
-    # (sdpa's explicit mask would cost a dense S x S mask per layer).
-    doc_ids = batch.doc_ids if model_uses_doc_ids(model) else None
-    device = next(model.parameters()).device
-    return model(batch.tokens.to(device), None if doc_ids is None else doc_ids.to(device))
+    device = batch_device(model)
+    # Document ids cost a mask per forward: pass them only when the model masks by document.
+    doc_ids = batch.doc_ids.to(device) if model.args.attn_mask == "block_causal" else None
+    return model(batch.tokens.to(device), doc_ids)
 
 
-def model_uses_doc_ids(model) -> bool:
-    return getattr(model, "args", None) is not None and model.args.attn_backend == "flex"
+def batch_device(model) -> torch.device:
+    return model.tok_embeddings.weight.device
 
 
 def train_step(model, micro_batches, global_tokens: int, autocast) -> torch.Tensor:
@@ -189,11 +188,19 @@ def build_model(args: TrainArgs, env) -> torch.nn.Module:
     if args.checkpoint.init_from:
         from apps.llama.hf import load_hf
 
-        model, hf_args = load_hf(args.checkpoint.init_from)
-        config.require(config.to_dict(hf_args) == config.to_dict(args.model),
-                       f"checkpoint.init_from={args.checkpoint.init_from} holds a model whose "
-                       f"config differs from model.*: {hf_args}. Set model.* to match it.")
-        return parallelize_llama(model, env, args.distributed)
+        hf_model, hf_args = load_hf(args.checkpoint.init_from)
+        # Only what fixes the weights' shapes and meaning must agree; backends, masks and init
+        # settings are the run's own choice.
+        runtime = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
+        ours, theirs = config.to_dict(args.model), config.to_dict(hf_args)
+        differing = {k: (ours[k], theirs[k]) for k in ours if k not in runtime and ours[k] != theirs[k]}
+        config.require(not differing,
+                       f"checkpoint.init_from={args.checkpoint.init_from} holds a model that differs "
+                       f"from model.* in (ours, theirs): {differing}. Set those model.* keys to "
+                       f"the checkpoint's values.")
+        model = Transformer(args.model)  # our runtime choices, their weights
+        model.load_state_dict(hf_model.state_dict())
+        return parallelize_llama(model.to(env.device), env, args.distributed)
     with torch.device("meta"):
         model = Transformer(args.model)
     if env.device.type == "cpu":

@@ -1,0 +1,179 @@
+"""The LLaMA model: a plain nn.Module with no distributed code (parallelism is applied from outside).
+
+Pipeline parallelism deletes entries of `layers` and sets `tok_embeddings`, `norm` and `output` to
+None on the stages that do not own them: a stage without `tok_embeddings` takes hidden states as
+input, and a stage without `output` returns hidden states. Tied embeddings (output reuses
+tok_embeddings.weight, `output` is None) only make sense when one stage holds both ends.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lingua.errors import ConfigError
+from lingua.transformer import (
+    ATTN_BACKENDS, Attention, FeedForward, KVCache, RMSNorm, check_attn_backend, ffn_hidden_dim,
+    make_attn_mask, rope_cos_sin, rope_inv_freq,
+)
+
+
+@dataclass
+class LlamaArgs:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: Optional[int] = None      # None -> n_heads (grouped-query attention when smaller)
+    vocab_size: int = 258                 # bytes tokenizer: 256 bytes + BOS(256) + EOS(257)
+    multiple_of: int = 256
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: bool = False            # Llama 3.1 frequency scaling
+    rope_scale_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+    attn_backend: str = "sdpa"            # sdpa | flex | xformers
+    attn_mask: str = "causal"             # causal | block_causal (no attention across documents)
+    init_std: float = 0.02
+    depth_init: bool = True               # scale output-projection init by depth
+
+
+def validate_model_args(args: LlamaArgs) -> None:
+    """Cheap checks, before any process group or allocation; raises ConfigError."""
+    for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"model.{name}={getattr(args, name)} must be a positive integer.")
+    if args.n_kv_heads is not None and args.n_kv_heads <= 0:
+        raise ConfigError(f"model.n_kv_heads={args.n_kv_heads} must be positive (or null for n_heads).")
+    if args.init_std <= 0 or args.norm_eps <= 0 or args.rope_theta <= 0:
+        raise ConfigError("model.init_std, model.norm_eps and model.rope_theta must be positive.")
+    if args.dim % args.n_heads:
+        raise ConfigError(
+            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}: each head gets "
+            "dim / n_heads channels. Pick n_heads dividing dim (e.g. dim=256 with n_heads=8)."
+        )
+    n_kv = args.n_kv_heads or args.n_heads
+    if args.n_heads % n_kv:
+        raise ConfigError(
+            f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={n_kv}: in grouped-query "
+            "attention each key/value head serves the same number of query heads. Set n_kv_heads to a "
+            f"divisor of {args.n_heads}."
+        )
+    if (args.dim // args.n_heads) % 2:
+        raise ConfigError(
+            f"head_dim = model.dim / model.n_heads = {args.dim // args.n_heads} is odd; RoPE rotates "
+            "channel pairs, so it must be even. Change dim or n_heads."
+        )
+    if args.attn_backend not in ATTN_BACKENDS:
+        raise ConfigError(
+            f"model.attn_backend={args.attn_backend!r} is not one of {', '.join(ATTN_BACKENDS)}."
+        )
+    if args.attn_mask not in ("causal", "block_causal"):
+        raise ConfigError(f"model.attn_mask={args.attn_mask!r} is not one of causal, block_causal.")
+    if args.rope_scaling and args.rope_high_freq_factor <= args.rope_low_freq_factor:
+        raise ConfigError(
+            f"model.rope_high_freq_factor={args.rope_high_freq_factor} must exceed "
+            f"model.rope_low_freq_factor={args.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)."
+        )
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: LlamaArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads or args.n_heads, args.attn_backend)
+        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier))
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, rope, mask=None, cache: Optional[KVCache] = None):
+        x = x + self.attention(self.attention_norm(x), rope, mask, cache, str(self.layer_id))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def init_weights(self, std: float, out_std: float):
+        for lin in (self.attention.wq, self.attention.wk, self.attention.wv, self.feed_forward.w1, self.feed_forward.w3):
+            nn.init.normal_(lin.weight, std=std)
+        # Residual-branch outputs start smaller so the residual stream's variance does not grow with depth.
+        for lin in (self.attention.wo, self.feed_forward.w2):
+            nn.init.normal_(lin.weight, std=out_std)
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        validate_model_args(args)
+        if args.attn_backend == "xformers":  # fail at construction, not deep inside forward
+            check_attn_backend("xformers", "cuda" if torch.cuda.is_available() else "cpu")
+        self.args = args
+        self.attn_backend = args.attn_backend  # fixed at construction, like the blocks' backend
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Not persistent: derived from args, so checkpoints hold only learned weights.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.init_weights()  # a no-op on the meta device; call again after to_empty
+
+    def init_rope(self, device=None):
+        a = self.args
+        inv_freq = rope_inv_freq(a.dim // a.n_heads, a.rope_theta, a.rope_scaling, a.rope_scale_factor,
+                                 a.rope_low_freq_factor, a.rope_high_freq_factor, a.rope_original_max_seq_len)
+        device = device if device is not None else self.rope_cos.device
+        if torch.device(device).type == "meta":
+            self.rope_cos = torch.empty(a.max_seq_len, a.dim // a.n_heads, device="meta")
+            self.rope_sin = torch.empty_like(self.rope_cos)
+        else:
+            self.rope_cos, self.rope_sin = rope_cos_sin(inv_freq, a.max_seq_len, device)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device=None):
+        """(Re)initialize every parameter and the RoPE tables, e.g. after `to_empty`."""
+        self.init_rope(buffer_device)
+        a = self.args
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=a.init_std)
+        for block in self.layers.values():
+            depth = 2 * (block.layer_id + 1) if a.depth_init else 2 * a.n_layers
+            block.init_weights(a.init_std, a.init_std / math.sqrt(depth))
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, std=a.init_std)
+
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        """tokens [b, s] (or hidden states [b, s, dim] on a later pipeline stage) -> logits [b, s, vocab].
+
+        doc_ids [b, s]: a token attends only to earlier tokens of its own document. `cache` is for
+        incremental decoding only (apps/llama/generate.py).
+        """
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        seq_len = h.shape[1]
+        start = 0 if cache is None else cache.pos
+        if start + seq_len > self.rope_cos.shape[0]:
+            raise ConfigError(f"sequence of {start + seq_len} tokens exceeds model.max_seq_len="
+                              f"{self.args.max_seq_len}; raise model.max_seq_len.")
+        rope = (self.rope_cos[start:start + seq_len], self.rope_sin[start:start + seq_len])
+        if cache is None:
+            mask = make_attn_mask(self.attn_backend, doc_ids, seq_len, h.device)
+        else:
+            mask = cache.attn_mask(seq_len)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask, cache)
+        if cache is not None:
+            cache.pos += seq_len
+        if self.output is not None:
+            return self.output(self.norm(h))
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.norm is not None:
+            return F.linear(self.norm(h), self.tok_embeddings.weight)
+        return h  # a pipeline stage before the last one

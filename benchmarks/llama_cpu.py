@@ -1,0 +1,102 @@
+"""Our LLaMA training step vs Hugging Face's LlamaForCausalLM on the same shape, batch and dtype.
+
+    python benchmarks/llama_cpu.py [--dtype bf16|fp32] [--steps 6] [--warmup 2]
+
+Both sides do the same work per step: forward, next-token cross-entropy, backward, grad-norm clip
+and a fused AdamW step, with sdpa attention; bf16 means autocast compute with fp32 weights and
+optimizer state on both sides. Prints tokens/s of each, their ratio (ours / HF), and each one's
+MFU against this machine's matmul peak measured in the same run and dtype.
+"""
+
+import argparse
+import time
+
+import torch
+
+from apps.llama.model import LlamaArgs, Transformer
+from lingua import metrics, optim
+
+# ~36M parameters: 8 layers of width 512, 8k vocabulary (untied), SwiGLU hidden 1536.
+SHAPE = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=8192, multiple_of=256)
+
+
+def hf_model(args: LlamaArgs):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lingua.transformer import ffn_hidden_dim
+
+    cfg = LlamaConfig(hidden_size=args.dim, num_hidden_layers=args.n_layers,
+                      num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                      intermediate_size=ffn_hidden_dim(args.dim, args.multiple_of, None),
+                      vocab_size=args.vocab_size, max_position_embeddings=args.max_seq_len,
+                      rope_theta=args.rope_theta, rms_norm_eps=args.norm_eps,
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+def time_steps(model, loss_fn, tokens, dtype, steps, warmup) -> float:
+    """Seconds per training step (median over `steps` after `warmup`)."""
+    opt = torch.optim.AdamW(optim.param_groups(model, 0.1), lr=1e-4, fused=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        with autocast:
+            loss = loss_fn(model, tokens)
+        loss.backward()
+        optim.clip_grad_norm(model, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def ours_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def hf_loss(model, tokens):
+    logits = model(input_ids=tokens[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    cli = parser.parse_args()
+
+    args = LlamaArgs(**SHAPE, max_seq_len=cli.seq_len)
+    torch.manual_seed(0)
+    ours = Transformer(args)
+    theirs = hf_model(args)
+    n_params = sum(p.numel() for p in ours.parameters())
+    assert n_params == sum(p.numel() for p in theirs.parameters()), "shapes differ"
+    tokens = torch.randint(0, args.vocab_size, (cli.batch, cli.seq_len + 1))
+    n_tokens = cli.batch * cli.seq_len
+
+    peak = metrics.measure_cpu_peak(torch.bfloat16 if cli.dtype == "bf16" else torch.float32, 1.0)
+    flops = metrics.flops_per_token(ours, args.n_layers, args.dim, cli.seq_len)
+    results = {}
+    # Alternate the two sides so that drift in machine load hits both equally.
+    for _ in range(2):
+        for name, model, loss_fn in (("ours", ours, ours_loss), ("hf", theirs, hf_loss)):
+            t = time_steps(model, loss_fn, tokens, cli.dtype, cli.steps, cli.warmup)
+            results[name] = min(results.get(name, float("inf")), t)
+
+    print(f"model {n_params / 1e6:.1f}M params, batch {cli.batch} x {cli.seq_len}, {cli.dtype}, "
+          f"{torch.get_num_threads()} threads; measured matmul peak {peak / 1e9:.0f} GFLOP/s")
+    for name in ("ours", "hf"):
+        tps = n_tokens / results[name]
+        print(f"{name:>5}: {results[name] * 1000:7.0f} ms/step  {tps:8.0f} tokens/s  "
+              f"MFU {100 * flops * tps / peak:5.1f}% of measured peak")
+    print(f"ratio ours/hf tokens/s: {results['hf'] / results['ours']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

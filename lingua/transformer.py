@@ -1,0 +1,301 @@
+"""Reusable transformer blocks: RMSNorm, RoPE, grouped-query attention with several backends, SwiGLU.
+
+No distributed code here: tensor parallelism shards the Linear layers from outside, so shapes are
+read from the tensors (`view(b, s, -1, head_dim)`) rather than from the configured head counts.
+Parameter names mirror Meta's llama (wq/wk/wv/wo, w1/w2/w3) so checkpoint mappings stay simple.
+
+RoPE layout: we rotate the two *halves* of each head (`rotate_half`, as Hugging Face does) instead
+of Meta's interleaved pairs with complex numbers. Both are the same operation up to a fixed
+permutation of the q/k projection rows; choosing the half layout means Hugging Face checkpoints
+load without permuting rows, and cos/sin stay real tensors, which DTensor, bf16 and torch.compile
+handle better than complex ones.
+"""
+
+import functools
+import math
+import warnings
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lingua.errors import ConfigError
+
+ATTN_BACKENDS = ("sdpa", "flex", "xformers")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32: bf16 mean-of-squares loses too much precision.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embeddings
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: bool = False,
+    scale_factor: float = 8.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_seq_len: int = 8192,
+) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp64, with Llama 3.1 scaling when `scaling`.
+
+    Llama 3.1 stretches long wavelengths (slower than the original context) by `scale_factor`,
+    keeps short ones, and interpolates smoothly in between.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not scaling:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_max_seq_len / low_freq_factor
+    high_freq_wavelen = original_max_seq_len / high_freq_factor
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / scale_factor + smooth * inv_freq
+    out = torch.where(wavelen > low_freq_wavelen, inv_freq / scale_factor, smoothed)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, out)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, max_seq_len: int, device=None,
+                 dtype=torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_seq_len, head_dim] in the rotate_half layout (frequencies repeated twice).
+
+    Angles are formed in fp64 then rounded once: an fp32 product pos * freq is off by up to
+    ~1e-3 rad at positions near 1e5.
+    """
+    inv_freq = inv_freq.to(device=device, dtype=torch.float64)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, s, h, d]; cos/sin [s, d]. Computed in (at least) fp32 so bf16 runs keep exact positions."""
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    xf = x.to(torch.promote_types(x.dtype, cos.dtype))
+    return (xf * cos + _rotate_half(xf) * sin).type_as(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention backends
+
+
+_FLEX_CPU_TRAINING = (
+    "model.attn_backend=flex cannot train on CPU: torch's flex_attention has no CPU backward "
+    "(it runs forward-only there, e.g. for evaluation). Use model.attn_backend=sdpa on CPU; it "
+    "applies the same document masking."
+)
+
+
+def check_attn_backend(name: str, device_type: str, training: bool = True) -> None:
+    """Raise ConfigError if `name` cannot run on `device_type` ("cpu", "cuda"); call before any work."""
+    if name not in ATTN_BACKENDS:
+        raise ConfigError(
+            f"model.attn_backend={name!r} is not a known attention backend. "
+            f"Use one of {', '.join(ATTN_BACKENDS)}."
+        )
+    if name == "flex" and device_type == "cpu" and training:
+        raise ConfigError(_FLEX_CPU_TRAINING)
+    if name != "xformers":
+        return
+    if device_type != "cuda":
+        raise ConfigError(
+            f"model.attn_backend=xformers needs a CUDA device, but this run is on {device_type!r}: "
+            "xformers has no CPU attention kernel. Use model.attn_backend=sdpa on CPU."
+        )
+    try:
+        import xformers.ops  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"model.attn_backend=xformers but xformers cannot be imported ({e}). "
+            "Install it with `pip install -e .[gpu]`, or use model.attn_backend=sdpa."
+        ) from e
+
+
+@functools.lru_cache(maxsize=32)
+def _causal_block_mask(seq_len: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q, k: q >= k, None, None, seq_len, seq_len, device=device)
+
+
+def make_attn_mask(backend: str, doc_ids: Optional[torch.Tensor], seq_len: int, device: torch.device):
+    """Build the mask object `attention` needs, once per forward (shared by all layers).
+
+    A token attends to earlier tokens of its own document when `doc_ids` [b, s] is given, else to
+    all earlier tokens. Returns None (plain causal, sdpa), a boolean [b, 1, s, s] mask (sdpa),
+    a flex BlockMask, or an xformers attention bias.
+    """
+    if backend == "sdpa":
+        if doc_ids is None:
+            return None
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+        same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+        return (causal & same_doc)[:, None]
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        if doc_ids is None:
+            return _causal_block_mask(seq_len, str(device))
+
+        def doc_causal(b, h, q, k):
+            return (q >= k) & (doc_ids[b, q] == doc_ids[b, k])
+
+        return create_block_mask(doc_causal, doc_ids.shape[0], None, seq_len, seq_len, device=str(device))
+    if backend == "xformers":
+        check_attn_backend("xformers", torch.device(device).type)
+        from xformers.ops import fmha
+
+        if doc_ids is None:
+            return fmha.attn_bias.LowerTriangularMask()
+        # xformers expresses documents as a block-diagonal mask over the flattened batch; a
+        # document never spans two rows, so split each row into runs of equal doc id.
+        starts = torch.ones_like(doc_ids, dtype=torch.bool)
+        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        idx = torch.nonzero(starts.flatten()).flatten()
+        ends = torch.cat([idx[1:], idx.new_tensor([doc_ids.numel()])])
+        seqlens = (ends - idx).tolist()
+        return fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens(seqlens)
+    check_attn_backend(backend, torch.device(device).type)  # raises for an unknown name
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q, k, v, block_mask):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    if q.device.type != "cuda":
+        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+            raise ConfigError(_FLEX_CPU_TRAINING)
+        with warnings.catch_warnings():  # "use torch.compile" advice is moot for CPU evaluation
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q, k, v, block_mask=block_mask)
+    if _compiled_flex is None:  # fused kernel on GPU needs compile; eager materializes scores
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, mask=None) -> torch.Tensor:
+    """q, k, v [b, s, h, d] (k/v already repeated to h heads) -> [b, s, h, d]."""
+    if backend == "xformers":
+        from xformers.ops import memory_efficient_attention
+
+        if not isinstance(mask, torch.Tensor) and type(mask).__name__.startswith("BlockDiagonal"):
+            b, s = q.shape[:2]
+            flat = lambda t: t.reshape(1, b * s, *t.shape[2:])  # noqa: E731
+            return memory_efficient_attention(flat(q), flat(k), flat(v), attn_bias=mask).view_as(q)
+        return memory_efficient_attention(q, k, v, attn_bias=mask)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if backend == "flex":
+        out = _flex_attention(q, k, v, mask)
+    elif mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache for incremental decoding (generation only; training never passes one)
+
+
+class KVCache:
+    """Keys/values of the positions seen so far, for every attention layer (keyed like `layers`)."""
+
+    def __init__(self, layer_keys, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
+                 device=None, dtype=torch.float32):
+        shape = (batch, max_len, n_kv_heads, head_dim)
+        self.kv: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {
+            key: (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for key in layer_keys
+        }
+        self.max_len = max_len
+        self.pos = 0  # positions already cached; the next token's absolute position
+
+    def update(self, key: str, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        ck, cv = self.kv[key]
+        end = self.pos + k.shape[1]
+        ck[:, self.pos:end] = k
+        cv[:, self.pos:end] = v
+        return ck[:, :end], cv[:, :end]
+
+    def attn_mask(self, seq_len: int) -> Optional[torch.Tensor]:
+        """Boolean [seq_len, pos + seq_len] mask: new query i sees cached keys and new keys <= i."""
+        if seq_len == 1:
+            return None  # a single new token sees everything cached: no mask needed
+        device = self.kv[next(iter(self.kv))][0].device
+        q_pos = self.pos + torch.arange(seq_len, device=device)
+        return torch.arange(self.pos + seq_len, device=device)[None, :] <= q_pos[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, backend: str = "sdpa"):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.backend = backend
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x, rope, mask=None, cache: Optional[KVCache] = None, cache_key: str = ""):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.update(cache_key, k, v)
+        # Repeat kv heads so every backend sees plain multi-head attention (kv head j serves query
+        # heads j*n_rep .. (j+1)*n_rep-1, the grouping Meta and HF use).
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+        if cache is not None:  # decoding: sdpa with the cache's offset-causal mask on any backend
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+        else:
+            out = attention(q, k, v, self.backend, mask)
+        return self.wo(out.reshape(b, s, -1))
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
+    """Meta llama's SwiGLU width: 2/3 of 4*dim (same parameters as a 4*dim MLP), optionally
+    scaled, rounded up to a multiple of `multiple_of` for efficient matmuls."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down (output projection)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -1,0 +1,171 @@
+import copy
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+
+from apps.llama.hf import args_from_hf_config, load_hf, save_hf
+from apps.llama.model import LlamaArgs, Transformer
+from lingua.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")  # a [dev] dependency
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+CASES = {"plain": {}, "llama3_rope": {"rope_scaling": LLAMA3_ROPE}, "tied": {"tie_word_embeddings": True}}
+
+
+def hf_model(seed=0, **extra):
+    extra = copy.deepcopy(extra)  # LlamaConfig writes rope_theta into the rope_scaling dict it is given
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, rope_theta=500000.0, max_position_embeddings=64,
+                      rms_norm_eps=1e-5, attn_implementation="sdpa", **extra)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # large random weights: sharp attention makes layout mistakes visible
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    return model
+
+
+def x_tokens():
+    return torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hf_to_ours_and_back(case, tmp_path):
+    hf = hf_model(**CASES[case])
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    ours, args = load_hf(tmp_path / "hf")
+    assert args.rope_scaling == (case == "llama3_rope") and args.tie_embeddings == (case == "tied")
+    assert (args.dim, args.n_heads, args.n_kv_heads, args.n_layers, args.rope_theta) == (64, 4, 2, 2, 500000.0)
+    x = x_tokens()
+    with torch.no_grad():
+        ref = hf(x).logits
+        torch.testing.assert_close(ours(x), ref, atol=1e-4, rtol=0)
+
+    save_hf(ours, args, tmp_path / "ours")
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, ref, atol=1e-4, rtol=0)
+    cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert cfg["intermediate_size"] == 160 and cfg["num_key_value_heads"] == 2
+    assert cfg["torch_dtype"] == "float32" and cfg["rope_theta"] == 500000.0
+    assert cfg["rope_scaling"] == (dict(LLAMA3_ROPE) if case == "llama3_rope" else None)
+
+
+def test_scaling_and_layout_matter(tmp_path):
+    """The parity above would catch a wrong RoPE layout or ignored scaling (not a vacuous 1e-4)."""
+    x = x_tokens()
+    hf = hf_model(rope_scaling=LLAMA3_ROPE)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ours, args = load_hf(tmp_path)
+    with torch.no_grad():
+        ref = hf(x).logits
+        unscaled = Transformer(replace(args, rope_scaling=False))
+        unscaled.load_state_dict(ours.state_dict())
+        assert (unscaled(x) - ref).abs().max() > 1e-2
+        # Meta's interleaved layout = HF rows permuted within each head: (0, d/2, 1, d/2+1, ...)
+        hd = args.dim // args.n_heads
+        perm = torch.arange(hd).view(2, hd // 2).t().flatten()
+        for attn in (blk.attention for blk in ours.layers.values()):
+            for lin in (attn.wq, attn.wk):
+                w = lin.weight.view(-1, hd, args.dim)
+                lin.weight.copy_(w[:, perm].reshape(-1, args.dim))
+        assert (ours(x) - ref).abs().max() > 1e-2
+
+
+def test_sharded_checkpoint_and_dtype(tmp_path):
+    hf = hf_model()
+    hf.to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    ours, _ = load_hf(tmp_path, dtype=None)
+    assert ours.tok_embeddings.weight.dtype == torch.bfloat16
+    assert ours.rope_cos.dtype == torch.float32  # positions stay exact in bf16 models
+    fp32, _ = load_hf(tmp_path)
+    assert fp32.tok_embeddings.weight.dtype == torch.float32
+    torch.testing.assert_close(fp32.tok_embeddings.weight, hf.model.embed_tokens.weight.float(), atol=0, rtol=0)
+    ref = hf_model()  # fresh: hf.float() would keep its RoPE inv_freq rounded to bf16
+    x = x_tokens()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.bfloat16().float())
+        torch.testing.assert_close(fp32(x), ref(x).logits, atol=1e-4, rtol=0)
+
+
+def test_load_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="config.json is missing"):
+        load_hf(tmp_path)
+    hf_model().save_pretrained(tmp_path, safe_serialization=True)
+    cfg_path = tmp_path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+
+    cfg_path.write_text(json.dumps({**cfg, "vocab_size": 301}))
+    with pytest.raises(ConfigError, match=r"model.safetensors: model.embed_tokens.weight has shape \(300, 64\)"):
+        load_hf(tmp_path)
+    cfg_path.write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
+    with pytest.raises(ConfigError, match="'yarn' is not supported"):
+        load_hf(tmp_path)
+    cfg_path.write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(ConfigError, match="model.layers.2.self_attn.q_proj.weight is missing"):
+        load_hf(tmp_path)
+    cfg_path.write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json"):
+        load_hf(tmp_path)
+    cfg_path.write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="No weights in"):
+        load_hf(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
+    with pytest.raises(ConfigError, match="part-1.safetensors is listed"):
+        load_hf(tmp_path)
+
+
+def test_export_cli_from_training_checkpoint(tmp_path):
+    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32,
+                     max_seq_len=64, init_std=0.2, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    ckpt = tmp_path / "checkpoints" / "10"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt))
+    OmegaConf.save(OmegaConf.create({"model": asdict(args), "data": {"tokenizer": {"kind": "bytes"}}}),
+                   ckpt / "config.yaml")
+    out = tmp_path / "hf"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "apps.llama.hf", "export", str(ckpt), str(out)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert load_hf(out)[1] == args  # the export records enough to give back the same LlamaArgs
+    hf = LlamaForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, 258, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=0)
+
+    bad = subprocess.run([sys.executable, "-m", "apps.llama.hf", "export", str(tmp_path), str(out)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert bad.returncode == 2 and "config.yaml is missing" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("dim, hidden, multiple_of, mult", [
+    (4096, 14336, 1024, 1.3),   # Llama 3 8B
+    (2048, 8192, 256, 1.5),     # Llama 3.2 1B
+    (4096, 11008, 256, None),   # Llama 2 7B
+    (64, 100, 100, 100 / 170),  # anything else still reproduces the width exactly
+])
+def test_ffn_recipe_recovered_from_hf_config(tmp_path, dim, hidden, multiple_of, mult):
+    cfg = {"hidden_size": dim, "intermediate_size": hidden, "num_hidden_layers": 1, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = args_from_hf_config(tmp_path / "config.json")
+    assert (args.multiple_of, args.ffn_dim_multiplier) == (multiple_of, mult)
