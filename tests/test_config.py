@@ -39,9 +39,11 @@ def test_gpu_presets_compose_with_their_usual_shapes(tmp_path):
         assert cfg.distributed.model_dtype == "bf16"
 
 
-def test_missing_mandatory_value_names_the_key():
-    with pytest.raises(ConfigError, match=r"data\.root"):
-        config.load("llama", TrainArgs, ["config=llama_1b"])
+def test_gpu_preset_without_its_data_names_the_keys_to_set(tmp_path):
+    with pytest.raises(ConfigError, match=r"data\.root is not set"):
+        load(["config=llama_1b"])
+    with pytest.raises(ConfigError, match=r"data\.tokenizer\.path"):
+        load(["config=llama_1b", f"data.root={tmp_path}"])
 
 
 @pytest.mark.parametrize("override,needle", [

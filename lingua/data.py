@@ -1,0 +1,476 @@
+"""Training data in two formats.
+
+memmap (the default, and the debug presets'): all documents' tokens in one memory-mapped array
+plus document start offsets, written by `setup/prepare_data.py`. Sample i of the endless sample
+stream is window perm_e[i mod n] of seq_len+1 tokens, where e = i // n is the epoch and perm_e a
+permutation seeded by (seed, e). The global batch of step k is samples [k*G, (k+1)*G) with
+G = batch_size x dp_size x grad_accum, and data-parallel rank r reads its contiguous slice. So a
+step's global batch is the same sequences for every layout with the same G, the loader's whole
+state is the number of samples consumed, and a resume on another layout has no repeat and no gap.
+
+jsonl (lingua-compatible streaming): `{"text": ...}` lines in `*.jsonl` chunk files, grouped in
+source sub-directories mixed by weight, tokenized and packed on the fly. Every chunk file is read
+whatever the number of ranks: rank r takes lines r, r + dp, r + 2dp, ... of the source's files
+concatenated in name order. (lingua gave each rank whole files, so with more files than ranks some
+files were never read, and with fewer they were read twice.) The price is that every rank scans
+every line; tokenization, the expensive part, is done once per line.
+"""
+
+import ast
+import json
+import logging
+import os
+import shutil
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+
+from lingua.errors import ConfigError
+from lingua.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer, check_tokenizer_args
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+VAL_DIR = "val"
+
+
+@dataclass
+class DataArgs:
+    root: str = "data/embedded"     # corpus directory (relative paths resolve against the cwd)
+    format: str = "memmap"          # memmap (pre-tokenized, global-index) | jsonl (streaming)
+    seq_len: int = 256
+    batch_size: int = 8             # per-rank micro-batch, in sequences
+    grad_accum: int = 1
+    tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
+    sources: Dict[str, float] = field(default_factory=dict)  # jsonl: sub-directory -> weight
+    prepare_embedded: bool = False  # build the embedded debug corpus in `root` if it is missing
+    val_sequences: int = 64         # size of the held-out validation set
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor    # [b, seq_len] inputs
+    labels: torch.Tensor    # [b, seq_len] next tokens
+    doc_ids: torch.Tensor   # [b, seq_len] document index of each input token (for masking)
+
+
+def _rows_to_batch(rows: np.ndarray, docs: np.ndarray) -> Batch:
+    rows = torch.from_numpy(rows.astype(np.int64))
+    docs = torch.from_numpy(docs.astype(np.int64))
+    return Batch(tokens=rows[:, :-1], labels=rows[:, 1:], doc_ids=docs[:, :-1])
+
+
+# ------------------------------------------------------------------------------------------------
+# memmap format
+
+
+def read_meta(root: Path) -> dict:
+    path = Path(root) / "meta.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"data.root={root} holds no meta.json, so it is not a prepared corpus "
+                          f"(or it is empty). Prepare one with `python setup/prepare_data.py "
+                          f"embedded --out {root}` or `... jsonl <files> --out {root}`, or set "
+                          f"data.format=jsonl for raw jsonl chunk files.") from None
+    except ValueError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err}): the corpus is damaged. Prepare it "
+                          f"again with setup/prepare_data.py.") from None
+
+
+class TokenWindows:
+    """The windows of seq_len+1 tokens of one split, read from the memory map."""
+
+    def __init__(self, root, split: str, seq_len: int):
+        root = Path(root)
+        meta = read_meta(root)
+        info = meta["splits"][split]
+        dtype = np.dtype(meta["dtype"])
+        path = root / f"{split}.bin"
+        expected = info["tokens"] * dtype.itemsize
+        actual = path.stat().st_size if path.is_file() else -1
+        if actual != expected:
+            raise ConfigError(f"{path} has {actual} bytes but meta.json says {info['tokens']} "
+                              f"{dtype.name} tokens ({expected} bytes): the file is missing or "
+                              f"truncated. Prepare the corpus again with setup/prepare_data.py.")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.doc_starts = np.load(root / f"{split}.docs.npy")
+        self.seq_len = seq_len
+        self.n_windows = (len(self.tokens) - 1) // seq_len
+
+    def rows(self, windows: np.ndarray):
+        starts = windows * self.seq_len
+        offsets = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
+        rows = self.tokens[offsets]
+        docs = np.searchsorted(self.doc_starts, offsets, side="right") - 1
+        return rows, docs
+
+
+class MemmapLoader:
+    def __init__(self, args: DataArgs, dp_rank: int, dp_size: int, seed: int):
+        self.args, self.dp_rank, self.dp_size, self.seed = args, dp_rank, dp_size, seed
+        self.windows = TokenWindows(args.root, "train", args.seq_len)
+        self.samples_consumed = 0
+        self.skipped_lines = 0  # malformed lines were dropped when the corpus was prepared
+        self._perm_epoch, self._perm = -1, None
+
+    def _window_of(self, sample: int) -> int:
+        epoch, j = divmod(sample, self.windows.n_windows)
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm, self._perm_epoch = rng.permutation(self.windows.n_windows), epoch
+        return self._perm[j]
+
+    def next_step(self) -> List[Batch]:
+        a = self.args
+        per_rank = a.batch_size * a.grad_accum
+        first = self.samples_consumed + self.dp_rank * per_rank
+        self.samples_consumed += per_rank * self.dp_size
+        windows = np.array([self._window_of(i) for i in range(first, first + per_rank)])
+        batches = []
+        for m in range(a.grad_accum):
+            rows, docs = self.windows.rows(windows[m * a.batch_size:(m + 1) * a.batch_size])
+            batches.append(_rows_to_batch(rows, docs))
+        return batches
+
+    def state_dict(self) -> dict:
+        return {"format": "memmap", "samples_consumed": self.samples_consumed,
+                "seq_len": self.args.seq_len, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != "memmap" or state["seq_len"] != self.args.seq_len \
+                or state["seed"] != self.seed:
+            raise ConfigError(
+                f"The checkpoint's data position was saved with format={state.get('format')}, "
+                f"seq_len={state.get('seq_len')}, seed={state.get('seed')}; this run has "
+                f"format=memmap, seq_len={self.args.seq_len}, seed={self.seed}. Resume with the "
+                f"same data.format, data.seq_len and seed, or start in a new dump_dir.")
+        self.samples_consumed = state["samples_consumed"]
+
+
+# ------------------------------------------------------------------------------------------------
+# jsonl streaming format
+
+
+def source_dirs(args: DataArgs) -> Dict[str, Path]:
+    """Source name -> directory, with their weights taken from args.sources (default: all, 1)."""
+    root = Path(args.root)
+    if args.sources:
+        return {name: root / name for name in args.sources}
+    subdirs = sorted(p for p in root.iterdir()
+                     if p.is_dir() and p.name != VAL_DIR and any(p.glob("*.jsonl")))
+    if subdirs:
+        return {p.name: p for p in subdirs}
+    return {"": root}
+
+
+def _decode_line(raw: bytes) -> Optional[str]:
+    """The line's text, or None when it is malformed (the reason goes to the caller's log)."""
+    obj = json.loads(raw.decode("utf-8"))
+    text = obj.get("text") if isinstance(obj, dict) else None
+    if not isinstance(text, str):
+        raise ValueError('no string "text" field')
+    return text
+
+
+class JsonlSource:
+    """This rank's share of one source's lines, looping over epochs; resumable by byte offset."""
+
+    def __init__(self, name: str, directory: Path, dp_rank: int, dp_size: int, counter):
+        self.name, self.dp_rank, self.dp_size, self.counter = name, dp_rank, dp_size, counter
+        self.files = sorted(directory.glob("*.jsonl"))
+        self.state = {"epoch": 0, "file": 0, "offset": 0, "line": 0}
+
+    def next_text(self) -> str:
+        s = self.state
+        for _ in range(2 * len(self.files) + 2):  # give up after two empty passes over all files
+            path = self.files[s["file"]]
+            with open(path, "rb") as f:
+                f.seek(s["offset"])
+                while True:
+                    raw = f.readline()
+                    if not raw:
+                        break
+                    s["offset"] += len(raw)
+                    line, s["line"] = s["line"], s["line"] + 1
+                    if line % self.dp_size != self.dp_rank or not raw.strip():
+                        continue
+                    try:
+                        text = _decode_line(raw)
+                    except (ValueError, UnicodeDecodeError) as err:
+                        self.counter.malformed(path, line, err)
+                        continue
+                    if text:
+                        return text
+            s["file"], s["offset"] = s["file"] + 1, 0
+            if s["file"] == len(self.files):
+                s["file"], s["line"], s["epoch"] = 0, 0, s["epoch"] + 1
+        raise ConfigError(f"Source {self.name or '(root)'} has no usable line for data-parallel "
+                          f"rank {self.dp_rank} of {self.dp_size} in {len(self.files)} files. "
+                          f"Check the files, or use fewer ranks than lines.")
+
+
+class MalformedCounter:
+    def __init__(self):
+        self.count = 0
+
+    def malformed(self, path, line: int, err) -> None:
+        self.count += 1
+        if self.count <= 10 or self.count % 1000 == 0:
+            logger.warning("skipping malformed line %d of %s (%s); %d skipped so far",
+                           line + 1, path, str(err)[:120], self.count)
+
+
+class JsonlLoader:
+    def __init__(self, args: DataArgs, dp_rank: int, dp_size: int, seed: int):
+        self.args, self.dp_rank, self.dp_size = args, dp_rank, dp_size
+        self.tokenizer = build_tokenizer(args.tokenizer)
+        self.counter = MalformedCounter()
+        dirs = source_dirs(args)
+        self.sources = [JsonlSource(n, d, dp_rank, dp_size, self.counter) for n, d in dirs.items()]
+        weights = np.array([args.sources.get(n, 1.0) if args.sources else 1.0 for n in dirs])
+        self.probs = weights / weights.sum()
+        self.rng = np.random.default_rng([seed, dp_rank])
+        self.buffer: List[int] = []   # tokens not yet emitted
+        self.buffer_docs: List[int] = []
+        self.n_docs = 0
+
+    @property
+    def skipped_lines(self) -> int:
+        return self.counter.count
+
+    def _fill(self, n_tokens: int) -> None:
+        while len(self.buffer) < n_tokens:
+            source = self.sources[self.rng.choice(len(self.sources), p=self.probs)]
+            ids = self.tokenizer.encode(source.next_text())
+            self.buffer.extend(ids)
+            self.buffer_docs.extend([self.n_docs] * len(ids))
+            self.n_docs += 1
+
+    def next_rows(self, n_rows: int):
+        """The next n_rows packed rows of seq_len+1 tokens, and their document ids."""
+        n = n_rows * (self.args.seq_len + 1)
+        self._fill(n)
+        rows = np.array(self.buffer[:n]).reshape(n_rows, -1)
+        docs = np.array(self.buffer_docs[:n]).reshape(n_rows, -1)
+        del self.buffer[:n], self.buffer_docs[:n]
+        return rows, docs
+
+    def next_step(self) -> List[Batch]:
+        return [_rows_to_batch(*self.next_rows(self.args.batch_size))
+                for _ in range(self.args.grad_accum)]
+
+    def state_dict(self) -> dict:
+        return {"format": "jsonl", "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                "sources": [dict(s.state) for s in self.sources],
+                "rng": self.rng.bit_generator.state, "buffer": list(self.buffer),
+                "buffer_docs": list(self.buffer_docs), "n_docs": self.n_docs,
+                "skipped_lines": self.counter.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != "jsonl" or state["dp_size"] != self.dp_size \
+                or state["dp_rank"] != self.dp_rank or len(state["sources"]) != len(self.sources):
+            raise ConfigError(
+                f"The checkpoint's jsonl stream position was saved by data-parallel rank "
+                f"{state.get('dp_rank')} of {state.get('dp_size')} over "
+                f"{len(state.get('sources', []))} sources; this is rank {self.dp_rank} of "
+                f"{self.dp_size} over {len(self.sources)}. A jsonl stream resumes only on the "
+                f"same data-parallel layout and sources: use that layout, or the memmap format "
+                f"(setup/prepare_data.py jsonl ...), which resumes on any layout.")
+        for source, saved in zip(self.sources, state["sources"]):
+            source.state = dict(saved)
+        self.rng.bit_generator.state = state["rng"]
+        self.buffer, self.buffer_docs = list(state["buffer"]), list(state["buffer_docs"])
+        self.n_docs, self.counter.count = state["n_docs"], state["skipped_lines"]
+
+
+# ------------------------------------------------------------------------------------------------
+# entry points
+
+
+def build_train_loader(args: DataArgs, dp_rank: int, dp_size: int, seed: int):
+    loader = MemmapLoader if args.format == "memmap" else JsonlLoader
+    return loader(args, dp_rank, dp_size, seed)
+
+
+def build_val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]:
+    """This rank's share of the fixed validation set: the first val_sequences windows in order.
+
+    The count is rounded down to a multiple of dp_size so that every rank gets the same number of
+    sequences (collectives need the same number of batches everywhere).
+    """
+    n = (args.val_sequences // dp_size) * dp_size
+    if n == 0:
+        return []
+    if args.format == "memmap":
+        windows = TokenWindows(args.root, "val", args.seq_len)
+        n = min(n, (windows.n_windows // dp_size) * dp_size)
+        rows, docs = windows.rows(np.arange(n))
+    else:
+        rows, docs = _jsonl_val_rows(args, n)
+    share = n // dp_size
+    rows, docs = rows[dp_rank * share:(dp_rank + 1) * share], docs[dp_rank * share:(dp_rank + 1) * share]
+    return [_rows_to_batch(rows[i:i + args.batch_size], docs[i:i + args.batch_size])
+            for i in range(0, share, args.batch_size)]
+
+
+def _jsonl_val_rows(args: DataArgs, n_rows: int):
+    """The first n_rows packed rows of root/val, read in order by a single reader."""
+    val_args = DataArgs(root=str(Path(args.root) / VAL_DIR), format="jsonl", seq_len=args.seq_len,
+                        tokenizer=args.tokenizer)
+    return JsonlLoader(val_args, 0, 1, seed=0).next_rows(n_rows)
+
+
+def validate_data_args(args: DataArgs) -> None:
+    """Cheap checks before any work; raises ConfigError naming the key or file and the fix."""
+    if args.format not in ("memmap", "jsonl"):
+        raise ConfigError(f"data.format={args.format!r} is unknown: use memmap or jsonl.")
+    for key in ("seq_len", "batch_size", "grad_accum"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"data.{key}={getattr(args, key)} must be at least 1.")
+    if args.val_sequences < 0:
+        raise ConfigError(f"data.val_sequences={args.val_sequences} must be 0 or more.")
+    if not args.root:
+        raise ConfigError("data.root is not set. Set data.root=/path/to/corpus (a directory "
+                          "prepared by setup/prepare_data.py, or jsonl chunk files with "
+                          "data.format=jsonl).")
+    check_tokenizer_args(args.tokenizer)
+    root = Path(args.root)
+    if not root.is_dir():
+        if args.prepare_embedded and args.format == "memmap" and args.tokenizer.kind == "bytes":
+            return  # built on first use
+        raise ConfigError(f"data.root={args.root} does not exist. Prepare a corpus there (`python "
+                          f"setup/prepare_data.py embedded --out {args.root}` for the built-in "
+                          f"one), or point data.root at an existing corpus directory.")
+    if args.format == "memmap":
+        _validate_memmap(args, root)
+    else:
+        _validate_jsonl(args, root)
+
+
+def _validate_memmap(args: DataArgs, root: Path) -> None:
+    if not any(root.iterdir()):
+        raise ConfigError(f"data.root={root} is empty. Prepare a corpus there with "
+                          f"setup/prepare_data.py, or point data.root at a prepared one.")
+    meta = read_meta(root)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ConfigError(f"{root}/meta.json has format_version={meta.get('format_version')}, "
+                          f"this code reads {FORMAT_VERSION}. Prepare the corpus again.")
+    saved = meta["tokenizer"]
+    if saved["kind"] != args.tokenizer.kind:
+        raise ConfigError(f"The corpus in {root} was tokenized with the {saved['kind']} tokenizer "
+                          f"but data.tokenizer.kind={args.tokenizer.kind}. Use the corpus's "
+                          f"tokenizer (data.tokenizer.kind={saved['kind']}, path {saved.get('path')}) "
+                          f"or prepare the corpus again with yours.")
+    for split in ("train",) + (("val",) if args.val_sequences else ()):
+        windows = TokenWindows(root, split, args.seq_len)  # checks the file size against meta
+        if windows.n_windows < 1:
+            raise ConfigError(f"The {split} split of {root} has {len(windows.tokens)} tokens, not "
+                              f"enough for one sequence of data.seq_len={args.seq_len} + 1. Use a "
+                              f"shorter data.seq_len or a larger corpus.")
+
+
+def _validate_jsonl(args: DataArgs, root: Path) -> None:
+    if args.sources:
+        for name, weight in args.sources.items():
+            if not (root / name).is_dir() or not any((root / name).glob("*.jsonl")):
+                raise ConfigError(f"data.sources names {name!r}, but {root / name} holds no "
+                                  f"*.jsonl file. Fix the name or the directory.")
+            if weight <= 0:
+                raise ConfigError(f"data.sources.{name}={weight} must be a positive weight.")
+    elif not any(d.glob("*.jsonl") for d in source_dirs(args).values()):
+        raise ConfigError(f"data.root={root} holds no *.jsonl chunk file (nor sub-directories "
+                          f"with some). Point data.root at the chunk files' directory.")
+    if args.val_sequences and not any((root / VAL_DIR).glob("*.jsonl")):
+        raise ConfigError(f"Validation needs held-out data: {root / VAL_DIR} holds no *.jsonl "
+                          f"file. Put a few chunk files there, or set data.val_sequences=0.")
+
+
+# ------------------------------------------------------------------------------------------------
+# writing the memmap format, and the embedded debug corpus
+
+
+def write_memmap_corpus(out: Path, splits: Dict[str, Iterator[str]], tokenizer: Tokenizer,
+                        tokenizer_args: TokenizerArgs, source: str) -> dict:
+    """Tokenize each split's documents (BOS + text + EOS) into `<split>.bin` + `<split>.docs.npy`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = np.uint16 if tokenizer.vocab_size <= 2 ** 16 else np.uint32
+    meta = {"format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name, "source": source,
+            "vocab_size": tokenizer.vocab_size,
+            "tokenizer": {"kind": tokenizer_args.kind, "path": tokenizer_args.path}, "splits": {}}
+    for split, texts in splits.items():
+        starts, n_tokens = [], 0
+        with open(out / f"{split}.bin", "wb") as f:
+            for text in texts:
+                ids = np.asarray(tokenizer.encode(text), dtype=dtype)
+                starts.append(n_tokens)
+                n_tokens += len(ids)
+                f.write(ids.tobytes())
+        np.save(out / f"{split}.docs.npy", np.asarray(starts, dtype=np.int64))
+        meta["splits"][split] = {"tokens": n_tokens, "docs": len(starts)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+SKIP_STDLIB_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "turtledemo",
+                    "__pycache__", "lib2to3", "ensurepip"}
+
+
+def stdlib_docstrings(min_chars: int = 200) -> List[str]:
+    """Long docstrings of the Python standard library: English prose on every machine with Python."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_STDLIB_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            try:
+                tree = ast.parse(Path(dirpath, name).read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) >= min_chars:
+                        docs.append(doc)
+    return docs
+
+
+def build_embedded_corpus(out: Path, val_every: int = 50) -> dict:
+    """The debug corpus: stdlib docstrings, bytes tokenizer, every val_every-th document held out."""
+    docs = stdlib_docstrings()
+    splits = {"train": (d for i, d in enumerate(docs) if i % val_every),
+              "val": (d for i, d in enumerate(docs) if i % val_every == 0)}
+    return write_memmap_corpus(out, splits, build_tokenizer(TokenizerArgs()), TokenizerArgs(),
+                               source=f"python {sysconfig.get_python_version()} stdlib docstrings")
+
+
+def ensure_embedded_corpus(root) -> Path:
+    """Build the embedded corpus at `root` unless it is there; safe when processes race.
+
+    It is written to a private temporary directory and renamed into place: a rename is atomic,
+    so nobody ever reads half a corpus, and a loser of the race just drops its copy.
+    """
+    root = Path(root)
+    if (root / "meta.json").is_file():
+        return root
+    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    meta = build_embedded_corpus(tmp)
+    try:
+        os.rename(tmp, root)
+        logger.info("prepared the embedded corpus in %s (%d train tokens)", root,
+                    meta["splits"]["train"]["tokens"])
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (root / "meta.json").is_file():
+            raise ConfigError(f"Could not create the embedded corpus at {root}: the path exists "
+                              f"but holds no prepared corpus. Remove it or choose another "
+                              f"data.root.") from None
+    return root

@@ -1,0 +1,153 @@
+"""Tokenizers behind one small interface: bytes (no file), tiktoken, sentencepiece, HF tokenizers.
+
+Every tokenizer loads from a local file: nothing is fetched from a hub at run time.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+from lingua.errors import ConfigError
+
+KINDS = ("bytes", "tiktoken", "sentencepiece", "hf")
+
+# Llama 3's pre-tokenizer split pattern (contractions, words, 1-3 digit numbers, punctuation runs).
+TIKTOKEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass
+class TokenizerArgs:
+    kind: str = "bytes"             # bytes | tiktoken | sentencepiece | hf
+    path: Optional[str] = None      # tiktoken BPE ranks, sentencepiece .model, or HF tokenizer.json
+
+
+class Tokenizer:
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> List[int]:
+        ids = self._encode(text)
+        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+    def _encode(self, text: str) -> List[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: List[int]) -> str:
+        raise NotImplementedError
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes are ids 0..255; BOS=256, EOS=257."""
+
+    vocab_size, bos_id, eos_id = 258, 256, 257
+
+    def _encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class TikTokenizer(Tokenizer):
+    def __init__(self, path: str):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        ranks = load_tiktoken_bpe(path)
+        n = len(ranks)
+        # Special tokens go right after the merges, as in Llama 3's tokenizer.
+        self.bos_id, self.eos_id = n, n + 1
+        self.model = tiktoken.Encoding(
+            name=Path(path).name, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+            special_tokens={"<|begin_of_text|>": n, "<|end_of_text|>": n + 1})
+        self.vocab_size = n + 2
+
+    def _encode(self, text):
+        return self.model.encode(text, disallowed_special=())
+
+    def decode(self, ids):
+        return self.model.decode([i for i in ids if i < self.bos_id])
+
+
+class SentencePieceTokenizer(Tokenizer):
+    def __init__(self, path: str):
+        import sentencepiece
+
+        self.model = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.vocab_size = self.model.vocab_size()
+        self.bos_id, self.eos_id = self.model.bos_id(), self.model.eos_id()
+        if self.bos_id < 0 or self.eos_id < 0:
+            raise ConfigError(f"The sentencepiece model {path} has no BOS or EOS piece (bos_id="
+                              f"{self.bos_id}, eos_id={self.eos_id}). Train it with bos_id and "
+                              f"eos_id set, or use another tokenizer.")
+
+    def _encode(self, text):
+        return self.model.encode(text)
+
+    def decode(self, ids):
+        return self.model.decode(list(ids))
+
+
+class HFTokenizer(Tokenizer):
+    BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|endoftext|>")
+    EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>")
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as HFTok
+
+        self.model = HFTok.from_file(path)
+        self.vocab_size = self.model.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self._find(self.BOS_NAMES, path, "BOS")
+        self.eos_id = self._find(self.EOS_NAMES, path, "EOS")
+
+    def _find(self, names, path, what) -> int:
+        for name in names:
+            token_id = self.model.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        raise ConfigError(f"The tokenizer file {path} has none of the usual {what} tokens "
+                          f"({', '.join(names)}). Add one to the tokenizer, or use another one.")
+
+    def _encode(self, text):
+        return self.model.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.model.decode(list(ids), skip_special_tokens=True)
+
+
+def check_tokenizer_args(args: TokenizerArgs) -> None:
+    """Cheap checks (no file is parsed): the kind is known and its file exists."""
+    if args.kind not in KINDS:
+        raise ConfigError(f"data.tokenizer.kind={args.kind!r} is unknown: use one of "
+                          f"{', '.join(KINDS)}.")
+    if args.kind == "bytes":
+        return
+    if not args.path:
+        raise ConfigError(f"data.tokenizer.kind={args.kind} needs a file: set "
+                          f"data.tokenizer.path=/path/to/{_expected_file(args.kind)}.")
+    if not Path(args.path).is_file():
+        raise ConfigError(f"Tokenizer file data.tokenizer.path={args.path} does not exist (kind "
+                          f"{args.kind}). Point data.tokenizer.path at the local "
+                          f"{_expected_file(args.kind)}, or use data.tokenizer.kind=bytes.")
+
+
+def _expected_file(kind: str) -> str:
+    return {"tiktoken": "tokenizer.model (tiktoken BPE ranks)", "sentencepiece": "tokenizer.model",
+            "hf": "tokenizer.json"}[kind]
+
+
+def build_tokenizer(args: TokenizerArgs) -> Tokenizer:
+    check_tokenizer_args(args)
+    if args.kind == "bytes":
+        return ByteTokenizer()
+    builders = {"tiktoken": TikTokenizer, "sentencepiece": SentencePieceTokenizer,
+                "hf": HFTokenizer}
+    try:
+        return builders[args.kind](args.path)
+    except ConfigError:
+        raise
+    except Exception as err:  # a file of the wrong kind fails inside the library in many ways
+        raise ConfigError(f"Could not load the {args.kind} tokenizer from {args.path}: {err}. "
+                          f"Check that the file is a {_expected_file(args.kind)}.") from None
