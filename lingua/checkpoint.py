@@ -26,8 +26,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-    set_optimizer_state_dict)
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
 from lingua.errors import ConfigError
 
@@ -84,7 +83,7 @@ def read_run_config(ckpt_dir) -> DictConfig:
 
 def _dcp_load(state: dict, ckpt_dir: Path) -> None:
     try:
-        dcp.load(state, checkpoint_id=str(ckpt_dir))
+        dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=not dist.is_initialized())
     except Exception as err:  # DCP wraps shape/key mismatches in a CheckpointException
         raise ConfigError(f"Could not load checkpoint {ckpt_dir}: {str(err).strip()[:2000]}\n"
                           f"The checkpoint does not match the model being built (different "
@@ -99,21 +98,30 @@ def load_model_state(ckpt_dir, model: nn.Module) -> None:
     model.load_state_dict(state["model"])
 
 
-def check_resume_compatible(dump_dir, model_config: dict) -> Optional[Path]:
-    """Before any work: refuse a dump_dir whose newest checkpoint holds a different model."""
+def check_resume_compatible(dump_dir, run_config: dict, keys=("model",)) -> Optional[Path]:
+    """Before any work: refuse a dump_dir whose newest checkpoint was made with other values of
+    `keys` (dotted config keys or whole sections, e.g. the model)."""
     ckpt = newest(dump_dir)
     if ckpt is None:
         return None
-    saved = OmegaConf.to_container(read_run_config(ckpt).get("model", {}), resolve=True)
-    differing = sorted(k for k in set(saved) | set(model_config)
-                       if saved.get(k) != model_config.get(k))
+    saved = OmegaConf.create(OmegaConf.to_container(read_run_config(ckpt), resolve=True))
+    now = OmegaConf.create(run_config)
+    differing = []
+    for key in keys:
+        old, new = OmegaConf.select(saved, key), OmegaConf.select(now, key)
+        if isinstance(old, DictConfig) or isinstance(new, DictConfig):
+            old = OmegaConf.to_container(old) if isinstance(old, DictConfig) else {}
+            new = OmegaConf.to_container(new) if isinstance(new, DictConfig) else {}
+            differing += [(f"{key}.{k}", old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+                          if old.get(k) != new.get(k)]
+        elif old != new:
+            differing.append((key, old, new))
     if differing:
-        details = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {model_config.get(k)!r}"
-                            for k in differing[:8])
+        details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, a, b in differing[:8])
         raise ConfigError(
-            f"dump_dir={dump_dir} holds a checkpoint ({ckpt}) of a different model ({details}). "
-            f"Resuming would mix two runs. Use another dump_dir for this model, or the same "
-            f"model config to resume that run. Nothing was changed on disk.")
+            f"dump_dir={dump_dir} holds a checkpoint ({ckpt}) of a different model or data stream "
+            f"({details}). Resuming would mix two runs. Use another dump_dir for this run, or the "
+            f"same settings to resume that one. Nothing was changed on disk.")
     return ckpt
 
 
@@ -146,7 +154,7 @@ def save(dump_dir, step: int, model: nn.Module, optimizer, train_state: dict, co
     _barrier(world_size)
     state = {"model": get_model_state_dict(model),
              "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(tmp), no_dist=world_size == 1)
     own = dict(train_state, rng=_rng_state(), world_size=world_size)
     torch.save(own, tmp / f"train_state_rank{rank}.pt")
     _barrier(world_size)
@@ -192,7 +200,3 @@ def load(ckpt_dir: Path, model: nn.Module, optimizer, rank: int, world_size: int
 def _barrier(world_size: int) -> None:
     if world_size > 1:
         dist.barrier()
-
-
-def full_state_options() -> StateDictOptions:
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)

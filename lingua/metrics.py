@@ -109,13 +109,16 @@ def peak_memory_gib(device: torch.device) -> float:
 class MetricLogger:
     """Writes one JSON object per logged step to metrics.jsonl (and wandb), on rank 0 only."""
 
-    def __init__(self, dump_dir, args: LoggingArgs, run_config: dict, enabled: bool):
+    def __init__(self, dump_dir, args: LoggingArgs, run_config: dict, enabled: bool,
+                 resumed_step: int = 0):
         self.enabled = enabled
         self.wandb_run = None
         self.file = None
         if not enabled:
             return
-        self.file = open(Path(dump_dir) / "metrics.jsonl", "a", buffering=1)
+        path = Path(dump_dir) / "metrics.jsonl"
+        drop_rows_after(path, resumed_step)
+        self.file = open(path, "a", buffering=1)
         if args.wandb:
             import wandb
 
@@ -138,6 +141,19 @@ class MetricLogger:
             self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """On resume, forget rows a crashed run logged after its last checkpoint: those steps are
+    about to run again, and metrics.jsonl should hold each step once."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
 
 
 def _wandb_id(dump_dir) -> str:

@@ -53,7 +53,7 @@ def prepare_jsonl(inputs, out: Path, tokenizer_args: TokenizerArgs, val_fraction
         raise ConfigError(f"No jsonl input found ({', '.join(map(str, missing or inputs))}). Give "
                           f"*.jsonl files or directories holding them.")
     val_files = [f for f in files if VAL_DIR in f.parts]
-    train_files = [f for f in files if VAL not in f.parts]
+    train_files = [f for f in files if VAL_DIR not in f.parts]
     tokenizer = build_tokenizer(tokenizer_args)
     counter = MalformedCounter()
     if val_files:

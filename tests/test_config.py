@@ -1,9 +1,5 @@
 """Config composition and refusal of bad input before any work starts."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -11,7 +7,7 @@ from omegaconf import OmegaConf
 from apps.llama.train import TrainArgs, validate
 from lingua import config
 from lingua.errors import ConfigError
-from tests.conftest import REPO, TINY_MODEL, run_python, tiny_args
+from tests.conftest import REPO, run_python, tiny_args
 
 
 def load(argv):

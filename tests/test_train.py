@@ -1,16 +1,18 @@
 """End-to-end single-process training: loss falls, metrics, checkpoints, exact resume, eval."""
 
-import json
 import os
 import shutil
-from pathlib import Path
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from apps.llama import train
 from lingua import checkpoint
 from lingua.errors import ConfigError
-from tests.conftest import read_metrics, tiny_args
+from tests.conftest import REPO, read_metrics, run_python, tiny_args
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "data_s", "peak_mem_gib"}
 
@@ -32,14 +34,35 @@ def test_resume_is_bit_exact(corpus, tmp_path):
     dump = tmp_path / "run"
     args = tiny_args(corpus, dump, "checkpoint.every=3", "checkpoint.keep=0", steps=6)
     train.main(args)
-    uninterrupted = [r["loss"] for r in read_metrics(dump)]
-    # Pretend the run died after step 3: drop what came later, then start the same command.
+    uninterrupted = read_metrics(dump)
+    # Pretend the run died after step 3's checkpoint, then start the same command again.
     shutil.rmtree(dump / "checkpoints" / "6")
-    (dump / "metrics.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in read_metrics(dump)[:3]))
     train.main(args)
-    resumed = [r["loss"] for r in read_metrics(dump)]
-    assert resumed == uninterrupted  # bit-identical, not approximately equal
+    resumed = read_metrics(dump)
+    assert [r["step"] for r in resumed] == list(range(1, 7))  # each step logged once
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted]  # bit-identical
+
+
+def test_killed_run_resumes_with_the_same_losses(corpus, tmp_path):
+    """kill -9 mid-run, run the same command again: same per-step losses as an uninterrupted run."""
+    steps = 60
+    reference = tmp_path / "reference"
+    train.main(tiny_args(corpus, reference, steps=steps))
+    dump = tmp_path / "killed"
+    args = tiny_args(corpus, dump, "checkpoint.every=5", "checkpoint.keep=2", steps=steps)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "apps.llama.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while checkpoint.newest(dump) is None or int(checkpoint.newest(dump).name) < 10:
+        assert proc.poll() is None and time.time() < deadline, "run ended before it could be killed"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = int(checkpoint.newest(dump).name)
+    assert killed_at < steps
+    run_python("apps.llama.train", args)
+    assert [r["loss"] for r in read_metrics(dump)] == [r["loss"] for r in read_metrics(reference)]
 
 
 def test_resume_after_a_crash_mid_write_takes_the_last_complete_checkpoint(corpus, tmp_path):
@@ -63,8 +86,10 @@ def test_dump_dir_of_another_model_is_refused_and_left_untouched(corpus, tmp_pat
     dump = tmp_path / "run"
     train.main(tiny_args(corpus, dump, steps=2))
     before = {p: p.stat().st_mtime_ns for p in dump.rglob("*")}
-    with pytest.raises(ConfigError, match="different model"):
+    with pytest.raises(ConfigError, match="model.dim: checkpoint 64 vs now 32"):
         train.main(tiny_args(corpus, dump, "model.dim=32", steps=4))
+    with pytest.raises(ConfigError, match="data.seq_len: checkpoint 64 vs now 32"):
+        train.main(tiny_args(corpus, dump, "data.seq_len=32", steps=4))
     assert {p: p.stat().st_mtime_ns for p in dump.rglob("*")} == before
 
 
@@ -109,7 +134,6 @@ def test_wandb_offline_run_and_no_secret_on_disk(corpus, tmp_path, monkeypatch):
 def test_init_from_a_hugging_face_directory_starts_from_its_weights(corpus, tmp_path):
     from apps.llama.hf import export, load_hf
     from lingua import data, evaluation
-    from tests.conftest import TINY_MODEL  # noqa: F401  (the shapes both runs share)
 
     first = tmp_path / "first"
     train.main(tiny_args(corpus, first, steps=3))

@@ -65,7 +65,9 @@ def validate(args: TrainArgs) -> None:
     distributed.validate_args(args.distributed)
     checkpoint.validate_args(args.checkpoint)
     evaluation.validate_args(args.eval)
-    checkpoint.check_resume_compatible(args.dump_dir, config.to_dict(args.model))
+    # Resuming is only exact with the same model and the same data stream.
+    checkpoint.check_resume_compatible(args.dump_dir, config.to_dict(args),
+                                       ("model", "seed", "data.format", "data.seq_len"))
 
 
 def forward(model, batch):
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
                                               args.data.seq_len, args.model.tie_embeddings)
     peak = metrics.peak_flops(env.device, args.distributed.model_dtype)
     autocast = mixed_precision(args, env)
-    log = metrics.MetricLogger(dump_dir, args.logging, config.to_dict(args), env.is_main)
+    log = metrics.MetricLogger(dump_dir, args.logging, config.to_dict(args), env.is_main, step)
     config_yaml = config.to_yaml(args)
     window = metrics.Window()
     logger.info("training steps %d -> %d, global batch %d x %d tokens", step, args.steps,
