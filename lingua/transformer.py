@@ -250,11 +250,24 @@ class KVCache:
         return torch.arange(self.pos + seq_len, device=device)[None, :] <= q_pos[:, None]
 
 
+class CoreAttention(nn.Module):
+    """softmax(QK^T)V over heads, as a module so that parallelism can swap it from outside
+    (context parallelism replaces it with a version that sees every rank's keys and values)."""
+
+    def __init__(self, backend: str = "sdpa"):
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, q, k, v, mask=None):
+        return attention(q, k, v, self.backend, mask)
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, backend: str = "sdpa"):
         super().__init__()
         self.head_dim = dim // n_heads
         self.backend = backend
+        self.core = CoreAttention(backend)
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -277,7 +290,7 @@ class Attention(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
         else:
-            out = attention(q, k, v, self.backend, mask)
+            out = self.core(q, k, v, mask)
         return self.wo(out.reshape(b, s, -1))
 
 

@@ -151,11 +151,12 @@ class Transformer(nn.Module):
             nn.init.normal_(self.output.weight, std=a.init_std)
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+                cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [b, s] (or hidden states [b, s, dim] on a later pipeline stage) -> logits [b, s, vocab].
 
         doc_ids [b, s]: a token attends only to earlier tokens of its own document. `cache` is for
-        incremental decoding only (apps/llama/generate.py).
+        incremental decoding only (apps/llama/generate.py). `positions` [s]: the tokens' positions
+        in the full sequence when they are not 0..s-1 (a context-parallel shard).
         """
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         seq_len = h.shape[1]
@@ -163,7 +164,10 @@ class Transformer(nn.Module):
         if start + seq_len > self.rope_cos.shape[0]:
             raise ConfigError(f"sequence of {start + seq_len} tokens exceeds model.max_seq_len="
                               f"{self.args.max_seq_len}; raise model.max_seq_len.")
-        rope = (self.rope_cos[start:start + seq_len], self.rope_sin[start:start + seq_len])
+        if positions is not None:
+            rope = (self.rope_cos[positions], self.rope_sin[positions])
+        else:
+            rope = (self.rope_cos[start:start + seq_len], self.rope_sin[start:start + seq_len])
         if cache is None:
             mask = make_attn_mask(self.attn_backend, doc_ids, seq_len, h.device)
         else:
