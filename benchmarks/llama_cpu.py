@@ -44,7 +44,7 @@ def time_steps(model, loss_fn, tokens, dtype, steps, warmup) -> float:
         with autocast:
             loss = loss_fn(model, tokens)
         loss.backward()
-        optim.clip_grad_norm(model, 1.0)
+        optim.clip_grad_norm([model], 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i >= warmup:

@@ -26,7 +26,8 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
 
 from lingua.errors import ConfigError
 
@@ -139,8 +140,26 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(dump_dir, step: int, model: nn.Module, optimizer, train_state: dict, config_yaml: str,
-         rank: int, world_size: int, keep: int) -> Path:
+# Optimizer state keyed by parameter name ("state.layers.3.attention.wq.weight.exp_avg"), so the
+# state of several model parts merges into one dict and loads into any other layout.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _part_states(parts: list, optimizers: list) -> list:
+    return [(get_model_state_dict(part), get_optimizer_state_dict(part, optimizer, options=_FLAT))
+            for part, optimizer in zip(parts, optimizers)]
+
+
+def _merged(part_states: list) -> dict:
+    state = {"model": {}, "optim": {}}
+    for model, optim in part_states:
+        state["model"].update(model)
+        state["optim"].update(optim)
+    return state
+
+
+def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
+         config_yaml: str, rank: int, world_size: int, keep: int) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory."""
     root = checkpoints_dir(dump_dir)
     final = root / str(step)
@@ -152,9 +171,8 @@ def save(dump_dir, step: int, model: nn.Module, optimizer, train_state: dict, co
     if rank == 0:
         tmp.mkdir(parents=True, exist_ok=False)
     _barrier(world_size)
-    state = {"model": get_model_state_dict(model),
-             "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=world_size == 1)
+    dcp.save(_merged(_part_states(parts, optimizers)), checkpoint_id=str(tmp),
+             no_dist=world_size == 1)
     own = dict(train_state, rng=_rng_state(), world_size=world_size)
     torch.save(own, tmp / f"train_state_rank{rank}.pt")
     _barrier(world_size)
@@ -178,17 +196,20 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(ckpt_dir: Path, model: nn.Module, optimizer, rank: int, world_size: int) -> dict:
-    """Collective: restore model, optimizer and RNG; return this rank's train state."""
-    state = {"model": get_model_state_dict(model),
-             "optim": get_optimizer_state_dict(model, optimizer)}
-    _dcp_load(state, ckpt_dir)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
-    own = ckpt_dir / f"train_state_rank{rank}.pt"
+def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: int) -> dict:
+    """Collective: restore model parts, optimizers and RNG; return this rank's train state.
+    DCP reshards: the checkpoint may come from any other parallel layout."""
+    part_states = _part_states(parts, optimizers)
+    state = _merged(part_states)
+    _dcp_load(state, ckpt_dir)  # in place; non-tensor entries are replaced in `state`
+    for part, optimizer, (own_model, own_optim) in zip(parts, optimizers, part_states):
+        set_model_state_dict(part, {k: state["model"][k] for k in own_model})
+        set_optimizer_state_dict(part, optimizer, {k: state["optim"][k] for k in own_optim},
+                                 options=_FLAT)
     saved_world = torch.load(ckpt_dir / "train_state_rank0.pt", weights_only=True)["world_size"]
     # On another layout the per-rank files do not line up with the ranks: take rank 0's, which
     # holds everything a global-index loader needs (the data loader refuses it if it cannot).
+    own = ckpt_dir / f"train_state_rank{rank}.pt"
     path = own if (own.is_file() and saved_world == world_size) else ckpt_dir / "train_state_rank0.pt"
     train_state = torch.load(path, weights_only=True)
     if saved_world == world_size:

@@ -10,8 +10,8 @@ dp_replicate x dp_shard).
 import datetime
 import logging
 import os
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,49 +26,75 @@ logger = logging.getLogger(__name__)
 class DistributedArgs:
     dp_replicate: int = 1           # replicas (HSDP's outer dimension; plain DDP when dp_shard=1)
     dp_shard: int = -1              # FSDP shards; -1 takes whatever the world size leaves
+    tp: int = 1                     # tensor (+ sequence) parallel degree
+    pp: int = 1                     # pipeline stages across ranks
+    cp: int = 1                     # context parallel degree (sequence sharded across ranks)
+    pp_schedule: str = "1F1B"       # GPipe | 1F1B | Interleaved1F1B | ... (lingua/pipeline.py)
+    pp_microbatches: int = 0        # micro-batches per pipeline step; 0 = one per stage
+    pp_virtual_stages: int = 1      # stages per pipeline rank (>1 for interleaved schedules)
+    pp_split: List[int] = field(default_factory=list)  # first layer of stages 1..n-1; [] = even
+    cp_backend: str = "allgather"   # allgather (portable: CPU and CUDA) | ring (torch's, CUDA)
+    ac: str = "none"                # activation checkpointing: none | full | layer | op
+    ac_every: int = 1               # ac=layer: checkpoint every N-th block
+    compile: bool = False           # torch.compile each transformer block
+    async_tp: bool = False          # overlap TP communication with compute (CUDA + compile)
     model_dtype: str = "fp32"       # fp32 | bf16 compute; master weights and optimizer stay fp32
     reshard_after_forward: bool = True   # ZeRO-3 style; False keeps params gathered until backward
+    cpu_offload: bool = False       # keep sharded parameters, gradients and optimizer state on CPU
     backend: str = "auto"           # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     timeout_s: int = 600            # collective timeout: a lost rank ends the run instead of hanging
+
+
+AC_MODES = ("none", "full", "layer", "op")
 
 
 @dataclass
 class ParallelDims:
     dp_replicate: int
     dp_shard: int
+    cp: int
+    tp: int
+    pp: int
     world_size: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
 
     @property
     def dp(self) -> int:
+        """Data-parallel degree: how many different batches a step sees."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks that shard parameters (context-parallel ranks shard them too)."""
+        return self.dp_shard * self.cp
 
 
 def parallel_dims(args: DistributedArgs, world_size: int) -> ParallelDims:
-    """Resolve -1 and check that the degrees multiply to the world size."""
-    if args.dp_replicate < 1:
-        raise ConfigError(f"distributed.dp_replicate={args.dp_replicate} must be at least 1.")
+    """Resolve dp_shard=-1 and check that the degrees multiply to the world size."""
+    for name in ("dp_replicate", "tp", "pp", "cp"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"distributed.{name}={getattr(args, name)} must be at least 1.")
+    others = args.dp_replicate * args.cp * args.tp * args.pp
     dp_shard = args.dp_shard
     if dp_shard == -1:
-        if world_size % args.dp_replicate:
+        if world_size % others:
             raise ConfigError(
-                f"distributed.dp_replicate={args.dp_replicate} does not divide the world size "
-                f"{world_size}, so distributed.dp_shard=-1 cannot take the rest. Use a "
-                f"dp_replicate that divides {world_size}, or launch a multiple of it.")
-        dp_shard = world_size // args.dp_replicate
+                f"dp_replicate x cp x tp x pp = {args.dp_replicate} x {args.cp} x {args.tp} x "
+                f"{args.pp} = {others} does not divide the world size {world_size}, so "
+                f"distributed.dp_shard=-1 cannot take the rest. Launch a multiple of {others} "
+                f"processes or change the degrees.")
+        dp_shard = world_size // others
     if dp_shard < 1:
         raise ConfigError(f"distributed.dp_shard={args.dp_shard} must be -1 (take what is left) "
                           f"or at least 1.")
-    if args.dp_replicate * dp_shard != world_size:
+    if others * dp_shard != world_size:
         raise ConfigError(
-            f"The parallel degrees do not match the world size: distributed.dp_replicate="
-            f"{args.dp_replicate} x distributed.dp_shard={dp_shard} = "
-            f"{args.dp_replicate * dp_shard}, but {world_size} processes were launched. Launch "
-            f"{args.dp_replicate * dp_shard} processes (torchrun --nproc-per-node), or set "
+            f"The parallel degrees do not match the world size: dp_replicate={args.dp_replicate} "
+            f"x dp_shard={dp_shard} x cp={args.cp} x tp={args.tp} x pp={args.pp} = "
+            f"{others * dp_shard}, but {world_size} processes were launched. Launch "
+            f"{others * dp_shard} processes (torchrun --nproc-per-node), or set "
             f"distributed.dp_shard=-1 to take what the world size leaves.")
-    return ParallelDims(dp_replicate=args.dp_replicate, dp_shard=dp_shard, world_size=world_size)
+    return ParallelDims(dp_replicate=args.dp_replicate, dp_shard=dp_shard, cp=args.cp,
+                        tp=args.tp, pp=args.pp, world_size=world_size)
 
 
 def validate_args(args: DistributedArgs) -> None:
@@ -80,6 +106,12 @@ def validate_args(args: DistributedArgs) -> None:
     if args.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("distributed.backend=nccl needs CUDA, and none is available here. "
                           "Use distributed.backend=auto (gloo on CPU).")
+    if args.ac not in AC_MODES:
+        raise ConfigError(f"distributed.ac={args.ac!r} is unknown: use one of {', '.join(AC_MODES)} "
+                          f"(layer checkpoints every distributed.ac_every-th block, op saves matmul "
+                          f"outputs and recomputes the rest).")
+    if args.ac_every < 1:
+        raise ConfigError(f"distributed.ac_every={args.ac_every} must be at least 1.")
     # World size is known before any process group exists (torchrun sets WORLD_SIZE).
     parallel_dims(args, world_size_from_env())
 
@@ -103,8 +135,14 @@ class DistEnv:
 
     @property
     def dp_rank(self) -> int:
-        # Data-parallel rank over (dp_replicate, dp_shard); equals rank while dp is the only degree.
-        return self.rank if self.mesh is None else self.mesh["dp"].get_local_rank()
+        """Which slice of the global batch this rank reads (shared by its cp, tp and pp peers)."""
+        return 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+
+    def size(self, name: str) -> int:
+        return 1 if self.mesh is None else self.mesh[name].size()
+
+    def local_rank_in(self, name: str) -> int:
+        return 0 if self.mesh is None else self.mesh[name].get_local_rank()
 
     @property
     def dp_size(self) -> int:
@@ -138,13 +176,23 @@ def init(args: DistributedArgs) -> DistEnv:
                    dims=dims, mesh=mesh)
 
 
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
 def build_mesh(dims: ParallelDims, device_type: str):
-    """One named mesh; 'dp' is the flattened data-parallel dimension used for loading and loss."""
+    """One named mesh over all degrees (size-1 dimensions included, so code never branches on
+    which exist) plus the flattened views the rest needs:
+      dp          = dp_replicate x dp_shard       ranks that read different batches
+      dp_shard_cp = dp_shard x cp                 ranks that shard parameters (FSDP)
+      dp_cp       = dp_replicate x dp_shard x cp  ranks whose loss and token counts add up
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    sizes = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
     mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+    mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
     return mesh
 
 
@@ -158,44 +206,99 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
-def all_reduce_sum(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
+def all_reduce_sum(value: torch.Tensor, env: DistEnv, dims=("dp_cp", "pp")) -> torch.Tensor:
+    """Sum over the named mesh dimensions (default: every rank that holds a distinct part of the
+    loss; tensor-parallel ranks hold copies, so they are left out)."""
     if env.world_size > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        for name in dims:
+            if env.mesh[name].size() > 1:
+                dist.all_reduce(value, op=dist.ReduceOp.SUM, group=env.mesh[name].get_group())
     return value
 
 
-def broadcast_object(obj, env: DistEnv):
-    if env.world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs) -> nn.Module:
-    """FSDP2 per block and at the root over the (dp_replicate, dp_shard) mesh (HSDP when both > 1).
+    """FSDP2 per block and at the root over dp_shard x cp (HSDP when dp_replicate > 1 too).
 
     Gradients are reduced as a SUM: the trainer already divides the loss by the global batch's
     token count, so averaging over ranks here would divide twice.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                        OffloadPolicy, fully_shard)
 
-    dp_mesh = env.mesh[("dp_replicate", "dp_shard")]
-    if env.dims.dp_replicate == 1:
-        dp_mesh = env.mesh["dp_shard"]
+    if env.dims.dp_replicate > 1:
+        dp_mesh = env.mesh[("dp_replicate", "dp_shard_cp")]
+    else:
+        dp_mesh = env.mesh["dp_shard_cp"]
     compute = torch.bfloat16 if args.model_dtype == "bf16" else torch.float32
-    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    options = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=compute,
+                                                                reduce_dtype=torch.float32),
+                   offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp,
-                    reshard_after_forward=args.reshard_after_forward)
+        fully_shard(block, reshard_after_forward=args.reshard_after_forward, **options)
     # The root's params (embeddings, final norm, output) are needed right after the last block's
     # backward, so keeping them gathered after forward saves one all-gather per step.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # the setting is per FSDP unit, not inherited
             module.set_gradient_divide_factor(1.0)
             # A divide factor makes FSDP use a pre-multiplied sum that gloo lacks; plain SUM it is.
             module.set_force_sum_reduction_for_comms(True)
-    logger.info("applied FSDP2 over %s (%s compute, fp32 reduce, reshard_after_forward=%s)",
-                dp_mesh.mesh_dim_names, args.model_dtype, args.reshard_after_forward)
+    logger.info("applied FSDP2 over %s (%s compute, fp32 reduce, reshard_after_forward=%s%s)",
+                dp_mesh.mesh_dim_names, args.model_dtype, args.reshard_after_forward,
+                ", CPU offload" if args.cpu_offload else "")
     return model
+
+
+# Ops whose outputs selective (op-level) checkpointing keeps: the expensive ones. Everything else
+# (norms, activations, RoPE, adds) is recomputed in backward, which is cheap next to a matmul.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _save_matmuls_policy():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_ac(layers: nn.ModuleDict, mode: str, every: int = 1) -> None:
+    """Activation checkpointing of transformer blocks, in place (parameter names unchanged:
+    the wrapper's state-dict hooks strip its prefix).
+
+    full: every block recomputes its forward in backward; layer: every `every`-th block (by
+    layer id, so a pipeline stage keeps the same choice as the whole model); op: every block, but
+    matmul and attention outputs are kept and only cheap ops are recomputed.
+    """
+    if mode == "none":
+        return
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint
+
+    wrapped = []
+    for name, block in layers.items():
+        if mode == "layer" and int(name) % every:
+            continue
+        if mode == "op":
+            fn = partial(checkpoint, use_reentrant=False, context_fn=_save_matmuls_policy)
+            layers[name] = checkpoint_wrapper(block, checkpoint_fn=fn)
+        else:
+            layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+        wrapped.append(name)
+    logger.info("applied activation checkpointing (%s) to blocks %s", mode, ",".join(wrapped))
+
+
+def apply_compile(layers: nn.ModuleDict) -> None:
+    """torch.compile each block in place (Module.compile keeps parameter names unchanged).
+    Blocks are identical, so they share one compiled graph."""
+    for block in layers.values():
+        block.compile()
+    logger.info("compiled %d transformer blocks with torch.compile", len(layers))

@@ -75,22 +75,48 @@ def param_groups(model: nn.Module, weight_decay: float) -> list:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build(model: nn.Module, args: OptimArgs, total_steps: int, device: torch.device):
-    # The fused kernel exists for CUDA and CPU in this torch; fall back to foreach elsewhere.
-    fused = args.fused and device.type in ("cuda", "cpu")
-    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr,
-                                  betas=(args.beta1, args.beta2), eps=args.eps, fused=fused)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, partial(lr_factor, args=args, total_steps=total_steps))
-    return optimizer, scheduler
+class Optimizers:
+    """AdamW + lr schedule for each model part (a pipeline rank may hold several stages), stepped
+    together: one optimizer per part keeps each part's state keyed by its own parameter names."""
+
+    def __init__(self, parts: list, args: OptimArgs, total_steps: int, device: torch.device):
+        # The fused kernel exists for CUDA and CPU in this torch.
+        fused = args.fused and device.type in ("cuda", "cpu")
+        self.optimizers = [torch.optim.AdamW(param_groups(part, args.weight_decay), lr=args.lr,
+                                             betas=(args.beta1, args.beta2), eps=args.eps,
+                                             fused=fused) for part in parts]
+        schedule = partial(lr_factor, args=args, total_steps=total_steps)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.optimizers]
+
+    @property
+    def lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    def step(self) -> None:
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def scheduler_state(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(state)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Global gradient norm (over all shards), clipped once per optimizer step when max_norm > 0."""
-    params = [p for p in model.parameters() if p.grad is not None]
+def clip_grad_norm(parts: list, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Global gradient norm over every shard and pipeline stage, clipped once per optimizer step
+    when max_norm > 0. Returns the norm before clipping."""
+    params = [p for part in parts for p in part.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if hasattr(norm, "full_tensor"):  # FSDP grads are DTensors: the norm is a partial DTensor
+    if hasattr(norm, "full_tensor"):  # FSDP/TP grads are DTensors: the norm is a partial DTensor
         norm = norm.full_tensor()
+    if pp_group is not None:  # each pipeline stage holds different parameters: add the squares
+        squared = norm.pow(2)
+        torch.distributed.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm

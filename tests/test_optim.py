@@ -40,7 +40,7 @@ def test_weight_decay_groups_split_matrices_from_vectors():
 def test_clip_scales_to_max_norm_and_reports_the_norm_before_clipping():
     model = torch.nn.Linear(3, 2, bias=False)
     model.weight.grad = torch.full((2, 3), 2.0)
-    norm = optim.clip_grad_norm(model, max_norm=1.0)
+    norm = optim.clip_grad_norm([model], max_norm=1.0)
     assert norm.item() == pytest.approx(math.sqrt(6 * 4))
     assert model.weight.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
 
@@ -48,12 +48,12 @@ def test_clip_scales_to_max_norm_and_reports_the_norm_before_clipping():
 def test_scheduler_drives_the_optimizer_lr():
     model = torch.nn.Linear(2, 2)
     args = OptimArgs(lr=1e-2, warmup=4, scheduler="linear", lr_min_ratio=0.0)
-    optimizer, scheduler = optim.build(model, args, total_steps=10, device=torch.device("cpu"))
+    optimizers = optim.Optimizers([model], args, total_steps=10, device=torch.device("cpu"))
     seen = []
     for _ in range(10):
-        seen.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
+        seen.append(optimizers.optimizers[0].param_groups[0]["lr"])
+        assert optimizers.lr == seen[-1]
+        optimizers.step()
     assert seen == pytest.approx([1e-2 * lr_factor(s, args, 10) for s in range(10)])
 
 

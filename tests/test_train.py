@@ -149,3 +149,40 @@ def test_init_from_a_hugging_face_directory_starts_from_its_weights(corpus, tmp_
     want = evaluation.token_loss_sum(model(batch.tokens), batch.labels).item() / batch.labels.numel()
     assert read_metrics(tuned)[0]["loss"] == pytest.approx(want, rel=1e-5)
     assert want < read_metrics(first)[0]["loss"] - 0.5  # it did start from trained weights
+
+
+@pytest.mark.parametrize("ac", ["full", "layer", "op"])
+def test_activation_checkpointing_gives_the_same_losses(corpus, tmp_path, ac):
+    plain = tmp_path / "plain"
+    train.main(tiny_args(corpus, plain, steps=3))
+    dump = tmp_path / ac
+    train.main(tiny_args(corpus, dump, f"distributed.ac={ac}", "distributed.ac_every=2", steps=3))
+    for got, want in zip(read_metrics(dump), read_metrics(plain)):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    # Checkpoints keep plain parameter names, so they load without the wrapper.
+    assert checkpoint.newest(dump) is not None
+
+
+def test_compiled_blocks_give_the_same_losses(corpus, tmp_path):
+    plain = tmp_path / "plain"
+    train.main(tiny_args(corpus, plain, steps=2))
+    dump = tmp_path / "compiled"
+    train.main(tiny_args(corpus, dump, "distributed.compile=true", steps=2))
+    for got, want in zip(read_metrics(dump), read_metrics(plain)):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+def test_apply_ac_wraps_the_chosen_blocks_and_keeps_parameter_names():
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from apps.llama.model import LlamaArgs, Transformer
+    from lingua.distributed import apply_ac
+
+    model = Transformer(LlamaArgs(dim=32, n_layers=4, n_heads=4, multiple_of=16, max_seq_len=16))
+    names = list(model.state_dict())
+    apply_ac(model.layers, "layer", every=2)
+    assert [isinstance(b, CheckpointWrapper) for b in model.layers.values()] == [True, False, True, False]
+    assert list(model.state_dict()) == names
+    model(torch.randint(0, 258, (1, 8))).sum().backward()

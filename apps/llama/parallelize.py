@@ -1,16 +1,21 @@
 """How the LLaMA model is parallelized: the app's plans, applied with lingua's generic functions.
 
-The model file knows nothing of this; a fork with a new architecture changes the plan here
-(which modules are FSDP units) and keeps the rest.
+The model file knows nothing of this; a fork with a new architecture changes the plans here
+(which modules are FSDP units, how layers are tensor-parallel) and keeps the rest.
+Order matters and follows torchtitan: tensor parallel, context parallel, activation
+checkpointing, compile, then FSDP (which must see the final module structure).
 """
 
 from torch import nn
 
-from lingua.distributed import DistEnv, DistributedArgs, apply_fsdp
+from lingua.distributed import DistEnv, DistributedArgs, apply_ac, apply_compile, apply_fsdp
 
 
 def parallelize_llama(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn.Module:
-    if env.world_size == 1:
-        return model  # one process: nothing to shard, and plain modules are fastest
-    # One FSDP unit per transformer block: its parameters are gathered just before it runs.
-    return apply_fsdp(model, list(model.layers.values()), env, args)
+    apply_ac(model.layers, args.ac, args.ac_every)
+    if args.compile:
+        apply_compile(model.layers)
+    if env.world_size > 1 and env.dims.dp_replicate * env.dims.fsdp > 1:
+        # One FSDP unit per transformer block: its parameters are gathered just before it runs.
+        apply_fsdp(model, list(model.layers.values()), env, args)
+    return model

@@ -112,9 +112,9 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     model = build_model(args, env)
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info("model: %.2fM parameters", n_params / 1e6)
-    optimizer, scheduler = optim.build(model, args.optim, args.steps, env.device)
+    parts = [model]
+    logger.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
+    optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
 
     train_loader = data.build_train_loader(args.data, env.dp_rank, env.dp_size, args.seed)
     val_batches = data.build_val_batches(args.data, env.dp_rank, env.dp_size)
@@ -124,10 +124,11 @@ def main(argv=None) -> int:
     step = 0
     resume_from = checkpoint.newest(dump_dir)
     if resume_from is not None:
-        state = checkpoint.load(resume_from, model, optimizer, env.rank, env.world_size)
+        state = checkpoint.load(resume_from, parts, optimizers.optimizers, env.rank,
+                                env.world_size)
         step = state["step"]
         train_loader.load_state_dict(state["data"])
-        scheduler.load_state_dict(state["scheduler"])
+        optimizers.load_scheduler_state(state["scheduler"])
 
     flops_per_token = metrics.flops_per_token(model, args.model.n_layers, args.model.dim,
                                               args.data.seq_len, args.model.tie_embeddings)
@@ -144,11 +145,9 @@ def main(argv=None) -> int:
         micro_batches = train_loader.next_step()
         t_data = time.perf_counter() - t0
         loss_sum = train_step(model, micro_batches, global_tokens, autocast)
-        grad_norm = optim.clip_grad_norm(model, args.optim.clip)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = optim.clip_grad_norm(parts, args.optim.clip)
+        lr = optimizers.lr
+        optimizers.step()
         step += 1
         if args.gc_every > 0 and step % args.gc_every == 0:
             gc.collect(1)
@@ -173,9 +172,9 @@ def main(argv=None) -> int:
         if (args.checkpoint.every and step % args.checkpoint.every == 0) or (
                 last and args.checkpoint.save_final):
             train_state = {"step": step, "data": train_loader.state_dict(),
-                           "scheduler": scheduler.state_dict()}
-            checkpoint.save(dump_dir, step, model, optimizer, train_state, config_yaml, env.rank,
-                            env.world_size, args.checkpoint.keep)
+                           "scheduler": optimizers.scheduler_state()}
+            checkpoint.save(dump_dir, step, parts, optimizers.optimizers, train_state,
+                            config_yaml, env.rank, env.world_size, args.checkpoint.keep)
 
     log.close()
     if env.is_main:
