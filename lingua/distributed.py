@@ -110,6 +110,10 @@ def validate_args(args: DistributedArgs) -> None:
         raise ConfigError(f"distributed.ac={args.ac!r} is unknown: use one of {', '.join(AC_MODES)} "
                           f"(layer checkpoints every distributed.ac_every-th block, op saves matmul "
                           f"outputs and recomputes the rest).")
+    if args.cpu_offload and not torch.cuda.is_available():
+        raise ConfigError("distributed.cpu_offload=true moves sharded state from GPU to CPU memory; "
+                          "this run has no GPU, so everything is in CPU memory already. Remove "
+                          "distributed.cpu_offload.")
     if args.ac_every < 1:
         raise ConfigError(f"distributed.ac_every={args.ac_every} must be at least 1.")
     # World size is known before any process group exists (torchrun sets WORLD_SIZE).

@@ -3,6 +3,7 @@
 Global batch = 8 sequences in every run: 1 process x 8, or N ranks x 8/N (x grad_accum).
 """
 
+import json
 import shutil
 
 import pytest
@@ -62,3 +63,24 @@ def test_bf16_fsdp_tracks_the_bf16_single_process_run(corpus, tmp_path):
                                                   "distributed.model_dtype=bf16", steps=STEPS))
     for got, want in zip(read_metrics(two), read_metrics(one)):
         assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
+
+
+def test_sharding_over_4_ranks_cuts_per_rank_state_to_under_30_percent_of_replication(corpus, tmp_path):
+    per_layout = {}
+    for name, layout in {"replicate": ["distributed.dp_replicate=4", "distributed.dp_shard=1"],
+                         "shard": ["distributed.dp_shard=4"]}.items():
+        out = tmp_path / f"{name}.json"
+        run_torchrun(4, "tests.workers.memory_worker",
+                     [str(out), *tiny_args(corpus, tmp_path / name, "data.batch_size=2", *layout)])
+        per_layout[name] = json.loads(out.read_text())
+    for kind in ("params", "grads", "optim"):
+        replicated = max(rank[kind] for rank in per_layout["replicate"])
+        sharded = max(rank[kind] for rank in per_layout["shard"])
+        assert replicated > 0 and sharded <= 0.3 * replicated, (kind, sharded, replicated)
+
+
+def test_zero2_style_resharding_keeps_the_losses(corpus, tmp_path, reference):
+    dump = tmp_path / "run"
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, dump, "data.batch_size=4", "distributed.dp_shard=2",
+                                                  "distributed.reshard_after_forward=false", steps=STEPS))
+    assert_same_losses(read_metrics(dump), reference)

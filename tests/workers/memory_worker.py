@@ -1,0 +1,47 @@
+"""Per-rank bytes of parameters, gradients and optimizer state after one training step.
+
+Run under torchrun with the trainer's overrides; rank 0 writes {"rank": bytes...} to argv[1].
+"""
+
+import json
+import sys
+
+import torch
+
+from apps.llama import train
+from lingua import config, data, distributed, optim
+
+
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def main(out_path, argv):
+    args = config.load("llama", train.TrainArgs, argv, train.validate)
+    env = distributed.init(args.distributed)
+    torch.manual_seed(args.seed)
+    model = train.build_model(args, env)
+    optimizers = optim.Optimizers([model], args.optim, args.steps, env.device)
+    loader = data.build_train_loader(args.data, env.dp_rank, env.dp_size, args.seed)
+    tokens = args.data.batch_size * env.dp_size * args.data.seq_len
+    train.train_step(model, loader.next_step(), tokens, train.mixed_precision(args, env))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    optimizers.optimizers[0].step()
+    states = [v for s in optimizers.optimizers[0].state.values() for v in s.values()
+              if torch.is_tensor(v) and v.numel() > 1]
+    mine = {"params": local_bytes(model.parameters()), "grads": local_bytes(grads),
+            "optim": local_bytes(states)}
+    everyone = [None] * env.world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    if env.is_main:
+        with open(out_path, "w") as f:
+            json.dump(everyone, f)
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
