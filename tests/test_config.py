@@ -74,7 +74,7 @@ def test_bad_input_files_are_refused(corpus, tmp_path):
 
 def test_world_size_mismatch_is_refused(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ConfigError, match=r"dp_replicate=2 x distributed\.dp_shard=2 = 4, but 3"):
+    with pytest.raises(ConfigError, match=r"dp_replicate=2 x dp_shard=2 x cp=1 x tp=1 x pp=1 = 4, but 3 processes"):
         load(tiny_args(corpus, tmp_path / "run", "distributed.dp_replicate=2", "distributed.dp_shard=2"))
 
 
