@@ -27,16 +27,26 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, batches, env: DistEnv, forward) -> dict:
-    """Mean validation loss over all ranks' tokens; `forward(model, batch)` returns logits."""
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=env.device)
+def evaluate(parts, batches, env: DistEnv, batch_loss) -> dict:
+    """Mean validation loss over the global validation set.
+
+    `batch_loss(batch)` returns the summed token loss of this rank's share of the batch, or None
+    on ranks that do not compute the loss (pipeline stages before the last). The token count
+    comes from the data-parallel ranks only: context, tensor and pipeline peers share a batch.
+    """
+    was_training = [part.training for part in parts]
+    for part in parts:
+        part.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    tokens = torch.zeros((), dtype=torch.float64, device=env.device)
     for batch in batches:
-        logits = forward(model, batch)
-        totals[0] += token_loss_sum(logits, batch.labels.to(env.device)).double()
-        totals[1] += batch.labels.numel()
-    all_reduce_sum(totals, env)
-    model.train(was_training)
-    loss = (totals[0] / totals[1]).item()
+        loss = batch_loss(batch)
+        if loss is not None:
+            loss_sum += loss.double()
+        tokens += batch.labels.numel()
+    all_reduce_sum(loss_sum, env)
+    all_reduce_sum(tokens, env, dims=("dp",))
+    for part, mode in zip(parts, was_training):
+        part.train(mode)
+    loss = (loss_sum / tokens).item()
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}

@@ -16,7 +16,7 @@ import torch
 
 from apps.llama.model import LlamaArgs, Transformer, validate_model_args
 from apps.llama.parallelize import parallelize_llama
-from lingua import checkpoint, config, data, distributed, evaluation, metrics, optim
+from lingua import checkpoint, config, data, distributed, evaluation, metrics, optim, pipeline
 from lingua.checkpoint import CheckpointArgs
 from lingua.data import DataArgs
 from lingua.distributed import DistributedArgs
@@ -63,6 +63,10 @@ def validate(args: TrainArgs) -> None:
                    f"{args.model.max_seq_len}. Raise model.max_seq_len or shorten data.seq_len.")
     optim.validate_args(args.optim, args.steps)
     distributed.validate_args(args.distributed)
+    d = args.distributed
+    pipeline.validate_pp(args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
+                         d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings,
+                         d.pp_split)
     checkpoint.validate_args(args.checkpoint)
     evaluation.validate_args(args.eval)
     # Resuming is only exact with the same model and the same data stream.
@@ -70,29 +74,45 @@ def validate(args: TrainArgs) -> None:
                                        ("model", "seed", "data.format", "data.seq_len"))
 
 
-def forward(model, batch):
-    device = batch_device(model)
+def doc_ids_of(batch, args: TrainArgs):
     # Document ids cost a mask per forward: pass them only when the model masks by document.
-    doc_ids = batch.doc_ids.to(device) if model.args.attn_mask == "block_causal" else None
-    return model(batch.tokens.to(device), doc_ids)
+    return batch.doc_ids if args.model.attn_mask == "block_causal" else None
 
 
-def batch_device(model) -> torch.device:
-    return model.tok_embeddings.weight.device
+def loss_sum(model, batch, args: TrainArgs, env) -> torch.Tensor:
+    """Summed token cross-entropy of one micro-batch through a whole (unpipelined) model."""
+    doc_ids = doc_ids_of(batch, args)
+    logits = model(batch.tokens.to(env.device), None if doc_ids is None else doc_ids.to(env.device))
+    return evaluation.token_loss_sum(logits, batch.labels.to(env.device))
 
 
-def train_step(model, micro_batches, global_tokens: int, autocast) -> torch.Tensor:
-    """Forward/backward over this rank's micro-batches; returns the summed token loss."""
-    loss_sum = torch.zeros((), dtype=torch.float64)
+def train_step(parts, pipe, micro_batches, global_tokens: int, args: TrainArgs, env) -> torch.Tensor:
+    """Forward/backward over this rank's micro-batches. Returns this rank's share of the global
+    mean loss (summed over the ranks that hold distinct tokens, it is the step's loss)."""
+    share = torch.zeros((), dtype=torch.float64, device=env.device)
     for batch in micro_batches:
-        with autocast():
-            logits = forward(model, batch)
-        token_loss = evaluation.token_loss_sum(logits, batch.labels.to(logits.device))
+        if pipe is not None:
+            out = pipe.step(batch.tokens, batch.labels, doc_ids_of(batch, args))
+            share += 0 if out is None else out.double()
+            continue
+        with mixed_precision(args, env):
+            token_loss = loss_sum(parts[0], batch, args, env)
         # Dividing by the global batch's token count (and summing gradients over ranks) makes the
         # gradient that of the mean loss over the global batch, whatever the layout.
         (token_loss / global_tokens).backward()
-        loss_sum += token_loss.detach().double().cpu()
-    return loss_sum
+        share += token_loss.detach().double() / global_tokens
+    return share
+
+
+def validation_loss(parts, pipe, batches, args: TrainArgs, env) -> dict:
+    if pipe is not None:
+        def batch_loss(batch):
+            return pipe.eval_loss(batch.tokens, batch.labels, doc_ids_of(batch, args),
+                                  loss_fn=evaluation.token_loss_sum)
+    else:
+        def batch_loss(batch):
+            return loss_sum(parts[0], batch, args, env)
+    return evaluation.evaluate(parts, batches, env, batch_loss)
 
 
 def main(argv=None) -> int:
@@ -111,15 +131,14 @@ def main(argv=None) -> int:
         config.dump(args, dump_dir / "config.yaml")
 
     torch.manual_seed(args.seed)
-    model = build_model(args, env)
-    parts = [model]
-    logger.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
+    parts, stage_ids = build_model_parts(args, env)
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
 
     train_loader = data.build_train_loader(args.data, env.dp_rank, env.dp_size, args.seed)
     val_batches = data.build_val_batches(args.data, env.dp_rank, env.dp_size)
     global_batch = args.data.batch_size * env.dp_size * args.data.grad_accum
     global_tokens = global_batch * args.data.seq_len
+    pipe = build_pipeline(parts, stage_ids, args, env, global_tokens)
 
     step = 0
     resume_from = checkpoint.newest(dump_dir)
@@ -130,13 +149,15 @@ def main(argv=None) -> int:
         train_loader.load_state_dict(state["data"])
         optimizers.load_scheduler_state(state["scheduler"])
 
-    flops_per_token = metrics.flops_per_token(model, args.model.n_layers, args.model.dim,
-                                              args.data.seq_len, args.model.tie_embeddings)
+    with torch.device("meta"):  # FLOPs of the whole model, whatever this rank holds
+        flops_per_token = metrics.flops_per_token(Transformer(args.model), args.model.n_layers,
+                                                  args.model.dim, args.data.seq_len,
+                                                  args.model.tie_embeddings)
     peak = metrics.peak_flops(env.device, args.distributed.model_dtype)
-    autocast = mixed_precision(args, env)
     log = metrics.MetricLogger(dump_dir, args.logging, config.to_dict(args), env.is_main, step)
     config_yaml = config.to_yaml(args)
     window = metrics.Window()
+    pp_group = env.mesh["pp"].get_group() if env.dims.pp > 1 else None
     logger.info("training steps %d -> %d, global batch %d x %d tokens", step, args.steps,
                 global_batch, args.data.seq_len)
 
@@ -144,8 +165,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         micro_batches = train_loader.next_step()
         t_data = time.perf_counter() - t0
-        loss_sum = train_step(model, micro_batches, global_tokens, autocast)
-        grad_norm = optim.clip_grad_norm(parts, args.optim.clip)
+        loss_share = train_step(parts, pipe, micro_batches, global_tokens, args, env)
+        grad_norm = optim.clip_grad_norm(parts, args.optim.clip, pp_group)
         lr = optimizers.lr
         optimizers.step()
         step += 1
@@ -155,16 +176,15 @@ def main(argv=None) -> int:
         window.add(time.perf_counter() - t0, t_data, global_tokens)
         last = step == args.steps
         if step % args.logging.every == 0 or last:
-            loss = distributed.all_reduce_sum(loss_sum.to(env.device), env).item() / global_tokens
             tokens_per_s = window.tokens_per_s()
-            row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-                   "tokens_per_s": tokens_per_s,
+            row = {"step": step, "loss": distributed.all_reduce_sum(loss_share, env).item(),
+                   "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
                    "mfu": flops_per_token * tokens_per_s / env.world_size / peak,
                    "data_s": window.data_s(), "step_s": window.step_s(),
                    "peak_mem_gib": metrics.peak_memory_gib(env.device),
                    "skipped_lines": train_loader.skipped_lines}
             if (args.eval.every and step % args.eval.every == 0) or (last and args.eval.at_end):
-                row.update(evaluation.evaluate(model, val_batches, env, forward))
+                row.update(validation_loss(parts, pipe, val_batches, args, env))
             window.reset()
             log.log(row)
             if env.is_main:
@@ -184,44 +204,77 @@ def main(argv=None) -> int:
     return 0
 
 
-def build_model(args: TrainArgs, env) -> torch.nn.Module:
-    """Meta-device build, then weights: from a Hugging Face directory or freshly initialised."""
+def build_model_parts(args: TrainArgs, env) -> tuple:
+    """The parts of the model this rank holds (one, or its pipeline stages), parallelized and
+    with weights: from a Hugging Face directory or freshly initialised from the seed."""
     if args.checkpoint.init_from:
-        from apps.llama.hf import load_hf
+        model = load_init_from(args)
+    else:
+        with torch.device("meta"):
+            model = Transformer(args.model)
+        if env.device.type == "cpu":
+            # On CPU we initialise the full model on every rank before splitting and sharding:
+            # the same seed then gives the same weights for every layout (a sharded random init
+            # would not, on CPU, and each pipeline stage would draw different numbers).
+            model.to_empty(device="cpu")
+            model.init_weights()
+    stage_ids, parts = [0], [model]
+    if env.dims.pp > 1:
+        d = args.distributed
+        stage_ids = pipeline.stage_ids_of_rank(env.local_rank_in("pp"), d.pp, d.pp_virtual_stages,
+                                               d.pp_schedule)
+        n_stages = d.pp * d.pp_virtual_stages
+        layers = pipeline.stage_layer_ids(args.model.n_layers, n_stages, d.pp_split)
+        parts = [pipeline.split_model(model, layers[s], s == 0, s == n_stages - 1)
+                 for s in stage_ids]
+        del model
+    parts = [parallelize_llama(part, env, args.distributed) for part in parts]
+    if next(parts[0].parameters()).device.type == "meta":  # CUDA: initialise after sharding
+        for part in parts:
+            part.to_empty(device=env.device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=env.device)
+    n_params = sum(p.numel() for part in parts for p in part.parameters())
+    logger.info("model: %.2fM parameters on this rank's %d part(s)", n_params / 1e6, len(parts))
+    return parts, stage_ids
 
-        hf_model, hf_args = load_hf(args.checkpoint.init_from)
-        # Only what fixes the weights' shapes and meaning must agree; backends, masks and init
-        # settings are the run's own choice.
-        runtime = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
-        ours, theirs = config.to_dict(args.model), config.to_dict(hf_args)
-        differing = {k: (ours[k], theirs[k]) for k in ours if k not in runtime and ours[k] != theirs[k]}
-        config.require(not differing,
-                       f"checkpoint.init_from={args.checkpoint.init_from} holds a model that differs "
-                       f"from model.* in (ours, theirs): {differing}. Set those model.* keys to "
-                       f"the checkpoint's values.")
-        model = Transformer(args.model)  # our runtime choices, their weights
-        model.load_state_dict(hf_model.state_dict())
-        return parallelize_llama(model.to(env.device), env, args.distributed)
-    with torch.device("meta"):
-        model = Transformer(args.model)
-    if env.device.type == "cpu":
-        # On CPU we initialise the full model on every rank before sharding: the same seed then
-        # gives the same weights for every layout (sharded random init would not, on CPU).
-        model.to_empty(device="cpu")
-        model.init_weights()
-        return parallelize_llama(model, env, args.distributed)
-    model = parallelize_llama(model, env, args.distributed)
-    model.to_empty(device=env.device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=env.device)
+
+def build_pipeline(parts, stage_ids, args: TrainArgs, env, global_tokens: int):
+    d = args.distributed
+    if d.pp == 1:
+        return None
+
+    def loss_fn(logits, labels):
+        return evaluation.token_loss_sum(logits, labels) / global_tokens
+
+    n_microbatches = d.pp_microbatches or pipeline.default_microbatches(d.pp, d.pp_virtual_stages)
+    return pipeline.build_schedule(parts, stage_ids, d.pp * d.pp_virtual_stages, env.mesh["pp"],
+                                   env.device, d.pp_schedule, n_microbatches, loss_fn)
+
+
+def load_init_from(args: TrainArgs):
+    from apps.llama.hf import load_hf
+
+    hf_model, hf_args = load_hf(args.checkpoint.init_from)
+    # Only what fixes the weights' shapes and meaning must agree; backends, masks and init
+    # settings are the run's own choice.
+    runtime = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
+    ours, theirs = config.to_dict(args.model), config.to_dict(hf_args)
+    differing = {k: (ours[k], theirs[k]) for k in ours if k not in runtime and ours[k] != theirs[k]}
+    config.require(not differing,
+                   f"checkpoint.init_from={args.checkpoint.init_from} holds a model that differs "
+                   f"from model.* in (ours, theirs): {differing}. Set those model.* keys to "
+                   f"the checkpoint's values.")
+    model = Transformer(args.model)  # our runtime choices, their weights
+    model.load_state_dict(hf_model.state_dict())
     return model
 
 
 def mixed_precision(args: TrainArgs, env):
     """bf16 compute with fp32 master weights: FSDP casts when sharded, autocast in one process."""
     if args.distributed.model_dtype == "bf16" and env.world_size == 1:
-        return lambda: torch.autocast(env.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
+        return torch.autocast(env.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 if __name__ == "__main__":

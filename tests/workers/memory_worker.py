@@ -24,11 +24,12 @@ def main(out_path, argv):
     args = config.load("llama", train.TrainArgs, argv, train.validate)
     env = distributed.init(args.distributed)
     torch.manual_seed(args.seed)
-    model = train.build_model(args, env)
-    optimizers = optim.Optimizers([model], args.optim, args.steps, env.device)
+    parts, _ = train.build_model_parts(args, env)
+    model = parts[0]
+    optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
     loader = data.build_train_loader(args.data, env.dp_rank, env.dp_size, args.seed)
     tokens = args.data.batch_size * env.dp_size * args.data.seq_len
-    train.train_step(model, loader.next_step(), tokens, train.mixed_precision(args, env))
+    train.train_step(parts, None, loader.next_step(), tokens, args, env)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     optimizers.optimizers[0].step()
     states = [v for s in optimizers.optimizers[0].state.values() for v in s.values()

@@ -1,0 +1,113 @@
+"""The LLaMA tensor + sequence parallel plan (Megatron-style TP with sequence parallelism).
+
+Between blocks the residual stream is a DTensor sharded over the sequence (Shard(1)): norms and
+residual adds run on S/tp tokens per rank. Each attention / feed-forward input is all-gathered
+to the full sequence (Replicate), the q/k/v and w1/w3 projections are column-sharded (each rank
+owns whole heads and a slice of the hidden width), and wo / w2 are row-sharded and finish with a
+reduce-scatter back to Shard(1).
+
+Why the residual stream is a DTensor rather than a plain local tensor: Transformer.forward reads
+the sequence length from the embeddings' output (`h.shape[1]`) to slice the RoPE tables and build
+the attention mask. A DTensor reports the global length, so the RoPE tables (plain tensors,
+indexed by absolute positions) and masks match the full sequence that attention sees after its
+all-gather. Pipeline stages exchange plain local shards [mb, S/tp, dim], so a stage without the
+embeddings wraps its input into a DTensor and a stage without the output projection returns
+the local shard.
+"""
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
+    RowwiseParallel, SequenceParallel,
+)
+
+from lingua.errors import ConfigError
+
+
+def validate_tp(model_args, tp: int, seq_len: int | None = None) -> None:
+    """Cheap checks before any process group exists; raises ConfigError naming the fix."""
+    if tp < 1:
+        raise ConfigError(f"distributed.tp={tp} must be at least 1.")
+    if tp == 1:
+        return
+    n_heads = model_args.n_heads
+    n_kv = model_args.n_kv_heads or n_heads
+    if n_heads % tp:
+        raise ConfigError(
+            f"model.n_heads={n_heads} is not divisible by distributed.tp={tp}: tensor parallelism "
+            f"gives each rank whole attention heads. Use a tp that divides {n_heads}, or change "
+            "model.n_heads.")
+    if n_kv % tp:
+        raise ConfigError(
+            f"model.n_kv_heads={n_kv} is not divisible by distributed.tp={tp}: each rank holds "
+            f"n_kv_heads / tp key/value heads (grouped-query attention). Use a tp that divides "
+            f"{n_kv}, or raise model.n_kv_heads to a multiple of {tp} that divides "
+            f"model.n_heads={n_heads}.")
+    if model_args.tie_embeddings:
+        raise ConfigError(
+            f"model.tie_embeddings=true with distributed.tp={tp} is not supported: the tied output "
+            "projection reuses the vocabulary-sharded embedding matrix outside any TP plan. Set "
+            "model.tie_embeddings=false, or distributed.tp=1.")
+    if seq_len is not None and seq_len % tp:
+        raise ConfigError(
+            f"data.seq_len={seq_len} is not divisible by distributed.tp={tp}: sequence parallelism "
+            f"splits every sequence into tp equal parts. Use a multiple of {tp}, e.g. "
+            f"data.seq_len={seq_len - seq_len % tp or tp}.")
+
+
+def llama_tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]:
+    """(root_plan, block_plan) for lingua.tensor_parallel.apply_tp.
+
+    `model` is the Transformer or one pipeline part of it: the root plan only names the modules
+    the part holds. With `loss_parallel` the logits stay sharded over the vocabulary (a Shard(-1)
+    DTensor for lingua.tensor_parallel.token_loss_sum); otherwise they are all-gathered into a
+    plain tensor.
+    """
+    if getattr(getattr(model, "args", None), "tie_embeddings", False):
+        raise ConfigError("model.tie_embeddings=true is not supported with distributed.tp>1: "
+                          "set model.tie_embeddings=false (see apps.llama.tp_plan.validate_tp).")
+    root: dict = {}
+    first, last = model.tok_embeddings is not None, model.output is not None
+    if first:
+        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                 use_local_output=False)
+    if model.norm is not None:
+        root["norm"] = SequenceParallel()
+    if last:
+        root["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                         output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                         use_local_output=not loss_parallel)
+    # Pipeline stage boundaries carry plain local sequence shards (see the module docstring).
+    # A later stage is called as stage(hidden_states, **kwargs): one positional input.
+    stage_in = dict(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),))
+    stage_out = dict(output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),),
+                     use_local_output=True)
+    if not first and not last:
+        root[""] = PrepareModuleInputOutput(**stage_in, use_local_input=False, **stage_out)
+    elif not first:
+        root[""] = PrepareModuleInput(**stage_in, use_local_output=False)
+    elif not last:
+        root[""] = PrepareModuleOutput(**stage_out)
+
+    # Attention is called as attention(x, rope, mask, cache, cache_key) by TransformerBlock:
+    # only x is sharded; rope (cos, sin), mask and cache are plain tensors / None / objects that
+    # every rank holds in full, and the per-head math needs no change (heads are whole per rank).
+    block = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None, None),
+                                        use_local_output=True),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),),
+                                           use_local_output=True),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    return root, block
