@@ -97,7 +97,8 @@ class TokenWindows:
             raise ConfigError(f"{path} has {actual} bytes but meta.json says {info['tokens']} "
                               f"{dtype.name} tokens ({expected} bytes): the file is missing or "
                               f"truncated. Prepare the corpus again with setup/prepare_data.py.")
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        # an empty file cannot be memory-mapped; the caller reports the split as too short
+        self.tokens = np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
         self.doc_starts = np.load(root / f"{split}.docs.npy")
         self.seq_len = seq_len
         self.n_windows = (len(self.tokens) - 1) // seq_len
@@ -382,7 +383,7 @@ def _validate_jsonl(args: DataArgs, root: Path) -> None:
                                   f"*.jsonl file. Fix the name or the directory.")
             if weight <= 0:
                 raise ConfigError(f"data.sources.{name}={weight} must be a positive weight.")
-    elif not any(d.glob("*.jsonl") for d in source_dirs(args).values()):
+    elif not any(any(d.glob("*.jsonl")) for d in source_dirs(args).values()):
         raise ConfigError(f"data.root={root} holds no *.jsonl chunk file (nor sub-directories "
                           f"with some). Point data.root at the chunk files' directory.")
     if args.val_sequences and not any((root / VAL_DIR).glob("*.jsonl")):

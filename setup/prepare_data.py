@@ -45,15 +45,19 @@ def jsonl_texts(files, counter: MalformedCounter):
 
 
 def prepare_jsonl(inputs, out: Path, tokenizer_args: TokenizerArgs, val_fraction: float) -> dict:
-    files = []
+    files, is_val = [], {}
     for item in map(Path, inputs):
-        files += sorted(item.rglob("*.jsonl")) if item.is_dir() else [item]
+        found = sorted(item.rglob("*.jsonl")) if item.is_dir() else [item]
+        files += found
+        # only a val/ directory inside the input counts (not one among its ancestors)
+        is_val.update({f: VAL_DIR in (f.relative_to(item).parts[:-1] if item.is_dir()
+                                      else f.parts[-2:-1]) for f in found})
     missing = [f for f in files if not f.is_file()]
     if not files or missing:
         raise ConfigError(f"No jsonl input found ({', '.join(map(str, missing or inputs))}). Give "
                           f"*.jsonl files or directories holding them.")
-    val_files = [f for f in files if VAL_DIR in f.parts]
-    train_files = [f for f in files if VAL_DIR not in f.parts]
+    val_files = [f for f in files if is_val[f]]
+    train_files = [f for f in files if not is_val[f]]
     tokenizer = build_tokenizer(tokenizer_args)
     counter = MalformedCounter()
     if val_files:
