@@ -5,6 +5,8 @@ must give the reference's per-step losses within 1e-5 relative, its step-1 gradi
 validation loss; each also runs with activation checkpointing on.
 """
 
+import shutil
+
 import pytest
 
 from apps.llama import train
@@ -63,3 +65,22 @@ def test_pipeline_with_fsdp(corpus, tmp_path, reference, ac):
 def test_fsdp_and_hsdp_with_ac(corpus, tmp_path, reference, ac):
     check_layout(corpus, tmp_path, reference, 4,
                  ["distributed.dp_replicate=2", "distributed.dp_shard=2", "data.batch_size=2"], ac)
+
+
+def resume_on_another_layout(corpus, tmp_path, reference, layout):
+    """Save at step 3 under dp_shard=4, continue under `layout`: the same losses as one process."""
+    dump = tmp_path / "run"
+    args = tiny_args(corpus, dump, *FOUR_LAYERS, "checkpoint.every=3", "checkpoint.keep=0", steps=STEPS)
+    run_torchrun(4, "apps.llama.train", args + ["distributed.dp_shard=4", "data.batch_size=2"])
+    shutil.rmtree(dump / "checkpoints" / str(STEPS))
+    run_torchrun(4, "apps.llama.train", args + layout)
+    rows = read_metrics(dump)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for got, want in zip(rows, reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (got["step"], got["loss"], want["loss"])
+
+
+def test_resharding_from_fsdp4_to_pipeline_x_fsdp(corpus, tmp_path, reference):
+    resume_on_another_layout(corpus, tmp_path, reference,
+                             ["distributed.pp=2", "distributed.dp_shard=2", "data.batch_size=4",
+                              "distributed.pp_microbatches=2"])

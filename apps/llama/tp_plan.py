@@ -16,11 +16,14 @@ the local shard.
 """
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
-    RowwiseParallel, SequenceParallel,
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lingua.errors import ConfigError
 
@@ -56,6 +59,31 @@ def validate_tp(model_args, tp: int, seq_len: int | None = None) -> None:
             f"data.seq_len={seq_len - seq_len % tp or tp}.")
 
 
+class StageBoundary(ParallelStyle):
+    """A pipeline part's own input / output: pipeline stages exchange plain local sequence shards
+    [mb, S/tp, dim]. A part without the embeddings turns its first positional input (hidden
+    states) into a Shard(1) DTensor; a part without the output projection returns the local
+    shard. (torch's PrepareModuleInput needs the exact number of positional inputs; this only
+    touches the first, whatever else the caller passes.)"""
+
+    def __init__(self, wrap_input: bool, unwrap_output: bool):
+        super().__init__()
+        self.wrap_input, self.unwrap_output = wrap_input, unwrap_output
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if self.wrap_input:
+            def wrap(_, args):
+                h = args[0]
+                if not isinstance(h, DTensor):
+                    h = DTensor.from_local(h, device_mesh, (Shard(1),), run_check=False)
+                return (h, *args[1:])
+            module.register_forward_pre_hook(wrap)
+        if self.unwrap_output:
+            module.register_forward_hook(
+                lambda _, args, out: out.to_local() if isinstance(out, DTensor) else out)
+        return module
+
+
 def llama_tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]:
     """(root_plan, block_plan) for lingua.tensor_parallel.apply_tp.
 
@@ -78,17 +106,8 @@ def llama_tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]:
         root["output"] = ColwiseParallel(input_layouts=Shard(1),
                                          output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                          use_local_output=not loss_parallel)
-    # Pipeline stage boundaries carry plain local sequence shards (see the module docstring).
-    # A later stage is called as stage(hidden_states, **kwargs): one positional input.
-    stage_in = dict(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),))
-    stage_out = dict(output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),),
-                     use_local_output=True)
-    if not first and not last:
-        root[""] = PrepareModuleInputOutput(**stage_in, use_local_input=False, **stage_out)
-    elif not first:
-        root[""] = PrepareModuleInput(**stage_in, use_local_output=False)
-    elif not last:
-        root[""] = PrepareModuleOutput(**stage_out)
+    if not (first and last):
+        root[""] = StageBoundary(wrap_input=not first, unwrap_output=not last)
 
     # Attention is called as attention(x, rope, mask, cache, cache_key) by TransformerBlock:
     # only x is sharded; rope (cos, sin), mask and cache are plain tensors / None / objects that
