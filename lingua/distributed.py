@@ -38,6 +38,7 @@ class DistributedArgs:
     ac_every: int = 1               # ac=layer: checkpoint every N-th block
     compile: bool = False           # torch.compile each transformer block
     async_tp: bool = False          # overlap TP communication with compute (CUDA + compile)
+    loss_parallel: bool = True      # with tp > 1 (and pp = 1): cross-entropy on vocab-sharded logits
     model_dtype: str = "fp32"       # fp32 | bf16 compute; master weights and optimizer stay fp32
     reshard_after_forward: bool = True   # ZeRO-3 style; False keeps params gathered until backward
     cpu_offload: bool = False       # keep sharded parameters, gradients and optimizer state on CPU

@@ -4,10 +4,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lingua.distributed import DistEnv, all_reduce_sum
 from lingua.errors import ConfigError
+from lingua.tensor_parallel import token_loss_sum  # noqa: F401  (the loss every caller uses)
 
 
 @dataclass
@@ -19,11 +19,6 @@ class EvalArgs:
 def validate_args(args: EvalArgs) -> None:
     if args.every < 0:
         raise ConfigError(f"eval.every={args.every} must be 0 (only at the end) or positive.")
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy in fp32 (the caller divides by the global token count)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
 
 @torch.no_grad()

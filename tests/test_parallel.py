@@ -84,3 +84,19 @@ def test_resharding_from_fsdp4_to_pipeline_x_fsdp(corpus, tmp_path, reference):
     resume_on_another_layout(corpus, tmp_path, reference,
                              ["distributed.pp=2", "distributed.dp_shard=2", "data.batch_size=4",
                               "distributed.pp_microbatches=2"])
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ["distributed.tp=2", "distributed.dp_shard=1", "data.batch_size=8"]),
+    (4, ["distributed.tp=2", "distributed.dp_shard=2", "data.batch_size=4"]),
+    (8, ["distributed.tp=2", "distributed.dp_shard=2", "distributed.pp=2", "data.batch_size=4",
+         "distributed.pp_microbatches=2"]),
+], ids=["tp2", "fsdp2_tp2", "fsdp2_tp2_pp2"])
+def test_tensor_parallel_layouts(corpus, tmp_path, reference, nproc, layout, ac):
+    check_layout(corpus, tmp_path, reference, nproc, layout, ac)
+
+
+def test_resharding_from_fsdp4_to_fsdp_x_tp(corpus, tmp_path, reference):
+    resume_on_another_layout(corpus, tmp_path, reference,
+                             ["distributed.tp=2", "distributed.dp_shard=2", "data.batch_size=4"])

@@ -8,10 +8,21 @@ checkpointing, compile, then FSDP (which must see the final module structure).
 
 from torch import nn
 
+from apps.llama.tp_plan import llama_tp_plans
 from lingua.distributed import DistEnv, DistributedArgs, apply_ac, apply_compile, apply_fsdp
+from lingua.tensor_parallel import apply_tp
+
+
+def uses_loss_parallel(args: DistributedArgs) -> bool:
+    # Vocabulary-sharded logits are DTensors; pipeline stages pass plain tensors, so with pp > 1
+    # the last stage gathers the logits instead.
+    return args.loss_parallel and args.tp > 1 and args.pp == 1
 
 
 def parallelize_llama(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn.Module:
+    if args.tp > 1:
+        root_plan, block_plan = llama_tp_plans(model, uses_loss_parallel(args))
+        apply_tp(model, env.mesh["tp"], root_plan, block_plan, model.layers.values(), args.async_tp)
     apply_ac(model.layers, args.ac, args.ac_every)
     if args.compile:
         apply_compile(model.layers)

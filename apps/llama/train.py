@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from apps.llama.model import LlamaArgs, Transformer, validate_model_args
-from apps.llama.parallelize import parallelize_llama
+from apps.llama.parallelize import parallelize_llama, uses_loss_parallel
+from apps.llama.tp_plan import validate_tp
 from lingua import checkpoint, config, data, distributed, evaluation, metrics, optim, pipeline
 from lingua.checkpoint import CheckpointArgs
 from lingua.data import DataArgs
@@ -24,6 +25,7 @@ from lingua.errors import ConfigError
 from lingua.evaluation import EvalArgs
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs
+from lingua.tensor_parallel import check_async_tp, loss_parallel_context
 from lingua.tokenizer import build_tokenizer
 from lingua.transformer import check_attn_backend
 
@@ -67,6 +69,8 @@ def validate(args: TrainArgs) -> None:
     pipeline.validate_pp(args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
                          d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings,
                          d.pp_split)
+    validate_tp(args.model, d.tp, args.data.seq_len)
+    check_async_tp(d.async_tp, "cuda" if torch.cuda.is_available() else "cpu", d.compile)
     checkpoint.validate_args(args.checkpoint)
     evaluation.validate_args(args.eval)
     # Resuming is only exact with the same model and the same data stream.
@@ -90,18 +94,23 @@ def train_step(parts, pipe, micro_batches, global_tokens: int, args: TrainArgs, 
     """Forward/backward over this rank's micro-batches. Returns this rank's share of the global
     mean loss (summed over the ranks that hold distinct tokens, it is the step's loss)."""
     share = torch.zeros((), dtype=torch.float64, device=env.device)
-    for batch in micro_batches:
-        if pipe is not None:
-            out = pipe.step(batch.tokens, batch.labels, doc_ids_of(batch, args))
-            share += 0 if out is None else out.double()
-            continue
-        with mixed_precision(args, env):
-            token_loss = loss_sum(parts[0], batch, args, env)
-        # Dividing by the global batch's token count (and summing gradients over ranks) makes the
-        # gradient that of the mean loss over the global batch, whatever the layout.
-        (token_loss / global_tokens).backward()
-        share += token_loss.detach().double() / global_tokens
+    with loss_parallel_context(uses_loss_parallel(args.distributed)):
+        for batch in micro_batches:
+            share += micro_step(parts, pipe, batch, global_tokens, args, env).double()
     return share
+
+
+def micro_step(parts, pipe, batch, global_tokens: int, args: TrainArgs, env) -> torch.Tensor:
+    """Forward/backward of one micro-batch; returns its contribution to the step's mean loss."""
+    if pipe is not None:
+        out = pipe.step(batch.tokens, batch.labels, doc_ids_of(batch, args))
+        return torch.zeros((), device=env.device) if out is None else out
+    with mixed_precision(args, env):
+        token_loss = loss_sum(parts[0], batch, args, env)
+    # Dividing by the global batch's token count (and summing gradients over ranks) makes the
+    # gradient that of the mean loss over the global batch, whatever the layout.
+    (token_loss / global_tokens).backward()
+    return token_loss.detach() / global_tokens
 
 
 def validation_loss(parts, pipe, batches, args: TrainArgs, env) -> dict:
@@ -112,7 +121,8 @@ def validation_loss(parts, pipe, batches, args: TrainArgs, env) -> dict:
     else:
         def batch_loss(batch):
             return loss_sum(parts[0], batch, args, env)
-    return evaluation.evaluate(parts, batches, env, batch_loss)
+    with loss_parallel_context(uses_loss_parallel(args.distributed)):
+        return evaluation.evaluate(parts, batches, env, batch_loss)
 
 
 def main(argv=None) -> int:
