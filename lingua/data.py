@@ -367,6 +367,15 @@ def _validate_memmap(args: DataArgs, root: Path) -> None:
                           f"but data.tokenizer.kind={args.tokenizer.kind}. Use the corpus's "
                           f"tokenizer (data.tokenizer.kind={saved['kind']}, path {saved.get('path')}) "
                           f"or prepare the corpus again with yours.")
+    if args.tokenizer.kind != "bytes":
+        # Same kind but another file would silently feed ids from another vocabulary; loading
+        # the tokenizer is the only sure check (a second or less for real tokenizer files).
+        vocab_size = build_tokenizer(args.tokenizer).vocab_size
+        if vocab_size != meta["vocab_size"]:
+            raise ConfigError(f"The corpus in {root} was tokenized with a vocabulary of "
+                              f"{meta['vocab_size']} ({saved['kind']} {saved.get('path')}), but "
+                              f"data.tokenizer.path={args.tokenizer.path} has {vocab_size}. Use "
+                              f"the corpus's tokenizer file or prepare the corpus again.")
     for split in ("train",) + (("val",) if args.val_sequences else ()):
         windows = TokenWindows(root, split, args.seq_len)  # checks the file size against meta
         if windows.n_windows < 1:

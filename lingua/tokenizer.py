@@ -3,11 +3,15 @@
 Every tokenizer loads from a local file: nothing is fetched from a hub at run time.
 """
 
+import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
 from lingua.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("bytes", "tiktoken", "sentencepiece", "hf")
 
@@ -99,8 +103,11 @@ class HFTokenizer(Tokenizer):
 
         self.model = HFTok.from_file(path)
         self.vocab_size = self.model.get_vocab_size(with_added_tokens=True)
-        self.bos_id = self._find(self.BOS_NAMES, path, "BOS")
-        self.eos_id = self._find(self.EOS_NAMES, path, "EOS")
+        # tokenizer.json does not say which token is BOS/EOS; the tokenizer_config.json saved
+        # beside it by transformers does, so it wins over the usual names.
+        config = _hf_special_tokens(Path(path).with_name("tokenizer_config.json"))
+        self.bos_id = self._find(config["bos_token"] + self.BOS_NAMES, path, "BOS")
+        self.eos_id = self._find(config["eos_token"] + self.EOS_NAMES, path, "EOS")
 
     def _find(self, names, path, what) -> int:
         for name in names:
@@ -115,6 +122,23 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids):
         return self.model.decode(list(ids), skip_special_tokens=True)
+
+
+def _hf_special_tokens(config_path: Path) -> dict:
+    """bos_token / eos_token of a transformers tokenizer_config.json, as 0- or 1-tuples."""
+    config = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError:
+            logger.warning("ignoring %s: not valid JSON", config_path)
+    out = {}
+    for key in ("bos_token", "eos_token"):
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, dict):  # the AddedToken form {"content": ...}
+            value = value.get("content")
+        out[key] = (value,) if isinstance(value, str) else ()
+    return out
 
 
 def check_tokenizer_args(args: TokenizerArgs) -> None:

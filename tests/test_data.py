@@ -242,6 +242,30 @@ def test_validate_tokenizer_mismatch(small, tmp_path):
     assert "hf" in str(err.value)
 
 
+def write_ranks(path, merges):
+    """A tiktoken ranks file: the 256 single bytes then `merges`."""
+    import base64
+
+    tokens = [bytes([i]) for i in range(256)] + merges
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
+    return path
+
+
+def test_validate_same_kind_other_vocabulary(tmp_path):
+    from lingua.tokenizer import build_tokenizer
+
+    used = TokenizerArgs("tiktoken", str(write_ranks(tmp_path / "a.tiktoken", [b"th", b"the"])))
+    root = tmp_path / "corpus"
+    write_memmap_corpus(root, {"train": iter(random_docs(40, 1)), "val": iter(random_docs(9, 2))},
+                        build_tokenizer(used), used, source="test")
+    assert json.loads((root / "meta.json").read_text())["vocab_size"] == 256 + 2 + 2
+    validate_data_args(margs(root, tokenizer=used, val_sequences=2))
+    other = write_ranks(tmp_path / "b.tiktoken", [b"th"])
+    with pytest.raises(ConfigError, match="vocabulary") as err:
+        validate_data_args(margs(root, tokenizer=TokenizerArgs("tiktoken", str(other))))
+    assert str(other) in str(err.value) and "260" in str(err.value)
+
+
 def test_validate_missing_and_empty_dir(tmp_path):
     missing = tmp_path / "missing"
     with pytest.raises(ConfigError, match=str(missing)):
@@ -530,3 +554,31 @@ def test_embedded_corpus_is_deterministic(corpus, tmp_path, prepare_data, capsys
     before = (out / "train.bin").stat().st_mtime_ns
     assert prepare_data.main(["embedded", "--out", str(out)]) == 0
     assert (out / "train.bin").stat().st_mtime_ns == before
+
+
+def test_ensure_embedded_corpus_loses_a_race_cleanly(tmp_path, monkeypatch):
+    import lingua.data as data
+
+    root = tmp_path / "data" / "embedded"
+
+    def build_while_another_process_wins(out):
+        # the other process finishes its build and renames it into place while we write ours
+        meta = write_memmap_corpus(out, {"train": iter(["ours"]), "val": iter(["x"])},
+                                   ByteTokenizer(), TokenizerArgs(), source="loser")
+        write_memmap_corpus(root, {"train": iter(["theirs"]), "val": iter(["y"])},
+                            ByteTokenizer(), TokenizerArgs(), source="winner")
+        return meta
+
+    monkeypatch.setattr(data, "build_embedded_corpus", build_while_another_process_wins)
+    assert data.ensure_embedded_corpus(root) == root
+    assert json.loads((root / "meta.json").read_text())["source"] == "winner"
+    assert sorted(p.name for p in root.parent.iterdir()) == ["embedded"]  # no temporary left
+    # a path that exists but is no corpus is an error naming it, not a silent success
+    junk = tmp_path / "junk"
+    (junk / "sub").mkdir(parents=True)
+    monkeypatch.setattr(data, "build_embedded_corpus",
+                        lambda out: write_memmap_corpus(out, {"train": iter(["a"])},
+                                                        ByteTokenizer(), TokenizerArgs(), "t"))
+    with pytest.raises(ConfigError, match=str(junk)):
+        data.ensure_embedded_corpus(junk)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "junk"]

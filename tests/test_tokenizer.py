@@ -158,6 +158,25 @@ def test_hf_round_trip(tmp_path):
     assert len(tok.encode(TEXTS[0])) - 2 < len(TEXTS[0])
 
 
+def test_hf_specials_from_tokenizer_config(tmp_path):
+    from tokenizers import Tokenizer
+
+    # <s> and </s> exist, but the config beside tokenizer.json names other tokens: it wins
+    path = train_hf(tmp_path, specials=("<s>", "</s>", "<|im_start|>", "<|im_end|>"))
+    ref = Tokenizer.from_file(str(path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>", "lstrip": False}}))
+    tok = build_tokenizer(TokenizerArgs("hf", str(path)))
+    assert tok.bos_id == ref.token_to_id("<|im_start|>") != ref.token_to_id("<s>")
+    assert tok.eos_id == ref.token_to_id("<|im_end|>") != ref.token_to_id("</s>")
+    assert tok.decode(tok.encode(TEXTS[1])) == TEXTS[1]
+    # a config naming no usable token (null, or a token the vocabulary lacks) falls back
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": "<nope>"}))
+    tok = build_tokenizer(TokenizerArgs("hf", str(path)))
+    assert (tok.bos_id, tok.eos_id) == (ref.token_to_id("<s>"), ref.token_to_id("</s>"))
+
+
 def test_hf_without_bos_is_rejected(tmp_path):
     path = train_hf(tmp_path, specials=("<pad>",))
     with pytest.raises(ConfigError, match="BOS"):
