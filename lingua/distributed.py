@@ -261,6 +261,8 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # Context parallelism's key/value all-gather: recomputing it would repeat the communication.
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
 }
 
 

@@ -100,3 +100,25 @@ def test_tensor_parallel_layouts(corpus, tmp_path, reference, nproc, layout, ac)
 def test_resharding_from_fsdp4_to_fsdp_x_tp(corpus, tmp_path, reference):
     resume_on_another_layout(corpus, tmp_path, reference,
                              ["distributed.tp=2", "distributed.dp_shard=2", "data.batch_size=4"])
+
+
+@pytest.mark.parametrize("ac", ["none", "op"])
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ["distributed.cp=2", "distributed.dp_shard=1", "data.batch_size=8"]),
+    (4, ["distributed.cp=2", "distributed.tp=2", "distributed.dp_shard=1", "data.batch_size=8"]),
+    (8, ["distributed.cp=2", "distributed.tp=2", "distributed.dp_shard=2", "data.batch_size=4"]),
+], ids=["cp2", "cp2_tp2", "fsdp2_cp2_tp2"])
+def test_context_parallel_layouts(corpus, tmp_path, reference, nproc, layout, ac):
+    check_layout(corpus, tmp_path, reference, nproc, layout, ac)
+
+
+def test_context_parallel_with_document_masking(corpus, tmp_path):
+    """Block-causal attention (no attention across documents) under cp=2 against one process."""
+    one = tmp_path / "one"
+    train.main(tiny_args(corpus, one, "data.batch_size=8", "model.attn_mask=block_causal", steps=3))
+    two = tmp_path / "two"
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, two, "data.batch_size=8", "distributed.cp=2",
+                                                  "distributed.dp_shard=1", "model.attn_mask=block_causal",
+                                                  steps=3))
+    for got, want in zip(read_metrics(two), read_metrics(one)):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)

@@ -7,6 +7,7 @@ Reads top to bottom: config, processes, model, optimizer, data, resume, loop.
 import contextlib
 import gc
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from apps.llama.parallelize import parallelize_llama, uses_loss_parallel
 from apps.llama.tp_plan import validate_tp
 from lingua import checkpoint, config, data, distributed, evaluation, metrics, optim, pipeline
 from lingua.checkpoint import CheckpointArgs
+from lingua.context_parallel import cp_batch, validate_cp
 from lingua.data import DataArgs
 from lingua.distributed import DistributedArgs
 from lingua.errors import ConfigError
@@ -70,6 +72,8 @@ def validate(args: TrainArgs) -> None:
                          d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings,
                          d.pp_split)
     validate_tp(args.model, d.tp, args.data.seq_len)
+    validate_cp(args.data.seq_len, d.cp, d.tp, d.cp_backend,
+                "cuda" if torch.cuda.is_available() else "cpu", args.model.attn_mask == "block_causal")
     check_async_tp(d.async_tp, "cuda" if torch.cuda.is_available() else "cpu", d.compile)
     checkpoint.validate_args(args.checkpoint)
     evaluation.validate_args(args.eval)
@@ -83,11 +87,25 @@ def doc_ids_of(batch, args: TrainArgs):
     return batch.doc_ids if args.model.attn_mask == "block_causal" else None
 
 
-def loss_sum(model, batch, args: TrainArgs, env) -> torch.Tensor:
-    """Summed token cross-entropy of one micro-batch through a whole (unpipelined) model."""
+@contextlib.contextmanager
+def sequence_shard(parts, batch, args: TrainArgs, env):
+    """This rank's (tokens, labels, doc_ids, positions) of a micro-batch. With context
+    parallelism each rank keeps a head and a tail chunk of the sequence, and the attention
+    context (global positions, document ids) is set for the forward and backward inside."""
+    tokens, labels = batch.tokens.to(env.device), batch.labels.to(env.device)
     doc_ids = doc_ids_of(batch, args)
-    logits = model(batch.tokens.to(env.device), None if doc_ids is None else doc_ids.to(env.device))
-    return evaluation.token_loss_sum(logits, batch.labels.to(env.device))
+    doc_ids = None if doc_ids is None else doc_ids.to(env.device)
+    if args.distributed.cp == 1:
+        yield tokens, labels, doc_ids, None
+        return
+    with cp_batch(parts, tokens, labels, doc_ids) as local:
+        # The CP attention masks by document itself, from the full-sequence ids it was given.
+        yield local.tokens, local.labels, None, local.positions
+
+
+def loss_sum(model, tokens, labels, doc_ids, positions) -> torch.Tensor:
+    """Summed token cross-entropy of one micro-batch through a whole (unpipelined) model."""
+    return evaluation.token_loss_sum(model(tokens, doc_ids, positions=positions), labels)
 
 
 def train_step(parts, pipe, micro_batches, global_tokens: int, args: TrainArgs, env) -> torch.Tensor:
@@ -96,31 +114,29 @@ def train_step(parts, pipe, micro_batches, global_tokens: int, args: TrainArgs, 
     share = torch.zeros((), dtype=torch.float64, device=env.device)
     with loss_parallel_context(uses_loss_parallel(args.distributed)):
         for batch in micro_batches:
-            share += micro_step(parts, pipe, batch, global_tokens, args, env).double()
+            with sequence_shard(parts, batch, args, env) as (tokens, labels, doc_ids, positions):
+                if pipe is not None:
+                    out = pipe.step(tokens, labels, doc_ids)
+                    share += 0.0 if out is None else out.double()
+                    continue
+                with mixed_precision(args, env):
+                    token_loss = loss_sum(parts[0], tokens, labels, doc_ids, positions)
+                # Dividing by the global batch's token count (and summing gradients over ranks)
+                # makes the gradient that of the mean loss over the global batch, whatever the
+                # layout.
+                (token_loss / global_tokens).backward()
+                share += token_loss.detach().double() / global_tokens
     return share
 
 
-def micro_step(parts, pipe, batch, global_tokens: int, args: TrainArgs, env) -> torch.Tensor:
-    """Forward/backward of one micro-batch; returns its contribution to the step's mean loss."""
-    if pipe is not None:
-        out = pipe.step(batch.tokens, batch.labels, doc_ids_of(batch, args))
-        return torch.zeros((), device=env.device) if out is None else out
-    with mixed_precision(args, env):
-        token_loss = loss_sum(parts[0], batch, args, env)
-    # Dividing by the global batch's token count (and summing gradients over ranks) makes the
-    # gradient that of the mean loss over the global batch, whatever the layout.
-    (token_loss / global_tokens).backward()
-    return token_loss.detach() / global_tokens
-
-
 def validation_loss(parts, pipe, batches, args: TrainArgs, env) -> dict:
-    if pipe is not None:
-        def batch_loss(batch):
-            return pipe.eval_loss(batch.tokens, batch.labels, doc_ids_of(batch, args),
-                                  loss_fn=evaluation.token_loss_sum)
-    else:
-        def batch_loss(batch):
-            return loss_sum(parts[0], batch, args, env)
+    def batch_loss(batch):
+        with sequence_shard(parts, batch, args, env) as (tokens, labels, doc_ids, positions):
+            if pipe is not None:
+                return pipe.eval_loss(tokens, labels, doc_ids, loss_fn=evaluation.token_loss_sum)
+            with mixed_precision(args, env):
+                return loss_sum(parts[0], tokens, labels, doc_ids, positions)
+
     with loss_parallel_context(uses_loss_parallel(args.distributed)):
         return evaluation.evaluate(parts, batches, env, batch_loss)
 
@@ -289,7 +305,13 @@ def mixed_precision(args: TrainArgs, env):
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        code = main()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    # Leave without running interpreter teardown: with gloo, a collective's worker thread can
+    # still be joinable at exit and abort the process ("terminate called without an active
+    # exception") after all work is done and saved, turning a finished run into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

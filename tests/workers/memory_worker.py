@@ -4,6 +4,7 @@ Run under torchrun with the trainer's overrides; rank 0 writes {"rank": bytes...
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -46,3 +47,4 @@ def main(out_path, argv):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
+    os._exit(0)  # as apps/llama/train.py: gloo worker threads can abort a clean exit
