@@ -93,3 +93,22 @@ def test_cli_error_is_one_paragraph_without_traceback_and_touches_nothing(corpus
     assert not dump.exists()
     # Hydra must not have made an outputs/ directory or changed the working directory.
     assert not (REPO / "outputs").exists()
+
+
+@pytest.mark.parametrize("world,overrides,needle", [
+    (2, ["distributed.tp=3", "distributed.dp_shard=1"], r"dp_shard=1 x cp=1 x tp=3 x pp=1 = 3, but 2"),
+    (3, ["distributed.tp=3", "distributed.dp_shard=1"], r"n_heads=4.*tp=3|tp=3.*n_heads=4"),
+    (2, ["distributed.tp=2", "distributed.dp_shard=1", "model.n_kv_heads=1"], r"n_kv_heads=1"),
+    (4, ["distributed.cp=2", "distributed.tp=2", "distributed.dp_shard=1", "data.seq_len=36"], r"36.*2 x cp x tp|2\*cp\*tp|8"),
+    (4, ["distributed.pp=4", "distributed.dp_shard=1"], r"4 pipeline stages|more stages|stages.*2 layers|2 layers"),
+    (2, ["distributed.pp=2", "distributed.dp_shard=1", "distributed.pp_microbatches=3"], r"pp_microbatches=3|3 micro"),
+    (2, ["distributed.pp=2", "distributed.dp_shard=1", "distributed.pp_schedule=Zigzag"], r"Zigzag"),
+    (2, ["distributed.tp=2", "distributed.dp_shard=1", "model.tie_embeddings=true"], r"tie_embeddings"),
+    (1, ["distributed.async_tp=true"], r"async"),
+])
+def test_impossible_parallel_layouts_are_refused_before_any_work(corpus, tmp_path, monkeypatch, world,
+                                                                overrides, needle):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError, match=needle):
+        load(tiny_args(corpus, tmp_path / "run", *overrides))
+    assert not (tmp_path / "run").exists()

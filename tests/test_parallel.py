@@ -122,3 +122,13 @@ def test_context_parallel_with_document_masking(corpus, tmp_path):
                                                   steps=3))
     for got, want in zip(read_metrics(two), read_metrics(one)):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("ac", ["full"])
+def test_fsdp4_with_ac(corpus, tmp_path, reference, ac):
+    check_layout(corpus, tmp_path, reference, 4, ["distributed.dp_shard=4", "data.batch_size=2"], ac)
+
+
+def test_compile_composes_with_fsdp(corpus, tmp_path, reference):
+    check_layout(corpus, tmp_path, reference, 2,
+                 ["distributed.dp_shard=2", "data.batch_size=4", "distributed.compile=true"], "none")
