@@ -16,72 +16,18 @@ from torch import nn
 
 from lingua.errors import ConfigError
 from lingua.transformer import (
-    ATTN_BACKENDS, Attention, FeedForward, KVCache, RMSNorm, check_attn_backend, ffn_hidden_dim,
+    Attention, TransformerArgs, validate_transformer_args, FeedForward, KVCache, RMSNorm, check_attn_backend, ffn_hidden_dim,
     make_attn_mask, rope_cos_sin, rope_inv_freq,
 )
 
 
 @dataclass
-class LlamaArgs:
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: Optional[int] = None      # None -> n_heads (grouped-query attention when smaller)
-    vocab_size: int = 258                 # bytes tokenizer: 256 bytes + BOS(256) + EOS(257)
-    multiple_of: int = 256
-    ffn_dim_multiplier: Optional[float] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: bool = False            # Llama 3.1 frequency scaling
-    rope_scale_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
-    max_seq_len: int = 4096
-    tie_embeddings: bool = False
-    attn_backend: str = "sdpa"            # sdpa | flex | xformers
-    attn_mask: str = "causal"             # causal | block_causal (no attention across documents)
-    init_std: float = 0.02
-    depth_init: bool = True               # scale output-projection init by depth
+class LlamaArgs(TransformerArgs):
+    """LLaMA needs nothing beyond the shared decoder shape (lingua.transformer.TransformerArgs)."""
 
 
 def validate_model_args(args: LlamaArgs) -> None:
-    """Cheap checks, before any process group or allocation; raises ConfigError."""
-    for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"model.{name}={getattr(args, name)} must be a positive integer.")
-    if args.n_kv_heads is not None and args.n_kv_heads <= 0:
-        raise ConfigError(f"model.n_kv_heads={args.n_kv_heads} must be positive (or null for n_heads).")
-    if args.init_std <= 0 or args.norm_eps <= 0 or args.rope_theta <= 0:
-        raise ConfigError("model.init_std, model.norm_eps and model.rope_theta must be positive.")
-    if args.dim % args.n_heads:
-        raise ConfigError(
-            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}: each head gets "
-            "dim / n_heads channels. Pick n_heads dividing dim (e.g. dim=256 with n_heads=8)."
-        )
-    n_kv = args.n_kv_heads or args.n_heads
-    if args.n_heads % n_kv:
-        raise ConfigError(
-            f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={n_kv}: in grouped-query "
-            "attention each key/value head serves the same number of query heads. Set n_kv_heads to a "
-            f"divisor of {args.n_heads}."
-        )
-    if (args.dim // args.n_heads) % 2:
-        raise ConfigError(
-            f"head_dim = model.dim / model.n_heads = {args.dim // args.n_heads} is odd; RoPE rotates "
-            "channel pairs, so it must be even. Change dim or n_heads."
-        )
-    if args.attn_backend not in ATTN_BACKENDS:
-        raise ConfigError(
-            f"model.attn_backend={args.attn_backend!r} is not one of {', '.join(ATTN_BACKENDS)}."
-        )
-    if args.attn_mask not in ("causal", "block_causal"):
-        raise ConfigError(f"model.attn_mask={args.attn_mask!r} is not one of causal, block_causal.")
-    if args.rope_scaling and args.rope_high_freq_factor <= args.rope_low_freq_factor:
-        raise ConfigError(
-            f"model.rope_high_freq_factor={args.rope_high_freq_factor} must exceed "
-            f"model.rope_low_freq_factor={args.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)."
-        )
+    validate_transformer_args(args)
 
 
 class TransformerBlock(nn.Module):
