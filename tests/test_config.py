@@ -96,7 +96,7 @@ def test_cli_error_is_one_paragraph_without_traceback_and_touches_nothing(corpus
 
 
 @pytest.mark.parametrize("world,overrides,needle", [
-    (2, ["distributed.tp=3", "distributed.dp_shard=1"], r"dp_shard=1 x cp=1 x tp=3 x pp=1 = 3, but 2"),
+    (3, ["distributed.tp=2", "distributed.dp_shard=1"], r"dp_shard=1 x cp=1 x tp=2 x pp=1 = 2, but 3"),
     (3, ["distributed.tp=3", "distributed.dp_shard=1"], r"n_heads=4.*tp=3|tp=3.*n_heads=4"),
     (2, ["distributed.tp=2", "distributed.dp_shard=1", "model.n_kv_heads=1"], r"n_kv_heads=1"),
     (4, ["distributed.cp=2", "distributed.tp=2", "distributed.dp_shard=1", "data.seq_len=36"], r"36.*2 x cp x tp|2\*cp\*tp|8"),

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from apps.llama import train
-from lingua import config, data, distributed, optim
+from lingua import config, distributed, optim, trainer
 
 
 def local_bytes(tensors) -> int:
@@ -24,13 +24,11 @@ def local_bytes(tensors) -> int:
 def main(out_path, argv):
     args = config.load("llama", train.TrainArgs, argv, train.validate)
     env = distributed.init(args.distributed)
-    torch.manual_seed(args.seed)
-    parts, _ = train.build_model_parts(args, env)
+    parts, stage_ids = trainer.build_model_parts(args, env, train.APP)
     model = parts[0]
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
-    loader = data.build_train_loader(args.data, env.dp_rank, env.dp_size, args.seed)
-    tokens = args.data.batch_size * env.dp_size * args.data.seq_len
-    train.train_step(parts, None, loader.next_step(), tokens, args, env)
+    run = trainer.Run(args, env, train.APP, parts, stage_ids, optimizers)
+    run.train_step(run.train_loader.next_step())
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     optimizers.optimizers[0].step()
     states = [v for s in optimizers.optimizers[0].state.values() for v in s.values()

@@ -1,0 +1,355 @@
+"""The training loop every app shares: an app describes its model (an `App`), this does the rest.
+
+An app's train.py reads top to bottom like a script and calls these functions in order:
+    args = config.load(...)                       # schema + checks, before any work
+    env = distributed.init(args.distributed)      # process group and mesh
+    start_run(args, env)                          # logging, corpus on first use, config.yaml
+    parts, stage_ids = build_model_parts(args, env, app)
+    optimizers = optim.Optimizers(parts, ...)
+    run = Run(args, env, app, parts, stage_ids, optimizers)   # data, pipeline, resume
+    run.train()                                   # the loop: step, log, evaluate, checkpoint
+What differs between apps (the model class, its parallelization plan, its checks, extra metrics
+or a per-step update such as MoE's expert bias) comes in through `App`, so a fork copies only
+what it changes and fixes to the loop reach every app.
+"""
+
+import contextlib
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from lingua import checkpoint, config, data, distributed, evaluation, metrics, optim, pipeline
+from lingua.checkpoint import CheckpointArgs
+from lingua.context_parallel import cp_batch, validate_cp
+from lingua.data import DataArgs
+from lingua.distributed import DistEnv, DistributedArgs
+from lingua.errors import ConfigError
+from lingua.evaluation import EvalArgs
+from lingua.metrics import LoggingArgs
+from lingua.optim import OptimArgs
+from lingua.tensor_parallel import check_async_tp, loss_parallel_context
+from lingua.tokenizer import build_tokenizer
+from lingua.transformer import check_attn_backend
+
+logger = logging.getLogger("train")
+
+
+@dataclass
+class BaseTrainArgs:
+    """Everything but the model; an app's TrainArgs adds `model` with its own model args."""
+    dump_dir: str = "runs/debug"
+    steps: int = 100
+    seed: int = 42
+    gc_every: int = 50              # collect garbage every N steps (automatic GC is off: it stalls)
+    data: DataArgs = field(default_factory=DataArgs)
+    optim: OptimArgs = field(default_factory=OptimArgs)
+    distributed: DistributedArgs = field(default_factory=DistributedArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    logging: LoggingArgs = field(default_factory=LoggingArgs)
+
+
+@dataclass
+class App:
+    """What an app tells the shared trainer about its model."""
+    model_class: Callable                         # model_class(args.model), on any device
+    parallelize: Callable                         # (part, env, distributed args) -> part
+    validate_model: Callable                      # (train args) -> None, raises ConfigError
+    loss_parallel: Callable                       # (distributed args) -> bool
+    load_hf: Optional[Callable] = None            # (path) -> (model, model args)
+    flops_per_token: Optional[Callable] = None    # (train args) -> float; default: 6N + attention
+    after_step: Optional[Callable] = None         # (parts, env) after each optimizer step
+    step_metrics: Optional[Callable] = None       # (parts) -> dict of extra logged values
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def validate(args, app: App) -> None:
+    """Every check that needs no process group, device or write: runs before any work starts."""
+    config.check_positive(args, "", ["steps"])
+    app.validate_model(args)
+    check_attn_backend(args.model.attn_backend, device_type())
+    data.validate_data_args(args.data)
+    vocab = build_tokenizer(args.data.tokenizer).vocab_size
+    config.require(vocab <= args.model.vocab_size,
+                   f"The tokenizer ({args.data.tokenizer.kind}) has {vocab} tokens but "
+                   f"model.vocab_size={args.model.vocab_size}. Set model.vocab_size={vocab} or more.")
+    config.require(args.data.seq_len <= args.model.max_seq_len,
+                   f"data.seq_len={args.data.seq_len} is longer than model.max_seq_len="
+                   f"{args.model.max_seq_len}. Raise model.max_seq_len or shorten data.seq_len.")
+    optim.validate_args(args.optim, args.steps)
+    distributed.validate_args(args.distributed)
+    d = args.distributed
+    pipeline.validate_pp(args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
+                         d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings,
+                         d.pp_split)
+    validate_cp(args.data.seq_len, d.cp, d.tp, d.cp_backend, device_type(),
+                args.model.attn_mask == "block_causal")
+    check_async_tp(d.async_tp, device_type(), d.compile)
+    checkpoint.validate_args(args.checkpoint)
+    evaluation.validate_args(args.eval)
+    # Resuming is only exact with the same model and the same data stream.
+    checkpoint.check_resume_compatible(args.dump_dir, config.to_dict(args),
+                                       ("model", "seed", "data.format", "data.seq_len"))
+
+
+def start_run(args, env: DistEnv) -> None:
+    """Logging, automatic GC off, the embedded corpus on first use, and the run's config.yaml."""
+    metrics.setup_logging(env.rank)
+    gc.disable()
+    if args.data.prepare_embedded:
+        if env.local_rank == 0:
+            data.ensure_embedded_corpus(args.data.root)
+        distributed.barrier(env)
+    if env.is_main:
+        Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
+        config.dump(args, Path(args.dump_dir) / "config.yaml")
+
+
+def build_model_parts(args, env: DistEnv, app: App) -> tuple:
+    """The parts of the model this rank holds (one, or its pipeline stages), parallelized and
+    with weights: from a Hugging Face directory or freshly initialised from the seed."""
+    torch.manual_seed(args.seed)
+    if args.checkpoint.init_from:
+        model = load_init_from(args, app)
+    else:
+        with torch.device("meta"):
+            model = app.model_class(args.model)
+        if env.device.type == "cpu":
+            # On CPU we initialise the full model on every rank before splitting and sharding:
+            # the same seed then gives the same weights for every layout (a sharded random init
+            # would not, on CPU, and each pipeline stage would draw different numbers).
+            model.to_empty(device="cpu")
+            model.init_weights()
+    stage_ids, parts = [0], [model]
+    if env.dims.pp > 1:
+        d = args.distributed
+        stage_ids = pipeline.stage_ids_of_rank(env.local_rank_in("pp"), d.pp, d.pp_virtual_stages,
+                                               d.pp_schedule)
+        n_stages = d.pp * d.pp_virtual_stages
+        layers = pipeline.stage_layer_ids(args.model.n_layers, n_stages, d.pp_split)
+        parts = [pipeline.split_model(model, layers[s], s == 0, s == n_stages - 1)
+                 for s in stage_ids]
+        del model
+    parts = [app.parallelize(part, env, args.distributed) for part in parts]
+    if next(parts[0].parameters()).device.type == "meta":  # CUDA: initialise after sharding
+        for part in parts:
+            part.to_empty(device=env.device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=env.device)
+    n_params = sum(p.numel() for part in parts for p in part.parameters())
+    logger.info("model: %.2fM parameters on this rank's %d part(s)", n_params / 1e6, len(parts))
+    return parts, stage_ids
+
+
+def load_init_from(args, app: App):
+    hf_model, hf_args = app.load_hf(args.checkpoint.init_from)
+    # Only what fixes the weights' shapes and meaning must agree; backends, masks and init
+    # settings are the run's own choice.
+    runtime = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
+    ours, theirs = config.to_dict(args.model), config.to_dict(hf_args)
+    differing = {k: (ours[k], theirs.get(k)) for k in ours
+                 if k not in runtime and ours[k] != theirs.get(k)}
+    config.require(not differing,
+                   f"checkpoint.init_from={args.checkpoint.init_from} holds a model that differs "
+                   f"from model.* in (ours, theirs): {differing}. Set those model.* keys to "
+                   f"the checkpoint's values.")
+    model = app.model_class(args.model)  # our runtime choices, their weights
+    model.load_state_dict(hf_model.state_dict())
+    return model
+
+
+def mixed_precision(args, env: DistEnv):
+    """bf16 compute with fp32 master weights: FSDP casts when sharded, autocast in one process."""
+    if args.distributed.model_dtype == "bf16" and env.world_size == 1:
+        return torch.autocast(env.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def doc_ids_of(batch, args):
+    # Document ids cost a mask per forward: pass them only when the model masks by document.
+    return batch.doc_ids if args.model.attn_mask == "block_causal" else None
+
+
+@contextlib.contextmanager
+def sequence_shard(parts, batch, args, env: DistEnv):
+    """This rank's (tokens, labels, doc_ids, positions) of a micro-batch. With context
+    parallelism each rank keeps a head and a tail chunk of the sequence, and the attention
+    context (global positions, document ids) is set for the forward and backward inside."""
+    tokens, labels = batch.tokens.to(env.device), batch.labels.to(env.device)
+    doc_ids = doc_ids_of(batch, args)
+    doc_ids = None if doc_ids is None else doc_ids.to(env.device)
+    if args.distributed.cp == 1:
+        yield tokens, labels, doc_ids, None
+        return
+    with cp_batch(parts, tokens, labels, doc_ids) as local:
+        # The CP attention masks by document itself, from the full-sequence ids it was given.
+        yield local.tokens, local.labels, None, local.positions
+
+
+def loss_sum(model, tokens, labels, doc_ids, positions) -> torch.Tensor:
+    """Summed token cross-entropy of one micro-batch through a whole (unpipelined) model."""
+    return evaluation.token_loss_sum(model(tokens, doc_ids, positions=positions), labels)
+
+
+class Run:
+    """One training run's state: model parts, optimizers, data, pipeline, logging, position."""
+
+    def __init__(self, args, env: DistEnv, app: App, parts: list, stage_ids: list,
+                 optimizers: optim.Optimizers):
+        self.args, self.env, self.app = args, env, app
+        self.parts, self.optimizers = parts, optimizers
+        self.dump_dir = Path(args.dump_dir)
+        self.loss_parallel = app.loss_parallel(args.distributed)
+        self.train_loader = data.build_train_loader(args.data, env.dp_rank, env.dp_size, args.seed)
+        self.val_batches = data.build_val_batches(args.data, env.dp_rank, env.dp_size)
+        self.global_batch = args.data.batch_size * env.dp_size * args.data.grad_accum
+        self.global_tokens = self.global_batch * args.data.seq_len
+        self.pipe = self._build_pipeline(stage_ids)
+        self.step = self._resume()
+
+    def _build_pipeline(self, stage_ids):
+        d = self.args.distributed
+        if d.pp == 1:
+            return None
+
+        def loss_fn(logits, labels):
+            return evaluation.token_loss_sum(logits, labels) / self.global_tokens
+
+        n_microbatches = d.pp_microbatches or pipeline.default_microbatches(d.pp, d.pp_virtual_stages)
+        return pipeline.build_schedule(self.parts, stage_ids, d.pp * d.pp_virtual_stages,
+                                       self.env.mesh["pp"], self.env.device, d.pp_schedule,
+                                       n_microbatches, loss_fn)
+
+    def _resume(self) -> int:
+        resume_from = checkpoint.newest(self.dump_dir)
+        if resume_from is None:
+            return 0
+        state = checkpoint.load(resume_from, self.parts, self.optimizers.optimizers,
+                                self.env.rank, self.env.world_size)
+        self.train_loader.load_state_dict(state["data"])
+        self.optimizers.load_scheduler_state(state["scheduler"])
+        return state["step"]
+
+    def train_step(self, micro_batches) -> torch.Tensor:
+        """Forward/backward over this rank's micro-batches. Returns this rank's share of the
+        global mean loss (summed over the ranks that hold distinct tokens, it is the loss)."""
+        args, env = self.args, self.env
+        share = torch.zeros((), dtype=torch.float64, device=env.device)
+        with loss_parallel_context(self.loss_parallel):
+            for batch in micro_batches:
+                with sequence_shard(self.parts, batch, args, env) as (tokens, labels, doc_ids, positions):
+                    if self.pipe is not None:
+                        out = self.pipe.step(tokens, labels, doc_ids)
+                        share += 0.0 if out is None else out.double()
+                        continue
+                    with mixed_precision(args, env):
+                        token_loss = loss_sum(self.parts[0], tokens, labels, doc_ids, positions)
+                    # Dividing by the global batch's token count (and summing gradients over
+                    # ranks) makes the gradient that of the mean loss over the global batch,
+                    # whatever the layout.
+                    (token_loss / self.global_tokens).backward()
+                    share += token_loss.detach().double() / self.global_tokens
+        return share
+
+    def validation_loss(self) -> dict:
+        args, env = self.args, self.env
+
+        def batch_loss(batch):
+            with sequence_shard(self.parts, batch, args, env) as (tokens, labels, doc_ids, positions):
+                if self.pipe is not None:
+                    return self.pipe.eval_loss(tokens, labels, doc_ids,
+                                               loss_fn=evaluation.token_loss_sum)
+                with mixed_precision(args, env):
+                    return loss_sum(self.parts[0], tokens, labels, doc_ids, positions)
+
+        with loss_parallel_context(self.loss_parallel):
+            return evaluation.evaluate(self.parts, self.val_batches, env, batch_loss)
+
+    def _flops_per_token(self) -> float:
+        if self.app.flops_per_token is not None:
+            return self.app.flops_per_token(self.args)
+        m = self.args.model
+        with torch.device("meta"):  # FLOPs of the whole model, whatever this rank holds
+            return metrics.flops_per_token(self.app.model_class(m), m.n_layers, m.dim,
+                                           self.args.data.seq_len, m.tie_embeddings)
+
+    def train(self) -> None:
+        args, env, app = self.args, self.env, self.app
+        flops_per_token = self._flops_per_token()
+        peak = metrics.peak_flops(env.device, args.distributed.model_dtype)
+        log = metrics.MetricLogger(self.dump_dir, args.logging, config.to_dict(args), env.is_main,
+                                   self.step)
+        config_yaml = config.to_yaml(args)
+        window = metrics.Window()
+        pp_group = env.mesh["pp"].get_group() if env.dims.pp > 1 else None
+        logger.info("training steps %d -> %d, global batch %d x %d tokens", self.step, args.steps,
+                    self.global_batch, args.data.seq_len)
+        while self.step < args.steps:
+            t0 = time.perf_counter()
+            micro_batches = self.train_loader.next_step()
+            t_data = time.perf_counter() - t0
+            loss_share = self.train_step(micro_batches)
+            grad_norm = optim.clip_grad_norm(self.parts, args.optim.clip, pp_group)
+            lr = self.optimizers.lr
+            self.optimizers.step()
+            if app.after_step is not None:
+                app.after_step(self.parts, env)
+            self.step += 1
+            if args.gc_every > 0 and self.step % args.gc_every == 0:
+                gc.collect(1)
+
+            window.add(time.perf_counter() - t0, t_data, self.global_tokens)
+            last = self.step == args.steps
+            if self.step % args.logging.every == 0 or last:
+                tokens_per_s = window.tokens_per_s()
+                row = {"step": self.step, "loss": distributed.all_reduce_sum(loss_share, env).item(),
+                       "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
+                       "mfu": flops_per_token * tokens_per_s / env.world_size / peak,
+                       "data_s": window.data_s(), "step_s": window.step_s(),
+                       "peak_mem_gib": metrics.peak_memory_gib(env.device),
+                       "skipped_lines": self.train_loader.skipped_lines}
+                if app.step_metrics is not None:
+                    row.update(app.step_metrics(self.parts))
+                if (args.eval.every and self.step % args.eval.every == 0) or (last and args.eval.at_end):
+                    row.update(self.validation_loss())
+                window.reset()
+                log.log(row)
+                if env.is_main:
+                    logger.info(metrics.format_line(row))
+            if (args.checkpoint.every and self.step % args.checkpoint.every == 0) or (
+                    last and args.checkpoint.save_final):
+                train_state = {"step": self.step, "data": self.train_loader.state_dict(),
+                               "scheduler": self.optimizers.scheduler_state()}
+                checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
+                                train_state, config_yaml, env.rank, env.world_size,
+                                args.checkpoint.keep)
+        log.close()
+        if env.is_main:
+            logger.info("done: run directory %s (config.yaml, metrics.jsonl, checkpoints/)",
+                        self.dump_dir.resolve())
+
+
+def exit_cli(main: Callable) -> None:
+    """Run an app's main() as a command: a ConfigError prints its paragraph and exits 2."""
+    import os
+    import sys
+
+    try:
+        code = main()
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    # Leave without running interpreter teardown: with gloo, a collective's worker thread can
+    # still be joinable at exit and abort the process ("terminate called without an active
+    # exception") after all work is done and saved, turning a finished run into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
