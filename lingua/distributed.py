@@ -29,6 +29,7 @@ class DistributedArgs:
     tp: int = 1                     # tensor (+ sequence) parallel degree
     pp: int = 1                     # pipeline stages across ranks
     cp: int = 1                     # context parallel degree (sequence sharded across ranks)
+    ep: int = 1                     # expert parallel degree (MoE apps; borrows dp_shard x cp ranks)
     pp_schedule: str = "1F1B"       # GPipe | 1F1B | Interleaved1F1B | ... (lingua/pipeline.py)
     pp_microbatches: int = 0        # micro-batches per pipeline step; 0 = one per stage
     pp_virtual_stages: int = 1      # stages per pipeline rank (>1 for interleaved schedules)

@@ -25,6 +25,8 @@ config.register_schema("llama_schema", TrainArgs)
 def validate_llama(args: TrainArgs) -> None:
     validate_model_args(args.model)
     validate_tp(args.model, args.distributed.tp, args.data.seq_len)
+    config.require(args.distributed.ep == 1, f"distributed.ep={args.distributed.ep}: LLaMA has no "
+                                             f"experts to shard. Remove distributed.ep.")
 
 
 APP = trainer.App(model_class=Transformer, parallelize=parallelize_llama,

@@ -1,0 +1,22 @@
+"""How the MoE model is parallelized: the same order and generic functions as apps/llama, with
+the experts inside each block's FSDP unit."""
+
+from torch import nn
+
+from lingua.context_parallel import apply_cp
+from lingua.distributed import DistEnv, DistributedArgs, apply_ac, apply_compile, apply_fsdp
+
+
+def parallelize_moe(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn.Module:
+    if args.cp > 1:
+        apply_cp(model, env.mesh["cp"], args.cp_backend)
+    apply_ac(model.layers, args.ac, args.ac_every)
+    if args.compile:
+        apply_compile(model.layers)
+    if env.world_size > 1 and env.dims.dp_replicate * env.dims.fsdp > 1:
+        apply_fsdp(model, list(model.layers.values()), env, args)
+    return model
+
+
+def uses_loss_parallel(args: DistributedArgs) -> bool:
+    return False  # no tensor parallelism in this app yet

@@ -1,0 +1,105 @@
+"""Train a mixture-of-experts LLaMA: `python -m apps.moe.train [config=PRESET] [key=value ...]`.
+
+The same loop as apps/llama (lingua/trainer.py); what is MoE's: the model, its checks, FLOPs
+counted over active parameters only, balancing over the global batch (router token counts summed
+over the data- and context-parallel ranks), the aux-loss-free bias update after each step, and
+per-layer routing metrics.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from apps.moe.hf import load_hf
+from apps.moe.model import MoEArgs, Transformer, validate_moe_args
+from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
+from lingua import config, distributed, optim, trainer
+from lingua.moe import active_params_per_token, moe_layers, update_expert_bias
+
+
+@dataclass
+class TrainArgs(trainer.BaseTrainArgs):
+    model: MoEArgs = field(default_factory=MoEArgs)
+
+
+config.register_schema("moe_schema", TrainArgs)
+
+
+def validate_moe(args: TrainArgs) -> None:
+    validate_moe_args(args.model)
+    d = args.distributed
+    config.require(d.tp == 1, f"distributed.tp={d.tp}: tensor parallelism of MoE blocks is not "
+                              f"implemented in apps/moe yet. Use dp_shard, dp_replicate, pp or cp.")
+    config.require(d.ep == 1, f"distributed.ep={d.ep}: expert parallelism is not wired into "
+                              f"apps/moe yet. Use distributed.ep=1 (experts sharded by FSDP).")
+
+
+def flops_per_token(args: TrainArgs) -> float:
+    """6 x active matmul parameters (top_k routed + shared experts, attention, dense layers,
+    output) + attention's 12 x layers x dim x seq_len: a token does not pay for idle experts."""
+    m = args.model
+    with torch.device("meta"):
+        active = active_params_per_token(Transformer(m))
+    if m.tie_embeddings:
+        active += m.vocab_size * m.dim
+    return 6.0 * active + 12.0 * m.n_layers * m.dim * args.data.seq_len
+
+
+def after_step(parts, env) -> None:
+    rate = parts[0].args.bias_update_rate
+    if rate > 0:
+        update_expert_bias([m for part in parts for m in moe_layers(part)], rate)
+
+
+def step_metrics(parts) -> dict:
+    """Routing health of each MoE layer on the step's last micro-batch (this rank's tokens)."""
+    row = {}
+    for part in parts:
+        for name, block in part.layers.items():
+            stats = getattr(getattr(block, "moe", None), "stats", None)
+            if not stats:
+                continue
+            counts = stats["tokens_per_expert"]
+            row[f"moe/{name}/imbalance"] = (counts.max() / counts.mean().clamp_min(1e-9)).item()
+            row[f"moe/{name}/dropped_fraction"] = float(stats["dropped_fraction"])
+            row[f"moe/{name}/router_entropy"] = float(stats["router_entropy"])
+            for key in ("aux_loss", "z_loss"):
+                if key in stats:
+                    row[f"moe/{name}/{key}"] = float(stats[key])
+    return row
+
+
+APP = trainer.App(model_class=Transformer, parallelize=parallelize_moe, validate_model=validate_moe,
+                  loss_parallel=uses_loss_parallel, load_hf=load_hf, flops_per_token=flops_per_token,
+                  after_step=after_step, step_metrics=step_metrics)
+
+
+def validate(args: TrainArgs) -> None:
+    trainer.validate(args, APP)
+
+
+def balance_over_the_global_batch(parts, env, global_tokens: int) -> None:
+    """Router token counts are summed over every rank holding distinct tokens, and auxiliary
+    losses divided by the step's global token count, as the cross-entropy is: each layout then
+    balances (and trains) exactly as one process with the same global batch."""
+    for part in parts:
+        for layer in moe_layers(part):
+            layer.count_reducer = lambda t: distributed.all_reduce_sum(t, env, dims=("dp_cp",))
+            layer.token_normalizer = lambda n_local: float(global_tokens)
+
+
+def main(argv=None) -> int:
+    args = config.load("moe", TrainArgs, argv, validate)
+    env = distributed.init(args.distributed)
+    trainer.start_run(args, env)
+    parts, stage_ids = trainer.build_model_parts(args, env, APP)
+    optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
+    run = trainer.Run(args, env, APP, parts, stage_ids, optimizers)
+    balance_over_the_global_batch(parts, env, run.global_tokens)
+    run.train()
+    distributed.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    trainer.exit_cli(main)

@@ -1,0 +1,282 @@
+"""Mixture-of-experts layer: router, grouped experts, load-balancing losses. No distributed code.
+
+Data flow of `MoE.forward` (x [..., dim] flattened to T tokens):
+  router -> top-k experts and combine weights per token -> stable sort of the T*k assignments by
+  expert -> optional capacity dropping -> `experts(x_sorted, counts)` -> unsort -> weighted sum over
+  the k slots -> plus shared experts.
+`experts` is the swap point for expert parallelism: a module with the same
+`forward(x_sorted [n, dim] grouped by expert in expert order, counts [n_experts]) -> [n, dim]`
+may replace it (it would all-to-all the rows to the ranks that hold the experts and back).
+
+Load balancing over the GLOBAL batch (the contract the trainer fills in):
+  * `moe.count_reducer(t) -> Tensor`: returns the sum of `t` over the ranks that hold distinct
+    tokens of the same micro-batch (data- and context-parallel ranks), i.e. an all-reduce(SUM); it
+    may reduce in place but must return the result. Default: identity (one process). Called once
+    per MoE layer per training forward when aux_loss_coef or z_loss_coef > 0 (also when activation
+    checkpointing recomputes the forward: every rank does so alike), and once per step by
+    update_expert_bias. Never called in eval mode.
+  * `moe.token_normalizer(n_local) -> float`: the number the per-rank sums are divided by.
+    Default (None): the global token count of the micro-batch, read off the reduced counts
+    (sum_e reduced_count_e / top_k). With gradient accumulation over A micro-batches, the trainer
+    (which divides its cross-entropy sum by the tokens of the whole step) sets it to
+    `lambda n_local: global_tokens_of_the_step`, so aux gradients, summed over micro-batches and
+    ranks, are the mean over micro-batches of each micro-batch's global aux loss, exactly as the
+    cross-entropy is averaged; without it they would be A times too large.
+  With f_e = reduced_count_e / sum(reduced_counts) (no gradient) and
+  P_e = (sum over this rank's tokens of the normalised scores_e) / token_normalizer, each rank's
+      aux_e share = aux_loss_coef * n_experts * sum_e f_e * P_e
+      z share     = z_loss_coef * (sum over this rank's tokens of logsumexp(logits)^2) / token_normalizer
+  Summing the shares over ranks (the gradient SUM of FSDP does exactly that) gives the loss of the
+  global micro-batch computed in one process. The per-rank shares are in `stats` for metrics
+  (sum them over the ranks to log the global value).
+  * `update_expert_bias(layers, rate)` after each optimizer step (DeepSeek-V3 aux-loss-free
+    balancing) reduces the step's accumulated counts with the layers' `count_reducer`.
+"""
+
+import math
+from typing import Callable, Dict, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lingua.errors import ConfigError
+from lingua.transformer import FeedForward
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+EXPERT_IMPLS = ("grouped", "loop")
+
+
+class AuxLossInjector(torch.autograd.Function):
+    """Identity on `output` whose backward also starts the backward of `aux_loss`.
+
+    Auxiliary losses then need no plumbing to the language-model loss: whatever loss reaches this
+    layer's output (the last pipeline stage's cross-entropy, through send/recv on earlier stages)
+    also pulls d(aux)/d(router and earlier params), scaled by `scale`. The result is the gradient of
+    (lm_loss + scale * aux_loss), while `loss` stays the pure cross-entropy.
+    """
+
+    @staticmethod
+    def forward(ctx, output, aux_loss, scale: float = 1.0):
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_output.device)
+        return grad_output, aux_grad, None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: torch._grouped_mm's backward
+    rejects stride-0 gradients (e.g. from `y.sum().backward()`)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
+
+
+def check_grouped_alignment(dim: int, hidden: int) -> None:
+    """torch._grouped_mm needs every row stride to be a multiple of 16 bytes (8 bf16 values)."""
+    if dim % 8 or hidden % 8:
+        raise ConfigError(
+            f"model.expert_impl=grouped needs dim={dim} and the expert hidden size={hidden} to be "
+            "multiples of 8: torch._grouped_mm requires 16-byte aligned rows. Pick multiples of 8 "
+            "(model.expert_hidden_dim) or use model.expert_impl=loop."
+        )
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU FFNs with stacked weights: y_e = (silu(x W1_e) * (x W3_e)) W2_e.
+
+    impl "grouped": one torch._grouped_mm per weight over all experts; "loop": one matmul per expert
+    (the reference). torch._grouped_mm constraints handled here: int32 offsets, both operands of one
+    dtype (autocast does not cover it, so we cast to the autocast dtype ourselves), 16-byte aligned
+    rows (checked at construction), no stride-0 incoming gradient (made contiguous), no empty
+    input (the loop handles it). Experts with zero tokens are fine (equal consecutive offsets).
+    """
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, impl: str = "grouped"):
+        super().__init__()
+        if impl not in EXPERT_IMPLS:
+            raise ConfigError(f"model.expert_impl={impl!r} is not one of {', '.join(EXPERT_IMPLS)}.")
+        if impl == "grouped":
+            check_grouped_alignment(dim, hidden)
+        self.impl = impl
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # grouped_mm needs one dtype for both operands and autocast does not cover it: use the
+        # autocast dtype when on, else the weights' (bf16 under FSDP mixed precision).
+        dtype = self.w1.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        x, w1, w3, w2 = (t.to(dtype) for t in (x, self.w1, self.w3, self.w2))
+        if self.impl == "loop" or x.shape[0] == 0:
+            # No rows (e.g. an expert-parallel rank that received none): grouped_mm's backward
+            # rejects the [0, n] gradient, so the loop yields the (zero) gradients instead.
+            return self._loop(x, counts, w1, w3, w2)
+        offs = counts.cumsum(0).to(torch.int32)
+        h = F.silu(_grouped_mm(x, w1, offs)) * _grouped_mm(x, w3, offs)
+        return _grouped_mm(h, w2, offs)
+
+    @staticmethod
+    def _loop(x, counts, w1, w3, w2) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(torch.split(x, counts.tolist())):
+            outs.append((F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e])
+        return torch.cat(outs)
+
+
+class Router(nn.Module):
+    """Scores every expert, picks top_k per token. The gate runs in fp32 even under bf16 autocast:
+    routing decisions flip on small logit differences. `expert_bias` only changes which experts are
+    chosen (DeepSeek-V3); the combine weights are the unbiased scores of the chosen experts."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str = "softmax",
+                 norm_topk: bool = False, route_scale: float = 1.0):
+        super().__init__()
+        if score_func not in SCORE_FUNCS:
+            raise ConfigError(f"model.score_func={score_func!r} is not one of {', '.join(SCORE_FUNCS)}.")
+        self.top_k, self.score_func, self.norm_topk, self.route_scale = top_k, score_func, norm_topk, route_scale
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=True)
+
+    def forward(self, x: torch.Tensor):
+        """x [T, dim] -> (weights [T, k] fp32, experts [T, k] long, scores [T, E] fp32, logits [T, E] fp32)."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        _, experts = torch.topk(scores.detach() + self.expert_bias.float(), self.top_k, dim=-1)
+        weights = scores.gather(-1, experts)
+        if self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, experts, scores, logits
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, n_shared_experts: int = 0,
+                 score_func: str = "softmax", norm_topk: bool = False, route_scale: float = 1.0,
+                 capacity_factor: float = 0.0, expert_impl: str = "grouped",
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ConfigError(f"model.top_k={top_k} must be between 1 and model.n_experts={n_experts}.")
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.router = Router(dim, n_experts, top_k, score_func, norm_topk, route_scale)
+        self.experts = GroupedExperts(n_experts, dim, hidden, expert_impl)
+        self.shared_experts = FeedForward(dim, hidden * n_shared_experts) if n_shared_experts > 0 else None
+        # Hooks the trainer sets for global-batch balancing (see the module docstring).
+        self.count_reducer: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.token_normalizer: Optional[Callable[[int], float]] = None
+        # Local assignment counts accumulated over the training forwards of one optimizer step,
+        # for update_expert_bias (not a buffer: it is not part of a checkpoint).
+        self.step_counts: Optional[torch.Tensor] = None
+        self.stats: Dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts, scores, logits = self.router(x)
+        n_assign = experts.numel()
+        flat = experts.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        order = torch.argsort(flat, stable=True)  # token-major within an expert: earlier tokens first
+        kept = counts
+        if self.capacity_factor > 0:
+            cap = math.ceil(self.capacity_factor * x.shape[0] * self.top_k / self.n_experts)
+            start = counts.cumsum(0) - counts
+            rank_in_expert = torch.arange(n_assign, device=x.device) - start[flat[order]]
+            order = order[rank_in_expert < cap]
+            kept = counts.clamp(max=cap)
+        token = order // self.top_k
+        y = self.experts(x[token], kept)
+        # Unsort into [T*k] slots (dropped slots stay zero), then weight and sum over the k slots.
+        # A scatter, not index_add, keeps the result deterministic on GPU.
+        slots = y.new_zeros(n_assign, shape[-1]).index_copy(0, order, y)
+        # Combine in fp32 (the router's weights are fp32); return the experts' compute dtype.
+        out = (slots.view(-1, self.top_k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(y.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        out = self._balance(out, counts, scores, logits, n_assign - order.numel())
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """Per-token distributions over experts: sigmoid scores are normalised to sum to 1."""
+        return scores if self.router.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+
+    def _balance(self, out, counts, scores, logits, n_dropped: int):
+        """Record statistics, accumulate counts for the bias update, inject the auxiliary losses."""
+        counts_f = counts.float()
+        if self.training and torch._C._current_graph_task_id() == -1:
+            # Skip forwards re-run inside backward (activation checkpointing): counted once.
+            self.step_counts = counts_f.detach() if self.step_counts is None else self.step_counts + counts_f.detach()
+        aux = z = torch.zeros((), device=out.device)
+        # Training only: evaluation and generation must not call the trainer's collective hooks.
+        if self.training and (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
+            global_counts = self.count_reducer(counts_f.detach().clone())
+            denom = (global_counts.sum() / self.top_k if self.token_normalizer is None
+                     else self.token_normalizer(scores.shape[0]))
+            f = global_counts / global_counts.sum()
+            aux = self.aux_loss_coef * self.n_experts * (f * self._probs(scores).sum(0)).sum() / denom
+            z = self.z_loss_coef * torch.logsumexp(logits, -1).pow(2).sum() / denom
+            if torch.is_grad_enabled() and out.requires_grad:
+                out = AuxLossInjector.apply(out, aux + z)
+        with torch.no_grad():
+            p = self._probs(scores)
+            self.stats = {
+                "tokens_per_expert": counts_f.detach(),
+                "dropped_fraction": torch.tensor(n_dropped / max(scores.shape[0] * self.top_k, 1)),
+                "router_entropy": -(p * p.clamp_min(1e-20).log()).sum(-1).mean(),
+                "aux_loss": aux.detach(),  # this rank's share: sum over the dp/cp ranks to log it
+                "z_loss": z.detach(),
+            }
+        return out
+
+
+@torch.no_grad()
+def update_expert_bias(moe_layers: Iterable[MoE], rate: float) -> None:
+    """DeepSeek-V3 aux-loss-free balancing, after each optimizer step: for each layer,
+    bias_e += rate * sign(mean_e(count) - count_e) on the step's globally reduced counts
+    (underloaded experts become more likely to be chosen); then the counts restart from zero.
+    All layers' counts go through one `count_reducer` call (the first layer's) to save collectives.
+    """
+    layers = [m for m in moe_layers if m.step_counts is not None]
+    if not layers:
+        return
+    counts = layers[0].count_reducer(torch.stack([m.step_counts for m in layers]))
+    for m, c in zip(layers, counts):
+        m.router.expert_bias.add_(rate * torch.sign(c.mean() - c).to(m.router.expert_bias.dtype))
+        m.step_counts = None
+
+
+def moe_layers(model: nn.Module):
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def active_params_per_token(model: nn.Module) -> float:
+    """Matmul parameters one token goes through, for FLOPs/MFU: every nn.Linear (attention, dense
+    FFNs, router gates, shared experts, output) plus top_k / n_experts of each layer's routed
+    experts. The embedding lookup is not a matmul and is excluded (as lingua.metrics does); a tied
+    output matrix is not an nn.Linear, so callers add it."""
+    total = float(sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)))
+    for m in moe_layers(model):
+        routed = sum(p.numel() for p in m.experts.parameters())
+        total += routed * m.top_k / m.n_experts
+    return total

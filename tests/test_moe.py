@@ -1,0 +1,326 @@
+"""MoE layer (lingua/moe.py) and MoE model (apps/moe/model.py) against hand-written references."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from apps.moe.model import MoEArgs, Transformer, flops_per_token, validate_moe_args
+from lingua.errors import ConfigError
+from lingua.moe import GroupedExperts, MoE, Router, active_params_per_token, moe_layers, update_expert_bias
+
+
+def _experts(impl, n=4, dim=16, hidden=24, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    ex = GroupedExperts(n, dim, hidden, impl)
+    with torch.no_grad():
+        for w in ex.parameters():
+            w.copy_(torch.randn_like(w) * 0.2)
+    return ex.to(dtype)
+
+
+def _ffn(x, w1, w3, w2):
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 2], [10, 0, 0, 0], [0, 0, 0, 10], [0, 0, 0, 0]])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_grouped_matches_loop_including_empty_experts_and_stride0_grad(counts, dtype, tol):
+    grads = {}
+    for impl in ("grouped", "loop"):
+        ex = _experts(impl, dtype=dtype)
+        torch.manual_seed(1)
+        x = torch.randn(sum(counts), 16, dtype=dtype, requires_grad=True)
+        y = ex(x, torch.tensor(counts))
+        y.sum().backward()  # a stride-0 incoming gradient: grouped_mm's backward rejects it unless fixed
+        grads[impl] = [y.detach().float(), x.grad.float()] + [p.grad.float() for p in ex.parameters()]
+    for g, l in zip(grads["grouped"], grads["loop"]):
+        assert torch.allclose(g, l, atol=tol, rtol=tol), (g - l).abs().max()
+    ex = _experts("loop")  # the loop itself against per-expert matmuls written out
+    x = torch.randn(sum(counts), 16)
+    start = [0] + list(torch.tensor(counts).cumsum(0)[:-1])
+    ref = torch.cat([_ffn(x[s:s + c], ex.w1[e], ex.w3[e], ex.w2[e]) for e, (s, c) in enumerate(zip(start, counts))])
+    assert torch.allclose(ex(x, torch.tensor(counts)), ref, atol=1e-6)
+    if counts[1] == 0:  # an expert without tokens gets a zero (not missing) weight gradient
+        assert (grads["grouped"][2][1] == 0).all()
+
+
+def test_grouped_rejects_misaligned_shapes():
+    with pytest.raises(ConfigError, match="multiples of 8"):
+        GroupedExperts(4, 12, 24, "grouped")
+    GroupedExperts(4, 12, 20, "loop")  # the reference has no alignment constraint
+
+
+def _router(score_func="softmax", norm_topk=False, route_scale=1.0, top_k=2):
+    r = Router(3, 4, top_k, score_func, norm_topk, route_scale)
+    with torch.no_grad():
+        r.gate.weight.copy_(torch.eye(4, 3))  # logits = (x0, x1, x2, 0)
+    return r
+
+
+def test_router_softmax_sigmoid_and_biased_selection():
+    x = torch.tensor([[2.0, 1.0, 0.0]])
+    w, e, s, _ = _router("softmax")(x)
+    p = torch.tensor([2.0, 1.0, 0.0, 0.0]).exp() / torch.tensor([2.0, 1.0, 0.0, 0.0]).exp().sum()
+    assert torch.allclose(s[0], p) and e.tolist() == [[0, 1]] and torch.allclose(w[0], p[:2])
+    w, e, s, _ = _router("sigmoid")(x)
+    assert torch.allclose(s[0], torch.tensor([2.0, 1.0, 0.0, 0.0]).sigmoid()) and e.tolist() == [[0, 1]]
+    # p = (.61, .22, .08, .08); biased p + b = (-.39, .22, .08, .28) selects experts 3 and 1, yet
+    # the weights stay the unbiased p[3], p[1].
+    r = _router("softmax")
+    r.expert_bias.copy_(torch.tensor([-1.0, 0.0, 0.0, 0.2]))
+    w, e, _, _ = r(x)
+    assert sorted(e[0].tolist()) == [1, 3]
+    assert torch.allclose(w[0], p[e[0]])
+    w, _, _, _ = _router("sigmoid", norm_topk=True, route_scale=2.5)(torch.randn(5, 3))
+    assert torch.allclose(w.sum(-1), torch.full((5,), 2.5))
+
+
+def test_router_gate_runs_in_fp32_under_autocast():
+    r = _router()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w, _, s, logits = r(torch.randn(4, 3, dtype=torch.bfloat16))
+    assert logits.dtype == s.dtype == w.dtype == torch.float32
+
+
+def _moe(**kw):
+    torch.manual_seed(0)
+    args = dict(dim=16, hidden=24, n_experts=4, top_k=2)
+    args.update(kw)
+    m = MoE(**args)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return m
+
+
+def _dense_reference(m: MoE, x):
+    """Every expert on every token, weighted by the (sparse) routing weights, written from scratch."""
+    scores = (x @ m.router.gate.weight.T).softmax(-1)
+    top = torch.topk(scores, m.top_k, -1).indices
+    weights = torch.zeros_like(scores).scatter(-1, top, scores.gather(-1, top))
+    ex = m.experts
+    out = sum(weights[:, e:e + 1] * _ffn(x, ex.w1[e], ex.w3[e], ex.w2[e]) for e in range(m.n_experts))
+    if m.shared_experts is not None:
+        sh = m.shared_experts
+        out = out + _ffn(x, sh.w1.weight.T, sh.w3.weight.T, sh.w2.weight.T)
+    return out
+
+
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+@pytest.mark.parametrize("shared", [0, 1])
+def test_moe_matches_dense_reference(impl, shared):
+    m = _moe(expert_impl=impl, n_shared_experts=shared)
+    x = torch.randn(2, 5, 16)
+    assert torch.allclose(m(x), _dense_reference(m, x.reshape(-1, 16)).view(2, 5, 16), atol=1e-5)
+    assert m.stats["tokens_per_expert"].sum() == 20 and m.stats["dropped_fraction"] == 0
+
+
+def test_moe_under_bf16_autocast_grouped_matches_loop():
+    x = torch.randn(12, 16)
+    outs = []
+    for impl in ("grouped", "loop"):
+        m = _moe(expert_impl=impl, n_shared_experts=1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        out.float().sum().backward()
+        outs.append((out.float(), m.router.gate.weight.grad))
+    assert outs[0][0].dtype == torch.float32 and torch.allclose(outs[0][0], outs[1][0], atol=5e-2, rtol=5e-2)
+    assert torch.allclose(outs[0][1], outs[1][1], atol=5e-2, rtol=5e-2)
+    assert torch.allclose(outs[0][0], _dense_reference(m, x), atol=0.1, rtol=0.1)
+
+
+def test_capacity_drops_later_tokens():
+    m = _moe(n_experts=2, top_k=1, capacity_factor=1.0)  # capacity ceil(1 * 4 * 1 / 2) = 2
+    m.router.expert_bias.copy_(torch.tensor([100.0, 0.0]))  # every token picks expert 0
+    x = torch.randn(4, 16)
+    out = m(x)
+    ex = m.experts
+    p0 = (x @ m.router.gate.weight.T).softmax(-1)[:, :1]
+    assert torch.allclose(out[:2], p0[:2] * _ffn(x[:2], ex.w1[0], ex.w3[0], ex.w2[0]), atol=1e-6)
+    assert (out[2:] == 0).all()
+    assert m.stats["dropped_fraction"].item() == 0.5
+
+
+def _aux_by_hand(m: MoE, x, n_global=None, counts=None, gate=None):
+    """coef * E * sum_e f_e P_e and coef * sum lse^2 / n, with m's coefficients (and gate unless given)."""
+    logits = x @ (m.router.gate.weight if gate is None else gate).T
+    p = logits.softmax(-1)
+    top = torch.topk(p, m.top_k, -1).indices
+    if counts is None:
+        counts = torch.zeros(m.n_experts).index_add_(0, top.flatten(), torch.ones(top.numel()))
+    n = x.shape[0] if n_global is None else n_global
+    f = counts / counts.sum()  # the fraction of the token->expert assignments each expert got
+    aux = m.aux_loss_coef * m.n_experts * (f * p.sum(0) / n).sum()
+    z = m.z_loss_coef * (torch.logsumexp(logits, -1) ** 2).sum() / n
+    return aux, z
+
+
+def test_aux_and_z_loss_match_formulas():
+    m = _moe(aux_loss_coef=0.1, z_loss_coef=0.01)
+    x = torch.randn(6, 16)
+    m(x)
+    aux, z = _aux_by_hand(m, x)
+    assert torch.allclose(m.stats["aux_loss"], aux) and torch.allclose(m.stats["z_loss"], z)
+    m.eval()  # evaluation neither computes them nor calls the trainer's hooks
+    m.count_reducer = None
+    m(x)
+    assert m.stats["aux_loss"] == 0 and m.stats["z_loss"] == 0
+
+
+def test_aux_gradients_survive_activation_checkpointing():
+    m = _moe(aux_loss_coef=0.5, z_loss_coef=0.05)
+    ref = copy.deepcopy(m)
+    x, r = torch.randn(8, 16), torch.randn(8, 16)
+    (checkpoint(m, x, use_reentrant=False) * r).sum().backward()
+    (ref(x) * r).sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+
+
+def test_injected_aux_gradient_equals_autograd_of_lm_plus_aux():
+    m = _moe(aux_loss_coef=0.5, z_loss_coef=0.05, n_shared_experts=1)
+    ref = copy.deepcopy(m)
+    ref.aux_loss_coef = ref.z_loss_coef = 0.0
+    x = torch.randn(8, 16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    r = torch.randn(8, 16)
+    (m(x) * r).sum().backward()
+    aux, z = _aux_by_hand(m, xr, gate=ref.router.gate.weight)
+    ((ref(xr) * r).sum() + aux + z).backward()
+    for a, b in [(x.grad, xr.grad)] + [(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())]:
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_split_batch_aux_losses_and_gradients_sum_to_full_batch():
+    """Two halves as two simulated ranks: the reducer returns the summed counts of both halves."""
+    full = _moe(aux_loss_coef=0.3, z_loss_coef=0.02)
+    x, r = torch.randn(10, 16), torch.randn(10, 16)
+    (full(x) * r).sum().backward()
+    full_counts, full_aux, full_z = full.stats["tokens_per_expert"], full.stats["aux_loss"], full.stats["z_loss"]
+    halves = [copy.deepcopy(full) for _ in range(2)]
+    for h in halves:
+        h.zero_grad()
+        h.count_reducer = lambda c: full_counts.clone()
+    outs = [h(x[i * 5:(i + 1) * 5]) for i, h in enumerate(halves)]
+    assert torch.equal(halves[0].stats["tokens_per_expert"] + halves[1].stats["tokens_per_expert"], full_counts)
+    for i, (h, o) in enumerate(zip(halves, outs)):
+        (o * r[i * 5:(i + 1) * 5]).sum().backward()
+    assert torch.allclose(sum(h.stats["aux_loss"] for h in halves), full_aux, atol=1e-7)
+    assert torch.allclose(sum(h.stats["z_loss"] for h in halves), full_z, atol=1e-7)
+    for name, p in full.named_parameters():
+        summed = sum(dict(h.named_parameters())[name].grad for h in halves)
+        assert torch.allclose(summed, p.grad, atol=1e-5), name
+    # token_normalizer overrides the denominator (e.g. tokens of all micro-batches of a step).
+    halves[0].token_normalizer = lambda n_local: 20.0
+    halves[0](x[:5])
+    assert torch.allclose(halves[0].stats["aux_loss"], _aux_by_hand(full, x[:5], 20, full_counts)[0])
+
+
+def test_expert_bias_update_formula_and_count_accumulation():
+    a, b = _moe(), _moe()
+    a.step_counts = torch.tensor([10.0, 2.0, 6.0, 6.0])
+    b.step_counts = torch.tensor([1.0, 1.0, 1.0, 5.0])
+    a.count_reducer = lambda t: 2 * t  # a "world" of two identical ranks
+    update_expert_bias([a, b], rate=0.01)
+    assert torch.allclose(a.router.expert_bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
+    assert torch.allclose(b.router.expert_bias, torch.tensor([0.01, 0.01, 0.01, -0.01]))
+    assert a.step_counts is None and b.step_counts is None
+    x = torch.randn(6, 16, requires_grad=True)
+    a(x)
+    c1 = a.stats["tokens_per_expert"]
+    # Two forwards accumulate; a recompute under activation checkpointing is not counted twice.
+    checkpoint(a, x, use_reentrant=False).sum().backward()
+    assert torch.equal(a.step_counts, 2 * c1)
+    a.eval()
+    a(x)
+    assert torch.equal(a.step_counts, 2 * c1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+TINY = dict(dim=32, n_layers=3, n_heads=4, multiple_of=16, vocab_size=64, max_seq_len=32,
+            n_experts=4, top_k=2, n_dense_layers=1, n_shared_experts=1)
+
+
+def test_meta_build_then_init_is_deterministic_and_complete():
+    args = MoEArgs(**TINY)
+    states = []
+    for _ in range(2):
+        with torch.device("meta"):
+            m = Transformer(args)
+        m.to_empty(device="cpu")
+        torch.manual_seed(3)
+        m.init_weights(buffer_device="cpu")
+        states.append(m.state_dict())
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+    sd = states[0]
+    assert "layers.1.moe.router.expert_bias" in sd and (sd["layers.1.moe.router.expert_bias"] == 0).all()
+    assert sd["layers.1.moe.experts.w1"].shape == (4, 32, 96) and sd["layers.1.moe.experts.w2"].shape == (4, 96, 32)
+    assert "layers.0.feed_forward.w1.weight" in sd and not any(k.startswith("layers.0.moe") for k in sd)
+    assert "layers.2.moe.shared_experts.w2.weight" in sd and "rope_cos" not in sd
+    # The residual output w2 is scaled down with depth like the dense FFN's.
+    assert sd["layers.2.moe.experts.w2"].std() < 0.7 * sd["layers.2.moe.experts.w1"].std()
+
+
+def test_forward_shapes_and_document_masking():
+    torch.manual_seed(0)
+    m = Transformer(MoEArgs(**TINY))
+    tokens = torch.randint(0, 64, (2, 12))
+    assert m(tokens).shape == (2, 12, 64)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7] * 2)
+    changed = tokens.clone()
+    changed[:, :5] = (changed[:, :5] + 1) % 64  # edit document 0 only
+    with torch.no_grad():
+        a, b = m(tokens, doc_ids), m(changed, doc_ids)
+        assert torch.allclose(a[:, 5:], b[:, 5:], atol=1e-5)  # document 1 never sees document 0
+        assert not torch.allclose(m(tokens)[:, 5:], m(changed)[:, 5:], atol=1e-3)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(top_k=5), "top_k"), (dict(top_k=0), "top_k"), (dict(score_func="tanh"), "score_func"),
+    (dict(n_dense_layers=4), "n_dense_layers"), (dict(n_dense_layers=-1), "n_dense_layers"),
+    (dict(capacity_factor=-1.0), "capacity_factor"), (dict(expert_impl="triton"), "expert_impl"),
+    (dict(dim=30), "n_heads"), (dict(n_kv_heads=3), "n_kv_heads"), (dict(expert_hidden_dim=20), "multiples of 8"),
+])
+def test_validate_moe_args(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_moe_args(MoEArgs(**{**TINY, **bad}))
+
+
+def test_active_params_count_top_k_experts_only():
+    args = MoEArgs(**TINY)
+    with torch.device("meta"):
+        m = Transformer(args)
+    attn = 4 * 32 * 32
+    dense_ffn = 3 * 32 * 96
+    moe_layer = 32 * 4 + 2 * 3 * 32 * 96 + 3 * 32 * 96  # router + top_k=2 of the 4 experts + shared
+    expected = 3 * attn + dense_ffn + 2 * moe_layer + 32 * 64
+    assert active_params_per_token(m) == expected
+    assert flops_per_token(args, 16) == 6 * expected + 12 * 3 * 32 * 16
+
+
+def test_loss_falls_on_copy_task_with_balancing():
+    torch.manual_seed(0)
+    args = MoEArgs(**{**TINY, "aux_loss_coef": 0.01, "z_loss_coef": 1e-3, "bias_update_rate": 1e-3})
+    m = Transformer(args)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    half = torch.randint(0, 64, (8, 8))
+    seq = torch.cat([half, half], 1)  # the second half repeats the first
+    losses = []
+    for _ in range(20):
+        logits = m(seq[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 64), seq[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        update_expert_bias(moe_layers(m), args.bias_update_rate)
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert math.isfinite(losses[-1])
+    assert any((layer.router.expert_bias != 0).any() for layer in moe_layers(m))

@@ -1,0 +1,229 @@
+"""apps/moe/hf.py against transformers' own MixtralForCausalLM and Glm4MoeForCausalLM (tiny random
+models built from configs: nothing is downloaded)."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from torch.distributed import checkpoint as dcp
+
+from apps.moe.hf import args_from_hf_config, load_hf, save_hf
+from apps.moe.model import MoEArgs, Transformer
+from lingua.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")  # a [dev] dependency
+from transformers import (  # noqa: E402
+    Glm4MoeConfig, Glm4MoeForCausalLM, MixtralConfig, MixtralForCausalLM,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+             max_position_embeddings=64, rms_norm_eps=1e-5, num_experts_per_tok=2)
+# DeepSeek-V3-style routing in Glm4Moe: sigmoid + selection bias, routed scaling, shared expert,
+# first layer dense; "plain" drops renormalisation, shared experts and dense layers.
+GLM_CASES = {
+    "deepseek": dict(n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True),
+    "plain": dict(n_shared_experts=0, first_k_dense_replace=0, norm_topk_prob=False),
+}
+
+
+def _randomize(model, seed):
+    """Large random weights: sharp attention and confident routing make layout mistakes visible."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
+    return model.eval()
+
+
+def mixtral(seed=0, **extra):
+    cfg = MixtralConfig(**SHAPE, intermediate_size=96, num_hidden_layers=2, num_local_experts=4,
+                        rope_theta=1e6, attn_implementation="sdpa", **extra)
+    return _randomize(MixtralForCausalLM(cfg), seed)
+
+
+def glm(seed=0, **extra):
+    fields = dict(intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, n_routed_experts=4,
+                  routed_scaling_factor=2.5, n_group=1, topk_group=1, partial_rotary_factor=1.0,
+                  attention_bias=False, use_qk_norm=False, rope_theta=50000.0, num_nextn_predict_layers=0)
+    cfg = Glm4MoeConfig(**{**SHAPE, **fields, **extra}, attn_implementation="sdpa")
+    return _randomize(Glm4MoeForCausalLM(cfg), seed)
+
+
+def x_tokens(vocab=300):
+    return torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(3))
+
+
+def _round_trip(hf, cls, tmp_path):
+    """HF -> save_pretrained -> load_hf -> save_hf -> from_pretrained; all logits equal HF's."""
+    hf.save_pretrained(tmp_path / "hf")
+    ours, args = load_hf(tmp_path / "hf")
+    x = x_tokens()
+    with torch.no_grad():
+        ref = hf(x).logits
+        torch.testing.assert_close(ours(x), ref, atol=1e-4, rtol=0)
+    save_hf(ours, args, tmp_path / "ours")
+    back = cls.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, ref, atol=1e-4, rtol=0)
+    assert load_hf(tmp_path / "ours")[1] == args  # the export reads back as the same MoEArgs
+    return ours, args, json.loads((tmp_path / "ours" / "config.json").read_text())
+
+
+def test_mixtral_to_ours_and_back(tmp_path):
+    ours, args, cfg = _round_trip(mixtral(), MixtralForCausalLM, tmp_path)
+    assert (args.dim, args.n_heads, args.n_kv_heads, args.n_layers, args.rope_theta) == (64, 4, 2, 2, 1e6)
+    assert (args.n_experts, args.top_k, args.score_func, args.norm_topk) == (4, 2, "softmax", True)
+    assert (args.n_shared_experts, args.n_dense_layers, args.route_scale) == (0, 0, 1.0)
+    assert ours.layers["0"].moe.experts.w1.shape == (4, 64, 96)
+    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["intermediate_size"] == 96
+    assert cfg["num_local_experts"] == 4 and cfg["sliding_window"] is None
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # HF's zero-width shared MLP
+@pytest.mark.parametrize("case", sorted(GLM_CASES))
+def test_glm4_moe_to_ours_and_back(case, tmp_path):
+    ours, args, cfg = _round_trip(glm(**GLM_CASES[case]), Glm4MoeForCausalLM, tmp_path)
+    deepseek = case == "deepseek"
+    assert (args.score_func, args.route_scale, args.norm_topk) == ("sigmoid", 2.5, deepseek)
+    assert (args.n_shared_experts, args.n_dense_layers) == (int(deepseek), int(deepseek))
+    assert args.expert_hidden_dim == 32 and args.n_experts == 4
+    assert hasattr(ours.layers["0"], "feed_forward") == deepseek and hasattr(ours.layers["2"], "moe")
+    assert cfg["architectures"] == ["Glm4MoeForCausalLM"] and cfg["partial_rotary_factor"] == 1.0
+    assert (cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["routed_scaling_factor"]) == (96, 32, 2.5)
+
+
+def test_glm4_parity_is_not_vacuous(tmp_path):
+    """The selection bias changes which experts are chosen, and the routed scale counts: dropping
+    either moves the logits far beyond the 1e-4 of the parity tests."""
+    hf = glm(**GLM_CASES["deepseek"])
+    hf.save_pretrained(tmp_path)
+    ours, args = load_hf(tmp_path)
+    x = x_tokens()
+    with torch.no_grad():
+        ref = hf(x).logits
+        h = ours.layers["2"].moe.router(torch.randn(200, 64))
+        unbiased = torch.topk(h[2], 2, dim=-1).indices.sort(-1).values
+        assert (h[1].sort(-1).values != unbiased).any(-1).float().mean() > 0.2
+        unscaled = Transformer(replace(args, route_scale=1.0))
+        unscaled.load_state_dict(ours.state_dict())
+        assert (unscaled(x) - ref).abs().max() > 1e-2
+        for blk in ours.layers.values():
+            if hasattr(blk, "moe"):
+                blk.moe.router.expert_bias.zero_()
+        assert (ours(x) - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("make", [mixtral, glm])
+def test_fused_and_sharded_layouts(make, tmp_path):
+    """transformers 5's fused experts (save_original_format=False) and bf16 shards load too."""
+    hf = make()
+    hf.save_pretrained(tmp_path / "fused", save_original_format=False)
+    with safe_open(str(tmp_path / "fused" / "model.safetensors"), "pt") as f:
+        assert any(k.endswith("mlp.experts.gate_up_proj") for k in f.keys())
+    ours, _ = load_hf(tmp_path / "fused")
+    x = x_tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-4, rtol=0)
+
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    bf16, _ = load_hf(tmp_path / "sharded", dtype=None)
+    moe = bf16.layers[str(bf16.args.n_layers - 1)].moe
+    assert moe.experts.w1.dtype == torch.bfloat16 and moe.router.expert_bias.dtype == torch.float32
+
+
+def test_export_refuses_what_hf_cannot_express(tmp_path):
+    base = MoEArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, n_experts=4, multiple_of=32,
+                   score_func="softmax", norm_topk=True, max_seq_len=64)
+    for change, named in [({"norm_topk": False}, "norm_topk=False"), ({"route_scale": 2.0}, "route_scale=2.0"),
+                          ({"n_shared_experts": 1}, "n_shared_experts=1"), ({"n_dense_layers": 1}, "n_dense_layers=1")]:
+        args = replace(base, **change)
+        with pytest.raises(ConfigError, match=named):
+            save_hf(Transformer(args), args, tmp_path)
+    model = Transformer(base)
+    model.layers["1"].moe.router.expert_bias[0] = 0.1  # what bias_update_rate > 0 leaves behind
+    with pytest.raises(ConfigError, match="layer 1's expert_bias is non-zero"):
+        save_hf(model, base, tmp_path)
+    assert not (tmp_path / "config.json").exists()
+    # Capacity dropping is a routing policy, not weights: exported, and read back as HF runs it.
+    dropping = replace(base, capacity_factor=1.25)
+    with pytest.warns(UserWarning, match="capacity_factor=1.25"):
+        save_hf(Transformer(dropping), dropping, tmp_path)
+    assert load_hf(tmp_path)[1] == base
+
+
+def test_load_errors_name_the_setting(tmp_path):
+    with pytest.raises(ConfigError, match="config.json is missing"):
+        load_hf(tmp_path)
+    glm(**GLM_CASES["deepseek"]).save_pretrained(tmp_path)
+    cfg_path = tmp_path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    rope = cfg["rope_parameters"]
+    for change, message in [
+        ({"n_group": 2, "topk_group": 1}, "n_group=2, topk_group=1"),
+        ({"rope_parameters": {**rope, "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
+        ({"use_qk_norm": True}, "use_qk_norm=true"),
+        ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported"),
+        ({"moe_intermediate_size": 40}, (r"model.layers.1.mlp.experts.0.gate_proj.weight gives layers.1.moe."
+                                          r"experts.w1 of shape \(4, 64, 32\) but config.json implies \(4, 64, 40\)")),
+        ({"n_routed_experts": 3}, (r"model.safetensors: model.layers.1.mlp.gate.e_score_correction_bias gives "
+                                   r".* \(4,\) but .* \(3,\)")),
+        ({"num_hidden_layers": 4}, "model.layers.3.self_attn.q_proj.weight is missing"),
+    ]:
+        cfg_path.write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ConfigError, match=message):
+            load_hf(tmp_path)
+    cfg_path.write_text(json.dumps({k: v for k, v in cfg.items() if k != "n_routed_experts"}))
+    with pytest.raises(ConfigError, match="lacks 'n_routed_experts'"):
+        args_from_hf_config(cfg_path)
+    cfg_path.write_text(json.dumps(cfg))
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ConfigError, match="No weights in"):
+        load_hf(tmp_path)
+
+
+def test_export_cli_from_training_checkpoint(tmp_path):
+    """Our own model (DeepSeek-style: sigmoid, biased selection, shared expert, a dense first layer)
+    -> DCP checkpoint -> CLI -> Glm4MoeForCausalLM with the same logits."""
+    args = MoEArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32,
+                   max_seq_len=64, init_std=0.2, n_experts=4, top_k=2, n_shared_experts=1,
+                   expert_hidden_dim=16, n_dense_layers=1, score_func="sigmoid", norm_topk=True,
+                   route_scale=1.5, bias_update_rate=1e-3, aux_loss_coef=0.01)
+    torch.manual_seed(0)
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for i in (1, 2):
+            model.layers[str(i)].moe.router.expert_bias.copy_(0.5 * torch.randn(4))
+    ckpt = tmp_path / "checkpoints" / "10"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt))
+    OmegaConf.save(OmegaConf.create({"model": asdict(args)}), ckpt / "config.yaml")
+    out = tmp_path / "hf"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "apps.moe.hf", "export", str(ckpt), str(out)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0 and "Glm4MoeForCausalLM" in proc.stdout, proc.stderr
+    assert load_hf(out)[1] == args
+    hf = Glm4MoeForCausalLM.from_pretrained(out).eval()
+    x = x_tokens(258)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=0)
+
+    bad_args = replace(args, score_func="softmax", n_dense_layers=0, n_shared_experts=0, route_scale=1.0,
+                       norm_topk=False)
+    OmegaConf.save(OmegaConf.create({"model": asdict(bad_args)}), ckpt / "config.yaml")
+    bad = subprocess.run([sys.executable, "-m", "apps.moe.hf", "export", str(ckpt), str(tmp_path / "x")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert bad.returncode == 2 and "norm_topk=False" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,101 @@
+"""The MoE app end to end: trains, logs routing metrics, and matches one process in parallel."""
+
+import pytest
+
+from apps.moe import train
+from lingua import checkpoint
+from lingua.errors import ConfigError
+from tests.conftest import read_metrics, run_torchrun, tiny_args
+
+STEPS = 4
+MOE = ["model.n_layers=4", "model.n_experts=4", "model.top_k=2", "model.n_shared_experts=1",
+       "model.expert_hidden_dim=32", "model.n_dense_layers=1", "model.aux_loss_coef=0.01",
+       "model.z_loss_coef=0.001", "model.bias_update_rate=0.001"]
+
+
+def moe_args(corpus, dump, *extra, steps=STEPS):
+    return ["config=debug", *tiny_args(corpus, dump, *MOE, *extra, steps=steps)]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    dump = tmp_path_factory.mktemp("moe_reference") / "run"
+    train.main(moe_args(corpus, dump, "data.batch_size=8"))
+    return read_metrics(dump)
+
+
+def test_moe_trains_and_logs_routing_metrics(corpus, tmp_path):
+    dump = tmp_path / "run"
+    train.main(moe_args(corpus, dump, steps=20))
+    rows = read_metrics(dump)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    for layer in ("1", "2", "3"):  # layer 0 is dense
+        assert rows[0][f"moe/{layer}/imbalance"] >= 1.0
+        assert 0 <= rows[0][f"moe/{layer}/router_entropy"] <= 1.3863  # ln 4
+        assert rows[0][f"moe/{layer}/aux_loss"] > 0 and rows[0][f"moe/{layer}/dropped_fraction"] == 0
+    assert "moe/0/imbalance" not in rows[0]
+
+
+def test_expert_bias_moves_and_resume_is_exact(corpus, tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dump = tmp_path / "run"
+    args = moe_args(corpus, dump, "checkpoint.every=2", "checkpoint.keep=0")
+    train.main(args)
+    full = [r["loss"] for r in read_metrics(dump)]
+    state = {"model": {"layers.1.moe.router.expert_bias": torch.zeros(4)}}
+    dcp.load(state, checkpoint_id=str(dump / "checkpoints" / str(STEPS)), no_dist=True)
+    assert state["model"]["layers.1.moe.router.expert_bias"].abs().sum() > 0  # the bias was updated
+    import shutil
+    shutil.rmtree(dump / "checkpoints" / str(STEPS))
+    train.main(args)
+    assert [r["loss"] for r in read_metrics(dump)] == full
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ["distributed.dp_shard=2", "data.batch_size=4"]),
+    (2, ["distributed.cp=2", "distributed.dp_shard=1", "data.batch_size=8"]),
+], ids=["fsdp2", "cp2"])
+def test_moe_layouts_match_one_process(corpus, tmp_path, reference, nproc, layout):
+    dump = tmp_path / "run"
+    run_torchrun(nproc, "apps.moe.train", moe_args(corpus, dump, *layout))
+    for got, want in zip(read_metrics(dump), reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (got["step"], got["loss"], want["loss"])
+
+
+@pytest.mark.distributed
+def test_moe_pipeline_matches_one_process(corpus, tmp_path):
+    """pp=2: balancing statistics per pipeline micro-batch would differ from one process's with an
+    aux loss, so this runs aux-loss-free balancing (the bias update uses the step's counts)."""
+    aux_free = ["model.aux_loss_coef=0", "model.z_loss_coef=0"]
+    one = tmp_path / "one"
+    train.main(moe_args(corpus, one, "data.batch_size=8", *aux_free))
+    two = tmp_path / "two"
+    run_torchrun(2, "apps.moe.train", moe_args(corpus, two, "distributed.pp=2", "distributed.dp_shard=1",
+                                               "data.batch_size=8", "distributed.pp_microbatches=2",
+                                               *aux_free))
+    for got, want in zip(read_metrics(two), read_metrics(one)):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.top_k=9", "top_k"), ("model.score_func=relu", "score_func"),
+    ("distributed.tp=2", "tensor parallelism"),
+])
+def test_bad_moe_config_is_refused(corpus, tmp_path, monkeypatch, override, needle):
+    if override.startswith("distributed.tp"):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=needle):
+        train.config.load("moe", train.TrainArgs, moe_args(corpus, tmp_path / "x", override), train.validate)
+    assert checkpoint.newest(tmp_path / "x") is None
+
+
+def test_gpu_presets_compose(tmp_path):
+    tok = tmp_path / "tok.model"
+    tok.write_text("x")
+    for preset, (experts, top_k, shared) in {"moe_1b": (8, 2, 0), "deepseek_16b": (64, 6, 2)}.items():
+        cfg = train.config.compose_config("moe", [f"config={preset}", f"data.root={tmp_path}",
+                                                  f"data.tokenizer.path={tok}"])
+        assert (cfg.model.n_experts, cfg.model.top_k, cfg.model.n_shared_experts) == (experts, top_k, shared)
