@@ -24,7 +24,7 @@ Load balancing over the GLOBAL batch (the contract the trainer fills in):
     cross-entropy is averaged; without it they would be A times too large.
   With f_e = reduced_count_e / sum(reduced_counts) (no gradient) and
   P_e = (sum over this rank's tokens of the normalised scores_e) / token_normalizer, each rank's
-      aux_e share = aux_loss_coef * n_experts * sum_e f_e * P_e
+      aux share   = aux_loss_coef * n_experts * sum_e f_e * P_e
       z share     = z_loss_coef * (sum over this rank's tokens of logsumexp(logits)^2) / token_normalizer
   Summing the shares over ranks (the gradient SUM of FSDP does exactly that) gives the loss of the
   global micro-batch computed in one process. The per-rank shares are in `stats` for metrics

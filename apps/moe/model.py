@@ -158,11 +158,11 @@ class Transformer(nn.Module):
             h = layer(h, rope, mask, cache)
         if cache is not None:
             cache.pos += s
-        if self.norm is None:
-            return h  # a pipeline stage before the last
         if self.output is not None:
             return self.output(self.norm(h))
-        return nn.functional.linear(self.norm(h), self.tok_embeddings.weight) if self.tok_embeddings is not None else h
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.norm is not None:
+            return nn.functional.linear(self.norm(h), self.tok_embeddings.weight)
+        return h  # a pipeline stage before the last
 
 
 def flops_per_token(args: MoEArgs, seq_len: int) -> float:

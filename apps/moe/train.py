@@ -8,13 +8,13 @@ per-layer routing metrics.
 
 from dataclasses import dataclass, field
 
-import torch
 
 from apps.moe.hf import load_hf
 from apps.moe.model import MoEArgs, Transformer, validate_moe_args
+from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
 from lingua import config, distributed, optim, trainer
-from lingua.moe import active_params_per_token, moe_layers, update_expert_bias
+from lingua.moe import moe_layers, update_expert_bias
 
 
 @dataclass
@@ -35,14 +35,8 @@ def validate_moe(args: TrainArgs) -> None:
 
 
 def flops_per_token(args: TrainArgs) -> float:
-    """6 x active matmul parameters (top_k routed + shared experts, attention, dense layers,
-    output) + attention's 12 x layers x dim x seq_len: a token does not pay for idle experts."""
-    m = args.model
-    with torch.device("meta"):
-        active = active_params_per_token(Transformer(m))
-    if m.tie_embeddings:
-        active += m.vocab_size * m.dim
-    return 6.0 * active + 12.0 * m.n_layers * m.dim * args.data.seq_len
+    # Active parameters only: a token does not pay for the experts it was not routed to.
+    return model_flops_per_token(args.model, args.data.seq_len)
 
 
 def after_step(parts, env) -> None:
