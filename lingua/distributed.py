@@ -222,8 +222,11 @@ def all_reduce_sum(value: torch.Tensor, env: DistEnv, dims=("dp_cp", "pp")) -> t
     return value
 
 
-def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs) -> nn.Module:
+def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs,
+               own_mesh_units=()) -> nn.Module:
     """FSDP2 per block and at the root over dp_shard x cp (HSDP when dp_replicate > 1 too).
+    `own_mesh_units`: (module, mesh) pairs sharded first over their own mesh (expert-parallel
+    experts, which are already split over the ep ranks, shard over the rest).
 
     Gradients are reduced as a SUM: the trainer already divides the loss by the global batch's
     token count, so averaging over ranks here would divide twice.
@@ -239,6 +242,9 @@ def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs) ->
     options = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=compute,
                                                                 reduce_dtype=torch.float32),
                    offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())
+    for module, mesh in own_mesh_units:
+        fully_shard(module, reshard_after_forward=args.reshard_after_forward,
+                    **dict(options, mesh=mesh))
     for block in blocks:
         fully_shard(block, reshard_after_forward=args.reshard_after_forward, **options)
     # The root's params (embeddings, final norm, output) are needed right after the last block's

@@ -110,13 +110,22 @@ def clip_grad_norm(parts: list, max_norm: float, pp_group=None) -> torch.Tensor:
     """Global gradient norm over every shard and pipeline stage, clipped once per optimizer step
     when max_norm > 0. Returns the norm before clipping."""
     params = [p for part in parts for p in part.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if hasattr(norm, "full_tensor"):  # FSDP/TP grads are DTensors: the norm is a partial DTensor
-        norm = norm.full_tensor()
+    # Gradients sharded over different meshes (expert-parallel experts vs the rest) cannot share
+    # one foreach kernel: take each group's norm, then combine the squares.
+    groups = {}
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "device_mesh") else None
+        groups.setdefault(key, []).append(p)
+    squared = torch.zeros((), dtype=torch.float32, device=params[0].grad.device) if params else torch.zeros(())
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        if hasattr(norm, "full_tensor"):  # a partial DTensor: reduce over its mesh
+            norm = norm.full_tensor()
+        squared = squared + norm.float().pow(2)
     if pp_group is not None:  # each pipeline stage holds different parameters: add the squares
-        squared = norm.pow(2)
         torch.distributed.all_reduce(squared, group=pp_group)
-        norm = squared.sqrt()
+    norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

@@ -83,10 +83,11 @@ def test_moe_pipeline_matches_one_process(corpus, tmp_path):
 @pytest.mark.parametrize("override,needle", [
     ("model.top_k=9", "top_k"), ("model.score_func=relu", "score_func"),
     ("distributed.tp=2", "tensor parallelism"),
+    ("distributed.ep=3", "ep=3"),
 ])
 def test_bad_moe_config_is_refused(corpus, tmp_path, monkeypatch, override, needle):
-    if override.startswith("distributed.tp"):
-        monkeypatch.setenv("WORLD_SIZE", "2")
+    if override.startswith("distributed."):
+        monkeypatch.setenv("WORLD_SIZE", "2" if "tp" in override else "3")
     with pytest.raises(ConfigError, match=needle):
         train.config.load("moe", train.TrainArgs, moe_args(corpus, tmp_path / "x", override), train.validate)
     assert checkpoint.newest(tmp_path / "x") is None
@@ -99,3 +100,31 @@ def test_gpu_presets_compose(tmp_path):
         cfg = train.config.compose_config("moe", [f"config={preset}", f"data.root={tmp_path}",
                                                   f"data.tokenizer.path={tok}"])
         assert (cfg.model.n_experts, cfg.model.top_k, cfg.model.n_shared_experts) == (experts, top_k, shared)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ["distributed.ep=2", "distributed.dp_shard=2", "data.batch_size=4"]),
+    (4, ["distributed.ep=4", "distributed.dp_shard=4", "data.batch_size=2"]),
+    (4, ["distributed.ep=2", "distributed.dp_shard=4", "data.batch_size=2"]),
+], ids=["ep2", "ep4", "ep2_fsdp4"])
+def test_expert_parallel_layouts_match_one_process(corpus, tmp_path, reference, nproc, layout):
+    dump = tmp_path / "run"
+    run_torchrun(nproc, "apps.moe.train", moe_args(corpus, dump, *layout))
+    for got, want in zip(read_metrics(dump), reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (got["step"], got["loss"], want["loss"])
+    assert read_metrics(dump)[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.distributed
+def test_expert_parallel_with_pipeline_and_ac(corpus, tmp_path):
+    aux_free = ["model.aux_loss_coef=0", "model.z_loss_coef=0"]
+    one = tmp_path / "one"
+    train.main(moe_args(corpus, one, "data.batch_size=8", *aux_free))
+    four = tmp_path / "four"
+    run_torchrun(4, "apps.moe.train", moe_args(corpus, four, "distributed.pp=2", "distributed.dp_shard=2",
+                                               "distributed.ep=2", "data.batch_size=4",
+                                               "distributed.pp_microbatches=2", "distributed.ac=full",
+                                               *aux_free))
+    for got, want in zip(read_metrics(four), read_metrics(one)):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)

@@ -5,16 +5,24 @@ from torch import nn
 
 from lingua.context_parallel import apply_cp
 from lingua.distributed import DistEnv, DistributedArgs, apply_ac, apply_compile, apply_fsdp
+from lingua.expert_parallel import apply_ep, ep_meshes
+from lingua.moe import moe_layers
 
 
 def parallelize_moe(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn.Module:
+    expert_units = []
+    if args.ep > 1:
+        # Experts split over ep ranks taken from dp_shard x cp; FSDP shards them over the rest.
+        ep_mesh, expert_fsdp_mesh = ep_meshes(env.mesh, args.ep)
+        apply_ep(model, ep_mesh)
+        expert_units = [(moe.experts, expert_fsdp_mesh) for moe in moe_layers(model)]
     if args.cp > 1:
         apply_cp(model, env.mesh["cp"], args.cp_backend)
     apply_ac(model.layers, args.ac, args.ac_every)
     if args.compile:
         apply_compile(model.layers)
     if env.world_size > 1 and env.dims.dp_replicate * env.dims.fsdp > 1:
-        apply_fsdp(model, list(model.layers.values()), env, args)
+        apply_fsdp(model, list(model.layers.values()), env, args, expert_units)
     return model
 
 

@@ -14,6 +14,7 @@ from apps.moe.model import MoEArgs, Transformer, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
 from lingua import config, distributed, optim, trainer
+from lingua.expert_parallel import validate_ep
 from lingua.moe import moe_layers, update_expert_bias
 
 
@@ -30,8 +31,8 @@ def validate_moe(args: TrainArgs) -> None:
     d = args.distributed
     config.require(d.tp == 1, f"distributed.tp={d.tp}: tensor parallelism of MoE blocks is not "
                               f"implemented in apps/moe yet. Use dp_shard, dp_replicate, pp or cp.")
-    config.require(d.ep == 1, f"distributed.ep={d.ep}: expert parallelism is not wired into "
-                              f"apps/moe yet. Use distributed.ep=1 (experts sharded by FSDP).")
+    dims = distributed.parallel_dims(d, distributed.world_size_from_env())
+    validate_ep(args.model.n_experts, d.ep, dims.dp_shard, dims.cp)
 
 
 def flops_per_token(args: TrainArgs) -> float:
