@@ -48,3 +48,26 @@ def test_fork_with_a_changed_model_trains_with_the_shared_machinery(corpus, tmp_
     ckpt = tmp_path / "changed" / "checkpoints" / "8"
     assert (ckpt / ".metadata").is_file()                        # with the shared checkpointing
     assert json.loads((tmp_path / "changed" / "metrics.jsonl").read_text().splitlines()[0])["mfu"] > 0
+
+
+def shared_runs(a_lines, b_lines, length):
+    """Runs of `length` identical consecutive lines (stripped, blank lines and comments ignored)."""
+    def norm(lines):
+        return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    a, b = norm(a_lines), norm(b_lines)
+    windows = {tuple(b[i:i + length]) for i in range(len(b) - length + 1)}
+    return [a[i:i + length] for i in range(len(a) - length + 1) if tuple(a[i:i + length]) in windows]
+
+
+def test_llama_and_moe_apps_share_no_block_of_ten_lines():
+    """What both apps need lives in lingua/: a fix there reaches both, nothing drifts."""
+    for llama_file in (REPO / "apps" / "llama").glob("*.py"):
+        for moe_file in (REPO / "apps" / "moe").glob("*.py"):
+            runs = shared_runs(llama_file.read_text().splitlines(), moe_file.read_text().splitlines(), 10)
+            assert not runs, f"{llama_file.name} and {moe_file.name} share:\n" + "\n".join(runs[0])
+
+
+def test_shared_runs_finds_a_copied_block():
+    block = [f"x{i} = {i}" for i in range(12)]
+    assert shared_runs(["a = 1", *block], [*block, "b = 2"], 10)
+    assert not shared_runs(block[:9], block[:9], 10)
