@@ -66,13 +66,18 @@ def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list:
-    """Decay matrices (linears, embeddings); leave vectors (norm gains, biases) undecayed."""
-    decay, no_decay = [], []
+    """Decay matrices (linears, embeddings); leave vectors (norm gains, biases) undecayed.
+    Parameters sharded over different meshes (or not sharded, like MoE experts under tensor
+    parallelism) go into separate groups: a fused optimizer kernel takes one kind per call."""
+    groups = {}
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+            decay = param.ndim >= 2
+            mesh = getattr(param, "device_mesh", None)
+            key = (decay, None if mesh is None else (mesh.mesh_dim_names, tuple(param.placements)))
+            groups.setdefault(key, {"params": [], "weight_decay": weight_decay if decay else 0.0})
+            groups[key]["params"].append(param)
+    return sorted(groups.values(), key=lambda g: -g["weight_decay"])
 
 
 class Optimizers:

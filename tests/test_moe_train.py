@@ -82,12 +82,12 @@ def test_moe_pipeline_matches_one_process(corpus, tmp_path):
 
 @pytest.mark.parametrize("override,needle", [
     ("model.top_k=9", "top_k"), ("model.score_func=relu", "score_func"),
-    ("distributed.tp=2", "tensor parallelism"),
+    ("distributed.tp=3", "tp=3"),
     ("distributed.ep=3", "ep=3"),
 ])
 def test_bad_moe_config_is_refused(corpus, tmp_path, monkeypatch, override, needle):
     if override.startswith("distributed."):
-        monkeypatch.setenv("WORLD_SIZE", "2" if "tp" in override else "3")
+        monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=needle):
         train.config.load("moe", train.TrainArgs, moe_args(corpus, tmp_path / "x", override), train.validate)
     assert checkpoint.newest(tmp_path / "x") is None
@@ -128,3 +128,16 @@ def test_expert_parallel_with_pipeline_and_ac(corpus, tmp_path):
                                                *aux_free))
     for got, want in zip(read_metrics(four), read_metrics(one)):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ["distributed.tp=2", "distributed.dp_shard=1", "data.batch_size=8"]),
+    (4, ["distributed.tp=2", "distributed.ep=2", "distributed.dp_shard=2", "data.batch_size=4"]),
+], ids=["tp2", "ep2_tp2"])
+def test_tensor_parallel_dense_parts_match_one_process(corpus, tmp_path, reference, nproc, layout):
+    dump = tmp_path / "run"
+    run_torchrun(nproc, "apps.moe.train", moe_args(corpus, dump, *layout))
+    for got, want in zip(read_metrics(dump), reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (got["step"], got["loss"], want["loss"])
+    assert read_metrics(dump)[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-4)

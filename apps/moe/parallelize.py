@@ -5,11 +5,19 @@ from torch import nn
 
 from lingua.context_parallel import apply_cp
 from lingua.distributed import DistEnv, DistributedArgs, apply_ac, apply_compile, apply_fsdp
+from apps.moe.tp_plan import moe_tp_plans
 from lingua.expert_parallel import apply_ep, ep_meshes
+from lingua.tensor_parallel import apply_tp
 from lingua.moe import moe_layers
 
 
 def parallelize_moe(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn.Module:
+    if args.tp > 1:
+        root_plan, dense_plan, moe_plan = moe_tp_plans(model, uses_loss_parallel(args))
+        blocks = list(model.layers.values())
+        apply_tp(model, env.mesh["tp"], {}, dense_plan, [b for b in blocks if not b.is_moe])
+        apply_tp(model, env.mesh["tp"], root_plan, moe_plan, [b for b in blocks if b.is_moe],
+                 args.async_tp)
     expert_units = []
     if args.ep > 1:
         # Experts split over ep ranks taken from dp_shard x cp; FSDP shards them over the rest.
@@ -27,4 +35,5 @@ def parallelize_moe(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn
 
 
 def uses_loss_parallel(args: DistributedArgs) -> bool:
-    return False  # no tensor parallelism in this app yet
+    # As in apps/llama: vocabulary-sharded logits, except through pipeline stages.
+    return args.loss_parallel and args.tp > 1 and args.pp == 1

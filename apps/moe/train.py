@@ -13,6 +13,7 @@ from apps.moe.hf import load_hf
 from apps.moe.model import MoEArgs, Transformer, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
+from apps.moe.tp_plan import validate_tp
 from lingua import config, distributed, optim, trainer
 from lingua.expert_parallel import validate_ep
 from lingua.moe import moe_layers, update_expert_bias
@@ -29,8 +30,7 @@ config.register_schema("moe_schema", TrainArgs)
 def validate_moe(args: TrainArgs) -> None:
     validate_moe_args(args.model)
     d = args.distributed
-    config.require(d.tp == 1, f"distributed.tp={d.tp}: tensor parallelism of MoE blocks is not "
-                              f"implemented in apps/moe yet. Use dp_shard, dp_replicate, pp or cp.")
+    validate_tp(args.model, d.tp, args.data.seq_len)
     dims = distributed.parallel_dims(d, distributed.world_size_from_env())
     validate_ep(args.model.n_experts, d.ep, dims.dp_shard, dims.cp)
 

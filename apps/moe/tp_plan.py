@@ -1,0 +1,25 @@
+"""Tensor parallelism for the MoE decoder: LLaMA's plan for attention, norms, embeddings, output
+and the dense layers; each MoE layer sees the whole sequence and runs unsharded on every tp rank.
+
+Why not shard the experts over tp: expert parallelism (distributed.ep) already splits them,
+across the data-parallel ranks, at the cost of one all-to-all instead of tp's collectives in every
+expert matmul. Here the MoE input is all-gathered over the sequence, every tp rank computes the
+same routing and experts (so their gradients are complete and identical, and need no tp
+reduction), and the output is cut back into this rank's sequence shard.
+"""
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+from apps.llama.tp_plan import llama_tp_plans, validate_tp  # noqa: F401  (same checks)
+
+
+def moe_tp_plans(model: nn.Module, loss_parallel: bool) -> tuple:
+    """(root_plan, dense_block_plan, moe_block_plan) for lingua.tensor_parallel.apply_tp."""
+    root, dense = llama_tp_plans(model, loss_parallel)
+    moe = {k: v for k, v in dense.items() if not k.startswith("feed_forward")}
+    moe["moe"] = PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+    return root, dense, moe
