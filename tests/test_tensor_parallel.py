@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # when run as a script by torchrun
 
 from apps.llama.model import LlamaArgs, Transformer
-from apps.llama.tp_plan import llama_tp_plans, validate_tp
+from lingua.tp_plan import decoder_tp_plans, validate_tp
 from lingua.errors import ConfigError
 from lingua.tensor_parallel import (
     apply_tp,
@@ -231,7 +231,7 @@ def _compare(name, model_fn, ref, tp_params, batch, loss_parallel, use_docs) -> 
 def _tp_model(args, tp_mesh, loss_parallel):
     model = _build(args)
     ref = copy.deepcopy(model)
-    root, block = llama_tp_plans(model, loss_parallel)
+    root, block = decoder_tp_plans(model, loss_parallel)
     apply_tp(model, tp_mesh, root, block, model.layers.values())
     return model, ref
 
@@ -271,7 +271,7 @@ def worker_tp2(tp_mesh) -> dict:
     ref = copy.deepcopy(full)
     a, b = _split(full, 1)
     for part in (a, b):
-        root, block = llama_tp_plans(part, loss_parallel=True)
+        root, block = decoder_tp_plans(part, loss_parallel=True)
         apply_tp(part, tp_mesh, root, block, part.layers.values())
     shapes = []
 
@@ -291,7 +291,7 @@ def worker_tp2(tp_mesh) -> dict:
         logits = model(_batch(args.vocab_size)[0])
     out["sharded_logits"] = str(logits.placements[0])
     try:
-        apply_tp(_build(args), tp_mesh, *llama_tp_plans(model, False), [], async_tp=True)
+        apply_tp(_build(args), tp_mesh, *decoder_tp_plans(model, False), [], async_tp=True)
         out["async_tp_cpu_error"] = "no error"
     except ConfigError as e:
         out["async_tp_cpu_error"] = str(e)
@@ -312,7 +312,7 @@ def worker_fsdp_tp(mesh) -> dict:
     args = tiny_args()
     model = _build(args)
     ref = copy.deepcopy(model)
-    root, block = llama_tp_plans(model, loss_parallel=True)
+    root, block = decoder_tp_plans(model, loss_parallel=True)
     apply_tp(model, mesh["tp"], root, block, model.layers.values())
     for blk in model.layers.values():
         fully_shard(blk, mesh=mesh["dp_shard"])
@@ -354,7 +354,7 @@ def worker_async_tp(tp_mesh) -> dict:
     args = tiny_args(n_kv_heads=4)
     model = _build(args, "cuda")
     ref = copy.deepcopy(model)
-    root, block = llama_tp_plans(model, loss_parallel=False)
+    root, block = decoder_tp_plans(model, loss_parallel=False)
     apply_tp(model, tp_mesh, root, block, model.layers.values(), async_tp=True)
     for blk in model.layers.values():
         blk.compile()

@@ -12,74 +12,20 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.errors import ConfigError
-from lingua.transformer import ffn_hidden_dim
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _key_map(args: LlamaArgs) -> Dict[str, str]:
-    """Our state_dict key -> HF key."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not args.tie_embeddings:
-        names["output.weight"] = "lm_head.weight"
-    per_layer = {
-        "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-        "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-        "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-        "feed_forward.w2": "mlp.down_proj",
-        "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    }
-    for i in range(args.n_layers):
-        for ours, theirs in per_layer.items():
-            names[f"layers.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
-    return names
-
-
-def hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
-    rope_scaling = None
-    if args.rope_scaling:
-        rope_scaling = {
-            "rope_type": "llama3", "factor": args.rope_scale_factor,
-            "low_freq_factor": args.rope_low_freq_factor, "high_freq_factor": args.rope_high_freq_factor,
-            "original_max_position_embeddings": args.rope_original_max_seq_len,
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads or args.n_heads,
-        "head_dim": args.dim // args.n_heads,
-        "vocab_size": args.vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "initializer_range": args.init_std,
-        # HF needs only intermediate_size; these let load_hf give back the same LlamaArgs.
-        "lingua_ffn": {"multiple_of": args.multiple_of, "ffn_dim_multiplier": args.ffn_dim_multiplier},
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-
+from lingua.hf import DTYPES, ffn_recipe, key_map, llama_hf_config, read_weights, rope_args
 
 def save_hf(model: Transformer, model_args: LlamaArgs, path, dtype: Optional[torch.dtype] = None) -> None:
     """Write `path/config.json` and `path/model.safetensors` (LlamaForCausalLM layout)."""
     state = model.state_dict()
-    names = _key_map(model_args)
+    names = key_map(model_args)
     missing = sorted(set(names) - set(state))
     if missing:
         raise ConfigError(f"save_hf: the model has no {missing[:4]}; it does not match model_args "
@@ -90,44 +36,9 @@ def save_hf(model: Transformer, model_args: LlamaArgs, path, dtype: Optional[tor
         tensors[theirs] = (t if dtype is None else t.to(dtype)).cpu().contiguous()
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    config = hf_config(model_args, tensors["model.embed_tokens.weight"].dtype)
+    config = llama_hf_config(model_args, tensors["model.embed_tokens.weight"].dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _rope_args(cfg: dict, config_path: Path) -> dict:
-    # transformers < 5 writes rope_theta + rope_scaling; 5.x writes rope_parameters (with the theta inside).
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return {"rope_theta": float(theta), "rope_scaling": False}
-    if kind != "llama3":
-        raise ConfigError(f"{config_path}: rope type {kind!r} is not supported; this model implements "
-                          "plain RoPE and Llama 3.1 ('llama3') scaling only.")
-    return {
-        "rope_theta": float(theta), "rope_scaling": True,
-        "rope_scale_factor": float(params["factor"]),
-        "rope_low_freq_factor": float(params["low_freq_factor"]),
-        "rope_high_freq_factor": float(params["high_freq_factor"]),
-        "rope_original_max_seq_len": int(params["original_max_position_embeddings"]),
-    }
-
-
-def _ffn_recipe(dim: int, hidden: int, hint: Optional[dict] = None) -> Tuple[int, Optional[float]]:
-    """(multiple_of, ffn_dim_multiplier) giving SwiGLU width `hidden` under Meta's recipe.
-
-    Prefer the values our own export recorded (`hint`), then those Meta's configs use (our default
-    256; Llama 3's 1024 with 1.3; Llama 3.2's 256 with 1.5), so the args read back equal the ones
-    the model was trained with; otherwise multiple_of = hidden rounds any smaller width up to
-    exactly `hidden`.
-    """
-    recorded = [(hint.get("multiple_of"), hint.get("ffn_dim_multiplier"))] if isinstance(hint, dict) else []
-    for multiple_of, mult in recorded + [(256, None), (1024, None), (1024, 1.3), (256, 1.5), (256, 1.3), (4096, 1.3)]:
-        if isinstance(multiple_of, int) and multiple_of > 0 and ffn_hidden_dim(dim, multiple_of, mult) == hidden:
-            return multiple_of, mult
-    base = int(2 * 4 * dim / 3)
-    return hidden, (None if hidden >= base else hidden / base)
 
 
 def args_from_hf_config(config_path: Path) -> LlamaArgs:
@@ -146,38 +57,18 @@ def args_from_hf_config(config_path: Path) -> LlamaArgs:
             unsupported.append(f"head_dim={cfg['head_dim']} != hidden_size/num_attention_heads")
         if unsupported:
             raise ConfigError(f"{config_path}: {', '.join(unsupported)} is not supported by apps.llama.")
-        multiple_of, mult = _ffn_recipe(dim, hidden, cfg.get("lingua_ffn"))
+        multiple_of, mult = ffn_recipe(dim, hidden, cfg.get("lingua_ffn"))
         args = LlamaArgs(
             dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads, vocab_size=cfg["vocab_size"],
             multiple_of=multiple_of, ffn_dim_multiplier=mult, norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_seq_len=cfg.get("max_position_embeddings", 4096),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            init_std=cfg.get("initializer_range", 0.02), **_rope_args(cfg, config_path),
+            init_std=cfg.get("initializer_range", 0.02), **rope_args(cfg, config_path),
         )
     except KeyError as e:
         raise ConfigError(f"{config_path} lacks {e}; it is not a LlamaForCausalLM config.") from None
     return args
-
-
-def _read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, Path]]:
-    """All tensors of the directory, and the file each came from (for error messages)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"No weights in {path}: expected model.safetensors (or shards listed in "
-                          "model.safetensors.index.json). Only safetensors files are read.")
-    tensors, origin = {}, {}
-    for f in files:
-        if not f.is_file():
-            raise ConfigError(f"{f} is listed in {index} but missing; copy the complete model directory.")
-        for k, t in load_file(str(f)).items():  # safetensors holds raw tensors only: no pickle
-            tensors[k], origin[k] = t, f
-    return tensors, origin
 
 
 def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transformer, LlamaArgs]:
@@ -187,12 +78,12 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
     if not config_path.is_file():
         raise ConfigError(f"{config_path} is missing: {path} is not a Hugging Face model directory.")
     args = args_from_hf_config(config_path)
-    tensors, origin = _read_weights(path)
+    tensors, origin = read_weights(path)
     with torch.device("meta"):
         model = Transformer(args)
     expected = model.state_dict()
     state = {}
-    for ours, theirs in _key_map(args).items():
+    for ours, theirs in key_map(args).items():
         if theirs not in tensors:
             raise ConfigError(f"{path}: weight {theirs} is missing from the safetensors files; the "
                               f"directory does not match its config.json.")

@@ -8,7 +8,7 @@ checkpointing, compile, then FSDP (which must see the final module structure).
 
 from torch import nn
 
-from apps.llama.tp_plan import llama_tp_plans
+from lingua.tp_plan import decoder_tp_plans
 from lingua.context_parallel import apply_cp
 from lingua.distributed import DistEnv, DistributedArgs, apply_ac, apply_compile, apply_fsdp
 from lingua.tensor_parallel import apply_tp
@@ -22,7 +22,7 @@ def uses_loss_parallel(args: DistributedArgs) -> bool:
 
 def parallelize_llama(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn.Module:
     if args.tp > 1:
-        root_plan, block_plan = llama_tp_plans(model, uses_loss_parallel(args))
+        root_plan, block_plan = decoder_tp_plans(model, uses_loss_parallel(args))
         apply_tp(model, env.mesh["tp"], root_plan, block_plan, model.layers.values(), args.async_tp)
     if args.cp > 1:
         apply_cp(model, env.mesh["cp"], args.cp_backend)

@@ -35,8 +35,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from apps.llama.hf import DTYPES, _ffn_recipe, _key_map, _read_weights, _rope_args
-from apps.llama.hf import hf_config as llama_hf_config
+from lingua.hf import DTYPES, ffn_recipe, key_map, llama_hf_config, read_weights, rope_args
 from apps.moe.model import MoEArgs, Transformer, expert_hidden
 from lingua.errors import ConfigError
 from lingua.transformer import ffn_hidden_dim, rope_cos_sin, rope_inv_freq
@@ -98,7 +97,7 @@ def _moe_keys(args: MoEArgs, kind: str, i: int) -> Dict[str, str]:
 def _plain_keys(args: MoEArgs, kind: str) -> Dict[str, str]:
     """Our key -> HF key for every tensor copied as it is: apps.llama's map (embeddings, attention,
     norms, dense FFNs) without the FFNs of MoE layers, plus routers and shared experts."""
-    names = _key_map(args)
+    names = key_map(args)
     for i in range(args.n_dense_layers, args.n_layers):
         for w in ("w1", "w2", "w3"):
             del names[f"layers.{i}.feed_forward.{w}.weight"]
@@ -228,10 +227,10 @@ def _ffn_fields(cfg: dict, kind: str) -> dict:
         if isinstance(ffn_hint, dict) and isinstance(ffn_hint.get("multiple_of"), int) and ffn_hint["multiple_of"] > 0:
             multiple_of, mult = ffn_hint["multiple_of"], ffn_hint.get("ffn_dim_multiplier")
         else:
-            multiple_of, mult = _ffn_recipe(dim, expert)
+            multiple_of, mult = ffn_recipe(dim, expert)
     else:
         expert = cfg["moe_intermediate_size"]
-        multiple_of, mult = _ffn_recipe(dim, cfg["intermediate_size"], ffn_hint)
+        multiple_of, mult = ffn_recipe(dim, cfg["intermediate_size"], ffn_hint)
     dense = ffn_hidden_dim(dim, multiple_of, mult)
     explicit = expert != dense or bool(moe_hint.get("expert_hidden_dim"))
     return {"multiple_of": multiple_of, "ffn_dim_multiplier": mult, "expert_hidden_dim": expert if explicit else 0}
@@ -266,7 +265,7 @@ def args_from_hf_config(config_path: Path) -> MoEArgs:
             vocab_size=cfg["vocab_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_seq_len=cfg.get("max_position_embeddings", 4096), init_std=cfg.get("initializer_range", 0.02),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            **_rope_args(cfg, config_path), **_ffn_fields(cfg, kind), **_moe_fields(cfg, kind),
+            **rope_args(cfg, config_path), **_ffn_fields(cfg, kind), **_moe_fields(cfg, kind),
         )
     except KeyError as e:
         raise ConfigError(f"{config_path} lacks {e}; it is not a complete {LAYOUTS[kind].arch} config.") from None
@@ -320,7 +319,7 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
         raise ConfigError(f"{config_path} is missing: {path} is not a Hugging Face model directory.")
     args = args_from_hf_config(config_path)
     kind = layout_for(args)
-    tensors, origin = _read_weights(path)
+    tensors, origin = read_weights(path)
     if kind == "mixtral":  # transformers 5's fused layout (save_original_format=False) calls the block "mlp"
         tensors = {k.replace(".mlp.", ".block_sparse_moe."): t for k, t in tensors.items()}
         origin = {k.replace(".mlp.", ".block_sparse_moe."): f for k, f in origin.items()}

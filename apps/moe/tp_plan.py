@@ -12,12 +12,12 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from apps.llama.tp_plan import llama_tp_plans, validate_tp  # noqa: F401  (same checks)
+from lingua.tp_plan import decoder_tp_plans
 
 
 def moe_tp_plans(model: nn.Module, loss_parallel: bool) -> tuple:
     """(root_plan, dense_block_plan, moe_block_plan) for lingua.tensor_parallel.apply_tp."""
-    root, dense = llama_tp_plans(model, loss_parallel)
+    root, dense = decoder_tp_plans(model, loss_parallel)
     moe = {k: v for k, v in dense.items() if not k.startswith("feed_forward")}
     moe["moe"] = PrepareModuleInputOutput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,

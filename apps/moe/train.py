@@ -13,7 +13,7 @@ from apps.moe.hf import load_hf
 from apps.moe.model import MoEArgs, Transformer, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
-from apps.moe.tp_plan import validate_tp
+from lingua.tp_plan import validate_tp
 from lingua import config, distributed, optim, trainer
 from lingua.expert_parallel import validate_ep
 from lingua.moe import moe_layers, update_expert_bias

@@ -1,4 +1,5 @@
-"""The LLaMA tensor + sequence parallel plan (Megatron-style TP with sequence parallelism).
+"""The tensor + sequence parallel plan for decoders built from lingua.transformer's blocks (LLaMA,
+and the attention and dense layers of apps/moe): Megatron-style TP with sequence parallelism.
 
 Between blocks the residual stream is a DTensor sharded over the sequence (Shard(1)): norms and
 residual adds run on S/tp tokens per rank. Each attention / feed-forward input is all-gathered
@@ -84,7 +85,7 @@ class StageBoundary(ParallelStyle):
         return module
 
 
-def llama_tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]:
+def decoder_tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]:
     """(root_plan, block_plan) for lingua.tensor_parallel.apply_tp.
 
     `model` is the Transformer or one pipeline part of it: the root plan only names the modules
@@ -94,7 +95,7 @@ def llama_tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]:
     """
     if getattr(getattr(model, "args", None), "tie_embeddings", False):
         raise ConfigError("model.tie_embeddings=true is not supported with distributed.tp>1: "
-                          "set model.tie_embeddings=false (see apps.llama.tp_plan.validate_tp).")
+                          "set model.tie_embeddings=false (see lingua.tp_plan.validate_tp).")
     root: dict = {}
     first, last = model.tok_embeddings is not None, model.output is not None
     if first:
