@@ -74,7 +74,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list:
         if param.requires_grad:
             decay = param.ndim >= 2
             mesh = getattr(param, "device_mesh", None)
-            key = (decay, None if mesh is None else (mesh.mesh_dim_names, tuple(param.placements)))
+            key = (decay, None if mesh is None else mesh.mesh_dim_names)
             groups.setdefault(key, {"params": [], "weight_decay": weight_decay if decay else 0.0})
             groups[key]["params"].append(param)
     return sorted(groups.values(), key=lambda g: -g["weight_decay"])
@@ -104,11 +104,18 @@ class Optimizers:
             optimizer.zero_grad(set_to_none=True)
 
     def scheduler_state(self) -> dict:
-        return self.schedulers[0].state_dict()
+        # Only the position: the lr follows from it, and the number of parameter groups (which
+        # torch's scheduler state also records) depends on the parallel layout.
+        return {"last_epoch": self.schedulers[0].last_epoch}
 
     def load_scheduler_state(self, state: dict) -> None:
         for scheduler in self.schedulers:
-            scheduler.load_state_dict(state)
+            scheduler.last_epoch = state["last_epoch"]
+            lrs = [base * fn(scheduler.last_epoch)
+                   for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            scheduler._last_lr = lrs
 
 
 def clip_grad_norm(parts: list, max_norm: float, pp_group=None) -> torch.Tensor:

@@ -62,3 +62,20 @@ def test_scheduler_drives_the_optimizer_lr():
 def test_bad_optimizer_values_are_refused_by_name(change, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         optim.validate_args(OptimArgs(**change), steps=10)
+
+
+def test_scheduler_position_restores_into_a_different_number_of_groups():
+    args = OptimArgs(lr=1e-2, warmup=4, scheduler="cosine")
+    one = optim.Optimizers([torch.nn.Linear(2, 2, bias=False)], args, total_steps=10, device=torch.device("cpu"))
+    assert len(one.optimizers[0].param_groups) == 1
+    for _ in range(6):
+        one.step()
+    other = optim.Optimizers([torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))],
+                             args, total_steps=10, device=torch.device("cpu"))
+    assert len(other.optimizers[0].param_groups) == 2
+    other.load_scheduler_state(one.scheduler_state())
+    assert other.lr == pytest.approx(one.lr)
+    assert all(g["lr"] == pytest.approx(one.lr) for g in other.optimizers[0].param_groups)
+    other.step()
+    one.step()
+    assert other.lr == pytest.approx(one.lr)
