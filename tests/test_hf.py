@@ -15,7 +15,6 @@ from apps.llama.hf import args_from_hf_config, load_hf, save_hf
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.errors import ConfigError
 
-transformers = pytest.importorskip("transformers")  # a [dev] dependency
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

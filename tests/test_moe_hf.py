@@ -18,7 +18,6 @@ from apps.moe.hf import args_from_hf_config, load_hf, save_hf
 from apps.moe.model import MoEArgs, Transformer
 from lingua.errors import ConfigError
 
-transformers = pytest.importorskip("transformers")  # a [dev] dependency
 from transformers import (  # noqa: E402
     Glm4MoeConfig, Glm4MoeForCausalLM, MixtralConfig, MixtralForCausalLM,
 )
