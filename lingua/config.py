@@ -11,7 +11,6 @@ is a YAML file under `configs/<app>/` whose defaults list starts with that schem
 and wrong types are refused by OmegaConf while composing.
 """
 
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -157,7 +156,3 @@ def check_positive(obj: Any, prefix: str, names: Sequence[str]) -> None:
         value = getattr(obj, name)
         require(value > 0, f"{prefix}.{name}={value} must be positive. Set {prefix}.{name} to a "
                            f"value above 0.")
-
-
-def fields_of(obj: Any) -> list:
-    return [f.name for f in dataclasses.fields(obj)]

@@ -11,7 +11,6 @@ dtype and cached, so MFU on CPU is "fraction of what a large matmul reaches on t
 
 import json
 import logging
-import math
 import os
 import platform
 import resource
@@ -175,9 +174,6 @@ def format_line(m: dict) -> str:
         parts.append(f"val_loss {m['val_loss']:.4f} ppl {m['val_ppl']:.1f}")
     return " | ".join(parts)
 
-
-def safe_exp(x: float) -> float:
-    return math.exp(x) if x < 700 else float("inf")
 
 
 class Window:
