@@ -206,13 +206,14 @@ def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: i
         set_model_state_dict(part, {k: state["model"][k] for k in own_model})
         set_optimizer_state_dict(part, optimizer, {k: state["optim"][k] for k in own_optim},
                                  options=_FLAT)
-    saved_world = torch.load(ckpt_dir / "train_state_rank0.pt", weights_only=True)["world_size"]
-    # On another layout the per-rank files do not line up with the ranks: take rank 0's, which
+    train_state = torch.load(ckpt_dir / "train_state_rank0.pt", weights_only=True)
+    same_layout = train_state["world_size"] == world_size
+    # On another layout the per-rank files do not line up with the ranks: keep rank 0's, which
     # holds everything a global-index loader needs (the data loader refuses it if it cannot).
     own = ckpt_dir / f"train_state_rank{rank}.pt"
-    path = own if (own.is_file() and saved_world == world_size) else ckpt_dir / "train_state_rank0.pt"
-    train_state = torch.load(path, weights_only=True)
-    if saved_world == world_size:
+    if rank != 0 and same_layout and own.is_file():
+        train_state = torch.load(own, weights_only=True)
+    if same_layout:
         _set_rng_state(train_state["rng"])
     logger.info("resumed from %s (step %d)", ckpt_dir, train_state["step"])
     return train_state

@@ -234,6 +234,9 @@ def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs,
     from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                         OffloadPolicy, fully_shard)
 
+    if env.world_size == 1 or env.dims.dp_replicate * env.dims.fsdp == 1:
+        return model  # no data-parallel ranks (one process, or only tp/pp): nothing to shard
+
     if env.dims.dp_replicate > 1:
         dp_mesh = env.mesh[("dp_replicate", "dp_shard_cp")]
     else:

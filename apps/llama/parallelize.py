@@ -29,7 +29,6 @@ def parallelize_llama(model: nn.Module, env: DistEnv, args: DistributedArgs) -> 
     apply_ac(model.layers, args.ac, args.ac_every)
     if args.compile:
         apply_compile(model.layers)
-    if env.world_size > 1 and env.dims.dp_replicate * env.dims.fsdp > 1:
-        # One FSDP unit per transformer block: its parameters are gathered just before it runs.
-        apply_fsdp(model, list(model.layers.values()), env, args)
+    # One FSDP unit per transformer block: its parameters are gathered just before it runs.
+    apply_fsdp(model, list(model.layers.values()), env, args)
     return model

@@ -29,8 +29,7 @@ def parallelize_moe(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn
     apply_ac(model.layers, args.ac, args.ac_every)
     if args.compile:
         apply_compile(model.layers)
-    if env.world_size > 1 and env.dims.dp_replicate * env.dims.fsdp > 1:
-        apply_fsdp(model, list(model.layers.values()), env, args, expert_units)
+    apply_fsdp(model, list(model.layers.values()), env, args, expert_units)
     return model
 
 
