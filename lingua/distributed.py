@@ -1,7 +1,8 @@
 """Process groups, the parallel layout (ParallelDims + one named DeviceMesh) and data parallelism.
 
 One process (`python -m apps.llama.train`) needs no process group at all; several processes get
-their rank variables from torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). Every degree
+their rank variables from torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) or, in a Slurm
+job step (srun, or a job stool submitted), from Slurm's task variables. Every degree
 of the layout lives in ParallelDims; the mesh has a named dimension for each degree above 1, and
 the rest of the code asks it for the sub-meshes it needs (data loading over dp, FSDP over
 dp_replicate x dp_shard).
@@ -105,14 +106,14 @@ def validate_args(args: DistributedArgs) -> None:
                           f"fp32 or bf16.")
     if args.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"distributed.backend={args.backend!r}: use auto, gloo or nccl.")
-    if args.backend == "nccl" and not torch.cuda.is_available():
+    if args.backend == "nccl" and job_device_type() != "cuda":
         raise ConfigError("distributed.backend=nccl needs CUDA, and none is available here. "
                           "Use distributed.backend=auto (gloo on CPU).")
     if args.ac not in AC_MODES:
         raise ConfigError(f"distributed.ac={args.ac!r} is unknown: use one of {', '.join(AC_MODES)} "
                           f"(layer checkpoints every distributed.ac_every-th block, op saves matmul "
                           f"outputs and recomputes the rest).")
-    if args.cpu_offload and not torch.cuda.is_available():
+    if args.cpu_offload and job_device_type() != "cuda":
         raise ConfigError("distributed.cpu_offload=true moves sharded state from GPU to CPU memory; "
                           "this run has no GPU, so everything is in CPU memory already. Remove "
                           "distributed.cpu_offload.")
@@ -122,7 +123,49 @@ def validate_args(args: DistributedArgs) -> None:
     parallel_dims(args, world_size_from_env())
 
 
+def job_device_type() -> str:
+    """The device the run will train on. Usually this machine's; stool validates a config on a
+    login node for a job that runs elsewhere and says which device that job gets (JOB_DEVICE_VAR)."""
+    return os.environ.get(JOB_DEVICE_VAR) or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+JOB_DEVICE_VAR = "LINGUA_JOB_DEVICE"
+
+
+def slurm_step_vars() -> dict:
+    """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) for a process in a Slurm job step, read through submitit's job environment;
+    empty outside a step of several tasks.
+
+    Only a step (srun, which is how stool's jobs start their tasks) counts: a batch script's own
+    shell sees the job's SLURM_NTASKS but is a single process, so SLURM_STEP_NUM_TASKS decides.
+    The port is derived from the job id, so every task of the job picks the same one and two jobs
+    sharing a node do not collide.
+    """
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    if tasks <= 1:
+        return {}
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    job = SlurmJobEnvironment()
+    job_id = int(os.environ.get("SLURM_JOB_ID", "0"))
+    per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0]
+    return {"RANK": str(job.global_rank), "WORLD_SIZE": str(tasks),
+            "LOCAL_RANK": str(job.local_rank), "LOCAL_WORLD_SIZE": per_node,
+            "MASTER_ADDR": job.hostnames[0],
+            "MASTER_PORT": os.environ.get("MASTER_PORT", str(20000 + job_id % 20000))}
+
+
+def adopt_launcher_vars() -> None:
+    """Make torchrun's variables describe this process, whoever launched it: torchrun already set
+    them; in a Slurm step they are filled in from Slurm; alone, nothing is needed."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    os.environ.update(slurm_step_vars())
+
+
 def world_size_from_env() -> int:
+    adopt_launcher_vars()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -164,7 +207,7 @@ def _device(local_rank: int) -> torch.device:
 
 def init(args: DistributedArgs) -> DistEnv:
     """Start the process group (when launched with several processes) and build the mesh."""
-    world_size = world_size_from_env()
+    world_size = world_size_from_env()  # also adopts Slurm's variables inside a job step
     dims = parallel_dims(args, world_size)
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

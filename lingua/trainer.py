@@ -23,7 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
-from lingua import checkpoint, config, data, distributed, evaluation, metrics, optim, pipeline
+from lingua import (checkpoint, config, data, distributed, evaluation, metrics, optim, pipeline,
+                    preemption)
 from lingua.checkpoint import CheckpointArgs
 from lingua.context_parallel import cp_batch, validate_cp
 from lingua.data import DataArgs
@@ -32,11 +33,16 @@ from lingua.errors import ConfigError
 from lingua.evaluation import EvalArgs
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs
+from lingua.stool import SlurmArgs
 from lingua.tensor_parallel import check_async_tp, loss_parallel_context
 from lingua.tokenizer import build_tokenizer
 from lingua.transformer import check_attn_backend
 
 logger = logging.getLogger("train")
+
+# main()'s exit code when a signal (time limit, preemption, scancel) stopped the run early, after
+# saving a checkpoint: not 0, because the run is not finished.
+EXIT_STOPPED = 3
 
 
 @dataclass
@@ -52,6 +58,7 @@ class BaseTrainArgs:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     eval: EvalArgs = field(default_factory=EvalArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
+    slurm: SlurmArgs = field(default_factory=SlurmArgs)    # read by stool; max_requeues by the job
 
 
 @dataclass
@@ -68,7 +75,7 @@ class App:
 
 
 def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return distributed.job_device_type()
 
 
 def validate(args, app: App) -> None:
@@ -103,6 +110,7 @@ def validate(args, app: App) -> None:
 def start_run(args, env: DistEnv) -> None:
     """Logging, automatic GC off, the embedded corpus on first use, and the run's config.yaml."""
     metrics.setup_logging(env.rank)
+    preemption.SIGNALS.listen()
     gc.disable()
     if args.data.prepare_embedded:
         if env.local_rank == 0:
@@ -281,7 +289,21 @@ class Run:
             return metrics.flops_per_token(self.app.model_class(m), m.n_layers, m.dim,
                                            self.args.data.seq_len, m.tie_embeddings)
 
-    def train(self) -> None:
+    def _save(self, config_yaml: str) -> None:
+        args, env = self.args, self.env
+        train_state = {"step": self.step, "data": self.train_loader.state_dict(),
+                       "scheduler": self.optimizers.scheduler_state()}
+        checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
+                        train_state, config_yaml, env.rank, env.world_size, args.checkpoint.keep)
+
+    def train(self) -> bool:
+        """Train up to args.steps; False when a signal stopped it early (after saving)."""
+        try:
+            return self._train()
+        finally:
+            preemption.SIGNALS.stop_listening()
+
+    def _train(self) -> bool:
         args, env, app = self.args, self.env, self.app
         flops_per_token = self._flops_per_token()
         peak = metrics.peak_flops(env.device, args.distributed.model_dtype)
@@ -290,6 +312,7 @@ class Run:
         config_yaml = config.to_yaml(args)
         window = metrics.Window()
         pp_group = env.mesh["pp"].get_group() if env.dims.pp > 1 else None
+        signals = preemption.SIGNALS.listen()
         logger.info("training steps %d -> %d, global batch %d x %d tokens", self.step, args.steps,
                     self.global_batch, args.data.seq_len)
         while self.step < args.steps:
@@ -324,17 +347,25 @@ class Run:
                 log.log(row)
                 if env.is_main:
                     logger.info(metrics.format_line(row))
-            if (args.checkpoint.every and self.step % args.checkpoint.every == 0) or (
-                    last and args.checkpoint.save_final):
-                train_state = {"step": self.step, "data": self.train_loader.state_dict(),
-                               "scheduler": self.optimizers.scheduler_state()}
-                checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
-                                train_state, config_yaml, env.rank, env.world_size,
-                                args.checkpoint.keep)
+            saved = (args.checkpoint.every and self.step % args.checkpoint.every == 0) or (
+                last and args.checkpoint.save_final)
+            if saved:
+                self._save(config_yaml)
+            action = signals.agreed(env.world_size, env.device)
+            if action != preemption.NONE and not last:
+                if not saved:
+                    self._save(config_yaml)
+                if env.is_main:
+                    logger.warning("stopped by a signal after step %d; checkpoint %s saved",
+                                   self.step, checkpoint.newest(self.dump_dir))
+                    if action == preemption.REQUEUE:
+                        preemption.requeue_job(args.slurm.max_requeues)
+                break
         log.close()
-        if env.is_main:
+        if env.is_main and self.step == args.steps:
             logger.info("done: run directory %s (config.yaml, metrics.jsonl, checkpoints/)",
                         self.dump_dir.resolve())
+        return self.step == args.steps
 
 
 def exit_cli(main: Callable) -> None:

@@ -83,17 +83,22 @@ def balance_over_the_global_batch(parts, env, global_tokens: int) -> None:
             layer.token_normalizer = lambda n_local: float(global_tokens)
 
 
+def load_config(argv=None, check: bool = True) -> TrainArgs:
+    """Compose (and check) the config exactly as a run would; stool calls this before submitting."""
+    return config.load("moe", TrainArgs, argv, validate if check else None)
+
+
 def main(argv=None) -> int:
-    args = config.load("moe", TrainArgs, argv, validate)
+    args = load_config(argv)
     env = distributed.init(args.distributed)
     trainer.start_run(args, env)
     parts, stage_ids = trainer.build_model_parts(args, env, APP)
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
     run = trainer.Run(args, env, APP, parts, stage_ids, optimizers)
     balance_over_the_global_batch(parts, env, run.global_tokens)
-    run.train()
+    completed = run.train()
     distributed.destroy()
-    return 0
+    return 0 if completed else trainer.EXIT_STOPPED
 
 
 if __name__ == "__main__":
