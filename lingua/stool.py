@@ -179,7 +179,7 @@ def import_app(module: str):
 
 def sweep_overrides(overrides: List[str]) -> tuple:
     """Hydra's sweep syntax (`optim.lr=1e-3,3e-3`, `range(...)`, `choice(...)`) to one override
-    list per combination (the cartesian product, in Hydra's order), and the swept keys."""
+    list per combination (the cartesian product, in Hydra's order), and the swept positions."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -187,10 +187,10 @@ def sweep_overrides(overrides: List[str]) -> tuple:
     except Exception as err:  # Hydra raises its own OverrideParseException
         raise ConfigError(f"Cannot parse the overrides for --multirun: {err}") from None
     choices, swept = [], []
-    for override in parsed:
+    for i, override in enumerate(parsed):
         key = override.get_key_element()
         if override.is_sweep_override():
-            swept.append(key)
+            swept.append(i)
             choices.append([f"{key}={v}" for v in override.sweep_string_iterator()])
         else:
             choices.append([override.input_line])
@@ -235,15 +235,16 @@ def compose(app, overrides: List[str]):
 def plan(app, overrides: List[str], multirun: bool) -> List[Submission]:
     """Every job to submit, all validated before anything is written."""
     combos, swept = sweep_overrides(overrides) if multirun else ([list(overrides)], [])
-    name_runs = len(combos) > 1 and "dump_dir" not in swept
+    swept_keys = {combos[0][i].split("=", 1)[0] for i in swept}
+    name_runs = len(combos) > 1 and "dump_dir" not in swept_keys
     if name_runs:  # each combination gets <dump_dir>/<its swept values>
-        base = app.load_config([o for o in overrides if o.split("=", 1)[0] not in swept],
+        base = app.load_config([o for i, o in enumerate(overrides) if i not in swept],
                                check=False)
     submissions = []
     for combo in combos:
         combo = list(combo)
         if name_runs:
-            named = [o for o in combo if o.split("=", 1)[0] in swept]
+            named = [combo[i] for i in swept]
             combo.append(f"dump_dir={hydra_quote(Path(base.dump_dir) / run_name(named))}")
         combo += absolute_paths(app.load_config(combo, check=False))
         args = compose(app, combo)
@@ -374,9 +375,9 @@ def batch_script(executor, array_size: int) -> str:
 
 
 def log_paths(job, n_tasks: int) -> List[str]:
-    paths = [str(job.paths.stdout).replace("%t", "0"), str(job.paths.stderr).replace("%t", "0")]
-    if n_tasks > 1:
-        paths.append(str(job.paths.stdout).replace("%t", "<rank>"))
+    paths = [str(job.paths.stdout), str(job.paths.stderr)]
+    if n_tasks > 1:  # one pair per task: <job>_<rank>_log.out
+        paths.append(str(job.paths.stdout).replace(f"_{job.paths.task_id}_log", "_<rank>_log"))
     return paths
 
 

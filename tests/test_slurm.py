@@ -1,0 +1,204 @@
+"""stool against a real Slurm: the one-node cluster of `bash setup/slurm_local.sh start`.
+
+`bash setup/test.sh` starts it (installing Debian's packages where it can) and then these tests
+must run; elsewhere they are skipped with the reason. Each test submits real jobs with stool and
+compares what they wrote with a torchrun run of the same config.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, read_metrics, run_torchrun, tiny_args
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def slurm_is_up() -> str:
+    """'' when the local Slurm answers, else why not."""
+    if shutil.which("sinfo") is None:
+        return "Slurm is not installed (bash setup/slurm_local.sh start installs and starts it)"
+    proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return f"Slurm is not running: {proc.stderr.strip()} (bash setup/slurm_local.sh start)"
+    return ""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm():
+    reason = slurm_is_up()
+    if reason:
+        # setup/test.sh sets this after starting Slurm: there a Slurm that went away is a failure.
+        if os.environ.get("LINGUA_REQUIRE_SLURM") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+def stool(*args: str, env_extra=None, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "lingua.stool", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"stool failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def job_ids(stool_output: str) -> list:
+    return re.findall(r"submitted job (\S+):", stool_output)
+
+
+def job_field(job_id: str, name: str) -> str:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True,
+                         text=True).stdout
+    match = re.search(rf"\b{name}=(\S+)", out)
+    return match.group(1) if match else ""
+
+
+def release_if_requeued(job_id: str) -> None:
+    """Slurm holds a requeued job for about two minutes (its BeginTime); a test need not wait."""
+    if job_field(job_id, "JobState") == "PENDING" and job_field(job_id, "Reason") == "BeginTime":
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+
+
+def wait_for(job_id: str, timeout: float = 300, logs: Path = None) -> str:
+    """Wait until the job has finished (releasing it when it is requeued); its final state."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = job_field(job_id, "JobState")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state
+        release_if_requeued(job_id)
+        time.sleep(1)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} did not finish in {timeout}s:\n{dump_logs(logs)}")
+
+
+def dump_logs(folder) -> str:
+    if folder is None or not Path(folder).is_dir():
+        return ""
+    return "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in sorted(Path(folder).glob("*_log.*")))
+
+
+def losses(dump_dir) -> dict:
+    return {row["step"]: row["loss"] for row in read_metrics(dump_dir)}
+
+
+def slurm_args(dump_dir, corpus, *extra, steps):
+    return [*tiny_args(corpus, dump_dir, *extra, steps=steps), "slurm.cpus_per_task=1",
+            "slurm.time=10", "slurm.partition=debug"]
+
+
+def test_two_task_job_matches_torchrun_and_keeps_values_and_secrets(corpus, tmp_path):
+    # A dump_dir with a space and a config value with quotes, ';' and a $(...) that a shell would
+    # run: both must reach the job intact and unexecuted.
+    dump = tmp_path / "runs with space" / "two"
+    name = """it's "a b";c $(touch PWNED)"""
+    name_override = "logging.name='" + name.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    secret = "lingua-test-secret-7f3a"
+    proc = stool("apps.llama.train", *slurm_args(dump, corpus, "distributed.dp_shard=2",
+                                                 name_override, steps=4),
+                 "slurm.tasks_per_node=2", env_extra={"WANDB_API_KEY": secret})
+    [job] = job_ids(proc.stdout)
+    assert str(dump) in proc.stdout and "_log.out" in proc.stdout
+    assert wait_for(job, logs=dump / "slurm") == "COMPLETED", dump_logs(dump / "slurm")
+
+    ref = tmp_path / "torchrun"
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, ref, "distributed.dp_shard=2", steps=4))
+    assert sorted(losses(dump)) == [1, 2, 3, 4]
+    assert losses(dump) == losses(ref)  # same sequences, same world size: bit-identical
+
+    out = "\n".join(p.read_text() for p in (dump / "slurm").glob("*_log.out"))
+    assert "rank 0 of 2" in out and "rank 1 of 2" in out
+    assert f"from {dump / 'code' / 'apps' / 'llama'}" in out  # ran from the snapshot
+    assert (dump / "code" / "lingua" / "stool.py").is_file()
+    from omegaconf import OmegaConf
+    assert OmegaConf.load(dump / "config.yaml").logging.name == name
+    assert not list(REPO.glob("PWNED")) and not list(dump.rglob("PWNED"))
+    # The secret reached the job through Slurm's environment only, never a file of ours.
+    for path in dump.rglob("*"):
+        if path.is_file() and "code" not in path.relative_to(dump).parts:
+            assert secret.encode() not in path.read_bytes(), f"secret written to {path}"
+
+
+def test_requeued_job_resumes_with_the_same_losses(corpus, tmp_path):
+    dump, steps = tmp_path / "requeued", 30
+    proc = stool("apps.llama.train", *slurm_args(dump, corpus, "distributed.dp_shard=2",
+                                                 "checkpoint.every=1000", "checkpoint.keep=0",
+                                                 steps=steps),
+                 "slurm.tasks_per_node=2")
+    [job] = job_ids(proc.stdout)
+    deadline = time.time() + 180
+    while not ((dump / "metrics.jsonl").is_file() and len(read_metrics(dump)) >= 5):
+        assert time.time() < deadline, dump_logs(dump / "slurm")
+        assert job_field(job, "JobState") in ("PENDING", "RUNNING"), dump_logs(dump / "slurm")
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "requeue", job], check=True)  # what a preemption does
+    assert wait_for(job, logs=dump / "slurm") == "COMPLETED", dump_logs(dump / "slurm")
+    assert job_field(job, "Restarts") == "1"
+
+    # SIGTERM made every rank save at the next step boundary; the requeued job resumed there.
+    saved = sorted(int(p.name) for p in (dump / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 2 and 5 <= saved[0] < steps and saved[1] == steps, saved
+    out = "\n".join(p.read_text() for p in (dump / "slurm").glob("*_0_log.out"))
+    assert f"training steps {saved[0]} -> {steps}" in out
+    assert "requeues so far 1" in out
+
+    ref = tmp_path / "reference"
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, ref, "distributed.dp_shard=2",
+                                                  steps=steps))
+    got = read_metrics(dump)
+    assert [row["step"] for row in got] == list(range(1, steps + 1))  # none lost, none repeated
+    assert losses(dump) == losses(ref)
+
+
+def test_time_limit_checkpoints_and_requeues(corpus, tmp_path):
+    # slurm.time=1 minute with USR2 50 s before it: each run gets the warning within a minute,
+    # saves and requeues; the second run finds its requeue budget (1) spent and stops, saved.
+    dump = tmp_path / "timelimit"
+    proc = stool("apps.llama.train", *tiny_args(corpus, dump, "checkpoint.keep=0", steps=100000),
+                 "slurm.time=1", "slurm.signal_delay_s=50", "slurm.max_requeues=1",
+                 "slurm.cpus_per_task=1")
+    [job] = job_ids(proc.stdout)
+    state = wait_for(job, timeout=400, logs=dump / "slurm")
+    logs = dump_logs(dump / "slurm")
+    assert job_field(job, "Restarts") == "1", logs
+    assert state == "FAILED" and job_field(job, "ExitCode") == "3:0", logs  # stopped, not finished
+    saved = sorted(int(p.name) for p in (dump / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 2 and 0 < saved[0] < saved[1], (saved, logs)
+    assert "requeued job" in logs and "not requeueing" in logs
+    assert [row["step"] for row in read_metrics(dump)] == list(range(1, saved[1] + 1))
+
+
+def test_sweep_sends_a_job_array_with_one_dump_dir_per_value(corpus, tmp_path):
+    base = tmp_path / "sweep"
+    proc = stool("apps.llama.train", "--multirun", *tiny_args(corpus, base, steps=2),
+                 "optim.lr=1e-3,3e-3", "slurm.cpus_per_task=1")
+    jobs = job_ids(proc.stdout)
+    assert len(jobs) == 2 and jobs[0].endswith("_0") and jobs[1].endswith("_1"), proc.stdout
+    assert jobs[0].split("_")[0] == jobs[1].split("_")[0]  # one array
+    for job in jobs:
+        assert wait_for(job, logs=base / "slurm") == "COMPLETED", dump_logs(base / "slurm")
+    runs = {p.name: p for p in base.iterdir() if (p / "metrics.jsonl").is_file()}
+    # Named after the swept value as Hydra parses it (1e-3 -> 0.001), as Hydra's sweeper does.
+    assert sorted(runs) == ["optim.lr=0.001", "optim.lr=0.003"], sorted(runs)
+    peak_lr = {name: max(row["lr"] for row in read_metrics(path)) for name, path in runs.items()}
+    assert peak_lr["optim.lr=0.003"] == pytest.approx(3 * peak_lr["optim.lr=0.001"])
+    assert (base / "code" / "lingua").is_dir()  # one snapshot for the array, at the sweep root
+
+
+def test_unknown_partition_is_refused_before_anything_is_written(corpus, tmp_path):
+    dump = tmp_path / "nopart"
+    proc = stool("apps.llama.train", *tiny_args(corpus, dump), "slurm.partition=no_such_part",
+                 check=False)
+    assert proc.returncode == 2
+    assert "slurm.partition='no_such_part' does not exist" in proc.stderr
+    assert "debug" in proc.stderr  # the partitions that do exist
+    assert not dump.exists()
