@@ -173,7 +173,8 @@ def test_time_limit_checkpoints_and_requeues(corpus, tmp_path):
     assert state == "FAILED" and job_field(job, "ExitCode") == "3:0", logs  # stopped, not finished
     saved = sorted(int(p.name) for p in (dump / "checkpoints").iterdir() if p.name.isdigit())
     assert len(saved) == 2 and 0 < saved[0] < saved[1], (saved, logs)
-    assert "requeued job" in logs and "not requeueing" in logs
+    out = "\n".join(p.read_text() for p in (dump / "slurm").glob("*_0_log.out"))
+    assert "got SIGUSR2" in logs and "requeued job" in out and "not requeueing" in out, out
     assert [row["step"] for row in read_metrics(dump)] == list(range(1, saved[1] + 1))
 
 
