@@ -94,7 +94,8 @@ def parallel_dims(args: DistributedArgs, world_size: int) -> ParallelDims:
             f"The parallel degrees do not match the world size: dp_replicate={args.dp_replicate} "
             f"x dp_shard={dp_shard} x cp={args.cp} x tp={args.tp} x pp={args.pp} = "
             f"{others * dp_shard}, but {world_size} processes were launched. Launch "
-            f"{others * dp_shard} processes (torchrun --nproc-per-node), or set "
+            f"{others * dp_shard} processes (torchrun --nproc-per-node; with stool, slurm.nodes x "
+            f"slurm.tasks_per_node), or set "
             f"distributed.dp_shard=-1 to take what the world size leaves.")
     return ParallelDims(dp_replicate=args.dp_replicate, dp_shard=dp_shard, cp=args.cp,
                         tp=args.tp, pp=args.pp, world_size=world_size)

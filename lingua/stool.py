@@ -134,9 +134,11 @@ class Submission:
     dump_dir: Path
 
 
-def hydra_quote(value: str) -> str:
-    """A value as one Hydra override token, whatever characters it holds."""
-    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+def hydra_quote(value) -> str:
+    """A value as one quoted Hydra override token, whatever characters it holds. Hydra's escapes:
+    \\' is a quote, and only backslashes before a quote or the closing quote are doubled."""
+    text = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, str(value))
+    return "'" + text.replace("'", "\\'") + "'"
 
 
 @contextlib.contextmanager

@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
 # Run the test suite in the project's environment. Extra arguments go to pytest (e.g. -k hf).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+# The slurm-marked tests need a real Slurm: start the local one-node cluster where this user can
+# (root: it installs Debian's packages if missing). Where it cannot, those tests skip and say why.
+if [ "$(id -u)" -eq 0 ] && { command -v apt-get >/dev/null || command -v slurmctld >/dev/null; }; then
+  bash setup/slurm_local.sh start
+  export LINGUA_REQUIRE_SLURM=1
+else
+  echo ">> not root: the local Slurm is not started, the slurm-marked tests will skip"
+fi
 set +e
 python -m pytest "$@"
 rc=$?
