@@ -3,11 +3,13 @@
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 # The slurm-marked tests need a real Slurm: start the local one-node cluster where this user can
 # (root: it installs Debian's packages if missing). Where it cannot, those tests skip and say why.
-if [ "$(id -u)" -eq 0 ] && { command -v apt-get >/dev/null || command -v slurmctld >/dev/null; }; then
-  bash setup/slurm_local.sh start
+as_root=""
+if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo -n true 2>/dev/null; then as_root="sudo -n"; fi
+if { [ "$(id -u)" -eq 0 ] || [ -n "$as_root" ]; } && { command -v apt-get >/dev/null || command -v slurmctld >/dev/null; }; then
+  $as_root bash setup/slurm_local.sh start
   export LINGUA_REQUIRE_SLURM=1
 else
-  echo ">> not root: the local Slurm is not started, the slurm-marked tests will skip"
+  echo ">> neither root nor passwordless sudo: the local Slurm is not started, the slurm tests will skip"
 fi
 set +e
 python -m pytest "$@"

@@ -115,6 +115,18 @@ def test_two_task_job_matches_torchrun_and_keeps_values_and_secrets(corpus, tmp_
     assert sorted(losses(dump)) == [1, 2, 3, 4]
     assert losses(dump) == losses(ref)  # same sequences, same world size: bit-identical
 
+    # The same module under a plain `srun` takes its ranks from Slurm as well.
+    plain = tmp_path / "srun"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc_srun = subprocess.run(["srun", "-n", "2", "-p", "debug", sys.executable, "-m",
+                                "apps.llama.train",
+                                *tiny_args(corpus, plain, "distributed.dp_shard=2", steps=4)],
+                               cwd=REPO, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True,
+                               text=True, timeout=300)
+    assert proc_srun.returncode == 0, proc_srun.stdout[-3000:] + proc_srun.stderr[-3000:]
+    assert losses(plain) == losses(ref)
+
     out = "\n".join(p.read_text() for p in (dump / "slurm").glob("*_log.out"))
     assert "rank 0 of 2" in out and "rank 1 of 2" in out
     assert f"from {dump / 'code' / 'apps' / 'llama'}" in out  # ran from the snapshot
@@ -193,6 +205,15 @@ def test_sweep_sends_a_job_array_with_one_dump_dir_per_value(corpus, tmp_path):
     peak_lr = {name: max(row["lr"] for row in read_metrics(path)) for name, path in runs.items()}
     assert peak_lr["optim.lr=0.003"] == pytest.approx(3 * peak_lr["optim.lr=0.001"])
     assert (base / "code" / "lingua").is_dir()  # one snapshot for the array, at the sweep root
+
+
+def test_a_job_slurm_refuses_gets_a_clear_error(corpus, tmp_path):
+    dump = tmp_path / "toobig"
+    proc = stool("apps.llama.train", *tiny_args(corpus, dump), "slurm.constraint=no_such_feature",
+                 check=False)
+    assert proc.returncode == 2
+    assert "Slurm refused the job" in proc.stderr and "slurm.*" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_unknown_partition_is_refused_before_anything_is_written(corpus, tmp_path):
