@@ -184,12 +184,25 @@ class Window:
 
     def reset(self) -> None:
         self.steps, self.seconds, self.data_seconds, self.tokens = 0, 0.0, 0.0, 0
+        self.timed_steps, self.phase_seconds = 0, {}
 
-    def add(self, step_seconds: float, data_seconds: float, tokens: int) -> None:
+    def add(self, step_seconds: float, data_seconds: float, tokens: int,
+            phase_seconds: Optional[dict] = None) -> None:
+        """`phase_seconds` ({"fwd": s, ...}) only for steps whose phases were timed: on CUDA
+        that is the synchronized, logged step alone (see profiling.PhaseTimer)."""
         self.steps += 1
         self.seconds += step_seconds
         self.data_seconds += data_seconds
         self.tokens += tokens
+        if phase_seconds:
+            self.timed_steps += 1
+            for name, seconds in phase_seconds.items():
+                self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + seconds
+
+    def phase_s(self) -> dict:
+        """{"fwd_s": mean seconds per timed step, ...} for every phase timed in the window."""
+        return {f"{name}_s": seconds / self.timed_steps
+                for name, seconds in self.phase_seconds.items()}
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)

@@ -33,6 +33,8 @@ from lingua.errors import ConfigError
 from lingua.evaluation import EvalArgs
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs
+from lingua import profiling
+from lingua.profiling import ProfilingArgs
 from lingua.stool import SlurmArgs
 from lingua.tensor_parallel import check_async_tp, loss_parallel_context
 from lingua.tokenizer import build_tokenizer
@@ -59,6 +61,7 @@ class BaseTrainArgs:
     eval: EvalArgs = field(default_factory=EvalArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     slurm: SlurmArgs = field(default_factory=SlurmArgs)    # read by stool; max_requeues by the job
+    profiling: ProfilingArgs = field(default_factory=ProfilingArgs)
 
 
 @dataclass
@@ -102,6 +105,7 @@ def validate(args, app: App) -> None:
     check_async_tp(d.async_tp, device_type(), d.compile)
     checkpoint.validate_args(args.checkpoint)
     evaluation.validate_args(args.eval)
+    profiling.validate_args(args.profiling, args.steps)
     # Resuming is only exact with the same model and the same data stream.
     checkpoint.check_resume_compatible(args.dump_dir, config.to_dict(args),
                                        ("model", "seed", "data.format", "data.seq_len"))
@@ -221,6 +225,7 @@ class Run:
         self.global_batch = args.data.batch_size * env.dp_size * args.data.grad_accum
         self.global_tokens = self.global_batch * args.data.seq_len
         self.pipe = self._build_pipeline(stage_ids)
+        self.phases = profiling.PhaseTimer(env.device)   # fwd_s, bwd_s, optim_s in metrics
         self.step = self._resume()
 
     def _build_pipeline(self, stage_ids):
@@ -255,15 +260,19 @@ class Run:
             for batch in micro_batches:
                 with sequence_shard(self.parts, batch, args, env) as (tokens, labels, doc_ids, positions):
                     if self.pipe is not None:
-                        out = self.pipe.step(tokens, labels, doc_ids)
+                        # The schedule interleaves micro-batches' forwards and backwards (and
+                        # the stages' sends), so only their sum can be timed: fwd_bwd_s.
+                        with self.phases.phase("fwd_bwd"):
+                            out = self.pipe.step(tokens, labels, doc_ids)
                         share += 0.0 if out is None else out.double()
                         continue
-                    with mixed_precision(args, env):
+                    with self.phases.phase("fwd"), mixed_precision(args, env):
                         token_loss = loss_sum(self.parts[0], tokens, labels, doc_ids, positions)
                     # Dividing by the global batch's token count (and summing gradients over
                     # ranks) makes the gradient that of the mean loss over the global batch,
                     # whatever the layout.
-                    (token_loss / self.global_tokens).backward()
+                    with self.phases.phase("bwd"):
+                        (token_loss / self.global_tokens).backward()
                     share += token_loss.detach().double() / self.global_tokens
         return share
 
@@ -315,28 +324,38 @@ class Run:
         signals = preemption.SIGNALS.listen()
         logger.info("training steps %d -> %d, global batch %d x %d tokens", self.step, args.steps,
                     self.global_batch, args.data.seq_len)
+        profiler = profiling.StepProfiler(args.profiling, self.dump_dir, env.rank, env.device,
+                                          flops_per_token * self.global_tokens / env.world_size,
+                                          peak)
         while self.step < args.steps:
+            profiler.step_begin(self.step + 1)
+            self.phases.start_step(timed=(self.step + 1) % args.logging.every == 0
+                                   or self.step + 1 == args.steps)
             t0 = time.perf_counter()
-            micro_batches = self.train_loader.next_step()
+            with torch.profiler.record_function("data"):
+                micro_batches = self.train_loader.next_step()
             t_data = time.perf_counter() - t0
             loss_share = self.train_step(micro_batches)
-            grad_norm = optim.clip_grad_norm(self.parts, args.optim.clip, pp_group)
-            lr = self.optimizers.lr
-            self.optimizers.step()
-            if app.after_step is not None:
-                app.after_step(self.parts, env)
+            with self.phases.phase("optim"):
+                grad_norm = optim.clip_grad_norm(self.parts, args.optim.clip, pp_group)
+                lr = self.optimizers.lr
+                self.optimizers.step()
+                if app.after_step is not None:
+                    app.after_step(self.parts, env)
             self.step += 1
             if args.gc_every > 0 and self.step % args.gc_every == 0:
                 gc.collect(1)
 
-            window.add(time.perf_counter() - t0, t_data, self.global_tokens)
+            window.add(time.perf_counter() - t0, t_data, self.global_tokens,
+                       self.phases.step_seconds())
+            profiler.step_end(self.step)
             last = self.step == args.steps
             if self.step % args.logging.every == 0 or last:
                 tokens_per_s = window.tokens_per_s()
                 row = {"step": self.step, "loss": distributed.all_reduce_sum(loss_share, env).item(),
                        "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
                        "mfu": flops_per_token * tokens_per_s / env.world_size / peak,
-                       "data_s": window.data_s(), "step_s": window.step_s(),
+                       "data_s": window.data_s(), "step_s": window.step_s(), **window.phase_s(),
                        "peak_mem_gib": metrics.peak_memory_gib(env.device),
                        "skipped_lines": self.train_loader.skipped_lines}
                 if app.step_metrics is not None:
@@ -361,6 +380,7 @@ class Run:
                     if action == preemption.REQUEUE:
                         preemption.requeue_job(args.slurm.max_requeues)
                 break
+        profiler.close()
         log.close()
         if env.is_main and self.step == args.steps:
             logger.info("done: run directory %s (config.yaml, metrics.jsonl, checkpoints/)",
