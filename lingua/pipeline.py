@@ -274,6 +274,9 @@ class Pipeline:
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.device = stages[0].device
+        # torch's stages infer shapes on their first step with an extra forward (on real tensors
+        # at the first stage); anything that counts forward calls (the probe) waits for step 2.
+        self.steps_run = 0
 
     def _check_batch(self, tokens):
         if tokens.shape[0] % self.n_microbatches:
@@ -293,6 +296,7 @@ class Pipeline:
         target = labels.to(self.device) if self.has_last else None
         losses: list = []
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        self.steps_run += 1
         if not self.has_last:
             return None
         return torch.stack([loss.detach().float() for loss in losses]).sum()

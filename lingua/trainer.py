@@ -25,6 +25,7 @@ import torch
 
 from lingua import (checkpoint, config, data, distributed, evaluation, metrics, optim, pipeline,
                     preemption)
+from lingua import probe as probe_module
 from lingua.checkpoint import CheckpointArgs
 from lingua.context_parallel import cp_batch, validate_cp
 from lingua.data import DataArgs
@@ -33,6 +34,7 @@ from lingua.errors import ConfigError
 from lingua.evaluation import EvalArgs
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs
+from lingua.probe import Probe, ProbeArgs
 from lingua import profiling
 from lingua.profiling import ProfilingArgs
 from lingua.stool import SlurmArgs
@@ -61,6 +63,7 @@ class BaseTrainArgs:
     eval: EvalArgs = field(default_factory=EvalArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     slurm: SlurmArgs = field(default_factory=SlurmArgs)    # read by stool; max_requeues by the job
+    probe: ProbeArgs = field(default_factory=ProbeArgs)
     profiling: ProfilingArgs = field(default_factory=ProfilingArgs)
 
 
@@ -105,6 +108,7 @@ def validate(args, app: App) -> None:
     check_async_tp(d.async_tp, device_type(), d.compile)
     checkpoint.validate_args(args.checkpoint)
     evaluation.validate_args(args.eval)
+    probe_module.validate_args(args.probe)
     profiling.validate_args(args.profiling, args.steps)
     # Resuming is only exact with the same model and the same data stream.
     checkpoint.check_resume_compatible(args.dump_dir, config.to_dict(args),
@@ -322,6 +326,8 @@ class Run:
         window = metrics.Window()
         pp_group = env.mesh["pp"].get_group() if env.dims.pp > 1 else None
         signals = preemption.SIGNALS.listen()
+        probe = Probe(args.probe, self.parts, env, self.dump_dir, self.step) if args.probe.every else None
+        probe_alerts = 0
         logger.info("training steps %d -> %d, global batch %d x %d tokens", self.step, args.steps,
                     self.global_batch, args.data.seq_len)
         profiler = profiling.StepProfiler(args.profiling, self.dump_dir, env.rank, env.device,
@@ -335,7 +341,14 @@ class Run:
             with torch.profiler.record_function("data"):
                 micro_batches = self.train_loader.next_step()
             t_data = time.perf_counter() - t0
+            probing = probe is not None and probe.active(self.step + 1) and (
+                self.pipe is None or self.pipe.steps_run > 0 or probe.skip_first_pipeline_step())
+            if probing:  # hooks only for this step's forward passes
+                probe.start()
             loss_share = self.train_step(micro_batches)
+            if probing:  # weights and gradients as the optimizer will see them, before clipping
+                probe.stop()
+                probe_alerts += probe.finish_step(self.step + 1, log.wandb_run)
             with self.phases.phase("optim"):
                 grad_norm = optim.clip_grad_norm(self.parts, args.optim.clip, pp_group)
                 lr = self.optimizers.lr
@@ -360,6 +373,8 @@ class Run:
                        "skipped_lines": self.train_loader.skipped_lines}
                 if app.step_metrics is not None:
                     row.update(app.step_metrics(self.parts))
+                if probe is not None:
+                    row["probe_alerts"], probe_alerts = probe_alerts, 0
                 if (args.eval.every and self.step % args.eval.every == 0) or (last and args.eval.at_end):
                     row.update(self.validation_loss())
                 window.reset()
@@ -381,6 +396,8 @@ class Run:
                         preemption.requeue_job(args.slurm.max_requeues)
                 break
         profiler.close()
+        if probe is not None and env.is_main and log.wandb_run is not None:
+            probe.log_plots(log.wandb_run)
         log.close()
         if env.is_main and self.step == args.steps:
             logger.info("done: run directory %s (config.yaml, metrics.jsonl, checkpoints/)",
