@@ -42,6 +42,7 @@ import math
 import os
 import statistics
 import sys
+import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,37 +113,44 @@ N_MAX = 2
 
 
 def summarize(x: torch.Tensor) -> tuple:
-    """(sums [N_SUM], maxes [N_MAX]) of a local tensor, float64, on its device."""
+    """(sums [N_SUM], maxes [N_MAX]) of a local tensor, float64, on its device.
+
+    Elementwise work is float32 with float64 accumulation (a probe step should cost about one
+    forward); values above 1e8 switch the higher powers to float64, where float32 would overflow.
+    """
     x = x.detach().reshape(-1)
+    x = x.float() if x.dtype != torch.float64 else x
     finite = torch.isfinite(x)
     nonfinite = x.numel() - int(finite.sum()) if x.numel() else 0
     if nonfinite:
         x = x[finite]
-    x = x.double()
     sums = torch.zeros(N_SUM, dtype=torch.float64, device=x.device)
     maxes = torch.full((N_MAX,), -math.inf, dtype=torch.float64, device=x.device)
     if x.numel():
-        x2 = x * x
-        sums[0] = x.numel()
-        sums[1] = x.sum()
-        sums[2] = x2.sum()
-        sums[3] = (x2 * x).sum()
-        sums[4] = (x2 * x2).sum()
-        sums[5] = (x == 0).sum()
-        sums[7:] = torch.bincount(histogram_bins(x), minlength=N_HIST).double()
         maxes[0] = x.max()
         maxes[1] = -x.min()
+        if float(maxes.max()) > 1e8:
+            x = x.double()
+        x2 = x * x
+        sums[0] = x.numel()
+        sums[1] = x.sum(dtype=torch.float64)
+        sums[2] = x2.sum(dtype=torch.float64)
+        sums[3] = (x2 * x).sum(dtype=torch.float64)
+        sums[4] = (x2 * x2).sum(dtype=torch.float64)
+        sums[5] = (x == 0).sum()
+        sums[7:] = torch.bincount(histogram_bins(x), minlength=N_HIST).double()
     sums[6] = nonfinite
     return sums, maxes
 
 
 def histogram_bins(x: torch.Tensor) -> torch.Tensor:
-    """Bin index of each value: N_MAG + 1 + k for positives, N_MAG - 1 - k for negatives, N_MAG
-    for zero, with k the log-magnitude bin (clamped to the grid)."""
-    mag = torch.floor((torch.log10(x.abs().clamp_min(1e-300)) - LOG10_LO) * BINS_PER_DECADE)
-    mag = mag.clamp(0, N_MAG - 1).long()
-    return torch.where(x > 0, N_MAG + 1 + mag, torch.where(x < 0, N_MAG - 1 - mag,
-                                                              torch.full_like(mag, N_MAG)))
+    """Bin index of each (finite) value: N_MAG + 1 + k for positives, N_MAG - 1 - k for
+    negatives, N_MAG for zero, with k the log-magnitude bin (clamped to the grid)."""
+    mag = torch.log10(x.abs()).sub_(LOG10_LO).mul_(BINS_PER_DECADE).floor_()
+    mag = mag.clamp_(0, N_MAG - 1).to(torch.int32)
+    index = torch.where(x >= 0, mag + (N_MAG + 1), (N_MAG - 1) - mag)
+    index[x == 0] = N_MAG
+    return index
 
 
 def _bin_edges() -> torch.Tensor:
@@ -357,6 +365,7 @@ class Probe:
         self.dir = Path(dump_dir) / "probe"
         self.path = self.dir / "probe.jsonl"
         self.handles = []
+        self.seen = {}                     # id(tensor) -> (weakref, sums, maxes), one step
         self.acc: Dict[str, list] = {}     # key -> [sums, maxes, kind]
         self.history: Dict[str, deque] = defaultdict(lambda: deque(maxlen=args.alert_window))
         self.last_alerts: List[str] = []
@@ -430,12 +439,22 @@ class Probe:
                 if want_in:
                     x = _first_tensor(inputs)
                     if x is not None and x.is_floating_point():
-                        self._add(f"{name}/input", "act", *summarize(_local(x)))
+                        self._add(f"{name}/input", "act", *self._summarize_once(x))
                 if want_out:
                     y = _first_tensor(output)
                     if y is not None and y.is_floating_point():
-                        self._add(f"{name}/output", "act", *summarize(_local(y)))
+                        self._add(f"{name}/output", "act", *self._summarize_once(y))
         return hook
+
+    def _summarize_once(self, x: torch.Tensor) -> tuple:
+        """summarize(), computed once per tensor object: one module's output is often the next
+        one's input (wq, wk and wv share theirs), which would otherwise be summarized again."""
+        cached = self.seen.get(id(x))
+        if cached is not None and cached[0]() is x:
+            return cached[1].clone(), cached[2].clone()
+        sums, maxes = summarize(_local(x))
+        self.seen[id(x)] = (weakref.ref(x), sums, maxes)
+        return sums.clone(), maxes.clone()
 
     def _attention_hook(self, name):
         def hook(module, inputs, output):
@@ -462,6 +481,7 @@ class Probe:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        self.seen = {}
 
     # -- weights and gradients -----------------------------------------------------------------
 

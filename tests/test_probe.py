@@ -47,7 +47,8 @@ def test_statistics_match_direct_computation(name):
     for key in ("count", "nonfinite", "min", "max", "abs_max"):
         assert got[key] == want[key], key
     for key in ("mean", "std", "rms", "zero_frac", "kurtosis"):
-        assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+        # float32 elementwise powers, float64 sums
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
     # From the histogram: within a bin (3.7%) of the exact value.
     for q in QUANTILES:
         assert got[f"q{q:g}"] == pytest.approx(want[f"q{q:g}"], rel=0.04, abs=1e-8), q
