@@ -264,3 +264,35 @@ def test_parallel_layouts_record_the_numbers_of_one_process(corpus, tmp_path, np
     line = [json.loads(x) for x in (dump / "probe" / "probe.jsonl").read_text().splitlines()][-1]
     assert line["step"] == 2
     _compare(line["stats"], ref)
+
+
+def test_moe_router_load_and_entropy_are_recorded(corpus, tmp_path):
+    from tests.test_moe_train import moe_args
+
+    dump = tmp_path / "moe"
+    run_python("apps.moe.train", moe_args(corpus, dump, "probe.every=2", steps=2))
+    [line] = [json.loads(x) for x in (dump / "probe" / "probe.jsonl").read_text().splitlines()]
+    routers = {k: v for k, v in line["stats"].items() if k.endswith("/router")}
+    assert routers, sorted(line["stats"])[:20]
+    for values in routers.values():
+        assert 0 <= values["load_min"] <= 1 <= values["load_max"] <= 4  # 4 experts
+        assert 0 < values["entropy"] <= math.log(4) + 1e-6
+    assert any(k.endswith("experts/w1") for k in line["stats"])  # grouped expert weights too
+
+
+@pytest.mark.distributed
+def test_context_parallel_records_the_numbers_of_one_process(corpus, tmp_path):
+    """cp=2: each rank holds half of every sequence; the activations' statistics are those of
+    the whole sequences (attention entropy is not recorded under cp: each rank sees part of the
+    keys, and the probe says so)."""
+    single = tmp_path / "single"
+    run_python("apps.llama.train", tiny_args(corpus, single, "probe.every=1", steps=1))
+    [ref] = [json.loads(x)["stats"] for x in (single / "probe" / "probe.jsonl").open()]
+    dump = tmp_path / "cp"
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, dump, "probe.every=1",
+                                                  "distributed.cp=2", "distributed.dp_shard=1",
+                                                  steps=1))
+    [got] = [json.loads(x)["stats"] for x in (dump / "probe" / "probe.jsonl").open()]
+    ref = {k: v for k, v in ref.items() if not k.endswith("/attention")}
+    _compare({k: v for k, v in got.items() if not k.endswith(".core/input")
+              and not k.endswith(".core/output")}, ref)
