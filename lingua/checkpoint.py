@@ -6,13 +6,19 @@ Layout of one checkpoint, `<dump_dir>/checkpoints/<step>/`:
   - `train_state_rank<r>.pt`: step, data-loader state, scheduler and RNG of rank r (plain tensors
     and numbers, loaded with weights_only=True),
   - `config.yaml`: the run's resolved config, so a checkpoint is self-describing (export, generate).
+  - `manifest.json`: size and CRC-32 of every other file, written last.
 Everything is written into `<step>.tmp-<nonce>/` and renamed to `<step>/` by rank 0 after all ranks
 finished writing; a rename is atomic, so a crash mid-write leaves only a `.tmp` directory, which
-resume ignores. A directory named after a step is therefore always complete.
+resume ignores. A step directory can still be damaged later (a truncated copy, a lost or corrupted
+shard, a disk error): before resuming, `verify()` checks it against its manifest, and automatic
+resume skips a damaged checkpoint (with a warning naming the file) for the one before it, while a
+checkpoint asked for by name (export, generate) that fails the check is an error.
 """
 
+import json
 import logging
 import os
+import zlib
 import random
 import re
 import shutil
@@ -25,11 +31,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
-from lingua.errors import ConfigError
+from lingua.errors import ConfigError, RunError
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +75,67 @@ def list_complete(dump_dir) -> list:
     return sorted(found, key=lambda p: int(p.name))
 
 
-def newest(dump_dir) -> Optional[Path]:
-    found = list_complete(dump_dir)
-    return found[-1] if found else None
+MANIFEST = "manifest.json"
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _describe(paths) -> dict:
+    return {p.name: {"size": p.stat().st_size, "crc32": _crc32(p)} for p in paths}
+
+
+def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
+    """None if the checkpoint is intact, else what is wrong with it (one sentence).
+    Sizes are always checked; `checksums` also reads every file (as loading it would)."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest_path = ckpt_dir / MANIFEST
+    if not manifest_path.is_file():
+        return f"{manifest_path} is missing (the checkpoint was not finished, or was copied partly)"
+    try:
+        manifest = json.loads(manifest_path.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        return f"{manifest_path} is unreadable ({err})"
+    for name, want in sorted(manifest.items()):
+        path = ckpt_dir / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != want["size"]:
+            return f"{path} has {size} bytes, the manifest says {want['size']} (truncated?)"
+    if checksums:
+        for name, want in sorted(manifest.items()):
+            if _crc32(ckpt_dir / name) != want["crc32"]:
+                return f"{ckpt_dir / name} is damaged (its CRC-32 differs from the manifest's)"
+    return None
+
+
+def newest(dump_dir, checksums: bool = False) -> Optional[Path]:
+    """The newest checkpoint that passes `verify`; damaged newer ones (a missing .metadata
+    included) are skipped with a warning. Unfinished `.tmp-` directories are not candidates."""
+    root = checkpoints_dir(dump_dir)
+    steps = sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
+                   key=lambda p: int(p.name)) if root.is_dir() else []
+    for ckpt in reversed(steps):
+        problem = verify(ckpt, checksums)
+        if problem is None:
+            return ckpt
+        logger.warning("skipping damaged checkpoint %s: %s; trying the one before", ckpt, problem)
+    return None
+
+
+def require_intact(ckpt_dir) -> None:
+    """For a checkpoint asked for by name: a damaged one is an error, not a silent fallback."""
+    problem = verify(ckpt_dir)
+    if problem is not None:
+        raise ConfigError(f"Checkpoint {ckpt_dir} is damaged: {problem}. Use another checkpoint "
+                          f"of the run (ls {Path(ckpt_dir).parent}), or copy this one again "
+                          f"from where it was written.")
 
 
 def read_run_config(ckpt_dir) -> DictConfig:
@@ -85,7 +150,8 @@ def read_run_config(ckpt_dir) -> DictConfig:
 def _dcp_load(state: dict, ckpt_dir: Path) -> None:
     try:
         dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=not dist.is_initialized())
-    except Exception as err:  # DCP wraps shape/key mismatches in a CheckpointException
+    except (Exception, CheckpointException) as err:  # DCP wraps mismatches in a CheckpointException
+        err = _root_cause(err)
         raise ConfigError(f"Could not load checkpoint {ckpt_dir}: {str(err).strip()[:2000]}\n"
                           f"The checkpoint does not match the model being built (different "
                           f"model config?) or is damaged. Use a matching config, or another "
@@ -94,6 +160,7 @@ def _dcp_load(state: dict, ckpt_dir: Path) -> None:
 
 def load_model_state(ckpt_dir, model: nn.Module) -> None:
     """Load the 'model' entry into a plain model, e.g. for export or generation."""
+    require_intact(ckpt_dir)
     state = {"model": model.state_dict()}
     _dcp_load(state, Path(ckpt_dir))
     model.load_state_dict(state["model"])
@@ -160,7 +227,11 @@ def _merged(part_states: list) -> dict:
 
 def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
          config_yaml: str, rank: int, world_size: int, keep: int) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    """Collective: every rank calls it. Returns the final checkpoint directory.
+
+    If any rank cannot write (a full disk, a read-only or vanished directory), every rank raises
+    RunError after the half-written directory is removed; older checkpoints are untouched.
+    """
     root = checkpoints_dir(dump_dir)
     final = root / str(step)
     # All ranks must write into the same tmp dir: rank 0 picks the nonce.
@@ -168,23 +239,84 @@ def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
     if world_size > 1:
         dist.broadcast_object_list(nonce, src=0)
     tmp = root / f"{step}.tmp-{nonce[0]}"
+    error = None
+    try:
+        if rank == 0:
+            tmp.mkdir(parents=True, exist_ok=False)
+    except OSError as err:
+        error = err
+    error = _first_error(error, world_size)
+    if error is None:
+        try:
+            dcp.save(_merged(_part_states(parts, optimizers)), checkpoint_id=str(tmp),
+                     no_dist=world_size == 1)
+        except (Exception, CheckpointException) as err:
+            # DCP raises the same CheckpointException (a BaseException) on every rank.
+            error = _root_cause(err)
+    if error is None:
+        try:
+            own = dict(train_state, rng=_rng_state(), world_size=world_size)
+            torch.save(own, tmp / f"train_state_rank{rank}.pt")
+            # Each rank describes what it wrote (its DCP shards and train state) in parallel.
+            mine = [p for p in tmp.iterdir() if p.name.startswith((f"__{rank}_", f"train_state_rank{rank}."))]
+            described = _describe(mine)
+        except OSError as err:
+            error, described = err, {}
+    error = _first_error(error, world_size)
+    if error is None:
+        gathered = [described]
+        if world_size > 1:
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, described)
+        if rank == 0:
+            try:
+                (tmp / "config.yaml").write_text(config_yaml)
+                files = {}
+                for part in gathered:
+                    files.update(part)
+                files.update(_describe([tmp / ".metadata", tmp / "config.yaml"]))
+                (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+                if final.exists():  # a checkpoint of the same step from an earlier attempt
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+            except OSError as err:
+                error = err
+        error = _first_error(error, world_size)
+    if error is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = newest(dump_dir)
+        raise RunError(f"Could not write checkpoint {final}: {error}. Nothing of it was kept; "
+                       f"{f'the previous checkpoint {previous} is intact' if previous else 'no earlier checkpoint exists'}."
+                       f" Free disk space (or make {root} writable, or point dump_dir at a "
+                       f"filesystem with room), then run the same command to resume.") from None
     if rank == 0:
-        tmp.mkdir(parents=True, exist_ok=False)
-    _barrier(world_size)
-    dcp.save(_merged(_part_states(parts, optimizers)), checkpoint_id=str(tmp),
-             no_dist=world_size == 1)
-    own = dict(train_state, rng=_rng_state(), world_size=world_size)
-    torch.save(own, tmp / f"train_state_rank{rank}.pt")
-    _barrier(world_size)
-    if rank == 0:
-        (tmp / "config.yaml").write_text(config_yaml)
-        if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
         _prune(root, keep)
         logger.info("saved checkpoint %s", final)
     _barrier(world_size)
     return final
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """DCP's CheckpointException holds each failed rank's exception (and a traceback per rank in
+    its text): keep the first underlying one, which says what went wrong (e.g. ENOSPC)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))   # (exception, traceback summary)
+        return first[0] if isinstance(first, tuple) else first
+    return err
+
+
+def _first_error(error: Optional[BaseException], world_size: int) -> Optional[BaseException]:
+    """Make every rank see a failure on any rank (so none waits forever in a later collective)."""
+    if world_size == 1:
+        return error
+    flags = [None] * world_size
+    dist.all_gather_object(flags, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [f"rank {r}: {msg}" for r, msg in enumerate(flags) if msg is not None]
+    if error is None and failed:
+        return OSError("; ".join(failed))
+    return error
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -154,5 +154,5 @@ def require(condition: bool, message: str) -> None:
 def check_positive(obj: Any, prefix: str, names: Sequence[str]) -> None:
     for name in names:
         value = getattr(obj, name)
-        require(value > 0, f"{prefix}.{name}={value} must be positive. Set {prefix}.{name} to a "
-                           f"value above 0.")
+        key = f"{prefix}.{name}" if prefix else name
+        require(value > 0, f"{key}={value} must be positive. Set {key} to a value above 0.")

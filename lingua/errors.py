@@ -8,3 +8,9 @@ or job submission happens.
 
 class ConfigError(ValueError):
     pass
+
+
+class RunError(RuntimeError):
+    """A run had to stop for a reason outside the code (a full disk, a lost rank, non-finite
+    values): the message says what happened, what is safe on disk and how to go on. Entry points
+    print it without a traceback and exit 1."""

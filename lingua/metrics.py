@@ -11,9 +11,11 @@ dtype and cached, so MFU on CPU is "fraction of what a large matmul reaches on t
 
 import json
 import logging
+import math
 import os
 import platform
 import resource
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ class LoggingArgs:
     wandb_entity: Optional[str] = None
     wandb_mode: str = "offline"     # offline | online (online needs WANDB_API_KEY in the env)
     name: Optional[str] = None      # run name (defaults to the dump_dir's name)
+    spike_factor: float = 2.0       # warn when a logged loss exceeds this x the running median (0: off)
+    spike_window: int = 50          # logged losses in that median
 
 
 def flops_per_token(model: nn.Module, n_layers: int, dim: int, seq_len: int,
@@ -174,6 +178,30 @@ def format_line(m: dict) -> str:
         parts.append(f"val_loss {m['val_loss']:.4f} ppl {m['val_ppl']:.1f}")
     return " | ".join(parts)
 
+
+
+class SpikeDetector:
+    """Loss spikes: a logged loss above `factor` x the median of the previous `window` ones."""
+
+    def __init__(self, factor: float, window: int):
+        from collections import deque
+
+        self.factor = factor
+        self.recent = deque(maxlen=max(window, 1))
+
+    def check(self, step: int, loss: float) -> bool:
+        spike = False
+        if self.factor > 0 and len(self.recent) >= 5:
+            median = statistics.median(self.recent)
+            if loss > self.factor * median:
+                logging.getLogger("train").warning(
+                    "loss spike at step %d: %.4f is %.1fx the median %.4f of the last %d logged "
+                    "losses (probe.every=N shows which module moved)", step, loss, loss / median,
+                    median, len(self.recent))
+                spike = True
+        if math.isfinite(loss):
+            self.recent.append(loss)
+        return spike
 
 
 class Window:

@@ -25,6 +25,9 @@ class OptimArgs:
     lr_min_ratio: float = 0.1       # final lr / peak lr for linear, cosine and wsd
     decay_fraction: float = 0.2     # wsd: the last fraction of steps decays linearly
     fused: bool = True              # fused AdamW kernel where the device has one
+    # A NaN/Inf gradient norm: "skip" the update (counted in metrics as nonfinite_steps; the lr
+    # schedule and data move on) or "stop" after saving the state from before that step.
+    nonfinite: str = "stop"
 
 
 def validate_args(args: OptimArgs, steps: int) -> None:
@@ -43,6 +46,9 @@ def validate_args(args: OptimArgs, steps: int) -> None:
         raise ConfigError(f"optim.lr_min_ratio={args.lr_min_ratio} must lie in [0, 1].")
     if not 0 < args.decay_fraction <= 1:
         raise ConfigError(f"optim.decay_fraction={args.decay_fraction} must lie in (0, 1].")
+    if args.nonfinite not in ("skip", "stop"):
+        raise ConfigError(f"optim.nonfinite={args.nonfinite!r}: use skip (drop a step whose "
+                          f"gradients are NaN/Inf and go on) or stop (save and stop).")
 
 
 def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
@@ -100,6 +106,13 @@ class Optimizers:
     def step(self) -> None:
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def skip(self) -> None:
+        """A step without an update (non-finite gradients): the lr schedule still advances, so
+        the step count, the schedule and the data stay in line."""
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 

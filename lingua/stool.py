@@ -109,11 +109,16 @@ class TrainJob:
         print(f"stool job: {self.module} from {Path(app.__file__).resolve().parent}, rank "
               f"{os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '1')}, "
               f"requeues so far {preemption.requeues_so_far()}", flush=True)
+        from lingua.errors import RunError
+
         try:
             code = app.main(self.overrides)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             code = 2
+        except RunError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            code = 1
         # As exit_cli does: skip interpreter teardown, where gloo's threads can abort a process
         # whose work is done and saved. submitit's result file is not needed: the run directory
         # is the record.

@@ -30,7 +30,7 @@ from lingua.checkpoint import CheckpointArgs
 from lingua.context_parallel import cp_batch, validate_cp
 from lingua.data import DataArgs
 from lingua.distributed import DistEnv, DistributedArgs
-from lingua.errors import ConfigError
+from lingua.errors import ConfigError, RunError
 from lingua.evaluation import EvalArgs
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs
@@ -98,6 +98,10 @@ def validate(args, app: App) -> None:
                    f"data.seq_len={args.data.seq_len} is longer than model.max_seq_len="
                    f"{args.model.max_seq_len}. Raise model.max_seq_len or shorten data.seq_len.")
     optim.validate_args(args.optim, args.steps)
+    config.check_positive(args.logging, "logging", ["every", "spike_window"])
+    config.require(args.logging.spike_factor >= 0,
+                   f"logging.spike_factor={args.logging.spike_factor} must be 0 (off) or a factor "
+                   f"such as 2.0.")
     distributed.validate_args(args.distributed)
     d = args.distributed
     pipeline.validate_pp(args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
@@ -230,6 +234,7 @@ class Run:
         self.global_tokens = self.global_batch * args.data.seq_len
         self.pipe = self._build_pipeline(stage_ids)
         self.phases = profiling.PhaseTimer(env.device)   # fwd_s, bwd_s, optim_s in metrics
+        self.nonfinite_steps = 0  # steps skipped for NaN/Inf gradients (optim.nonfinite=skip)
         self.step = self._resume()
 
     def _build_pipeline(self, stage_ids):
@@ -246,13 +251,19 @@ class Run:
                                        n_microbatches, loss_fn)
 
     def _resume(self) -> int:
-        resume_from = checkpoint.newest(self.dump_dir)
+        # Rank 0 reads every file of the candidates once (checksums) and tells the others, so
+        # all ranks resume from the same, intact checkpoint.
+        choice = [checkpoint.newest(self.dump_dir, checksums=True) if self.env.is_main else None]
+        if self.env.world_size > 1:
+            torch.distributed.broadcast_object_list(choice, src=0)
+        resume_from = choice[0]
         if resume_from is None:
             return 0
         state = checkpoint.load(resume_from, self.parts, self.optimizers.optimizers,
                                 self.env.rank, self.env.world_size)
         self.train_loader.load_state_dict(state["data"])
         self.optimizers.load_scheduler_state(state["scheduler"])
+        self.nonfinite_steps = state.get("nonfinite_steps", 0)
         return state["step"]
 
     def train_step(self, micro_batches) -> torch.Tensor:
@@ -302,12 +313,32 @@ class Run:
             return metrics.flops_per_token(self.app.model_class(m), m.n_layers, m.dim,
                                            self.args.data.seq_len, m.tie_embeddings)
 
-    def _save(self, config_yaml: str) -> None:
+    def _save(self, config_yaml: str, data_state: Optional[dict] = None) -> None:
         args, env = self.args, self.env
-        train_state = {"step": self.step, "data": self.train_loader.state_dict(),
-                       "scheduler": self.optimizers.scheduler_state()}
+        train_state = {"step": self.step,
+                       "data": data_state if data_state is not None else self.train_loader.state_dict(),
+                       "scheduler": self.optimizers.scheduler_state(),
+                       "nonfinite_steps": self.nonfinite_steps}
         checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
                         train_state, config_yaml, env.rank, env.world_size, args.checkpoint.keep)
+
+    def _stop_on_nonfinite(self, grad_norm, data_before: dict, config_yaml: str) -> None:
+        """optim.nonfinite=stop: nothing was updated yet, so the weights and optimizer state are
+        those after the previous step; save them with the data position before this step (the
+        same state a checkpoint at the previous step holds) and stop."""
+        for optimizer in self.optimizers.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        saved = "nothing was saved (no step had run)"
+        if self.step > 0:
+            self._save(config_yaml, data_state=data_before)
+            saved = f"the state after step {self.step} is saved in {checkpoint.newest(self.dump_dir)}"
+        raise RunError(
+            f"Step {self.step + 1}: the gradient norm is {grad_norm.item()} (NaN or Inf), so the "
+            f"update was not applied and the run stopped (optim.nonfinite=stop); {saved}. Look "
+            f"at the last rows of metrics.jsonl and, with probe.every=1 from a resumed run, at "
+            f"which module's activations blew up; then lower optim.lr, raise optim.warmup, train "
+            f"in fp32 (distributed.model_dtype=fp32), or set optim.nonfinite=skip to drop such "
+            f"steps, and run the same command to resume.")
 
     def train(self) -> bool:
         """Train up to args.steps; False when a signal stopped it early (after saving)."""
@@ -333,8 +364,12 @@ class Run:
         profiler = profiling.StepProfiler(args.profiling, self.dump_dir, env.rank, env.device,
                                           flops_per_token * self.global_tokens / env.world_size,
                                           peak)
+        spikes = metrics.SpikeDetector(args.logging.spike_factor, args.logging.spike_window)
         while self.step < args.steps:
             profiler.step_begin(self.step + 1)
+            # Where the data stood before this step: a step that must be undone (non-finite
+            # gradients with optim.nonfinite=stop) is saved as if it never ran.
+            data_before = self.train_loader.state_dict() if args.optim.nonfinite == "stop" else None
             self.phases.start_step(timed=(self.step + 1) % args.logging.every == 0
                                    or self.step + 1 == args.steps)
             t0 = time.perf_counter()
@@ -352,9 +387,19 @@ class Run:
             with self.phases.phase("optim"):
                 grad_norm = optim.clip_grad_norm(self.parts, args.optim.clip, pp_group)
                 lr = self.optimizers.lr
-                self.optimizers.step()
-                if app.after_step is not None:
-                    app.after_step(self.parts, env)
+                if bool(torch.isfinite(grad_norm)):  # the norm is global: every rank agrees
+                    self.optimizers.step()
+                    if app.after_step is not None:
+                        app.after_step(self.parts, env)
+                elif args.optim.nonfinite == "skip":
+                    self.optimizers.skip()
+                    self.nonfinite_steps += 1
+                    if env.is_main:
+                        logger.warning("step %d: gradient norm is %s; update skipped "
+                                       "(optim.nonfinite=skip), %d such steps so far",
+                                       self.step + 1, grad_norm.item(), self.nonfinite_steps)
+                else:
+                    self._stop_on_nonfinite(grad_norm, data_before, config_yaml)
             self.step += 1
             if args.gc_every > 0 and self.step % args.gc_every == 0:
                 gc.collect(1)
@@ -370,7 +415,10 @@ class Run:
                        "mfu": flops_per_token * tokens_per_s / env.world_size / peak,
                        "data_s": window.data_s(), "step_s": window.step_s(), **window.phase_s(),
                        "peak_mem_gib": metrics.peak_memory_gib(env.device),
-                       "skipped_lines": self.train_loader.skipped_lines}
+                       "skipped_lines": self.train_loader.skipped_lines,
+                       "nonfinite_steps": self.nonfinite_steps}
+                if args.logging.spike_factor > 0:
+                    row["loss_spike"] = int(spikes.check(self.step, row["loss"]))
                 if app.step_metrics is not None:
                     row.update(app.step_metrics(self.parts))
                 if probe is not None:
@@ -415,6 +463,11 @@ def exit_cli(main: Callable) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RunError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     # Leave without running interpreter teardown: with gloo, a collective's worker thread can
     # still be joinable at exit and abort the process ("terminate called without an active
     # exception") after all work is done and saved, turning a finished run into a failed one.

@@ -1,0 +1,196 @@
+"""Faults: damaged checkpoints, a disk that is full or read-only, non-finite values, a rank that
+dies. Each test damages or kills something real and checks that nothing already saved is lost
+and that the run goes on (or stops) as described in the README's "When things go wrong"."""
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from apps.llama import train
+from lingua import checkpoint
+from lingua.errors import RunError
+from tests.conftest import REPO, free_port, read_metrics, run_python, tiny_args
+
+
+def losses(dump) -> dict:
+    return {row["step"]: row["loss"] for row in read_metrics(dump)}
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """An uninterrupted 6-step run to compare every recovered run with."""
+    dump = tmp_path_factory.mktemp("reference") / "run"
+    run_python("apps.llama.train", tiny_args(corpus, dump, steps=6))
+    return losses(dump)
+
+
+def two_checkpoints(corpus, dump):
+    run_python("apps.llama.train", tiny_args(corpus, dump, "checkpoint.every=2",
+                                             "checkpoint.keep=0", steps=4))
+    return dump / "checkpoints" / "2", dump / "checkpoints" / "4"
+
+
+def truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def flip_a_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["truncated_shard", "flipped_byte_in_shard", "no_metadata",
+                                    "no_manifest", "no_train_state"])
+def test_resume_skips_a_damaged_checkpoint_for_the_one_before(corpus, tmp_path, reference, damage):
+    dump = tmp_path / damage
+    older, newer = two_checkpoints(corpus, dump)
+    {"truncated_shard": lambda: truncate(newer / "__0_0.distcp"),
+     "flipped_byte_in_shard": lambda: flip_a_byte(newer / "__0_0.distcp"),
+     "no_metadata": lambda: (newer / ".metadata").unlink(),
+     "no_manifest": lambda: (newer / checkpoint.MANIFEST).unlink(),
+     "no_train_state": lambda: (newer / "train_state_rank0.pt").unlink()}[damage]()
+    assert checkpoint.verify(newer) is not None and checkpoint.verify(older) is None
+
+    proc = run_python("apps.llama.train", tiny_args(corpus, dump, "checkpoint.every=2",
+                                                    "checkpoint.keep=0", steps=6))
+    log = proc.stdout + proc.stderr
+    assert f"skipping damaged checkpoint {newer}" in log, log[-3000:]
+    assert f"resumed from {older} (step 2)" in log
+    assert losses(dump) == reference  # steps 3 and 4 ran again, to the same values
+
+
+def test_an_explicitly_requested_damaged_checkpoint_is_an_error(corpus, tmp_path):
+    _, newer = two_checkpoints(corpus, tmp_path / "run")
+    flip_a_byte(newer / "__0_0.distcp")
+    proc = run_python("apps.llama.hf", ["export", str(newer), str(tmp_path / "hf")], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"Checkpoint {newer} is damaged" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def _mount(*args) -> None:
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount here ({proc.stderr.strip()}): needs root")
+
+
+@pytest.mark.parametrize("fault", ["full", "read_only"])
+def test_a_failed_save_is_reported_and_keeps_the_previous_checkpoint(corpus, tmp_path, fault):
+    """A real full (tmpfs) or read-only (bind mount) filesystem under the checkpoints."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small or read-only filesystem")
+    dump = tmp_path / "run"
+    ckpts = dump / "checkpoints"
+    ckpts.mkdir(parents=True)
+    _mount("-t", "tmpfs", "-o", "size=8m", "tmpfs", str(ckpts))
+    try:
+        run_python("apps.llama.train", tiny_args(corpus, dump, "checkpoint.every=2", steps=2))
+        first = ckpts / "2"
+        assert checkpoint.verify(first) is None
+        if fault == "full":
+            free = os.statvfs(ckpts).f_bavail * os.statvfs(ckpts).f_frsize
+            (ckpts / "filler").write_bytes(b"\0" * (free - 64 * 1024))
+        else:
+            _mount("-o", "remount,ro", str(ckpts))
+        proc = run_python("apps.llama.train", tiny_args(corpus, dump, "checkpoint.every=2",
+                                                        steps=4), check=False)
+        assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "Could not write checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+        assert f"the previous checkpoint {first} is intact" in proc.stderr
+        assert checkpoint.verify(first) is None  # untouched, still loadable
+        assert [p.name for p in ckpts.iterdir() if ".tmp-" in p.name] == []
+        if fault == "full":
+            (ckpts / "filler").unlink()
+        else:
+            _mount("-o", "remount,rw", str(ckpts))
+        run_python("apps.llama.train", tiny_args(corpus, dump, "checkpoint.every=2", steps=4))
+        assert sorted(losses(dump)) == [1, 2, 3, 4]
+    finally:
+        subprocess.run(["umount", "-l", str(ckpts)])
+
+
+@pytest.mark.distributed
+def test_two_ranks_that_cannot_write_both_stop_without_hanging(corpus, tmp_path):
+    """Every rank sees the failure (one all-gather of errors), so none waits in a collective."""
+    from tests.conftest import run_torchrun
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a read-only filesystem")
+    dump = tmp_path / "two"
+    args = tiny_args(corpus, dump, "distributed.dp_shard=2", "checkpoint.every=2", steps=2)
+    run_torchrun(2, "apps.llama.train", args)
+    ckpts = dump / "checkpoints"
+    _mount("--bind", str(ckpts), str(ckpts))
+    try:
+        _mount("-o", "remount,ro,bind", str(ckpts))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        env.pop("WORLD_SIZE", None)
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m",
+                               "apps.llama.train", *args[:-1], "steps=4"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and time.time() - t0 < 120, out[-3000:]
+        # (torchrun adds its own traceback of the failed worker; ours print only the message)
+        assert out.count("error: Could not write checkpoint") == 2, out[-3000:]
+        assert checkpoint.verify(ckpts / "2") is None
+    finally:
+        subprocess.run(["umount", "-l", str(ckpts)])
+
+
+def poison_step(monkeypatch, bad_step: int, value: float):
+    """Make the loss of one step NaN/Inf (or scaled), as a bad batch or an overflow would."""
+    from lingua import trainer
+
+    real = trainer.loss_sum
+    calls = {"n": 0}
+
+    def loss_sum(*args, **kwargs):
+        calls["n"] += 1
+        loss = real(*args, **kwargs)
+        return loss * value if calls["n"] == bad_step else loss
+
+    monkeypatch.setattr(trainer, "loss_sum", loss_sum)
+
+
+def test_nonfinite_skip_drops_the_step_and_counts_it(corpus, tmp_path, monkeypatch, reference):
+    dump = tmp_path / "skip"
+    poison_step(monkeypatch, 3, float("nan"))
+    train.main(tiny_args(corpus, dump, "optim.nonfinite=skip", steps=6))
+    rows = {row["step"]: row for row in read_metrics(dump)}
+    assert [rows[s]["nonfinite_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]
+    assert rows[2]["loss"] == reference[2]
+    assert all(math.isfinite(rows[s]["loss"]) for s in (4, 5, 6))  # the weights stayed finite
+    assert math.isnan(rows[3]["loss"]) and checkpoint.verify(dump / "checkpoints" / "6") is None
+
+
+def test_nonfinite_stop_saves_the_state_before_the_step_and_resumes(corpus, tmp_path, monkeypatch,
+                                                                    reference):
+    dump = tmp_path / "stop"
+    poison_step(monkeypatch, 4, float("inf"))
+    with pytest.raises(RunError, match=r"Step 4: the gradient norm is (nan|inf).*state after step 3"):
+        train.main(tiny_args(corpus, dump, steps=6))
+    assert checkpoint.verify(dump / "checkpoints" / "3") is None
+    monkeypatch.undo()
+    train.main(tiny_args(corpus, dump, steps=6))  # resumes at step 3, reruns step 4's batch
+    assert losses(dump) == reference
+
+
+def test_a_loss_spike_is_logged_and_marked(corpus, tmp_path, monkeypatch, capfd):
+    dump = tmp_path / "spike"
+    poison_step(monkeypatch, 8, 10.0)
+    train.main(tiny_args(corpus, dump, "logging.spike_window=5", steps=9))
+    rows = {row["step"]: row for row in read_metrics(dump)}
+    assert rows[8]["loss_spike"] == 1 and sum(r["loss_spike"] for r in rows.values()) == 1
+    out, err = capfd.readouterr()
+    assert "loss spike at step 8" in out + err
