@@ -39,6 +39,7 @@ class DistributedArgs:
     ac: str = "none"                # activation checkpointing: none | full | layer | op
     ac_every: int = 1               # ac=layer: checkpoint every N-th block
     compile: bool = False           # torch.compile each transformer block
+    compile_backend: str = "inductor"  # a torch.compile backend (torch._dynamo.list_backends())
     async_tp: bool = False          # overlap TP communication with compute (CUDA + compile)
     loss_parallel: bool = True      # with tp > 1 (and pp = 1): cross-entropy on vocab-sharded logits
     model_dtype: str = "fp32"       # fp32 | bf16 compute; master weights and optimizer stay fp32
@@ -118,6 +119,16 @@ def validate_args(args: DistributedArgs) -> None:
         raise ConfigError("distributed.cpu_offload=true moves sharded state from GPU to CPU memory; "
                           "this run has no GPU, so everything is in CPU memory already. Remove "
                           "distributed.cpu_offload.")
+    if args.compile:
+        from torch._dynamo import list_backends
+
+        known = list_backends(exclude_tags=())
+        if args.compile_backend not in known:
+            known = [b for b in known if "TESTING" not in b and "minifier" not in b]
+            raise ConfigError(f"distributed.compile_backend={args.compile_backend!r} is not a "
+                              f"torch.compile backend installed here (known: {', '.join(known)}). "
+                              f"Use distributed.compile_backend=inductor, install the backend's "
+                              f"package, or turn compile off (distributed.compile=false).")
     if args.ac_every < 1:
         raise ConfigError(f"distributed.ac_every={args.ac_every} must be at least 1.")
     # World size is known before any process group exists (torchrun sets WORLD_SIZE).
@@ -357,9 +368,10 @@ def apply_ac(layers: nn.ModuleDict, mode: str, every: int = 1) -> None:
     logger.info("applied activation checkpointing (%s) to blocks %s", mode, ",".join(wrapped))
 
 
-def apply_compile(layers: nn.ModuleDict) -> None:
+def apply_compile(layers: nn.ModuleDict, backend: str = "inductor") -> None:
     """torch.compile each block in place (Module.compile keeps parameter names unchanged).
     Blocks are identical, so they share one compiled graph."""
     for block in layers.values():
-        block.compile()
-    logger.info("compiled %d transformer blocks with torch.compile", len(layers))
+        block.compile(backend=backend)
+    logger.info("compiled %d transformer blocks with torch.compile (backend %s)", len(layers),
+                backend)

@@ -28,7 +28,7 @@ def parallelize_llama(model: nn.Module, env: DistEnv, args: DistributedArgs) -> 
         apply_cp(model, env.mesh["cp"], args.cp_backend)
     apply_ac(model.layers, args.ac, args.ac_every)
     if args.compile:
-        apply_compile(model.layers)
+        apply_compile(model.layers, args.compile_backend)
     # One FSDP unit per transformer block: its parameters are gathered just before it runs.
     apply_fsdp(model, list(model.layers.values()), env, args)
     return model

@@ -28,7 +28,7 @@ def parallelize_moe(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn
         apply_cp(model, env.mesh["cp"], args.cp_backend)
     apply_ac(model.layers, args.ac, args.ac_every)
     if args.compile:
-        apply_compile(model.layers)
+        apply_compile(model.layers, args.compile_backend)
     apply_fsdp(model, list(model.layers.values()), env, args, expert_units)
     return model
 
