@@ -194,3 +194,54 @@ def test_a_loss_spike_is_logged_and_marked(corpus, tmp_path, monkeypatch, capfd)
     assert rows[8]["loss_spike"] == 1 and sum(r["loss_spike"] for r in rows.values()) == 1
     out, err = capfd.readouterr()
     assert "loss spike at step 8" in out + err
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["distributed.dp_shard=2", "data.batch_size=4"]),
+    (4, ["distributed.dp_shard=2", "distributed.tp=2", "data.batch_size=4"]),
+])
+def test_a_killed_rank_stops_the_run_and_the_same_command_resumes(corpus, tmp_path, nproc,
+                                                                  layout):
+    """kill -9 of one rank mid-run: the others stop (no hang) with a message naming the lost rank,
+    and running the same command again resumes from the newest complete checkpoint and ends with
+    the losses of an uninterrupted run."""
+    steps = 12
+    dump = tmp_path / "killed"
+    args = tiny_args(corpus, dump, *layout, "checkpoint.every=3", "checkpoint.keep=0",
+                     "distributed.timeout_s=60", steps=steps)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("WORLD_SIZE", None)
+
+    def torchrun():
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m",
+                "apps.llama.train", *args]
+
+    proc = subprocess.Popen(torchrun(), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while not ((dump / "metrics.jsonl").is_file() and len(read_metrics(dump)) >= 5):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                             text=True).stdout.split()
+    victim = [pid for pid in workers if f"RANK={nproc - 1}" in
+              Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")][0]
+    os.kill(int(victim), 9)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode != 0
+    assert time.time() - t0 < 120, "the surviving ranks hung"
+    assert f"local_rank: {nproc - 1}" in out and "Signal 9" in out, out[-3000:]
+    assert len(read_metrics(dump)) < steps  # it really was interrupted
+
+    proc = subprocess.run(torchrun(), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+    reference = tmp_path / "reference"
+    from tests.conftest import run_torchrun
+    run_torchrun(nproc, "apps.llama.train", tiny_args(corpus, reference, *layout, steps=steps))
+    assert [row["step"] for row in read_metrics(dump)] == list(range(1, steps + 1))
+    assert losses(dump) == losses(reference)
