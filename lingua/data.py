@@ -14,17 +14,30 @@ whatever the number of ranks: rank r takes lines r, r + dp, r + 2dp, ... of the 
 concatenated in name order. (lingua gave each rank whole files, so with more files than ranks some
 files were never read, and with fewer they were read twice.) The price is that every rank scans
 every line; tokenization, the expensive part, is done once per line.
+
+Bad data. A jsonl line that is not valid UTF-8, not valid JSON, has no string "text" field, or
+whose text is empty is skipped and counted by reason (`skipped_lines`, `skipped_by_reason`); the
+first few are logged with their file and line number. Blank lines are formatting, not documents,
+and are skipped silently. `setup/prepare_data.py` applies the same rules when it builds the memmap
+format. A document longer than seq_len is packed across as many rows (and steps) as it needs. A
+memmap corpus whose files disagree with its meta.json (a truncated or damaged train.bin, a size
+that is not a whole number of tokens, a broken docs.npy) is refused with a ConfigError naming the
+file and the command that rebuilds it, before any process group or run directory exists.
+
+The loaders are single-process by design (no workers, no prefetch): a step's batch is a function
+of the seed, data.seq_len, the global batch and the data-parallel layout alone.
 """
 
 import ast
 import json
 import logging
 import os
+import shlex
 import shutil
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List
 
 import numpy as np
 import torch
@@ -71,35 +84,100 @@ def _rows_to_batch(rows: np.ndarray, docs: np.ndarray) -> Batch:
 def read_meta(root: Path) -> dict:
     path = Path(root) / "meta.json"
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"data.root={root} holds no meta.json, so it is not a prepared corpus "
-                          f"(or it is empty). Prepare one with `python setup/prepare_data.py "
-                          f"embedded --out {root}` or `... jsonl <files> --out {root}`, or set "
-                          f"data.format=jsonl for raw jsonl chunk files.") from None
-    except ValueError as err:
-        raise ConfigError(f"{path} is not valid JSON ({err}): the corpus is damaged. Prepare it "
-                          f"again with setup/prepare_data.py.") from None
+                          f"(or it is empty, or its preparation was interrupted). Prepare one with "
+                          f"`python setup/prepare_data.py embedded --out {root}` or `... jsonl "
+                          f"<files> --out {root}`, or set data.format=jsonl for raw jsonl chunk "
+                          f"files.") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path} is not valid JSON ({err}): the corpus is damaged. "
+                          f"{rebuild_hint(root, {})}") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{path} holds a JSON {type(meta).__name__}, not the object "
+                          f"setup/prepare_data.py writes: the corpus is damaged. "
+                          f"{rebuild_hint(root, {})}")
+    return meta
+
+
+def rebuild_hint(root, meta: dict) -> str:
+    """The sentence telling how to make the corpus at `root` again (for error messages)."""
+    root = shlex.quote(str(root))
+    if meta.get("prepared_by"):
+        return (f"Rebuild it with the command that prepared it, `{meta['prepared_by']}` (with "
+                f"--out {root} if it has moved), or copy it again from where it came from.")
+    if "stdlib docstrings" in str(meta.get("source", "")):  # the embedded debug corpus
+        return (f"Rebuild it with `rm -r {root} && python setup/prepare_data.py embedded --out "
+                f"{root}` (a preset with data.prepare_embedded=true rebuilds a removed one "
+                f"itself).")
+    return (f"Rebuild it with `python setup/prepare_data.py jsonl <your jsonl files or "
+            f"directories> --out {root}`, or copy it again from where it came from.")
+
+
+def _split_info(root: Path, meta: dict, split: str):
+    """(tokens, docs, dtype) of a split as meta.json records them."""
+    try:
+        info = meta["splits"][split]
+        return int(info["tokens"]), int(info["docs"]), np.dtype(meta["dtype"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"{root / 'meta.json'} has no usable entry for the {split} split "
+                          f"({type(err).__name__}: {err}): it was not written by "
+                          f"setup/prepare_data.py, or it is damaged. {rebuild_hint(root, meta)}"
+                          ) from None
+
+
+def _check_bin_size(path: Path, n_tokens: int, dtype: np.dtype, meta: dict) -> None:
+    expected = n_tokens * dtype.itemsize
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing, but meta.json next to it says it holds {n_tokens} "
+                          f"{dtype.name} tokens. {rebuild_hint(path.parent, meta)}")
+    actual = path.stat().st_size
+    if actual == expected:
+        return
+    whole = (f", not a whole number of {dtype.name} tokens ({dtype.itemsize} bytes each),"
+             if actual % dtype.itemsize else "")
+    what = "truncated" if actual < expected else "longer than meta.json says"
+    raise ConfigError(f"{path} has {actual} bytes{whole} but meta.json says {n_tokens} "
+                      f"{dtype.name} tokens ({expected} bytes): the file is {what} (an "
+                      f"interrupted copy or preparation?) and is not trained on. "
+                      f"{rebuild_hint(path.parent, meta)}")
+
+
+def _load_doc_starts(path: Path, n_docs: int, n_tokens: int, meta: dict) -> np.ndarray:
+    """The documents' start offsets, checked against meta.json (cheap: one entry a document)."""
+    try:
+        starts = np.load(path)
+    except (OSError, ValueError, EOFError) as err:  # missing, truncated, or no .npy file at all
+        raise ConfigError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:200]}). "
+                          f"{rebuild_hint(path.parent, meta)}") from None
+    good = (starts.ndim == 1 and starts.dtype.kind in "iu" and len(starts) == n_docs
+            and (n_docs == 0 or (starts[0] == 0 and starts[-1] <= n_tokens
+                                 and bool(np.all(np.diff(starts) >= 0)))))
+    if not good:
+        raise ConfigError(f"{path} holds {starts.shape} {starts.dtype} values, but meta.json "
+                          f"says {n_docs} document starts, increasing from 0, within {n_tokens} "
+                          f"tokens: the file is damaged. {rebuild_hint(path.parent, meta)}")
+    return starts
 
 
 class TokenWindows:
-    """The windows of seq_len+1 tokens of one split, read from the memory map."""
+    """The windows of seq_len+1 tokens of one split, read from the memory map.
+
+    Every file is checked against meta.json here, so a damaged corpus is refused when the run is
+    validated, before training starts."""
 
     def __init__(self, root, split: str, seq_len: int):
         root = Path(root)
-        meta = read_meta(root)
-        info = meta["splits"][split]
-        dtype = np.dtype(meta["dtype"])
-        path = root / f"{split}.bin"
-        expected = info["tokens"] * dtype.itemsize
-        actual = path.stat().st_size if path.is_file() else -1
-        if actual != expected:
-            raise ConfigError(f"{path} has {actual} bytes but meta.json says {info['tokens']} "
-                              f"{dtype.name} tokens ({expected} bytes): the file is missing or "
-                              f"truncated. Prepare the corpus again with setup/prepare_data.py.")
+        self.meta = meta = read_meta(root)
+        n_tokens, n_docs, dtype = _split_info(root, meta, split)
+        self.path = root / f"{split}.bin"
+        _check_bin_size(self.path, n_tokens, dtype, meta)
         # an empty file cannot be memory-mapped; the caller reports the split as too short
-        self.tokens = np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
-        self.doc_starts = np.load(root / f"{split}.docs.npy")
+        self.tokens = (np.memmap(self.path, dtype=dtype, mode="r") if n_tokens
+                       else np.zeros(0, dtype))
+        self.doc_starts = _load_doc_starts(root / f"{split}.docs.npy", n_docs, n_tokens, meta)
+        self.vocab_size = meta.get("vocab_size")
         self.seq_len = seq_len
         self.n_windows = (len(self.tokens) - 1) // seq_len
 
@@ -107,6 +185,13 @@ class TokenWindows:
         starts = windows * self.seq_len
         offsets = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
         rows = self.tokens[offsets]
+        # A damaged file of the right size is only visible in its tokens: one max per batch.
+        if self.vocab_size and rows.size and int(rows.max()) >= self.vocab_size:
+            at = int(offsets.flat[int(np.argmax(rows >= self.vocab_size))])
+            raise ConfigError(f"{self.path} holds token id {int(self.tokens[at])} at position "
+                              f"{at}, outside the vocabulary of {self.vocab_size} that meta.json "
+                              f"records: the file is damaged. "
+                              f"{rebuild_hint(self.path.parent, self.meta)}")
         docs = np.searchsorted(self.doc_starts, offsets, side="right") - 1
         return rows, docs
 
@@ -116,7 +201,13 @@ class MemmapLoader:
         self.args, self.dp_rank, self.dp_size, self.seed = args, dp_rank, dp_size, seed
         self.windows = TokenWindows(args.root, "train", args.seq_len)
         self.samples_consumed = 0
-        self.skipped_lines = 0  # malformed lines were dropped when the corpus was prepared
+        # Bad lines were dropped when the corpus was prepared (meta.json counts them): none here.
+        self.skipped_lines = 0
+        self.skipped_by_reason = {reason: 0 for reason in SKIP_REASONS}
+        prepared = self.windows.meta.get("skipped_lines")
+        if prepared and dp_rank == 0:
+            logger.info("%s was prepared from jsonl with %d lines skipped (%s)", args.root,
+                        prepared, self.windows.meta.get("skipped_by_reason", "no reasons kept"))
         self._perm_epoch, self._perm = -1, None
 
     def _window_of(self, sample: int) -> int:
@@ -169,13 +260,48 @@ def source_dirs(args: DataArgs) -> Dict[str, Path]:
     return {"": root}
 
 
-def _decode_line(raw: bytes) -> Optional[str]:
-    """The line's text, or None when it is malformed (the reason goes to the caller's log)."""
-    obj = json.loads(raw.decode("utf-8"))
+# Why a line was skipped; the keys of `skipped_by_reason` (and of meta.json's, for memmap corpora).
+SKIP_REASONS = ("invalid_utf8", "invalid_json", "no_text", "empty")
+LOGGED_SKIPS = 10   # lines logged one by one; after that only counted, with a summary now and then
+
+
+class BadLine(ValueError):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+def _decode_line(raw: bytes) -> str:
+    """The line's text; raises BadLine with one of SKIP_REASONS when there is none to train on."""
+    try:
+        line = raw.decode("utf-8-sig")  # -sig: a byte-order mark at a file's start is no error
+    except UnicodeDecodeError as err:
+        raise BadLine("invalid_utf8", f"invalid UTF-8: {err}") from None
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
+        raise BadLine("invalid_json", f"invalid JSON: {str(err)[:100]}") from None
     text = obj.get("text") if isinstance(obj, dict) else None
     if not isinstance(text, str):
-        raise ValueError('no string "text" field')
+        raise BadLine("no_text", 'no string "text" field' if isinstance(obj, dict)
+                      else f"a JSON {type(obj).__name__}, not an object with a \"text\" field")
+    if not text:
+        raise BadLine("empty", "empty text")
+    if not text.isascii():
+        try:  # JSON escapes can encode lone surrogates, which no tokenizer can encode
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise BadLine("invalid_utf8", f"text not encodable as UTF-8: {err}") from None
     return text
+
+
+def _count_lines(path: Path) -> int:
+    """Lines as readline() sees them (a last line without a newline counts)."""
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            n, last = n + chunk.count(b"\n"), chunk[-1:]
+    return n + (last != b"\n")
 
 
 class JsonlSource:
@@ -184,7 +310,14 @@ class JsonlSource:
     def __init__(self, name: str, directory: Path, dp_rank: int, dp_size: int, counter):
         self.name, self.dp_rank, self.dp_size, self.counter = name, dp_rank, dp_size, counter
         self.files = sorted(directory.glob("*.jsonl"))
-        self.state = {"epoch": 0, "file": 0, "offset": 0, "line": 0}
+        # line: index in this epoch's files concatenated (it picks the rank's lines);
+        # file_start: the line index of the current file's first line (for messages)
+        self.state = {"epoch": 0, "file": 0, "offset": 0, "line": 0, "file_start": 0}
+
+    def load_state(self, saved: dict) -> None:
+        self.state = dict(saved)
+        if "file_start" not in self.state:  # a checkpoint from before file_start was kept
+            self.state["file_start"] = sum(_count_lines(f) for f in self.files[:saved["file"]])
 
     def next_text(self) -> str:
         s = self.state
@@ -201,29 +334,39 @@ class JsonlSource:
                     if line % self.dp_size != self.dp_rank or not raw.strip():
                         continue
                     try:
-                        text = _decode_line(raw)
-                    except (ValueError, UnicodeDecodeError) as err:
-                        self.counter.malformed(path, line, err)
-                        continue
-                    if text:
-                        return text
-            s["file"], s["offset"] = s["file"] + 1, 0
+                        return _decode_line(raw)
+                    except BadLine as err:
+                        self.counter.skip(path, line - s["file_start"] + 1, err)
+            s["file"], s["offset"], s["file_start"] = s["file"] + 1, 0, s["line"]
             if s["file"] == len(self.files):
-                s["file"], s["line"], s["epoch"] = 0, 0, s["epoch"] + 1
+                s.update(file=0, line=0, file_start=0, epoch=s["epoch"] + 1)
         raise ConfigError(f"Source {self.name or '(root)'} has no usable line for data-parallel "
-                          f"rank {self.dp_rank} of {self.dp_size} in {len(self.files)} files. "
+                          f"rank {self.dp_rank} of {self.dp_size} in {len(self.files)} files "
+                          f"({self.counter.count} lines skipped as bad, {self.counter.by_reason}). "
                           f"Check the files, or use fewer ranks than lines.")
 
 
 class MalformedCounter:
-    def __init__(self):
-        self.count = 0
+    """Counts skipped lines by reason; logs the first LOGGED_SKIPS with file and line number."""
 
-    def malformed(self, path, line: int, err) -> None:
+    def __init__(self, log: bool = True):
+        self.count, self.log = 0, log
+        self.by_reason = {reason: 0 for reason in SKIP_REASONS}
+
+    def skip(self, path, line_no: int, err: BadLine) -> None:
+        """Line line_no (1-based) of path was skipped for err.reason."""
         self.count += 1
-        if self.count <= 10 or self.count % 1000 == 0:
-            logger.warning("skipping malformed line %d of %s (%s); %d skipped so far",
-                           line + 1, path, str(err)[:120], self.count)
+        self.by_reason[err.reason] += 1
+        if not self.log:
+            return
+        if self.count <= LOGGED_SKIPS:
+            logger.warning("skipping line %d of %s: %s%s", line_no, path, err,
+                           "" if self.count < LOGGED_SKIPS else
+                           f" (the {LOGGED_SKIPS}th skipped line: further ones are counted, in "
+                           f"skipped_lines, and summarized at 100, 1000, ... but not logged)")
+        elif self.count in (100, 1000) or self.count % 10_000 == 0:
+            logger.warning("%d lines skipped so far (%s), the last line %d of %s",
+                           self.count, self.by_reason, line_no, path)
 
 
 class JsonlLoader:
@@ -236,29 +379,40 @@ class JsonlLoader:
         weights = np.array([args.sources.get(n, 1.0) if args.sources else 1.0 for n in dirs])
         self.probs = weights / weights.sum()
         self.rng = np.random.default_rng([seed, dp_rank])
-        self.buffer: List[int] = []   # tokens not yet emitted
-        self.buffer_docs: List[int] = []
+        # Tokens read but not yet emitted, and their document numbers. Arrays, not lists: a
+        # document far longer than seq_len is then taken a row at a time by slicing (no copy of
+        # the rest per step) at 16 bytes a token.
+        self.buffer = np.zeros(0, np.int64)
+        self.buffer_docs = np.zeros(0, np.int64)
         self.n_docs = 0
 
     @property
     def skipped_lines(self) -> int:
         return self.counter.count
 
+    @property
+    def skipped_by_reason(self) -> Dict[str, int]:
+        return dict(self.counter.by_reason)
+
     def _fill(self, n_tokens: int) -> None:
-        while len(self.buffer) < n_tokens:
+        tokens, docs, have = [self.buffer], [self.buffer_docs], len(self.buffer)
+        while have < n_tokens:
             source = self.sources[self.rng.choice(len(self.sources), p=self.probs)]
-            ids = self.tokenizer.encode(source.next_text())
-            self.buffer.extend(ids)
-            self.buffer_docs.extend([self.n_docs] * len(ids))
+            ids = np.asarray(self.tokenizer.encode(source.next_text()), dtype=np.int64)
+            tokens.append(ids)
+            docs.append(np.full(len(ids), self.n_docs, dtype=np.int64))
+            have += len(ids)
             self.n_docs += 1
+        if len(tokens) > 1:
+            self.buffer, self.buffer_docs = np.concatenate(tokens), np.concatenate(docs)
 
     def next_rows(self, n_rows: int):
         """The next n_rows packed rows of seq_len+1 tokens, and their document ids."""
         n = n_rows * (self.args.seq_len + 1)
         self._fill(n)
-        rows = np.array(self.buffer[:n]).reshape(n_rows, -1)
-        docs = np.array(self.buffer_docs[:n]).reshape(n_rows, -1)
-        del self.buffer[:n], self.buffer_docs[:n]
+        rows = self.buffer[:n].reshape(n_rows, -1)
+        docs = self.buffer_docs[:n].reshape(n_rows, -1)
+        self.buffer, self.buffer_docs = self.buffer[n:], self.buffer_docs[n:]
         return rows, docs
 
     def next_step(self) -> List[Batch]:
@@ -268,9 +422,10 @@ class JsonlLoader:
     def state_dict(self) -> dict:
         return {"format": "jsonl", "dp_rank": self.dp_rank, "dp_size": self.dp_size,
                 "sources": [dict(s.state) for s in self.sources],
-                "rng": self.rng.bit_generator.state, "buffer": list(self.buffer),
-                "buffer_docs": list(self.buffer_docs), "n_docs": self.n_docs,
-                "skipped_lines": self.counter.count}
+                "rng": self.rng.bit_generator.state, "buffer": self.buffer.tolist(),
+                "buffer_docs": self.buffer_docs.tolist(), "n_docs": self.n_docs,
+                "skipped_lines": self.counter.count,
+                "skipped_by_reason": dict(self.counter.by_reason)}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") != "jsonl" or state["dp_size"] != self.dp_size \
@@ -283,10 +438,12 @@ class JsonlLoader:
                 f"same data-parallel layout and sources: use that layout, or the memmap format "
                 f"(setup/prepare_data.py jsonl ...), which resumes on any layout.")
         for source, saved in zip(self.sources, state["sources"]):
-            source.state = dict(saved)
+            source.load_state(saved)
         self.rng.bit_generator.state = state["rng"]
-        self.buffer, self.buffer_docs = list(state["buffer"]), list(state["buffer_docs"])
+        self.buffer = np.asarray(state["buffer"], dtype=np.int64)
+        self.buffer_docs = np.asarray(state["buffer_docs"], dtype=np.int64)
         self.n_docs, self.counter.count = state["n_docs"], state["skipped_lines"]
+        self.counter.by_reason.update(state.get("skipped_by_reason", {}))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,8 +517,12 @@ def _validate_memmap(args: DataArgs, root: Path) -> None:
     meta = read_meta(root)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"{root}/meta.json has format_version={meta.get('format_version')}, "
-                          f"this code reads {FORMAT_VERSION}. Prepare the corpus again.")
-    saved = meta["tokenizer"]
+                          f"this code reads {FORMAT_VERSION}. {rebuild_hint(root, meta)}")
+    saved = meta.get("tokenizer")
+    if not isinstance(saved, dict) or "kind" not in saved or "vocab_size" not in meta:
+        raise ConfigError(f"{root}/meta.json does not record the tokenizer and vocabulary size: "
+                          f"it was not written by setup/prepare_data.py, or it is damaged. "
+                          f"{rebuild_hint(root, meta)}")
     if saved["kind"] != args.tokenizer.kind:
         raise ConfigError(f"The corpus in {root} was tokenized with the {saved['kind']} tokenizer "
                           f"but data.tokenizer.kind={args.tokenizer.kind}. Use the corpus's "
@@ -409,6 +570,9 @@ def write_memmap_corpus(out: Path, splits: Dict[str, Iterator[str]], tokenizer: 
     """Tokenize each split's documents (BOS + text + EOS) into `<split>.bin` + `<split>.docs.npy`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # meta.json is written last: until then a re-preparation stopped halfway reads as no corpus,
+    # not as the old meta.json over new, partial files
+    (out / "meta.json").unlink(missing_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 2 ** 16 else np.uint32
     meta = {"format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name, "source": source,
             "vocab_size": tokenizer.vocab_size,

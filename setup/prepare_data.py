@@ -3,9 +3,10 @@
     python setup/prepare_data.py embedded --out data/embedded
         the debug corpus: Python standard-library docstrings, bytes tokenizer (no download)
     python setup/prepare_data.py jsonl <dir or files ...> --out DIR [--tokenizer-kind K --tokenizer-path P]
-        jsonl chunk files ({"text": ...} a line) -> the memory-mapped format; malformed lines are
-        counted and skipped; files under a `val/` directory (or --val-fraction of the documents)
-        form the validation split
+        jsonl chunk files ({"text": ...} a line) -> the memory-mapped format; bad lines (invalid
+        UTF-8 or JSON, no string "text", empty text) are counted by reason in meta.json and
+        skipped, the first few logged with file and line; files under a `val/` directory (or
+        --val-fraction of the documents) form the validation split
     python setup/prepare_data.py hf {fineweb-edu,dclm} --out DIR [--max-docs N --chunk-docs N]
         download a Hugging Face data set (needs network and the `datasets` package) into jsonl
         chunk files <name>.chunk.NN.jsonl, usable with data.format=jsonl or the jsonl command
@@ -13,12 +14,13 @@
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lingua.data import (VAL_DIR, MalformedCounter, _decode_line,  # noqa: E402
+from lingua.data import (VAL_DIR, BadLine, MalformedCounter, _decode_line,  # noqa: E402
                          ensure_embedded_corpus, read_meta, write_memmap_corpus)
 from lingua.errors import ConfigError  # noqa: E402
 from lingua.tokenizer import TokenizerArgs, build_tokenizer  # noqa: E402
@@ -32,19 +34,17 @@ HF_DATASETS = {
 def jsonl_texts(files, counter: MalformedCounter):
     for path in files:
         with open(path, "rb") as f:
-            for line_no, raw in enumerate(f):
-                if not raw.strip():
+            for line_no, raw in enumerate(f, start=1):
+                if not raw.strip():  # blank lines are formatting, not documents
                     continue
                 try:
-                    text = _decode_line(raw)
-                except (ValueError, UnicodeDecodeError) as err:
-                    counter.malformed(path, line_no, err)
-                    continue
-                if text:
-                    yield text
+                    yield _decode_line(raw)
+                except BadLine as err:
+                    counter.skip(path, line_no, err)
 
 
-def prepare_jsonl(inputs, out: Path, tokenizer_args: TokenizerArgs, val_fraction: float) -> dict:
+def prepare_jsonl(inputs, out: Path, tokenizer_args: TokenizerArgs, val_fraction: float,
+                  command: str = "") -> dict:
     files, is_val = [], {}
     for item in map(Path, inputs):
         found = sorted(item.rglob("*.jsonl")) if item.is_dir() else [item]
@@ -65,15 +65,29 @@ def prepare_jsonl(inputs, out: Path, tokenizer_args: TokenizerArgs, val_fraction
     else:  # hold out every k-th document
         every = max(2, round(1 / val_fraction))
         splits = {"train": (t for i, t in enumerate(jsonl_texts(train_files, counter)) if i % every),
-                  "val": (t for i, t in enumerate(jsonl_texts(train_files, MalformedCounter()))
+                  # the same lines again: counted and logged by the first pass already
+                  "val": (t for i, t in enumerate(jsonl_texts(train_files,
+                                                              MalformedCounter(log=False)))
                           if i % every == 0)}
     meta = write_memmap_corpus(out, splits, tokenizer, tokenizer_args,
                                source=f"jsonl: {len(files)} files")
     meta["skipped_lines"] = counter.count
+    meta["skipped_by_reason"] = counter.by_reason
+    if command:
+        meta["prepared_by"] = command  # error messages about a damaged corpus quote it
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    print(f"skipped {counter.count} malformed lines")
+    print(f"skipped {counter.count} bad lines: {counter.by_reason}")
     return meta
 
+
+def jsonl_command(args) -> str:
+    """The command line that prepares the same corpus again, with absolute paths."""
+    words = ["python", "setup/prepare_data.py", "jsonl",
+             *(str(Path(i).resolve()) for i in args.inputs), "--out", str(args.out.resolve()),
+             "--tokenizer-kind", args.tokenizer_kind]
+    if args.tokenizer_path:
+        words += ["--tokenizer-path", str(Path(args.tokenizer_path).resolve())]
+    return " ".join(map(shlex.quote, words + ["--val-fraction", str(args.val_fraction)]))
 
 
 def download_hf(name: str, out: Path, max_docs: int, chunk_docs: int) -> None:
@@ -131,7 +145,7 @@ def main(argv=None) -> int:
         elif args.command == "jsonl":
             meta = prepare_jsonl(args.inputs, args.out,
                                  TokenizerArgs(args.tokenizer_kind, args.tokenizer_path),
-                                 args.val_fraction)
+                                 args.val_fraction, jsonl_command(args))
             print(f"wrote {args.out}: {meta['splits']}")
         else:
             download_hf(args.name, args.out, args.max_docs, args.chunk_docs)

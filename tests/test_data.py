@@ -27,6 +27,7 @@ from lingua.data import (
 )
 from lingua.errors import ConfigError
 from lingua.tokenizer import ByteTokenizer, TokenizerArgs
+from tests.conftest import read_metrics, run_python, tiny_args
 
 REPO = Path(__file__).resolve().parent.parent
 BOS, EOS = 256, 257
@@ -134,6 +135,54 @@ def test_memmap_load_state_rejects_other_seq_len_or_seed(small):
     jsonl_state = {"format": "jsonl", "dp_rank": 0, "dp_size": 1, "sources": []}
     with pytest.raises(ConfigError, match="format"):
         MemmapLoader(margs(small, batch_size=2), 0, 1, seed=0).load_state_dict(jsonl_state)
+
+
+def test_loaders_have_no_worker_or_prefetch_option():
+    """The loaders run in the training process: no workers whose number could change the order.
+    Whoever adds such an option adds the test that 0 and 2 workers give the same batches."""
+    names = [f.name for f in dataclasses.fields(DataArgs)]
+    assert not [n for n in names if "worker" in n or "prefetch" in n], names
+
+
+@pytest.mark.parametrize("fmt", ["memmap", "jsonl"])
+def test_step_batches_depend_only_on_seed_and_layout(fmt, small, tmp_path):
+    """Built twice, a loader gives the same batches, whatever the process-wide random generators
+    hold and whether its state is read between steps. (memmap: the same for every layout with the
+    same global batch too, see test_memmap_global_batch_is_layout_invariant; a jsonl stream is
+    per data-parallel rank by design.)"""
+    if fmt == "memmap":
+        args = margs(small, batch_size=2, grad_accum=2)
+    else:
+        write_chunks(tmp_path / "root" / "a", "A", n_files=2, lines_per_file=9)
+        write_chunks(tmp_path / "root" / "b", "B", n_files=1, lines_per_file=6)
+        args = jargs(tmp_path / "root", sources={"a": 0.7, "b": 0.3}, batch_size=2, grad_accum=2)
+    for dp in (1, 2):
+        ref, _ = global_step(args, dp, seed=3, steps=6)
+        random.seed(11)
+        np.random.seed(11)
+        torch.manual_seed(11)
+        loaders = [build_train_loader(args, r, dp, seed=3) for r in range(dp)]
+        again = []
+        for _ in range(6):
+            random.random(), np.random.rand(), torch.rand(3)
+            [loader.state_dict() for loader in loaders]
+            again += global_step(None, dp, steps=1, loaders=loaders)[0]
+        assert_steps_equal(again, ref)
+        other, _ = global_step(args, dp, seed=4, steps=6)
+        assert not all(torch.equal(x[0], y[0]) for x, y in zip(other, ref))
+
+
+def test_same_seed_same_losses_in_two_processes(corpus, tmp_path):
+    """Two runs of `python -m apps.llama.train` with the same seed and layout, fp32 on CPU: the
+    same losses, bit for bit. (The same for a jsonl run, on a corpus full of bad lines, in
+    test_bad_data.py.)"""
+    runs = []
+    for name in ("one", "two"):
+        run_python("apps.llama.train", tiny_args(corpus, tmp_path / name))
+        runs.append(read_metrics(tmp_path / name))
+    assert [r["step"] for r in runs[0]] == [1, 2, 3, 4, 5]
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert [r.get(key) for r in runs[0]] == [r.get(key) for r in runs[1]], key
 
 
 # ------------------------------------------------------------------------------------------------
