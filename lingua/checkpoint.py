@@ -90,6 +90,14 @@ def _describe(paths) -> dict:
     return {p.name: {"size": p.stat().st_size, "crc32": _crc32(p)} for p in paths}
 
 
+def write_manifest(ckpt_dir) -> None:
+    """Describe every file of a checkpoint directory made outside `save` (a conversion from
+    another format, a test): `verify` and resume then accept it."""
+    ckpt_dir = Path(ckpt_dir)
+    files = _describe(sorted(p for p in ckpt_dir.iterdir() if p.is_file() and p.name != MANIFEST))
+    (ckpt_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
 def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
     """None if the checkpoint is intact, else what is wrong with it (one sentence).
     Sizes are always checked; `checksums` also reads every file (as loading it would)."""

@@ -322,6 +322,16 @@ class Run:
         checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
                         train_state, config_yaml, env.rank, env.world_size, args.checkpoint.keep)
 
+    def _skipped_data(self) -> dict:
+        """Bad data lines skipped so far, in total and by reason, summed over the data-parallel
+        ranks (each reads its own lines; cp/tp/pp peers read the same ones)."""
+        reasons = self.train_loader.skipped_by_reason
+        counts = torch.tensor([float(self.train_loader.skipped_lines), *map(float, reasons.values())],
+                              dtype=torch.float64, device=self.env.device)
+        counts = distributed.all_reduce_sum(counts, self.env, dims=("dp",))
+        return {"skipped_lines": int(counts[0]),
+                **{f"skipped_{reason}": int(n) for reason, n in zip(reasons, counts[1:].tolist())}}
+
     def _stop_on_nonfinite(self, grad_norm, data_before: dict, config_yaml: str) -> None:
         """optim.nonfinite=stop: nothing was updated yet, so the weights and optimizer state are
         those after the previous step; save them with the data position before this step (the
@@ -415,8 +425,7 @@ class Run:
                        "mfu": flops_per_token * tokens_per_s / env.world_size / peak,
                        "data_s": window.data_s(), "step_s": window.step_s(), **window.phase_s(),
                        "peak_mem_gib": metrics.peak_memory_gib(env.device),
-                       "skipped_lines": self.train_loader.skipped_lines,
-                       "nonfinite_steps": self.nonfinite_steps}
+                       "nonfinite_steps": self.nonfinite_steps, **self._skipped_data()}
                 if args.logging.spike_factor > 0:
                     row["loss_spike"] = int(spikes.check(self.step, row["loss"]))
                 if app.step_metrics is not None:

@@ -5,6 +5,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+
+from lingua import checkpoint
 import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
@@ -101,6 +103,7 @@ def test_cli_end_to_end(tmp_path):
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt))
     cfg = {"model": asdict(ARGS), "data": {"tokenizer": {"kind": "bytes", "path": None}}}
     OmegaConf.save(OmegaConf.create(cfg), ckpt / "config.yaml")
+    checkpoint.write_manifest(ckpt)  # what save() adds: export/generate refuse a checkpoint without one
     prompts = ["Hello", "Once upon a time", "abc"]
     (tmp_path / "prompts.txt").write_text("Once upon a time\n\nabc\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -7,6 +7,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
+
+from lingua import checkpoint
 import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
@@ -140,6 +142,7 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt))
     OmegaConf.save(OmegaConf.create({"model": asdict(args), "data": {"tokenizer": {"kind": "bytes"}}}),
                    ckpt / "config.yaml")
+    checkpoint.write_manifest(ckpt)  # what save() adds: export/generate refuse a checkpoint without one
     out = tmp_path / "hf"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "apps.llama.hf", "export", str(ckpt), str(out)],

@@ -9,6 +9,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
+
+from lingua import checkpoint
 import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
@@ -209,6 +211,7 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     ckpt = tmp_path / "checkpoints" / "10"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt))
     OmegaConf.save(OmegaConf.create({"model": asdict(args)}), ckpt / "config.yaml")
+    checkpoint.write_manifest(ckpt)  # what save() adds: export refuses a checkpoint without one
     out = tmp_path / "hf"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "apps.moe.hf", "export", str(ckpt), str(out)],
