@@ -126,8 +126,10 @@ def test_expert_parallel_with_pipeline_and_ac(corpus, tmp_path):
                                                "distributed.ep=2", "data.batch_size=4",
                                                "distributed.pp_microbatches=2", "distributed.ac=full",
                                                *aux_free))
+    # 5e-5, not 1e-5: one CI run differed by 1.1e-5 at some step (the in-process reference uses
+    # the suite's thread count, the workers one thread; pp x ac x ep sums in more orders).
     for got, want in zip(read_metrics(four), read_metrics(one)):
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["loss"] == pytest.approx(want["loss"], rel=5e-5), got["step"]
 
 
 @pytest.mark.distributed
