@@ -24,7 +24,8 @@ metrics.jsonl. Then it prints:
   - metrics.jsonl holds exactly one row per logged step, evaluation rows where expected, and the
     newest checkpoint is the final step;
   - a PASS/FAIL verdict per property. The exit code is 0 whatever the verdicts (a benchmark, not a
-    test); it is 1 only when the training run itself failed.
+    test); it is 1 only when the training run itself failed, 130 when interrupted (Ctrl-C or TERM,
+    which also stop the training run).
 
 The memory threshold, 5 MiB per 1000 steps: the debug preset's smallest per-step tensors (one
 activation or the logits of a batch, 8 x 256 x 256 fp32) are 2 MiB, so keeping one of them per
@@ -197,6 +198,8 @@ def main() -> int:
     print("command: " + " ".join(cmd[1:]), flush=True)
 
     samples = []
+    # A TERM (a scheduler, a cleanup) stops the training run too and says so, like Ctrl-C.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -209,9 +212,12 @@ def main() -> int:
                     samples.append(s)
                 time.sleep(a.interval)
         except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGTERM)  # the trainer saves a checkpoint and stops
             proc.wait()
-            raise
+            print(f"interrupted after {time.monotonic() - t0:.0f} s at step "
+                  f"{newest_logged_step(dump / 'metrics.jsonl')}; training log {log_path}, run "
+                  f"directory {dump} (kept)", flush=True)
+            return 130
     wall = time.monotonic() - t0
     rc = proc.returncode
     if rc != 0:
