@@ -5,11 +5,11 @@
 
 Runs `python -m apps.llama.train` (the debug preset) with steps=N, checkpoint.every, checkpoint.keep,
 logging.every=10 and eval.every=100 (the preset's: evaluation is a code path a long run takes
-every few minutes, so it belongs in the soak; it costs about 1% here) as a subprocess, and every
---interval seconds reads from /proc the resident memory (VmRSS), open file descriptors, threads
-and child processes of the training process and its descendants, and from the dump_dir its disk
-use (sum of file sizes) and its checkpoint directories. The step of a sample is the newest step in
-metrics.jsonl. Then it prints:
+every few minutes, so it belongs in the soak; it costs 4 forward passes of 8 sequences per 100
+steps) as a subprocess, and every --interval seconds reads from /proc the resident memory
+(VmRSS), open file descriptors, threads and child processes of the training process and its
+descendants, and from the dump_dir its disk use (sum of file sizes) and its checkpoint
+directories. The step of a sample is the newest step in metrics.jsonl. Then it prints:
   - steps/s: over the whole run (start-up, evaluation and checkpoints included), sustained after
     the warm-up, and the step alone (median `step_s` of metrics.jsonl);
   - RSS: first/last/max and the least-squares slope in MiB per 1000 steps over the samples after
