@@ -262,6 +262,29 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
+def exit_process(code: int) -> None:
+    """End a process that used gloo collectives: flush, then leave without interpreter teardown.
+
+    Why: gloo's worker threads (ProcessGroupGloo::runLoop) can drop the last reference to a
+    finished collective's output tensor a moment after the main thread moved on. If that moment
+    falls inside interpreter finalization, the thread cannot take the GIL, Python ends it, and
+    libstdc++ aborts the process ("terminate called without an active exception", exit -6).
+    destroy_process_group() does not join those threads. Seen in CI and here in about one 4-rank
+    run in ten on 2 cores, always after all work was done and written; a core dump shows the
+    thread in ~AsyncAllgatherCoalescedWork -> THPVariable_clear -> take_gil -> pthread_exit.
+    torch has no fix (an atexit destroy was proposed and abandoned: pytorch/pytorch#179291), so
+    callers that have finished and saved everything leave with os._exit.
+    """
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def barrier(env: DistEnv) -> None:
     if env.world_size > 1:
         dist.barrier()

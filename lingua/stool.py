@@ -119,12 +119,9 @@ class TrainJob:
         except RunError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             code = 1
-        # As exit_cli does: skip interpreter teardown, where gloo's threads can abort a process
-        # whose work is done and saved. submitit's result file is not needed: the run directory
-        # is the record.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # As exit_cli does (distributed.exit_process says why). submitit's result file is not
+        # needed: the run directory is the record.
+        distributed.exit_process(code)
 
 
 # ---------------------------------------------------------------------------------------------

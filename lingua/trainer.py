@@ -463,8 +463,9 @@ class Run:
 
 
 def exit_cli(main: Callable) -> None:
-    """Run an app's main() as a command: a ConfigError prints its paragraph and exits 2."""
-    import os
+    """Run an app's main() as a command: a ConfigError prints its paragraph and exits 2, a
+    RunError exits 1; both without a traceback. A run that ended (finished, stopped or failed
+    with a RunError) leaves through distributed.exit_process, which says why."""
     import sys
 
     try:
@@ -474,12 +475,5 @@ def exit_cli(main: Callable) -> None:
         sys.exit(2)
     except RunError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    # Leave without running interpreter teardown: with gloo, a collective's worker thread can
-    # still be joinable at exit and abort the process ("terminate called without an active
-    # exception") after all work is done and saved, turning a finished run into a failed one.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        code = 1
+    distributed.exit_process(code)

@@ -8,7 +8,6 @@ against the reference as JSON (rank 0). Usage: cp_worker.py OUT_JSON [ring]
 
 import copy
 import json
-import os
 import sys
 
 import torch
@@ -18,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.context_parallel import apply_cp, cp_batch
-from lingua.distributed import apply_ac
+from lingua.distributed import apply_ac, exit_process
 
 BATCH, SEQ = 2, 32
 
@@ -127,13 +126,7 @@ def main():
             json.dump(results, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
-    # Skip interpreter teardown: on gloo CPU, a process whose autograd graph ran collectives
-    # sometimes aborts there ("terminate called without an active exception") after all work is
-    # done, about one run in four with 4 ranks on 2 cores (seen with torch's own functional
-    # collectives too). The results are already written, so leave without running destructors.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_process(0)  # results are written; gloo can abort interpreter teardown (it says why)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lingua.distributed import exit_process
 from lingua.expert_parallel import apply_ep, ep_meshes
 from lingua.moe import MoE
 
@@ -174,10 +175,8 @@ def main():
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
     dist.barrier()
-    os._exit(0)  # gloo can abort at interpreter exit
+    exit_process(0)  # results are written; gloo can abort interpreter teardown (it says why)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from apps.llama.model import LlamaArgs, Transformer
+from lingua.distributed import exit_process
 from lingua.evaluation import token_loss_sum
 from lingua.pipeline import (
     build_schedule,
@@ -112,6 +113,7 @@ def main():
         dist.barrier()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
+    exit_process(0)  # results are written; gloo can abort interpreter teardown (it says why)
 
 
 if __name__ == "__main__":

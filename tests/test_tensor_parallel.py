@@ -21,8 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # when run as a script by torchrun
 
 from apps.llama.model import LlamaArgs, Transformer
-from lingua.tp_plan import decoder_tp_plans, validate_tp
+from lingua.distributed import exit_process
 from lingua.errors import ConfigError
+from lingua.tp_plan import decoder_tp_plans, validate_tp
 from lingua.tensor_parallel import (
     apply_tp,
     check_async_tp,
@@ -387,6 +388,7 @@ def main(case: str, out: str) -> None:
             Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # results are written; gloo can abort interpreter teardown (it says why)
 
 
 if __name__ == "__main__":

@@ -45,4 +45,4 @@ def main(out_path, argv):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
-    os._exit(0)  # as apps/llama/train.py: gloo worker threads can abort a clean exit
+    distributed.exit_process(0)  # results are written; gloo can abort interpreter teardown
