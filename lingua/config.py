@@ -11,8 +11,11 @@ is a YAML file under `configs/<app>/` whose defaults list starts with that schem
 and wrong types are refused by OmegaConf while composing.
 """
 
+import dataclasses
+import difflib
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Type, TypeVar
 
@@ -73,31 +76,76 @@ def _preset_location(app: str, preset: str) -> tuple:
     return str(app_dir), preset
 
 
-def _explain_compose_error(err: Exception, overrides: Sequence[str]) -> str:
+def _explain_compose_error(err: Exception, overrides: Sequence[str], known: Sequence[str],
+                           maps: Sequence[str]) -> str:
     text = str(err).strip()
     cause = err.__cause__ or err.__context__
     if cause is not None and str(cause).strip() and str(cause).strip() not in text:
         text += "\n" + str(cause).strip()
     first = text.splitlines()[0] if text else type(err).__name__
-    hint = ("Check the key's spelling and type against the schema: "
-            "`python -m apps.<app>.train --help` is not available, but the dataclasses in "
+    hint = ("Check the key's spelling and type against the schema: the dataclasses in "
             "lingua/*.py and apps/<app>/*.py list every key with its type and default. "
             "To add a key that is not in the schema, change the dataclass, not the command line.")
     full_key = getattr(cause, "full_key", None) or getattr(err, "full_key", None)
     key_part = f" (key: {full_key})" if full_key else ""
-    return (f"Bad configuration{key_part}: {first}\n{text if text != first else ''}"
-            f"Overrides given: {' '.join(overrides) or '(none)'}. {hint}").replace("\n\n", "\n")
+    in_a_map = any(full_key and full_key.startswith(k + ".") for k in maps)
+    if full_key and known and full_key not in known and not in_a_map:
+        close = difflib.get_close_matches(full_key, known, n=2, cutoff=0.8)
+        if close:
+            hint = f"Did you mean {' or '.join(close)}? " + hint
+    # Hydra's "To append to your config use +key=value" does not apply: the schema is closed.
+    details = "\n".join(line for line in text.splitlines()[1:]
+                        if line.strip() != first.strip() and not line.startswith("To append"))
+    return (f"Bad configuration{key_part}: {first}\n" + (f"{details}\n" if details else "")
+            + f"Overrides given: {' '.join(overrides) or '(none)'}. {hint}")
 
 
-def compose_config(app: str, argv: Sequence[str], default_preset: str = "debug") -> DictConfig:
-    """Compose (preset + overrides) into a typed DictConfig; raises ConfigError on any bad key/type."""
+def schema_keys(schema: Type, prefix: str = "") -> dict:
+    """Every dotted key of a dataclass schema -> True for a free-form map (a `Dict[...]` field,
+    e.g. data.sources), False otherwise. Nested dataclasses are walked, not listed."""
+    keys = {}
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        key, hint = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys.update(schema_keys(hint, key + "."))
+        else:
+            keys[key] = typing.get_origin(hint) is dict
+    return keys
+
+
+def _open_maps(overrides: Sequence[str], maps: Sequence[str]) -> list:
+    """`data.sources.books=2` or `data.sources={a:1,b:2}` as `++...`: a map's entries are not in
+    the schema, so OmegaConf's struct mode would refuse them and ask for Hydra's `+` prefix. `++`
+    adds or replaces the entry, which is what an override of a map means (Hydra merges a dict
+    value into the existing map either way)."""
+    out = []
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if "=" in override and key[:1] not in "+~" and any(
+                key == m or key.startswith(m + ".") for m in maps):
+            override = "++" + override
+        out.append(override)
+    return out
+
+
+def compose_config(app: str, argv: Sequence[str], default_preset: str = "debug",
+                   schema: Optional[Type] = None) -> DictConfig:
+    """Compose (preset + overrides) into a typed DictConfig; raises ConfigError on any bad key/type.
+    With the app's `schema`, a map's entries may be set without Hydra's `+`, and a misspelt key
+    gets the closest real ones in its error."""
+    keys = schema_keys(schema) if schema is not None else {}
+    maps = [key for key, is_map in keys.items() if is_map]
     preset, overrides = split_argv(argv, default_preset)
     config_dir, config_name = _preset_location(app, preset)
     try:
         with initialize_config_dir(config_dir=config_dir, version_base=None, job_name=app):
-            cfg = compose(config_name=config_name, overrides=list(overrides))
+            cfg = compose(config_name=config_name, overrides=_open_maps(overrides, maps))
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as err:
-        raise ConfigError(_explain_compose_error(err, overrides)) from None
+        message = _explain_compose_error(err, overrides, list(keys), maps)
+        for override in overrides:  # quote the user's override, not our `++` form of it
+            message = message.replace("++" + override, override)
+        raise ConfigError(message) from None
     return cfg
 
 
@@ -109,7 +157,7 @@ def load(app: str, schema: Type[T], argv: Optional[Sequence[str]] = None,
     raise ConfigError and must not touch process groups, devices or the dump directory.
     """
     argv = sys.argv[1:] if argv is None else argv
-    cfg = compose_config(app, argv, default_preset)
+    cfg = compose_config(app, argv, default_preset, schema)
     try:
         args = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:  # e.g. a missing mandatory value (???)

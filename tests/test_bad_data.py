@@ -387,7 +387,7 @@ def bad_jsonl_runs(tmp_path_factory):
     runs = []
     for name in ("one", "two"):
         dump = tmp / name
-        args = tiny_args(tmp / "corpus", dump, "data.format=jsonl", "+data.sources={a:1.0,b:1.0}")
+        args = tiny_args(tmp / "corpus", dump, "data.format=jsonl", "data.sources={a:1.0,b:1.0}")
         runs.append((run_python("apps.llama.train", args), read_metrics(dump)))
     return first_file, bad_at, runs
 

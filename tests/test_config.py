@@ -60,6 +60,48 @@ def test_bad_config_is_refused_with_the_key_named(corpus, tmp_path, override, ne
         load(tiny_args(corpus, tmp_path / "run", override))
 
 
+def test_map_entries_are_set_without_a_plus(tmp_path):
+    """data.sources is a Dict field: its entries are not schema keys, yet a plain override sets
+    them (Hydra's struct mode would ask for `+`); Hydra's `+` form still works; values keep their
+    type; the map is found from the schema, so a fork's own Dict fields get the same."""
+    for name in ("books", "web"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "0.jsonl").write_text('{"text": "a document"}\n')
+    base = ["data.format=jsonl", f"data.root={tmp_path}", "data.val_sequences=0"]
+    assert config.schema_keys(TrainArgs)["data.sources"] is True
+    assert config.schema_keys(TrainArgs)["data.root"] is False
+    assert load([*base, "data.sources.books=2"]).data.sources == {"books": 2.0}
+    assert load([*base, "data.sources={books:1,web:3}"]).data.sources == {"books": 1.0, "web": 3.0}
+    assert load([*base, "+data.sources.web=0.5"]).data.sources == {"web": 0.5}
+    assert load([*base, "data.sources.web=1", "data.sources.web=4"]).data.sources == {"web": 4.0}
+    with pytest.raises(ConfigError) as err:
+        load([*base, "data.sources.books=many"])
+    message = str(err.value)
+    assert "data.sources.books" in message and "Float" in message
+    assert "++" not in message and "Did you mean" not in message
+    with pytest.raises(ConfigError, match="holds no"):  # the app's own check still runs
+        load([*base, "data.sources.papers=1"])
+
+
+@pytest.mark.parametrize("override,suggestion", [
+    ("optim.warmpu=3", "Did you mean optim.warmup?"),
+    ("stesp=3", "Did you mean steps?"),
+    ("distributed.dp_shrad=2", "Did you mean distributed.dp_shard?"),
+    ("data.srcs=1", "Did you mean data.sources?"),
+])
+def test_misspelt_key_gets_the_closest_real_key(corpus, tmp_path, override, suggestion):
+    with pytest.raises(ConfigError) as err:
+        load(tiny_args(corpus, tmp_path / "run", override))
+    assert suggestion in str(err.value)
+    assert "To append to your config" not in str(err.value)  # Hydra's `+` hint: the schema is closed
+
+
+def test_unrelated_bad_key_gets_no_suggestion(corpus, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load(tiny_args(corpus, tmp_path / "run", "zzzz.qqq=1"))
+    assert "Did you mean" not in str(err.value) and "zzzz.qqq" in str(err.value)
+
+
 def test_bad_input_files_are_refused(corpus, tmp_path):
     with pytest.raises(ConfigError, match="missing_dir"):
         load(tiny_args(corpus, tmp_path / "run", f"data.root={tmp_path / 'missing_dir'}"))
