@@ -55,7 +55,11 @@ class BaseTrainArgs:
     dump_dir: str = "runs/debug"
     steps: int = 100
     seed: int = 42
-    gc_every: int = 50              # collect garbage every N steps (automatic GC is off: it stalls)
+    # Automatic GC is off (its pauses land at random steps, and on one rank they stall all);
+    # the young generations are collected every gc_every steps, all of them every gc_full_every
+    # (a cycle that outlived two young collections is only freed by a full one). 0: never.
+    gc_every: int = 50
+    gc_full_every: int = 1000
     data: DataArgs = field(default_factory=DataArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
     distributed: DistributedArgs = field(default_factory=DistributedArgs)
@@ -87,6 +91,9 @@ def device_type() -> str:
 def validate(args, app: App) -> None:
     """Every check that needs no process group, device or write: runs before any work starts."""
     config.check_positive(args, "", ["steps"])
+    for key in ("gc_every", "gc_full_every"):
+        config.require(getattr(args, key) >= 0, f"{key}={getattr(args, key)} must be 0 (never) "
+                       f"or a number of steps.")
     app.validate_model(args)
     check_attn_backend(args.model.attn_backend, device_type())
     data.validate_data_args(args.data)
@@ -117,6 +124,17 @@ def validate(args, app: App) -> None:
     # Resuming is only exact with the same model and the same data stream.
     checkpoint.check_resume_compatible(args.dump_dir, config.to_dict(args),
                                        ("model", "seed", "data.format", "data.seq_len"))
+
+
+def collect_garbage(step: int, young_every: int, full_every: int) -> Optional[int]:
+    """The step's garbage collection, if any: the generation collected (None: none)."""
+    if full_every > 0 and step % full_every == 0:
+        gc.collect()
+        return 2
+    if young_every > 0 and step % young_every == 0:
+        gc.collect(1)
+        return 1
+    return None
 
 
 def start_run(args, env: DistEnv) -> None:
@@ -411,8 +429,7 @@ class Run:
                 else:
                     self._stop_on_nonfinite(grad_norm, data_before, config_yaml)
             self.step += 1
-            if args.gc_every > 0 and self.step % args.gc_every == 0:
-                gc.collect(1)
+            collect_garbage(self.step, args.gc_every, args.gc_full_every)
 
             window.add(time.perf_counter() - t0, t_data, self.global_tokens,
                        self.phases.step_seconds())

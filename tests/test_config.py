@@ -54,6 +54,8 @@ def test_gpu_preset_without_its_data_names_the_keys_to_set(tmp_path):
     ("config=nope", "nope"),
     ("distributed.cpu_offload=true", "cpu_offload"),   # no GPU here: nothing to offload from
     ("distributed.ac=sometimes", "distributed.ac"),
+    ("gc_every=-1", "gc_every=-1"),
+    ("gc_full_every=-5", "gc_full_every"),
 ])
 def test_bad_config_is_refused_with_the_key_named(corpus, tmp_path, override, needle):
     with pytest.raises(ConfigError, match=needle):

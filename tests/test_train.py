@@ -186,3 +186,33 @@ def test_apply_ac_wraps_the_chosen_blocks_and_keeps_parameter_names():
     assert [isinstance(b, CheckpointWrapper) for b in model.layers.values()] == [True, False, True, False]
     assert list(model.state_dict()) == names
     model(torch.randint(0, 258, (1, 8))).sum().backward()
+
+
+def test_full_collection_frees_a_cycle_that_young_collections_keep():
+    """Automatic GC is off in a run; gc.collect(1) alone never frees a cycle that reached the
+    oldest generation, so every gc_full_every steps the trainer collects all generations."""
+    import gc
+    import weakref
+
+    from lingua.trainer import collect_garbage
+
+    class Node:
+        pass
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        node = Node()
+        node.me = node
+        alive = weakref.ref(node)
+        gc.collect(1)  # it survives (still referenced) and moves to the oldest generation
+        del node       # now garbage, but only reachable by a full collection
+        assert collect_garbage(50, young_every=50, full_every=1000) == 1
+        assert alive() is not None
+        assert collect_garbage(51, young_every=50, full_every=1000) is None
+        assert collect_garbage(1000, young_every=50, full_every=1000) == 2
+        assert alive() is None
+        assert collect_garbage(1000, young_every=0, full_every=0) is None
+    finally:
+        if was_enabled:
+            gc.enable()
