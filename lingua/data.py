@@ -16,8 +16,8 @@ files were never read, and with fewer they were read twice.) The price is that e
 every line; tokenization, the expensive part, is done once per line.
 
 Bad data. A jsonl line that is not valid UTF-8, not valid JSON, has no string "text" field, or
-whose text is empty is skipped and counted by reason (`skipped_lines`, `skipped_by_reason`); the
-first few are logged with their file and line number. Blank lines are formatting, not documents,
+whose text is empty is skipped and counted by reason (`skipped_lines`, `skipped_by_reason`), once
+however many epochs pass over it; the first few are logged with their file and line number. Blank lines are formatting, not documents,
 and are skipped silently. `setup/prepare_data.py` applies the same rules when it builds the memmap
 format. A document longer than seq_len is packed across as many rows (and steps) as it needs. A
 memmap corpus whose files disagree with its meta.json (a truncated or damaged train.bin, a size
@@ -336,7 +336,8 @@ class JsonlSource:
                     try:
                         return _decode_line(raw)
                     except BadLine as err:
-                        self.counter.skip(path, line - s["file_start"] + 1, err)
+                        if s["epoch"] == 0:  # count (and log) each bad line once, not per epoch
+                            self.counter.skip(path, line - s["file_start"] + 1, err)
             s["file"], s["offset"], s["file_start"] = s["file"] + 1, 0, s["line"]
             if s["file"] == len(self.files):
                 s.update(file=0, line=0, file_start=0, epoch=s["epoch"] + 1)

@@ -116,6 +116,18 @@ def test_jsonl_bad_lines_counted_by_reason_and_logged_with_file_and_line(bad_sou
     assert resumed.skipped_lines == N_BAD and resumed.skipped_by_reason == loader.skipped_by_reason
 
 
+def test_jsonl_bad_lines_are_counted_once_over_many_epochs(bad_source, caplog):
+    """skipped_lines says how many lines of the data are bad, not how often they were passed."""
+    src, texts, _ = bad_source
+    caplog.set_level(logging.WARNING, logger="lingua.data")
+    loader = JsonlLoader(jargs(src), 0, 1, seed=0)
+    assert stream_docs(loader, 3 * len(texts)) == texts * 3  # three epochs, in order
+    assert loader.sources[0].state["epoch"] >= 2
+    assert loader.skipped_lines == N_BAD
+    assert loader.skipped_by_reason == {reason: len(lines) for reason, lines in BAD.items()}
+    assert len(skip_warnings(caplog)) == 10
+
+
 def test_jsonl_warnings_are_capped_with_summaries(tmp_path, caplog):
     src = tmp_path / "src"
     write_lines(src / "a.jsonl", [b"{bad"] * 1234 + [good(f"good {i}") for i in range(10)])
