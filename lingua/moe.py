@@ -27,8 +27,9 @@ Load balancing over the GLOBAL batch (the contract the trainer fills in):
       aux share   = aux_loss_coef * n_experts * sum_e f_e * P_e
       z share     = z_loss_coef * (sum over this rank's tokens of logsumexp(logits)^2) / token_normalizer
   Summing the shares over ranks (the gradient SUM of FSDP does exactly that) gives the loss of the
-  global micro-batch computed in one process. The per-rank shares are in `stats` for metrics
-  (sum them over the ranks to log the global value).
+  global micro-batch computed in one process. The per-rank shares are in `stats`; the logged
+  routing metrics (`routing_metrics`) sum them over the step's micro-batches, the ranks and the
+  pipeline stages.
   * `update_expert_bias(layers, rate)` after each optimizer step (DeepSeek-V3 aux-loss-free
     balancing) reduces the step's accumulated counts with the layers' `count_reducer`.
 """
@@ -188,7 +189,12 @@ class MoE(nn.Module):
         # Local assignment counts accumulated over the training forwards of one optimizer step,
         # for update_expert_bias (not a buffer: it is not part of a checkpoint).
         self.step_counts: Optional[torch.Tensor] = None
+        # This forward's local statistics (tests read them), and the sums over the training
+        # forwards since reset_routing() that routing_metrics() turns into logged values.
         self.stats: Dict[str, torch.Tensor] = {}
+        self.routing: Optional[torch.Tensor] = None
+        # Training forwards still to leave uncounted (see reset_routing).
+        self.uncounted_forwards = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -224,8 +230,12 @@ class MoE(nn.Module):
     def _balance(self, out, counts, scores, logits, n_dropped: int):
         """Record statistics, accumulate counts for the bias update, inject the auxiliary losses."""
         counts_f = counts.float()
-        if self.training and torch._C._current_graph_task_id() == -1:
-            # Skip forwards re-run inside backward (activation checkpointing): counted once.
+        # Forwards re-run inside backward (activation checkpointing) are not counted again.
+        counted = self.training and torch._C._current_graph_task_id() == -1
+        if counted and self.uncounted_forwards > 0:
+            self.uncounted_forwards -= 1
+            counted = False
+        if counted:
             self.step_counts = counts_f.detach() if self.step_counts is None else self.step_counts + counts_f.detach()
         aux = z = torch.zeros((), device=out.device)
         # Training only: evaluation and generation must not call the trainer's collective hooks.
@@ -240,13 +250,21 @@ class MoE(nn.Module):
                 out = AuxLossInjector.apply(out, aux + z)
         with torch.no_grad():
             p = self._probs(scores)
+            entropy = -(p * p.clamp_min(1e-20).log()).sum(-1)
+            n_slots = scores.shape[0] * self.top_k
             self.stats = {
                 "tokens_per_expert": counts_f.detach(),
-                "dropped_fraction": torch.tensor(n_dropped / max(scores.shape[0] * self.top_k, 1)),
-                "router_entropy": -(p * p.clamp_min(1e-20).log()).sum(-1).mean(),
+                "dropped_fraction": torch.tensor(n_dropped / max(n_slots, 1)),
+                "router_entropy": entropy.mean(),
                 "aux_loss": aux.detach(),  # this rank's share: sum over the dp/cp ranks to log it
                 "z_loss": z.detach(),
             }
+            if counted:
+                sums = torch.stack([counts_f.new_tensor(float(n_dropped)), counts_f.new_tensor(float(n_slots)),
+                                    entropy.sum().float(), counts_f.new_tensor(float(scores.shape[0])),
+                                    aux.detach().float(), z.detach().float()])
+                row = torch.cat([counts_f.detach(), sums])
+                self.routing = row if self.routing is None else self.routing + row
         return out
 
 
@@ -268,6 +286,57 @@ def update_expert_bias(moe_layers: Iterable[MoE], rate: float) -> None:
 
 def moe_layers(model: nn.Module):
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+# A layer's routing sums (MoE.routing) after its n_experts token counts, in this order.
+ROUTING_SUMS = ("dropped", "slots", "entropy", "tokens", "aux_loss", "z_loss")
+
+
+def reset_routing(layers: Iterable[MoE], shape_inference: bool = False) -> None:
+    """Start new routing sums (the trainer calls it before each step's forward passes).
+
+    shape_inference: the step starts with torch's pipeline stages running one forward each to
+    infer shapes (a process's first pipeline step), on copies of the first micro-batch or, on
+    later stages, on uninitialised tensors. That forward is left out of the routing sums and of
+    the counts for the expert-bias update."""
+    for m in layers:
+        m.routing = None
+        m.uncounted_forwards = 1 if shape_inference else 0
+
+
+@torch.no_grad()
+def routing_metrics(layers: Dict[int, MoE], n_layers: int, n_experts: int,
+                    reduce: Callable[[torch.Tensor], torch.Tensor],
+                    device: torch.device) -> Dict[str, float]:
+    """Routing health per MoE layer from the sums since reset_routing, as "<layer>/<name>".
+
+    `layers` maps a layer's index in the whole model to this rank's MoE module. Every rank builds
+    the same [n_layers, n_experts + 6] table (zero rows for layers it does not hold) and `reduce`
+    sums it over the ranks holding different tokens and different pipeline stages, so a value
+    covers the step's global batch and every stage, not one rank's last micro-batch. Collective:
+    every rank calls it, holding MoE layers or not.
+      imbalance         max / mean of the tokens routed to each expert (1 = perfectly balanced)
+      dropped_fraction  routed slots dropped by capacity / all routed slots
+      router_entropy    mean over tokens of the entropy of the router's distribution (nats)
+      aux_loss, z_loss  the auxiliary losses added to the step's loss
+    """
+    table = torch.zeros(n_layers, n_experts + len(ROUTING_SUMS), device=device)
+    for index, layer in layers.items():
+        if layer.routing is not None:
+            table[index] = layer.routing.to(device)
+    table = reduce(table).cpu()
+    out = {}
+    for index in range(n_layers):
+        counts = table[index, :n_experts]
+        sums = dict(zip(ROUTING_SUMS, table[index, n_experts:].tolist()))
+        if sums["tokens"] == 0:  # a dense layer, or no training forward since the reset
+            continue
+        out[f"{index}/imbalance"] = (counts.max() / counts.mean().clamp_min(1e-9)).item()
+        out[f"{index}/dropped_fraction"] = sums["dropped"] / max(sums["slots"], 1.0)
+        out[f"{index}/router_entropy"] = sums["entropy"] / sums["tokens"]
+        out[f"{index}/aux_loss"] = sums["aux_loss"]
+        out[f"{index}/z_loss"] = sums["z_loss"]
+    return out
 
 
 def active_params_per_token(model: nn.Module) -> float:

@@ -81,7 +81,11 @@ class App:
     load_hf: Optional[Callable] = None            # (path) -> (model, model args)
     flops_per_token: Optional[Callable] = None    # (train args) -> float; default: 6N + attention
     after_step: Optional[Callable] = None         # (parts, env) after each optimizer step
-    step_metrics: Optional[Callable] = None       # (parts) -> dict of extra logged values
+    start_step: Optional[Callable] = None         # (parts, shape_inference) before each step's
+                                                  # forwards; shape_inference: the pipeline stages
+                                                  # first run one forward each to infer shapes
+    step_metrics: Optional[Callable] = None       # (parts, env) -> dict of extra logged values;
+                                                  # every rank calls it on logging steps
 
 
 def device_type() -> str:
@@ -408,6 +412,8 @@ class Run:
                 self.pipe is None or self.pipe.steps_run > 0 or probe.skip_first_pipeline_step())
             if probing:  # hooks only for this step's forward passes
                 probe.start()
+            if app.start_step is not None:
+                app.start_step(self.parts, self.pipe is not None and self.pipe.steps_run == 0)
             loss_share = self.train_step(micro_batches)
             if probing:  # weights and gradients as the optimizer will see them, before clipping
                 probe.stop()
@@ -446,7 +452,7 @@ class Run:
                 if args.logging.spike_factor > 0:
                     row["loss_spike"] = int(spikes.check(self.step, row["loss"]))
                 if app.step_metrics is not None:
-                    row.update(app.step_metrics(self.parts))
+                    row.update(app.step_metrics(self.parts, env))
                 if probe is not None:
                     row["probe_alerts"], probe_alerts = probe_alerts, 0
                 if (args.eval.every and self.step % args.eval.every == 0) or (last and args.eval.at_end):

@@ -10,7 +10,8 @@ from torch.utils.checkpoint import checkpoint
 
 from apps.moe.model import MoEArgs, Transformer, flops_per_token, validate_moe_args
 from lingua.errors import ConfigError
-from lingua.moe import GroupedExperts, MoE, Router, active_params_per_token, moe_layers, update_expert_bias
+from lingua.moe import (GroupedExperts, MoE, Router, active_params_per_token, moe_layers, reset_routing,
+                        routing_metrics, update_expert_bias)
 
 
 def _experts(impl, n=4, dim=16, hidden=24, dtype=torch.float32, seed=0):
@@ -324,3 +325,59 @@ def test_loss_falls_on_copy_task_with_balancing():
     assert losses[-1] < 0.8 * losses[0], losses
     assert math.isfinite(losses[-1])
     assert any((layer.router.expert_bias != 0).any() for layer in moe_layers(m))
+
+
+def test_routing_metrics_cover_every_training_forward_once_and_reset():
+    """Two micro-batches, one of them under activation checkpointing (its recompute in backward
+    is not counted again), then an eval forward (not counted): the metrics equal those computed
+    by hand from both micro-batches' routing; a sum over two "ranks" doubles counts and losses
+    but not the ratios; reset_routing starts over."""
+    m = _moe(capacity_factor=1.0, aux_loss_coef=0.01, z_loss_coef=0.001)
+    x1, x2 = torch.randn(6, 16, requires_grad=True), torch.randn(10, 16, requires_grad=True)
+    m.train()
+    m(x1).sum().backward()
+    checkpoint(m, x2, use_reentrant=False).sum().backward()
+    m.eval()
+    m(torch.randn(50, 16))
+    m.train()
+
+    def by_hand(x):
+        with torch.no_grad():
+            scores = (x @ m.router.gate.weight.T).softmax(-1)
+            top = torch.topk(scores, 2, -1).indices
+            counts = torch.bincount(top.reshape(-1), minlength=4).float()
+            cap = math.ceil(1.0 * x.shape[0] * 2 / 4)
+            entropy = -(scores * scores.log()).sum(-1)
+        return counts, float((counts - cap).clamp_min(0).sum()), entropy
+
+    (c1, d1, e1), (c2, d2, e2) = by_hand(x1), by_hand(x2)
+    counts = c1 + c2
+    got = routing_metrics({1: m}, 2, 4, reduce=lambda t: t, device=torch.device("cpu"))
+    assert set(got) == {f"1/{k}" for k in ("imbalance", "dropped_fraction", "router_entropy",
+                                             "aux_loss", "z_loss")}  # layer 0: no MoE, no keys
+    assert got["1/imbalance"] == pytest.approx((counts.max() / counts.mean()).item(), rel=1e-6)
+    assert got["1/dropped_fraction"] == pytest.approx((d1 + d2) / (2 * 16), rel=1e-6)
+    assert got["1/router_entropy"] == pytest.approx(torch.cat([e1, e2]).mean().item(), rel=1e-5)
+    assert got["1/aux_loss"] > 0 and got["1/z_loss"] > 0
+    two_ranks = routing_metrics({1: m}, 2, 4, reduce=lambda t: 2 * t, device=torch.device("cpu"))
+    for key in ("imbalance", "dropped_fraction", "router_entropy"):
+        assert two_ranks[f"1/{key}"] == pytest.approx(got[f"1/{key}"], rel=1e-6)
+    assert two_ranks["1/aux_loss"] == pytest.approx(2 * got["1/aux_loss"], rel=1e-6)
+    reset_routing([m])
+    assert routing_metrics({1: m}, 2, 4, reduce=lambda t: t, device=torch.device("cpu")) == {}
+
+
+def test_shape_inference_forward_is_left_out_of_routing_and_bias_counts():
+    """A process's first pipeline step starts with torch's shape-inference forward (on
+    uninitialised tensors past the first stage): it must not reach the metrics or the bias update."""
+    m = _moe()
+    m.train()
+    x = torch.randn(8, 16)
+    reset_routing([m], shape_inference=True)
+    m(torch.full((8, 16), 1e3))  # stands for the inference forward's arbitrary values
+    assert m.routing is None and m.step_counts is None
+    m(x)
+    once = m.routing.clone()
+    reset_routing([m])
+    m(x)
+    assert torch.equal(m.routing, once) and torch.equal(m.step_counts, 2 * m.stats["tokens_per_expert"])

@@ -17,6 +17,16 @@ def moe_args(corpus, dump, *extra, steps=STEPS):
     return ["config=debug", *tiny_args(corpus, dump, *MOE, *extra, steps=steps)]
 
 
+def assert_routing_matches(rows, reference):
+    """Routing metrics cover the step's global batch and every pipeline stage, so each equals one
+    process's: the same layers are logged, with the same values."""
+    for got, want in zip(rows, reference):
+        keys = sorted(k for k in got if k.startswith("moe/"))
+        assert keys and keys == sorted(k for k in want if k.startswith("moe/")), (got["step"], keys)
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-9), (got["step"], key, got[key], want[key])
+
+
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     dump = tmp_path_factory.mktemp("moe_reference") / "run"
@@ -63,6 +73,7 @@ def test_moe_layouts_match_one_process(corpus, tmp_path, reference, nproc, layou
     run_torchrun(nproc, "apps.moe.train", moe_args(corpus, dump, *layout))
     for got, want in zip(read_metrics(dump), reference):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (got["step"], got["loss"], want["loss"])
+    assert_routing_matches(read_metrics(dump), reference)
 
 
 @pytest.mark.distributed
@@ -78,6 +89,7 @@ def test_moe_pipeline_matches_one_process(corpus, tmp_path):
                                                *aux_free))
     for got, want in zip(read_metrics(two), read_metrics(one)):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert_routing_matches(read_metrics(two), read_metrics(one))  # both stages' layers, on rank 0
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -114,6 +126,7 @@ def test_expert_parallel_layouts_match_one_process(corpus, tmp_path, reference, 
     for got, want in zip(read_metrics(dump), reference):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (got["step"], got["loss"], want["loss"])
     assert read_metrics(dump)[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-4)
+    assert_routing_matches(read_metrics(dump), reference)
 
 
 @pytest.mark.distributed
@@ -130,6 +143,7 @@ def test_expert_parallel_with_pipeline_and_ac(corpus, tmp_path):
     # the suite's thread count, the workers one thread; pp x ac x ep sums in more orders).
     for got, want in zip(read_metrics(four), read_metrics(one)):
         assert got["loss"] == pytest.approx(want["loss"], rel=5e-5), got["step"]
+    assert_routing_matches(read_metrics(four), read_metrics(one))  # AC recomputes not counted twice
 
 
 @pytest.mark.distributed
@@ -143,3 +157,4 @@ def test_tensor_parallel_dense_parts_match_one_process(corpus, tmp_path, referen
     for got, want in zip(read_metrics(dump), reference):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (got["step"], got["loss"], want["loss"])
     assert read_metrics(dump)[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-4)
+    assert_routing_matches(read_metrics(dump), reference)

@@ -16,7 +16,7 @@ from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
 from lingua.tp_plan import validate_tp
 from lingua import config, distributed, optim, trainer
 from lingua.expert_parallel import validate_ep
-from lingua.moe import moe_layers, update_expert_bias
+from lingua.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
 
 
 @dataclass
@@ -46,27 +46,24 @@ def after_step(parts, env) -> None:
         update_expert_bias([m for part in parts for m in moe_layers(part)], rate)
 
 
-def step_metrics(parts) -> dict:
-    """Routing health of each MoE layer on the step's last micro-batch (this rank's tokens)."""
-    row = {}
-    for part in parts:
-        for name, block in part.layers.items():
-            stats = getattr(getattr(block, "moe", None), "stats", None)
-            if not stats:
-                continue
-            counts = stats["tokens_per_expert"]
-            row[f"moe/{name}/imbalance"] = (counts.max() / counts.mean().clamp_min(1e-9)).item()
-            row[f"moe/{name}/dropped_fraction"] = float(stats["dropped_fraction"])
-            row[f"moe/{name}/router_entropy"] = float(stats["router_entropy"])
-            for key in ("aux_loss", "z_loss"):
-                if key in stats:
-                    row[f"moe/{name}/{key}"] = float(stats[key])
-    return row
+def start_step(parts, shape_inference: bool) -> None:
+    reset_routing([m for part in parts for m in moe_layers(part)], shape_inference)
+
+
+def step_metrics(parts, env) -> dict:
+    """Routing health of each MoE layer over the whole step: every micro-batch, the global batch
+    and every pipeline stage (lingua.moe.routing_metrics); tensor-parallel ranks hold copies."""
+    args = parts[0].args
+    layers = {int(name): block.moe for part in parts for name, block in part.layers.items()
+              if getattr(block, "moe", None) is not None}
+    values = routing_metrics(layers, args.n_layers, args.n_experts, device=env.device,
+                             reduce=lambda t: distributed.all_reduce_sum(t, env, dims=("dp_cp", "pp")))
+    return {f"moe/{key}": value for key, value in values.items()}
 
 
 APP = trainer.App(model_class=Transformer, parallelize=parallelize_moe, validate_model=validate_moe,
                   loss_parallel=uses_loss_parallel, load_hf=load_hf, flops_per_token=flops_per_token,
-                  after_step=after_step, step_metrics=step_metrics)
+                  after_step=after_step, start_step=start_step, step_metrics=step_metrics)
 
 
 def validate(args: TrainArgs) -> None:
