@@ -86,6 +86,14 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
     return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
 
 
+@torch.compiler.disable
+def _grouped_mm_eager(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """_grouped_mm outside torch.compile's graph: the compiler's shape rule for _grouped_mm
+    accepts only bf16 (torch 2.13), while the eager kernel also runs fp32 (the CPU and debug
+    configs). Costs a graph break per call, in fp32 only."""
+    return _grouped_mm(x, w, offs)
+
+
 def check_grouped_alignment(dim: int, hidden: int) -> None:
     """torch._grouped_mm needs every row stride to be a multiple of 16 bytes (8 bf16 values)."""
     if dim % 8 or hidden % 8:
@@ -129,8 +137,9 @@ class GroupedExperts(nn.Module):
             # rejects the [0, n] gradient, so the loop yields the (zero) gradients instead.
             return self._loop(x, counts, w1, w3, w2)
         offs = counts.cumsum(0).to(torch.int32)
-        h = F.silu(_grouped_mm(x, w1, offs)) * _grouped_mm(x, w3, offs)
-        return _grouped_mm(h, w2, offs)
+        mm = _grouped_mm_eager if torch.compiler.is_compiling() and x.dtype != torch.bfloat16 else _grouped_mm
+        h = F.silu(mm(x, w1, offs)) * mm(x, w3, offs)
+        return mm(h, w2, offs)
 
     @staticmethod
     def _loop(x, counts, w1, w3, w2) -> torch.Tensor:
