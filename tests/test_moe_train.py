@@ -149,10 +149,11 @@ def test_expert_parallel_with_pipeline_and_ac(corpus, tmp_path):
                                                "distributed.ep=2", "data.batch_size=4",
                                                "distributed.pp_microbatches=2", "distributed.ac=full",
                                                *aux_free))
-    # 5e-5, not 1e-5: one CI run differed by 1.1e-5 at some step (the in-process reference uses
-    # the suite's thread count, the workers one thread; pp x ac x ep sums in more orders).
+    # 1e-5 again (measured ~1e-7): the 1.1e-5 one CI run once saw most likely came from the
+    # expert-bias update counting torch's shape-inference forward, run on uninitialised tensors
+    # past stage 0, so it varied from run to run. That forward is no longer counted.
     for got, want in zip(read_metrics(four), read_metrics(one)):
-        assert got["loss"] == pytest.approx(want["loss"], rel=5e-5), got["step"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), got["step"]
     assert_routing_matches(read_metrics(four), read_metrics(one))  # AC recomputes not counted twice
 
 
