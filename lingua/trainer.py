@@ -408,12 +408,15 @@ class Run:
             with torch.profiler.record_function("data"):
                 micro_batches = self.train_loader.next_step()
             t_data = time.perf_counter() - t0
+            # A process's first pipeline step starts with torch's stages running one forward each
+            # to infer shapes: no probe on it, and the app is told (MoE leaves it uncounted).
+            shape_inference = self.pipe is not None and self.pipe.steps_run == 0
             probing = probe is not None and probe.active(self.step + 1) and (
-                self.pipe is None or self.pipe.steps_run > 0 or probe.skip_first_pipeline_step())
+                not shape_inference or probe.skip_first_pipeline_step())
             if probing:  # hooks only for this step's forward passes
                 probe.start()
             if app.start_step is not None:
-                app.start_step(self.parts, self.pipe is not None and self.pipe.steps_run == 0)
+                app.start_step(self.parts, shape_inference)
             loss_share = self.train_step(micro_batches)
             if probing:  # weights and gradients as the optimizer will see them, before clipping
                 probe.stop()
