@@ -37,6 +37,17 @@ def read_metrics(dump_dir: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def load_prepare_data():
+    """setup/prepare_data.py as a module (it is a script, not part of a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_data_under_test",
+                                                  REPO / "setup" / "prepare_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

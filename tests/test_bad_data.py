@@ -5,7 +5,6 @@ refused before training with one paragraph naming the file and the command that 
 The corpora are written here byte by byte; references come from the good lines written.
 """
 
-import importlib.util
 import json
 import logging
 import re
@@ -23,7 +22,7 @@ from lingua.data import (SKIP_REASONS, BadLine, DataArgs, JsonlLoader, MemmapLoa
                          validate_data_args, write_memmap_corpus)
 from lingua.errors import ConfigError
 from lingua.tokenizer import ByteTokenizer, TokenizerArgs
-from tests.conftest import REPO, read_metrics, run_python, tiny_args
+from tests.conftest import REPO, load_prepare_data, read_metrics, run_python, tiny_args
 from tests.test_data import assert_steps_equal, global_step, jargs, raw_tokens, stream_docs
 
 # Every kind of line that has nothing to train on, by the reason it is counted under.
@@ -46,14 +45,6 @@ def good(text: str) -> bytes:
 def write_lines(path, lines, newline=b"\n"):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"".join(raw + newline for raw in lines))
-
-
-def load_prepare_data():
-    spec = importlib.util.spec_from_file_location("prepare_data_bad",
-                                                  REPO / "setup" / "prepare_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_decode_line_names_the_reason():

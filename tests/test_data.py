@@ -4,7 +4,6 @@ References are computed here from the raw token array / the lines written, not f
 """
 
 import dataclasses
-import importlib.util
 import json
 import random
 import shutil
@@ -27,9 +26,8 @@ from lingua.data import (
 )
 from lingua.errors import ConfigError
 from lingua.tokenizer import ByteTokenizer, TokenizerArgs
-from tests.conftest import read_metrics, run_python, tiny_args
+from tests.conftest import load_prepare_data, read_metrics, run_python, tiny_args
 
-REPO = Path(__file__).resolve().parent.parent
 BOS, EOS = 256, 257
 ALPHABET = "abcdefghijklmnopqrstuvwxyzäöüé€ "
 
@@ -508,11 +506,7 @@ def test_jsonl_validate_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def prepare_data():
-    spec = importlib.util.spec_from_file_location("prepare_data_under_test",
-                                                  REPO / "setup" / "prepare_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_prepare_data()
 
 
 def test_prepare_jsonl_with_val_dir(tmp_path, prepare_data, capsys):
