@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, read_metrics, run_torchrun, tiny_args
+from tests.equivalence import assert_equivalent, resumed_line
 
 
 def slurm_is_up() -> str:
@@ -116,7 +117,7 @@ def test_two_task_job_matches_torchrun_and_keeps_values_and_secrets(corpus, tmp_
     ref = tmp_path / "torchrun"
     run_torchrun(2, "apps.llama.train", tiny_args(corpus, ref, "distributed.dp_shard=2", steps=4))
     assert sorted(losses(dump)) == [1, 2, 3, 4]
-    assert losses(dump) == losses(ref)  # same sequences, same world size: bit-identical
+    assert_equivalent(dump, ref, rtol=0)  # same sequences, same world size: bit-identical
 
     # The same module under a plain `srun` takes its ranks from Slurm as well.
     plain = tmp_path / "srun"
@@ -128,7 +129,7 @@ def test_two_task_job_matches_torchrun_and_keeps_values_and_secrets(corpus, tmp_
                                cwd=REPO, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True,
                                text=True, timeout=300)
     assert proc_srun.returncode == 0, proc_srun.stdout[-3000:] + proc_srun.stderr[-3000:]
-    assert losses(plain) == losses(ref)
+    assert_equivalent(plain, ref, rtol=0)
 
     out = "\n".join(p.read_text() for p in (dump / "slurm").glob("*_log.out"))
     assert "rank 0 of 2" in out and "rank 1 of 2" in out
@@ -163,7 +164,10 @@ def test_requeued_job_resumes_with_the_same_losses(corpus, tmp_path):
     saved = sorted(int(p.name) for p in (dump / "checkpoints").iterdir() if p.name.isdigit())
     assert len(saved) == 2 and 5 <= saved[0] < steps and saved[1] == steps, saved
     out = "\n".join(p.read_text() for p in (dump / "slurm").glob("*_0_log.out"))
+    # The second run started where the first saved; steps before that ran once, in the first.
+    assert resumed_line(dump, saved[0]) in out, out[-3000:]
     assert f"training steps {saved[0]} -> {steps}" in out
+    assert out.count(f"training steps 0 -> {steps}") == 1, out[-3000:]
     assert "requeues so far 1" in out
 
     ref = tmp_path / "reference"
@@ -171,7 +175,7 @@ def test_requeued_job_resumes_with_the_same_losses(corpus, tmp_path):
                                                   steps=steps))
     got = read_metrics(dump)
     assert [row["step"] for row in got] == list(range(1, steps + 1))  # none lost, none repeated
-    assert losses(dump) == losses(ref)
+    assert_equivalent(dump, ref, rtol=0)
 
 
 def test_time_limit_checkpoints_and_requeues(corpus, tmp_path):
@@ -190,6 +194,8 @@ def test_time_limit_checkpoints_and_requeues(corpus, tmp_path):
     assert len(saved) == 2 and 0 < saved[0] < saved[1], (saved, logs)
     out = "\n".join(p.read_text() for p in (dump / "slurm").glob("*_0_log.out"))
     assert "got SIGUSR2" in logs and "requeued job" in out and "not requeueing" in out, out
+    # The requeued run resumed from the first run's checkpoint and did not start over.
+    assert resumed_line(dump, saved[0]) in out and out.count("training steps 0 -> ") == 1, out
     assert [row["step"] for row in read_metrics(dump)] == list(range(1, saved[1] + 1))
 
 
