@@ -320,8 +320,13 @@ def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs,
     else:
         dp_mesh = env.mesh["dp_shard_cp"]
     compute = torch.bfloat16 if args.model_dtype == "bf16" else torch.float32
+    # cast_forward_inputs=False: FSDP would otherwise cast every floating input of each unit to
+    # bf16, and blocks receive the RoPE cos/sin tables as inputs, so multi-rank runs would rotate
+    # in bf16 while one process (autocast) rotates in fp32. The hidden states need no cast: the
+    # bf16 embedding already produces them in bf16.
     options = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=compute,
-                                                                reduce_dtype=torch.float32),
+                                                                reduce_dtype=torch.float32,
+                                                                cast_forward_inputs=False),
                    offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())
     for module, mesh in own_mesh_units:
         fully_shard(module, reshard_after_forward=args.reshard_after_forward,

@@ -142,10 +142,9 @@ def collect_garbage(step: int, young_every: int, full_every: int) -> Optional[in
 
 
 def start_run(args, env: DistEnv) -> None:
-    """Logging, automatic GC off, the embedded corpus on first use, and the run's config.yaml."""
+    """Logging, the embedded corpus on first use, and the run's config.yaml."""
     metrics.setup_logging(env.rank)
     preemption.SIGNALS.listen()
-    gc.disable()
     if args.data.prepare_embedded:
         if env.local_rank == 0:
             data.ensure_embedded_corpus(args.data.root)
@@ -208,11 +207,21 @@ def load_init_from(args, app: App):
     return model
 
 
-def mixed_precision(args, env: DistEnv):
-    """bf16 compute with fp32 master weights: FSDP casts when sharded, autocast in one process."""
-    if args.distributed.model_dtype == "bf16" and env.world_size == 1:
-        return torch.autocast(env.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def mixed_precision(args, env: DistEnv, parts: list):
+    """Where distributed.model_dtype=bf16 needs autocast: bf16 compute, fp32 master weights.
+
+    FSDP2, where the app applied it (data- or context-parallel ranks: apply_fsdp), already casts
+    the parameters to bf16 for compute and reduces gradients in fp32 (its MixedPrecisionPolicy).
+    Every other layout (one process, tp only, pp only, tp x pp) has nothing that casts, and would
+    silently compute in fp32: autocast casts the matmuls' inputs there (FSDP layouts keep their
+    all-bf16 compute; autocast keeps the residual stream and norms in fp32). Parameters,
+    gradients and optimizer state stay fp32 either way (tests/test_dtypes.py checks every layout).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if args.distributed.model_dtype != "bf16" or all(isinstance(p, FSDPModule) for p in parts):
+        return contextlib.nullcontext()
+    return torch.autocast(env.device.type, dtype=torch.bfloat16)
 
 
 def doc_ids_of(batch, args):
@@ -299,11 +308,14 @@ class Run:
                     if self.pipe is not None:
                         # The schedule interleaves micro-batches' forwards and backwards (and
                         # the stages' sends), so only their sum can be timed: fwd_bwd_s.
-                        with self.phases.phase("fwd_bwd"):
+                        # For the same reason autocast (where needed) covers the backwards too.
+                        # Harmless: backward ops run in the dtypes their forwards saved (checked
+                        # on the LLaMA model: the same gradients, bit for bit, as outside it).
+                        with self.phases.phase("fwd_bwd"), mixed_precision(args, env, self.parts):
                             out = self.pipe.step(tokens, labels, doc_ids)
                         share += 0.0 if out is None else out.double()
                         continue
-                    with self.phases.phase("fwd"), mixed_precision(args, env):
+                    with self.phases.phase("fwd"), mixed_precision(args, env, self.parts):
                         token_loss = loss_sum(self.parts[0], tokens, labels, doc_ids, positions)
                     # Dividing by the global batch's token count (and summing gradients over
                     # ranks) makes the gradient that of the mean loss over the global batch,
@@ -318,10 +330,10 @@ class Run:
 
         def batch_loss(batch):
             with sequence_shard(self.parts, batch, args, env) as (tokens, labels, doc_ids, positions):
-                if self.pipe is not None:
-                    return self.pipe.eval_loss(tokens, labels, doc_ids,
-                                               loss_fn=evaluation.token_loss_sum)
-                with mixed_precision(args, env):
+                with mixed_precision(args, env, self.parts):
+                    if self.pipe is not None:
+                        return self.pipe.eval_loss(tokens, labels, doc_ids,
+                                                   loss_fn=evaluation.token_loss_sum)
                     return loss_sum(self.parts[0], tokens, labels, doc_ids, positions)
 
         with loss_parallel_context(self.loss_parallel):
@@ -373,11 +385,18 @@ class Run:
             f"steps, and run the same command to resume.")
 
     def train(self) -> bool:
-        """Train up to args.steps; False when a signal stopped it early (after saving)."""
+        """Train up to args.steps; False when a signal stopped it early (after saving).
+        Automatic GC is off during the loop (collect_garbage runs it at fixed steps) and back to
+        its previous state afterwards, however the loop ends: a caller (a test, a notebook) that
+        runs main() in-process keeps its collector."""
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             return self._train()
         finally:
             preemption.SIGNALS.stop_listening()
+            if gc_was_enabled:
+                gc.enable()
 
     def _train(self) -> bool:
         args, env, app = self.args, self.env, self.app
