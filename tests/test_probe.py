@@ -125,6 +125,74 @@ def test_hooks_exist_only_during_a_probe_step(corpus, tmp_path):
     assert line["stats"]["layers.0/output"]["count"] == 2 * 16 * cfg.model.dim
 
 
+def test_a_training_run_records_the_tensors_it_names(corpus, tmp_path, monkeypatch):
+    """The probe's numbers against the tensors themselves, captured by the test's own hooks in
+    the same step: a block's input and output in the forward of each micro-batch (the probe adds
+    the micro-batches of a step up), and a parameter and its gradient as clipping receives them
+    (the probe records them after backward, before clipping). A hook on the wrong module or
+    tensor, or at the wrong step, gives other numbers."""
+    from lingua import optim, trainer
+
+    block, param = "layers.1", "layers.0.feed_forward.w1.weight"
+    probed_step = 2
+    acts = {"input": {}, "output": {}}  # step -> [tensor per micro-batch]
+    params = {}                         # step -> (weight, grad before, grad after clipping)
+
+    def capture_block(module, inputs, output):
+        if torch.is_grad_enabled():     # training forwards only (validation runs no_grad)
+            step = len(params) + 1      # clip_grad_norm ends each step's forwards/backwards
+            acts["input"].setdefault(step, []).append(inputs[0].detach().clone())
+            acts["output"].setdefault(step, []).append(output.detach().clone())
+
+    build_model_parts = trainer.build_model_parts
+
+    def build_and_hook(*a, **k):
+        parts, stage_ids = build_model_parts(*a, **k)
+        dict(parts[0].named_modules())[block].register_forward_hook(capture_block)
+        return parts, stage_ids
+
+    clip_grad_norm = optim.clip_grad_norm
+
+    def copy_then_clip(parts, *a, **k):
+        p = dict(parts[0].named_parameters())[param]
+        weight, grad = p.detach().clone(), p.grad.detach().clone()
+        norm = clip_grad_norm(parts, *a, **k)
+        params[len(params) + 1] = (weight, grad, p.grad.detach().clone())
+        return norm
+
+    monkeypatch.setattr(trainer, "build_model_parts", build_and_hook)
+    monkeypatch.setattr(optim, "clip_grad_norm", copy_then_clip)
+    dump = tmp_path / "direct"
+    # Two micro-batches a step, and clipping on, so that the aggregation over micro-batches and
+    # the moment of recording (before clipping) both matter.
+    assert train.main(tiny_args(corpus, dump, f"probe.every={probed_step}", "data.batch_size=4",
+                                "data.grad_accum=2", "optim.clip=0.1",
+                                steps=probed_step)) == 0
+    [line] = [json.loads(x) for x in (dump / "probe" / "probe.jsonl").read_text().splitlines()]
+    assert line["step"] == probed_step
+    assert [len(acts["output"][s]) for s in (1, 2)] == [2, 2]  # 2 micro-batches, each step
+    weight, grad, clipped = params[probed_step]
+    assert not torch.allclose(grad, clipped, rtol=1e-3)  # clipping changed it after the probe
+    module, _, name = param.rpartition(".")
+    tensors = {f"{block}/input": torch.cat([t.reshape(-1) for t in acts["input"][probed_step]]),
+               f"{block}/output": torch.cat([t.reshape(-1) for t in acts["output"][probed_step]]),
+               f"{module}/{name}": weight, f"{module}/{name}.grad": grad}
+    for key, tensor in tensors.items():
+        assert tensor.dtype == torch.float32, key
+        got, want = line["stats"][key], direct_stats(tensor)
+        for stat in ("count", "nonfinite", "min", "max", "abs_max"):
+            assert got[stat] == want[stat], (key, stat)
+        for stat in ("mean", "std", "rms", "zero_frac", "kurtosis"):
+            assert got[stat] == pytest.approx(want[stat], rel=1e-5, abs=1e-12), (key, stat)
+        # Quantiles come from the histogram: within a bin (3.7%) of the values ranked about
+        # q * count (near zero, neighbouring values can be far apart, so not of torch.quantile).
+        ranked = tensor.double().reshape(-1).sort().values
+        for q in (0.01, 0.5, 0.99):
+            k = q * (ranked.numel() - 1)
+            lo, hi = ranked[math.floor(k) - 1].item(), ranked[math.ceil(k) + 1].item()
+            assert lo - 0.04 * abs(lo) <= got[f"q{q:g}"] <= hi + 0.04 * abs(hi), (key, q, lo, hi)
+
+
 def run_probe(corpus, dump, *extra, steps=4):
     run_python("apps.llama.train", tiny_args(corpus, dump, "probe.every=2", *extra, steps=steps))
     return [json.loads(x) for x in (dump / "probe" / "probe.jsonl").read_text().splitlines()]
