@@ -347,7 +347,17 @@ def snapshot_code(dest: Path) -> int:
 def make_executor(slurm: SlurmArgs, folder: Path, code_dir: Path, job_name: str):
     import submitit
 
-    executor = submitit.SlurmExecutor(folder=folder, python=shlex.quote(sys.executable))
+    executor_class = submitit.SlurmExecutor
+    if slurm.dry_run:
+        # submitit refuses to build an executor where srun is missing, but a dry run only prints
+        # the batch script, which a laptop or a login node without Slurm can do.
+        class ScriptOnlyExecutor(submitit.SlurmExecutor):
+            @classmethod
+            def affinity(cls) -> int:
+                return 1
+
+        executor_class = ScriptOnlyExecutor
+    executor = executor_class(folder=folder, python=shlex.quote(sys.executable))
     extra = {"requeue": True}
     if slurm.mem is not None:
         extra["mem"] = str(slurm.mem)   # as given: submitit's own mem option converts from GB
@@ -397,6 +407,10 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
     root = submissions[0].dump_dir.parent if sweep else submissions[0].dump_dir
     code_dir, folder = root / "code", root / "slurm"
     job_name = slurm.job_name or root.name or "lingua"
+    if not slurm.dry_run and shutil.which("sbatch") is None:
+        raise ConfigError("sbatch is not on PATH: stool submits to Slurm. Run on a cluster's login "
+                          "node, start a local one with `bash setup/slurm_local.sh start`, or train "
+                          "without Slurm: `torchrun --nproc-per-node N -m " + module + " ...`.")
     executor = make_executor(slurm, folder, code_dir, job_name)
     if slurm.dry_run:
         print(batch_script(executor, len(submissions)))
@@ -405,10 +419,6 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
             print(f"#   dump dir: {sub.dump_dir}")
         print("# dry run: nothing written, nothing submitted")
         return []
-    if shutil.which("sbatch") is None:
-        raise ConfigError("sbatch is not on PATH: stool submits to Slurm. Run on a cluster's login "
-                          "node, start a local one with `bash setup/slurm_local.sh start`, or train "
-                          "without Slurm: `torchrun --nproc-per-node N -m " + module + " ...`.")
     check_partition(slurm.partition)
     for sub in submissions:
         check_dump_dir(sub)
