@@ -13,6 +13,7 @@ import torch
 from apps.llama import train
 from lingua import probe
 from tests.conftest import REPO, read_metrics, run_python, run_torchrun, tiny_args
+from tests.equivalence import assert_equivalent
 
 QUANTILES = [0.001, 0.01, 0.5, 0.99, 0.999]
 
@@ -332,6 +333,7 @@ def test_parallel_layouts_record_the_numbers_of_one_process(corpus, tmp_path, np
     line = [json.loads(x) for x in (dump / "probe" / "probe.jsonl").read_text().splitlines()][-1]
     assert line["step"] == 2
     _compare(line["stats"], ref)
+    assert_equivalent(dump, single)  # and the run itself computed what one process does
 
 
 def test_moe_router_load_and_entropy_are_recorded(corpus, tmp_path):
@@ -364,3 +366,4 @@ def test_context_parallel_records_the_numbers_of_one_process(corpus, tmp_path):
     ref = {k: v for k, v in ref.items() if not k.endswith("/attention")}
     _compare({k: v for k, v in got.items() if not k.endswith(".core/input")
               and not k.endswith(".core/output")}, ref)
+    assert_equivalent(dump, single)
