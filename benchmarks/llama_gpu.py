@@ -58,7 +58,10 @@ def main():
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     steady = rows[min(10, len(rows) // 2):]
     tps = sum(r["tokens_per_s"] for r in steady) / len(steady)
-    mfu = sum(r["mfu"] for r in steady) / len(steady)
+    mfus = [r["mfu"] for r in steady if r["mfu"] is not None]  # null: no credible peak
+    if not mfus:
+        sys.exit("metrics.jsonl has mfu null on every steady step (the run's log says why).")
+    mfu = sum(mfus) / len(mfus)
     measured = measured_matmul_peak()
     mfu_measured = mfu * _datasheet_peak() / measured
     print(f"{torch.cuda.get_device_name()} x {cli.gpus}: {tps:.0f} tokens/s; MFU {100 * mfu:.1f}% of "

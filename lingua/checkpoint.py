@@ -10,9 +10,10 @@ Layout of one checkpoint, `<dump_dir>/checkpoints/<step>/`:
 Everything is written into `<step>.tmp-<nonce>/` and renamed to `<step>/` by rank 0 after all ranks
 finished writing; a rename is atomic, so a crash mid-write leaves only a `.tmp` directory, which
 resume ignores. A step directory can still be damaged later (a truncated copy, a lost or corrupted
-shard, a disk error): before resuming, `verify()` checks it against its manifest, and automatic
-resume skips a damaged checkpoint (with a warning naming the file) for the one before it, while a
-checkpoint asked for by name (export, generate) that fails the check is an error.
+shard, a disk error): before resuming, the ranks check it against its manifest together, each
+reading its share of the files (`newest_verified`), and automatic resume skips a damaged
+checkpoint (with a warning naming the file) for the one before it, while a checkpoint asked for by
+name (export, generate) that fails `verify()` is an error.
 """
 
 import json
@@ -98,42 +99,136 @@ def write_manifest(ckpt_dir) -> None:
     (ckpt_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
+def _read_manifest(ckpt_dir: Path):
+    """(the manifest's {name: {"size", "crc32"}}, None), or (None, what is wrong with it)."""
+    manifest_path = ckpt_dir / MANIFEST
+    if not manifest_path.is_file():
+        return None, (f"{manifest_path} is missing (the checkpoint was not finished, or was "
+                      f"copied partly)")
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+        if not all(isinstance(f["size"], int) and isinstance(f["crc32"], str)
+                   for f in files.values()):
+            raise ValueError("an entry lacks an integer size or a crc32")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return None, f"{manifest_path} is unreadable ({err})"
+    return files, None
+
+
+def _size_problem(ckpt_dir: Path, files: dict) -> Optional[str]:
+    for name, want in sorted(files.items()):
+        path = ckpt_dir / name
+        try:
+            size = path.stat().st_size if path.is_file() else None
+        except OSError as err:
+            return f"{path} cannot be read ({err})"
+        if size is None:
+            return f"{path} is missing"
+        if size != want["size"]:
+            return f"{path} has {size} bytes, the manifest says {want['size']} (truncated?)"
+    return None
+
+
+def _crc_problem(ckpt_dir: Path, files: dict, names) -> Optional[str]:
+    for name in names:
+        try:
+            crc = _crc32(ckpt_dir / name)
+        except OSError as err:  # a disk error is damage too, and must not leave peers waiting
+            return f"{ckpt_dir / name} cannot be read ({err})"
+        if crc != files[name]["crc32"]:
+            return f"{ckpt_dir / name} is damaged (its CRC-32 differs from the manifest's)"
+    return None
+
+
 def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
     """None if the checkpoint is intact, else what is wrong with it (one sentence).
     Sizes are always checked; `checksums` also reads every file (as loading it would)."""
     ckpt_dir = Path(ckpt_dir)
-    manifest_path = ckpt_dir / MANIFEST
-    if not manifest_path.is_file():
-        return f"{manifest_path} is missing (the checkpoint was not finished, or was copied partly)"
-    try:
-        manifest = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError) as err:
-        return f"{manifest_path} is unreadable ({err})"
-    for name, want in sorted(manifest.items()):
-        path = ckpt_dir / name
-        if not path.is_file():
-            return f"{path} is missing"
-        size = path.stat().st_size
-        if size != want["size"]:
-            return f"{path} has {size} bytes, the manifest says {want['size']} (truncated?)"
-    if checksums:
-        for name, want in sorted(manifest.items()):
-            if _crc32(ckpt_dir / name) != want["crc32"]:
-                return f"{ckpt_dir / name} is damaged (its CRC-32 differs from the manifest's)"
-    return None
+    files, problem = _read_manifest(ckpt_dir)
+    if problem is None:
+        problem = _size_problem(ckpt_dir, files)
+    if problem is None and checksums:
+        problem = _crc_problem(ckpt_dir, files, sorted(files))
+    return problem
+
+
+def crc_share(files: dict, rank: int, world_size: int) -> list:
+    """The names of the manifest's files whose CRC-32 `rank` checks when `world_size` ranks
+    verify a checkpoint together: largest first, each to the rank with the fewest bytes so far
+    (ties to the lower rank). Every file goes to exactly one rank, no rank reads more than
+    1/world_size of the bytes plus one file, and it depends only on the manifest, so it works
+    whatever the world size was when the checkpoint was saved."""
+    import heapq
+
+    loads = [(0, r) for r in range(world_size)]
+    mine = []
+    for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
+        load, r = heapq.heappop(loads)
+        if r == rank:
+            mine.append(name)
+        heapq.heappush(loads, (load + files[name]["size"], r))
+    return sorted(mine)
+
+
+def verify_share(ckpt_dir, rank: int, world_size: int) -> Optional[str]:
+    """`verify` split over ranks: the sizes of every file (cheap) and the CRC-32 of this rank's
+    share of the files (`crc_share`). None where this rank found nothing wrong."""
+    ckpt_dir = Path(ckpt_dir)
+    files, problem = _read_manifest(ckpt_dir)
+    if problem is None:
+        problem = _size_problem(ckpt_dir, files)
+    if problem is None:
+        problem = _crc_problem(ckpt_dir, files, crc_share(files, rank, world_size))
+    return problem
+
+
+def _step_dirs(root: Path) -> list:
+    """Renamed step directories, oldest first (unfinished `.tmp-` ones are not candidates)."""
+    return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
+                  key=lambda p: int(p.name)) if root.is_dir() else []
 
 
 def newest(dump_dir, checksums: bool = False) -> Optional[Path]:
     """The newest checkpoint that passes `verify`; damaged newer ones (a missing .metadata
     included) are skipped with a warning. Unfinished `.tmp-` directories are not candidates."""
-    root = checkpoints_dir(dump_dir)
-    steps = sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
-                   key=lambda p: int(p.name)) if root.is_dir() else []
-    for ckpt in reversed(steps):
+    for ckpt in reversed(_step_dirs(checkpoints_dir(dump_dir))):
         problem = verify(ckpt, checksums)
         if problem is None:
             return ckpt
         logger.warning("skipping damaged checkpoint %s: %s; trying the one before", ckpt, problem)
+    return None
+
+
+def _all_gather(obj) -> list:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None) -> Optional[Path]:
+    """The newest checkpoint that passes every rank's `verify_share` (so, all together, a full
+    `verify` with checksums), the same on every rank; None if there is none.
+
+    Collective when world_size > 1: every rank calls it. `gather(obj)` returns every rank's obj
+    in rank order (default: all_gather_object over the default group). Each rank reads only its
+    share of the files, so the ranks wait in the agreement for about 1/world_size of the time one
+    rank would need to read a whole checkpoint (a 70B model with its Adam state is ~850 GB).
+    Damaged checkpoints are skipped, newest first, with a warning (from rank 0) naming what each
+    rank found."""
+    if gather is None:
+        gather = _all_gather if world_size > 1 else (lambda obj: [obj])
+    root = checkpoints_dir(dump_dir)
+    # Rank 0's candidates, so every rank takes the same number of steps in the agreement below
+    # (a rank that cannot see one of them reports it as damaged: its manifest is missing).
+    names = gather([p.name for p in _step_dirs(root)])[0]
+    for name in reversed(names):
+        ckpt = root / name
+        problems = [p for p in gather(verify_share(ckpt, rank, world_size)) if p is not None]
+        if not problems:
+            return ckpt
+        if rank == 0:
+            logger.warning("skipping damaged checkpoint %s: %s; trying the one before", ckpt,
+                           "; ".join(dict.fromkeys(problems)))
     return None
 
 

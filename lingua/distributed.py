@@ -132,7 +132,13 @@ def validate_args(args: DistributedArgs) -> None:
     if args.ac_every < 1:
         raise ConfigError(f"distributed.ac_every={args.ac_every} must be at least 1.")
     # World size is known before any process group exists (torchrun sets WORLD_SIZE).
-    parallel_dims(args, world_size_from_env())
+    dims = parallel_dims(args, world_size_from_env())
+    if args.cpu_offload and dims.dp_replicate * dims.fsdp == 1:
+        raise ConfigError(
+            "distributed.cpu_offload=true offloads through FSDP, and this layout shards nothing "
+            f"(dp_replicate x dp_shard x cp = {dims.dp_replicate} x {dims.dp_shard} x {dims.cp} "
+            "= 1), so the parameters would silently stay on the GPU. Launch more processes for "
+            "data parallelism (distributed.dp_shard), or remove distributed.cpu_offload.")
 
 
 def job_device_type() -> str:
@@ -157,14 +163,18 @@ def slurm_step_vars() -> dict:
     tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
     if tasks <= 1:
         return {}
-    from submitit.slurm.slurm import SlurmJobEnvironment
+    from submitit.slurm.slurm import SlurmJobEnvironment, _parse_node_list
 
     job = SlurmJobEnvironment()
     job_id = int(os.environ.get("SLURM_JOB_ID", "0"))
     per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0]
+    # The step's first node hosts rank 0; submitit's hostnames read the job's nodelist, whose
+    # first node is not in a step that runs on part of the job (srun -N1 in a 2-node job).
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    master = _parse_node_list(nodelist)[0] if nodelist else job.hostname
     return {"RANK": str(job.global_rank), "WORLD_SIZE": str(tasks),
             "LOCAL_RANK": str(job.local_rank), "LOCAL_WORLD_SIZE": per_node,
-            "MASTER_ADDR": job.hostnames[0],
+            "MASTER_ADDR": master,
             "MASTER_PORT": os.environ.get("MASTER_PORT", str(20000 + job_id % 20000))}
 
 
@@ -211,10 +221,42 @@ class DistEnv:
 
 
 def _device(local_rank: int) -> torch.device:
+    """This process's device: the local rank's GPU among those it can see, else the CPU.
+
+    Modulo the visible count because a launcher may give each task its own GPU (Slurm's
+    `srun --gpus-per-task=1`, or a CUDA_VISIBLE_DEVICES per task): the task then sees one device,
+    cuda:0, while LOCAL_RANK still counts the tasks on the node (3 for the fourth). Where every
+    task sees all of the node's GPUs (torchrun, stool's gpus_per_node) it is the local rank.
+    """
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def process_group_backend(args: DistributedArgs, device_type: str) -> str:
+    """The backend string for init_process_group.
+
+    NCCL only moves CUDA tensors. With cpu_offload, FSDP2 keeps sharded gradients (and the
+    optimizer's update) on the CPU, so the gradient norm's reduction (optim.clip_grad_norm), the
+    probe's statistics of gradients and weights then communicate CPU tensors ("No backend type
+    associated with device type cpu" on NCCL alone): the group needs a CPU backend too. torch picks the backend by the tensor's device, and mesh
+    sub-groups inherit both (new_group copies the default group's backend string; split_group
+    splits every per-device backend)."""
+    backend = args.backend if args.backend != "auto" else (
+        "nccl" if device_type == "cuda" else "gloo")
+    if backend == "nccl" and args.cpu_offload:
+        return "cuda:nccl,cpu:gloo"
+    return backend
+
+
+def param_device(args: DistributedArgs, device: torch.device) -> torch.device:
+    """Where parameters are materialised after sharding (to_empty): the CPU under cpu_offload,
+    since FSDP2's CPUOffloadPolicy refuses sharded parameters on the GPU ("FSDP parameters should
+    be materialized on CPU when enabling CPU offloading"); buffers (RoPE tables) still belong on
+    `device`, e.g. `init_weights(buffer_device=device)`."""
+    return torch.device("cpu") if args.cpu_offload else device
 
 
 def init(args: DistributedArgs) -> DistEnv:
@@ -226,8 +268,7 @@ def init(args: DistributedArgs) -> DistEnv:
     device = _device(local_rank)
     mesh = None
     if world_size > 1:
-        backend = args.backend if args.backend != "auto" else (
-            "nccl" if device.type == "cuda" else "gloo")
+        backend = process_group_backend(args, device.type)
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=datetime.timedelta(
                 seconds=args.timeout_s), device_id=device if device.type == "cuda" else None)

@@ -7,6 +7,8 @@ projection does, once even when tied); the second term is attention's QK^T and A
 backward, PaLM's convention, counted as if not causal). On a GPU the peak comes from a table of
 dense bf16 peaks; on CPU it is measured at start-up with a short matmul benchmark in the run's
 dtype and cached, so MFU on CPU is "fraction of what a large matmul reaches on this machine".
+Where no credible peak exists (bf16 on a CPU without bf16 instructions, which torch emulates) or
+MFU would exceed 100%, mfu is logged as null with a warning instead of a made-up number.
 """
 
 import json
@@ -74,7 +76,77 @@ def measure_cpu_peak(dtype: torch.dtype, seconds: float = 0.5) -> float:
     return best
 
 
-def peak_flops(device: torch.device, dtype_name: str) -> float:
+# Native bf16 matmuls on CPU: x86's AVX512-BF16 or AMX, Arm's BF16 extension (hwcap "bf16").
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Optional[frozenset]:
+    """This CPU's feature flags as /proc/cpuinfo lists them ("flags" on x86, "Features" on Arm);
+    None where there is no /proc/cpuinfo to read (macOS). Tests replace this function."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return None
+
+
+def cpu_bf16_emulated() -> bool:
+    """True where this CPU has no bf16 instructions and torch emulates bf16 matmuls (an AVX2-only
+    x86: about 0.7 GFLOP/s, 30-100x slower than fp32); False where it has them, or is unknown."""
+    flags = cpu_flags()
+    return flags is not None and not flags & BF16_CPU_FLAGS
+
+
+_warned = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """A warning logged once per process, by rank 0 only (every rank would say the same)."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning(message)
+
+
+def mfu(flops_per_s: float, peak: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation (`flops_per_s` of model FLOPs on one device over its peak), or None
+    where no honest number exists: no credible peak (bf16 emulated on this CPU: peak_flops gives
+    None), or a value above 1, which says the peak is wrong (a CPU measurement disturbed by other
+    load, a GPU not in GPU_PEAK_FLOPS, a FLOP count that misses work), not that the run beat the
+    hardware. Logged as JSON null rather than a made-up number, with a warning the first time."""
+    if not peak:
+        return None
+    value = flops_per_s / peak
+    if not math.isfinite(value) or value > 1:
+        shown = f"{peak / 1e12:.1f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:.1f} GFLOP/s"
+        warn_once("mfu_above_1",
+                  f"MFU came out at {100 * value:.0f}% of the peak ({shown} per device), which "
+                  f"no run reaches: that peak is not credible for this hardware, so such MFU "
+                  f"values are logged as null. On a GPU the peak is the data-sheet value in "
+                  f"lingua/metrics.py's GPU_PEAK_FLOPS; on CPU a short matmul measurement cached "
+                  f"in {_cache_path()}: delete that file to measure again on an idle machine.")
+        return None
+    return value
+
+
+def peak_flops(device: torch.device, dtype_name: str) -> Optional[float]:
+    """Peak FLOP/s of one device in the run's dtype; None where there is no credible one (bf16
+    emulated on this CPU: measuring it would only time the emulation)."""
+    if device.type == "cpu" and dtype_name == "bf16" and cpu_bf16_emulated():
+        warn_once("bf16_emulated",
+                  "distributed.model_dtype=bf16 on a CPU without bf16 instructions (no "
+                  "avx512_bf16 or amx_bf16 among /proc/cpuinfo's flags): torch emulates bf16 "
+                  "matmuls here, so this run will be 30-100x slower than in fp32. Use "
+                  "distributed.model_dtype=fp32 on this CPU. MFU is logged as null: there is no "
+                  "meaningful bf16 peak to measure it against.")
+        return None
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, value in GPU_PEAK_FLOPS[dtype_name].items():
@@ -172,7 +244,8 @@ def _wandb_id(dump_dir) -> str:
 def format_line(m: dict) -> str:
     parts = [f"step {m['step']}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
              f"gnorm {m['grad_norm']:.3f}", f"tok/s {m['tokens_per_s']:.0f}",
-             f"mfu {100 * m['mfu']:.1f}%", f"data {1000 * m['data_s']:.0f}ms",
+             "mfu n/a" if m["mfu"] is None else f"mfu {100 * m['mfu']:.1f}%",
+             f"data {1000 * m['data_s']:.0f}ms",
              f"mem {m['peak_mem_gib']:.2f}GiB"]
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f} ppl {m['val_ppl']:.1f}")

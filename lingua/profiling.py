@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch.profiler import record_function
 
+from lingua import metrics
 from lingua.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -247,8 +248,10 @@ class StepProfiler:
         top = ", ".join(f"{e.key} {getattr(e, sort_by) / 1e3 / self.args.active:.1f}ms"
                         for e in ops)
         mfu = ""
-        if self.flops_per_step and self.peak_flops:
-            mfu = (f"; MFU {100 * self.flops_per_step * self.args.active / active_seconds / self.peak_flops:.1f}%"
-                   f" over the recorded steps (profiler overhead included)")
+        value = metrics.mfu(self.flops_per_step * self.args.active / active_seconds,
+                            self.peak_flops) if self.flops_per_step else None
+        if value is not None:  # None: no credible peak (see metrics.mfu)
+            mfu = (f"; MFU {100 * value:.1f}% over the recorded steps (profiler overhead "
+                   f"included)")
         logger.info("profiling: trace %s, summary %s; top ops per step (self time): %s%s",
                     self.trace_path, summary_path, top, mfu)

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from lingua import (checkpoint, config, data, distributed, evaluation, metrics, optim, pipeline,
-                    preemption)
+                    preemption, weights)
 from lingua import probe as probe_module
 from lingua.checkpoint import CheckpointArgs
 from lingua.context_parallel import cp_batch, validate_cp
@@ -156,19 +156,18 @@ def start_run(args, env: DistEnv) -> None:
 
 def build_model_parts(args, env: DistEnv, app: App) -> tuple:
     """The parts of the model this rank holds (one, or its pipeline stages), parallelized and
-    with weights: from a Hugging Face directory or freshly initialised from the seed."""
+    with weights: from a Hugging Face directory or freshly initialised from the seed.
+
+    The same path on every device and layout: the model is built on the meta device, split into
+    this rank's pipeline stages and sharded, and only then gets storage on env.device (so no
+    rank ever holds the whole model) and its weights. A fresh init draws each tensor whole from
+    its own stream seeded by (seed, name) and keeps this rank's slice (lingua.weights): every
+    layout starts from the same weights as one process, and no two layers start alike.
+    """
     torch.manual_seed(args.seed)
-    if args.checkpoint.init_from:
-        model = load_init_from(args, app)
-    else:
-        with torch.device("meta"):
-            model = app.model_class(args.model)
-        if env.device.type == "cpu":
-            # On CPU we initialise the full model on every rank before splitting and sharding:
-            # the same seed then gives the same weights for every layout (a sharded random init
-            # would not, on CPU, and each pipeline stage would draw different numbers).
-            model.to_empty(device="cpu")
-            model.init_weights()
+    hf_state = load_init_from(args, app, env) if args.checkpoint.init_from else None
+    with torch.device("meta"):
+        model = app.model_class(args.model)
     stage_ids, parts = [0], [model]
     if env.dims.pp > 1:
         d = args.distributed
@@ -180,18 +179,47 @@ def build_model_parts(args, env: DistEnv, app: App) -> tuple:
                  for s in stage_ids]
         del model
     parts = [app.parallelize(part, env, args.distributed) for part in parts]
-    if next(parts[0].parameters()).device.type == "meta":  # CUDA: initialise after sharding
-        for part in parts:
-            part.to_empty(device=env.device)
-            with torch.no_grad():
-                part.init_weights(buffer_device=env.device)
+    param_device = distributed.param_device(args.distributed, env.device)
+    for part in parts:
+        weights.materialize(part, env.device, args.seed, param_device)
+    if args.checkpoint.init_from:
+        weights.load_full_state(parts, hf_state, env.device)
+        del hf_state
+    weights.check_placement(parts, env.device, param_device)
     n_params = sum(p.numel() for part in parts for p in part.parameters())
     logger.info("model: %.2fM parameters on this rank's %d part(s)", n_params / 1e6, len(parts))
     return parts, stage_ids
 
 
-def load_init_from(args, app: App):
-    hf_model, hf_args = app.load_hf(args.checkpoint.init_from)
+def load_init_from(args, app: App, env: DistEnv):
+    """Rank 0's state of the Hugging Face model in checkpoint.init_from (None on other ranks),
+    after every rank checked that it is the model of model.*.
+
+    Only rank 0 reads the directory, in the files' dtype: safetensors maps the files into memory,
+    so a tensor is read from disk when it is sent (lingua.weights.load_full_state), and no rank
+    holds a second copy of the model.
+    """
+    path = args.checkpoint.init_from
+    hf_model, outcome = None, None
+    if env.rank == 0:
+        try:
+            hf_model, outcome = _read_hf(app, path)
+        except Exception as err:  # every rank must stop, not wait for weights that never come
+            outcome = err
+    if env.world_size > 1:
+        shared = outcome if not isinstance(outcome, BaseException) else (
+            type(outcome).__name__, str(outcome), isinstance(outcome, ConfigError))
+        shared = weights.broadcast_object(shared)
+        if env.rank == 0 and isinstance(outcome, BaseException):
+            raise outcome
+        if isinstance(shared, tuple):
+            kind, message, is_config = shared
+            raise (ConfigError if is_config else RunError)(
+                message if is_config else f"rank 0 could not read {path}: {kind}: {message}")
+        outcome = shared
+    elif isinstance(outcome, BaseException):
+        raise outcome
+    hf_args = outcome
     # Only what fixes the weights' shapes and meaning must agree; backends, masks and init
     # settings are the run's own choice.
     runtime = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
@@ -202,9 +230,16 @@ def load_init_from(args, app: App):
                    f"checkpoint.init_from={args.checkpoint.init_from} holds a model that differs "
                    f"from model.* in (ours, theirs): {differing}. Set those model.* keys to "
                    f"the checkpoint's values.")
-    model = app.model_class(args.model)  # our runtime choices, their weights
-    model.load_state_dict(hf_model.state_dict())
-    return model
+    return hf_model.state_dict() if hf_model is not None else None
+
+
+def _read_hf(app: App, path):
+    """(model, model args) from the app's load_hf, in the files' dtype where it can keep it."""
+    import inspect
+
+    if "dtype" in inspect.signature(app.load_hf).parameters:
+        return app.load_hf(path, dtype=None)  # no conversion: the tensors stay memory-mapped
+    return app.load_hf(path)
 
 
 def mixed_precision(args, env: DistEnv, parts: list):
@@ -282,12 +317,10 @@ class Run:
                                        n_microbatches, loss_fn)
 
     def _resume(self) -> int:
-        # Rank 0 reads every file of the candidates once (checksums) and tells the others, so
-        # all ranks resume from the same, intact checkpoint.
-        choice = [checkpoint.newest(self.dump_dir, checksums=True) if self.env.is_main else None]
-        if self.env.world_size > 1:
-            torch.distributed.broadcast_object_list(choice, src=0)
-        resume_from = choice[0]
+        # Every rank checks the sizes of all files and the checksums of its share of them, and
+        # the ranks agree, so all resume from the same intact checkpoint without one rank reading
+        # all of it (hundreds of GB) while the others wait under the collective timeout.
+        resume_from = checkpoint.newest_verified(self.dump_dir, self.env.rank, self.env.world_size)
         if resume_from is None:
             return 0
         state = checkpoint.load(resume_from, self.parts, self.optimizers.optimizers,
@@ -467,7 +500,7 @@ class Run:
                 tokens_per_s = window.tokens_per_s()
                 row = {"step": self.step, "loss": distributed.all_reduce_sum(loss_share, env).item(),
                        "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
-                       "mfu": flops_per_token * tokens_per_s / env.world_size / peak,
+                       "mfu": metrics.mfu(flops_per_token * tokens_per_s / env.world_size, peak),
                        "data_s": window.data_s(), "step_s": window.step_s(), **window.phase_s(),
                        "peak_mem_gib": metrics.peak_memory_gib(env.device),
                        "nonfinite_steps": self.nonfinite_steps, **self._skipped_data()}

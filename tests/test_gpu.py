@@ -1,14 +1,33 @@
-"""CUDA paths: run on a GPU machine (`bash setup/test.sh -m gpu`); skipped where there is no GPU."""
+"""The GPU runbook: `bash setup/test.sh -m gpu` on a machine with one CUDA GPU (two for the tests
+marked so). Everything here is skipped without CUDA; none of it has run yet (no GPU was lent to
+this project's machines), so the first run is the check. Other gpu-marked tests live beside the
+code they check: tests/test_init_weights.py (init_from on one GPU, pipeline stages' first
+weights drawn on CUDA).
+
+What each test would catch (issue 12's findings):
+  1  cpu_offload on NCCL: the gradient norm of CPU-offloaded gradients needs a CPU backend
+  3  resume verification split over ranks, on NCCL
+  6  LOCAL_RANK beyond the visible devices (Slurm's --gpus-per-task=1)
+  -  one GPU trains in bf16 with compile and reports a credible MFU; two GPUs equal one
+"""
+
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from apps.llama import train
-from tests.conftest import read_metrics, run_torchrun, tiny_args
-from tests.equivalence import assert_equivalent
+from tests.conftest import REPO, read_metrics, run_torchrun, tiny_args
+from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+# On GPUs the reduction order (NCCL, cuBLAS) differs between layouts more than on CPU.
+GPU_RTOL = 1e-4
 
 
 def test_bf16_compile_on_one_gpu_trains_and_reports_mfu(corpus, tmp_path):
@@ -20,12 +39,102 @@ def test_bf16_compile_on_one_gpu_trains_and_reports_mfu(corpus, tmp_path):
     assert 0 < rows[-1]["mfu"] < 1 and rows[-1]["peak_mem_gib"] > 0
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_local_rank_beyond_the_visible_gpus_takes_one_of_them(corpus, tmp_path):
+    """srun --gpus-per-task=1 shows each task one GPU while LOCAL_RANK counts the node's tasks:
+    LOCAL_RANK=3 with one visible GPU must train on cuda:0 (it failed in set_device)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="0", LOCAL_RANK="3")
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    dump = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "apps.llama.train", *tiny_args(corpus, dump, steps=2)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on cuda:0" in proc.stdout + proc.stderr
+    assert [r["step"] for r in read_metrics(dump)] == [1, 2]
+
+
+def test_cpu_offload_gradient_norm_on_an_nccl_group_of_one_gpu():
+    """FSDP2 with CPUOffloadPolicy on a one-rank NCCL mesh: gradients stay on the CPU and the
+    trainer's gradient norm reduces them, which needs the group's CPU backend (cuda:nccl,cpu:gloo).
+    With NCCL alone this raised 'No backend type associated with device type cpu'."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from apps.llama.model import LlamaArgs, Transformer
+    from lingua import distributed, optim
+
+    args = distributed.DistributedArgs(cpu_offload=True, backend="nccl")
+    backend = distributed.process_group_backend(args, "cuda")
+    assert backend == "cuda:nccl,cpu:gloo"
+    store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        model = Transformer(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                      multiple_of=32, max_seq_len=64, vocab_size=258))
+        model.init_weights()
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        tokens = torch.randint(0, 258, (2, 32), device="cuda")
+        model(tokens).float().logsumexp(-1).mean().backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(g.to_local().device.type == "cpu" for g in grads)
+        norm = optim.clip_grad_norm([model], 1.0)
+        want = torch.cat([g.full_tensor().flatten() for g in grads]).norm()
+        assert torch.allclose(norm.cpu(), want.cpu(), rtol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@two_gpus
 def test_fsdp_on_two_gpus_matches_one_gpu(corpus, tmp_path):
+    """A fresh init draws every tensor whole from its own seeded stream on the device and keeps
+    the local slice (lingua/weights.py), so two GPUs start from one GPU's weights."""
     one = tmp_path / "one"
     train.main(tiny_args(corpus, one, "data.batch_size=8", steps=5))
     two = tmp_path / "two"
     run_torchrun(2, "apps.llama.train", tiny_args(corpus, two, "data.batch_size=4",
                                                   "distributed.dp_shard=2", steps=5))
-    # TF32 is off by default for matmuls, but NCCL's reduction order differs from one GPU's.
-    assert_equivalent(two, one, rtol=1e-4)
+    assert_equivalent(two, one, rtol=GPU_RTOL)
+
+
+@two_gpus
+def test_cpu_offload_on_two_gpus_matches_no_offload(corpus, tmp_path):
+    base = tmp_path / "plain"
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, base, "distributed.dp_shard=2", steps=5))
+    offload = tmp_path / "offload"
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, offload, "distributed.dp_shard=2",
+                                                  "distributed.cpu_offload=true", steps=5))
+    assert_equivalent(offload, base, rtol=GPU_RTOL)
+
+
+@two_gpus
+def test_resume_on_nccl_skips_a_checkpoint_damaged_in_rank_1s_share(corpus, tmp_path):
+    import json
+
+    from lingua import checkpoint
+
+    dump = tmp_path / "run"
+    layout = ["distributed.dp_shard=2", "checkpoint.every=2", "checkpoint.keep=0"]
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, dump, *layout, steps=4))
+    newer = dump / "checkpoints" / "4"
+    files = json.loads((newer / checkpoint.MANIFEST).read_text())["files"]
+    victim = newer / checkpoint.crc_share(files, 1, 2)[0]
+    with open(victim, "r+b") as f:   # same size, one byte changed: only its CRC shows it
+        f.seek(victim.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    first = read_rows(dump)
+    proc = run_torchrun(2, "apps.llama.train", tiny_args(corpus, dump, *layout, steps=6))
+    log = proc.stdout + proc.stderr
+    assert f"skipping damaged checkpoint {newer}" in log, log[-3000:]
+    assert_resumed(dump, log, 2, first)
+    reference = tmp_path / "reference"
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, reference, "distributed.dp_shard=2",
+                                                  steps=6))
+    assert_equivalent(dump, reference, rtol=GPU_RTOL)
+    shutil.rmtree(dump)

@@ -1,0 +1,235 @@
+"""A model part's first weights: materialised on its device, drawn from per-tensor seeded streams,
+or filled from rank 0's copy of a Hugging Face model.
+
+The trainer builds every model on the meta device, splits it into pipeline stages and shards it
+(FSDP/TP/EP) before any weight exists, so no rank ever holds more than its own shards:
+  materialize(part, device, seed)     storage on `device`, then the model's own init_weights
+  load_full_state(parts, state, ...)  rank 0's full tensors, one at a time, into every rank's shards
+
+Layout-independent initialisation: while init_weights runs, every random init of a parameter or
+buffer (nn.init.normal_, tensor.uniform_, ...) draws from a generator of its own, seeded from
+(seed, the tensor's name), and always draws the whole tensor; a sharded tensor (DTensor) then
+keeps its own slice. Names are the checkpoint's ("layers.7.attention.wq.weight"), which stay the
+same in every pipeline split, so a layer starts from the same numbers whatever the layout (one
+process, FSDP, TP, PP, EP) and two layers never start alike. The model file needs no
+distributed code for this: it initialises as usual with torch.nn.init. The cost: each rank draws
+every tensor of its parts whole, so for a moment it holds one full tensor (the largest: the
+embedding, or a MoE layer's stacked experts) beside its shards.
+
+Why not the RNG as it stands: every rank seeds it with the same seed, so each pipeline stage
+would replay the same stream (layers 8, 16 and 24 of pp=4 would start equal), and on CUDA the
+first random op on a DTensor creates DTensor's RNG tracker, which broadcasts rank 0's RNG state
+to the whole world (torch/distributed/tensor/_random.py, OffsetBasedRNGTracker(run_state_sync=
+True), created lazily in _dispatch.py). Drawing plain tensors from our own generators never
+reaches that tracker.
+"""
+
+import hashlib
+import logging
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lingua.errors import RunError
+
+logger = logging.getLogger(__name__)
+
+# torch.nn.init's random initialisers and torch.Tensor's in-place random methods: each fills the
+# tensor passed first (or as `tensor=`) and takes `generator=`.
+RANDOM_INITS = frozenset({
+    "normal_", "uniform_", "trunc_normal_", "kaiming_normal_", "kaiming_uniform_",
+    "xavier_normal_", "xavier_uniform_", "orthogonal_", "sparse_",
+    "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_",
+})
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without wrapper prefixes (activation checkpointing, compile): the name
+    its checkpoint entry has."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def named_tensors(module: nn.Module) -> dict:
+    """Canonical name -> parameter or buffer (non-persistent buffers included)."""
+    out = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        out.setdefault(canonical_name(name), t)
+    return out
+
+
+def stream_seed(seed: int, name: str) -> int:
+    """The seed of tensor `name`'s stream: a hash, so neighbouring names get unrelated streams."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class PerTensorStreams(TorchFunctionMode):
+    """While active, every random init of one of `module`'s parameters or buffers draws the whole
+    tensor from its own generator on `device` (seeded by stream_seed(seed, name)); a DTensor then
+    copies in its local slice (distribute_tensor without communication: each rank draws the same
+    full tensor). Random ops on other tensors keep the global RNG (logged once)."""
+
+    def __init__(self, module: nn.Module, seed: int, device: torch.device):
+        super().__init__()
+        self.seed, self.device = seed, torch.device(device)
+        self.names = {id(t): name for name, t in named_tensors(module).items()}
+        self.generators = {}
+        self.warned = False
+
+    def _generator(self, name: str) -> torch.Generator:
+        if name not in self.generators:  # a second op on the same tensor continues its stream
+            self.generators[name] = torch.Generator(self.device).manual_seed(stream_seed(self.seed, name))
+        return self.generators[name]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if getattr(func, "__name__", None) not in RANDOM_INITS or kwargs.get("generator") is not None:
+            return func(*args, **kwargs)
+        in_kwargs = not args
+        target = kwargs.get("tensor") if in_kwargs else args[0]
+        name = self.names.get(id(target))
+        if name is None:
+            if isinstance(target, torch.Tensor) and not self.warned:
+                self.warned = True
+                logger.warning("init_weights calls %s on a tensor that is neither a parameter "
+                               "nor a buffer of the model: those numbers come from the global "
+                               "RNG and differ between layouts", func.__name__)
+            return func(*args, **kwargs)
+        local = _local(target)
+        if local.is_meta or self.device.type == "meta":
+            return func(*args, **kwargs)  # nothing to fill
+        whole = local is target and local.device == self.device
+        full = target if whole else torch.empty(target.shape, dtype=target.dtype, device=self.device)
+        kwargs["generator"] = self._generator(name)
+        if in_kwargs:
+            kwargs["tensor"] = full
+        else:
+            args = (full,) + tuple(args[1:])
+        out = func(*args, **kwargs)
+        if whole:
+            return out
+        with torch.no_grad():
+            local.copy_(_shard_of(full, target))
+        return target
+
+
+def _shard_of(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`target`'s local part of the whole tensor `full` (every rank holds the same `full`)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(target, DTensor):
+        return full
+    return distribute_tensor(full, target.device_mesh, target.placements,
+                             src_data_rank=None).to_local()  # None: slice locally, no collective
+
+
+def materialize(part: nn.Module, device, seed: int, param_device=None) -> nn.Module:
+    """Give a part built on the meta device (and split, sharded) its storage and first weights:
+    parameters on `param_device` (default `device`; the CPU under FSDP's CPU offload), buffers
+    (RoPE tables) on `device`, values from the model's own init_weights(buffer_device) drawn
+    through PerTensorStreams. Works for any device, meta included."""
+    device = torch.device(device)
+    part.to_empty(device=torch.device(param_device) if param_device is not None else device)
+    with torch.no_grad(), PerTensorStreams(part, seed, device):
+        part.init_weights(buffer_device=device)
+    return part
+
+
+def check_placement(parts, device, param_device=None) -> None:
+    """Raise RunError naming any parameter or buffer that is not where the run computes (a
+    tensor left on the CPU or on meta fails at the first forward, far from its cause)."""
+    device = torch.device(device)
+    param_device = torch.device(param_device) if param_device is not None else device
+
+    def same(a: torch.device, b: torch.device) -> bool:
+        return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+    wrong = []
+    for part in parts:
+        for kind, items, want in (("parameter", part.named_parameters(), param_device),
+                                  ("buffer", part.named_buffers(), device)):
+            for name, t in items:
+                if not same(_local(t).device, want):
+                    wrong.append(f"{kind} {canonical_name(name)} on {_local(t).device}")
+    if wrong:
+        raise RunError(f"after building the model, {len(wrong)} tensor(s) are not on {device} "
+                       f"(parameters belong on {param_device}): {', '.join(wrong[:5])}")
+
+
+def _world() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def broadcast_object(obj, src: int = 0):
+    """obj from rank `src` on every rank (itself where there is one process)."""
+    if not _world():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device) -> None:
+    """Fill every rank's parts from rank 0's `state` (the whole model's persistent tensors by
+    checkpoint name, on any device and in any dtype: e.g. a Hugging Face model read through
+    safetensors' memory map). Other ranks pass None.
+
+    One tensor at a time: rank 0 moves it to `device`, broadcasts it to every rank (NCCL on GPUs,
+    gloo on CPU), and each rank copies the slice it holds (a pipeline stage skips the tensors of
+    other stages; a DTensor keeps its shard) and drops the rest, so no rank ever holds more than
+    its shards plus one full tensor. The same thing torch's set_model_state_dict(full_state_dict=
+    True, broadcast_from_rank0=True) does, without needing rank 0's state as one dict of tensors
+    up front and with a strict check per part (torch's strict check fails on rank 0 when a
+    pipeline part holds a subset of the names).
+    """
+    device = torch.device(device)
+    world = _world()
+    rank = dist.get_rank() if world else 0
+    if rank == 0 and state is None:
+        raise ValueError("load_full_state: rank 0 needs the state to send")
+    specs = None
+    if rank == 0:
+        specs = [(k, tuple(t.shape), t.dtype) for k, t in state.items()]
+    specs = broadcast_object(specs)
+    targets = {}
+    for part in parts:
+        persistent = set(part.state_dict().keys())  # canonical names: wrappers strip prefixes
+        targets.update({k: t for k, t in named_tensors(part).items() if k in persistent})
+    shapes = {k: shape for k, shape, _ in specs}
+    missing = sorted(set(targets) - set(shapes))
+    wrong = [f"{k} {shapes[k]} vs {tuple(t.shape)}" for k, t in targets.items()
+             if k in shapes and tuple(t.shape) != shapes[k]]
+    problem = None
+    if missing or wrong:
+        problem = (f"the weights to load do not fit rank {rank}'s model part(s): missing "
+                   f"{missing[:4]} ({len(missing)}), shapes differing (theirs vs ours) {wrong[:4]}.")
+    problems = [problem]
+    if world:  # every rank stops, not only those missing something (the others would wait)
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    if any(problems):
+        raise RunError(next(p for p in problems if p))
+    with torch.no_grad():
+        for key, shape, dtype in specs:
+            target = targets.get(key)
+            if rank == 0:
+                full = state[key].detach().to(device).contiguous()
+            else:
+                full = torch.empty(shape, dtype=dtype, device=device)
+            if world:
+                dist.broadcast(full, src=0)
+            if target is not None:
+                _local(target).copy_(_shard_of(full, target))
+            del full

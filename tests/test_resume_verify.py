@@ -1,0 +1,136 @@
+"""Resume verifies the newest checkpoint with every rank reading its share of the files (not rank 0
+alone reading all of it while the others wait under the collective timeout), and all ranks agree
+on the checkpoint they resume from."""
+
+import json
+import os
+
+import pytest
+
+from lingua import checkpoint
+from tests.conftest import run_torchrun
+
+
+def fake_checkpoint(dump, step: int, saved_ranks: int = 2):
+    """A checkpoint directory with the files a `saved_ranks`-rank save writes, and its manifest."""
+    ckpt = checkpoint.checkpoints_dir(dump) / str(step)
+    ckpt.mkdir(parents=True)
+    (ckpt / ".metadata").write_bytes(os.urandom(300))
+    (ckpt / "config.yaml").write_text("steps: 10\n")
+    for r in range(saved_ranks):
+        (ckpt / f"__{r}_0.distcp").write_bytes(os.urandom(4000 + 1000 * r))
+        (ckpt / f"train_state_rank{r}.pt").write_bytes(os.urandom(200))
+    checkpoint.write_manifest(ckpt)
+    return ckpt
+
+
+def flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def manifest_of(ckpt) -> dict:
+    return json.loads((ckpt / checkpoint.MANIFEST).read_text())["files"]
+
+
+@pytest.mark.parametrize("saved_ranks", [1, 3, 4, 8])
+def test_the_checksum_shares_cover_every_file_exactly_once(tmp_path, saved_ranks):
+    files = manifest_of(fake_checkpoint(tmp_path, 1, saved_ranks))
+    total, largest = sum(f["size"] for f in files.values()), max(f["size"] for f in files.values())
+    for world_size in range(1, 6):
+        shares = [checkpoint.crc_share(files, r, world_size) for r in range(world_size)]
+        names = [name for share in shares for name in share]
+        assert sorted(names) == sorted(files), (world_size, shares)
+        # Balanced by bytes: no rank reads more than its part plus one file.
+        assert max(sum(files[n]["size"] for n in share) for share in shares) <= (
+            total / world_size + largest)
+
+
+def test_each_damaged_file_is_found_by_exactly_one_rank(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 4, saved_ranks=3)
+    files = manifest_of(ckpt)
+    for name in sorted(files):
+        flip_a_byte(ckpt / name)
+        found = [r for r in range(3) if checkpoint.verify_share(ckpt, r, 3) is not None]
+        owner = [r for r in range(3) if name in checkpoint.crc_share(files, r, 3)]
+        assert found == owner and len(owner) == 1, name
+        assert name in checkpoint.verify_share(ckpt, owner[0], 3)
+        flip_a_byte(ckpt / name)  # back
+
+
+def test_sizes_are_checked_by_every_rank(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 4)
+    with open(ckpt / "__1_0.distcp", "r+b") as f:
+        f.truncate(10)
+    assert all("__1_0.distcp has 10 bytes" in checkpoint.verify_share(ckpt, r, 3) for r in range(3))
+    (ckpt / checkpoint.MANIFEST).unlink()
+    assert all("manifest.json is missing" in checkpoint.verify_share(ckpt, r, 3) for r in range(3))
+
+
+def test_a_read_error_is_damage_not_a_crash(tmp_path, monkeypatch):
+    """A rank that raised instead of answering would leave the others waiting in the agreement."""
+    ckpt = fake_checkpoint(tmp_path, 4)
+
+    def failing(path):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(checkpoint, "_crc32", failing)
+    assert "cannot be read" in checkpoint.verify_share(ckpt, 0, 1)
+    assert "cannot be read" in checkpoint.verify(ckpt)
+
+
+def test_one_process_walks_back_to_the_newest_intact_checkpoint(tmp_path, caplog):
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 4)
+    newest = fake_checkpoint(tmp_path, 6)
+    (newest.parent / "8.tmp-abcd").mkdir()   # an unfinished save is no candidate
+    assert checkpoint.newest_verified(tmp_path) == newest
+    flip_a_byte(newest / "__0_0.distcp")
+    flip_a_byte(newest.parent / "4" / ".metadata")
+    assert checkpoint.newest_verified(tmp_path) == newest.parent / "2"
+    assert f"skipping damaged checkpoint {newest}: {newest / '__0_0.distcp'} is damaged" in caplog.text
+    assert f"{newest.parent / '4' / '.metadata'} is damaged" in caplog.text
+    assert checkpoint.newest_verified(tmp_path / "nothing") is None
+
+
+@pytest.mark.distributed
+def test_two_ranks_skip_a_checkpoint_only_rank_1_finds_damaged(tmp_path):
+    dump, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    older = fake_checkpoint(dump, 2)
+    newer = fake_checkpoint(dump, 4)
+    files = manifest_of(newer)
+    damaged = checkpoint.crc_share(files, 1, 2)[0]
+    flip_a_byte(newer / damaged)
+    # Rank 0's own share is intact: only the agreement makes it skip the checkpoint.
+    assert checkpoint.verify_share(newer, 0, 2) is None
+    assert checkpoint.verify_share(newer, 1, 2) is not None
+
+    proc = run_torchrun(2, "tests.workers.verify_worker", [str(dump), str(out)], timeout=120)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["choice"] for r in results] == [older.name, older.name]
+    # No file was read twice; the intact checkpoint was read whole, between the two ranks (a rank
+    # stops reading its share of a checkpoint at the first damaged file).
+    read = [name for r in results for name in r["read"]]
+    assert len(read) == len(set(read))
+    assert sorted(n for n in read if n.startswith("2/")) == sorted(f"2/{n}" for n in manifest_of(older))
+    assert f"4/{damaged}" in results[1]["read"] and f"4/{damaged}" not in results[0]["read"]
+    assert (f"[rank0] lingua.checkpoint: skipping damaged checkpoint {newer}: {newer / damaged} is "
+            f"damaged") in proc.stdout, proc.stdout[-3000:]
+    assert "[rank1] lingua.checkpoint: skipping" not in proc.stdout   # said once, by rank 0
+
+
+@pytest.mark.distributed
+def test_more_ranks_than_the_save_had_and_no_intact_checkpoint(tmp_path):
+    """3 ranks verify a 2-rank save: the shares follow the manifest, not the saving layout; with
+    every checkpoint damaged, all ranks agree that there is none to resume from."""
+    dump, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    only = fake_checkpoint(dump, 2, saved_ranks=2)
+    damaged = checkpoint.crc_share(manifest_of(only), 2, 3)[0]
+    flip_a_byte(only / damaged)
+    run_torchrun(3, "tests.workers.verify_worker", [str(dump), str(out)], timeout=120)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["choice"] for r in results] == [None, None, None]
+    assert f"2/{damaged}" in results[2]["read"]
