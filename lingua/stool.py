@@ -1,7 +1,7 @@
 """stool: submit any app's training run to Slurm in one command, through submitit.
 
     stool apps.llama.train config=llama_8b dump_dir=/checkpoints/me/8b \\
-        slurm.nodes=8 slurm.tasks_per_node=8 slurm.gpus_per_node=8 slurm.partition=learn
+        slurm.nodes=8 slurm.gpus_per_node=8 slurm.partition=learn    # 8 tasks a node, one per GPU
     stool apps.llama.train slurm.dry_run=true ...           # print the batch script, submit nothing
     stool apps.llama.train --multirun optim.lr=1e-3,3e-3    # one job per value, as one job array
     python -m lingua.stool ...                              # the same without the console script
@@ -13,8 +13,9 @@ and device, so a typo fails in a second instead of after hours in the queue. The
      `<dump_dir>/code`; the job runs from there, so editing the checkout changes neither queued
      nor requeued jobs;
   2. writes `<dump_dir>/config.yaml`;
-  3. submits through submitit: one task per process, ranks from Slurm, `--signal=USR2@<delay>`
-     before the time limit (the job checkpoints and requeues itself: lingua/preemption.py);
+  3. submits through submitit: one task per process (on GPU jobs one per GPU), ranks from Slurm,
+     `--signal=USR2@<delay>` before the time limit (the job checkpoints and requeues itself:
+     lingua/preemption.py), `srun --kill-on-bad-exit=1`;
   4. prints the job id, the dump dir and the log paths.
 
 Config values never pass through a shell: the overrides reach the job pickled, and the batch
@@ -33,7 +34,7 @@ import shutil
 import subprocess
 import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -46,15 +47,22 @@ logger = logging.getLogger("stool")
 class SlurmArgs:
     """The `slurm.*` group: read by stool when submitting (max_requeues also by the job)."""
     nodes: int = 1
-    tasks_per_node: int = 1             # processes per node: one per GPU on GPU nodes
+    # Processes per node, each driving one GPU. 0: one per GPU on GPU jobs, 1 on CPU jobs (a
+    # default of 1 left 7 of 8 GPUs idle without a word). stool fills it in before validating.
+    tasks_per_node: int = 0
     gpus_per_node: int = 0
-    cpus_per_task: int = 0              # 0: the cluster's default
+    # 0: GPU_JOB_CPUS per task on GPU jobs (the cluster default is often 1 CPU a task, which
+    # starves data loading and the Python process), the cluster's default on CPU jobs.
+    cpus_per_task: int = 0
     mem: Optional[str] = None           # per node, Slurm's syntax ("64G"; "0" = all of it)
     partition: Optional[str] = None
     qos: Optional[str] = None
     account: Optional[str] = None
     constraint: Optional[str] = None
     exclude: Optional[str] = None       # nodes to avoid, e.g. "node[01-03]"
+    # Slurm's workload characterization key. Empty: no --wckey (Slurm uses your default one);
+    # submitit alone would send --wckey=submitit, which clusters that enforce wckeys refuse.
+    wckey: str = ""
     time: int = 1440                    # minutes
     signal_delay_s: int = 120           # USR2 this long before the limit: checkpoint, requeue
     max_requeues: int = 5               # time-limit requeues before the job gives up
@@ -64,13 +72,30 @@ class SlurmArgs:
 
 
 MEM = re.compile(r"^\d+[KMGT]?$")
+WCKEY = re.compile(r"^[A-Za-z0-9._+-]+$")
+# CPUs per task a GPU job asks for when slurm.cpus_per_task is left at 0: enough for the Python
+# process and a few loader threads, and what nearly every GPU node has per GPU (8-GPU nodes have
+# 64 to 224 CPUs). Lower it, or raise it, with slurm.cpus_per_task.
+GPU_JOB_CPUS = 8
+
+
+def slurm_defaults(s: SlurmArgs) -> List[str]:
+    """Overrides that fill in the slurm.* values left at 0 ("stool picks"), so that the world size
+    stool validates with, config.yaml and the config the job composes all hold the real numbers."""
+    fills = []
+    if s.tasks_per_node == 0:
+        fills.append(f"slurm.tasks_per_node={max(s.gpus_per_node, 1)}")
+    if s.cpus_per_task == 0 and s.gpus_per_node > 0:
+        fills.append(f"slurm.cpus_per_task={GPU_JOB_CPUS}")
+    return fills
 
 
 def validate_slurm_args(s: SlurmArgs) -> None:
-    for name in ("nodes", "tasks_per_node", "time"):
+    for name in ("nodes", "time"):
         if getattr(s, name) < 1:
             raise ConfigError(f"slurm.{name}={getattr(s, name)} must be at least 1.")
-    for name in ("gpus_per_node", "cpus_per_task", "signal_delay_s", "max_requeues"):
+    for name in ("tasks_per_node", "gpus_per_node", "cpus_per_task", "signal_delay_s",
+                 "max_requeues"):
         if getattr(s, name) < 0:
             raise ConfigError(f"slurm.{name}={getattr(s, name)} must not be negative.")
     if s.signal_delay_s >= s.time * 60:
@@ -81,10 +106,23 @@ def validate_slurm_args(s: SlurmArgs) -> None:
         raise ConfigError(f"slurm.mem={s.mem!r} is not Slurm's memory syntax: give a number with "
                           f"an optional K/M/G/T suffix, e.g. slurm.mem=64G (0 asks for all of a "
                           f"node's memory).")
+    if s.wckey and not WCKEY.match(str(s.wckey)):
+        raise ConfigError(f"slurm.wckey={s.wckey!r} is not a wckey name: give one word of "
+                          f"letters, digits, '.', '_', '+' or '-' (`sacctmgr show user $USER "
+                          f"withwckeys` lists yours), or leave slurm.wckey out to use your "
+                          f"default wckey.")
     if s.gpus_per_node and s.tasks_per_node > s.gpus_per_node:
         raise ConfigError(f"slurm.tasks_per_node={s.tasks_per_node} is more than "
                           f"slurm.gpus_per_node={s.gpus_per_node}: each process drives one GPU. "
-                          f"Set slurm.tasks_per_node to the number of GPUs per node.")
+                          f"Set slurm.tasks_per_node to the number of GPUs per node, or leave it "
+                          f"out (one task per GPU).")
+    if s.gpus_per_node and 0 < s.tasks_per_node < s.gpus_per_node:
+        idle = s.gpus_per_node - s.tasks_per_node
+        raise ConfigError(f"slurm.tasks_per_node={s.tasks_per_node} with "
+                          f"slurm.gpus_per_node={s.gpus_per_node} leaves {idle} GPU(s) of each "
+                          f"node idle: each process drives one GPU (cuda:LOCAL_RANK). Leave "
+                          f"slurm.tasks_per_node out (one task per GPU), or ask for "
+                          f"slurm.gpus_per_node={s.tasks_per_node}.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +157,14 @@ class TrainJob:
         except RunError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             code = 1
+        from lingua.trainer import EXIT_STOPPED
+
+        if code == EXIT_STOPPED and os.environ.get("RANK", "0") != "0":
+            # Stopped on a signal with everything saved. The tasks run under srun
+            # --kill-on-bad-exit=1, where any non-zero exit ends the whole step at once: this
+            # rank's 3 could kill rank 0 before it has requeued the job. Rank 0 reports the stop
+            # (srun's exit code is the highest of its tasks': 3).
+            code = 0
         # As exit_cli does (distributed.exit_process says why). submitit's result file is not
         # needed: the run directory is the record.
         distributed.exit_process(code)
@@ -134,6 +180,7 @@ class Submission:
     overrides: List[str]
     args: object
     dump_dir: Path
+    filled: List[str] = field(default_factory=list)    # the slurm.* values stool picked
 
 
 def hydra_quote(value) -> str:
@@ -228,9 +275,12 @@ def absolute_paths(args) -> List[str]:
 
 
 def compose(app, overrides: List[str]):
-    """The validated args for these overrides, checked for the job's world size and device."""
+    """The validated args for these overrides, checked for the job's world size and device.
+    slurm.* values left at 0 must be filled in first (`slurm_defaults`; `plan` does it)."""
     raw = app.load_config(overrides, check=False)
     validate_slurm_args(raw.slurm)
+    if raw.slurm.tasks_per_node == 0:
+        raise ValueError("compose() needs slurm_defaults() applied first")
     world = raw.slurm.nodes * raw.slurm.tasks_per_node
     with job_view(world, "cuda" if raw.slurm.gpus_per_node else "cpu"):
         return app.load_config(overrides)
@@ -250,14 +300,31 @@ def plan(app, overrides: List[str], multirun: bool) -> List[Submission]:
         if name_runs:
             named = [combo[i] for i in swept]
             combo.append(f"dump_dir={hydra_quote(Path(base.dump_dir) / run_name(named))}")
-        combo += absolute_paths(app.load_config(combo, check=False))
+        raw = app.load_config(combo, check=False)
+        validate_slurm_args(raw.slurm)
+        filled = slurm_defaults(raw.slurm)
+        combo += absolute_paths(raw) + filled
         args = compose(app, combo)
-        submissions.append(Submission(combo, args, Path(args.dump_dir)))
+        submissions.append(Submission(combo, args, Path(args.dump_dir), filled))
     dirs = [s.dump_dir for s in submissions]
     if len(set(dirs)) != len(dirs):
         raise ConfigError("Two jobs of this sweep would share a dump_dir: sweep dump_dir with as "
                           "many values as the other keys, or leave it out and let stool name "
                           "each run after its values.")
+    from lingua import config
+
+    # One executor submits the whole array, so its slurm.* values are the first run's; only the
+    # keys each run reads for itself (the job reads max_requeues) may differ.
+    per_run = ("max_requeues", "reuse_dump_dir")
+    first = config.to_dict(submissions[0].args)["slurm"]
+    for sub in submissions[1:]:
+        other = config.to_dict(sub.args)["slurm"]
+        differ = sorted(k for k in first if k not in per_run and first[k] != other[k])
+        if differ:
+            raise ConfigError(f"A sweep is submitted as one job array, with one set of slurm.* "
+                              f"values, but slurm.{differ[0]} differs between its runs "
+                              f"({first[differ[0]]!r}, {other[differ[0]]!r}). Sweep only "
+                              f"non-slurm keys, and run stool once per slurm.* setting.")
     return submissions
 
 
@@ -361,15 +428,22 @@ def make_executor(slurm: SlurmArgs, folder: Path, code_dir: Path, job_name: str)
     extra = {"requeue": True}
     if slurm.mem is not None:
         extra["mem"] = str(slurm.mem)   # as given: submitit's own mem option converts from GB
+    setup = [f"cd {shlex.quote(str(code_dir))}", f"export PYTHONPATH={shlex.quote(str(code_dir))}"]
     params = dict(job_name=job_name, nodes=slurm.nodes, ntasks_per_node=slurm.tasks_per_node,
-                  time=slurm.time, signal_delay_s=slurm.signal_delay_s,
-                  setup=[f"cd {shlex.quote(str(code_dir))}",
-                         f"export PYTHONPATH={shlex.quote(str(code_dir))}"],
-                  additional_parameters=extra)
+                  time=slurm.time, signal_delay_s=slurm.signal_delay_s, setup=setup,
+                  additional_parameters=extra,
+                  # submitit writes --wckey=submitit unless told otherwise; None writes no line.
+                  wckey=slurm.wckey or None,
+                  # One crashed rank ends the step now, not after the NCCL timeout with the
+                  # others blocked in a collective (TrainJob exits 0 on a clean stop for this).
+                  srun_args=["--kill-on-bad-exit=1"])
     if slurm.gpus_per_node:
         params["gpus_per_node"] = slurm.gpus_per_node
     if slurm.cpus_per_task:
         params["cpus_per_task"] = slurm.cpus_per_task
+        # Slurm 22.05 to 23.02: srun no longer takes --cpus-per-task from the job, so each task
+        # would get one CPU. SRUN_CPUS_PER_TASK is what srun reads there; others ignore it.
+        setup.append(f"export SRUN_CPUS_PER_TASK=${{SLURM_CPUS_PER_TASK:-{slurm.cpus_per_task}}}")
     for name in ("partition", "qos", "account", "constraint", "exclude"):
         if getattr(slurm, name) is not None:
             params[name] = str(getattr(slurm, name))
@@ -395,6 +469,22 @@ def log_paths(job, n_tasks: int) -> List[str]:
     return paths
 
 
+def dry_run_plan(module: str, sub, sweep: bool) -> str:
+    """lingua.plan's per-rank memory and time for the job, as comment lines of the dry run: the
+    model built and parallelised at the job's world size on the fake process group."""
+    from lingua import plan as planner
+
+    s = sub.args.slurm
+    world = s.nodes * s.tasks_per_node
+    device = "cuda" if s.gpus_per_node else "cpu"
+    try:
+        text = planner.report_text(module, sub.overrides, world, device_type=device)
+    except Exception as err:  # the plan informs; the config itself was validated above
+        text = f"the plan could not be made: {type(err).__name__}: {err}"
+    header = f"plan at {world} processes ({device})" + (", first run of the sweep" if sweep else "")
+    return "\n".join(f"# {line}".rstrip() for line in [header, *text.splitlines()])
+
+
 def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
     """Validate, snapshot, write config.yaml and submit; returns the submitit jobs ([] on dry run)."""
     from lingua import config
@@ -417,6 +507,7 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
         for sub in submissions:
             print(f"# would run: {module} {' '.join(shlex.quote(o) for o in sub.overrides)}")
             print(f"#   dump dir: {sub.dump_dir}")
+        print(dry_run_plan(module, submissions[0], sweep))
         print("# dry run: nothing written, nothing submitted")
         return []
     check_partition(slurm.partition)
@@ -432,10 +523,13 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
         with executor.batch() if sweep else contextlib.nullcontext():
             jobs = [executor.submit(TrainJob(module, sub.overrides)) for sub in submissions]
     except FailedJobError as err:
+        chosen = submissions[0].filled if slurm.gpus_per_node else []  # CPU jobs: 1 task, as ever
+        hint = (f" stool chose {', '.join(chosen)} (slurm.* left at 0); if the nodes have fewer "
+                f"CPUs or GPUs, set those keys." if chosen else "")
         raise ConfigError(f"Slurm refused the job: {str(err).strip()}\nCheck the slurm.* values "
                           f"(partition, account, qos, time, resources) against `sinfo` and your "
-                          f"cluster's limits. The dump dir holds the config and the code snapshot; "
-                          f"nothing else was changed.") from None
+                          f"cluster's limits.{hint} The dump dir holds the config and the code "
+                          f"snapshot; nothing else was changed.") from None
     n_tasks = slurm.nodes * slurm.tasks_per_node
     print(f"code snapshot: {code_dir} ({n_files} files)")
     for job, sub in zip(jobs, submissions):
@@ -455,7 +549,7 @@ def parse_cli(argv: List[str]) -> tuple:
     if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("-") or "=" in argv[0]:
         raise ConfigError("usage: stool <app train module> [--multirun] [key=value ...], e.g. "
                           "`stool apps.llama.train config=llama_1b slurm.nodes=2 "
-                          "slurm.tasks_per_node=8 slurm.gpus_per_node=8`. See the README, "
+                          "slurm.gpus_per_node=8` (one task per GPU). See the README, "
                           "'Running on Slurm'.")
     module, rest = argv[0], argv[1:]
     multirun = any(a in ("--multirun", "-m") for a in rest)

@@ -133,6 +133,11 @@ def test_two_task_job_matches_torchrun_and_keeps_values_and_secrets(corpus, tmp_
 
     out = "\n".join(p.read_text() for p in (dump / "slurm").glob("*_log.out"))
     assert "rank 0 of 2" in out and "rank 1 of 2" in out
+    # What sbatch ran: srun ends the step when a task fails, takes the CPUs per task from
+    # SRUN_CPUS_PER_TASK (this Debian Slurm is 22.05, whose srun ignores the job's), no wckey.
+    script = (dump / "slurm" / f"{job}_submission.sh").read_text()
+    assert "--kill-on-bad-exit=1" in script and "--wckey" not in script, script
+    assert "export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}" in script, script
     assert f"from {dump / 'code' / 'apps' / 'llama'}" in out  # ran from the snapshot
     assert (dump / "code" / "lingua" / "stool.py").is_file()
     from omegaconf import OmegaConf
@@ -181,10 +186,13 @@ def test_requeued_job_resumes_with_the_same_losses(corpus, tmp_path):
 def test_time_limit_checkpoints_and_requeues(corpus, tmp_path):
     # slurm.time=1 minute with USR2 50 s before it: each run gets the warning within a minute,
     # saves and requeues; the second run finds its requeue budget (1) spent and stops, saved.
+    # Two ranks under srun --kill-on-bad-exit: rank 1 must not end the step (and rank 0 with it)
+    # before rank 0 has requeued the job, and the job's exit code is still rank 0's 3.
     dump = tmp_path / "timelimit"
-    proc = stool("apps.llama.train", *tiny_args(corpus, dump, "checkpoint.keep=0", steps=100000),
+    proc = stool("apps.llama.train", *tiny_args(corpus, dump, "checkpoint.keep=0",
+                                                "distributed.dp_shard=2", steps=100000),
                  "slurm.time=1", "slurm.signal_delay_s=50", "slurm.max_requeues=1",
-                 "slurm.cpus_per_task=1")
+                 "slurm.cpus_per_task=1", "slurm.tasks_per_node=2")
     [job] = job_ids(proc.stdout)
     state = wait_for(job, timeout=400, logs=dump / "slurm")
     logs = dump_logs(dump / "slurm")
@@ -194,9 +202,40 @@ def test_time_limit_checkpoints_and_requeues(corpus, tmp_path):
     assert len(saved) == 2 and 0 < saved[0] < saved[1], (saved, logs)
     out = "\n".join(p.read_text() for p in (dump / "slurm").glob("*_0_log.out"))
     assert "got SIGUSR2" in logs and "requeued job" in out and "not requeueing" in out, out
+    # srun saw no failed task: a clean stop does not make it cancel the step under rank 0.
+    assert "task 1: Exited with exit code" not in logs, logs
     # The requeued run resumed from the first run's checkpoint and did not start over.
     assert resumed_line(dump, saved[0]) in out and out.count("training steps 0 -> ") == 1, out
     assert [row["step"] for row in read_metrics(dump)] == list(range(1, saved[1] + 1))
+
+
+# tests.test_slurm doubles as a stool app for the next test (stool needs load_config and main; the
+# job imports this module from its code snapshot): the llama config, and a main whose rank 1 fails
+# at once while rank 0 waits, as a rank blocked in a collective on a dead peer would.
+def load_config(argv, check=True):
+    from apps.llama import train
+
+    return train.load_config(argv, check)
+
+
+def main(argv) -> int:
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("rank 1 fails on purpose")
+    time.sleep(600)
+    return 0
+
+
+def test_a_crashed_rank_ends_the_job_at_once(corpus, tmp_path):
+    """srun --kill-on-bad-exit=1: rank 1's failure ends rank 0 within Slurm's KillWait (5 s here)
+    instead of leaving it blocked until the NCCL timeout or the time limit."""
+    dump = tmp_path / "crash"
+    proc = stool("tests.test_slurm", *slurm_args(dump, corpus, "distributed.dp_shard=2", steps=2),
+                 "slurm.tasks_per_node=2")
+    [job] = job_ids(proc.stdout)
+    # Without --kill-on-bad-exit rank 0 would sleep its 600 s and wait_for would fail.
+    assert wait_for(job, timeout=120, logs=dump / "slurm") == "FAILED", dump_logs(dump / "slurm")
+    logs = dump_logs(dump / "slurm")
+    assert "rank 1 fails on purpose" in logs, logs
 
 
 def test_sweep_sends_a_job_array_with_one_dump_dir_per_value(corpus, tmp_path):
@@ -223,6 +262,11 @@ def test_a_job_slurm_refuses_gets_a_clear_error(corpus, tmp_path):
     assert proc.returncode == 2
     assert "Slurm refused the job" in proc.stderr and "slurm.*" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+    # A GPU job on this GPU-less cluster: the error names the values stool chose itself.
+    gpu_args = tiny_args(corpus, tmp_path / "gpu", "distributed.backend=nccl")
+    proc = stool("apps.llama.train", *gpu_args, "slurm.gpus_per_node=1", check=False)
+    assert proc.returncode == 2 and "Slurm refused the job" in proc.stderr, proc.stderr
+    assert "stool chose slurm.tasks_per_node=1, slurm.cpus_per_task=8" in proc.stderr, proc.stderr
 
 
 def test_unknown_partition_is_refused_before_anything_is_written(corpus, tmp_path):

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from lingua import distributed, stool
 from lingua.errors import ConfigError
-from tests.conftest import REPO, free_port, read_metrics, run_python, tiny_args
+from tests.conftest import REPO, free_port, read_metrics, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
 
@@ -40,11 +40,71 @@ def test_dry_run_prints_the_batch_script_and_writes_nothing(corpus, tmp_path):
                  "#SBATCH --qos=high", "#SBATCH --account=lab", "#SBATCH --constraint=a100",
                  "#SBATCH --exclude='node[1-3]'", "#SBATCH --cpus-per-task=4",
                  "#SBATCH --requeue", f"cd {dump / 'code'}", "srun --unbuffered",
-                 "submitit.core._submit", "# dry run: nothing written, nothing submitted"):
+                 # srun of Slurm 22.05-23.02 does not take --cpus-per-task from the job.
+                 "export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-4}",
+                 "submitit.core._submit", "# dry run: nothing written, nothing submitted",
+                 "# plan at 4 processes (cpu)", "dp_shard=4", "fits"):
         assert line in script, f"{line!r} missing from:\n{script}"
+    [srun] = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert " --kill-on-bad-exit=1 " in srun  # one crashed rank ends the job, no NCCL-timeout hang
     assert "--gpus-per-node" not in script  # CPU job: no GPU request
+    assert "--wckey" not in script  # submitit's --wckey=submitit, refused where wckeys are enforced
     assert "secret-value-123" not in script
     assert not dump.exists()
+
+
+def _sbatch_lines(script: str) -> dict:
+    return dict(line[len("#SBATCH --"):].split("=", 1) for line in script.splitlines()
+                if line.startswith("#SBATCH --") and "=" in line)
+
+
+def test_a_gpu_job_gets_one_task_per_gpu_and_cpus_for_each(corpus, tmp_path):
+    """slurm.gpus_per_node=8 alone: 8 tasks a node (not 1 with 7 GPUs idle), validated as a world
+    of nodes x 8, and 8 CPUs a task (not the cluster default, often 1)."""
+    args = tiny_args(corpus, tmp_path / "gpu", "distributed.backend=nccl")
+    proc = run_stool("apps.llama.train", *args, "distributed.dp_shard=16", "slurm.nodes=2",
+                     "slurm.gpus_per_node=8", "slurm.dry_run=true")
+    assert proc.returncode == 0, proc.stderr
+    sbatch = _sbatch_lines(proc.stdout)
+    assert (sbatch["nodes"], sbatch["gpus-per-node"], sbatch["ntasks-per-node"],
+            sbatch["cpus-per-task"]) == ("2", "8", "8", str(stool.GPU_JOB_CPUS)), proc.stdout
+    srun_cpus = f"export SRUN_CPUS_PER_TASK=${{SLURM_CPUS_PER_TASK:-{stool.GPU_JOB_CPUS}}}"
+    assert srun_cpus in proc.stdout
+    # The values stool picked reach the job with the other overrides (and its config.yaml).
+    [would_run] = [line for line in proc.stdout.splitlines() if line.startswith("# would run:")]
+    assert would_run.endswith(f"slurm.tasks_per_node=8 slurm.cpus_per_task={stool.GPU_JOB_CPUS}")
+    # The layout is checked for the 16 processes the defaults give, not for 2 x 1.
+    proc = run_stool("apps.llama.train", *args, "distributed.dp_shard=2", "slurm.nodes=2",
+                     "slurm.gpus_per_node=8", "slurm.dry_run=true")
+    assert proc.returncode == 2 and "but 16 processes" in proc.stderr, proc.stderr
+
+
+def _script(overrides: list, tmp_path: Path) -> str:
+    """The batch script for these overrides, in-process (what the dry run prints)."""
+    from apps.llama import train
+
+    [sub] = stool.plan(train, overrides, multirun=False)
+    executor = stool.make_executor(sub.args.slurm, tmp_path / "slurm", tmp_path / "code", "t")
+    return stool.batch_script(executor, 1)
+
+
+def test_given_slurm_values_win_and_a_cpu_job_keeps_one_task(corpus, tmp_path):
+    args = tiny_args(corpus, tmp_path / "run", "distributed.backend=nccl", "distributed.dp_shard=4")
+    script = _script([*args, "slurm.gpus_per_node=4", "slurm.cpus_per_task=12",
+                      "slurm.wckey=proj-7", "slurm.dry_run=true"], tmp_path)
+    sbatch = _sbatch_lines(script)
+    assert (sbatch["ntasks-per-node"], sbatch["cpus-per-task"], sbatch["wckey"]) == (
+        "4", "12", "proj-7"), script
+    script = _script([*tiny_args(corpus, tmp_path / "cpu"), "slurm.dry_run=true"], tmp_path)
+    sbatch = _sbatch_lines(script)
+    assert sbatch["ntasks-per-node"] == "1" and "cpus-per-task" not in sbatch, script
+    assert "SRUN_CPUS_PER_TASK" not in script and "--wckey" not in script
+    # A bad value is named as given, before stool fills in its defaults.
+    from apps.llama import train
+
+    with pytest.raises(ConfigError, match="slurm.tasks_per_node=-2 must not be negative"):
+        stool.plan(train, [*tiny_args(corpus, tmp_path / "x"), "slurm.tasks_per_node=-2",
+                           "slurm.gpus_per_node=2"], multirun=False)
 
 
 def test_without_slurm_a_dry_run_works_and_a_submission_is_a_clear_error(corpus, tmp_path):
@@ -93,6 +153,10 @@ def test_bad_config_fails_before_anything_is_queued(corpus, tmp_path):
     ("slurm.signal_delay_s=600", "slurm.signal_delay_s=600"),
     ("slurm.nodes=0", "slurm.nodes=0"),
     ("slurm.gpus_per_node=2", "slurm.tasks_per_node=4 is more than slurm.gpus_per_node=2"),
+    ("slurm.gpus_per_node=8", "gpus_per_node=8 leaves 4 GPU.* idle.*Leave slurm.tasks_per_node "
+                              "out.*slurm.gpus_per_node=4"),
+    ("slurm.cpus_per_task=-1", "slurm.cpus_per_task=-1 must not be negative"),
+    ("slurm.wckey='my key'", "slurm.wckey='my key' is not a wckey name"),
 ])
 def test_bad_slurm_values_are_named(override, message):
     from apps.llama import train
@@ -127,6 +191,12 @@ def test_sweep_plan_names_one_dump_dir_per_combination(corpus, tmp_path):
     # Without --multirun a sweep is a mistake Hydra names.
     with pytest.raises(ConfigError):
         stool.plan(train, [*tiny_args(corpus, base), "optim.lr=1e-3,3e-3"], multirun=False)
+    # One job array has one set of sbatch values: sweeping them would silently use the first.
+    with pytest.raises(ConfigError, match=r"slurm.time differs between its runs \(10, 20\)"):
+        stool.plan(train, [*tiny_args(corpus, base), "slurm.time=10,20"], multirun=True)
+    # max_requeues is read by each job itself: it may differ.
+    subs = stool.plan(train, [*tiny_args(corpus, base), "slurm.max_requeues=1,2"], multirun=True)
+    assert [s.args.slurm.max_requeues for s in subs] == [1, 2]
 
 
 def test_values_with_quotes_spaces_and_semicolons_survive(corpus, tmp_path, monkeypatch):
@@ -186,9 +256,17 @@ def test_rank_variables_come_from_a_slurm_step(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "11")
     monkeypatch.setenv("SLURM_LOCALID", "3")
     monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.delenv("SLURM_STEP_NODELIST", raising=False)
     got = distributed.slurm_step_vars()
     assert got == {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
                    "MASTER_ADDR": "gpu07", "MASTER_PORT": str(20000 + 4242 % 20000)}
+    # A step on part of the job's nodes (srun -N2 -r1 in a 3-node job): rank 0 is on the step's
+    # first node, not the job's.
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[06-08]")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[07-08]")
+    assert distributed.slurm_step_vars()["MASTER_ADDR"] == "gpu07"
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu-a17,gpu-b[02-03]")
+    assert distributed.slurm_step_vars()["MASTER_ADDR"] == "gpu-a17"
     # A batch script's own shell is one process, whatever the job's task count.
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
     monkeypatch.setenv("SLURM_NTASKS", "16")
@@ -198,6 +276,25 @@ def test_rank_variables_come_from_a_slurm_step(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert distributed.world_size_from_env() == 2
+
+
+@pytest.mark.parametrize("rank, returned, exit_code", [
+    ("0", 3, 3),   # rank 0 reports the stop (and requeues first)
+    ("1", 3, 0),   # the others leave quietly: under srun --kill-on-bad-exit their 3 would end
+                   # the step while rank 0 is still requeueing the job
+    ("1", 0, 0),
+    ("1", 1, 1),   # a failure is a failure on any rank: it ends the job at once
+])
+def test_a_stool_job_exits_with_rank_zero_code_after_a_clean_stop(tmp_path, rank, returned,
+                                                                   exit_code):
+    (tmp_path / "fake_app.py").write_text(f"def main(argv):\n    return {returned}\n")
+    code = ("import sys; from lingua import stool; "
+            "stool.TrainJob('fake_app', [])(); sys.exit(99)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), RANK=rank,
+               WORLD_SIZE="2")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == exit_code, proc.stdout + proc.stderr
 
 
 def _wait_for_rows(dump: Path, n: int, proc: subprocess.Popen, hang_guard_s: float = 900) -> None:
@@ -245,9 +342,13 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(corpus, tmp_path
                           env=env_resume, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_resumed(dump, proc.stdout + proc.stderr, saved[0], first)
+    # Against the same 2-rank run uninterrupted: bit-identical. (Against one process, 40 steps
+    # let summation-order differences grow past 1e-5; layouts vs one process are tested in
+    # test_distributed.py over 5 steps.)
     ref = tmp_path / "reference"
-    run_python("apps.llama.train", tiny_args(corpus, ref, "data.batch_size=16", steps=steps))
-    assert_equivalent(dump, ref)  # 2 ranks vs 1 process: same batch, sums in another order
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, ref, "distributed.dp_shard=2",
+                                                  "checkpoint.keep=0", steps=steps))
+    assert_equivalent(dump, ref, rtol=0)
 
 
 def test_sigterm_saves_and_exits_with_the_stopped_code(corpus, tmp_path):

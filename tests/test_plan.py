@@ -1,0 +1,387 @@
+"""lingua.plan: every shipped preset built at the scale it is planned for on torch's fake process
+group (one process, no GPU), its per-rank parameter bytes checked against a hand computation from
+the model's shapes and shardings, and checked to fit an 80 GiB H100; the activation formula
+checked against the live tensors of real blocks on CPU; the CLI, the stool hook and the
+"cheapest change that fits" search.
+
+The hand computations: a parameter's local shard on the first rank of its group is its shape
+with each sharded dim divided by the degree (torch.chunk: the first ranks get ceil(n / degree)).
+FSDP shards dim 0 over dp_shard (after TP/EP); TP shards q/k/v/w1/w3, the embedding and the
+output by rows (Shard(0)), wo/w2 by columns (Shard(1)), and leaves norms replicated; EP shards
+the experts' dim 0 and FSDP then shards it again over dp_shard / ep. Gradients are the same
+shapes in fp32, AdamW holds two fp32 moments.
+"""
+
+import base64
+import contextlib
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from lingua import plan as planner
+from lingua.errors import ConfigError
+
+GIB = 2 ** 30
+H100 = 80 * GIB
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """What the GPU presets' validation needs: a jsonl corpus with held-out data, and a tiktoken
+    ranks file (256 single bytes; 258 tokens with BOS/EOS, under every preset's vocabulary)."""
+    root = tmp_path_factory.mktemp("plan_data")
+    (root / "val").mkdir()
+    for path in (root / "0.jsonl", root / "val" / "0.jsonl"):
+        path.write_text('{"text": "a document"}\n')
+    tok = root / "tokenizer.model"
+    tok.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    return [f"data.root={root}", f"data.tokenizer.path={tok}"]
+
+
+def run_plan(app, preset, data, tmp_path, world, *extra, **kwargs):
+    overrides = [f"config={preset}", *data, f"dump_dir={tmp_path / 'run'}", *extra]
+    return planner.plan(app, overrides, world, **kwargs)
+
+
+def check_state(p, expected_local_params: int, pp_rank: int = 0):
+    """fp32 parameters, fp32 gradients and two fp32 AdamW moments of the hand-computed shard."""
+    r = p.ranks[pp_rank]
+    assert r.n_params == expected_local_params
+    assert (r.params, r.grads, r.optim) == (4 * expected_local_params, 4 * expected_local_params,
+                                            8 * expected_local_params)
+
+
+# ---------------------------------------------------------------------------------------------
+# The shipped presets at their scale (README: 8B on 64 H100s, 70B on 256 with tp=8; the presets'
+# own comments name the rest)
+
+
+def llama_layer(h, hk, f, tp=1, fsdp=1):
+    """One LLaMA block's local parameters on the first rank: q/k/v/w1/w3 rows and wo/w2 columns
+    split over tp, then every matrix's rows over fsdp; the two norms replicated over tp."""
+    mats = (h * h + 2 * hk * h + h * h + 3 * f * h)
+    assert mats % (tp * fsdp) == 0 and h % fsdp == 0
+    return mats // (tp * fsdp) + 2 * h // fsdp
+
+
+def test_llama_1b_on_one_node_of_8(data, tmp_path):
+    p = run_plan("apps.llama.train", "llama_1b", data, tmp_path, 8)
+    # 16 layers, dim 2048, GQA 32/8 (kv width 512), ffn int(1.5 * 5461) = 8191 -> 8192, tied
+    # 128256 x 2048 embedding, final norm; FSDP over 8, every dim divisible by 8.
+    layer = llama_layer(2048, 512, 8192, fsdp=8)
+    assert layer == (2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 8192 * 2048) // 8 + 2 * 2048 // 8
+    check_state(p, 16 * layer + 128256 * 2048 // 8 + 2048 // 8)
+    assert p.n_params == 1_235_814_400
+    assert (p.dims.dp_shard, p.dims.tp) == (8, 1) and p.fits and p.busiest.total < H100
+
+
+def test_llama_8b_on_64_gpus(data, tmp_path):
+    p = run_plan("apps.llama.train", "llama_8b", data, tmp_path, 64)
+    # 32 layers, dim 4096, kv width 1024, ffn int(1.3 * 10922) = 14198 -> 14336 (multiple of
+    # 1024), untied embedding + output 128256 x 4096: all divisible by 64.
+    layer = llama_layer(4096, 1024, 14336, fsdp=64)
+    assert layer == 3_408_000   # 218,112,000 / 64
+    check_state(p, 32 * layer + 2 * 128256 * 4096 // 64 + 4096 // 64)
+    assert p.n_params == 8_030_261_248
+    assert p.args.distributed.ac == "op" and p.dims.dp_shard == 64
+    assert p.fits and p.busiest.total < 50 * GIB
+    # The same run without activation checkpointing is within 3 GiB of the 72 GiB usable: the
+    # preset's ac=op is what gives it room.
+    without = run_plan("apps.llama.train", "llama_8b", data, tmp_path, 64, "distributed.ac=none")
+    assert without.busiest.total > 66 * GIB
+    assert without.busiest.activations > 2 * p.busiest.activations - 20 * GIB
+
+
+def test_llama_70b_on_256_gpus_with_tp8(data, tmp_path):
+    p = run_plan("apps.llama.train", "llama_70b", data, tmp_path, 256)
+    assert (p.dims.tp, p.dims.dp_shard) == (8, 32)
+    # 80 layers, dim 8192, kv width 1024, ffn int(1.3 * 21845) = 28398 -> 28672; embedding and
+    # output rows split over tp (128256 / 8 = 16032) then FSDP (16032 / 32 = 501); the final norm
+    # only over FSDP.
+    layer = llama_layer(8192, 1024, 28672, tp=8, fsdp=32)
+    assert layer == 855_638_016 // 256 + 2 * 8192 // 32
+    check_state(p, 80 * layer + 2 * 501 * 8192 + 8192 // 32)
+    assert p.n_params == 70_553_706_496
+    assert p.fits and p.busiest.total < H100
+
+
+def test_llama_70b_pipelined_on_256_gpus(data, tmp_path):
+    """The README's alternative for slow networks: pp=4 tp=8 dp_shard=8, interleaved with two
+    virtual stages: rank 0 holds stages 0 and 4 (layers 0-9, 40-49) and the embedding, the last
+    pipeline rank stages 3 and 7 (layers 30-39, 70-79), the final norm and the output."""
+    p = run_plan("apps.llama.train", "llama_70b", data, tmp_path, 256, "distributed.pp=4",
+                 "distributed.pp_schedule=Interleaved1F1B", "distributed.pp_virtual_stages=2",
+                 "data.batch_size=8")
+    assert [r.rank for r in p.ranks] == [0, 64, 128, 192]
+    assert p.ranks[0].layers == [*range(0, 10), *range(40, 50)]
+    layer = llama_layer(8192, 1024, 28672, tp=8, fsdp=8)
+    check_state(p, 20 * layer + 128256 * 8192 // 64, pp_rank=0)
+    check_state(p, 20 * layer, pp_rank=1)
+    check_state(p, 20 * layer + 128256 * 8192 // 64 + 8192 // 8, pp_rank=3)
+    # The first stage holds the most micro-batches in flight (torch's interleaved warmup).
+    assert p.busiest.rank == 0 and p.in_flight[0] > p.in_flight[3]
+    assert p.fits and p.busiest.total < H100
+
+
+def moe_layer(h, hk, he, n_experts, n_shared, fsdp):
+    """A MoE block's local parameters with FSDP over `fsdp` and EP taken from it (every expert
+    dim ends up divided by fsdp in total): attention, router, experts, shared experts, norms."""
+    total = 2 * h * h + 2 * hk * h + n_experts * h + 3 * n_experts * h * he \
+        + 3 * h * he * n_shared + 2 * h
+    assert total % fsdp == 0
+    return total // fsdp
+
+
+def test_moe_1b_on_one_node_of_8_with_ep8(data, tmp_path):
+    p = run_plan("apps.moe.train", "moe_1b", data, tmp_path, 8)
+    assert (p.dims.dp_shard, p.args.distributed.ep) == (8, 8)
+    # 16 MoE layers, dim 1536, kv width 512, 8 experts of hidden 4096: one expert a rank (ep=8)
+    # and FSDP over dp_shard / ep = 1; the rest over 8.
+    layer = moe_layer(1536, 512, 4096, 8, 0, 8)
+    assert layer == (2 * 1536 ** 2 + 2 * 512 * 1536) // 8 + 1536 + 3 * 1536 * 4096 + 2 * 1536 // 8
+    check_state(p, 16 * layer + 2 * 128256 * 1536 // 8 + 1536 // 8)
+    assert p.fits and p.busiest.total < H100
+
+
+def test_deepseek_16b_on_64_gpus_with_ep8(data, tmp_path):
+    p = run_plan("apps.moe.train", "deepseek_16b", data, tmp_path, 64)
+    assert (p.dims.dp_shard, p.args.distributed.ep) == (64, 8)
+    # 27 layers, dim 2048, 16 kv heads (kv width 2048); layer 0 dense with ffn 5461 -> 5632;
+    # 26 MoE layers: 64 experts of 1408 (8 a rank by ep, then FSDP over 64 / 8 = 8: one expert's
+    # worth a rank), 2 shared experts (one FFN of 2816), router 64 x 2048.
+    dense = (4 * 2048 * 2048 + 3 * 2048 * 5632 + 2 * 2048) // 64
+    layer = moe_layer(2048, 2048, 1408, 64, 2, 64)
+    assert layer == (4 * 2048 ** 2 + 64 * 2048 + 3 * 64 * 2048 * 1408 + 3 * 2048 * 2816
+                     + 2 * 2048) // 64
+    check_state(p, dense + 26 * layer + 2 * 128256 * 2048 // 64 + 2048 // 64)
+    assert p.n_params == 15_861_135_360
+    assert p.fits and p.busiest.total < H100
+
+
+def test_the_70b_preset_without_tp_does_not_fit_and_the_fix_is_named(data, tmp_path):
+    """What the preset used to be (no tp, no ac): 155 GiB of activations and gathered blocks on
+    each of 256 GPUs. The search re-plans ac=op (still too large) and names ac=full."""
+    p = run_plan("apps.llama.train", "llama_70b", data, tmp_path, 256, "distributed.tp=1")
+    assert not p.fits and p.busiest.total > 150 * GIB
+    assert p.suggestion.startswith("distributed.ac=full")
+    assert p.tried[0].startswith("distributed.ac=op")
+    text = planner.format_plan(p)
+    assert "does not fit" in text and "cheapest change that fits: distributed.ac=full" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# The debug presets at world sizes 1 to 8, through every kind of layout
+
+
+DEBUG_LAYOUTS = [
+    ("apps.llama.train", 1, []),
+    ("apps.llama.train", 2, ["distributed.tp=2"]),
+    ("apps.llama.train", 4, ["distributed.tp=2", "distributed.model_dtype=bf16", "distributed.ac=op"]),
+    ("apps.llama.train", 4, ["distributed.pp=2", "distributed.tp=2", "data.batch_size=4"]),
+    ("apps.llama.train", 8, ["distributed.pp=2", "distributed.cp=2", "distributed.tp=2",
+                             "data.batch_size=4"]),
+    ("apps.llama.train", 8, ["distributed.dp_replicate=2", "distributed.pp=2",
+                             "distributed.pp_schedule=Interleaved1F1B",
+                             "distributed.pp_virtual_stages=2", "data.batch_size=4"]),
+    ("apps.moe.train", 1, []),
+    ("apps.moe.train", 2, ["distributed.ep=2"]),
+    ("apps.moe.train", 4, ["distributed.ep=2", "distributed.tp=2", "distributed.ac=full"]),
+    ("apps.moe.train", 8, ["distributed.ep=8"]),
+    ("apps.moe.train", 8, ["distributed.pp=2", "distributed.cp=2", "distributed.ep=2",
+                           "data.batch_size=4"]),
+]
+
+
+@pytest.mark.parametrize("app,world,layout", DEBUG_LAYOUTS,
+                         ids=[f"{a.split('.')[1]}-{w}-{'-'.join(x.split('.')[-1] for x in l)}"
+                              for a, w, l in DEBUG_LAYOUTS])
+def test_debug_presets_build_at_small_world_sizes(corpus, tmp_path, app, world, layout):
+    overrides = [f"data.root={corpus}", "data.prepare_embedded=false",
+                 f"dump_dir={tmp_path / 'run'}", *layout]
+    p = planner.plan(app, overrides, world, device_type="cpu")
+    assert p.world_size == world and p.fits
+    assert len(p.ranks) == p.dims.pp
+    held = sorted(i for r in p.ranks for i in r.layers)
+    assert held == list(range(p.args.model.n_layers))   # every layer on exactly one pp rank
+    assert all(r.activations > 0 and r.n_params > 0 for r in p.ranks)
+
+
+def test_debug_llama_uneven_shards_on_tp2_fsdp2(corpus, tmp_path):
+    """The busiest rank holds the larger chunk of an uneven split: the 258-token vocabulary is
+    129 rows a tp rank, then 65 and 64 over FSDP; rank 0 has 65."""
+    p = planner.plan("apps.llama.train", [f"data.root={corpus}", "data.prepare_embedded=false",
+                                          f"dump_dir={tmp_path / 'run'}", "distributed.tp=2"], 4)
+    # dim 256, kv width 128, ffn int(8 * 256 / 3) = 682 -> 768, 4 layers.
+    layer = llama_layer(256, 128, 768, tp=2, fsdp=2)
+    check_state(p, 4 * layer + 2 * 65 * 256 + 256 // 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The activation formula against what real blocks keep alive on CPU
+
+
+class _Track(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every tensor an op produces (weakly): the ones still alive after the forward are what
+    autograd (and activation checkpointing) keeps for the backward. Autocast's bf16 copies of
+    the weights are not activations (the planner counts them apart): their storages are noted
+    to be left out."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.refs, self.params, self.copies = [], {id(p) for p in params}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.params:
+            self.copies.append(weakref.ref(out))
+            return out
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.refs.append(weakref.ref(t))
+        return out
+
+
+def _storage(t):
+    from torch.distributed.tensor import DTensor
+
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+
+
+def kept_bytes(blocks, x, rope, skip, autocast=False) -> int:
+    mode = _Track(skip)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with mode, ctx:
+        h = x
+        for block in blocks:
+            h = block(h, rope)
+    # Storage ids are addresses: compare only storages alive now (a freed one's id is reused).
+    copies = [t for t in (ref() for ref in mode.copies) if t is not None]
+    ignore = {_storage(t)._cdata for t in [x, h, *rope, *skip, *copies]}
+    alive = {}
+    for ref in mode.refs:
+        t = ref()
+        if t is not None and _storage(t)._cdata not in ignore:
+            alive[_storage(t)._cdata] = _storage(t).nbytes()
+    return sum(alive.values())
+
+
+def per_layer_bytes_per_token(model, x, tokens, autocast=False) -> float:
+    """Bytes one more block keeps: (4 blocks - 2 blocks) / 2, per token."""
+    rope = (model.rope_cos[:tokens[1]], model.rope_sin[:tokens[1]])
+    skip = [*model.parameters(), *model.buffers()]
+    blocks = list(model.layers.values())
+    two = kept_bytes(blocks[:2], x, rope, skip, autocast)
+    four = kept_bytes(blocks[:4], x, rope, skip, autocast)
+    return (four - two) / 2 / (tokens[0] * tokens[1])
+
+
+def small_model(app, dtype, **extra):
+    from lingua.config import from_dict
+
+    if app == "llama":
+        from apps.llama.model import LlamaArgs as Args, Transformer
+    else:
+        from apps.moe.model import MoEArgs as Args, Transformer
+    args = from_dict(Args, dict(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=32,
+                                vocab_size=512, max_seq_len=128, **extra))
+    torch.manual_seed(0)
+    model = Transformer(args).to(dtype)
+    # As under FSDP's mixed precision: the weights in the compute dtype, RoPE tables in fp32.
+    model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    return model, args
+
+
+MOE_SHAPES = dict(n_experts=8, top_k=2, n_shared_experts=1, expert_hidden_dim=64)
+
+
+@pytest.mark.parametrize("ac", ["none", "op", "full"])
+@pytest.mark.parametrize("case", ["llama-bf16", "llama-fp32", "llama-autocast", "moe-bf16",
+                                  "moe-noshared-fp32", "moe-autocast"])
+def test_activation_formula_matches_what_blocks_keep(case, ac):
+    from lingua.distributed import apply_ac
+
+    app, kind = case.split("-", 1)
+    extra = {}
+    if app == "moe":
+        extra = dict(MOE_SHAPES, n_shared_experts=0 if kind == "noshared-fp32" else 1)
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    model, args = small_model(app, dtype, **extra)
+    apply_ac(model.layers, ac)
+    tokens = (2, 64)
+    x = torch.randn(*tokens, args.dim, dtype=dtype, requires_grad=True)
+    measured = per_layer_bytes_per_token(model, x, tokens, autocast=kind == "autocast")
+    e = 4 if kind == "fp32" or kind == "noshared-fp32" else 2
+    predicted = planner.block_activation_bytes(args, app == "moe", ac, e,
+                                               fp32_residual=kind == "autocast")
+    assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
+
+
+@pytest.mark.parametrize("ac", ["none", "op", "full"])
+@pytest.mark.parametrize("app", ["llama", "moe"])
+def test_activation_formula_under_tensor_parallel(app, ac):
+    """tp=2 on the fake process group with real CPU tensors (the collectives return garbage of
+    the right shape): what torch's TP + sequence parallel keeps per rank, including the
+    all-gathered full-sequence inputs."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lingua import distributed
+    from lingua.distributed import DistEnv, DistributedArgs
+
+    extra = MOE_SHAPES if app == "moe" else {}
+    model, args = small_model(app, torch.bfloat16, **extra)
+    d = DistributedArgs(tp=2, dp_shard=1, ac=ac, loss_parallel=False)
+    with planner.fake_process_group(0, 2):
+        dims = distributed.parallel_dims(d, 2)
+        env = DistEnv(0, 0, 2, torch.device("cpu"), dims, distributed.build_mesh(dims, "cpu"))
+        parallelize = __import__(f"apps.{app}.parallelize", fromlist=["x"])
+        getattr(parallelize, f"parallelize_{app}")(model, env, d)
+        tokens = (2, 64)
+        local = torch.randn(2, 32, args.dim, dtype=torch.bfloat16, requires_grad=True)
+        x = DTensor.from_local(local, env.mesh["tp"], (Shard(1),), run_check=False)
+        measured = per_layer_bytes_per_token(model, x, tokens)
+    predicted = planner.block_activation_bytes(args, app == "moe", ac, 2, tp=2)
+    assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
+
+
+def test_pipeline_micro_batches_in_flight():
+    # 1F1B: pp - rank; GPipe: all; interleaved (torch): (v-1) pp + 2 (pp-1-rank) + 1 chunks.
+    assert [planner.chunks_in_flight("1F1B", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert planner.chunks_in_flight("GPipe", 4, 1, 8, 3) == 8
+    assert planner.chunks_in_flight("Interleaved1F1B", 4, 2, 8, 0) == (4 + 6 + 1) / 2
+    assert planner.chunks_in_flight("Interleaved1F1B", 4, 2, 8, 3) == (4 + 0 + 1) / 2
+    assert planner.chunks_in_flight("1F1B", 1, 1, 1, 0) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line and stool's hook
+
+
+def test_cli_prints_the_table_and_exits_0_when_it_fits(data, tmp_path, capsys):
+    argv = ["apps.llama.train", "config=llama_8b", *data, f"dump_dir={tmp_path / 'run'}",
+            "slurm.nodes=8", "slurm.gpus_per_node=8"]
+    assert planner.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "64 ranks" in out and "\nfits: " in out and "activations (ac=op)" in out
+    assert "tokens/s a GPU" in out and "days" in out
+    # stool's dry run gets the same text
+    assert planner.report_text("apps.llama.train", argv[1:], 64).strip() == out.strip()
+
+
+def test_cli_exit_codes_for_a_misfit_and_a_bad_config(data, tmp_path, capsys):
+    base = ["apps.llama.train", "config=llama_8b", *data, f"dump_dir={tmp_path / 'run'}"]
+    assert planner.main([*base, "--world-size", "64", "--gpu-mem-gib", "16",
+                         "distributed.ac=full"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert planner.main([*base, "--world-size", "64", "distributed.tp=3"]) == 2
+    assert "distributed.tp=3" in capsys.readouterr().err
+
+
+def test_world_size_comes_from_slurm_keys(data, tmp_path):
+    p = run_plan("apps.llama.train", "llama_1b", data, tmp_path, None, "slurm.nodes=2",
+                 "slurm.gpus_per_node=8")
+    assert p.world_size == 16
+    with pytest.raises(ConfigError, match="dp_shard"):
+        # 70B's tp=8 cannot fill a world of 12
+        run_plan("apps.llama.train", "llama_70b", data, tmp_path, 12)
