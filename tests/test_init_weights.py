@@ -49,9 +49,15 @@ def tensors_of(module: nn.Module) -> list:
 # Seeding: layout-independent, every tensor distinct
 
 
-def test_pipeline_stages_start_distinct_and_as_one_process_does():
-    full = weights.materialize(on_meta(), "cpu", SEED)
-    parts = [weights.materialize(p, "cpu", SEED) for p in stage_parts(4)]
+@pytest.mark.parametrize("device", [
+    "cpu",
+    # The runbook's one-GPU check of issue 12's point 4: CUDA generators, stages built apart.
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+])
+def test_pipeline_stages_start_distinct_and_as_one_process_does(device):
+    full = weights.materialize(on_meta(), device, SEED)
+    parts = [weights.materialize(p, device, SEED) for p in stage_parts(4)]
     got = {k: v for part in parts for k, v in part.state_dict().items()}
     want = full.state_dict()
     assert sorted(got) == sorted(want)
