@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -74,3 +75,14 @@ def run_python(module: str, args: list, timeout: int = 240, check: bool = True) 
     if check and proc.returncode != 0:
         raise AssertionError(f"{module} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def slurm_is_up() -> str:
+    """'' when the local Slurm answers, else why not (the slurm tests skip, or fail where
+    setup/test.sh started Slurm and set LINGUA_REQUIRE_SLURM=1)."""
+    if shutil.which("sinfo") is None:
+        return "Slurm is not installed (bash setup/slurm_local.sh start installs and starts it)"
+    proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return f"Slurm is not running: {proc.stderr.strip()} (bash setup/slurm_local.sh start)"
+    return ""

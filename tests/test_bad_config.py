@@ -4,7 +4,6 @@ not created (or, for an existing run, left as it was), nothing else appears besi
 inputs, no checkpoint, no job."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.conftest import REPO, run_python, tiny_args
+from tests.conftest import REPO, run_python, slurm_is_up, tiny_args
 
 MOE = ["model.n_experts=4", "model.top_k=2"]
 # corpus and tmp_path are fixtures: the cases name them by these placeholders, which the test
@@ -100,17 +99,6 @@ CASES = [
     Case("stool_bad_mem", "lingua.stool", ["apps.llama.train", *base(), "slurm.mem=lots"], {},
          "slurm.mem"),
 ]
-
-
-def slurm_is_up() -> str:
-    """'' when a Slurm answers, else why not (the rule of tests/test_slurm.py, not imported from
-    there so that this module does not depend on that one's imports)."""
-    if shutil.which("sinfo") is None:
-        return "Slurm is not installed (bash setup/slurm_local.sh start installs and starts it)"
-    proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 or not proc.stdout.strip():
-        return f"Slurm is not running: {proc.stderr.strip()} (bash setup/slurm_local.sh start)"
-    return ""
 
 
 def resolve(text: str, corpus: Path, tmp_path: Path) -> str:

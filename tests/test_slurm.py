@@ -7,7 +7,6 @@ compares what they wrote with a torchrun run of the same config.
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -15,18 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, read_metrics, run_torchrun, tiny_args
+from tests.conftest import REPO, read_metrics, run_torchrun, slurm_is_up, tiny_args
 from tests.equivalence import assert_equivalent, resumed_line
-
-
-def slurm_is_up() -> str:
-    """'' when the local Slurm answers, else why not."""
-    if shutil.which("sinfo") is None:
-        return "Slurm is not installed (bash setup/slurm_local.sh start installs and starts it)"
-    proc = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
-    if proc.returncode != 0 or not proc.stdout.strip():
-        return f"Slurm is not running: {proc.stderr.strip()} (bash setup/slurm_local.sh start)"
-    return ""
 
 
 NO_SLURM = slurm_is_up()
