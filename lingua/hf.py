@@ -3,13 +3,22 @@ decoder built from lingua.transformer's blocks (attention, SwiGLU, RMSNorm, RoPE
 
 An app's hf.py (apps/llama/hf.py for LlamaForCausalLM, apps/moe/hf.py for Mixtral and GLM-4.5
 MoE) adds only what its architecture has on top.
+
+Nothing is dropped silently in either direction. The app's key map is the source of truth: on
+export every tensor of the model's state dict must be mapped or be on the app's NOT_EXPORTED list
+(`check_export`), on import every tensor in the safetensors files must be consumed by the map or
+be on its NOT_IMPORTED list (`check_import`). Both lists map a regular expression (matched against
+the whole name) to the reason the tensor may be left out, so a fork that adds a weight (QK-norm,
+biases) is told which file to edit instead of getting a Hugging Face model without it.
 """
 
 import json
+import re
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lingua.errors import ConfigError
@@ -104,8 +113,7 @@ def ffn_recipe(dim: int, hidden: int, hint: Optional[dict] = None) -> Tuple[int,
     return hidden, (None if hidden >= base else hidden / base)
 
 
-def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, Path]]:
-    """All tensors of the directory, and the file each came from (for error messages)."""
+def _weight_files(path: Path) -> List[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -115,10 +123,97 @@ def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, Path]]:
     if not files:
         raise ConfigError(f"No weights in {path}: expected model.safetensors (or shards listed in "
                           "model.safetensors.index.json). Only safetensors files are read.")
-    tensors, origin = {}, {}
     for f in files:
         if not f.is_file():
             raise ConfigError(f"{f} is listed in {index} but missing; copy the complete model directory.")
+    return files
+
+
+def tensor_names(path: Path) -> Dict[str, Path]:
+    """Every tensor name in the directory's safetensors files -> its file, from the headers alone
+    (no tensor data is read), so a refusal costs nothing however large the checkpoint."""
+    names = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as handle:
+            names.update((k, f) for k in handle.keys())
+    return names
+
+
+def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, Path]]:
+    """All tensors of the directory, and the file each came from (for error messages)."""
+    tensors, origin = {}, {}
+    for f in _weight_files(path):
         for k, t in load_file(str(f)).items():  # safetensors holds raw tensors only: no pickle
             tensors[k], origin[k] = t, f
     return tensors, origin
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing dropped silently
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _listed(names: Iterable[str], limit: int = 10) -> str:
+    names = sorted(names, key=_natural)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _allowed(name: str, allow_list: Dict[str, str]) -> bool:
+    return any(re.fullmatch(pattern, name) for pattern in allow_list)
+
+
+def app_file(module_file: str) -> str:
+    """An app's hf.py as the user would open it: relative to the repository when it lies inside
+    (apps/<app>/hf.py, a fork's own name included), else as given."""
+    f = Path(module_file).resolve()
+    try:
+        return str(f.relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        return str(f)
+
+
+def check_export(state_keys: Iterable[str], exported: Iterable[str], not_exported: Dict[str, str],
+                 where: str, out_dir) -> None:
+    """Refuse (before anything is written) a model with a state-dict tensor the export would leave
+    out: neither mapped (`exported`) nor on the app's NOT_EXPORTED list. `where` names the map:
+    "key_map in apps/llama/hf.py"."""
+    exported = set(exported)
+    unmapped = [k for k in state_keys if k not in exported and not _allowed(k, not_exported)]
+    if unmapped:
+        raise ConfigError(
+            f"save_hf: {len(unmapped)} tensor(s) of the model have no Hugging Face name, so the export would "
+            f"silently lack them: {_listed(unmapped)}. Map each one to its Hugging Face name in {where} "
+            "(load_hf reads the same map back), or, for a buffer that is derived or runtime state with no Hugging "
+            "Face equivalent, add a pattern for it with the reason to NOT_EXPORTED in that file. "
+            f"Nothing was written to {out_dir}.")
+
+
+def check_filled(state_keys: Iterable[str], filled: Iterable[str], where: str, path) -> None:
+    """Refuse a model with a state-dict tensor the import gives no value (a fork's new weight)."""
+    filled = set(filled)
+    empty = [k for k in state_keys if k not in filled]
+    if empty:
+        raise ConfigError(
+            f"load_hf: {len(empty)} tensor(s) of the model get no value from {path}: {_listed(empty)}. Map each "
+            f"one to its Hugging Face name in {where}, or, if a Hugging Face model of this architecture has no "
+            "such weight, this directory cannot initialise the model.")
+
+
+def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: Dict[str, str],
+                 where: str, path) -> None:
+    """Refuse a directory whose safetensors files hold a tensor the import would drop: neither
+    consumed by the app's map nor on its NOT_IMPORTED list. `names`: tensor_names(path)."""
+    consumed = set(consumed)
+    dropped = [k for k in names if k not in consumed and not _allowed(k, not_imported)]
+    if dropped:
+        files = sorted({names[k].name for k in dropped})
+        raise ConfigError(
+            f"{path}: {len(dropped)} tensor(s) in {', '.join(files)} have no place in the model, so loading would "
+            f"silently drop them: {_listed(dropped)}. Either config.json describes fewer layers or experts than "
+            "the files hold, or the checkpoint has weights this architecture lacks (biases, extra norms?): use an "
+            f"app whose model has them, or add them to the model and map them in {where}; a tensor that is derived "
+            "and recomputed on load can go on NOT_IMPORTED in that file with the reason.")

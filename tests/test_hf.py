@@ -171,3 +171,95 @@ def test_ffn_recipe_recovered_from_hf_config(tmp_path, dim, hidden, multiple_of,
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     args = args_from_hf_config(tmp_path / "config.json")
     assert (args.multiple_of, args.ffn_dim_multiplier) == (multiple_of, mult)
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing dropped silently: a fork's new weight (QK-norm) or an HF file's extra tensor is refused.
+
+SMALL = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=32)
+
+
+class QKNormTransformer(Transformer):
+    """What a fork that adds QK-norm builds: two weights per layer that key_map does not know."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        from lingua.transformer import RMSNorm
+        for blk in self.layers.values():
+            blk.attention.q_norm = RMSNorm(args.dim // args.n_heads)
+            blk.attention.k_norm = RMSNorm(args.dim // args.n_heads)
+
+
+def test_export_refuses_unmapped_weights(tmp_path):
+    args = replace(SMALL, n_layers=6)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError) as e:
+        save_hf(QKNormTransformer(args), args, out)
+    msg = str(e.value)
+    assert "12 tensor(s)" in msg and "\n" not in msg
+    # every name up to ten, in layer order, then a count; the file to edit
+    assert ("layers.0.attention.k_norm.weight, layers.0.attention.q_norm.weight, layers.1.attention.k_norm.weight"
+            in msg and "layers.4.attention.q_norm.weight and 2 more" in msg)
+    assert "key_map in apps/llama/hf.py" in msg and "NOT_EXPORTED" in msg
+    assert not out.exists()
+
+    # A parameter registered on one block of a built model: named, and an existing out_dir left as it was.
+    model = Transformer(SMALL)
+    model.layers["1"].feed_forward.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(ConfigError, match=r"1 tensor\(s\) .*: layers\.1\.feed_forward\.scale\. Map"):
+        save_hf(model, SMALL, out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_export_cli_refuses_unmapped_weights(tmp_path, monkeypatch, capsys):
+    """The fork's CLI: exit 2, one paragraph naming the weights and the file, no out_dir."""
+    import apps.llama.hf as llama_hf
+    monkeypatch.setattr(llama_hf, "Transformer", QKNormTransformer)
+    ckpt = tmp_path / "checkpoints" / "10"
+    dcp.save({"model": QKNormTransformer(SMALL).state_dict()}, checkpoint_id=str(ckpt))
+    OmegaConf.save(OmegaConf.create({"model": asdict(SMALL)}), ckpt / "config.yaml")
+    checkpoint.write_manifest(ckpt)
+    out = tmp_path / "hf"
+    with pytest.raises(SystemExit) as e:
+        llama_hf.main(["export", str(ckpt), str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: save_hf: 4 tensor(s)") and err.count("\n") == 1
+    assert "layers.1.attention.q_norm.weight" in err and "apps/llama/hf.py" in err
+    assert not out.exists()
+
+
+def _add_tensors(file: Path, extra: dict) -> None:
+    from safetensors.torch import load_file, save_file
+    save_file({**load_file(str(file)), **extra}, str(file), metadata={"format": "pt"})
+
+
+def test_import_refuses_tensors_it_would_drop(tmp_path, monkeypatch):
+    hf_model().save_pretrained(tmp_path, safe_serialization=True)
+    weights = tmp_path / "model.safetensors"
+    _add_tensors(weights, {"model.layers.1.self_attn.q_norm.weight": torch.ones(16),
+                           "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)})
+    with pytest.raises(ConfigError) as e:
+        load_hf(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "2 tensor(s) in model.safetensors" in msg
+    assert "drop them: model.layers.0.self_attn.q_proj.bias, model.layers.1.self_attn.q_norm.weight." in msg
+    assert "key_map in apps/llama/hf.py" in msg and "NOT_IMPORTED" in msg
+
+    # What NOT_IMPORTED lists (RoPE inverse frequencies, recomputed) loads as before.
+    hf = hf_model(tie_word_embeddings=True)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _add_tensors(weights, {"model.rotary_emb.inv_freq": torch.ones(8),
+                           "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8),
+                           # tied: transformers ignores a stored lm_head too
+                           "lm_head.weight": hf.model.embed_tokens.weight.detach().clone()})
+    ours, _ = load_hf(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x_tokens()), hf(x_tokens()).logits, atol=1e-4, rtol=0)
+
+    # A fork's model with weights the map does not fill: named, with the file to edit.
+    monkeypatch.setattr("apps.llama.hf.Transformer", QKNormTransformer)
+    with pytest.raises(ConfigError, match=r"load_hf: 4 tensor\(s\) .*: layers\.0\.attention\.k_norm\.weight, .* "
+                                          r"key_map in apps/llama/hf\.py"):
+        load_hf(tmp_path)

@@ -179,8 +179,8 @@ def test_load_errors_name_the_setting(tmp_path):
         ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported"),
         ({"moe_intermediate_size": 40}, (r"model.layers.1.mlp.experts.0.gate_proj.weight gives layers.1.moe."
                                           r"experts.w1 of shape \(4, 64, 32\) but config.json implies \(4, 64, 40\)")),
-        ({"n_routed_experts": 3}, (r"model.safetensors: model.layers.1.mlp.gate.e_score_correction_bias gives "
-                                   r".* \(4,\) but .* \(3,\)")),
+        ({"n_routed_experts": 3}, (r"6 tensor\(s\) in model.safetensors .* would silently drop them: "
+                                   r"model.layers.1.mlp.experts.3.down_proj.weight, ")),
         ({"num_hidden_layers": 4}, "model.layers.3.self_attn.q_proj.weight is missing"),
     ]:
         cfg_path.write_text(json.dumps({**cfg, **change}))
@@ -229,3 +229,65 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "apps.moe.hf", "export", str(ckpt), str(tmp_path / "x")],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "norm_topk=False" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing dropped silently: an unmapped model tensor or an unconsumed HF tensor is refused.
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_export_refuses_unmapped_weights(score_func, tmp_path):
+    """A weight added to a block (a fork's router bias) is named with the file to edit; Mixtral's
+    zero expert_bias (NOT_EXPORTED) is not, and nothing is written."""
+    args = MoEArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, n_experts=4, multiple_of=32,
+                   max_seq_len=32, score_func=score_func, norm_topk=True)
+    model = Transformer(args)
+    model.layers["1"].moe.router.register_parameter("gate_bias", torch.nn.Parameter(torch.zeros(4)))
+    with pytest.raises(ConfigError) as e:
+        save_hf(model, args, tmp_path / "out")
+    msg = str(e.value)
+    assert "1 tensor(s)" in msg and ": layers.1.moe.router.gate_bias. Map" in msg and "\n" not in msg
+    assert "apps/moe/hf.py" in msg and "NOT_EXPORTED" in msg
+    assert not (tmp_path / "out").exists()
+
+
+def _add_tensors(file: Path, extra: dict) -> None:
+    from safetensors.torch import load_file, save_file
+    save_file({**load_file(str(file)), **extra}, str(file), metadata={"format": "pt"})
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # HF's zero-width shared MLP
+def test_import_refuses_tensors_it_would_drop(tmp_path):
+    # Sharded: the names come from each file's header, not from the index's weight_map.
+    glm(**GLM_CASES["deepseek"]).save_pretrained(tmp_path / "glm", max_shard_size="40KB")
+    shard = sorted((tmp_path / "glm").glob("*.safetensors"))[-1]
+    _add_tensors(shard, {"model.layers.2.mlp.gate.bias": torch.zeros(4)})
+    with pytest.raises(ConfigError, match=rf"1 tensor\(s\) in {shard.name} .* drop them: model\.layers\.2\.mlp\."
+                                          r"gate\.bias\. .*apps/moe/hf\.py"):
+        load_hf(tmp_path / "glm")
+    # NOT_IMPORTED: RoPE inverse frequencies are recomputed, so not named.
+    _add_tensors(shard, {"model.rotary_emb.inv_freq": torch.ones(8)})
+    with pytest.raises(ConfigError, match=r"1 tensor\(s\) .* drop them: model\.layers\.2\.mlp\.gate\.bias\. "):
+        load_hf(tmp_path / "glm")
+
+    # Glm4Moe without shared experts stores zero-width ones: read (and checked empty), not dropped.
+    glm(**GLM_CASES["plain"]).save_pretrained(tmp_path / "plain")
+    load_hf(tmp_path / "plain")
+    _add_tensors(tmp_path / "plain" / "model.safetensors",
+                 {"model.layers.0.mlp.shared_experts.gate_proj.weight": torch.zeros(8, 64)})
+    with pytest.raises(ConfigError, match=r"shared_experts.gate_proj.weight has shape \(8, 64\) but .*n_shared_experts=0"):
+        load_hf(tmp_path / "plain")
+
+    # transformers 5's fused Mixtral ("mlp" where we say "block_sparse_moe"): named as in the file.
+    hf = mixtral()
+    hf.save_pretrained(tmp_path / "fused", save_original_format=False)
+    weights = tmp_path / "fused" / "model.safetensors"
+    _add_tensors(weights, {"model.layers.1.mlp.experts.gate_up_bias": torch.zeros(4, 192),
+                           "model.rotary_emb.inv_freq": torch.ones(8)})
+    with pytest.raises(ConfigError, match=r": model\.layers\.1\.mlp\.experts\.gate_up_bias\. "):
+        load_hf(tmp_path / "fused")
+    from safetensors.torch import load_file, save_file
+    kept = {k: t for k, t in load_file(str(weights)).items() if not k.endswith("gate_up_bias")}
+    save_file(kept, str(weights), metadata={"format": "pt"})  # inv_freq stays: it loads
+    ours, _ = load_hf(tmp_path / "fused")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x_tokens()), hf(x_tokens()).logits, atol=1e-4, rtol=0)

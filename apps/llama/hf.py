@@ -12,7 +12,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
@@ -20,7 +20,35 @@ from safetensors.torch import save_file
 
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.errors import ConfigError
-from lingua.hf import DTYPES, ffn_recipe, key_map, llama_hf_config, read_weights, rope_args
+from lingua import hf as lingua_hf
+from lingua.hf import DTYPES, ffn_recipe, llama_hf_config, read_weights, rope_args
+
+
+def key_map(args: LlamaArgs) -> Dict[str, str]:
+    """Our state_dict key -> Hugging Face key, for save_hf and load_hf alike: lingua's LLaMA map. A
+    fork that adds a weight (QK-norm's layers.N.attention.q_norm.weight, ...) maps it here;
+    save_hf refuses a model with an unmapped tensor and load_hf a file with an unconsumed one."""
+    return lingua_hf.key_map(args)
+
+
+# State-dict tensors deliberately not exported: pattern (whole name) -> why. Empty: every persistent
+# tensor of this model is a weight HF has. The RoPE tables rope_cos/rope_sin are derived from the
+# args and registered non-persistent, so they are not in the state dict and need no entry.
+NOT_EXPORTED: Dict[str, str] = {}
+
+# Tensors some HF LlamaForCausalLM files carry that load_hf deliberately does not read: pattern -> why.
+NOT_IMPORTED: Dict[str, str] = {
+    r"model\.rotary_emb\.inv_freq": "RoPE inverse frequencies, recomputed from rope_theta/rope_scaling",
+    r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq":
+        "the same, stored per layer by older transformers (Llama 2 era Hub files)",
+}
+# With tie_word_embeddings transformers itself ignores a stored lm_head and ties it to the embedding.
+TIED_NOT_IMPORTED = {r"lm_head\.weight": "a copy of embed_tokens that transformers also replaces by the tied embedding"}
+
+
+def _where() -> str:
+    return f"key_map in {lingua_hf.app_file(__file__)}"
+
 
 def save_hf(model: Transformer, model_args: LlamaArgs, path, dtype: Optional[torch.dtype] = None) -> None:
     """Write `path/config.json` and `path/model.safetensors` (LlamaForCausalLM layout)."""
@@ -30,6 +58,7 @@ def save_hf(model: Transformer, model_args: LlamaArgs, path, dtype: Optional[tor
     if missing:
         raise ConfigError(f"save_hf: the model has no {missing[:4]}; it does not match model_args "
                           "(a pipeline stage or a different architecture?). Export a whole model.")
+    lingua_hf.check_export(state, names, NOT_EXPORTED, _where(), path)
     tensors = {}
     for ours, theirs in names.items():
         t = state[ours].detach()
@@ -78,12 +107,16 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
     if not config_path.is_file():
         raise ConfigError(f"{config_path} is missing: {path} is not a Hugging Face model directory.")
     args = args_from_hf_config(config_path)
-    tensors, origin = read_weights(path)
+    names = key_map(args)
+    ignored = {**NOT_IMPORTED, **(TIED_NOT_IMPORTED if args.tie_embeddings else {})}
+    lingua_hf.check_import(lingua_hf.tensor_names(path), names.values(), ignored, _where(), path)
     with torch.device("meta"):
         model = Transformer(args)
     expected = model.state_dict()
+    lingua_hf.check_filled(expected, names, _where(), path)
+    tensors, origin = read_weights(path)
     state = {}
-    for ours, theirs in key_map(args).items():
+    for ours, theirs in names.items():
         if theirs not in tensors:
             raise ConfigError(f"{path}: weight {theirs} is missing from the safetensors files; the "
                               f"directory does not match its config.json.")

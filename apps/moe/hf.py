@@ -35,6 +35,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
+from lingua import hf as lingua_hf
 from lingua.hf import DTYPES, ffn_recipe, key_map, llama_hf_config, read_weights, rope_args
 from apps.moe.model import MoEArgs, Transformer, expert_hidden
 from lingua.errors import ConfigError
@@ -55,6 +56,27 @@ LAYOUTS = {
     "mixtral": Layout("MixtralForCausalLM", "block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
     "glm4_moe": Layout("Glm4MoeForCausalLM", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 }
+
+
+# State-dict tensors deliberately not exported: pattern (whole name) -> why. (The RoPE tables are
+# derived and registered non-persistent: not in the state dict.)
+NOT_EXPORTED: Dict[str, str] = {
+    # Glm4Moe exports it as gate.e_score_correction_bias; only Mixtral leaves it out.
+    r"layers\.\d+\.moe\.router\.expert_bias":
+        "Mixtral routes without a selection bias; save_hf refuses a non-zero one, so none is lost",
+}
+
+# Tensors some HF files carry that load_hf deliberately does not read: pattern -> why.
+NOT_IMPORTED: Dict[str, str] = {
+    r"model\.rotary_emb\.inv_freq": "RoPE inverse frequencies, recomputed from the config's rope settings",
+    r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq": "the same, stored per layer by older transformers",
+}
+# With tie_word_embeddings transformers itself ignores a stored lm_head and ties it to the embedding.
+TIED_NOT_IMPORTED = {r"lm_head\.weight": "a copy of embed_tokens that transformers also replaces by the tied embedding"}
+
+
+def _where() -> str:
+    return f"_plain_keys / _moe_keys / _expert_keys in {lingua_hf.app_file(__file__)}"
 
 
 def layout_for(args: MoEArgs) -> str:
@@ -105,6 +127,11 @@ def _plain_keys(args: MoEArgs, kind: str) -> Dict[str, str]:
     return names
 
 
+def _expert_keys(args: MoEArgs, i: int) -> list:
+    """Our keys of layer i's routed experts: [E, in, out] stacks, one HF Linear per expert."""
+    return [f"layers.{i}.moe.experts.{w}" for w in ("w1", "w3", "w2")]
+
+
 def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
     kind = layout_for(args)
     cfg = llama_hf_config(args, dtype)  # shape, attention, RoPE, norms, vocabulary: as Llama's
@@ -152,9 +179,14 @@ def save_hf(model: Transformer, model_args: MoEArgs, path, dtype: Optional[torch
         warnings.warn(f"model.capacity_factor={model_args.capacity_factor}: the Hugging Face model "
                       "routes every token (no capacity dropping).")
     state = model.state_dict()
+    plain = _plain_keys(model_args, kind)
+    experts = [k for i in range(model_args.n_dense_layers, model_args.n_layers) for k in _expert_keys(model_args, i)]
+    for key in [*plain, *experts]:
+        _take(state, key)  # a missing one: a pipeline stage or other args, said before the unmapped ones
+    lingua_hf.check_export(state, [*plain, *experts], NOT_EXPORTED, _where(), path)
     if kind == "mixtral":
         _check_bias(state, model_args)
-    out = {theirs: _take(state, ours) for ours, theirs in _plain_keys(model_args, kind).items()}
+    out = {theirs: _take(state, ours) for ours, theirs in plain.items()}
     layout = LAYOUTS[kind]
     for i in range(model_args.n_dense_layers, model_args.n_layers):
         for w, name in layout.proj.items():
@@ -285,6 +317,21 @@ def _fetch(tensors: Dict[str, torch.Tensor], key: str, path: Path) -> torch.Tens
     return tensors[key]
 
 
+def _consumed(names: Dict[str, Path], args: MoEArgs, kind: str) -> set:
+    """The HF names load_hf reads, from the files' tensor names (either expert layout)."""
+    used = set(_plain_keys(args, kind).values())
+    layout = LAYOUTS[kind]
+    for i in range(args.n_dense_layers, args.n_layers):
+        hf = f"model.layers.{i}.{layout.block}"
+        if f"{hf}.experts.gate_up_proj" in names:
+            used |= {f"{hf}.experts.gate_up_proj", f"{hf}.experts.down_proj"}
+        else:
+            used |= {f"{hf}.experts.{e}.{p}.weight" for e in range(args.n_experts) for p in layout.proj.values()}
+        if kind == "glm4_moe" and not args.n_shared_experts:  # zero-width (what save_hf and HF write), checked on load
+            used |= {f"{hf}.shared_experts.{p}.weight" for p in layout.proj.values()}
+    return used
+
+
 def _stacked_experts(tensors, args: MoEArgs, kind: str, i: int, path: Path) -> Dict[str, Tuple[torch.Tensor, str]]:
     """Layer i's routed experts as our [E, in, out] stacks (with the HF key they came from), from
     per-expert Linear weights (the Hub layout, which save_pretrained writes) or from transformers
@@ -319,10 +366,22 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
         raise ConfigError(f"{config_path} is missing: {path} is not a Hugging Face model directory.")
     args = args_from_hf_config(config_path)
     kind = layout_for(args)
+    # transformers 5's fused Mixtral layout (save_original_format=False) calls the block "mlp"
+    ours_for = (lambda k: k.replace(".mlp.", ".block_sparse_moe.")) if kind == "mixtral" else (lambda k: k)
+    names = lingua_hf.tensor_names(path)
+    used = _consumed({ours_for(k): f for k, f in names.items()}, args, kind)
+    ignored = {**NOT_IMPORTED, **(TIED_NOT_IMPORTED if args.tie_embeddings else {})}
+    lingua_hf.check_import(names, [k for k in names if ours_for(k) in used], ignored, _where(), path)
     tensors, origin = read_weights(path)
-    if kind == "mixtral":  # transformers 5's fused layout (save_original_format=False) calls the block "mlp"
-        tensors = {k.replace(".mlp.", ".block_sparse_moe."): t for k, t in tensors.items()}
-        origin = {k.replace(".mlp.", ".block_sparse_moe."): f for k, f in origin.items()}
+    tensors = {ours_for(k): t for k, t in tensors.items()}
+    origin = {ours_for(k): f for k, f in origin.items()}
+    if kind == "glm4_moe" and not args.n_shared_experts:
+        for i in range(args.n_dense_layers, args.n_layers):
+            for p in LAYOUTS[kind].proj.values():
+                k = f"model.layers.{i}.mlp.shared_experts.{p}.weight"
+                if k in tensors and tensors[k].numel():
+                    raise ConfigError(f"{origin[k]}: {k} has shape {tuple(tensors[k].shape)} but config.json's "
+                                      "n_shared_experts=0 gives it width 0; the weights do not match the config.")
     hf_names = _plain_keys(args, kind)
     state = {ours: _fetch(tensors, theirs, path) for ours, theirs in hf_names.items()}
     for i in range(args.n_dense_layers, args.n_layers):
@@ -333,6 +392,7 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
     with torch.device("meta"):
         model = Transformer(args)
     expected = model.state_dict()
+    lingua_hf.check_filled(expected, state, _where(), path)
     for key in [k for k in expected if k in state]:  # model order: errors name the first layer's
         t = state[key]
         if t.shape != expected[key].shape:
