@@ -335,7 +335,7 @@ def _fsdp_bytes(parts, e: int, reshard_after_forward: bool) -> int:
 
 def _build_parts(args, app, dims, rank: int, world_size: int):
     """This rank's parallelised model parts on meta, and its stage ids."""
-    from lingua import distributed, pipeline
+    from lingua import coverage, distributed, pipeline
     from lingua.distributed import DistEnv
 
     d = args.distributed
@@ -356,6 +356,8 @@ def _build_parts(args, app, dims, rank: int, world_size: int):
         parts = [pipeline.split_model(model, layers[s], s == 0, s == n_stages - 1)
                  for s in stage_ids]
     parts = [app.parallelize(part, env, build_args) for part in parts]
+    # The trainer's refusal of a plan that leaves a parameter unreduced, before any job starts.
+    coverage.check_parallel_coverage(parts, env, d.ep)
     return parts, stage_ids
 
 

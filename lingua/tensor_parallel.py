@@ -17,6 +17,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from lingua.errors import ConfigError
 
@@ -91,6 +93,32 @@ def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, block
                 tp_mesh.size(), _describe(root_plan), len(blocks), _describe(block_plan),
                 "on (takes effect under torch.compile)" if async_tp else "off")
     return model
+
+
+REPLICATED_MARK = "_lingua_replicated_over_tp"
+
+
+class ReplicatedCompute(PrepareModuleInputOutput):
+    """A ParallelStyle for a module that every tp rank runs whole, on the all-gathered input:
+    inputs sharded as `input_layouts` arrive as full plain tensors, the module's parameters stay
+    plain tensors (every tp rank holds and updates the same copy), and its output, the same on
+    every tp rank, is cut back to `output_layouts` (a DTensor).
+
+    Why those parameters need no tp reduction: every rank sees the same full input and (through
+    the output's redistribution backward) the same full output gradient, so each rank's gradient
+    is already the complete one. lingua.coverage accepts plain parameters under tp only inside a
+    module planned with this style (apps/moe runs its MoE layers this way)."""
+
+    def __init__(self, input_layouts=(Shard(1),), output_layouts=(Shard(1),)):
+        super().__init__(
+            input_layouts=input_layouts,
+            desired_input_layouts=tuple(None if p is None else Replicate() for p in input_layouts),
+            use_local_input=True, output_layouts=tuple(Replicate() for _ in output_layouts),
+            desired_output_layouts=output_layouts, use_local_output=False)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        setattr(module, REPLICATED_MARK, True)
+        return super()._apply(module, device_mesh)
 
 
 def _describe(plan: dict) -> str:

@@ -23,8 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
-from lingua import (checkpoint, config, data, distributed, evaluation, metrics, optim, pipeline,
-                    preemption, weights)
+from lingua import (checkpoint, config, coverage, data, distributed, evaluation, metrics, optim,
+                    pipeline, preemption, weights)
 from lingua import probe as probe_module
 from lingua.checkpoint import CheckpointArgs
 from lingua.context_parallel import cp_batch, validate_cp
@@ -179,6 +179,8 @@ def build_model_parts(args, env: DistEnv, app: App) -> tuple:
                  for s in stage_ids]
         del model
     parts = [app.parallelize(part, env, args.distributed) for part in parts]
+    # A parameter the app's plan left out of a reduction would train silently wrong: refuse.
+    coverage.check_parallel_coverage(parts, env, args.distributed.ep)
     param_device = distributed.param_device(args.distributed, env.device)
     for part in parts:
         weights.materialize(part, env.device, args.seed, param_device)
@@ -550,6 +552,10 @@ def exit_cli(main: Callable) -> None:
         code = main()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        # Most config errors come before any process group; a plan refused after it started
+        # (lingua.coverage) leaves gloo threads that can abort a normal interpreter exit.
+        if torch.distributed.is_initialized():
+            distributed.exit_process(2)
         sys.exit(2)
     except RunError as err:
         print(f"error: {err}", file=sys.stderr)
