@@ -55,9 +55,18 @@ def job_field(job_id: str, name: str) -> str:
     return match.group(1) if match else ""
 
 
+def node_is_idle() -> bool:
+    states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout.split()
+    return bool(states) and all(state.startswith("idle") for state in states)
+
+
 def release_if_requeued(job_id: str) -> None:
-    """Slurm holds a requeued job for about two minutes (its BeginTime); a test need not wait."""
-    if job_field(job_id, "JobState") == "PENDING" and job_field(job_id, "Reason") == "BeginTime":
+    """Slurm holds a requeued job for about two minutes (its BeginTime); a test need not wait,
+    but must let the previous run leave the node first: a job started on a node still completing
+    its previous run dies at once ("Killing non-startable batch job: Job credential revoked",
+    exit 1; seen once in a full run with a 2-task job)."""
+    if (job_field(job_id, "JobState") == "PENDING" and job_field(job_id, "Reason") == "BeginTime"
+            and node_is_idle()):
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
 
 
