@@ -140,16 +140,21 @@ def _crc_problem(ckpt_dir: Path, files: dict, names) -> Optional[str]:
     return None
 
 
-def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
-    """None if the checkpoint is intact, else what is wrong with it (one sentence).
-    Sizes are always checked; `checksums` also reads every file (as loading it would)."""
+def _check(ckpt_dir, crc_names) -> Optional[str]:
+    """The manifest, every file's size, then the CRC-32 of the files crc_names(manifest) picks."""
     ckpt_dir = Path(ckpt_dir)
     files, problem = _read_manifest(ckpt_dir)
     if problem is None:
         problem = _size_problem(ckpt_dir, files)
-    if problem is None and checksums:
-        problem = _crc_problem(ckpt_dir, files, sorted(files))
+    if problem is None:
+        problem = _crc_problem(ckpt_dir, files, crc_names(files))
     return problem
+
+
+def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
+    """None if the checkpoint is intact, else what is wrong with it (one sentence).
+    Sizes are always checked; `checksums` also reads every file (as loading it would)."""
+    return _check(ckpt_dir, lambda files: sorted(files) if checksums else [])
 
 
 def crc_share(files: dict, rank: int, world_size: int) -> list:
@@ -173,13 +178,7 @@ def crc_share(files: dict, rank: int, world_size: int) -> list:
 def verify_share(ckpt_dir, rank: int, world_size: int) -> Optional[str]:
     """`verify` split over ranks: the sizes of every file (cheap) and the CRC-32 of this rank's
     share of the files (`crc_share`). None where this rank found nothing wrong."""
-    ckpt_dir = Path(ckpt_dir)
-    files, problem = _read_manifest(ckpt_dir)
-    if problem is None:
-        problem = _size_problem(ckpt_dir, files)
-    if problem is None:
-        problem = _crc_problem(ckpt_dir, files, crc_share(files, rank, world_size))
-    return problem
+    return _check(ckpt_dir, lambda files: crc_share(files, rank, world_size))
 
 
 def _step_dirs(root: Path) -> list:

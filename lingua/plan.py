@@ -334,31 +334,18 @@ def _fsdp_bytes(parts, e: int, reshard_after_forward: bool) -> int:
 
 
 def _build_parts(args, app, dims, rank: int, world_size: int):
-    """This rank's parallelised model parts on meta, and its stage ids."""
-    from lingua import coverage, distributed, pipeline
+    """This rank's parallelised model parts on meta, and its stage ids: the trainer's own build."""
+    from lingua import distributed, trainer
     from lingua.distributed import DistEnv
 
-    d = args.distributed
     # Same shards, without what needs a GPU or changes no shape: compile, async TP's symmetric
     # memory, CPU offload's pinned host copies.
-    build_args = dataclasses.replace(d, compile=False, async_tp=False, cpu_offload=False)
+    build_args = dataclasses.replace(args, distributed=dataclasses.replace(
+        args.distributed, compile=False, async_tp=False, cpu_offload=False))
     mesh = distributed.build_mesh(dims, "cpu") if world_size > 1 else None
     env = DistEnv(rank=rank, local_rank=0, world_size=world_size, device=torch.device("cpu"),
                   dims=dims, mesh=mesh)
-    with torch.device("meta"):
-        model = app.model_class(args.model)
-    stage_ids, parts = [0], [model]
-    if dims.pp > 1:
-        pp_rank = env.local_rank_in("pp")
-        stage_ids = pipeline.stage_ids_of_rank(pp_rank, d.pp, d.pp_virtual_stages, d.pp_schedule)
-        n_stages = d.pp * d.pp_virtual_stages
-        layers = pipeline.stage_layer_ids(args.model.n_layers, n_stages, d.pp_split)
-        parts = [pipeline.split_model(model, layers[s], s == 0, s == n_stages - 1)
-                 for s in stage_ids]
-    parts = [app.parallelize(part, env, build_args) for part in parts]
-    # The trainer's refusal of a plan that leaves a parameter unreduced, before any job starts.
-    coverage.check_parallel_coverage(parts, env, d.ep)
-    return parts, stage_ids
+    return trainer.parallelized_parts_on_meta(build_args, env, app)
 
 
 def _is_moe_block(block) -> bool:

@@ -166,6 +166,23 @@ def build_model_parts(args, env: DistEnv, app: App) -> tuple:
     """
     torch.manual_seed(args.seed)
     hf_state = load_init_from(args, app, env) if args.checkpoint.init_from else None
+    parts, stage_ids = parallelized_parts_on_meta(args, env, app)
+    param_device = distributed.param_device(args.distributed, env.device)
+    for part in parts:
+        weights.materialize(part, env.device, args.seed, param_device)
+    if args.checkpoint.init_from:
+        weights.load_full_state(parts, hf_state, env.device)
+        del hf_state
+    weights.check_placement(parts, env.device, param_device)
+    n_params = sum(p.numel() for part in parts for p in part.parameters())
+    logger.info("model: %.2fM parameters on this rank's %d part(s)", n_params / 1e6, len(parts))
+    return parts, stage_ids
+
+
+def parallelized_parts_on_meta(args, env: DistEnv, app: App) -> tuple:
+    """(parts, stage ids): this rank's pipeline stages of the model built on the meta device,
+    parallelized by the app's plan and checked for parameters the plan leaves out of a gradient
+    reduction; no storage yet. The trainer and the planner (lingua.plan) both build this way."""
     with torch.device("meta"):
         model = app.model_class(args.model)
     stage_ids, parts = [0], [model]
@@ -181,15 +198,6 @@ def build_model_parts(args, env: DistEnv, app: App) -> tuple:
     parts = [app.parallelize(part, env, args.distributed) for part in parts]
     # A parameter the app's plan left out of a reduction would train silently wrong: refuse.
     coverage.check_parallel_coverage(parts, env, args.distributed.ep)
-    param_device = distributed.param_device(args.distributed, env.device)
-    for part in parts:
-        weights.materialize(part, env.device, args.seed, param_device)
-    if args.checkpoint.init_from:
-        weights.load_full_state(parts, hf_state, env.device)
-        del hf_state
-    weights.check_placement(parts, env.device, param_device)
-    n_params = sum(p.numel() for part in parts for p in part.parameters())
-    logger.info("model: %.2fM parameters on this rank's %d part(s)", n_params / 1e6, len(parts))
     return parts, stage_ids
 
 
