@@ -187,11 +187,13 @@ def _step_dirs(root: Path) -> list:
                   key=lambda p: int(p.name)) if root.is_dir() else []
 
 
-def newest(dump_dir, checksums: bool = False) -> Optional[Path]:
-    """The newest checkpoint that passes `verify`; damaged newer ones (a missing .metadata
-    included) are skipped with a warning. Unfinished `.tmp-` directories are not candidates."""
+def newest(dump_dir) -> Optional[Path]:
+    """The newest checkpoint whose files have the manifest's sizes (no checksums: a quick look,
+    e.g. before any process group; resume reads every byte through `newest_verified`); damaged
+    newer ones (a missing .metadata included) are skipped with a warning. Unfinished `.tmp-`
+    directories are not candidates."""
     for ckpt in reversed(_step_dirs(checkpoints_dir(dump_dir))):
-        problem = verify(ckpt, checksums)
+        problem = verify(ckpt, checksums=False)
         if problem is None:
             return ckpt
         logger.warning("skipping damaged checkpoint %s: %s; trying the one before", ckpt, problem)
