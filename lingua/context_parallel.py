@@ -172,7 +172,7 @@ class AllGatherKVAttention(nn.Module):
         self.ctx = ctx
         self.n_rep = n_rep  # query heads per key/value head (grouped-query attention)
 
-    def forward(self, q, k, v, mask=None):
+    def forward(self, q, k, v, mask=None, decoding: bool = False):  # never decoding under CP
         # `mask` is ignored: the model built it for the local shard as if it were a whole
         # sequence (local positions 0..s_local-1), which is wrong here; the context's mask relates
         # each local query's global position (and document) to every key of the full sequence.
@@ -207,7 +207,7 @@ class RingAttention(nn.Module):
         super().__init__()
         self.ctx = ctx
 
-    def forward(self, q, k, v, mask=None):
+    def forward(self, q, k, v, mask=None, decoding: bool = False):  # never decoding under CP
         self.ctx.require()  # outside the context sdpa would silently attend within the shard only
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # Looked up at call time on purpose: torch's CP context replaces F.scaled_dot_product_attention.

@@ -1,8 +1,7 @@
-"""Hugging Face interop shared by the apps: names, config fields and files of a LLaMA-style
-decoder built from lingua.transformer's blocks (attention, SwiGLU, RMSNorm, RoPE).
-
-An app's hf.py (apps/llama/hf.py for LlamaForCausalLM, apps/moe/hf.py for Mixtral and GLM-4.5
-MoE) adds only what its architecture has on top.
+"""Hugging Face interop machinery shared by the apps: reading safetensors files and config fields
+(RoPE, SwiGLU width), and the checks that nothing is dropped. What names map to what is each
+app's own: its hf.py (apps/llama/hf.py for LlamaForCausalLM, apps/moe/hf.py for Mixtral and
+GLM-4.5 MoE) holds its key map and config.
 
 Nothing is dropped silently in either direction. The app's key map is the source of truth: on
 export every tensor of the model's state dict must be mapped or be on the app's NOT_EXPORTED list
@@ -22,60 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lingua.errors import ConfigError
-from lingua.transformer import TransformerArgs, ffn_hidden_dim
+from lingua.transformer import ffn_hidden_dim
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def key_map(args: TransformerArgs) -> Dict[str, str]:
-    """Our state_dict key -> HF key."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not args.tie_embeddings:
-        names["output.weight"] = "lm_head.weight"
-    per_layer = {
-        "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-        "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-        "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-        "feed_forward.w2": "mlp.down_proj",
-        "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    }
-    for i in range(args.n_layers):
-        for ours, theirs in per_layer.items():
-            names[f"layers.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
-    return names
-
-
-def llama_hf_config(args: TransformerArgs, dtype: torch.dtype) -> dict:
-    rope_scaling = None
-    if args.rope_scaling:
-        rope_scaling = {
-            "rope_type": "llama3", "factor": args.rope_scale_factor,
-            "low_freq_factor": args.rope_low_freq_factor, "high_freq_factor": args.rope_high_freq_factor,
-            "original_max_position_embeddings": args.rope_original_max_seq_len,
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads or args.n_heads,
-        "head_dim": args.dim // args.n_heads,
-        "vocab_size": args.vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "initializer_range": args.init_std,
-        # HF needs only intermediate_size; these let load_hf give back the same LlamaArgs.
-        "lingua_ffn": {"multiple_of": args.multiple_of, "ffn_dim_multiplier": args.ffn_dim_multiplier},
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
 
 
 def rope_args(cfg: dict, config_path: Path) -> dict:

@@ -171,11 +171,12 @@ def split_model(model: nn.Module, layer_ids: Sequence[int], is_first: bool,
     for name in list(part.layers):
         if name not in keep:
             del part.layers[name]
-    if not is_first:
-        part.tok_embeddings = None
-    if not is_last:
-        part.norm = None
-        part.output = None
+    # Which modules only the first / last stage holds: the model says (lingua.decoder.Decoder's
+    # first_stage_modules / last_stage_modules; an app adds its own, e.g. modules after the head).
+    first_only = getattr(model, "first_stage_modules", ("tok_embeddings",))
+    last_only = getattr(model, "last_stage_modules", ("norm", "output"))
+    for name in (() if is_first else first_only) + (() if is_last else last_only):
+        setattr(part, name, None)
     return part
 
 
@@ -277,6 +278,20 @@ class Pipeline:
         # torch's stages infer shapes on their first step with an extra forward (on real tensors
         # at the first stage); anything that counts forward calls (the probe) waits for step 2.
         self.steps_run = 0
+        # ... and the last stage's extra forward ends in one extra loss_fn call, on uninitialised
+        # tensors (torch's _backward_metadata_inference, before any micro-batch): a loss_fn that
+        # records its values reads this flag and leaves that call out.
+        self.inferring_shapes = False
+        self._inference_calls_left = 0
+
+    def loss_fn_for_torch(self, output, target, **kwargs):
+        """The loss_fn build_schedule gives torch's schedule: ours, with inferring_shapes set."""
+        self.inferring_shapes = self._inference_calls_left > 0
+        self._inference_calls_left = max(0, self._inference_calls_left - 1)
+        try:
+            return self.loss_fn(output, target, **kwargs)
+        finally:
+            self.inferring_shapes = False
 
     def _check_batch(self, tokens):
         if tokens.shape[0] % self.n_microbatches:
@@ -284,17 +299,23 @@ class Pipeline:
                               f"{self.n_microbatches} equal pipeline micro-batches.")
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor,
-             doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+             doc_ids: torch.Tensor | None = None,
+             model_kwargs: dict | None = None) -> torch.Tensor | None:
         """Forward and backward; gradients accumulate into the parts' .grad (summed over
         micro-batches). Returns the sum of loss_fn over this rank's micro-batches (a detached
-        scalar) on the rank holding the last stage, None elsewhere."""
+        scalar) on the rank holding the last stage, None elsewhere. `labels` is whatever loss_fn
+        compares the output with (any [b, ...] tensor)."""
         self._check_batch(tokens)
         # Tokens only enter at the first stage and labels only at the last; doc_ids go to every
-        # stage (each one builds its attention mask).
+        # stage (each one builds its attention mask), and so do an app's extra forward inputs
+        # (model_kwargs: [b, ...] tensors, cut into micro-batches like the tokens).
         args = (tokens.to(self.device),) if self.has_first else ()
         kwargs = {"doc_ids": doc_ids.to(self.device)} if doc_ids is not None else {}
+        kwargs.update({k: v.to(self.device) for k, v in (model_kwargs or {}).items()})
         target = labels.to(self.device) if self.has_last else None
         losses: list = []
+        if self.steps_run == 0 and self.has_last:
+            self._inference_calls_left = 1
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         self.steps_run += 1
         if not self.has_last:
@@ -399,14 +420,17 @@ def build_schedule(stage_modules: Sequence[nn.Module], stage_ids: Sequence[int],
     n_mb = n_microbatches or default_microbatches(pp, virtual)
     stages = [PipelineStage(module, stage_id, n_stages, torch.device(device), group=group)
               for module, stage_id in zip(stage_modules, stage_ids)]
+    pipe = Pipeline(None, stages, n_mb, loss_fn, stage_to_rank, group)
     cls = get_schedule_class(name)
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
             raise ConfigError(f"distributed.pp_schedule={name} runs one stage per rank; this rank "
                               f"holds {len(stages)} ({list(stage_ids)}).")
-        sched = cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=False)
+        pipe.schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=pipe.loss_fn_for_torch,
+                            scale_grads=False)
     else:
-        sched = cls(stages, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=False)
+        pipe.schedule = cls(stages, n_microbatches=n_mb, loss_fn=pipe.loss_fn_for_torch,
+                            scale_grads=False)
     logger.info("pipeline: schedule %s, stages %s of %d on pp rank %d, %d micro-batches",
                 name, list(stage_ids), n_stages, group.rank(), n_mb)
-    return Pipeline(sched, stages, n_mb, loss_fn, stage_to_rank, group)
+    return pipe

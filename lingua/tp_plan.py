@@ -1,5 +1,8 @@
-"""The tensor + sequence parallel plan for decoders built from lingua.transformer's blocks (LLaMA,
-and the attention and dense layers of apps/moe): Megatron-style TP with sequence parallelism.
+"""Tensor + sequence parallelism for lingua's decoder shell (lingua/decoder.py): the plan of its
+own modules (embeddings, final norm, output, pipeline-stage boundaries) and the checks that do not
+depend on an app's blocks. Each app writes its blocks' plan against its own module names in its
+parallelize.py (apps/llama/parallelize.py: attention and SwiGLU), in the same style:
+Megatron-style TP with sequence parallelism.
 
 Between blocks the residual stream is a DTensor sharded over the sequence (Shard(1)): norms and
 residual adds run on S/tp tokens per rank. Each attention / feed-forward input is all-gathered
@@ -20,7 +23,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -29,25 +31,13 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from lingua.errors import ConfigError
 
 
-def validate_tp(model_args, tp: int, seq_len: int | None = None) -> None:
-    """Cheap checks before any process group exists; raises ConfigError naming the fix."""
+def validate_decoder_tp(model_args, tp: int, seq_len: int | None = None) -> None:
+    """The shell's checks before any process group exists (an app adds its blocks', such as
+    heads divisible by tp); raises ConfigError naming the fix."""
     if tp < 1:
         raise ConfigError(f"distributed.tp={tp} must be at least 1.")
     if tp == 1:
         return
-    n_heads = model_args.n_heads
-    n_kv = model_args.n_kv_heads or n_heads
-    if n_heads % tp:
-        raise ConfigError(
-            f"model.n_heads={n_heads} is not divisible by distributed.tp={tp}: tensor parallelism "
-            f"gives each rank whole attention heads. Use a tp that divides {n_heads}, or change "
-            "model.n_heads.")
-    if n_kv % tp:
-        raise ConfigError(
-            f"model.n_kv_heads={n_kv} is not divisible by distributed.tp={tp}: each rank holds "
-            f"n_kv_heads / tp key/value heads (grouped-query attention). Use a tp that divides "
-            f"{n_kv}, or raise model.n_kv_heads to a multiple of {tp} that divides "
-            f"model.n_heads={n_heads}.")
     if model_args.tie_embeddings:
         raise ConfigError(
             f"model.tie_embeddings=true with distributed.tp={tp} is not supported: the tied output "
@@ -85,17 +75,19 @@ class StageBoundary(ParallelStyle):
         return module
 
 
-def decoder_tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]:
-    """(root_plan, block_plan) for lingua.tensor_parallel.apply_tp.
+def decoder_root_plan(model: nn.Module, loss_parallel: bool) -> dict:
+    """The plan of the shell's own modules, for lingua.tensor_parallel.apply_tp's root plan.
 
-    `model` is the Transformer or one pipeline part of it: the root plan only names the modules
-    the part holds. With `loss_parallel` the logits stay sharded over the vocabulary (a Shard(-1)
+    `model` is the decoder or one pipeline part of it: the plan only names the modules the part
+    holds. Between blocks the residual stream is a Shard(1) DTensor (sequence parallel): the
+    embeddings reduce-scatter into it, the final norm runs on it, and the output projection
+    gathers it. With `loss_parallel` the logits stay sharded over the vocabulary (a Shard(-1)
     DTensor for lingua.tensor_parallel.token_loss_sum); otherwise they are all-gathered into a
     plain tensor.
     """
     if getattr(getattr(model, "args", None), "tie_embeddings", False):
         raise ConfigError("model.tie_embeddings=true is not supported with distributed.tp>1: "
-                          "set model.tie_embeddings=false (see lingua.tp_plan.validate_tp).")
+                          "set model.tie_embeddings=false (see lingua.tp_plan.validate_decoder_tp).")
     root: dict = {}
     first, last = model.tok_embeddings is not None, model.output is not None
     if first:
@@ -109,25 +101,4 @@ def decoder_tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]
                                          use_local_output=not loss_parallel)
     if not (first and last):
         root[""] = StageBoundary(wrap_input=not first, unwrap_output=not last)
-
-    # Attention is called as attention(x, rope, mask, cache, cache_key) by TransformerBlock:
-    # only x is sharded; rope (cos, sin), mask and cache are plain tensors / None / objects that
-    # every rank holds in full, and the per-head math needs no change (heads are whole per rank).
-    block = {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
-                                        desired_input_layouts=(Replicate(), None, None, None, None),
-                                        use_local_output=True),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                           desired_input_layouts=(Replicate(),),
-                                           use_local_output=True),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-    }
-    return root, block
+    return root

@@ -23,8 +23,9 @@ from typing import Callable, Optional
 
 import torch
 
-from lingua import (checkpoint, config, coverage, data, distributed, evaluation, metrics, optim,
-                    pipeline, preemption, weights)
+from lingua import (checkpoint, config, coverage, data, decoder, distributed, evaluation, metrics,
+                    optim, pipeline, preemption, weights)
+from lingua import loss as loss_module
 from lingua import probe as probe_module
 from lingua.checkpoint import CheckpointArgs
 from lingua.context_parallel import cp_batch, validate_cp
@@ -86,6 +87,10 @@ class App:
                                                   # first run one forward each to infer shapes
     step_metrics: Optional[Callable] = None       # (parts, env) -> dict of extra logged values;
                                                   # every rank calls it on logging steps
+    # The loss seam (lingua/loss.py): how the model's output becomes the summed loss, and what
+    # else the forward and the loss take, made from the whole batch before any sharding.
+    loss: Callable = loss_module.cross_entropy    # (output, target) -> LossOutput
+    batch_inputs: Callable = loss_module.default_batch_inputs  # (tokens, labels) -> (kwargs, target)
 
 
 def device_type() -> str:
@@ -185,6 +190,9 @@ def parallelized_parts_on_meta(args, env: DistEnv, app: App) -> tuple:
     reduction; no storage yet. The trainer and the planner (lingua.plan) both build this way."""
     with torch.device("meta"):
         model = app.model_class(args.model)
+    # What the loop, pipeline and context parallelism rely on (lingua/decoder.py), named if missing.
+    decoder.check_model_contract(model, app.model_class.__module__.replace(".", "/") + ".py",
+                                 context_parallel=args.distributed.cp > 1)
     stage_ids, parts = [0], [model]
     if env.dims.pp > 1:
         d = args.distributed
@@ -274,25 +282,78 @@ def doc_ids_of(batch, args):
     return batch.doc_ids if args.model.attn_mask == "block_causal" else None
 
 
+@dataclass
+class MicroBatch:
+    """This rank's share of one micro-batch, as the model and the app's loss take it."""
+    tokens: torch.Tensor
+    target: torch.Tensor            # labels, or what the app's batch_inputs made
+    doc_ids: Optional[torch.Tensor]
+    positions: Optional[torch.Tensor]   # global positions of a context-parallel shard
+    model_kwargs: dict              # the app's extra forward inputs [b, s, ...]
+
+
 @contextlib.contextmanager
-def sequence_shard(parts, batch, args, env: DistEnv):
-    """This rank's (tokens, labels, doc_ids, positions) of a micro-batch. With context
+def sequence_shard(parts, batch, args, env: DistEnv, app: Optional[App] = None):
+    """This rank's MicroBatch of a data micro-batch. The app's extra inputs and target are made
+    from the whole sequence first (a target may look ahead across the cut). With context
     parallelism each rank keeps a head and a tail chunk of the sequence, and the attention
     context (global positions, document ids) is set for the forward and backward inside."""
     tokens, labels = batch.tokens.to(env.device), batch.labels.to(env.device)
+    model_kwargs, target = ({}, labels) if app is None else app.batch_inputs(tokens, labels)
     doc_ids = doc_ids_of(batch, args)
     doc_ids = None if doc_ids is None else doc_ids.to(env.device)
     if args.distributed.cp == 1:
-        yield tokens, labels, doc_ids, None
+        yield MicroBatch(tokens, target, doc_ids, None, model_kwargs)
         return
-    with cp_batch(parts, tokens, labels, doc_ids) as local:
+    with cp_batch(parts, tokens, None, doc_ids) as local:
+        def mine(t):
+            return t.index_select(1, local.positions)
         # The CP attention masks by document itself, from the full-sequence ids it was given.
-        yield local.tokens, local.labels, None, local.positions
+        yield MicroBatch(local.tokens, mine(target), None, local.positions,
+                         {k: mine(v) for k, v in model_kwargs.items()})
 
 
-def loss_sum(model, tokens, labels, doc_ids, positions) -> torch.Tensor:
-    """Summed token cross-entropy of one micro-batch through a whole (unpipelined) model."""
-    return evaluation.token_loss_sum(model(tokens, doc_ids, positions=positions), labels)
+def forward_loss(app: App, model, mb: MicroBatch) -> "loss_module.LossOutput":
+    """One micro-batch through a whole (unpipelined) model, then the app's loss."""
+    output = model(mb.tokens, mb.doc_ids, positions=mb.positions, **mb.model_kwargs)
+    return app.loss(output, mb.target)
+
+
+def eval_loss_sum(model, mb: MicroBatch) -> torch.Tensor:
+    """Validation: the next-token cross-entropy of the model's output on the tokens alone
+    (sequence_shard without an app: the target is the labels)."""
+    return evaluation.token_loss_sum(model(mb.tokens, mb.doc_ids, positions=mb.positions), mb.target)
+
+
+class StepLoss:
+    """The step's loss and the app's loss metrics, summed over micro-batches (detached, fp64)
+    until logged: `loss` is the sum of loss_sum over the sum of tokens, over every micro-batch
+    and every rank holding distinct tokens (data and context parallel, the last pipeline
+    stage), and so is each metric's sum / count."""
+
+    def __init__(self, device):
+        self.device = device
+        self.sums: dict = {}
+
+    def add(self, out: "loss_module.LossOutput") -> None:
+        values = {"loss": (out.loss_sum, out.tokens), **out.metrics}
+        for name, (total, count) in values.items():
+            pair = torch.stack([torch.as_tensor(total, device=self.device).detach().double(),
+                                torch.as_tensor(count, device=self.device).double()])
+            self.sums[name] = self.sums[name] + pair if name in self.sums else pair
+
+    def reduced(self, env: DistEnv, has_loss: bool) -> dict:
+        """{name: sum / count} over the ranks; every rank calls it (collectives)."""
+        names = sorted(self.sums)
+        if env.dims.pp > 1:  # only the last stage computes losses: it tells the others the names
+            everyone = [None] * env.mesh["pp"].size()
+            torch.distributed.all_gather_object(everyone, names if has_loss else None,
+                                                group=env.mesh["pp"].get_group())
+            names = next(n for n in everyone if n is not None)
+        zeros = torch.zeros(2, dtype=torch.float64, device=self.device)
+        stacked = torch.stack([self.sums.get(name, zeros) for name in names])
+        stacked = distributed.all_reduce_sum(stacked, env)
+        return {name: (total / count).item() for name, (total, count) in zip(names, stacked)}
 
 
 class Run:
@@ -310,6 +371,7 @@ class Run:
         self.global_tokens = self.global_batch * args.data.seq_len
         self.pipe = self._build_pipeline(stage_ids)
         self.phases = profiling.PhaseTimer(env.device)   # fwd_s, bwd_s, optim_s in metrics
+        self.step_loss = StepLoss(env.device)   # the current step's losses (train_step)
         self.nonfinite_steps = 0  # steps skipped for NaN/Inf gradients (optim.nonfinite=skip)
         self.step = self._resume()
 
@@ -318,8 +380,11 @@ class Run:
         if d.pp == 1:
             return None
 
-        def loss_fn(logits, labels):
-            return evaluation.token_loss_sum(logits, labels) / self.global_tokens
+        def loss_fn(output, target):  # called by the schedule on the last stage, per micro-batch
+            out = self.app.loss(output, target)
+            if not self.pipe.inferring_shapes:   # torch's extra first call, on empty tensors
+                self.step_loss.add(out)
+            return out.loss_sum / self.global_tokens
 
         n_microbatches = d.pp_microbatches or pipeline.default_microbatches(d.pp, d.pp_virtual_stages)
         return pipeline.build_schedule(self.parts, stage_ids, d.pp * d.pp_virtual_stages,
@@ -340,44 +405,41 @@ class Run:
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
         return state["step"]
 
-    def train_step(self, micro_batches) -> torch.Tensor:
-        """Forward/backward over this rank's micro-batches. Returns this rank's share of the
-        global mean loss (summed over the ranks that hold distinct tokens, it is the loss)."""
+    def train_step(self, micro_batches) -> None:
+        """Forward/backward over this rank's micro-batches; their losses add up in
+        self.step_loss. Each micro-batch's summed loss is divided by the global batch's token
+        count (and gradients are summed over ranks), so the gradient is that of the mean loss
+        over the global batch, whatever the layout."""
         args, env = self.args, self.env
-        share = torch.zeros((), dtype=torch.float64, device=env.device)
         with loss_parallel_context(self.loss_parallel):
             for batch in micro_batches:
-                with sequence_shard(self.parts, batch, args, env) as (tokens, labels, doc_ids, positions):
+                with sequence_shard(self.parts, batch, args, env, self.app) as mb:
                     if self.pipe is not None:
                         # The schedule interleaves micro-batches' forwards and backwards (and
                         # the stages' sends), so only their sum can be timed: fwd_bwd_s.
                         # For the same reason autocast (where needed) covers the backwards too.
                         # Harmless: backward ops run in the dtypes their forwards saved (checked
                         # on the LLaMA model: the same gradients, bit for bit, as outside it).
+                        # The schedule calls the app's loss (loss_fn above) on the last stage.
                         with self.phases.phase("fwd_bwd"), mixed_precision(args, env, self.parts):
-                            out = self.pipe.step(tokens, labels, doc_ids)
-                        share += 0.0 if out is None else out.double()
+                            self.pipe.step(mb.tokens, mb.target, mb.doc_ids, mb.model_kwargs)
                         continue
                     with self.phases.phase("fwd"), mixed_precision(args, env, self.parts):
-                        token_loss = loss_sum(self.parts[0], tokens, labels, doc_ids, positions)
-                    # Dividing by the global batch's token count (and summing gradients over
-                    # ranks) makes the gradient that of the mean loss over the global batch,
-                    # whatever the layout.
+                        out = forward_loss(self.app, self.parts[0], mb)
                     with self.phases.phase("bwd"):
-                        (token_loss / self.global_tokens).backward()
-                    share += token_loss.detach().double() / self.global_tokens
-        return share
+                        (out.loss_sum / self.global_tokens).backward()
+                    self.step_loss.add(out)
 
     def validation_loss(self) -> dict:
         args, env = self.args, self.env
 
         def batch_loss(batch):
-            with sequence_shard(self.parts, batch, args, env) as (tokens, labels, doc_ids, positions):
+            with sequence_shard(self.parts, batch, args, env) as mb:
                 with mixed_precision(args, env, self.parts):
                     if self.pipe is not None:
-                        return self.pipe.eval_loss(tokens, labels, doc_ids,
+                        return self.pipe.eval_loss(mb.tokens, mb.target, mb.doc_ids,
                                                    loss_fn=evaluation.token_loss_sum)
-                    return loss_sum(self.parts[0], tokens, labels, doc_ids, positions)
+                    return eval_loss_sum(self.parts[0], mb)
 
         with loss_parallel_context(self.loss_parallel):
             return evaluation.evaluate(self.parts, self.val_batches, env, batch_loss)
@@ -479,7 +541,8 @@ class Run:
                 probe.start()
             if app.start_step is not None:
                 app.start_step(self.parts, shape_inference)
-            loss_share = self.train_step(micro_batches)
+            self.step_loss = StepLoss(env.device)   # this step's losses only
+            self.train_step(micro_batches)
             if probing:  # weights and gradients as the optimizer will see them, before clipping
                 probe.stop()
                 probe_alerts += probe.finish_step(self.step + 1, log.wandb_run)
@@ -508,14 +571,15 @@ class Run:
             last = self.step == args.steps
             if self.step % args.logging.every == 0 or last:
                 tokens_per_s = window.tokens_per_s()
-                row = {"step": self.step, "loss": distributed.all_reduce_sum(loss_share, env).item(),
-                       "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
+                losses = self.step_loss.reduced(env, self.pipe is None or self.pipe.has_last)
+                row = {"step": self.step, "loss": losses.pop("loss"), "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
                        "mfu": metrics.mfu(flops_per_token * tokens_per_s / env.world_size, peak),
                        "data_s": window.data_s(), "step_s": window.step_s(), **window.phase_s(),
                        "peak_mem_gib": metrics.peak_memory_gib(env.device),
                        "nonfinite_steps": self.nonfinite_steps, **self._skipped_data()}
                 if args.logging.spike_factor > 0:
                     row["loss_spike"] = int(spikes.check(self.step, row["loss"]))
+                row.update(losses)    # the app's loss metrics (LossOutput.metrics)
                 if app.step_metrics is not None:
                     row.update(app.step_metrics(self.parts, env))
                 if probe is not None:

@@ -1,8 +1,11 @@
-"""Reusable transformer blocks: RMSNorm, RoPE, grouped-query attention with several backends, SwiGLU.
+"""Small transformer pieces apps build their blocks from: RMSNorm, RoPE, the attention kernel
+call (sdpa / flex / xformers, as the CoreAttention module), a KV cache, SwiGLU; and the decoder
+shape every app's args extend (TransformerArgs). The blocks themselves (attention with its
+projections, the layer) belong to each app's model.py; the decoder shell around them is
+lingua/decoder.py.
 
-No distributed code here: tensor parallelism shards the Linear layers from outside, so shapes are
-read from the tensors (`view(b, s, -1, head_dim)`) rather than from the configured head counts.
-Parameter names mirror Meta's llama (wq/wk/wv/wo, w1/w2/w3) so checkpoint mappings stay simple.
+No distributed code here: tensor parallelism shards an app's Linear layers from outside, so apps
+read shapes from the tensors (`view(b, s, -1, head_dim)`) rather than from the head counts.
 
 RoPE layout: we rotate the two *halves* of each head (`rotate_half`, as Hugging Face does) instead
 of Meta's interleaved pairs with complex numbers. Both are the same operation up to a fixed
@@ -163,6 +166,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + _rotate_half(xf) * sin).type_as(x)
 
 
+def rope_tables(args: "TransformerArgs", device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The model's cos, sin tables [max_seq_len, head_dim] from its args (Llama 3.1 scaling
+    included); empty tables of the right shape on the meta device."""
+    head_dim = args.dim // args.n_heads
+    if device is not None and torch.device(device).type == "meta":
+        cos = torch.empty(args.max_seq_len, head_dim, device="meta")
+        return cos, torch.empty_like(cos)
+    inv_freq = rope_inv_freq(head_dim, args.rope_theta, args.rope_scaling, args.rope_scale_factor,
+                             args.rope_low_freq_factor, args.rope_high_freq_factor,
+                             args.rope_original_max_seq_len)
+    return rope_cos_sin(inv_freq, args.max_seq_len, device)
+
+
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: repeat k/v [b, s, kv_heads, d] to the queries' n_heads, so every
+    kernel sees plain multi-head attention (kv head j serves query heads j*n_rep ..
+    (j+1)*n_rep-1, the grouping Meta and HF use)."""
+    n_rep = n_heads // k.shape[2]
+    if n_rep == 1:
+        return k, v
+    return k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention backends
 
@@ -318,47 +344,25 @@ class KVCache:
 
 
 class CoreAttention(nn.Module):
-    """softmax(QK^T)V over heads, as a module so that parallelism can swap it from outside
-    (context parallelism replaces it with a version that sees every rank's keys and values)."""
+    """softmax(QK^T)V over heads: the attention kernel call every app's attention block makes
+    through this module (one contract of apps' model files, checked at start by
+    lingua.coverage.check_model_contract). Context parallelism finds it by type and replaces it
+    with a version that sees every rank's keys and values; the probe hooks it for attention
+    statistics. Its inputs are q, k, v [b, s, heads, head_dim] after RoPE and with k/v already
+    repeated to the query heads (repeat_kv), and the mask the decoder shell built.
+
+    With a KV cache (decoding) it runs sdpa with the cache's offset-causal mask on any backend.
+    """
 
     def __init__(self, backend: str = "sdpa"):
         super().__init__()
         self.backend = backend
 
-    def forward(self, q, k, v, mask=None):
-        return attention(q, k, v, self.backend, mask)
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, backend: str = "sdpa"):
-        super().__init__()
-        self.head_dim = dim // n_heads
-        self.backend = backend
-        self.core = CoreAttention(backend)
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
-
-    def forward(self, x, rope, mask=None, cache: Optional[KVCache] = None, cache_key: str = ""):
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if cache is not None:
-            k, v = cache.update(cache_key, k, v)
-        # Repeat kv heads so every backend sees plain multi-head attention (kv head j serves query
-        # heads j*n_rep .. (j+1)*n_rep-1, the grouping Meta and HF use).
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:
-            k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
-        if cache is not None:  # decoding: sdpa with the cache's offset-causal mask on any backend
+    def forward(self, q, k, v, mask=None, decoding: bool = False):
+        if decoding:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
-        else:
-            out = self.core(q, k, v, mask)
-        return self.wo(out.reshape(b, s, -1))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+        return attention(q, k, v, self.backend, mask)
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:

@@ -159,15 +159,17 @@ def poison_step(monkeypatch, bad_step: int, value: float):
     """Make the loss of one step NaN/Inf (or scaled), as a bad batch or an overflow would."""
     from lingua import trainer
 
-    real = trainer.loss_sum
+    real = trainer.forward_loss
     calls = {"n": 0}
 
-    def loss_sum(*args, **kwargs):
+    def forward_loss(*args, **kwargs):
         calls["n"] += 1
-        loss = real(*args, **kwargs)
-        return loss * value if calls["n"] == bad_step else loss
+        out = real(*args, **kwargs)
+        if calls["n"] == bad_step:
+            out.loss_sum = out.loss_sum * value
+        return out
 
-    monkeypatch.setattr(trainer, "loss_sum", loss_sum)
+    monkeypatch.setattr(trainer, "forward_loss", forward_loss)
 
 
 def test_nonfinite_skip_drops_the_step_and_counts_it(corpus, tmp_path, monkeypatch, reference):

@@ -230,3 +230,30 @@ def test_ffn_hidden_dim_matches_meta_llama_sizes():
     assert ffn_hidden_dim(4096, 1024, 1.3) == 14336          # Llama 3 8B
     assert ffn_hidden_dim(8192, 4096, 1.3) == 28672          # Llama 3 70B
     assert build().layers["0"].feed_forward.w1.weight.shape == (ffn_hidden_dim(64, 32), 64)
+
+
+def test_model_contract_names_what_a_fork_broke():
+    """lingua.decoder.check_model_contract, run by the trainer on the meta model at start."""
+    from apps.llama.model import LlamaArgs, Transformer
+    from lingua.decoder import check_model_contract
+
+    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, vocab_size=40, multiple_of=16, max_seq_len=16)
+    with torch.device("meta"):
+        model = Transformer(args)
+    check_model_contract(model, "apps/llama/model.py", context_parallel=True)
+
+    class NoPositions(Transformer):
+        def forward(self, tokens, doc_ids=None, cache=None):
+            return super().forward(tokens, doc_ids, cache)
+
+    with torch.device("meta"):
+        broken = NoPositions(args)
+    with pytest.raises(ConfigError, match=r"apps/fork/model.py.*forward\(\) takes no `positions`"):
+        check_model_contract(broken, "apps/fork/model.py")
+    with torch.device("meta"):
+        renamed = Transformer(args)
+    renamed.layers["1"].attention.core = torch.nn.Identity()  # its own kernel call: CP cannot reach it
+    check_model_contract(renamed, "apps/fork/model.py")       # fine without CP
+    with pytest.raises(ConfigError, match=r"layer 1 .*does not attend through "
+                                          r"lingua.transformer.CoreAttention"):
+        check_model_contract(renamed, "apps/fork/model.py", context_parallel=True)

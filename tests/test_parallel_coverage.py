@@ -22,7 +22,7 @@ from apps.moe.parallelize import parallelize_moe
 from lingua import plan as planner
 from lingua.distributed import parallel_dims
 from lingua.errors import ConfigError
-from lingua.transformer import Attention
+from apps.llama.model import Attention
 from tests.conftest import TINY_MODEL, run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent
 from tests.workers.qk_norm_train import PLAN_VAR, QKNormAttention, with_qk_norm_plan
@@ -105,8 +105,8 @@ def test_qk_norm_outside_the_tp_plan_is_refused(data, tmp_path, monkeypatch, wor
 
 def test_qk_norm_with_the_suggested_plan_lines_passes(data, tmp_path, monkeypatch):
     monkeypatch.setattr(llama_model, "Attention", QKNormAttention)
-    monkeypatch.setattr(llama_parallelize, "decoder_tp_plans",
-                        with_qk_norm_plan(llama_parallelize.decoder_tp_plans))
+    monkeypatch.setattr(llama_parallelize, "tp_plans",
+                        with_qk_norm_plan(llama_parallelize.tp_plans))
     parts = build(data, tmp_path, "apps.llama.train", 4, "distributed.tp=2")
     weight = param(parts, "layers.0.attention.q_norm.weight")
     assert weight.device_mesh.mesh_dim_names == ("dp_shard_cp", "tp")

@@ -1,4 +1,4 @@
-"""Tensor + sequence parallelism (lingua/tensor_parallel.py, apps/llama/tp_plan.py).
+"""Tensor + sequence parallelism (lingua/tensor_parallel.py, lingua/tp_plan.py, apps/llama/parallelize.py).
 
 Unit: validate_tp / check_async_tp messages. Distributed: this file is also the worker script,
 run under `torch.distributed.run` (see `_launch`): every rank builds the same tiny model from one
@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))  # when run as a script by torchrun
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.distributed import exit_process
 from lingua.errors import ConfigError
-from lingua.tp_plan import decoder_tp_plans, validate_tp
+from apps.llama.parallelize import tp_plans as decoder_tp_plans, validate_tp
 from lingua.tensor_parallel import (
     apply_tp,
     check_async_tp,

@@ -21,14 +21,61 @@ from safetensors.torch import save_file
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.errors import ConfigError
 from lingua import hf as lingua_hf
-from lingua.hf import DTYPES, ffn_recipe, llama_hf_config, read_weights, rope_args
+from lingua.hf import DTYPES, ffn_recipe, read_weights, rope_args
+from lingua.transformer import ffn_hidden_dim
 
 
 def key_map(args: LlamaArgs) -> Dict[str, str]:
-    """Our state_dict key -> Hugging Face key, for save_hf and load_hf alike: lingua's LLaMA map. A
-    fork that adds a weight (QK-norm's layers.N.attention.q_norm.weight, ...) maps it here;
-    save_hf refuses a model with an unmapped tensor and load_hf a file with an unconsumed one."""
-    return lingua_hf.key_map(args)
+    """Our state_dict key -> Hugging Face key, for save_hf and load_hf alike. A fork that adds a
+    weight (QK-norm's layers.N.attention.q_norm.weight, ...) maps it here; save_hf refuses a model
+    with an unmapped tensor and load_hf a file with an unconsumed one."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not args.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    per_layer = {
+        "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+        "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+        "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+        "feed_forward.w2": "mlp.down_proj",
+        "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    }
+    for i in range(args.n_layers):
+        for ours, theirs in per_layer.items():
+            names[f"layers.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+    return names
+
+
+def llama_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
+    rope_scaling = None
+    if args.rope_scaling:
+        rope_scaling = {
+            "rope_type": "llama3", "factor": args.rope_scale_factor,
+            "low_freq_factor": args.rope_low_freq_factor, "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_seq_len,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads or args.n_heads,
+        "head_dim": args.dim // args.n_heads,
+        "vocab_size": args.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": args.init_std,
+        # HF needs only intermediate_size; these let load_hf give back the same LlamaArgs.
+        "lingua_ffn": {"multiple_of": args.multiple_of, "ffn_dim_multiplier": args.ffn_dim_multiplier},
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 # State-dict tensors deliberately not exported: pattern (whole name) -> why. Empty: every persistent

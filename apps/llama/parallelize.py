@@ -1,17 +1,83 @@
-"""How the LLaMA model is parallelized: the app's plans, applied with lingua's generic functions.
+"""How the LLaMA model is parallelized: its own plans, written against its own module names
+(apps/llama/model.py), applied with lingua's generic functions.
 
-The model file knows nothing of this; a fork with a new architecture changes the plans here
-(which modules are FSDP units, how layers are tensor-parallel) and keeps the rest.
-Order matters and follows torchtitan: tensor parallel, context parallel, activation
-checkpointing, compile, then FSDP (which must see the final module structure).
+The model file knows nothing of this; a fork that adds or renames weights changes the plans here
+(which modules are FSDP units, how each block's layers are tensor-parallel) and keeps the rest.
+A parameter a plan leaves out of a layout's gradient reductions is refused at start with the plan
+line to add (lingua/coverage.py). Order matters and follows torchtitan: tensor parallel, context
+parallel, activation checkpointing, compile, then FSDP (which must see the final module structure).
 """
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+)
 
-from lingua.tp_plan import decoder_tp_plans
 from lingua.context_parallel import apply_cp
 from lingua.distributed import DistEnv, DistributedArgs, apply_ac, apply_compile, apply_fsdp
+from lingua.errors import ConfigError
 from lingua.tensor_parallel import apply_tp
+from lingua.tp_plan import decoder_root_plan, validate_decoder_tp
+
+
+def validate_tp(model_args, tp: int, seq_len: int | None = None) -> None:
+    """Before any process group: the decoder shell's checks and this plan's (whole heads per
+    rank); raises ConfigError naming the fix."""
+    validate_decoder_tp(model_args, tp, seq_len)
+    if tp == 1:
+        return
+    n_heads = model_args.n_heads
+    n_kv = model_args.n_kv_heads or n_heads
+    if n_heads % tp:
+        raise ConfigError(
+            f"model.n_heads={n_heads} is not divisible by distributed.tp={tp}: tensor parallelism "
+            f"gives each rank whole attention heads. Use a tp that divides {n_heads}, or change "
+            "model.n_heads.")
+    if n_kv % tp:
+        raise ConfigError(
+            f"model.n_kv_heads={n_kv} is not divisible by distributed.tp={tp}: each rank holds "
+            f"n_kv_heads / tp key/value heads (grouped-query attention). Use a tp that divides "
+            f"{n_kv}, or raise model.n_kv_heads to a multiple of {tp} that divides "
+            f"model.n_heads={n_heads}.")
+
+
+def attention_tp_plan() -> dict:
+    """Megatron-style TP with sequence parallelism for the attention half of a block.
+
+    The block's residual stream is Shard(1) over the sequence: the norm runs on S/tp tokens, the
+    attention input is all-gathered to the whole sequence (Replicate), q/k/v are column-sharded
+    (each rank owns whole heads), and wo is row-sharded and reduce-scatters back to Shard(1).
+    Only the first positional input of `attention` is laid out; rope, mask and cache are keyword
+    arguments every rank holds whole, and the per-head math needs no change.
+    """
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                        use_local_output=True),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+
+
+def feed_forward_tp_plan() -> dict:
+    """The SwiGLU half of a block: gathered input, w1/w3 column-sharded, w2 row-sharded."""
+    return {
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                           use_local_output=True),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+
+
+def tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]:
+    """(root_plan, block_plan) for lingua.tensor_parallel.apply_tp; `model` is the Transformer
+    or one pipeline part of it."""
+    return decoder_root_plan(model, loss_parallel), {**attention_tp_plan(), **feed_forward_tp_plan()}
 
 
 def uses_loss_parallel(args: DistributedArgs) -> bool:
@@ -22,7 +88,7 @@ def uses_loss_parallel(args: DistributedArgs) -> bool:
 
 def parallelize_llama(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn.Module:
     if args.tp > 1:
-        root_plan, block_plan = decoder_tp_plans(model, uses_loss_parallel(args))
+        root_plan, block_plan = tp_plans(model, uses_loss_parallel(args))
         apply_tp(model, env.mesh["tp"], root_plan, block_plan, model.layers.values(), args.async_tp)
     if args.cp > 1:
         apply_cp(model, env.mesh["cp"], args.cp_backend)

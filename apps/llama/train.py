@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from apps.llama.hf import load_hf
 from apps.llama.model import LlamaArgs, Transformer, validate_model_args
-from apps.llama.parallelize import parallelize_llama, uses_loss_parallel
-from lingua.tp_plan import validate_tp
+from apps.llama.parallelize import parallelize_llama, uses_loss_parallel, validate_tp
+
 from lingua import config, distributed, optim, trainer
 
 

@@ -36,10 +36,11 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from lingua import hf as lingua_hf
-from lingua.hf import DTYPES, ffn_recipe, key_map, llama_hf_config, read_weights, rope_args
+from apps.llama.hf import key_map, llama_hf_config
+from lingua.hf import DTYPES, ffn_recipe, read_weights, rope_args
 from apps.moe.model import MoEArgs, Transformer, expert_hidden
 from lingua.errors import ConfigError
-from lingua.transformer import ffn_hidden_dim, rope_cos_sin, rope_inv_freq
+from lingua.transformer import ffn_hidden_dim
 
 # MoEArgs fields that only matter for training; recorded so that load_hf gives back the same args.
 TRAINING_FIELDS = ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "expert_impl")
@@ -350,11 +351,7 @@ def _stacked_experts(tensors, args: MoEArgs, kind: str, i: int, path: Path) -> D
 def _init_rope(model: Transformer) -> None:
     """The RoPE tables (non-persistent buffers, still on meta); init_weights would also re-draw the
     weights just loaded."""
-    a = model.args
-    head_dim = a.dim // a.n_heads
-    inv_freq = rope_inv_freq(head_dim, a.rope_theta, a.rope_scaling, a.rope_scale_factor, a.rope_low_freq_factor,
-                             a.rope_high_freq_factor, a.rope_original_max_seq_len)
-    model.rope_cos, model.rope_sin = rope_cos_sin(inv_freq, a.max_seq_len, "cpu")
+    model.init_rope("cpu")
 
 
 def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transformer, MoEArgs]:

@@ -1,23 +1,23 @@
-"""The MoE decoder: LLaMA's attention blocks with mixture-of-experts FFNs (lingua.moe.MoE).
+"""The MoE decoder: apps/llama's attention with mixture-of-experts FFNs (lingua.moe.MoE), in
+lingua's decoder shell (lingua/decoder.py, whose contract this keeps).
 
 The first `n_dense_layers` blocks keep a dense SwiGLU `feed_forward`; the others have a `moe`.
-Same contracts as apps/llama/model.py: forward(tokens, doc_ids, cache, positions), layers keyed
-"0".."n-1" so pipeline stages can drop them, init_weights(buffer_device) after `to_empty`, and a
-stage without tok_embeddings / output takes / returns hidden states.
+The attention block is LLaMA's (apps/llama/model.py), and so are its tensor-parallel lines
+(apps/moe/parallelize.py) and Hugging Face names (apps/moe/hf.py): this app builds on apps/llama.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from apps.llama.model import Attention
+from lingua.decoder import Decoder
 from lingua.errors import ConfigError
 from lingua.moe import EXPERT_IMPLS, SCORE_FUNCS, MoE, active_params_per_token, check_grouped_alignment
 from lingua.transformer import (
-    Attention, FeedForward, KVCache, RMSNorm, TransformerArgs, check_attn_backend, ffn_hidden_dim,
-    make_attn_mask, rope_cos_sin, rope_inv_freq, validate_transformer_args,
+    FeedForward, KVCache, RMSNorm, TransformerArgs, ffn_hidden_dim, validate_transformer_args,
 )
 
 
@@ -81,7 +81,8 @@ class MoEBlock(nn.Module):
             self.feed_forward = FeedForward(args.dim, hidden)
 
     def forward(self, x, rope, mask=None, cache: Optional[KVCache] = None):
-        h = x + self.attention(self.attention_norm(x), rope, mask, cache, str(self.layer_id))
+        h = x + self.attention(self.attention_norm(x), rope=rope, mask=mask, cache=cache,
+                               cache_key=str(self.layer_id))
         return h + (self.moe if self.is_moe else self.feed_forward)(self.ffn_norm(h))
 
     def init_weights(self, std: float, out_std: float):
@@ -105,64 +106,15 @@ class MoEBlock(nn.Module):
         self.ffn_norm.reset_parameters()
 
 
-class Transformer(nn.Module):
+class Transformer(Decoder):
+    """lingua's decoder shell around MoEBlocks."""
+
     def __init__(self, args: MoEArgs):
-        super().__init__()
         validate_moe_args(args)
-        if args.attn_backend == "xformers":
-            check_attn_backend("xformers", "cuda" if torch.cuda.is_available() else "cpu")
-        self.args, self.attn_backend = args, args.attn_backend
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): MoEBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Derived from args, so not persistent: checkpoints hold learned weights only.
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        self.init_weights()  # a no-op on meta; call again after to_empty
+        super().__init__(args)
 
-    @torch.no_grad()
-    def init_weights(self, buffer_device=None):
-        a = self.args
-        head_dim = a.dim // a.n_heads
-        device = torch.device(buffer_device if buffer_device is not None else self.rope_cos.device)
-        if device.type == "meta":
-            self.rope_cos = torch.empty(a.max_seq_len, head_dim, device="meta")
-            self.rope_sin = torch.empty_like(self.rope_cos)
-        else:
-            inv_freq = rope_inv_freq(head_dim, a.rope_theta, a.rope_scaling, a.rope_scale_factor,
-                                     a.rope_low_freq_factor, a.rope_high_freq_factor, a.rope_original_max_seq_len)
-            self.rope_cos, self.rope_sin = rope_cos_sin(inv_freq, a.max_seq_len, device)
-        for module in (self.tok_embeddings, self.output):
-            if module is not None:
-                nn.init.normal_(module.weight, std=a.init_std)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        for block in self.layers.values():  # residual outputs shrink with depth, as in apps/llama
-            depth = 2 * (block.layer_id + 1 if a.depth_init else a.n_layers)
-            block.init_weights(a.init_std, a.init_std / math.sqrt(depth))
-
-    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens [b, s] (hidden states [b, s, dim] on a later pipeline stage) -> logits [b, s, vocab].
-        doc_ids [b, s] keeps attention inside documents; cache: decoding; positions: a CP shard's."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        s, start = h.shape[1], (cache.pos if cache is not None else 0)
-        if start + s > self.rope_cos.shape[0]:
-            raise ConfigError(f"sequence of {start + s} tokens exceeds model.max_seq_len="
-                              f"{self.args.max_seq_len}; raise model.max_seq_len.")
-        pos = positions if positions is not None else slice(start, start + s)
-        rope = (self.rope_cos[pos], self.rope_sin[pos])
-        mask = cache.attn_mask(s) if cache is not None else make_attn_mask(self.attn_backend, doc_ids, s, h.device)
-        for layer in self.layers.values():
-            h = layer(h, rope, mask, cache)
-        if cache is not None:
-            cache.pos += s
-        if self.output is not None:
-            return self.output(self.norm(h))
-        if self.args.tie_embeddings and self.tok_embeddings is not None and self.norm is not None:
-            return nn.functional.linear(self.norm(h), self.tok_embeddings.weight)
-        return h  # a pipeline stage before the last
+    def make_layer(self, layer_id: int, args: MoEArgs) -> nn.Module:
+        return MoEBlock(layer_id, args)
 
 
 def flops_per_token(args: MoEArgs, seq_len: int) -> float:

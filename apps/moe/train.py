@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from apps.moe.hf import load_hf
 from apps.moe.model import MoEArgs, Transformer, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
+from apps.llama.parallelize import validate_tp
 from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
-from lingua.tp_plan import validate_tp
+
 from lingua import config, distributed, optim, trainer
 from lingua.expert_parallel import validate_ep
 from lingua.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias

@@ -32,14 +32,16 @@ class _ScaleGradient(torch.autograd.Function):
 
 def _scale_gradients(factor: float, only_rank=None) -> None:
     """Scale this rank's gradients before FSDP reduces them (the loss stays as logged)."""
-    real = trainer.loss_sum
+    real = trainer.forward_loss
     rank = int(os.environ.get("RANK", "0"))
 
-    def loss_sum(*args, **kwargs):
-        loss = real(*args, **kwargs)
-        return loss if only_rank not in (None, rank) else _ScaleGradient.apply(loss, factor)
+    def forward_loss(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if only_rank in (None, rank):
+            out.loss_sum = _ScaleGradient.apply(out.loss_sum, factor)
+        return out
 
-    trainer.loss_sum = loss_sum
+    trainer.forward_loss = forward_loss
 
 
 def _drop_last_update_on_rank1() -> None:

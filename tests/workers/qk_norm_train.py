@@ -7,7 +7,7 @@ over the tp ranks by the column-parallel wq / wk, so these weights multiply shar
 left out of the TP plan they stay plain per-rank copies whose gradients are never summed over tp.
 
 With LINGUA_TEST_QK_PLAN=1 the fork's parallelize.py also has the plan lines the trainer's
-refusal names, added to the block plan that apps/llama/parallelize.py passes to apply_tp.
+refusal names, added to the block plan that apps/llama/parallelize.py's tp_plans passes to apply_tp.
 """
 
 import os
@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from apps.llama import model, parallelize, train
 from lingua import trainer
-from lingua.transformer import Attention, RMSNorm, apply_rope
+from apps.llama.model import Attention
+from lingua.transformer import RMSNorm, apply_rope, repeat_kv
 
 PLAN_VAR = "LINGUA_TEST_QK_PLAN"
 
@@ -34,9 +35,7 @@ class QKNormAttention(Attention):
         k = self.k_norm(self.wk(x).view(b, s, -1, self.head_dim))
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:
-            k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+        k, v = repeat_kv(k, v, q.shape[2])
         return self.wo(self.core(q, k, v, mask).reshape(b, s, -1))
 
 
@@ -67,5 +66,5 @@ def with_qk_norm_plan(decoder_tp_plans):
 if __name__ == "__main__":
     fork_model()
     if os.environ.get(PLAN_VAR) == "1":
-        parallelize.decoder_tp_plans = with_qk_norm_plan(parallelize.decoder_tp_plans)
+        parallelize.tp_plans = with_qk_norm_plan(parallelize.tp_plans)
     trainer.exit_cli(lambda: train.main(sys.argv[1:]))

@@ -1,0 +1,47 @@
+"""The loss seam: how an app turns its model's output into the loss the trainer minimises.
+
+An app gives the trainer (lingua.trainer.App):
+  loss(output, target) -> LossOutput      default `cross_entropy`: next-token cross-entropy
+  batch_inputs(tokens, labels) -> (model_kwargs, target)
+                                          default: ({}, labels); what else the model's forward
+                                          takes (keyword tensors [b, s, ...]) and what the loss
+                                          compares the output with, both made from the whole
+                                          batch before any sharding
+The trainer shards `model_kwargs` and `target` with the tokens (context parallelism cuts the
+sequence, pipeline parallelism the batch into micro-batches and gives the kwargs to every stage),
+calls the loss on the model's output where the output is (the last pipeline stage), and
+back-propagates `loss_sum / tokens of the global batch`: so each layout computes the gradient of
+the same mean over the global batch. An app's loss therefore returns a SUM over tokens, never a
+mean of its micro-batch.
+
+Validation (val_loss, val_ppl) is the plain next-token cross-entropy of the model's output when
+called with the tokens alone, for every app, so runs of different apps compare.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, Tuple, Union
+
+import torch
+
+from lingua.tensor_parallel import token_loss_sum
+
+Number = Union[torch.Tensor, float, int]
+
+
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor                 # summed over tokens; what backward goes through
+    tokens: Number                         # how many targets loss_sum summed over
+    # Extra named values to log: name -> (sum, count), logged as the step's sum / count over
+    # every micro-batch and rank (as `loss` is: sum of loss_sum / sum of tokens).
+    metrics: Dict[str, Tuple[Number, Number]] = field(default_factory=dict)
+
+
+def cross_entropy(output: torch.Tensor, labels: torch.Tensor) -> LossOutput:
+    """Summed next-token cross-entropy of logits [b, s, vocab] (vocabulary-sharded under loss
+    parallelism) against labels [b, s]: the default loss of every app."""
+    return LossOutput(token_loss_sum(output, labels), labels.numel())
+
+
+def default_batch_inputs(tokens: torch.Tensor, labels: torch.Tensor) -> tuple:
+    return {}, labels
