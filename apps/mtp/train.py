@@ -1,0 +1,96 @@
+"""Train a LLaMA with multi-token prediction: `python -m apps.mtp.train [config=PRESET] [key=value ...]`.
+
+Several processes: `torchrun --nproc-per-node N -m apps.mtp.train distributed.dp_shard=N ...`.
+Reads top to bottom: config, processes, model, optimizer, data and resume, loop. The loop and
+everything generic live in lingua/trainer.py; this file says what is MTP's: the loss (through
+the trainer's loss seam, lingua/loss.py) and the shifted tokens it needs.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from apps.mtp.hf import load_hf
+from apps.mtp.model import LlamaArgs, Transformer, validate_model_args
+from apps.mtp.parallelize import parallelize_mtp, uses_loss_parallel, validate_tp
+from lingua import config, distributed, optim, trainer
+from lingua.loss import LossOutput
+from lingua.tensor_parallel import token_loss_sum
+
+
+@dataclass
+class TrainArgs(trainer.BaseTrainArgs):
+    model: LlamaArgs = field(default_factory=LlamaArgs)
+
+
+config.register_schema("mtp_schema", TrainArgs)
+
+
+def validate_mtp(args: TrainArgs) -> None:
+    validate_model_args(args.model)
+    validate_tp(args.model, args.distributed.tp, args.data.seq_len)
+    config.require(args.distributed.ep == 1, f"distributed.ep={args.distributed.ep}: LLaMA has no "
+                                             f"experts to shard. Remove distributed.ep.")
+
+
+IGNORE = -100  # cross_entropy's ignore_index: a target past the end of the sequence
+
+
+def batch_inputs(tokens: torch.Tensor, labels: torch.Tensor, depth: int):
+    """From the whole sequence, before any sharding: targets [b, s, 1 + D], where [:, i, k] is
+    t_{i+k+1} (the labels shifted k more, IGNORE past the end), and the MTP modules' input
+    tokens future_tokens [b, s, D], where [:, i, k-1] is t_{i+k} (0 where there is none: its
+    targets are IGNORE)."""
+    b, s = labels.shape
+    pad = labels.new_full((b, depth), IGNORE)
+    ahead = torch.cat([labels, pad], dim=1)
+    target = torch.stack([ahead[:, k:k + s] for k in range(depth + 1)], dim=-1)
+    return {"future_tokens": target[..., :depth].clamp(min=0)}, target
+
+
+def mtp_loss(output: torch.Tensor, target: torch.Tensor, weight: float) -> LossOutput:
+    """Next-token cross-entropy plus weight / D times the D depths' cross-entropies, summed over
+    tokens; each term is logged on its own (mtp/ce_0 is the next-token one)."""
+    depth = target.shape[-1] - 1
+    terms = [token_loss_sum(output[k], target[..., k]) for k in range(depth + 1)]
+    counts = [(target[..., k] != IGNORE).sum() for k in range(depth + 1)]
+    total = terms[0] + weight / depth * sum(terms[1:])
+    metrics = {f"mtp/ce_{k}": (terms[k], counts[k]) for k in range(depth + 1)}
+    return LossOutput(total, counts[0], metrics)
+
+
+def make_app(model_args: LlamaArgs) -> trainer.App:
+    return trainer.App(
+        model_class=Transformer, parallelize=parallelize_mtp, validate_model=validate_mtp,
+        loss_parallel=uses_loss_parallel, load_hf=load_hf,
+        batch_inputs=lambda tokens, labels: batch_inputs(tokens, labels, model_args.mtp_depth),
+        loss=lambda output, target: mtp_loss(output, target, model_args.mtp_loss_weight))
+
+
+APP = make_app(LlamaArgs())   # the defaults; main() makes the run's from its model args
+
+
+def validate(args: TrainArgs) -> None:
+    trainer.validate(args, make_app(args.model))
+
+
+def load_config(argv=None, check: bool = True) -> TrainArgs:
+    """Compose (and check) the config exactly as a run would; stool calls this before submitting."""
+    return config.load("mtp", TrainArgs, argv, validate if check else None)
+
+
+def main(argv=None) -> int:
+    args = load_config(argv)
+    app = make_app(args.model)
+    env = distributed.init(args.distributed)
+    trainer.start_run(args, env)
+    parts, stage_ids = trainer.build_model_parts(args, env, app)
+    optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
+    run = trainer.Run(args, env, app, parts, stage_ids, optimizers)
+    completed = run.train()
+    distributed.destroy()
+    return 0 if completed else trainer.EXIT_STOPPED
+
+
+if __name__ == "__main__":
+    trainer.exit_cli(main)
