@@ -1,53 +1,228 @@
-"""A researcher's fork: copy apps/llama to a new app, change its model, train it with the same
-data, parallelism, checkpointing and launch machinery (README: "Forking an app")."""
+"""README "Forking an app", applied literally: its shell block and its diff (QK-norm) run on a
+copy of the repository. The fork must change nothing outside apps/myarch/ and configs/myarch/,
+train with `python -m apps.myarch.train`, match one process under tp, fsdp x tp and pp (through
+tests/equivalence.py), and export its new weights to Hugging Face. Without the recipe's hf.py
+hunk, the export must refuse and name the weight."""
 
-import json
+import hashlib
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
-from tests.conftest import REPO, read_metrics, tiny_args
+import pytest
 
+from tests.conftest import REPO, free_port, tiny_args
+from tests.equivalence import assert_equivalent, final_checkpoint, model_checksums, read_rows
 
-def fork_llama(dest):
-    """cp -r apps/llama <dest>/myarch, rename the package and its config schema (README steps)."""
-    shutil.copytree(REPO / "apps" / "llama", dest / "forks" / "myarch",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    (dest / "forks" / "__init__.py").write_text("")
-    for path in (dest / "forks" / "myarch").glob("*.py"):
-        text = path.read_text().replace("apps.llama", "forks.myarch")
-        text = text.replace('"llama_schema"', '"myarch_schema"').replace('config.load("llama"', 'config.load("myarch"')
-        path.write_text(text)
-    preset = (REPO / "configs" / "llama" / "debug.yaml").read_text().replace("llama_schema", "myarch_schema")
-    (dest / "myarch_debug.yaml").write_text(preset)
-    return dest / "forks" / "myarch"
+STEPS = 4
+FORK_DIRS = ("apps/myarch/", "configs/myarch/")
+NEW_WEIGHTS = ("layers.0.attention.q_norm.weight", "layers.0.attention.k_norm.weight")
 
 
-def train_fork(tmp_path, corpus, dump, extra=()):
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
-    cmd = [sys.executable, "-m", "forks.myarch.train", f"config={tmp_path / 'myarch_debug.yaml'}",
-           *tiny_args(corpus, dump, *extra, steps=8)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return read_metrics(dump)
+def readme_recipe() -> tuple:
+    """(shell block, diff) of the README's "## Forking an app" section: its first ```bash and
+    first ```diff fence."""
+    text = (REPO / "README.md").read_text()
+    assert "\n## Forking an app\n" in text, "README.md has no '## Forking an app' section"
+    section = text.split("\n## Forking an app\n", 1)[1].split("\n## ", 1)[0]
+    shell = re.search(r"^```bash\n(.*?)^```", section, re.S | re.M)
+    diff = re.search(r"^```diff\n(.*?)^```", section, re.S | re.M)
+    assert shell and diff, "README 'Forking an app' needs a ```bash block and a ```diff block"
+    return shell.group(1), diff.group(1)
 
 
-def test_fork_with_a_changed_model_trains_with_the_shared_machinery(corpus, tmp_path):
-    app = fork_llama(tmp_path)
-    unchanged = train_fork(tmp_path, corpus, tmp_path / "unchanged")
-    # The researcher's change: a residual branch scale on the feed-forward (only the model file).
-    model = app / "model.py"
-    text = model.read_text()
-    assert "return x + self.feed_forward(self.ffn_norm(x))" in text
-    model.write_text(text.replace("return x + self.feed_forward(self.ffn_norm(x))",
-                                  "return x + 0.5 * self.feed_forward(self.ffn_norm(x))"))
-    changed = train_fork(tmp_path, corpus, tmp_path / "changed")
-    assert changed[0]["loss"] != unchanged[0]["loss"]            # the new model is what trained
-    assert changed[-1]["loss"] < changed[0]["loss"] - 0.5        # and it learns
-    ckpt = tmp_path / "changed" / "checkpoints" / "8"
-    assert (ckpt / ".metadata").is_file()                        # with the shared checkpointing
-    assert json.loads((tmp_path / "changed" / "metrics.jsonl").read_text().splitlines()[0])["mfu"] > 0
+def diff_without(diff: str, path: str) -> str:
+    """The diff less its hunks for `path` (files start at their '--- a/...' line)."""
+    files = re.split(r"(?m)^(?=--- )", diff)
+    kept = [f for f in files if not f.startswith(f"--- a/{path}")]
+    assert len(kept) == len(files) - 1, f"the README's diff has no part for {path}"
+    return "".join(kept)
+
+
+def copy_repo(dest: Path) -> Path:
+    """The repository's files as git sees them (tracked and untracked, not ignored: no .venv,
+    .git, runs/, data/ or caches), as they are in the working tree."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split("\0")
+    for rel in filter(None, listed):
+        src = REPO / rel
+        if src.is_file() and "__pycache__" not in src.parts:   # not deleted in the working tree
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+def hashes(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
+def apply_patch(root: Path, diff: str) -> None:
+    if shutil.which("patch"):
+        cmd = ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch"]
+    else:
+        cmd = ["git", "apply", "-p1", "-"]
+    proc = subprocess.run(cmd, cwd=root, input=diff, capture_output=True, text=True)
+    assert proc.returncode == 0, (f"the README's diff does not apply to the tree its shell block "
+                                  f"made ({' '.join(cmd)}):\n{proc.stdout}{proc.stderr}")
+
+
+def apply_recipe(root: Path, diff: str) -> Path:
+    """Run the README's shell block from `root`, then apply `diff` there."""
+    shell, _ = readme_recipe()
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", shell], cwd=root,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, f"the README's shell block failed:\n{shell}\n{proc.stdout}{proc.stderr}"
+    apply_patch(root, diff)
+    return root
+
+
+def env_for(root: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_in(root: Path, args: list, nproc: int = 1, module: str = "apps.myarch.train",
+           check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m module args` (nproc 1) or torchrun of it, in the fork's copy of the repo."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", module, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module, *args]
+    proc = subprocess.run(cmd, cwd=root, env=env_for(root), capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, f"{' '.join(cmd[2:5])} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def fork(tmp_path_factory):
+    """(copy of the repo with the README's recipe applied, file hashes before, after)."""
+    root = copy_repo(tmp_path_factory.mktemp("fork"))
+    before = hashes(root)
+    apply_recipe(root, readme_recipe()[1])
+    return root, before, hashes(root)
+
+
+@pytest.fixture(scope="module")
+def reference(fork, corpus, tmp_path_factory):
+    """The fork trained by one process, global batch 8."""
+    dump = tmp_path_factory.mktemp("fork_reference") / "run"
+    run_in(fork[0], tiny_args(corpus, dump, "data.batch_size=8", steps=STEPS))
+    return dump
+
+
+def test_recipe_changes_only_the_fork(fork):
+    root, before, after = fork
+    changed = sorted(p for p in before if after.get(p) != before[p])
+    added = sorted(set(after) - set(before))
+    outside = [p for p in changed + added if not p.startswith(FORK_DIRS)]
+    assert not outside, f"the README's recipe changed or made files outside {FORK_DIRS}: {outside}"
+    assert {"apps/myarch/model.py", "apps/myarch/train.py", "configs/myarch/debug.yaml"} <= set(added)
+    for path in (root / "apps" / "myarch").glob("*.py"):
+        assert "apps.llama" not in path.read_text(), f"{path.name} still refers to apps.llama"
+    assert "self.q_norm = RMSNorm" in (root / "apps/myarch/model.py").read_text()
+
+
+def test_fork_trains_its_new_weights(fork, reference):
+    rows = read_rows(reference)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.2, [r["loss"] for r in rows]
+    sums = model_checksums(final_checkpoint(reference, STEPS))
+    head_dim = 64 // 4   # tiny_args: model.dim=64, model.n_heads=4
+    for name in NEW_WEIGHTS:
+        assert name in sums, f"the fork's checkpoint has no {name}: {sorted(sums)[:8]}..."
+        # RMSNorm weights start at 1: a moved sum means the new weights were trained.
+        assert abs(sums[name][0] - head_dim) > 1e-4, f"{name} did not change from its init"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ["distributed.tp=2", "distributed.dp_shard=1", "data.batch_size=8"]),
+    (4, ["distributed.tp=2", "distributed.dp_shard=2", "data.batch_size=4"]),
+    (2, ["distributed.pp=2", "distributed.dp_shard=1", "data.batch_size=8",
+         "distributed.pp_microbatches=4"]),
+], ids=["tp2", "fsdp2_tp2", "pp2"])
+def test_fork_layouts_match_one_process(fork, reference, corpus, tmp_path, nproc, layout):
+    dump = tmp_path / "run"
+    run_in(fork[0], tiny_args(corpus, dump, *layout, steps=STEPS), nproc=nproc)
+    assert_equivalent(dump, reference)
+
+
+def diff_part(diff: str, path: str) -> str:
+    return next(f for f in re.split(r"(?m)^(?=--- )", diff) if f.startswith(f"--- a/{path}"))
+
+
+@pytest.mark.distributed
+def test_tp_without_the_plan_hunk_is_refused_naming_its_lines(corpus, tmp_path):
+    """lingua/coverage.py asks, at start, for exactly the lines the README's parallelize.py hunk adds."""
+    diff = readme_recipe()[1]
+    added = [line[1:].strip().rstrip(",") for line in diff_part(diff, "apps/myarch/parallelize.py").splitlines()
+             if line.startswith("+") and not line.startswith("+++") and not line[1:].strip().startswith("#")]
+    assert len(added) == 2, added
+    root = apply_recipe(copy_repo(tmp_path / "fork"), diff_without(diff, "apps/myarch/parallelize.py"))
+    proc = run_in(root, tiny_args(corpus, tmp_path / "run", "distributed.tp=2", "distributed.dp_shard=1",
+                                  steps=1), nproc=2, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert "layers.0.attention.q_norm.weight (not reduced over tp=2)" in log, log[-3000:]
+    for line in added:
+        assert line in log, f"the refusal does not name {line}:\n{log[-3000:]}"
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def safetensors_names(path: Path) -> set:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return set(f.keys())
+
+
+QWEN3_CHECK = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from apps.myarch.hf import load_hf
+theirs = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+ours, _ = load_hf(sys.argv[1])
+tokens = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    diff = (theirs(tokens).logits - ours.eval()(tokens)).abs().max().item()
+print(type(theirs).__name__, diff)
+"""
+
+
+def test_export_maps_the_new_weights(fork, reference, tmp_path):
+    out = tmp_path / "hf"
+    run_in(fork[0], ["export", str(final_checkpoint(reference, STEPS)), str(out)], module="apps.myarch.hf")
+    names = safetensors_names(out / "model.safetensors")
+    for name in NEW_WEIGHTS:
+        theirs = "model." + name.replace("attention.", "self_attn.")
+        assert theirs in names, f"the export lacks {theirs}: {sorted(names)}"
+    # transformers reads it as Qwen3 (Llama + QK-norm) and computes the fork's logits.
+    if importlib.util.find_spec("transformers") is None:
+        return
+    proc = subprocess.run([sys.executable, "-c", QWEN3_CHECK, str(out)], cwd=fork[0],
+                          env=env_for(fork[0]), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    arch, diff = proc.stdout.split()[-2:]
+    assert arch == "Qwen3ForCausalLM" and float(diff) < 1e-4, proc.stdout
+
+
+def test_export_without_the_hf_hunk_refuses_naming_the_weight(fork, reference, tmp_path):
+    root = apply_recipe(copy_repo(tmp_path / "fork"), diff_without(readme_recipe()[1], "apps/myarch/hf.py"))
+    out = tmp_path / "hf"
+    proc = run_in(root, ["export", str(final_checkpoint(reference, STEPS)), str(out)],
+                  module="apps.myarch.hf", check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "layers.0.attention.q_norm.weight" in proc.stderr, proc.stderr[-3000:]
+    assert "key_map in apps/myarch/hf.py" in proc.stderr, proc.stderr[-3000:]
+    assert not (out / "model.safetensors").exists()
 
 
 def shared_runs(a_lines, b_lines, length):
