@@ -105,10 +105,10 @@ class Decoder(nn.Module):
             return F.linear(self.norm(h), self.tok_embeddings.weight)
         return h
 
-    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens [b, s] (or hidden states [b, s, dim] on a later pipeline stage) -> logits
-        [b, s, vocab] (hidden states on a stage before the last)."""
+    def trunk(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+              cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None) -> tuple:
+        """Embeddings and layers: (hidden states, rope, mask) before the head, for a forward that
+        does more with them (apps/mtp runs its extra modules on them)."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         # Under sequence parallelism h is a DTensor whose shape is the whole sequence's, so the
         # RoPE tables and mask match what attention sees after its all-gather.
@@ -117,6 +117,13 @@ class Decoder(nn.Module):
             h = layer(h, rope, mask, cache)
         if cache is not None:
             cache.pos += h.shape[1]
+        return h, rope, mask
+
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens [b, s] (or hidden states [b, s, dim] on a later pipeline stage) -> logits
+        [b, s, vocab] (hidden states on a stage before the last)."""
+        h, _, _ = self.trunk(tokens, doc_ids, cache, positions)
         return self.head(h)
 
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingua.errors import ConfigError
+from lingua.pipeline import inferring_shapes
 from lingua.transformer import FeedForward
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -202,8 +203,6 @@ class MoE(nn.Module):
         # forwards since reset_routing() that routing_metrics() turns into logged values.
         self.stats: Dict[str, torch.Tensor] = {}
         self.routing: Optional[torch.Tensor] = None
-        # Training forwards still to leave uncounted (see reset_routing).
-        self.uncounted_forwards = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -239,11 +238,11 @@ class MoE(nn.Module):
     def _balance(self, out, counts, scores, logits, n_dropped: int):
         """Record statistics, accumulate counts for the bias update, inject the auxiliary losses."""
         counts_f = counts.float()
-        # Forwards re-run inside backward (activation checkpointing) are not counted again.
-        counted = self.training and torch._C._current_graph_task_id() == -1
-        if counted and self.uncounted_forwards > 0:
-            self.uncounted_forwards -= 1
-            counted = False
+        # Forwards re-run inside backward (activation checkpointing) are not counted again, nor
+        # the shape-inference forward of a process's first pipeline step (on copies of the first
+        # micro-batch or, on later stages, on uninitialised tensors).
+        counted = (self.training and torch._C._current_graph_task_id() == -1
+                   and not inferring_shapes())
         if counted:
             self.step_counts = counts_f.detach() if self.step_counts is None else self.step_counts + counts_f.detach()
         aux = z = torch.zeros((), device=out.device)
@@ -301,16 +300,10 @@ def moe_layers(model: nn.Module):
 ROUTING_SUMS = ("dropped", "slots", "entropy", "tokens", "aux_loss", "z_loss")
 
 
-def reset_routing(layers: Iterable[MoE], shape_inference: bool = False) -> None:
-    """Start new routing sums (the trainer calls it before each step's forward passes).
-
-    shape_inference: the step starts with torch's pipeline stages running one forward each to
-    infer shapes (a process's first pipeline step), on copies of the first micro-batch or, on
-    later stages, on uninitialised tensors. That forward is left out of the routing sums and of
-    the counts for the expert-bias update."""
+def reset_routing(layers: Iterable[MoE]) -> None:
+    """Start new routing sums (the trainer calls it before each step's forward passes)."""
     for m in layers:
         m.routing = None
-        m.uncounted_forwards = 1 if shape_inference else 0
 
 
 @torch.no_grad()

@@ -260,6 +260,23 @@ def _check_microbatch_count(name: str, pp: int, n_stages: int, n_mb: int) -> Non
 # Running the pipeline
 
 
+# True while torch's schedule runs its first-step shape inference (see Pipeline): one extra
+# forward per stage, and one extra loss_fn call on the last stage, on uninitialised tensors.
+# Anything that counts forwards or records values (MoE routing counts, a recording loss_fn)
+# asks `inferring_shapes()` and leaves those calls out; nothing outside this file needs to know
+# when they happen.
+_INFERRING = False
+
+
+def inferring_shapes() -> bool:
+    return _INFERRING
+
+
+def _set_inferring(value: bool) -> None:
+    global _INFERRING
+    _INFERRING = value
+
+
 class Pipeline:
     """One training step (forward + backward of every micro-batch) or an evaluation pass."""
 
@@ -279,19 +296,36 @@ class Pipeline:
         # at the first stage); anything that counts forward calls (the probe) waits for step 2.
         self.steps_run = 0
         # ... and the last stage's extra forward ends in one extra loss_fn call, on uninitialised
-        # tensors (torch's _backward_metadata_inference, before any micro-batch): a loss_fn that
-        # records its values reads this flag and leaves that call out.
-        self.inferring_shapes = False
+        # tensors (torch's _backward_metadata_inference, before any micro-batch). Both are
+        # marked with inferring_shapes() (module level) while they run.
         self._inference_calls_left = 0
 
     def loss_fn_for_torch(self, output, target, **kwargs):
-        """The loss_fn build_schedule gives torch's schedule: ours, with inferring_shapes set."""
-        self.inferring_shapes = self._inference_calls_left > 0
+        """The loss_fn build_schedule gives torch's schedule: ours, marked while inferring."""
+        inferring = self._inference_calls_left > 0
         self._inference_calls_left = max(0, self._inference_calls_left - 1)
+        _set_inferring(inferring)
         try:
             return self.loss_fn(output, target, **kwargs)
         finally:
-            self.inferring_shapes = False
+            _set_inferring(False)
+
+    def _mark_first_forwards(self) -> None:
+        """Mark the first forward of each local stage (torch's shape inference, which runs before
+        any micro-batch on a process's first step) with inferring_shapes(); then unhook."""
+        for stage in self.stages:
+            handles = []
+
+            def begin(module, args, kwargs):
+                _set_inferring(True)
+
+            def end(module, args, kwargs, output, handles=handles):
+                _set_inferring(False)
+                for handle in handles:
+                    handle.remove()
+
+            handles.append(stage.submod.register_forward_pre_hook(begin, with_kwargs=True))
+            handles.append(stage.submod.register_forward_hook(end, with_kwargs=True, always_call=True))
 
     def _check_batch(self, tokens):
         if tokens.shape[0] % self.n_microbatches:
@@ -314,8 +348,9 @@ class Pipeline:
         kwargs.update({k: v.to(self.device) for k, v in (model_kwargs or {}).items()})
         target = labels.to(self.device) if self.has_last else None
         losses: list = []
-        if self.steps_run == 0 and self.has_last:
-            self._inference_calls_left = 1
+        if self.steps_run == 0:
+            self._mark_first_forwards()
+            self._inference_calls_left = 1 if self.has_last else 0
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         self.steps_run += 1
         if not self.has_last:

@@ -6,10 +6,12 @@ An app's train.py reads top to bottom like a script and calls these functions in
     start_run(args, env)                          # logging, corpus on first use, config.yaml
     parts, stage_ids = build_model_parts(args, env, app)
     optimizers = optim.Optimizers(parts, ...)
-    run = Run(args, env, app, parts, stage_ids, optimizers)   # data, pipeline, resume
+    run = Run(args, env, app, parts, stage_ids, optimizers)   # data, pipeline
+    run.resume()                                  # newest intact checkpoint, if any
     run.train()                                   # the loop: step, log, evaluate, checkpoint
-What differs between apps (the model class, its parallelization plan, its checks, extra metrics
-or a per-step update such as MoE's expert bias) comes in through `App`, so a fork copies only
+What differs between apps (the model class, its parallelization plan, its checks, its loss and
+extra inputs (lingua/loss.py), extra metrics or a per-step update such as MoE's expert bias)
+comes in through `App`, so a fork copies only
 what it changes and fixes to the loop reach every app.
 """
 
@@ -82,9 +84,7 @@ class App:
     load_hf: Optional[Callable] = None            # (path) -> (model, model args)
     flops_per_token: Optional[Callable] = None    # (train args) -> float; default: 6N + attention
     after_step: Optional[Callable] = None         # (parts, env) after each optimizer step
-    start_step: Optional[Callable] = None         # (parts, shape_inference) before each step's
-                                                  # forwards; shape_inference: the pipeline stages
-                                                  # first run one forward each to infer shapes
+    start_step: Optional[Callable] = None         # (parts) before each step's forwards
     step_metrics: Optional[Callable] = None       # (parts, env) -> dict of extra logged values;
                                                   # every rank calls it on logging steps
     # The loss seam (lingua/loss.py): how the model's output becomes the summed loss, and what
@@ -373,7 +373,7 @@ class Run:
         self.phases = profiling.PhaseTimer(env.device)   # fwd_s, bwd_s, optim_s in metrics
         self.step_loss = StepLoss(env.device)   # the current step's losses (train_step)
         self.nonfinite_steps = 0  # steps skipped for NaN/Inf gradients (optim.nonfinite=skip)
-        self.step = self._resume()
+        self.step = 0             # steps done; resume() moves it to the newest checkpoint's
 
     def _build_pipeline(self, stage_ids):
         d = self.args.distributed
@@ -382,7 +382,7 @@ class Run:
 
         def loss_fn(output, target):  # called by the schedule on the last stage, per micro-batch
             out = self.app.loss(output, target)
-            if not self.pipe.inferring_shapes:   # torch's extra first call, on empty tensors
+            if not pipeline.inferring_shapes():   # torch's extra first call, on empty tensors
                 self.step_loss.add(out)
             return out.loss_sum / self.global_tokens
 
@@ -391,7 +391,13 @@ class Run:
                                        self.env.mesh["pp"], self.env.device, d.pp_schedule,
                                        n_microbatches, loss_fn)
 
-    def _resume(self) -> int:
+    def resume(self) -> int:
+        """Load the newest intact checkpoint of dump_dir, if any (weights, optimizer, data
+        position, scheduler); returns the step the run continues from (0: a fresh run)."""
+        self.step = self._load_newest()
+        return self.step
+
+    def _load_newest(self) -> int:
         # Every rank checks the sizes of all files and the checksums of its share of them, and
         # the ranks agree, so all resume from the same intact checkpoint without one rank reading
         # all of it (hundreds of GB) while the others wait under the collective timeout.
@@ -504,114 +510,165 @@ class Run:
                 gc.enable()
 
     def _train(self) -> bool:
-        args, env, app = self.args, self.env, self.app
-        flops_per_token = self._flops_per_token()
-        peak = metrics.peak_flops(env.device, args.distributed.model_dtype)
-        log = metrics.MetricLogger(self.dump_dir, args.logging, config.to_dict(args), env.is_main,
-                                   self.step)
-        config_yaml = config.to_yaml(args)
-        window = metrics.Window()
-        pp_group = env.mesh["pp"].get_group() if env.dims.pp > 1 else None
-        signals = preemption.SIGNALS.listen()
-        probe = Probe(args.probe, self.parts, env, self.dump_dir, self.step) if args.probe.every else None
-        probe_alerts = 0
-        logger.info("training steps %d -> %d, global batch %d x %d tokens", self.step, args.steps,
-                    self.global_batch, args.data.seq_len)
-        profiler = profiling.StepProfiler(args.profiling, self.dump_dir, env.rank, env.device,
-                                          flops_per_token * self.global_tokens / env.world_size,
-                                          peak)
-        spikes = metrics.SpikeDetector(args.logging.spike_factor, args.logging.spike_window)
-        while self.step < args.steps:
-            profiler.step_begin(self.step + 1)
+        loop = self._open_loop()
+        while self.step < self.args.steps:
+            loop.profiler.step_begin(self.step + 1)
             # Where the data stood before this step: a step that must be undone (non-finite
             # gradients with optim.nonfinite=stop) is saved as if it never ran.
-            data_before = self.train_loader.state_dict() if args.optim.nonfinite == "stop" else None
-            self.phases.start_step(timed=(self.step + 1) % args.logging.every == 0
-                                   or self.step + 1 == args.steps)
+            data_before = self.train_loader.state_dict() if self.args.optim.nonfinite == "stop" else None
+            self.phases.start_step(timed=self._logs_at(self.step + 1))
             t0 = time.perf_counter()
             with torch.profiler.record_function("data"):
                 micro_batches = self.train_loader.next_step()
             t_data = time.perf_counter() - t0
-            # A process's first pipeline step starts with torch's stages running one forward each
-            # to infer shapes: no probe on it, and the app is told (MoE leaves it uncounted).
-            shape_inference = self.pipe is not None and self.pipe.steps_run == 0
-            probing = probe is not None and probe.active(self.step + 1) and (
-                not shape_inference or probe.skip_first_pipeline_step())
-            if probing:  # hooks only for this step's forward passes
-                probe.start()
-            if app.start_step is not None:
-                app.start_step(self.parts, shape_inference)
-            self.step_loss = StepLoss(env.device)   # this step's losses only
+            probing = self._start_probe(loop)
+            self.step_loss = StepLoss(self.env.device)   # this step's losses only
             self.train_step(micro_batches)
             if probing:  # weights and gradients as the optimizer will see them, before clipping
-                probe.stop()
-                probe_alerts += probe.finish_step(self.step + 1, log.wandb_run)
-            with self.phases.phase("optim"):
-                grad_norm = optim.clip_grad_norm(self.parts, args.optim.clip, pp_group)
-                lr = self.optimizers.lr
-                if bool(torch.isfinite(grad_norm)):  # the norm is global: every rank agrees
-                    self.optimizers.step()
-                    if app.after_step is not None:
-                        app.after_step(self.parts, env)
-                elif args.optim.nonfinite == "skip":
-                    self.optimizers.skip()
-                    self.nonfinite_steps += 1
-                    if env.is_main:
-                        logger.warning("step %d: gradient norm is %s; update skipped "
-                                       "(optim.nonfinite=skip), %d such steps so far",
-                                       self.step + 1, grad_norm.item(), self.nonfinite_steps)
-                else:
-                    self._stop_on_nonfinite(grad_norm, data_before, config_yaml)
+                loop.probe.stop()
+                loop.probe_alerts += loop.probe.finish_step(self.step + 1, loop.log.wandb_run)
+            grad_norm, lr = self._optimizer_step(loop, data_before)
             self.step += 1
-            collect_garbage(self.step, args.gc_every, args.gc_full_every)
-
-            window.add(time.perf_counter() - t0, t_data, self.global_tokens,
-                       self.phases.step_seconds())
-            profiler.step_end(self.step)
-            last = self.step == args.steps
-            if self.step % args.logging.every == 0 or last:
-                tokens_per_s = window.tokens_per_s()
-                losses = self.step_loss.reduced(env, self.pipe is None or self.pipe.has_last)
-                row = {"step": self.step, "loss": losses.pop("loss"), "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
-                       "mfu": metrics.mfu(flops_per_token * tokens_per_s / env.world_size, peak),
-                       "data_s": window.data_s(), "step_s": window.step_s(), **window.phase_s(),
-                       "peak_mem_gib": metrics.peak_memory_gib(env.device),
-                       "nonfinite_steps": self.nonfinite_steps, **self._skipped_data()}
-                if args.logging.spike_factor > 0:
-                    row["loss_spike"] = int(spikes.check(self.step, row["loss"]))
-                row.update(losses)    # the app's loss metrics (LossOutput.metrics)
-                if app.step_metrics is not None:
-                    row.update(app.step_metrics(self.parts, env))
-                if probe is not None:
-                    row["probe_alerts"], probe_alerts = probe_alerts, 0
-                if (args.eval.every and self.step % args.eval.every == 0) or (last and args.eval.at_end):
-                    row.update(self.validation_loss())
-                window.reset()
-                log.log(row)
-                if env.is_main:
-                    logger.info(metrics.format_line(row))
-            saved = (args.checkpoint.every and self.step % args.checkpoint.every == 0) or (
-                last and args.checkpoint.save_final)
-            if saved:
-                self._save(config_yaml)
-            action = signals.agreed(env.world_size, env.device)
-            if action != preemption.NONE and not last:
-                if not saved:
-                    self._save(config_yaml)
-                if env.is_main:
-                    logger.warning("stopped by a signal after step %d; checkpoint %s saved",
-                                   self.step, checkpoint.newest(self.dump_dir))
-                    if action == preemption.REQUEUE:
-                        preemption.requeue_job(args.slurm.max_requeues)
+            collect_garbage(self.step, self.args.gc_every, self.args.gc_full_every)
+            loop.window.add(time.perf_counter() - t0, t_data, self.global_tokens,
+                            self.phases.step_seconds())
+            loop.profiler.step_end(self.step)
+            if self._logs_at(self.step):
+                self._log_row(loop, grad_norm, lr)
+            if self._save_or_stop(loop):
                 break
-        profiler.close()
-        if probe is not None and env.is_main and log.wandb_run is not None:
-            probe.log_plots(log.wandb_run)
-        log.close()
-        if env.is_main and self.step == args.steps:
+        self._close_loop(loop)
+        return self.step == self.args.steps
+
+    def _open_loop(self) -> "_Loop":
+        """What the loop keeps between steps: logger, timers, probe, profiler, signals."""
+        args, env = self.args, self.env
+        flops_per_token = self._flops_per_token()
+        peak = metrics.peak_flops(env.device, args.distributed.model_dtype)
+        logger.info("training steps %d -> %d, global batch %d x %d tokens", self.step, args.steps,
+                    self.global_batch, args.data.seq_len)
+        return _Loop(
+            log=metrics.MetricLogger(self.dump_dir, args.logging, config.to_dict(args), env.is_main,
+                                     self.step),
+            config_yaml=config.to_yaml(args), window=metrics.Window(),
+            flops_per_token=flops_per_token, peak=peak,
+            pp_group=env.mesh["pp"].get_group() if env.dims.pp > 1 else None,
+            signals=preemption.SIGNALS.listen(),
+            probe=Probe(args.probe, self.parts, env, self.dump_dir, self.step) if args.probe.every else None,
+            profiler=profiling.StepProfiler(args.profiling, self.dump_dir, env.rank, env.device,
+                                            flops_per_token * self.global_tokens / env.world_size,
+                                            peak),
+            spikes=metrics.SpikeDetector(args.logging.spike_factor, args.logging.spike_window))
+
+    def _logs_at(self, step: int) -> bool:
+        return step % self.args.logging.every == 0 or step == self.args.steps
+
+    def _start_probe(self, loop: "_Loop") -> bool:
+        """Hooks for this step's forward passes if the probe samples it. A process's first
+        pipeline step starts with torch's stages running one forward each to infer shapes: the
+        probe skips it (or records from the second step on)."""
+        shape_inference = self.pipe is not None and self.pipe.steps_run == 0
+        probing = loop.probe is not None and loop.probe.active(self.step + 1) and (
+            not shape_inference or loop.probe.skip_first_pipeline_step())
+        if probing:
+            loop.probe.start()
+        if self.app.start_step is not None:
+            self.app.start_step(self.parts)
+        return probing
+
+    def _optimizer_step(self, loop: "_Loop", data_before):
+        """Clip, then update, skip (optim.nonfinite=skip) or stop on a non-finite gradient norm.
+        Returns (pre-clip gradient norm, the learning rate this step used)."""
+        args, env = self.args, self.env
+        with self.phases.phase("optim"):
+            grad_norm = optim.clip_grad_norm(self.parts, args.optim.clip, loop.pp_group)
+            lr = self.optimizers.lr
+            if bool(torch.isfinite(grad_norm)):  # the norm is global: every rank agrees
+                self.optimizers.step()
+                if self.app.after_step is not None:
+                    self.app.after_step(self.parts, env)
+            elif args.optim.nonfinite == "skip":
+                self.optimizers.skip()
+                self.nonfinite_steps += 1
+                if env.is_main:
+                    logger.warning("step %d: gradient norm is %s; update skipped "
+                                   "(optim.nonfinite=skip), %d such steps so far",
+                                   self.step + 1, grad_norm.item(), self.nonfinite_steps)
+            else:
+                self._stop_on_nonfinite(grad_norm, data_before, loop.config_yaml)
+        return grad_norm, lr
+
+    def _log_row(self, loop: "_Loop", grad_norm, lr) -> None:
+        """The metrics.jsonl row of this step (every rank joins its collectives)."""
+        args, env = self.args, self.env
+        tokens_per_s = loop.window.tokens_per_s()
+        losses = self.step_loss.reduced(env, self.pipe is None or self.pipe.has_last)
+        row = {"step": self.step, "loss": losses.pop("loss"), "lr": lr,
+               "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
+               "mfu": metrics.mfu(loop.flops_per_token * tokens_per_s / env.world_size, loop.peak),
+               "data_s": loop.window.data_s(), "step_s": loop.window.step_s(),
+               **loop.window.phase_s(), "peak_mem_gib": metrics.peak_memory_gib(env.device),
+               "nonfinite_steps": self.nonfinite_steps, **self._skipped_data()}
+        if args.logging.spike_factor > 0:
+            row["loss_spike"] = int(loop.spikes.check(self.step, row["loss"]))
+        row.update(losses)    # the app's loss metrics (LossOutput.metrics)
+        if self.app.step_metrics is not None:
+            row.update(self.app.step_metrics(self.parts, env))
+        if loop.probe is not None:
+            row["probe_alerts"], loop.probe_alerts = loop.probe_alerts, 0
+        last = self.step == args.steps
+        if (args.eval.every and self.step % args.eval.every == 0) or (last and args.eval.at_end):
+            row.update(self.validation_loss())
+        loop.window.reset()
+        loop.log.log(row)
+        if env.is_main:
+            logger.info(metrics.format_line(row))
+
+    def _save_or_stop(self, loop: "_Loop") -> bool:
+        """Checkpoint when due; on an agreed signal (time limit, preemption) save if not saved
+        and return True to stop, requeueing the Slurm job when asked."""
+        args, env = self.args, self.env
+        last = self.step == args.steps
+        saved = (args.checkpoint.every and self.step % args.checkpoint.every == 0) or (
+            last and args.checkpoint.save_final)
+        if saved:
+            self._save(loop.config_yaml)
+        action = loop.signals.agreed(env.world_size, env.device)
+        if action == preemption.NONE or last:
+            return False
+        if not saved:
+            self._save(loop.config_yaml)
+        if env.is_main:
+            logger.warning("stopped by a signal after step %d; checkpoint %s saved",
+                           self.step, checkpoint.newest(self.dump_dir))
+            if action == preemption.REQUEUE:
+                preemption.requeue_job(args.slurm.max_requeues)
+        return True
+
+    def _close_loop(self, loop: "_Loop") -> None:
+        loop.profiler.close()
+        if loop.probe is not None and self.env.is_main and loop.log.wandb_run is not None:
+            loop.probe.log_plots(loop.log.wandb_run)
+        loop.log.close()
+        if self.env.is_main and self.step == self.args.steps:
             logger.info("done: run directory %s (config.yaml, metrics.jsonl, checkpoints/)",
                         self.dump_dir.resolve())
-        return self.step == args.steps
+
+
+@dataclass
+class _Loop:
+    """Run._train's state between steps."""
+    log: metrics.MetricLogger
+    config_yaml: str
+    window: metrics.Window
+    flops_per_token: float
+    peak: Optional[float]
+    pp_group: object
+    signals: object
+    probe: Optional[Probe]
+    profiler: profiling.StepProfiler
+    spikes: metrics.SpikeDetector
+    probe_alerts: int = 0
 
 
 def exit_cli(main: Callable) -> None:

@@ -24,8 +24,8 @@ from lingua.tp_plan import decoder_root_plan, validate_decoder_tp
 def validate_tp(model_args, tp: int, seq_len: int | None = None) -> None:
     """Before any process group: the decoder shell's checks and this plan's (whole heads per
     rank); raises ConfigError naming the fix."""
-    validate_decoder_tp(model_args, tp, seq_len)
-    if tp == 1:
+    if tp <= 1:
+        validate_decoder_tp(model_args, tp, seq_len)
         return
     n_heads = model_args.n_heads
     n_kv = model_args.n_kv_heads or n_heads
@@ -40,6 +40,7 @@ def validate_tp(model_args, tp: int, seq_len: int | None = None) -> None:
             f"n_kv_heads / tp key/value heads (grouped-query attention). Use a tp that divides "
             f"{n_kv}, or raise model.n_kv_heads to a multiple of {tp} that divides "
             f"model.n_heads={n_heads}.")
+    validate_decoder_tp(model_args, tp, seq_len)
 
 
 def attention_tp_plan() -> dict:

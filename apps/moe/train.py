@@ -47,8 +47,8 @@ def after_step(parts, env) -> None:
         update_expert_bias([m for part in parts for m in moe_layers(part)], rate)
 
 
-def start_step(parts, shape_inference: bool) -> None:
-    reset_routing([m for part in parts for m in moe_layers(part)], shape_inference)
+def start_step(parts) -> None:
+    reset_routing([m for part in parts for m in moe_layers(part)])
 
 
 def step_metrics(parts, env) -> dict:
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     parts, stage_ids = trainer.build_model_parts(args, env, APP)
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
     run = trainer.Run(args, env, APP, parts, stage_ids, optimizers)
+    run.resume()                  # from the newest intact checkpoint of dump_dir, if any
     balance_over_the_global_batch(parts, env, run.global_tokens)
     completed = run.train()
     distributed.destroy()

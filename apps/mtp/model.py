@@ -158,12 +158,7 @@ class Transformer(Decoder):
         """LLaMA's forward; with `future_tokens` [b, s, D] (token t_{i+k} at [:, i, k-1], from
         apps/mtp/train.py's batch_inputs) the last stage returns the main and the D MTP logits
         stacked, [1 + D, b, s, vocab]."""
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
-        rope, mask = self.rope_and_mask(h.shape[1], doc_ids, cache, positions, h.device)
-        for layer in self.layers.values():
-            h = layer(h, rope, mask, cache)
-        if cache is not None:
-            cache.pos += h.shape[1]
+        h, rope, mask = self.trunk(tokens, doc_ids, cache, positions)
         if self.output is None or future_tokens is None:
             return self.head(h)   # hidden states on an earlier stage; else the main logits
         logits = [self.head(h)]

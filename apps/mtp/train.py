@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     parts, stage_ids = trainer.build_model_parts(args, env, app)
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
     run = trainer.Run(args, env, app, parts, stage_ids, optimizers)
+    run.resume()                  # from the newest intact checkpoint of dump_dir, if any
     completed = run.train()
     distributed.destroy()
     return 0 if completed else trainer.EXIT_STOPPED

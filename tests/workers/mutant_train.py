@@ -75,7 +75,7 @@ def _resume_without_model() -> None:
 def _resume_from_scratch() -> None:
     """The checkpoint is silently ignored: the run starts again at step 0 (the metrics file is
     rewritten with the same losses, CPU runs being deterministic)."""
-    trainer.Run._resume = lambda self: 0
+    trainer.Run._load_newest = lambda self: 0
 
 
 MUTATIONS = {

@@ -1,7 +1,7 @@
 """Resume's checkpoint verification on several gloo ranks, for tests/test_resume_verify.py.
 
 `torchrun --nproc-per-node N -m tests.workers.verify_worker DUMP_DIR OUT_DIR`: every rank calls
-`checkpoint.newest_verified(DUMP_DIR, rank, world_size)` (as Run._resume does) and writes
+`checkpoint.newest_verified(DUMP_DIR, rank, world_size)` (as Run.resume does) and writes
 OUT_DIR/rank<r>.json with the checkpoint it chose (its directory name, or null) and the files
 whose checksums it read. Warnings go to stdout, prefixed with the rank.
 """
