@@ -131,3 +131,14 @@ def test_generate_and_export_use_the_main_model(reference, tmp_path):
     names = set(json.loads(header[8:8 + int.from_bytes(header[:8], "little")])) - {"__metadata__"}
     assert "model.layers.3.self_attn.q_proj.weight" in names and "lm_head.weight" in names
     assert not [n for n in names if "mtp" in n]
+
+
+def test_probe_sees_the_mtp_modules(corpus, tmp_path):
+    """The probe finds the MTP blocks' attention (lingua.transformer.CoreAttention) and their
+    projections like the main model's, with no MTP-specific code in lingua/probe.py."""
+    from lingua import probe
+
+    dump = tmp_path / "probed"
+    train.main(tiny_args(corpus, dump, "probe.every=2", "data.batch_size=4", steps=2))
+    modules = set(probe.read(dump)["module"])
+    assert {"mtp.0.proj", "mtp.0.block.attention.core", "layers.1.attention.core"} <= modules, sorted(modules)[:40]
