@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lingua.pipeline import inferring_shapes
 from lingua.errors import ConfigError
 # Reading and plotting: `plot` for Probe.log_plots, and `read`/`plot` re-exported because
 # `lingua.probe.read(dump_dir)` is documented. No cycle: probe_report never imports probe.
@@ -325,8 +326,8 @@ def clean_name(name: str) -> str:
 def _skip_call(module_inputs) -> bool:
     """Forward calls whose activations must not be recorded: activation checkpointing re-runs
     forwards during backward (already recorded in the real forward), and pipeline stages infer
-    shapes with meta tensors."""
-    if torch._C._current_graph_task_id() != -1:
+    shapes on their first step (lingua.pipeline.inferring_shapes; meta tensors in older torch)."""
+    if torch._C._current_graph_task_id() != -1 or inferring_shapes():
         return True
     first = _first_tensor(module_inputs)
     return first is not None and first.device.type == "meta"
@@ -384,14 +385,6 @@ class Probe:
 
     def active(self, step: int) -> bool:
         return bool(self.args.every) and step % self.args.every == 0
-
-    def skip_first_pipeline_step(self) -> bool:
-        """A pipeline's first step runs extra shape-inference forwards that would be counted;
-        that step is not probed (returns False, after saying so)."""
-        if self.env.is_main:
-            logger.info("probe: skipping this process's first pipeline step (torch's stages run "
-                        "extra forwards to infer shapes on it)")
-        return False
 
     # -- hooks ------------------------------------------------------------------------------
 

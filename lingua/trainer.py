@@ -564,12 +564,8 @@ class Run:
         return step % self.args.logging.every == 0 or step == self.args.steps
 
     def _start_probe(self, loop: "_Loop") -> bool:
-        """Hooks for this step's forward passes if the probe samples it. A process's first
-        pipeline step starts with torch's stages running one forward each to infer shapes: the
-        probe skips it (or records from the second step on)."""
-        shape_inference = self.pipe is not None and self.pipe.steps_run == 0
-        probing = loop.probe is not None and loop.probe.active(self.step + 1) and (
-            not shape_inference or loop.probe.skip_first_pipeline_step())
+        """Hooks for this step's forward passes if the probe samples it."""
+        probing = loop.probe is not None and loop.probe.active(self.step + 1)
         if probing:
             loop.probe.start()
         if self.app.start_step is not None:
