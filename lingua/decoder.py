@@ -14,7 +14,10 @@ which names what is missing):
   does not hold, and sets the modules named in `first_stage_modules` (`tok_embeddings`) and
   `last_stage_modules` (`norm`, `output`) to None where it does not own them.
 - extra inputs the app's loss seam makes (lingua/loss.py: `batch_inputs`) arrive as keyword
-  arguments of forward, on every pipeline stage.
+  arguments of forward, on every pipeline stage. In training a part may return a tuple
+  (output, extra tensors...) for the app's loss; with pipeline parallelism each stage's extras
+  reach the next stage as keyword arguments named by the model's `stage_outputs` (apps/moe:
+  the balancing losses, summed stage after stage).
 - `init_weights(buffer_device=None)` (re)initialises every parameter and buffer after `to_empty`;
   each layer's `init_weights(std, out_std)` initialises its own weights.
 - every layer is called as `layer(h, rope, mask, cache)` and attends through

@@ -57,6 +57,20 @@ logger = logging.getLogger(__name__)
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
+def apply_global_counts(model: nn.Module, env) -> None:
+    """Router token counts of every MoE layer summed over the ranks that hold distinct tokens
+    (data and context parallel), so balancing (the aux loss's expert fractions, the expert-bias
+    update) sees the global micro-batch, as one process would (lingua/moe.py)."""
+    from lingua.distributed import all_reduce_sum
+    from lingua.moe import moe_layers
+
+    def reduce_over_data_ranks(t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(t, env, dims=("dp_cp",))
+
+    for layer in moe_layers(model):
+        layer.count_reducer = reduce_over_data_ranks
+
+
 def validate_ep(n_experts: int, ep: int, dp_shard: int, cp: int = 1) -> None:
     """ConfigError unless ep >= 1 divides both the experts and the dp_shard x cp ranks EP borrows."""
     if ep < 1:

@@ -8,28 +8,26 @@ Data flow of `MoE.forward` (x [..., dim] flattened to T tokens):
 `forward(x_sorted [n, dim] grouped by expert in expert order, counts [n_experts]) -> [n, dim]`
 may replace it (it would all-to-all the rows to the ranks that hold the experts and back).
 
-Load balancing over the GLOBAL batch (the contract the trainer fills in):
+Load balancing over the GLOBAL batch:
   * `moe.count_reducer(t) -> Tensor`: returns the sum of `t` over the ranks that hold distinct
     tokens of the same micro-batch (data- and context-parallel ranks), i.e. an all-reduce(SUM); it
-    may reduce in place but must return the result. Default: identity (one process). Called once
-    per MoE layer per training forward when aux_loss_coef or z_loss_coef > 0 (also when activation
+    may reduce in place but must return the result. Default: identity (one process); the MoE
+    app's parallel plan sets it (lingua.expert_parallel.apply_global_counts). Called once per MoE
+    layer per training forward when aux_loss_coef or z_loss_coef > 0 (also when activation
     checkpointing recomputes the forward: every rank does so alike), and once per step by
     update_expert_bias. Never called in eval mode.
-  * `moe.token_normalizer(n_local) -> float`: the number the per-rank sums are divided by.
-    Default (None): the global token count of the micro-batch, read off the reduced counts
-    (sum_e reduced_count_e / top_k). With gradient accumulation over A micro-batches, the trainer
-    (which divides its cross-entropy sum by the tokens of the whole step) sets it to
-    `lambda n_local: global_tokens_of_the_step`, so aux gradients, summed over micro-batches and
-    ranks, are the mean over micro-batches of each micro-batch's global aux loss, exactly as the
-    cross-entropy is averaged; without it they would be A times too large.
-  With f_e = reduced_count_e / sum(reduced_counts) (no gradient) and
-  P_e = (sum over this rank's tokens of the normalised scores_e) / token_normalizer, each rank's
-      aux share   = aux_loss_coef * n_experts * sum_e f_e * P_e
-      z share     = z_loss_coef * (sum over this rank's tokens of logsumexp(logits)^2) / token_normalizer
-  Summing the shares over ranks (the gradient SUM of FSDP does exactly that) gives the loss of the
-  global micro-batch computed in one process. The per-rank shares are in `stats`; the logged
-  routing metrics (`routing_metrics`) sum them over the step's micro-batches, the ranks and the
-  pipeline stages.
+  * The balancing losses are SUMS over this rank's tokens, like the cross-entropy the trainer
+    sums; the trainer divides both by the global batch's token count (lingua/loss.py). With
+    f_e = reduced_count_e / sum(reduced_counts) (no gradient):
+      aux_sum = aux_loss_coef * n_experts * sum_e f_e * (sum over this rank's tokens of the
+                normalised scores_e)
+      z_sum   = z_loss_coef * (sum over this rank's tokens of logsumexp(logits)^2)
+    A training forward leaves `moe.balance_loss` = aux_sum + z_sum (with its graph; None when both
+    coefficients are 0); the model returns their total beside its output and the app's loss adds
+    it (apps/moe). Summed over ranks and micro-batches and divided by the global token count,
+    this is the loss of the global batch computed in one process. The per-rank sums are in
+    `stats`; the logged routing metrics (`routing_metrics`) are per token, over the step's
+    micro-batches, the ranks and the pipeline stages.
   * `update_expert_bias(layers, rate)` after each optimizer step (DeepSeek-V3 aux-loss-free
     balancing) reduces the step's accumulated counts with the layers' `count_reducer`.
 """
@@ -47,27 +45,6 @@ from lingua.transformer import FeedForward
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERT_IMPLS = ("grouped", "loop")
-
-
-class AuxLossInjector(torch.autograd.Function):
-    """Identity on `output` whose backward also starts the backward of `aux_loss`.
-
-    Auxiliary losses then need no plumbing to the language-model loss: whatever loss reaches this
-    layer's output (the last pipeline stage's cross-entropy, through send/recv on earlier stages)
-    also pulls d(aux)/d(router and earlier params), scaled by `scale`. The result is the gradient of
-    (lm_loss + scale * aux_loss), while `loss` stays the pure cross-entropy.
-    """
-
-    @staticmethod
-    def forward(ctx, output, aux_loss, scale: float = 1.0):
-        ctx.scale = scale
-        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_output.device)
-        return grad_output, aux_grad, None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -193,9 +170,10 @@ class MoE(nn.Module):
         self.router = Router(dim, n_experts, top_k, score_func, norm_topk, route_scale)
         self.experts = GroupedExperts(n_experts, dim, hidden, expert_impl)
         self.shared_experts = FeedForward(dim, hidden * n_shared_experts) if n_shared_experts > 0 else None
-        # Hooks the trainer sets for global-batch balancing (see the module docstring).
+        # Router counts summed over the ranks holding distinct tokens (see the module docstring).
         self.count_reducer: Callable[[torch.Tensor], torch.Tensor] = _identity
-        self.token_normalizer: Optional[Callable[[int], float]] = None
+        # The last training forward's balancing losses, summed over its tokens (with their graph).
+        self.balance_loss: Optional[torch.Tensor] = None
         # Local assignment counts accumulated over the training forwards of one optimizer step,
         # for update_expert_bias (not a buffer: it is not part of a checkpoint).
         self.step_counts: Optional[torch.Tensor] = None
@@ -236,7 +214,7 @@ class MoE(nn.Module):
         return scores if self.router.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
 
     def _balance(self, out, counts, scores, logits, n_dropped: int):
-        """Record statistics, accumulate counts for the bias update, inject the auxiliary losses."""
+        """Record statistics, accumulate counts for the bias update, compute the balancing losses."""
         counts_f = counts.float()
         # Forwards re-run inside backward (activation checkpointing) are not counted again, nor
         # the shape-inference forward of a process's first pipeline step (on copies of the first
@@ -246,16 +224,14 @@ class MoE(nn.Module):
         if counted:
             self.step_counts = counts_f.detach() if self.step_counts is None else self.step_counts + counts_f.detach()
         aux = z = torch.zeros((), device=out.device)
+        self.balance_loss = None
         # Training only: evaluation and generation must not call the trainer's collective hooks.
         if self.training and (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
             global_counts = self.count_reducer(counts_f.detach().clone())
-            denom = (global_counts.sum() / self.top_k if self.token_normalizer is None
-                     else self.token_normalizer(scores.shape[0]))
             f = global_counts / global_counts.sum()
-            aux = self.aux_loss_coef * self.n_experts * (f * self._probs(scores).sum(0)).sum() / denom
-            z = self.z_loss_coef * torch.logsumexp(logits, -1).pow(2).sum() / denom
-            if torch.is_grad_enabled() and out.requires_grad:
-                out = AuxLossInjector.apply(out, aux + z)
+            aux = self.aux_loss_coef * self.n_experts * (f * self._probs(scores).sum(0)).sum()
+            z = self.z_loss_coef * torch.logsumexp(logits, -1).pow(2).sum()
+            self.balance_loss = aux + z
         with torch.no_grad():
             p = self._probs(scores)
             entropy = -(p * p.clamp_min(1e-20).log()).sum(-1)
@@ -264,7 +240,7 @@ class MoE(nn.Module):
                 "tokens_per_expert": counts_f.detach(),
                 "dropped_fraction": torch.tensor(n_dropped / max(n_slots, 1)),
                 "router_entropy": entropy.mean(),
-                "aux_loss": aux.detach(),  # this rank's share: sum over the dp/cp ranks to log it
+                "aux_loss": aux.detach(),  # summed over this rank's tokens
                 "z_loss": z.detach(),
             }
             if counted:
@@ -296,6 +272,17 @@ def moe_layers(model: nn.Module):
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def balance_loss_sum(layers: Iterable[MoE], device) -> torch.Tensor:
+    """The last training forward's balancing losses of `layers`, summed ([1]; zeros if none).
+    Each layer lets go of its own (a tensor with a graph: the module stays copyable)."""
+    total = torch.zeros(1, device=device)
+    for m in layers:
+        if m.balance_loss is not None:
+            total = total + m.balance_loss
+            m.balance_loss = None
+    return total
+
+
 # A layer's routing sums (MoE.routing) after its n_experts token counts, in this order.
 ROUTING_SUMS = ("dropped", "slots", "entropy", "tokens", "aux_loss", "z_loss")
 
@@ -320,7 +307,7 @@ def routing_metrics(layers: Dict[int, MoE], n_layers: int, n_experts: int,
       imbalance         max / mean of the tokens routed to each expert (1 = perfectly balanced)
       dropped_fraction  routed slots dropped by capacity / all routed slots
       router_entropy    mean over tokens of the entropy of the router's distribution (nats)
-      aux_loss, z_loss  the auxiliary losses added to the step's loss
+      aux_loss, z_loss  the balancing losses added to the step's loss, per token
     """
     table = torch.zeros(n_layers, n_experts + len(ROUTING_SUMS), device=device)
     for index, layer in layers.items():
@@ -336,8 +323,8 @@ def routing_metrics(layers: Dict[int, MoE], n_layers: int, n_experts: int,
         out[f"{index}/imbalance"] = (counts.max() / counts.mean().clamp_min(1e-9)).item()
         out[f"{index}/dropped_fraction"] = sums["dropped"] / max(sums["slots"], 1.0)
         out[f"{index}/router_entropy"] = sums["entropy"] / sums["tokens"]
-        out[f"{index}/aux_loss"] = sums["aux_loss"]
-        out[f"{index}/z_loss"] = sums["z_loss"]
+        out[f"{index}/aux_loss"] = sums["aux_loss"] / sums["tokens"]   # per token, as the loss
+        out[f"{index}/z_loss"] = sums["z_loss"] / sums["tokens"]
     return out
 
 

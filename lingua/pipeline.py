@@ -260,6 +260,20 @@ def _check_microbatch_count(name: str, pp: int, n_stages: int, n_mb: int) -> Non
 # Running the pipeline
 
 
+class _StageOutputsByKeyword(nn.Module):
+    """torch passes a stage's outputs to the next stage as positional inputs. A model part that
+    returns (hidden states, extra tensors...) names the extras in `stage_outputs` (apps/moe:
+    ("balance_loss",)) and takes them back by keyword, so its forward keeps the decoder's
+    signature (tokens, doc_ids=None, cache=None, positions=None, ...)."""
+
+    def __init__(self, part: nn.Module, names: tuple):
+        super().__init__()
+        self.part, self.names = part, tuple(names)
+
+    def forward(self, h, *extras, **kwargs):
+        return self.part(h, **dict(zip(self.names, extras)), **kwargs)
+
+
 # True while torch's schedule runs its first-step shape inference (see Pipeline): one extra
 # forward per stage, and one extra loss_fn call on the last stage, on uninitialised tensors.
 # Anything that counts forwards or records values (MoE routing counts, a recording loss_fn)
@@ -453,7 +467,12 @@ def build_schedule(stage_modules: Sequence[nn.Module], stage_ids: Sequence[int],
         raise ValueError(f"pp rank {group.rank()} holds stages {list(stage_ids)} but schedule "
                          f"{name} expects {expected} (use stage_ids_of_rank)")
     n_mb = n_microbatches or default_microbatches(pp, virtual)
-    stages = [PipelineStage(module, stage_id, n_stages, torch.device(device), group=group)
+    def stage_module(part):
+        names = getattr(part, "stage_outputs", ())
+        return _StageOutputsByKeyword(part, names) if names else part
+
+    stages = [PipelineStage(stage_module(module), stage_id, n_stages, torch.device(device),
+                            group=group)
               for module, stage_id in zip(stage_modules, stage_ids)]
     pipe = Pipeline(None, stages, n_mb, loss_fn, stage_to_rank, group)
     cls = get_schedule_class(name)

@@ -50,6 +50,13 @@ def validate_decoder_tp(model_args, tp: int, seq_len: int | None = None) -> None
             f"data.seq_len={seq_len - seq_len % tp or tp}.")
 
 
+def _local_first_output(module, args, out):
+    # A stage may return more than the hidden states (a tuple whose first element they are).
+    if isinstance(out, tuple):
+        return (out[0].to_local() if isinstance(out[0], DTensor) else out[0], *out[1:])
+    return out.to_local() if isinstance(out, DTensor) else out
+
+
 class StageBoundary(ParallelStyle):
     """A pipeline part's own input / output: pipeline stages exchange plain local sequence shards
     [mb, S/tp, dim]. A part without the embeddings turns its first positional input (hidden
@@ -70,8 +77,7 @@ class StageBoundary(ParallelStyle):
                 return (h, *args[1:])
             module.register_forward_pre_hook(wrap)
         if self.unwrap_output:
-            module.register_forward_hook(
-                lambda _, args, out: out.to_local() if isinstance(out, DTensor) else out)
+            module.register_forward_hook(_local_first_output)
         return module
 
 

@@ -315,14 +315,15 @@ def sequence_shard(parts, batch, args, env: DistEnv, app: Optional[App] = None):
 
 def forward_loss(app: App, model, mb: MicroBatch) -> "loss_module.LossOutput":
     """One micro-batch through a whole (unpipelined) model, then the app's loss."""
-    output = model(mb.tokens, mb.doc_ids, positions=mb.positions, **mb.model_kwargs)
+    output = model(mb.tokens, doc_ids=mb.doc_ids, positions=mb.positions, **mb.model_kwargs)
     return app.loss(output, mb.target)
 
 
 def eval_loss_sum(model, mb: MicroBatch) -> torch.Tensor:
     """Validation: the next-token cross-entropy of the model's output on the tokens alone
     (sequence_shard without an app: the target is the labels)."""
-    return evaluation.token_loss_sum(model(mb.tokens, mb.doc_ids, positions=mb.positions), mb.target)
+    return evaluation.token_loss_sum(model(mb.tokens, doc_ids=mb.doc_ids, positions=mb.positions),
+                                     mb.target)
 
 
 class StepLoss:

@@ -146,17 +146,17 @@ def test_capacity_drops_later_tokens():
     assert m.stats["dropped_fraction"].item() == 0.5
 
 
-def _aux_by_hand(m: MoE, x, n_global=None, counts=None, gate=None):
-    """coef * E * sum_e f_e P_e and coef * sum lse^2 / n, with m's coefficients (and gate unless given)."""
+def _aux_by_hand(m: MoE, x, counts=None, gate=None):
+    """coef * E * sum_e f_e sum_tokens p_e and coef * sum_tokens lse^2 (sums over x's tokens), with
+    m's coefficients (and gate unless given)."""
     logits = x @ (m.router.gate.weight if gate is None else gate).T
     p = logits.softmax(-1)
     top = torch.topk(p, m.top_k, -1).indices
     if counts is None:
         counts = torch.zeros(m.n_experts).index_add_(0, top.flatten(), torch.ones(top.numel()))
-    n = x.shape[0] if n_global is None else n_global
     f = counts / counts.sum()  # the fraction of the token->expert assignments each expert got
-    aux = m.aux_loss_coef * m.n_experts * (f * p.sum(0) / n).sum()
-    z = m.z_loss_coef * (torch.logsumexp(logits, -1) ** 2).sum() / n
+    aux = m.aux_loss_coef * m.n_experts * (f * p.sum(0)).sum()
+    z = m.z_loss_coef * (torch.logsumexp(logits, -1) ** 2).sum()
     return aux, z
 
 
@@ -166,30 +166,34 @@ def test_aux_and_z_loss_match_formulas():
     m(x)
     aux, z = _aux_by_hand(m, x)
     assert torch.allclose(m.stats["aux_loss"], aux) and torch.allclose(m.stats["z_loss"], z)
+    torch.testing.assert_close(m.balance_loss, aux + z)
     m.eval()  # evaluation neither computes them nor calls the trainer's hooks
     m.count_reducer = None
     m(x)
-    assert m.stats["aux_loss"] == 0 and m.stats["z_loss"] == 0
+    assert m.stats["aux_loss"] == 0 and m.stats["z_loss"] == 0 and m.balance_loss is None
 
 
 def test_aux_gradients_survive_activation_checkpointing():
+    """balance_loss is computed inside the checkpointed region and read after it: backward
+    through it recomputes the region like the output's does."""
     m = _moe(aux_loss_coef=0.5, z_loss_coef=0.05)
     ref = copy.deepcopy(m)
     x, r = torch.randn(8, 16), torch.randn(8, 16)
-    (checkpoint(m, x, use_reentrant=False) * r).sum().backward()
-    (ref(x) * r).sum().backward()
+    out = checkpoint(m, x, use_reentrant=False)
+    ((out * r).sum() + m.balance_loss).backward()
+    ((ref(x) * r).sum() + ref.balance_loss).backward()
     for p, q in zip(m.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6)
 
 
-def test_injected_aux_gradient_equals_autograd_of_lm_plus_aux():
+def test_balance_loss_gradient_equals_autograd_of_lm_plus_aux_by_hand():
     m = _moe(aux_loss_coef=0.5, z_loss_coef=0.05, n_shared_experts=1)
     ref = copy.deepcopy(m)
     ref.aux_loss_coef = ref.z_loss_coef = 0.0
     x = torch.randn(8, 16, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
     r = torch.randn(8, 16)
-    (m(x) * r).sum().backward()
+    ((m(x) * r).sum() + m.balance_loss).backward()
     aux, z = _aux_by_hand(m, xr, gate=ref.router.gate.weight)
     ((ref(xr) * r).sum() + aux + z).backward()
     for a, b in [(x.grad, xr.grad)] + [(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())]:
@@ -200,7 +204,8 @@ def test_split_batch_aux_losses_and_gradients_sum_to_full_batch():
     """Two halves as two simulated ranks: the reducer returns the summed counts of both halves."""
     full = _moe(aux_loss_coef=0.3, z_loss_coef=0.02)
     x, r = torch.randn(10, 16), torch.randn(10, 16)
-    (full(x) * r).sum().backward()
+    ((full(x) * r).sum() + full.balance_loss).backward()
+    full.balance_loss = None   # a tensor with a graph: deepcopy refuses it
     full_counts, full_aux, full_z = full.stats["tokens_per_expert"], full.stats["aux_loss"], full.stats["z_loss"]
     halves = [copy.deepcopy(full) for _ in range(2)]
     for h in halves:
@@ -209,16 +214,13 @@ def test_split_batch_aux_losses_and_gradients_sum_to_full_batch():
     outs = [h(x[i * 5:(i + 1) * 5]) for i, h in enumerate(halves)]
     assert torch.equal(halves[0].stats["tokens_per_expert"] + halves[1].stats["tokens_per_expert"], full_counts)
     for i, (h, o) in enumerate(zip(halves, outs)):
-        (o * r[i * 5:(i + 1) * 5]).sum().backward()
+        ((o * r[i * 5:(i + 1) * 5]).sum() + h.balance_loss).backward()
     assert torch.allclose(sum(h.stats["aux_loss"] for h in halves), full_aux, atol=1e-7)
     assert torch.allclose(sum(h.stats["z_loss"] for h in halves), full_z, atol=1e-7)
     for name, p in full.named_parameters():
         summed = sum(dict(h.named_parameters())[name].grad for h in halves)
         assert torch.allclose(summed, p.grad, atol=1e-5), name
-    # token_normalizer overrides the denominator (e.g. tokens of all micro-batches of a step).
-    halves[0].token_normalizer = lambda n_local: 20.0
-    halves[0](x[:5])
-    assert torch.allclose(halves[0].stats["aux_loss"], _aux_by_hand(full, x[:5], 20, full_counts)[0])
+    assert torch.allclose(halves[0].stats["aux_loss"], _aux_by_hand(full, x[:5], full_counts)[0])
 
 
 def test_expert_bias_update_formula_and_count_accumulation():
@@ -315,9 +317,10 @@ def test_loss_falls_on_copy_task_with_balancing():
     seq = torch.cat([half, half], 1)  # the second half repeats the first
     losses = []
     for _ in range(20):
-        logits = m(seq[:, :-1])
+        logits, balance_loss = m(seq[:, :-1])   # training with balancing: the losses beside
+        n = seq[:, 1:].numel()
         loss = F.cross_entropy(logits.reshape(-1, 64), seq[:, 1:].reshape(-1))
-        loss.backward()
+        (loss + balance_loss.sum() / n).backward()
         opt.step()
         opt.zero_grad()
         update_expert_bias(moe_layers(m), args.bias_update_rate)
@@ -362,7 +365,8 @@ def test_routing_metrics_cover_every_training_forward_once_and_reset():
     two_ranks = routing_metrics({1: m}, 2, 4, reduce=lambda t: 2 * t, device=torch.device("cpu"))
     for key in ("imbalance", "dropped_fraction", "router_entropy"):
         assert two_ranks[f"1/{key}"] == pytest.approx(got[f"1/{key}"], rel=1e-6)
-    assert two_ranks["1/aux_loss"] == pytest.approx(2 * got["1/aux_loss"], rel=1e-6)
+    for key in ("aux_loss", "z_loss"):   # per token: two identical ranks, the same value
+        assert two_ranks[f"1/{key}"] == pytest.approx(got[f"1/{key}"], rel=1e-6)
     reset_routing([m])
     assert routing_metrics({1: m}, 2, 4, reduce=lambda t: t, device=torch.device("cpu")) == {}
 

@@ -78,15 +78,15 @@ def test_moe_layouts_match_one_process(corpus, tmp_path, reference, nproc, layou
 
 @pytest.mark.distributed
 def test_moe_pipeline_matches_one_process(corpus, tmp_path):
-    """pp=2: balancing statistics per pipeline micro-batch would differ from one process's with an
-    aux loss, so this runs aux-loss-free balancing (the bias update uses the step's counts)."""
-    aux_free = ["model.aux_loss_coef=0", "model.z_loss_coef=0"]
+    """pp=2 with the aux and z losses on: balancing statistics are per micro-batch, so the one
+    process accumulates the same two micro-batches (grad_accum=2). Each stage's balancing losses
+    reach the loss through the stage outputs (apps/moe Transformer.stage_outputs), so their
+    gradients and the routing metrics of both stages' layers equal one process's."""
     one = tmp_path / "one"
-    train.main(moe_args(corpus, one, "data.batch_size=8", *aux_free))
+    train.main(moe_args(corpus, one, "data.batch_size=4", "data.grad_accum=2"))
     two = tmp_path / "two"
     run_torchrun(2, "apps.moe.train", moe_args(corpus, two, "distributed.pp=2", "distributed.dp_shard=1",
-                                               "data.batch_size=8", "distributed.pp_microbatches=2",
-                                               *aux_free))
+                                               "data.batch_size=8", "distributed.pp_microbatches=2"))
     assert_equivalent(two, one, prefixes=ROUTING)  # both stages' layers, on rank 0
 
 

@@ -15,7 +15,8 @@ from torch import nn
 from apps.llama.model import Attention
 from lingua.decoder import Decoder
 from lingua.errors import ConfigError
-from lingua.moe import EXPERT_IMPLS, SCORE_FUNCS, MoE, active_params_per_token, check_grouped_alignment
+from lingua.moe import (EXPERT_IMPLS, SCORE_FUNCS, MoE, active_params_per_token, balance_loss_sum,
+                        check_grouped_alignment)
 from lingua.transformer import (
     FeedForward, KVCache, RMSNorm, TransformerArgs, ffn_hidden_dim, validate_transformer_args,
 )
@@ -112,9 +113,27 @@ class Transformer(Decoder):
     def __init__(self, args: MoEArgs):
         validate_moe_args(args)
         super().__init__(args)
+        self.balancing = args.aux_loss_coef > 0 or args.z_loss_coef > 0
 
     def make_layer(self, layer_id: int, args: MoEArgs) -> nn.Module:
         return MoEBlock(layer_id, args)
+
+    # What a pipeline stage returns beside its hidden states, and the next stage takes by keyword.
+    stage_outputs = ("balance_loss",)
+
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None,
+                balance_loss: Optional[torch.Tensor] = None):
+        """The shell's forward; in training with balancing losses on (aux_loss_coef or
+        z_loss_coef > 0) it returns (output, balance_loss [1]): the MoE layers' losses summed
+        over this part's tokens, plus `balance_loss` from the pipeline stage before (see
+        stage_outputs). apps/moe/train.py's loss adds it to the cross-entropy."""
+        h, _, _ = self.trunk(tokens, doc_ids, cache, positions)
+        out = self.head(h)
+        if not (self.training and self.balancing):
+            return out
+        total = balance_loss_sum([b.moe for b in self.layers.values() if b.is_moe], out.device)
+        return out, (total if balance_loss is None else total + balance_loss)
 
 
 def flops_per_token(args: MoEArgs, seq_len: int) -> float:

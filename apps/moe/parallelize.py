@@ -17,7 +17,7 @@ from torch import nn
 from apps.llama.parallelize import attention_tp_plan, feed_forward_tp_plan, uses_loss_parallel
 from lingua.context_parallel import apply_cp
 from lingua.distributed import DistEnv, DistributedArgs, apply_ac, apply_compile, apply_fsdp
-from lingua.expert_parallel import apply_ep, ep_meshes
+from lingua.expert_parallel import apply_ep, apply_global_counts, ep_meshes
 from lingua.moe import moe_layers
 from lingua.tensor_parallel import ReplicatedCompute, apply_tp
 from lingua.tp_plan import decoder_root_plan
@@ -40,6 +40,8 @@ def parallelize_moe(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn
         apply_tp(model, env.mesh["tp"], {}, dense_plan, [b for b in blocks if not b.is_moe])
         apply_tp(model, env.mesh["tp"], root_plan, moe_plan, [b for b in blocks if b.is_moe],
                  args.async_tp)
+    # Balancing sees the global micro-batch: router counts summed over the data/context ranks.
+    apply_global_counts(model, env)
     expert_units = []
     if args.ep > 1:
         # Experts split over ep ranks taken from dp_shard x cp; FSDP shards them over the rest.

@@ -17,6 +17,7 @@ from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
 
 from lingua import config, distributed, optim, trainer
 from lingua.expert_parallel import validate_ep
+from lingua.loss import LossOutput, cross_entropy
 from lingua.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
 
 
@@ -62,23 +63,26 @@ def step_metrics(parts, env) -> dict:
     return {f"moe/{key}": value for key, value in values.items()}
 
 
+def loss(output, target) -> LossOutput:
+    """Cross-entropy plus the MoE layers' balancing losses (aux and z, summed over tokens: the
+    trainer divides both by the global batch's token count), when the model returns them
+    (training with aux_loss_coef or z_loss_coef > 0). `moe/ce` logs the cross-entropy alone."""
+    if not isinstance(output, tuple):
+        return cross_entropy(output, target)
+    logits, balance_loss = output
+    ce = cross_entropy(logits, target)
+    return LossOutput(ce.loss_sum + balance_loss.sum(), ce.tokens,
+                      {"moe/ce": (ce.loss_sum.detach(), ce.tokens)})
+
+
 APP = trainer.App(model_class=Transformer, parallelize=parallelize_moe, validate_model=validate_moe,
                   loss_parallel=uses_loss_parallel, load_hf=load_hf, flops_per_token=flops_per_token,
-                  after_step=after_step, start_step=start_step, step_metrics=step_metrics)
+                  after_step=after_step, start_step=start_step, step_metrics=step_metrics,
+                  loss=loss)
 
 
 def validate(args: TrainArgs) -> None:
     trainer.validate(args, APP)
-
-
-def balance_over_the_global_batch(parts, env, global_tokens: int) -> None:
-    """Router token counts are summed over every rank holding distinct tokens, and auxiliary
-    losses divided by the step's global token count, as the cross-entropy is: each layout then
-    balances (and trains) exactly as one process with the same global batch."""
-    for part in parts:
-        for layer in moe_layers(part):
-            layer.count_reducer = lambda t: distributed.all_reduce_sum(t, env, dims=("dp_cp",))
-            layer.token_normalizer = lambda n_local: float(global_tokens)
 
 
 def load_config(argv=None, check: bool = True) -> TrainArgs:
@@ -94,7 +98,6 @@ def main(argv=None) -> int:
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
     run = trainer.Run(args, env, APP, parts, stage_ids, optimizers)
     run.resume()                  # from the newest intact checkpoint of dump_dir, if any
-    balance_over_the_global_batch(parts, env, run.global_tokens)
     completed = run.train()
     distributed.destroy()
     return 0 if completed else trainer.EXIT_STOPPED
