@@ -12,14 +12,15 @@ sequence, pipeline parallelism the batch into micro-batches and gives the kwargs
 calls the loss on the model's output where the output is (the last pipeline stage), and
 back-propagates `loss_sum / tokens of the global batch`: so each layout computes the gradient of
 the same mean over the global batch. An app's loss therefore returns a SUM over tokens, never a
-mean of its micro-batch.
+mean of its micro-batch. `loss` in metrics.jsonl is the next-token cross-entropy in every app
+(LossOutput.logged_sum); the other terms of an objective are the app's metrics.
 
 Validation (val_loss, val_ppl) is the plain next-token cross-entropy of the model's output when
 called with the tokens alone, for every app, so runs of different apps compare.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -33,8 +34,12 @@ class LossOutput:
     loss_sum: torch.Tensor                 # summed over tokens; what backward goes through
     tokens: Number                         # how many targets loss_sum summed over
     # Extra named values to log: name -> (sum, count), logged as the step's sum / count over
-    # every micro-batch and rank (as `loss` is: sum of loss_sum / sum of tokens).
+    # every micro-batch and rank (as `loss` is: sum of logged_sum / sum of tokens).
     metrics: Dict[str, Tuple[Number, Number]] = field(default_factory=dict)
+    # What `loss` in metrics.jsonl reports: the next-token cross-entropy, so that runs of any
+    # app compare. None: loss_sum (it is the cross-entropy). An objective with more terms (MoE
+    # balancing, MTP depths) gives its cross-entropy here and logs the rest as metrics.
+    logged_sum: Optional[torch.Tensor] = None
 
 
 def cross_entropy(output: torch.Tensor, labels: torch.Tensor) -> LossOutput:

@@ -328,7 +328,8 @@ def eval_loss_sum(model, mb: MicroBatch) -> torch.Tensor:
 
 class StepLoss:
     """The step's loss and the app's loss metrics, summed over micro-batches (detached, fp64)
-    until logged: `loss` is the sum of loss_sum over the sum of tokens, over every micro-batch
+    until logged: `loss` is the sum of logged_sum (the cross-entropy) over the sum of tokens,
+    over every micro-batch
     and every rank holding distinct tokens (data and context parallel, the last pipeline
     stage), and so is each metric's sum / count."""
 
@@ -337,7 +338,8 @@ class StepLoss:
         self.sums: dict = {}
 
     def add(self, out: "loss_module.LossOutput") -> None:
-        values = {"loss": (out.loss_sum, out.tokens), **out.metrics}
+        logged = out.loss_sum if out.logged_sum is None else out.logged_sum
+        values = {"loss": (logged, out.tokens), **out.metrics}
         for name, (total, count) in values.items():
             pair = torch.stack([torch.as_tensor(total, device=self.device).detach().double(),
                                 torch.as_tensor(count, device=self.device).double()])

@@ -66,13 +66,13 @@ def step_metrics(parts, env) -> dict:
 def loss(output, target) -> LossOutput:
     """Cross-entropy plus the MoE layers' balancing losses (aux and z, summed over tokens: the
     trainer divides both by the global batch's token count), when the model returns them
-    (training with aux_loss_coef or z_loss_coef > 0). `moe/ce` logs the cross-entropy alone."""
+    (training with aux_loss_coef or z_loss_coef > 0). `loss` logs the cross-entropy alone; the
+    balancing losses are logged per layer (moe/<layer>/aux_loss, z_loss)."""
     if not isinstance(output, tuple):
         return cross_entropy(output, target)
     logits, balance_loss = output
     ce = cross_entropy(logits, target)
-    return LossOutput(ce.loss_sum + balance_loss.sum(), ce.tokens,
-                      {"moe/ce": (ce.loss_sum.detach(), ce.tokens)})
+    return LossOutput(ce.loss_sum + balance_loss.sum(), ce.tokens, logged_sum=ce.loss_sum)
 
 
 APP = trainer.App(model_class=Transformer, parallelize=parallelize_moe, validate_model=validate_moe,

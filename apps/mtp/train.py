@@ -50,13 +50,15 @@ def batch_inputs(tokens: torch.Tensor, labels: torch.Tensor, depth: int):
 
 def mtp_loss(output: torch.Tensor, target: torch.Tensor, weight: float) -> LossOutput:
     """Next-token cross-entropy plus weight / D times the D depths' cross-entropies, summed over
-    tokens; each term is logged on its own (mtp/ce_0 is the next-token one)."""
+    tokens. `loss` logs the next-token cross-entropy (as every app's does), mtp/ce_k each depth's
+    (mtp/ce_0 is the next-token one again) and mtp/objective what is minimised."""
     depth = target.shape[-1] - 1
     terms = [token_loss_sum(output[k], target[..., k]) for k in range(depth + 1)]
     counts = [(target[..., k] != IGNORE).sum() for k in range(depth + 1)]
     total = terms[0] + weight / depth * sum(terms[1:])
     metrics = {f"mtp/ce_{k}": (terms[k], counts[k]) for k in range(depth + 1)}
-    return LossOutput(total, counts[0], metrics)
+    metrics["mtp/objective"] = (total, counts[0])
+    return LossOutput(total, counts[0], metrics, logged_sum=terms[0])
 
 
 def make_app(model_args: LlamaArgs) -> trainer.App:
