@@ -1,14 +1,14 @@
 """The training loop every app shares: an app describes its model (an `App`), this does the rest.
 
-An app's train.py reads top to bottom like a script and calls these functions in order:
-    args = config.load(...)                       # schema + checks, before any work
+An app's train.py defines its config schema and its `App`, loads the config (schema + checks,
+before any work) and calls `run(args, app)`, which reads top to bottom like a script:
     env = distributed.init(args.distributed)      # process group and mesh
     start_run(args, env)                          # logging, corpus on first use, config.yaml
     parts, stage_ids = build_model_parts(args, env, app)
     optimizers = optim.Optimizers(parts, ...)
-    run = Run(args, env, app, parts, stage_ids, optimizers)   # data, pipeline
-    run.resume()                                  # newest intact checkpoint, if any
-    run.train()                                   # the loop: step, log, evaluate, checkpoint
+    training = Run(args, env, app, parts, stage_ids, optimizers)   # data, pipeline
+    training.resume()                             # newest intact checkpoint, if any
+    training.train()                              # the loop: step, log, evaluate, checkpoint
 What differs between apps (the model class, its parallelization plan, its checks, its loss and
 extra inputs (lingua/loss.py), extra metrics or a per-step update such as MoE's expert bias)
 comes in through `App`, so a fork copies only
@@ -668,6 +668,21 @@ class _Loop:
     profiler: profiling.StepProfiler
     spikes: metrics.SpikeDetector
     probe_alerts: int = 0
+
+
+def run(args, app: App) -> int:
+    """Train `app` with checked `args` from start (or the newest checkpoint) to args.steps:
+    0 when done, EXIT_STOPPED when a signal stopped it after saving. Every app's main calls it,
+    so the flow is written once (the module docstring)."""
+    env = distributed.init(args.distributed)
+    start_run(args, env)
+    parts, stage_ids = build_model_parts(args, env, app)
+    optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
+    training = Run(args, env, app, parts, stage_ids, optimizers)
+    training.resume()                 # from the newest intact checkpoint of dump_dir, if any
+    completed = training.train()
+    distributed.destroy()
+    return 0 if completed else EXIT_STOPPED
 
 
 def exit_cli(main: Callable) -> None:

@@ -1,8 +1,9 @@
 """Train a LLaMA: `python -m apps.llama.train [config=PRESET] [key=value ...]`.
 
 Several processes: `torchrun --nproc-per-node N -m apps.llama.train distributed.dp_shard=N ...`.
-Reads top to bottom: config, processes, model, optimizer, data and resume, loop. The loop and
-everything generic live in lingua/trainer.py; this file says what is LLaMA's.
+Reads top to bottom: the config schema, its checks, the App (what lingua/trainer.py needs to
+know about this model), main. The run itself (processes, model, optimizer, data and resume,
+loop) is lingua.trainer.run, the same for every app; this file says what is LLaMA's.
 """
 
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from apps.llama.hf import load_hf
 from apps.llama.model import LlamaArgs, Transformer, validate_model_args
 from apps.llama.parallelize import parallelize_llama, uses_loss_parallel, validate_tp
 
-from lingua import config, distributed, optim, trainer
+from lingua import config, trainer
 
 
 @dataclass
@@ -43,16 +44,8 @@ def load_config(argv=None, check: bool = True) -> TrainArgs:
 
 
 def main(argv=None) -> int:
-    args = load_config(argv)
-    env = distributed.init(args.distributed)
-    trainer.start_run(args, env)
-    parts, stage_ids = trainer.build_model_parts(args, env, APP)
-    optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
-    run = trainer.Run(args, env, APP, parts, stage_ids, optimizers)
-    run.resume()                  # from the newest intact checkpoint of dump_dir, if any
-    completed = run.train()
-    distributed.destroy()
-    return 0 if completed else trainer.EXIT_STOPPED
+    """The config, then lingua.trainer.run: processes, model, optimizer, data, resume, loop."""
+    return trainer.run(load_config(argv), APP)
 
 
 if __name__ == "__main__":

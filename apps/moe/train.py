@@ -15,7 +15,7 @@ from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.llama.parallelize import validate_tp
 from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
 
-from lingua import config, distributed, optim, trainer
+from lingua import config, distributed, trainer
 from lingua.expert_parallel import validate_ep
 from lingua.loss import LossOutput, cross_entropy
 from lingua.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
@@ -91,16 +91,8 @@ def load_config(argv=None, check: bool = True) -> TrainArgs:
 
 
 def main(argv=None) -> int:
-    args = load_config(argv)
-    env = distributed.init(args.distributed)
-    trainer.start_run(args, env)
-    parts, stage_ids = trainer.build_model_parts(args, env, APP)
-    optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
-    run = trainer.Run(args, env, APP, parts, stage_ids, optimizers)
-    run.resume()                  # from the newest intact checkpoint of dump_dir, if any
-    completed = run.train()
-    distributed.destroy()
-    return 0 if completed else trainer.EXIT_STOPPED
+    """The config, then lingua.trainer.run: processes, model, optimizer, data, resume, loop."""
+    return trainer.run(load_config(argv), APP)
 
 
 if __name__ == "__main__":

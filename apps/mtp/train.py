@@ -1,8 +1,9 @@
 """Train a LLaMA with multi-token prediction: `python -m apps.mtp.train [config=PRESET] [key=value ...]`.
 
 Several processes: `torchrun --nproc-per-node N -m apps.mtp.train distributed.dp_shard=N ...`.
-Reads top to bottom: config, processes, model, optimizer, data and resume, loop. The loop and
-everything generic live in lingua/trainer.py; this file says what is MTP's: the loss (through
+Reads top to bottom: the config schema, its checks, the App (what lingua/trainer.py needs to
+know about this model), main. The run itself (processes, model, optimizer, data and resume,
+loop) is lingua.trainer.run, the same for every app; this file says what is MTP's: the loss (through
 the trainer's loss seam, lingua/loss.py) and the shifted tokens it needs.
 """
 
@@ -13,7 +14,7 @@ import torch
 from apps.mtp.hf import load_hf
 from apps.mtp.model import LlamaArgs, Transformer, validate_model_args
 from apps.mtp.parallelize import parallelize_mtp, uses_loss_parallel, validate_tp
-from lingua import config, distributed, optim, trainer
+from lingua import config, trainer
 from lingua.loss import LossOutput
 from lingua.tensor_parallel import token_loss_sum
 
@@ -82,17 +83,9 @@ def load_config(argv=None, check: bool = True) -> TrainArgs:
 
 
 def main(argv=None) -> int:
+    """The config, then lingua.trainer.run with the App of its model args."""
     args = load_config(argv)
-    app = make_app(args.model)
-    env = distributed.init(args.distributed)
-    trainer.start_run(args, env)
-    parts, stage_ids = trainer.build_model_parts(args, env, app)
-    optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
-    run = trainer.Run(args, env, app, parts, stage_ids, optimizers)
-    run.resume()                  # from the newest intact checkpoint of dump_dir, if any
-    completed = run.train()
-    distributed.destroy()
-    return 0 if completed else trainer.EXIT_STOPPED
+    return trainer.run(args, make_app(args.model))
 
 
 if __name__ == "__main__":
