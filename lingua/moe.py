@@ -206,14 +206,14 @@ class MoE(nn.Module):
         out = (slots.view(-1, self.top_k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(y.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        out = self._balance(out, counts, scores, logits, n_assign - order.numel())
+        self._balance(counts, scores, logits, n_assign - order.numel())
         return out.reshape(*shape[:-1], out.shape[-1])
 
     def _probs(self, scores: torch.Tensor) -> torch.Tensor:
         """Per-token distributions over experts: sigmoid scores are normalised to sum to 1."""
         return scores if self.router.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
 
-    def _balance(self, out, counts, scores, logits, n_dropped: int):
+    def _balance(self, counts, scores, logits, n_dropped: int) -> None:
         """Record statistics, accumulate counts for the bias update, compute the balancing losses."""
         counts_f = counts.float()
         # Forwards re-run inside backward (activation checkpointing) are not counted again, nor
@@ -223,7 +223,7 @@ class MoE(nn.Module):
                    and not inferring_shapes())
         if counted:
             self.step_counts = counts_f.detach() if self.step_counts is None else self.step_counts + counts_f.detach()
-        aux = z = torch.zeros((), device=out.device)
+        aux = z = torch.zeros((), device=counts.device)
         self.balance_loss = None
         # Training only: evaluation and generation must not call the trainer's collective hooks.
         if self.training and (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
@@ -249,7 +249,6 @@ class MoE(nn.Module):
                                     aux.detach().float(), z.detach().float()])
                 row = torch.cat([counts_f.detach(), sums])
                 self.routing = row if self.routing is None else self.routing + row
-        return out
 
 
 @torch.no_grad()

@@ -307,7 +307,7 @@ class Pipeline:
         self.has_last = any(s.is_last for s in stages)
         self.device = stages[0].device
         # torch's stages infer shapes on their first step with an extra forward (on real tensors
-        # at the first stage); anything that counts forward calls (the probe) waits for step 2.
+        # at the first stage, uninitialised ones after it): marked by inferring_shapes().
         self.steps_run = 0
         # ... and the last stage's extra forward ends in one extra loss_fn call, on uninitialised
         # tensors (torch's _backward_metadata_inference, before any micro-batch). Both are
@@ -467,6 +467,7 @@ def build_schedule(stage_modules: Sequence[nn.Module], stage_ids: Sequence[int],
         raise ValueError(f"pp rank {group.rank()} holds stages {list(stage_ids)} but schedule "
                          f"{name} expects {expected} (use stage_ids_of_rank)")
     n_mb = n_microbatches or default_microbatches(pp, virtual)
+
     def stage_module(part):
         names = getattr(part, "stage_outputs", ())
         return _StageOutputsByKeyword(part, names) if names else part

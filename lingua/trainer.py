@@ -81,7 +81,8 @@ class App:
     parallelize: Callable                         # (part, env, distributed args) -> part
     validate_model: Callable                      # (train args) -> None, raises ConfigError
     loss_parallel: Callable                       # (distributed args) -> bool
-    load_hf: Optional[Callable] = None            # (path) -> (model, model args)
+    load_hf: Optional[Callable] = None            # (path, dtype) -> (model, model args);
+                                                  # dtype None keeps the files' dtype
     flops_per_token: Optional[Callable] = None    # (train args) -> float; default: 6N + attention
     after_step: Optional[Callable] = None         # (parts, env) after each optimizer step
     start_step: Optional[Callable] = None         # (parts) before each step's forwards
@@ -252,12 +253,9 @@ def load_init_from(args, app: App, env: DistEnv):
 
 
 def _read_hf(app: App, path):
-    """(model, model args) from the app's load_hf, in the files' dtype where it can keep it."""
-    import inspect
-
-    if "dtype" in inspect.signature(app.load_hf).parameters:
-        return app.load_hf(path, dtype=None)  # no conversion: the tensors stay memory-mapped
-    return app.load_hf(path)
+    """(model, model args) from the app's load_hf in the files' dtype: no conversion, so the
+    tensors stay memory-mapped."""
+    return app.load_hf(path, dtype=None)
 
 
 def mixed_precision(args, env: DistEnv, parts: list):
@@ -329,9 +327,8 @@ def eval_loss_sum(model, mb: MicroBatch) -> torch.Tensor:
 class StepLoss:
     """The step's loss and the app's loss metrics, summed over micro-batches (detached, fp64)
     until logged: `loss` is the sum of logged_sum (the cross-entropy) over the sum of tokens,
-    over every micro-batch
-    and every rank holding distinct tokens (data and context parallel, the last pipeline
-    stage), and so is each metric's sum / count."""
+    over every micro-batch and every rank holding distinct tokens (data and context parallel,
+    the last pipeline stage), and so is each metric's sum / count."""
 
     def __init__(self, device):
         self.device = device
