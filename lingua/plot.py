@@ -1,17 +1,21 @@
-"""Compare training runs from their metrics.jsonl: loss (and val_loss), lr, grad_norm, tokens/s, MFU.
+"""Compare training runs from their metrics.jsonl: loss (and val_loss), lr, grad_norm, tokens/s, MFU,
+and downstream-task metrics (`eval/<task>/<metric>` keys) against step.
 
     python -m lingua.plot runs/a runs/b [--out DIR]
 
-writes DIR/compare.png (default: the first run's dump_dir/plots/) and prints its absolute path.
+writes DIR/compare.png (default: the first run's dump_dir/plots/) and, when any run has `eval/`
+keys, DIR/downstream.png beside it (the loss curves, then one panel per task and metric); it
+prints the absolute path of each file written.
 `save_figure` is the one place figures are written, so every plot this project makes has the
 same backend, dpi and therefore a pixel size that depends only on the figure size.
 """
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import matplotlib
 
@@ -27,6 +31,14 @@ from lingua.errors import ConfigError  # noqa: E402
 DPI = 100
 FIGSIZE = (15.0, 8.0)  # inches: with DPI, a 1500 x 800 PNG
 COMPARE_NAME = "compare.png"
+DOWNSTREAM_NAME = "downstream.png"
+EVAL_PREFIX = "eval/"  # metrics.jsonl keys eval/<task>/<metric>, with <metric>_stderr beside them
+STDERR_SUFFIX = "_stderr"
+PERCENT_METRICS = ("acc", "acc_norm", "exact_match")  # fractions in [0, 1], drawn in %
+DOWNSTREAM_COLS = 3
+PANEL_SIZE = (5.0, 3.6)  # inches per downstream panel; the figure grows with the grid
+LEGEND_COLS = 6
+LEGEND_ROW_INCHES = 0.35  # the legend band above the grid grows a row per LEGEND_COLS entries
 
 # (key, panel title, scale applied to the values): one panel each, in this order.
 PANELS = [
@@ -102,45 +114,172 @@ def series(rows: Sequence[dict], key: str, scale: float = 1.0):
     return steps, [by_step[s] for s in steps]
 
 
-def compare_figure(runs: Mapping[str, Sequence[dict]]) -> Figure:
-    """A figure with one panel per metric in PANELS, x = step, one colour per run (label -> rows).
-    val_loss is drawn in the loss panel as dashed markers in the run's colour."""
-    fig, axes = plt.subplots(2, 3, figsize=FIGSIZE, dpi=DPI)
-    axes = axes.ravel()
-    colours = {label: f"C{i % 10}" for i, label in enumerate(runs)}
-    has_val = False
-    for ax, (key, title, scale) in zip(axes, PANELS):
-        drawn = False
-        for label, rows in runs.items():
-            steps, values = series(rows, key, scale)
-            if steps:
-                # A lone point needs a marker: a one-point line draws nothing.
-                ax.plot(steps, values, color=colours[label], linewidth=1.2,
-                        marker="o" if len(steps) == 1 else None, markersize=4)
-                drawn = True
-            if key == "loss":
-                steps, values = series(rows, "val_loss")
-                if steps:
-                    ax.plot(steps, values, color=colours[label], linestyle="--", marker="o",
-                            markersize=4)
-                    drawn = has_val = True
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(True, alpha=0.3)
-        if not drawn:
-            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center",
-                    color="gray", fontsize=14)
-    # The sixth slot holds one legend for all panels: run colours, then the loss line styles.
-    legend_ax = axes[len(PANELS)]
-    legend_ax.axis("off")
+Series = Tuple[List[int], List[float], Optional[List[float]]]
+
+
+def downstream_series(rows: Sequence[dict]) -> Dict[Tuple[str, str], Series]:
+    """{(task, metric): (steps, values, stderrs)} from the rows' eval/<task>/<metric> keys, sorted
+    by (task, metric), each series sorted by step.
+
+    Evaluation jobs append their rows out of step order and may report a step twice: the last row
+    with that metric wins, and its stderr comes from that same row. stderrs is None when no row
+    gives eval/<task>/<metric>_stderr, else NaN where that step's row does not. Non-numeric values
+    (a task alias, lm-eval's "N/A" stderr) are skipped."""
+    by_key: Dict[Tuple[str, str], Dict[int, Tuple[float, Optional[float]]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if not key.startswith(EVAL_PREFIX) or key.endswith(STDERR_SUFFIX) or not _number(value):
+                continue
+            task, _, metric = key[len(EVAL_PREFIX):].partition("/")
+            if not task or not metric:
+                continue
+            stderr = row.get(key + STDERR_SUFFIX)
+            by_key.setdefault((task, metric), {})[row["step"]] = (
+                value, stderr if _number(stderr) else None)
+    out = {}
+    for task_metric in sorted(by_key):
+        points = by_key[task_metric]
+        steps = sorted(points)
+        stderrs = [points[s][1] for s in steps]
+        out[task_metric] = (steps, [points[s][0] for s in steps],
+                            None if all(e is None for e in stderrs)
+                            else [math.nan if e is None else e for e in stderrs])
+    return out
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def metric_axis(metric: str) -> Tuple[float, str]:
+    """(scale, y label) for a downstream metric: accuracy-like fractions are drawn in %."""
+    if metric in PERCENT_METRICS:
+        return 100.0, f"{metric} (%)"
+    return 1.0, metric
+
+
+def run_colours(runs: Mapping[str, Sequence[dict]]) -> Dict[str, str]:
+    """label -> colour by run order, so a run has the same colour in every figure."""
+    return {label: f"C{i % 10}" for i, label in enumerate(runs)}
+
+
+def draw_loss(ax, runs: Mapping[str, Sequence[dict]], colours: Mapping[str, str]) -> Tuple[bool, bool]:
+    """Each run's train loss (solid) and val_loss (dashed, markers) on ax. Returns (drawn, has_val)."""
+    drawn = has_val = False
+    for label, rows in runs.items():
+        steps, values = series(rows, "loss")
+        if steps:
+            # A lone point needs a marker: a one-point line draws nothing.
+            ax.plot(steps, values, color=colours[label], linewidth=1.2, label=label,
+                    marker="o" if len(steps) == 1 else None, markersize=4)
+            drawn = True
+        steps, values = series(rows, "val_loss")
+        if steps:
+            ax.plot(steps, values, color=colours[label], linestyle="--", marker="o",
+                    markersize=4, label=f"{label} val_loss")
+            drawn = has_val = True
+    return drawn, has_val
+
+
+def legend_handles(runs, colours: Mapping[str, str], has_val: bool) -> List[Line2D]:
+    """One entry per run colour, then the loss line styles when val_loss is drawn."""
     handles = [Line2D([], [], color=colours[label], linewidth=2, label=label) for label in runs]
     if has_val:
         handles += [Line2D([], [], color="black", label="train loss"),
                     Line2D([], [], color="black", linestyle="--", marker="o", markersize=4,
                            label="val_loss")]
-    legend_ax.legend(handles=handles, loc="center", frameon=False, fontsize=11)
+    return handles
+
+
+def style_panel(ax, title: str, drawn: bool) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    if not drawn:
+        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center",
+                color="gray", fontsize=14)
+
+
+def compare_figure(runs: Mapping[str, Sequence[dict]]) -> Figure:
+    """A figure with one panel per metric in PANELS, x = step, one colour per run (label -> rows).
+    val_loss is drawn in the loss panel as dashed markers in the run's colour."""
+    fig, axes = plt.subplots(2, 3, figsize=FIGSIZE, dpi=DPI)
+    axes = axes.ravel()
+    colours = run_colours(runs)
+    has_val = False
+    for ax, (key, title, scale) in zip(axes, PANELS):
+        if key == "loss":
+            drawn, has_val = draw_loss(ax, runs, colours)
+        else:
+            drawn = False
+            for label, rows in runs.items():
+                steps, values = series(rows, key, scale)
+                if steps:
+                    ax.plot(steps, values, color=colours[label], linewidth=1.2,
+                            marker="o" if len(steps) == 1 else None, markersize=4)
+                    drawn = True
+        style_panel(ax, title, drawn)
+    # The sixth slot holds one legend for all panels: run colours, then the loss line styles.
+    legend_ax = axes[len(PANELS)]
+    legend_ax.axis("off")
+    legend_ax.legend(handles=legend_handles(runs, colours, has_val), loc="center", frameon=False,
+                     fontsize=11)
     fig.tight_layout()
+    return fig
+
+
+def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
+    """The loss panel (as in compare_figure), then one panel per (task, metric) any run logged:
+    title task, y the metric (accuracy-like in %), each run's evaluated steps as markers joined by
+    a line in the run's compare_figure colour, with stderr error bars where logged. One legend
+    above the grid names the runs. None when no run has eval/ keys."""
+    per_run = {label: downstream_series(rows) for label, rows in runs.items()}
+    task_metrics = sorted({tm for s in per_run.values() for tm in s})
+    if not task_metrics:
+        return None
+    n = 1 + len(task_metrics)
+    cols = min(DOWNSTREAM_COLS, n)
+    nrows = math.ceil(n / cols)
+    colours = run_colours(runs)
+    has_val = any(series(rows, "val_loss")[0] for rows in runs.values())
+    handles = legend_handles(runs, colours, has_val)
+    legend_cols = min(len(handles), LEGEND_COLS)
+    legend_h = LEGEND_ROW_INCHES * (math.ceil(len(handles) / legend_cols) + 0.5)
+    height = PANEL_SIZE[1] * nrows + legend_h
+    fig, axes = plt.subplots(nrows, cols, figsize=(PANEL_SIZE[0] * cols, height), dpi=DPI,
+                             squeeze=False)
+    axes = list(axes.ravel())
+    for ax in axes[n:]:
+        ax.remove()  # the last row's empty slots; fig.axes then holds only panels
+
+    loss_ax = axes[0]
+    drawn, _ = draw_loss(loss_ax, runs, colours)
+    loss_ax.set_ylabel("loss")
+    style_panel(loss_ax, "loss", drawn)
+
+    for ax, (task, metric) in zip(axes[1:n], task_metrics):
+        # Shared x so an evaluation lines up with the loss at that step; tick labels stay on.
+        ax.sharex(loss_ax)
+        scale, ylabel = metric_axis(metric)
+        for label, run_series in per_run.items():
+            if (task, metric) not in run_series:
+                continue
+            steps, values, stderrs = run_series[(task, metric)]
+            ax.plot(steps, [v * scale for v in values], color=colours[label], linewidth=1.2,
+                    marker="o", markersize=4, label=label)
+            bars = [(s, v * scale, e * scale) for s, v, e in zip(steps, values, stderrs or [])
+                    if math.isfinite(e) and e >= 0]
+            if bars:
+                # fmt="none", capsize=0: only the bars, so ax.get_lines() is one line per run.
+                ax.errorbar([b[0] for b in bars], [b[1] for b in bars],
+                            yerr=[b[2] for b in bars], fmt="none", ecolor=colours[label],
+                            elinewidth=1.0, alpha=0.7, capsize=0)
+        ax.set_ylabel(ylabel)
+        style_panel(ax, task, True)
+
+    fig.legend(handles=handles, loc="upper center", ncol=legend_cols, frameon=False, fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 1 - legend_h / height))
     return fig
 
 
@@ -159,7 +298,8 @@ def save_figure(fig: Figure, path) -> Path:
 
 def plot_runs(dump_dirs: Sequence, out_dir=None) -> List[Path]:
     """Read each run's metrics.jsonl and write out_dir/compare.png (default: the first run's
-    dump_dir/plots/). Returns the paths written."""
+    dump_dir/plots/), and out_dir/downstream.png when any run has eval/ keys. Returns the paths
+    written."""
     if not dump_dirs:
         raise ConfigError("no run directory given: pass one or more dump_dirs, e.g. "
                           "`python -m lingua.plot runs/a runs/b`.")
@@ -167,17 +307,24 @@ def plot_runs(dump_dirs: Sequence, out_dir=None) -> List[Path]:
     for label, dump_dir in zip(run_labels(dump_dirs), dump_dirs):
         runs[label] = read_metrics(dump_dir)
     out_dir = Path(out_dir) if out_dir is not None else Path(dump_dirs[0]) / "plots"
-    return [save_figure(compare_figure(runs), out_dir / COMPARE_NAME)]
+    paths = [save_figure(compare_figure(runs), out_dir / COMPARE_NAME)]
+    downstream = downstream_figure(runs)
+    if downstream is not None:
+        paths.append(save_figure(downstream, out_dir / DOWNSTREAM_NAME))
+    return paths
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m lingua.plot",
         description="Plot loss (and val_loss), lr, grad_norm, tokens/s and MFU against step for "
-                    "one or more runs, one colour per run, into one PNG.")
+                    "one or more runs, one colour per run, into compare.png; when any run logged "
+                    "downstream tasks (eval/<task>/<metric>), those against step beside the loss "
+                    "into downstream.png.")
     parser.add_argument("dump_dirs", nargs="+", metavar="DIR", help="a training run's dump_dir")
     parser.add_argument("--out", metavar="OUT_DIR", default=None,
-                        help="directory for compare.png (default: the first run's dump_dir/plots)")
+                        help="directory for compare.png and downstream.png (default: the first run's "
+                             "dump_dir/plots)")
     ns = parser.parse_args(argv)
     try:
         paths = plot_runs(ns.dump_dirs, ns.out)

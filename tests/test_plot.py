@@ -15,7 +15,9 @@ EXPECTED_SHAPE = (round(plot.FIGSIZE[1] * plot.DPI), round(plot.FIGSIZE[0] * plo
 
 
 def write_run(dump_dir: Path, offset: float = 0.0, steps: int = 20, val_every: int = 0,
-              drop=()) -> Path:
+              drop=(), inline=None, appended=()) -> Path:
+    """inline: {step: keys merged into that training row}; appended: rows written after the
+    training rows, as an evaluation job running beside training appends them."""
     dump_dir.mkdir(parents=True, exist_ok=True)
     lines = []
     for s in range(1, steps + 1):
@@ -27,7 +29,9 @@ def write_run(dump_dir: Path, offset: float = 0.0, steps: int = 20, val_every: i
             row["val_ppl"] = math.exp(row["val_loss"])
         for key in drop:
             row.pop(key)
+        row.update((inline or {}).get(s, {}))
         lines.append(json.dumps(row))
+    lines += [json.dumps(row) for row in appended]
     (dump_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n\n")  # a trailing blank line
     return dump_dir
 
@@ -50,6 +54,7 @@ def test_cli_compares_two_runs(tmp_path):
     out = Path(printed[0])
     assert out.is_absolute() and out == (a / "plots" / "compare.png").absolute()
     check_png(out)
+    assert not (a / "plots" / "downstream.png").exists()  # no eval/ keys in any run
 
     proc = run_python("lingua.plot", [str(a), str(b), "--out", str(tmp_path / "elsewhere")])
     assert Path(proc.stdout.strip()) == (tmp_path / "elsewhere" / "compare.png").absolute()
@@ -122,3 +127,99 @@ def test_plot_a_real_training_run(corpus, tmp_path):
     out = Path(proc.stdout.strip())
     assert out == (run / "plots" / "compare.png").absolute()
     check_png(out)
+
+
+# Downstream evaluation: eval/<task>/<metric> keys. Values are binary fractions so x100 is exact.
+LC = "eval/lingua_continuation"
+INLINE_EVAL = {  # inline evaluation: the keys ride in the training rows
+    10: {f"{LC}/acc": 0.25, f"{LC}/acc_stderr": 0.03125, f"{LC}/acc_norm": 0.125,
+         f"{LC}/acc_norm_stderr": 0.0625, "eval/arc-easy/word_perplexity": 40.5},
+    20: {f"{LC}/acc": 0.5, f"{LC}/acc_stderr": 0.015625, f"{LC}/acc_norm": 0.375,
+         f"{LC}/acc_norm_stderr": 0.0625, "eval/arc-easy/word_perplexity": 30.25},
+}
+EVAL_JOB_ROWS = [  # an evaluation job beside training: own rows, out of order, step 20 twice
+    {"step": 20, f"{LC}/acc": 0.125, f"{LC}/acc_stderr": 0.5},
+    {"step": 10, f"{LC}/acc": 0.25, f"{LC}/acc_stderr": 0.0625, f"{LC}/acc_norm": 0.5,
+     f"{LC}/alias": "lingua_continuation"},
+    {"step": 5, f"{LC}/acc": 0.0, f"{LC}/acc_stderr": "N/A"},
+    {"step": 20, f"{LC}/acc": 0.75, f"{LC}/acc_stderr": 0.125, f"{LC}/acc_norm": 0.625},
+]
+
+
+def downstream_runs(tmp_path):
+    base = write_run(tmp_path / "base", val_every=10, inline=INLINE_EVAL)
+    fork = write_run(tmp_path / "fork", offset=0.3, appended=EVAL_JOB_ROWS)
+    plain = write_run(tmp_path / "plain", offset=0.6, steps=15)
+    return base, fork, plain
+
+
+def test_downstream_series_inline_and_separate_rows(tmp_path):
+    base, fork, _ = downstream_runs(tmp_path)
+    assert plot.downstream_series(plot.read_metrics(base)) == {
+        ("arc-easy", "word_perplexity"): ([10, 20], [40.5, 30.25], None),
+        ("lingua_continuation", "acc"): ([10, 20], [0.25, 0.5], [0.03125, 0.015625]),
+        ("lingua_continuation", "acc_norm"): ([10, 20], [0.125, 0.375], [0.0625, 0.0625]),
+    }
+    got = plot.downstream_series(plot.read_metrics(fork))
+    assert list(got) == [("lingua_continuation", "acc"), ("lingua_continuation", "acc_norm")]
+    # Sorted by step; step 20's later row wins with its own stderr; "N/A" is no stderr (NaN).
+    steps, values, stderrs = got[("lingua_continuation", "acc")]
+    assert (steps, values) == ([5, 10, 20], [0.0, 0.25, 0.75])
+    assert math.isnan(stderrs[0]) and stderrs[1:] == [0.0625, 0.125]
+    assert got[("lingua_continuation", "acc_norm")] == ([10, 20], [0.5, 0.625], None)
+    # Eval-only rows leave the training series alone.
+    assert plot.series(plot.read_metrics(fork), "loss")[0] == list(range(1, 21))
+    assert plot.downstream_series([{"step": 1, "loss": 2.0}, {"step": 2, "eval/x": 1.0}]) == {}
+
+
+def test_downstream_figure_panels_lines_and_percent(tmp_path):
+    dirs = downstream_runs(tmp_path)
+    runs = {label: plot.read_metrics(d) for label, d in zip(plot.run_labels(dirs), dirs)}
+    fig = plot.downstream_figure(runs)
+    assert [ax.get_title() for ax in fig.axes] == \
+        ["loss", "arc-easy", "lingua_continuation", "lingua_continuation"]  # 2x3 grid, 2 removed
+    assert [ax.get_ylabel() for ax in fig.axes] == \
+        ["loss", "word_perplexity", "acc (%)", "acc_norm (%)"]
+    assert {ax.get_xlabel() for ax in fig.axes} == {"step"}
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == \
+        ["base", "fork", "plain", "train loss", "val_loss"]
+    loss_ax, ppl_ax, acc_ax, norm_ax = fig.axes
+    assert [line.get_label() for line in loss_ax.get_lines()] == \
+        ["base", "base val_loss", "fork", "plain"]  # the run without eval keys is drawn too
+    assert loss_ax.get_lines()[3].get_xydata()[:, 0].tolist() == list(range(1, 16))
+
+    def lines(ax):
+        return {line.get_label(): line.get_xydata().tolist() for line in ax.get_lines()}
+
+    assert lines(ppl_ax) == {"base": [[10, 40.5], [20, 30.25]]}
+    assert lines(acc_ax) == {"base": [[10, 25.0], [20, 50.0]],
+                             "fork": [[5, 0.0], [10, 25.0], [20, 75.0]]}
+    assert lines(norm_ax) == {"base": [[10, 12.5], [20, 37.5]], "fork": [[10, 50.0], [20, 62.5]]}
+    assert all(line.get_marker() == "o" for ax in fig.axes[1:] for line in ax.get_lines())
+    # Error bars in %: base's two, then fork's two with a stderr (step 5's "N/A" has none).
+    bars = [seg.tolist() for c in acc_ax.collections for seg in c.get_segments()]
+    assert bars == [[[10, 21.875], [10, 28.125]], [[20, 48.4375], [20, 51.5625]],
+                    [[10, 18.75], [10, 31.25]], [[20, 62.5], [20, 87.5]]]
+    assert len(ppl_ax.collections) == 0 and len(norm_ax.collections) == 1  # fork's acc_norm: none
+    compare_loss = plot.compare_figure(runs).axes[0]
+    for ax in (loss_ax, acc_ax):  # a run has the same colour as in compare.png
+        assert ax.get_lines()[0].get_color() == compare_loss.get_lines()[0].get_color() == "C0"
+    assert acc_ax.get_lines()[1].get_color() == "C1"
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    assert plot.downstream_figure({"plain": runs["plain"]}) is None
+
+
+def test_cli_writes_downstream_png_beside_compare(tmp_path):
+    base, fork, plain = downstream_runs(tmp_path)
+    proc = run_python("lingua.plot", [str(base), str(fork), str(plain), "--out", str(tmp_path / "o")])
+    assert proc.stdout.strip().splitlines() == [
+        str((tmp_path / "o" / "compare.png").absolute()),
+        str((tmp_path / "o" / "downstream.png").absolute())]
+    check_png(tmp_path / "o" / "compare.png")
+    img = mpimg.imread(tmp_path / "o" / "downstream.png")
+    legend_h = plot.LEGEND_ROW_INCHES * 1.5  # 5 legend entries: one row, plus half a row
+    assert img.shape[:2] == (round((2 * plot.PANEL_SIZE[1] + legend_h) * plot.DPI),
+                             round(3 * plot.PANEL_SIZE[0] * plot.DPI))
+    assert img[..., :3].std() > 0.05
