@@ -426,9 +426,17 @@ def _first_error(error: Optional[BaseException], world_size: int) -> Optional[Ba
 def _prune(root: Path, keep: int) -> None:
     if keep <= 0:
         return
+    from lingua.eval_jobs import pending_marker
+
     complete = sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
                       key=lambda p: int(p.name))
     for old in complete[:-keep]:
+        # An evaluation job (eval.mode=async) has not read this checkpoint yet: it removes the
+        # marker once its results are written (or it gave up), and a later save prunes the
+        # checkpoint then. A job that never runs (cancelled while queued, lost) leaves its
+        # checkpoint on disk: the safe side; delete evals/<step>/pending to let it go.
+        if pending_marker(root.parent, int(old.name)).exists():
+            continue
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -453,6 +461,28 @@ def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: i
         _set_rng_state(train_state["rng"])
     logger.info("resumed from %s (step %d)", ckpt_dir, train_state["step"])
     return train_state
+
+
+def verified(ckpt_dir, rank: int = 0, world_size: int = 1) -> None:
+    """Collective when world_size > 1: raise ConfigError on every rank unless the checkpoint
+    passes every rank's `verify_share` (together, a full `verify` with checksums)."""
+    problem = verify_share(ckpt_dir, rank, world_size)
+    problems = _all_gather(problem) if world_size > 1 else [problem]
+    problems = [p for p in problems if p is not None]
+    if problems:
+        raise ConfigError(f"Checkpoint {ckpt_dir} is damaged: {'; '.join(dict.fromkeys(problems))}. "
+                          f"Use another checkpoint of the run (ls {Path(ckpt_dir).parent}), or "
+                          f"copy this one again from where it was written.")
+
+
+def load_model(ckpt_dir: Path, parts: list) -> None:
+    """Collective: the checkpoint's weights into model parts sharded for any layout (DCP
+    reshards), without the optimizer state; for evaluation jobs."""
+    own = [get_model_state_dict(part) for part in parts]
+    state = {"model": {k: v for part_state in own for k, v in part_state.items()}}
+    _dcp_load(state, Path(ckpt_dir))
+    for part, part_state in zip(parts, own):
+        set_model_state_dict(part, {k: state["model"][k] for k in part_state})
 
 
 def _barrier(world_size: int) -> None:

@@ -96,7 +96,7 @@ class Decoder(nn.Module):
         pos = positions if positions is not None else slice(start, start + seq_len)
         rope = (self.rope_cos[pos], self.rope_sin[pos])
         if cache is not None:
-            return rope, cache.attn_mask(seq_len)
+            return rope, cache.attn_mask(seq_len, device)
         return rope, make_attn_mask(self.attn_backend, doc_ids, seq_len, device)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

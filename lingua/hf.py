@@ -165,3 +165,77 @@ def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: 
             "the files hold, or the checkpoint has weights this architecture lacks (biases, extra norms?): use an "
             f"app whose model has them, or add them to the model and map them in {where}; a tensor that is derived "
             "and recomputed on load can go on NOT_IMPORTED in that file with the reason.")
+
+
+def byte_tokenizer_json():
+    """A `tokenizers` Tokenizer that gives exactly lingua's byte tokenizer's ids (byte b -> id b,
+    BOS 256 as `<s>`, EOS 257 as `</s>`; encoding with special tokens prepends BOS), so Hugging
+    Face tools (transformers, lm-eval's HFLM) read an export of a byte-level model as we do."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    # ByteLevel maps each byte to a printable character; a BPE without merges then gives one
+    # token per byte, with the byte's value as its id.
+    alphabet = ByteLevel.alphabet()
+    byte_char = {b: c for b, c in _bytes_to_unicode().items()}
+    assert set(byte_char.values()) == set(alphabet)
+    vocab = {byte_char[b]: b for b in range(256)}
+    tok = HFTok(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 256)])
+    return tok
+
+
+def _bytes_to_unicode() -> Dict[int, str]:
+    # GPT-2's printable stand-ins for bytes, the mapping `tokenizers`' ByteLevel uses.
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(keep, chars)}
+
+
+def write_tokenizer(run_config, out_dir) -> Optional[str]:
+    """Tokenizer files (of a run config's data.tokenizer) beside an export, so `AutoTokenizer.from_pretrained(out_dir)` (and
+    lm-eval's HFLM on the directory) encodes as training did: the byte tokenizer as an
+    equivalent tokenizer.json, an HF tokenizer.json as it is. Returns what was written, or None
+    with a warning for kinds transformers cannot read as they are (tiktoken, sentencepiece:
+    give the HF tools the tokenizer you trained with)."""
+    import logging
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from lingua.tokenizer import TokenizerArgs
+
+    section = OmegaConf.select(run_config, "data.tokenizer") or {}
+    tokenizer_args = TokenizerArgs(**OmegaConf.to_container(OmegaConf.create(section), resolve=True))
+    out = Path(out_dir)
+    kind = tokenizer_args.kind
+    if kind == "bytes":
+        byte_tokenizer_json().save(str(out / "tokenizer.json"))
+        bos, eos = "<s>", "</s>"
+    elif kind == "hf":
+        src = Path(tokenizer_args.path)
+        shutil.copyfile(src, out / "tokenizer.json")
+        from lingua.tokenizer import HFTokenizer
+
+        tok = HFTokenizer(str(src))
+        bos, eos = tok.model.id_to_token(tok.bos_id), tok.model.id_to_token(tok.eos_id)
+    else:
+        logging.getLogger(__name__).warning(
+            "the export has no tokenizer files: transformers cannot read a %s tokenizer as it "
+            "is; pass yours to the Hugging Face tools", kind)
+        return None
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "clean_up_tokenization_spaces": False, "model_max_length": 1_000_000_000}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return "tokenizer.json and tokenizer_config.json"

@@ -315,30 +315,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, m
 
 
 class KVCache:
-    """Keys/values of the positions seen so far, for every attention layer (keyed like `layers`)."""
+    """Keys/values of the positions seen so far, for every attention layer (keyed like `layers`).
 
-    def __init__(self, layer_keys, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-                 device=None, dtype=torch.float32):
-        shape = (batch, max_len, n_kv_heads, head_dim)
-        self.kv: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {
-            key: (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-            for key in layer_keys
-        }
-        self.max_len = max_len
+    A layer's buffers are made at its first update, shaped like the keys it caches: under tensor
+    parallelism a rank holds n_kv_heads / tp heads, which only the layer's output knows.
+    (`n_kv_heads`, `head_dim`, `device` and `dtype` are kept for callers that pass them.)
+    """
+
+    def __init__(self, layer_keys, batch: int, max_len: int, n_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, device=None, dtype=torch.float32):
+        self.kv: Dict[str, Optional[Tuple[torch.Tensor, torch.Tensor]]] = {key: None for key in layer_keys}
+        self.batch, self.max_len = batch, max_len
         self.pos = 0  # positions already cached; the next token's absolute position
 
     def update(self, key: str, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.kv[key] is None:
+            shape = (k.shape[0], self.max_len, *k.shape[2:])
+            self.kv[key] = (k.new_zeros(shape), v.new_zeros(shape))
         ck, cv = self.kv[key]
         end = self.pos + k.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} positions; {end} were asked for.")
         ck[:, self.pos:end] = k
         cv[:, self.pos:end] = v
         return ck[:, :end], cv[:, :end]
 
-    def attn_mask(self, seq_len: int) -> Optional[torch.Tensor]:
+    def attn_mask(self, seq_len: int, device=None) -> Optional[torch.Tensor]:
         """Boolean [seq_len, pos + seq_len] mask: new query i sees cached keys and new keys <= i."""
         if seq_len == 1:
             return None  # a single new token sees everything cached: no mask needed
-        device = self.kv[next(iter(self.kv))][0].device
         q_pos = self.pos + torch.arange(seq_len, device=device)
         return torch.arange(self.pos + seq_len, device=device)[None, :] <= q_pos[:, None]
 

@@ -195,6 +195,7 @@ def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_model_state(ckpt_dir, model)
     save_hf(model, args, out_dir, dtype)
+    lingua_hf.write_tokenizer(read_run_config(ckpt_dir), out_dir)  # HF tools encode as we did
 
 
 def main(argv=None) -> None:

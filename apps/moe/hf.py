@@ -427,6 +427,7 @@ def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, on purpose
         load_model_state(ckpt_dir, model)
     save_hf(model, args, out_dir, dtype)
+    lingua_hf.write_tokenizer(read_run_config(ckpt_dir), out_dir)  # HF tools encode as we did
     return LAYOUTS[layout_for(args)].arch
 
 
