@@ -201,7 +201,7 @@ class MetricLogger:
             self.wandb_run = wandb.init(
                 project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
                 dir=str(dump_dir), name=args.name or Path(dump_dir).name, config=run_config,
-                id=_wandb_id(dump_dir), resume="allow")
+                id=wandb_id(dump_dir), resume="allow")
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:
@@ -231,7 +231,7 @@ def drop_rows_after(path: Path, step: int) -> None:
         os.replace(tmp, path)
 
 
-def _wandb_id(dump_dir) -> str:
+def wandb_id(dump_dir) -> str:
     """A stable id per dump_dir, so a resumed run continues the same wandb run."""
     path = Path(dump_dir) / "wandb_id.txt"
     if not path.is_file():
@@ -249,6 +249,8 @@ def format_line(m: dict) -> str:
              f"mem {m['peak_mem_gib']:.2f}GiB"]
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f} ppl {m['val_ppl']:.1f}")
+    parts += [f"{k.removeprefix('eval/')} {v:.4f}" for k, v in m.items()
+              if k.startswith("eval/") and not k.endswith("_stderr")]   # downstream tasks
     return " | ".join(parts)
 
 

@@ -25,8 +25,8 @@ from typing import Callable, Optional
 
 import torch
 
-from lingua import (checkpoint, config, coverage, data, decoder, distributed, evaluation, metrics,
-                    optim, pipeline, preemption, weights)
+from lingua import (checkpoint, config, coverage, data, decoder, distributed, downstream,
+                    evaluation, metrics, optim, pipeline, preemption, weights)
 from lingua import loss as loss_module
 from lingua import probe as probe_module
 from lingua.checkpoint import CheckpointArgs
@@ -129,6 +129,14 @@ def validate(args, app: App) -> None:
     check_async_tp(d.async_tp, device_type(), d.compile)
     checkpoint.validate_args(args.checkpoint)
     evaluation.validate_args(args.eval)
+    if args.eval.tasks:   # downstream tasks: known names; a layout or Slurm they can run on
+        downstream.check_task_names(args.eval.tasks, args.eval.include_path)
+        if args.eval.mode == "inline":
+            downstream.check_layout(args.distributed, "eval.tasks with eval.mode=inline")
+        else:
+            from lingua import eval_jobs
+
+            eval_jobs.check_async(args)
     probe_module.validate_args(args.probe)
     profiling.validate_args(args.profiling, args.steps)
     # Resuming is only exact with the same model and the same data stream.
@@ -155,6 +163,8 @@ def start_run(args, env: DistEnv) -> None:
         if env.local_rank == 0:
             data.ensure_embedded_corpus(args.data.root)
         distributed.barrier(env)
+    if args.eval.tasks and args.eval.mode == "inline":
+        downstream.load_tasks(args.eval.tasks, args.eval.include_path)  # a task whose data cannot be read stops us here
     if env.is_main:
         Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
         config.dump(args, Path(args.dump_dir) / "config.yaml")
@@ -373,6 +383,7 @@ class Run:
         self.phases = profiling.PhaseTimer(env.device)   # fwd_s, bwd_s, optim_s in metrics
         self.step_loss = StepLoss(env.device)   # the current step's losses (train_step)
         self.nonfinite_steps = 0  # steps skipped for NaN/Inf gradients (optim.nonfinite=skip)
+        self.tokenizer = None     # built for the first downstream evaluation
         self.step = 0             # steps done; resume() moves it to the newest checkpoint's
 
     def _build_pipeline(self, stage_ids):
@@ -449,6 +460,35 @@ class Run:
 
         with loss_parallel_context(self.loss_parallel):
             return evaluation.evaluate(self.parts, self.val_batches, env, batch_loss)
+
+    def evaluates_at(self, step: int) -> bool:
+        """Validation (and downstream tasks) after this step?"""
+        e = self.args.eval
+        return bool((e.every and step % e.every == 0) or (step == self.args.steps and e.at_end))
+
+    def downstream_metrics(self) -> dict:
+        """eval.tasks on the training ranks at this step (eval.mode=inline), as eval/<task>/<metric>
+        values for the step's row. Tasks the step already has results for (a resumed run going
+        over the step again) are read back, not run again."""
+        args, env = self.args, self.env
+        # Every rank must run the same tasks: rank 0 reads what is already there.
+        todo = [downstream.missing_tasks(self.dump_dir, self.step, args.eval.tasks)]
+        if env.world_size > 1:
+            torch.distributed.broadcast_object_list(todo, src=0)
+        todo = todo[0]
+        if todo:
+            if self.tokenizer is None:
+                self.tokenizer = build_tokenizer(args.data.tokenizer)
+            results = downstream.evaluate_tasks(
+                self.parts[0], self.tokenizer, env, args.eval, args.model.max_seq_len, todo,
+                autocast=lambda: mixed_precision(args, env, self.parts))
+            if env.is_main:
+                downstream.write_results(self.dump_dir, self.step, results,
+                                         {"inline": True, "layout": str(env.dims)})
+        if not env.is_main:
+            return {}
+        return downstream.flat_metrics(downstream.read_results(self.dump_dir, self.step),
+                                       args.eval.tasks)
 
     def _flops_per_token(self) -> float:
         if self.app.flops_per_token is not None:
@@ -612,9 +652,10 @@ class Run:
             row.update(self.app.step_metrics(self.parts, env))
         if loop.probe is not None:
             row["probe_alerts"], loop.probe_alerts = loop.probe_alerts, 0
-        last = self.step == args.steps
-        if (args.eval.every and self.step % args.eval.every == 0) or (last and args.eval.at_end):
+        if self.evaluates_at(self.step):
             row.update(self.validation_loss())
+            if args.eval.tasks and args.eval.mode == "inline":
+                row.update(self.downstream_metrics())
         loop.window.reset()
         loop.log.log(row)
         if env.is_main:
@@ -629,6 +670,12 @@ class Run:
             last and args.checkpoint.save_final)
         if saved:
             self._save(loop.config_yaml)
+            if args.eval.tasks and args.eval.mode == "async" and self.evaluates_at(self.step) \
+                    and env.is_main:   # a job evaluates the checkpoint; training goes on
+                from lingua import eval_jobs
+
+                eval_jobs.submit(args, self.app.model_class.__module__.rsplit(".", 1)[0],
+                                 self.step, checkpoint.checkpoints_dir(self.dump_dir) / str(self.step))
         action = loop.signals.agreed(env.world_size, env.device)
         if action == preemption.NONE or last:
             return False

@@ -1,0 +1,17 @@
+"""Evaluate a checkpoint of this app on downstream tasks (lm-evaluation-harness):
+
+    python -m apps.mtp.eval <dump_dir or dump_dir/checkpoints/STEP> eval.tasks=[lingua_continuation]
+
+also under torchrun with any layout the checkpoint reshards to (lingua/eval_cli.py says how).
+"""
+
+from apps.mtp.train import APP, TrainArgs
+from lingua import eval_cli, trainer
+
+
+def main(argv=None) -> int:
+    return eval_cli.evaluate_checkpoint(APP, TrainArgs, argv)
+
+
+if __name__ == "__main__":
+    trainer.exit_cli(main)
