@@ -247,17 +247,18 @@ class LinguaLM(_lm_base()):
 
     # -- the model ------------------------------------------------------------------------------
 
-    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[b, s] -> fp32 logits [b, s, vocab], whole on every rank."""
+    def _logits(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        """[b, s] -> logits [b, s, vocab] in the model's dtype, whole on every rank (only the
+        continuations' rows are turned to fp32: a batch of 128k-vocabulary logits is GBs)."""
         from torch.distributed.tensor import DTensor
 
         with torch.no_grad(), (self.autocast() if self.autocast else _nullcontext()):
-            out = self.model(tokens.to(self.device_))
+            out = self.model(tokens.to(self.device_), cache=cache)
         if isinstance(out, tuple):  # an app whose forward returns more than the logits
             out = out[0]
         if isinstance(out, DTensor):  # vocabulary-sharded logits (loss parallel)
             out = out.full_tensor()
-        return out.float()
+        return out
 
     def _share(self, n: int) -> range:
         """This data-parallel rank's slice of a global batch of n requests."""
@@ -295,7 +296,7 @@ class LinguaLM(_lm_base()):
             for row, i in enumerate(mine):
                 ids, continuation = inputs[i]
                 n = len(continuation)
-                logprobs = torch.log_softmax(logits[row, len(ids) - n:len(ids)], dim=-1)
+                logprobs = torch.log_softmax(logits[row, len(ids) - n:len(ids)].float(), dim=-1)
                 target = torch.tensor(continuation, device=logprobs.device)
                 scores[offset + row, 0] = logprobs.gather(-1, target[:, None]).sum().double()
                 scores[offset + row, 1] = float(bool((logprobs.argmax(-1) == target).all()))
@@ -339,7 +340,7 @@ class LinguaLM(_lm_base()):
             until = gen_kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             budget = min(int(gen_kwargs.get("max_gen_toks", self.args.max_gen_tokens)),
-                         self.args.max_gen_tokens)
+                         self.args.max_gen_tokens, self._max_length - 1)
             ids = self.tok_encode(context)[-(self._max_length - budget):]
             jobs.append((ids, [s for s in until if s], budget))
         order = sorted(range(len(jobs)), key=lambda i: (-len(jobs[i][0]), i))
@@ -371,14 +372,7 @@ class LinguaLM(_lm_base()):
             if done:  # finished early: keep the collectives in step with a one-token forward
                 self._logits(torch.full((1, 1), self.tok.bos_id, dtype=torch.long))
                 continue
-            with torch.no_grad(), (self.autocast() if self.autocast else _nullcontext()):
-                out = self.model(tokens.to(self.device_), cache=cache)
-            out = out[0] if isinstance(out, tuple) else out
-            from torch.distributed.tensor import DTensor
-
-            if isinstance(out, DTensor):
-                out = out.full_tensor()
-            next_id = int(out[0, -1].argmax())
+            next_id = int(self._logits(tokens, cache)[0, -1].float().argmax())
             new.append(next_id)
             tokens = torch.tensor([[next_id]])
             text = self.tok.decode(new)

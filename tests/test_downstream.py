@@ -206,6 +206,31 @@ def test_inline_during_training_equals_the_cli(corpus, tmp_path):
     assert len(results(run, 10)["runs"]) == 1
 
 
+def test_wandb_gets_inline_and_job_results(corpus, tmp_path, monkeypatch):
+    """Inline results go to the training run's wandb run; an evaluation command's to a run of
+    its own in the same group, with the trained step as its x axis (offline runs here)."""
+    from apps.llama import train
+
+    secret = "sk-test-downstream-do-not-write"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = tmp_path / "wb"
+    train.main(tiny_args(corpus, run, *LONG, "logging.wandb=true", "eval.every=2",
+                         "eval.tasks=[lingua_continuation]", "eval.limit=4", steps=2))
+    [training] = list((run / "wandb").glob("offline-run-*"))
+    assert b"eval/lingua_continuation/acc" in b"".join(p.read_bytes() for p in training.glob("*.wandb"))
+    run_python("apps.llama.eval", [str(run), "eval.tasks=[lingua_continuation_rolling]",
+                                   f"eval.include_path={TEST_TASKS}", "eval.limit=4"])
+    [job] = [r for r in (run / "wandb").glob("offline-run-*") if r != training]
+    history = b"".join(p.read_bytes() for p in job.glob("*.wandb"))
+    wandb_id = (run / "wandb_id.txt").read_text().strip()
+    assert b"eval/lingua_continuation_rolling/bits_per_byte" in history and b"trained_step" in history
+    assert f"{wandb_id}-eval-2".encode() in history and wandb_id.encode() in history
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+
+
 def test_moe_checkpoint_evaluates(corpus, tmp_path):
     run = tmp_path / "moe"
     run_python("apps.moe.train", tiny_args(corpus, run, *LONG, "model.n_experts=4",

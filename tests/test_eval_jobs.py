@@ -1,0 +1,412 @@
+"""eval.mode=async (lingua/eval_jobs.py): a Slurm job per evaluated checkpoint, against the real
+local Slurm of `bash setup/slurm_local.sh start` (tests marked slurm; skipped with the reason
+where it cannot run, failing where setup/test.sh started it). The checks of the config, of the
+retry decision, of pruning and of a submission without Slurm need no cluster.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lingua import checkpoint, eval_jobs
+from lingua.errors import ConfigError
+from tests.conftest import REPO, read_metrics, run_python, slurm_is_up, tiny_args
+
+NO_SLURM = slurm_is_up()
+REQUIRED = os.environ.get("LINGUA_REQUIRE_SLURM") == "1"
+slurm = pytest.mark.skipif(bool(NO_SLURM) and not REQUIRED, reason=NO_SLURM or "-")
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+TASK = "lingua_continuation"
+ACC = f"eval/{TASK}/acc"
+SECRET = "lingua-eval-secret-4b1d"
+
+
+def async_args(corpus, dump, *extra, steps=4):
+    """A tiny LLaMA whose checkpoints of steps 2, 4, ... are evaluated by Slurm jobs."""
+    return tiny_args(corpus, dump, "model.max_seq_len=512", "eval.mode=async",
+                     f"eval.tasks=[{TASK}]", "eval.limit=8", "eval.every=2", "checkpoint.every=2",
+                     "eval.slurm.partition=debug", "eval.slurm.time=10",
+                     "eval.slurm.cpus_per_task=1", *extra, steps=steps)
+
+
+def load_args(overrides):
+    from apps.llama import train
+
+    return train.load_config(overrides, check=False)
+
+
+def train(args, check=True, bypass_check=False, env_extra=None) -> subprocess.CompletedProcess:
+    """apps.llama.train in its own process; bypass_check skips eval_jobs.check_async, so that a
+    submission can fail at the evaluation step as it would on a cluster that changed meanwhile."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), **OFFLINE, **(env_extra or {}))
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    code = ("from lingua import eval_jobs; "
+            + ("eval_jobs.check_async = lambda args: None; " if bypass_check else "")
+            + "from apps.llama import train; from lingua import trainer; "
+            "trainer.exit_cli(train.main)")
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-4000:]}")
+    return proc
+
+
+def job_field(job_id: str, name: str) -> str:
+    from tests.test_slurm import job_field as field
+
+    return field(job_id, name)
+
+
+def wait_for(job_id: str, logs: Path, timeout: float = 240) -> str:
+    """The job's final state; a requeued job (held by Slurm for ~2 minutes) is released."""
+    from tests.test_slurm import wait_for as wait
+
+    return wait(job_id, timeout=timeout, logs=logs)
+
+
+def job_log(dump, step: int) -> str:
+    folder = eval_jobs.step_dir(dump, step) / "slurm"
+    return "\n".join(f"== {p.name}\n{p.read_text()}" for p in sorted(folder.glob("*_log.*")))
+
+
+def wait_for_line(dump, step: int, text: str, job_id: str, timeout: float = 120) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        log = job_log(dump, step)
+        if text in log:
+            return log
+        assert job_field(job_id, "JobState") in ("PENDING", "RUNNING"), log
+        time.sleep(0.2)
+    raise AssertionError(f"no {text!r} in the job's log after {timeout}s:\n{job_log(dump, step)}")
+
+
+def results(dump, step: int) -> dict:
+    return json.loads((eval_jobs.step_dir(dump, step) / "results.json").read_text())
+
+
+def eval_rows(dump) -> list:
+    return [row for row in read_metrics(dump) if ACC in row]
+
+
+def saved_steps(dump) -> list:
+    return sorted(int(p.name) for p in (Path(dump) / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def copy_run(src, dest) -> Path:
+    """The run's config and checkpoints, without its evaluations."""
+    dest.mkdir(parents=True)
+    shutil.copy2(src / "config.yaml", dest / "config.yaml")
+    shutil.copytree(src / "checkpoints", dest / "checkpoints")
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# Against Slurm
+
+
+@pytest.fixture(scope="module")
+def async_run(corpus, tmp_path_factory):
+    """One run (steps 1-4, evaluated at 2 and 4 by jobs, checkpoint.keep=1), trained locally;
+    what was on disk when training returned, and the jobs' final states."""
+    if NO_SLURM:
+        pytest.fail(NO_SLURM)
+    dump = tmp_path_factory.mktemp("async") / "run"
+    proc = train(async_args(corpus, dump, "checkpoint.keep=1"), env_extra={"WANDB_API_KEY": SECRET})
+    # Read at once: the job of the last step was submitted a moment before training returned.
+    at_return = {step: (eval_jobs.step_dir(dump, step) / "results.json").exists()
+                 for step in (2, 4)}
+    steps_at_return = saved_steps(dump)
+    markers_at_return = sorted(int(p.parent.name) for p in (dump / "evals").glob("*/pending"))
+    jobs = {step: json.loads((eval_jobs.step_dir(dump, step) / "job.json").read_text())
+            for step in (2, 4)}
+    states = {step: wait_for(job["job_id"], eval_jobs.step_dir(dump, step) / "slurm")
+              for step, job in jobs.items()}
+    return dict(dump=dump, stdout=proc.stdout, at_return=at_return, jobs=jobs, states=states,
+                steps_at_return=steps_at_return, markers_at_return=markers_at_return)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@slurm
+def test_async_jobs_evaluate_each_checkpoint_while_training_goes_on(async_run, tmp_path,
+                                                                    monkeypatch):
+    dump, jobs = async_run["dump"], async_run["jobs"]
+    logs = {step: job_log(dump, step) for step in (2, 4)}
+    assert async_run["states"] == {2: "COMPLETED", 4: "COMPLETED"}, logs
+    # The training never waited: it returned before its last checkpoint had results.
+    assert async_run["at_return"][4] is False
+    for step in (2, 4):
+        assert f"step {step}: evaluation job {jobs[step]['job_id']} submitted" in async_run["stdout"]
+        assert jobs[step]["step"] == step and jobs[step]["tasks"] == [TASK]
+        assert jobs[step]["world_size"] == 1
+        assert jobs[step]["logs"] == str(dump / "evals" / str(step) / "slurm")
+        assert jobs[step]["checkpoint"] == str(dump / "checkpoints" / str(step))
+        assert jobs[step]["by_hand"] == (f"python -m apps.llama.eval {dump}/checkpoints/{step} "
+                                         f"'eval.tasks=[{TASK}]'")
+        assert f"eval job: step {step}, rank 0 of 1, attempt 1 " in logs[step], logs[step]
+    # The step-2 checkpoint outlived checkpoint.keep=1 while its job was pending: the job read
+    # it (its results are there), then dropped the marker.
+    assert async_run["steps_at_return"] == [2, 4]
+    assert async_run["markers_at_return"] == [2, 4]
+    assert not list((dump / "evals").glob("*/pending"))
+    for step in (2, 4):
+        got = results(dump, step)
+        assert sorted(got["results"]) == [TASK]
+        assert len(got["runs"]) == 1 and got["runs"][0]["tasks"] == [TASK], got["runs"]
+        assert got["runs"][0]["world_size"] == 1 and got["runs"][0]["limit"] == 8
+        assert got["runs"][0]["checkpoint"] == str(dump / "checkpoints" / str(step))
+    rows = eval_rows(dump)
+    assert sorted(row["step"] for row in rows) == [2, 4], rows
+    for row in rows:
+        assert row[ACC] == results(dump, row["step"])["results"][TASK]["acc,none"]
+    # The environment reached the jobs through Slurm only, never through a file of ours.
+    for path in (dump / "evals").rglob("*"):
+        assert not (path.is_file() and SECRET.encode() in path.read_bytes()), path
+    # The training's own rows are all there, once each, beside the jobs' rows.
+    assert [row["step"] for row in read_metrics(dump) if "loss" in row] == [1, 2, 3, 4]
+
+    # A direct evaluation of the same checkpoint in a copy of the run gives the same numbers.
+    for key, value in OFFLINE.items():
+        monkeypatch.setenv(key, value)
+    copy = copy_run(dump, tmp_path / "copy")
+    proc = run_python("apps.llama.eval", [str(copy / "checkpoints" / "4"), f"eval.tasks=[{TASK}]"])
+    assert f"results: {copy / 'evals' / '4' / 'results.json'}" in proc.stdout
+    assert results(copy, 4)["results"] == results(dump, 4)["results"]
+    assert results(copy, 4)["runs"][0]["limit"] == 8   # the run's eval.limit, from the checkpoint
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@slurm
+def test_requeued_killed_and_exhausted_jobs(async_run, corpus, tmp_path, monkeypatch):
+    """Three jobs on copies of the run: one requeued by Slurm while it evaluates; a 2-task one
+    whose rank-1 evaluation process is killed (a crash: the OOM killer, say), retried; one
+    killed with no retry left, given up."""
+    for key, value in OFFLINE.items():
+        monkeypatch.setenv(key, value)
+    # Submitted from a process with a launcher's variables (a training rank): the job's tasks
+    # still take their ranks and rendezvous from their own Slurm step.
+    for key, value in (("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "3"),
+                       ("MASTER_ADDR", "nowhere.invalid"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(key, value)
+    src = async_run["dump"]
+    requeued, crashed = copy_run(src, tmp_path / "requeued"), copy_run(src, tmp_path / "crashed")
+    cases = {"requeued": (requeued, 4, 1, 1), "crashed": (crashed, 4, 1, 2),
+             "exhausted": (crashed, 2, 0, 1)}    # dump, step, max_requeues, tasks
+    jobs = {}
+    try:
+        check_retries(src, cases, jobs, corpus)
+    finally:  # none left queued or held when an assertion failed
+        if jobs:
+            subprocess.run(["scancel", *jobs.values()], capture_output=True)
+
+
+def check_retries(src, cases, jobs, corpus):
+    requeued, crashed = cases["requeued"][0], cases["crashed"][0]
+    for name, (dump, step, max_requeues, tasks) in cases.items():
+        args = load_args(async_args(corpus, dump, "checkpoint.keep=1",
+                                    f"eval.slurm.max_requeues={max_requeues}",
+                                    f"eval.slurm.tasks_per_node={tasks}"))
+        jobs[name] = eval_jobs.submit(args, "apps.llama", step, dump / "checkpoints" / str(step))
+        assert jobs[name] is not None and eval_jobs.pending_marker(dump, step).exists()
+
+    wait_for_line(requeued, 4, "eval job: step 4, rank 0 of 1, attempt 1 ", jobs["requeued"])
+    assert not (eval_jobs.step_dir(requeued, 4) / "results.json").exists()
+    subprocess.run(["scontrol", "requeue", jobs["requeued"]], check=True)  # what preemption does
+    # Each evaluation process is killed as soon as it started (they start as CPUs free up).
+    to_kill, deadline = {"exhausted": "rank 0 of 1", "crashed": "rank 1 of 2"}, time.time() + 120
+    while to_kill:
+        for name, rank in list(to_kill.items()):
+            dump, step = cases[name][:2]
+            started = re.search(rf"step {step}, {rank}, attempt 1 \(eval.slurm.max_requeues=\d\): "
+                                rf"process (\d+) runs", job_log(dump, step))
+            if started:
+                os.kill(int(started.group(1)), signal.SIGKILL)
+                del to_kill[name]
+        assert time.time() < deadline, {name: job_log(*cases[name][:2]) for name in to_kill}
+        time.sleep(0.1)
+
+    states = {name: wait_for(jobs[name], eval_jobs.step_dir(*cases[name][:2]) / "slurm")
+              for name in cases}
+    logs = {name: job_log(*cases[name][:2]) for name in cases}
+    assert states == {"requeued": "COMPLETED", "crashed": "COMPLETED", "exhausted": "FAILED"}, logs
+    for name in ("requeued", "crashed"):
+        dump, step, _, tasks = cases[name]
+        assert job_field(jobs[name], "Restarts") == "1", logs[name]
+        for rank in range(tasks):
+            assert f"eval job: step {step}, rank {rank} of {tasks}, attempt 2 " in logs[name]
+        got = results(dump, step)
+        assert len(got["runs"]) == 1, got["runs"]     # computed and written once
+        assert got["runs"][0]["world_size"] == tasks
+        assert got["results"] == results(src, step)["results"]
+        assert [row["step"] for row in eval_rows(dump)] == [step]
+        assert not eval_jobs.pending_marker(dump, step).exists()
+    assert "got SIGTERM" in logs["requeued"] and "exited with -15: stop" in logs["requeued"]
+    # Run once more after it finished (a finished job can be requeued): the step has its results,
+    # so the job computes and writes nothing.
+    subprocess.run(["scontrol", "requeue", jobs["requeued"]], check=True)
+    assert wait_for(jobs["requeued"], eval_jobs.step_dir(requeued, 4) / "slurm") == "COMPLETED"
+    assert job_field(jobs["requeued"], "Restarts") == "2"
+    again = job_log(requeued, 4)
+    assert "eval job: step 4, rank 0 of 1, attempt 3 " in again, again
+    assert f"step 4 already has results for ['{TASK}']" in again, again
+    assert len(results(requeued, 4)["runs"]) == 1
+    assert [row["step"] for row in eval_rows(requeued)] == [4]
+    # The killed rank requeued the job, once; its peer's end (killed with the step) did not.
+    assert "rank 1: the evaluation exited with -9: requeue" in logs["crashed"], logs["crashed"]
+    assert logs["crashed"].count(f"requeued job {jobs['crashed']} (requeue 1 of at most 1)") == 1
+    # No retry left: given up, the marker gone (the checkpoint may be pruned), the way by hand said.
+    gave_up = logs["exhausted"]
+    assert job_field(jobs["exhausted"], "Restarts") == "0"
+    assert "exited with -9: give_up" in gave_up, gave_up
+    assert ("giving up on step 2: exit code -9 after 0 requeue(s) (eval.slurm.max_requeues=0)"
+            in gave_up), gave_up
+    assert f"python -m apps.llama.eval {crashed}/checkpoints/2 'eval.tasks=[{TASK}]'" in gave_up
+    assert not eval_jobs.pending_marker(crashed, 2).exists()
+    assert not (eval_jobs.step_dir(crashed, 2) / "results.json").exists()
+
+
+@pytest.mark.slurm
+@slurm
+def test_a_refused_submission_is_a_warning_and_training_finishes(corpus, tmp_path):
+    if NO_SLURM:
+        pytest.fail(NO_SLURM)
+    dump = tmp_path / "refused"
+    proc = train(async_args(corpus, dump, "eval.slurm.partition=nonexistent"), bypass_check=True)
+    assert proc.returncode == 0
+    for step in (2, 4):
+        assert (f"the evaluation job of step {step} was not submitted (FailedJobError"
+                in proc.stdout), proc.stdout[-3000:]
+        assert (f"evaluate that checkpoint by hand: python -m apps.llama.eval "
+                f"{dump}/checkpoints/{step} 'eval.tasks=[{TASK}]'") in proc.stdout
+        assert not eval_jobs.step_dir(dump, step).joinpath("pending").exists()
+        assert not eval_jobs.step_dir(dump, step).joinpath("job.json").exists()
+    assert [row["step"] for row in read_metrics(dump)] == [1, 2, 3, 4]
+    # Without the bypass the same config is refused before training, naming the partitions.
+    with pytest.raises(ConfigError, match=r"eval.slurm.partition='nonexistent' does not exist.*"
+                                          r"debug.*eval.slurm.partition out"):
+        eval_jobs.check_async(load_args(async_args(corpus, dump,
+                                                   "eval.slurm.partition=nonexistent")))
+
+
+# ---------------------------------------------------------------------------------------------
+# Without a cluster
+
+
+def test_without_slurm_the_submission_is_a_warning_and_training_finishes(corpus, tmp_path):
+    dump = tmp_path / "noslurm"
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    proc = train(async_args(corpus, dump), bypass_check=True, env_extra={"PATH": str(empty)})
+    assert proc.returncode == 0
+    for step in (2, 4):
+        assert f"the evaluation job of step {step} was not submitted (RuntimeError" in proc.stdout
+        assert (f"evaluate that checkpoint by hand: python -m apps.llama.eval "
+                f"{dump}/checkpoints/{step} 'eval.tasks=[{TASK}]'") in proc.stdout
+    assert not list(dump.glob("evals/*/pending")) and not list(dump.glob("evals/*/job.json"))
+    assert [row["step"] for row in read_metrics(dump)] == [1, 2, 3, 4]
+    assert saved_steps(dump) == [2, 4]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["checkpoint.every=0"], "eval.every=2 with checkpoint.every=0: no checkpoint is saved at the "
+                             "evaluation steps. Set checkpoint.every=2 .*eval.mode=inline"),
+    (["eval.every=3"], r"eval.every=3 is not a multiple of checkpoint.every=2.*eval.every=2\b.*"
+                       r"checkpoint.every to a divisor of 3"),
+    (["steps=5", "checkpoint.save_final=false"],
+     "eval.at_end=true with checkpoint.save_final=false.*Set checkpoint.save_final=true, or "
+     "eval.at_end=false"),
+    (["eval.slurm.time=0"], r"eval.slurm.time=0 must be at least 1\.$"),
+    (["eval.slurm.signal_delay_s=600", "eval.slurm.time=5"],
+     "eval.slurm.signal_delay_s=600 is not shorter than eval.slurm.time=5 minutes.*Lower "
+     "eval.slurm.signal_delay_s or raise eval.slurm.time"),
+    (["eval.slurm.gpus_per_node=4", "eval.slurm.tasks_per_node=2"],
+     "eval.slurm.tasks_per_node=2 with eval.slurm.gpus_per_node=4 leaves 2 GPU"),
+])
+def test_check_async_names_the_fix(corpus, tmp_path, extra, message):
+    args = load_args(async_args(corpus, tmp_path / "x", *extra))
+    with pytest.raises(ConfigError, match=message):
+        eval_jobs.check_async(args)
+
+
+def test_check_async_needs_sbatch_and_accepts_saved_steps(corpus, tmp_path, monkeypatch):
+    # The last step is a checkpoint step without save_final when steps is a multiple of every.
+    args = load_args(async_args(corpus, tmp_path / "x", "checkpoint.save_final=false"))
+    assert eval_jobs.evaluated_steps_are_saved(args) is None
+    args = load_args(async_args(corpus, tmp_path / "x", "eval.every=4", "eval.at_end=false"))
+    assert eval_jobs.evaluated_steps_are_saved(args) is None
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ConfigError, match="eval.mode=async submits each evaluation as a Slurm job, "
+                                          "and sbatch is not on PATH.*eval.mode=inline"):
+        eval_jobs.check_async(args)
+
+
+def test_the_trainer_refuses_async_steps_without_checkpoints(corpus, tmp_path):
+    proc = train(async_args(corpus, tmp_path / "bad", "eval.every=3"), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "eval.every=3 is not a multiple of checkpoint.every=2" in proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("code, signals, restarts, max_requeues, action", [
+    (0, [], 0, 1, "done"),
+    (0, [signal.SIGTERM], 0, 1, "done"),            # finished as the signal came
+    (-15, [signal.SIGTERM], 0, 1, "stop"),          # requeued or cancelled by Slurm
+    (1, [signal.SIGTERM], 5, 1, "stop"),
+    (-12, [signal.SIGUSR2], 0, 1, "requeue"),       # time limit
+    (-12, [signal.SIGUSR2], 1, 1, "give_up"),
+    (1, [], 0, 1, "requeue"),                       # crash
+    (-9, [], 2, 3, "requeue"),
+    (1, [], 1, 1, "give_up"),
+    (2, [], 0, 5, "give_up"),                       # ConfigError: the same again would fail
+])
+def test_what_a_task_does_after_its_evaluation(code, signals, restarts, max_requeues, action):
+    assert eval_jobs.decide(code, signals, restarts, max_requeues) == action
+
+
+def test_pruning_keeps_checkpoints_with_a_pending_evaluation(tmp_path):
+    root = checkpoint.checkpoints_dir(tmp_path)
+    for step in (1, 2, 3, 4):
+        (root / str(step)).mkdir(parents=True)
+    (root / "5.tmp-abcd").mkdir()
+    marker = eval_jobs.pending_marker(tmp_path, 2)
+    marker.parent.mkdir(parents=True)
+    marker.touch()
+    (tmp_path / "evals" / "3").mkdir()      # results written, marker gone
+    checkpoint._prune(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["2", "4", "5.tmp-abcd"]
+    marker.unlink()
+    checkpoint._prune(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["4", "5.tmp-abcd"]
+    checkpoint._prune(root, keep=0)         # keep all
+    assert sorted(p.name for p in root.iterdir()) == ["4", "5.tmp-abcd"]
+
+
+def test_job_layout_and_values(corpus, tmp_path):
+    args = load_args(async_args(corpus, tmp_path / "x", "eval.slurm.nodes=2",
+                                "eval.slurm.gpus_per_node=4", "eval.num_fewshot=3",
+                                "eval.slurm.cpus_per_task=0", "distributed.tp=2"))
+    s = eval_jobs.job_slurm_args(args.eval.slurm)
+    assert (s.nodes, s.tasks_per_node, s.cpus_per_task) == (2, 4, 8)   # stool's fills
+    assert args.eval.slurm.tasks_per_node == 0                          # the run's args untouched
+    overrides = eval_jobs.job_overrides(args, 8)
+    assert overrides == ['eval.mode="inline"', f'eval.tasks=["{TASK}"]', "eval.limit=8.0",
+                         "eval.batch_size=8", "eval.num_fewshot=3", "eval.max_gen_tokens=256",
+                         "eval.add_bos=true", "eval.include_path=null",
+                         "eval.log_samples=false", "distributed.dp_shard=8",
+                         "distributed.dp_replicate=1", "distributed.tp=1", "distributed.pp=1",
+                         "distributed.cp=1", "distributed.ep=1", "distributed.pp_split=[]",
+                         "distributed.pp_virtual_stages=1"]
+    assert eval_jobs.code_dir(tmp_path / "x") == REPO            # no snapshot: this checkout
+    (tmp_path / "x" / "code" / "lingua").mkdir(parents=True)
+    assert eval_jobs.code_dir(tmp_path / "x") == tmp_path / "x" / "code"
