@@ -8,3 +8,4 @@ echo
 echo ">> run directory: $REPO/$DUMP_DIR"
 echo "   config.yaml (resolved config), metrics.jsonl (one line per logged step), checkpoints/"
 echo "   generate: python -m apps.llama.generate $DUMP_DIR/checkpoints/<step> --prompt 'def '"
+echo "   evaluate: python -m apps.llama.eval $DUMP_DIR 'eval.tasks=[lingua_continuation]'"

@@ -309,3 +309,47 @@ def test_flat_metrics_names():
                    "eval/gsm8k/exact_match_stderr_strict-match": 0.1,
                    "eval/arc_easy/acc": 0.25, "eval/arc_easy/acc_norm": 0.5}
     assert math.isfinite(got["eval/arc_easy/acc"])
+
+
+# -- the GPU runbook (bash setup/test.sh -m gpu): never run yet, no GPU was lent ----------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_on_one_gpu_is_close_to_fp32(one_process, tmp_path):
+    """The autocast path (distributed.model_dtype=bf16 without FSDP) and CUDA's kernels: the
+    same accuracy within two examples, perplexity within 2%."""
+    run = tmp_path / "run"
+    shutil.copytree(one_process, run)
+    shutil.rmtree(run / "evals")
+    run_python("apps.llama.eval", [str(run), *eval_overrides("distributed.model_dtype=bf16")])
+    ours, ref = results(run, 20)["results"], results(one_process, 20)["results"]
+    assert abs(ours["lingua_continuation"]["acc,none"] - ref["lingua_continuation"]["acc,none"]) <= 2 / LIMIT
+    bpb = "bits_per_byte,none"
+    assert ours["lingua_continuation_rolling"][bpb] == pytest.approx(
+        ref["lingua_continuation_rolling"][bpb], rel=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_on_two_gpus_equals_one(one_process, tmp_path):
+    """NCCL: the lockstep of generation (an all-reduce per token), the gathered texts and the
+    summed scores, on two GPUs against one."""
+    ref = tmp_path / "one"
+    shutil.copytree(one_process, ref)
+    shutil.rmtree(ref / "evals")
+    run_python("apps.llama.eval", [str(ref), *eval_overrides()])
+    run = tmp_path / "two"
+    shutil.copytree(one_process, run)
+    shutil.rmtree(run / "evals")
+    run_torchrun(2, "apps.llama.eval", [str(run), *eval_overrides("distributed.dp_shard=2")])
+    for task in ALL_TASKS:
+        ours, theirs = samples(run, 20, task), samples(ref, 20, task)
+        if task.endswith("generate"):
+            assert [r["resps"] for r in ours] == [r["resps"] for r in theirs]
+        else:
+            torch.testing.assert_close(torch.tensor(loglikelihoods(ours), dtype=torch.float64),
+                                       torch.tensor(loglikelihoods(theirs), dtype=torch.float64),
+                                       rtol=1e-4, atol=1e-3)
