@@ -38,15 +38,18 @@ def read_metrics(dump_dir: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def load_prepare_data():
-    """setup/prepare_data.py as a module (it is a script, not part of a package)."""
+def load_setup_script(name: str = "prepare_data"):
+    """setup/<name>.py as a module (a script, not part of a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("prepare_data_under_test",
-                                                  REPO / "setup" / "prepare_data.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", REPO / "setup" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_prepare_data():
+    return load_setup_script("prepare_data")
 
 
 def free_port() -> int:

@@ -69,6 +69,19 @@ def loglikelihoods(rows) -> list:
     return out
 
 
+def assert_same_answers(run: Path, ref: Path, rtol: float, atol: float) -> None:
+    """Example by example, every task of step 20: the same generations and log-likelihoods."""
+    for task in ALL_TASKS:
+        ours, theirs = samples(run, 20, task), samples(ref, 20, task)
+        assert [r["doc_id"] for r in ours] == [r["doc_id"] for r in theirs]
+        if task.endswith("generate"):
+            assert [r["resps"] for r in ours] == [r["resps"] for r in theirs]
+        else:
+            torch.testing.assert_close(torch.tensor(loglikelihoods(ours), dtype=torch.float64),
+                                       torch.tensor(loglikelihoods(theirs), dtype=torch.float64),
+                                       rtol=rtol, atol=atol)
+
+
 @pytest.fixture(scope="module")
 def one_process(trained, tmp_path_factory) -> Path:
     run = copy_run(trained, tmp_path_factory.mktemp("one") / "run")
@@ -110,15 +123,7 @@ def test_layouts_equal_one_process(trained, one_process, tmp_path, layout):
     run = copy_run(trained, tmp_path / "run")
     run_torchrun(2, "apps.llama.eval", [str(run), *eval_overrides(*layout)])
     assert results(run, 20)["runs"][0]["world_size"] == 2
-    for task in ALL_TASKS:
-        ours, ref = samples(run, 20, task), samples(one_process, 20, task)
-        assert [r["doc_id"] for r in ours] == [r["doc_id"] for r in ref]
-        if task.endswith("generate"):
-            assert [r["resps"] for r in ours] == [r["resps"] for r in ref]
-        else:
-            torch.testing.assert_close(torch.tensor(loglikelihoods(ours), dtype=torch.float64),
-                                       torch.tensor(loglikelihoods(ref), dtype=torch.float64),
-                                       rtol=1e-5, atol=1e-4)
+    assert_same_answers(run, one_process, rtol=1e-5, atol=1e-4)
     for task in ("lingua_continuation",):
         assert results(run, 20)["results"][task] == results(one_process, 20)["results"][task]
 
@@ -345,11 +350,4 @@ def test_fsdp_on_two_gpus_equals_one(one_process, tmp_path):
     shutil.copytree(one_process, run)
     shutil.rmtree(run / "evals")
     run_torchrun(2, "apps.llama.eval", [str(run), *eval_overrides("distributed.dp_shard=2")])
-    for task in ALL_TASKS:
-        ours, theirs = samples(run, 20, task), samples(ref, 20, task)
-        if task.endswith("generate"):
-            assert [r["resps"] for r in ours] == [r["resps"] for r in theirs]
-        else:
-            torch.testing.assert_close(torch.tensor(loglikelihoods(ours), dtype=torch.float64),
-                                       torch.tensor(loglikelihoods(theirs), dtype=torch.float64),
-                                       rtol=1e-4, atol=1e-3)
+    assert_same_answers(run, ref, rtol=1e-4, atol=1e-3)

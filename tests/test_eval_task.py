@@ -2,7 +2,6 @@
 setup/make_eval_task.py makes from the embedded corpus, and lm-eval scores it exactly as a
 scripted LM predicts (zero- and few-shot)."""
 
-import importlib.util
 import json
 import platform
 import socket
@@ -11,7 +10,7 @@ import pytest
 
 from lingua.eval_tasks import SHIPPED_TASKS, TASKS_DIR
 
-from .conftest import REPO
+from .conftest import load_setup_script
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.model import LM  # noqa: E402
@@ -59,11 +58,7 @@ def task_manager():
 
 @pytest.fixture(scope="module")
 def maker():
-    spec = importlib.util.spec_from_file_location("make_eval_task_under_test",
-                                                  REPO / "setup" / "make_eval_task.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_setup_script("make_eval_task")
 
 
 @pytest.fixture(scope="module")
