@@ -484,7 +484,9 @@ class Run:
                 autocast=lambda: mixed_precision(args, env, self.parts))
             if env.is_main:
                 downstream.write_results(self.dump_dir, self.step, results,
-                                         {"inline": True, "layout": str(env.dims)})
+                                         {"inline": True, "layout": str(env.dims),
+                                          "limit": args.eval.limit,
+                                          "num_fewshot": args.eval.num_fewshot})
         if not env.is_main:
             return {}
         return downstream.flat_metrics(downstream.read_results(self.dump_dir, self.step),
