@@ -18,6 +18,7 @@ what it changes and fixes to the loop reach every app.
 import contextlib
 import gc
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from lingua import (checkpoint, config, coverage, data, decoder, distributed, downstream,
-                    evaluation, metrics, optim, pipeline, preemption, weights)
+                    evaluation, metrics, optim, pipeline, preemption, spikes, weights)
 from lingua import loss as loss_module
 from lingua import probe as probe_module
 from lingua.checkpoint import CheckpointArgs
@@ -38,6 +39,7 @@ from lingua.evaluation import EvalArgs
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs
 from lingua.probe import Probe, ProbeArgs
+from lingua.spikes import Spike, SpikeMonitor
 from lingua import profiling
 from lingua.profiling import ProfilingArgs
 from lingua.stool import SlurmArgs
@@ -115,10 +117,18 @@ def validate(args, app: App) -> None:
                    f"data.seq_len={args.data.seq_len} is longer than model.max_seq_len="
                    f"{args.model.max_seq_len}. Raise model.max_seq_len or shorten data.seq_len.")
     optim.validate_args(args.optim, args.steps)
-    config.check_positive(args.logging, "logging", ["every", "spike_window"])
-    config.require(args.logging.spike_factor >= 0,
-                   f"logging.spike_factor={args.logging.spike_factor} must be 0 (off) or a factor "
-                   f"such as 2.0.")
+    config.check_positive(args.logging, "logging", ["every"])
+    for key in ("spike_factor", "spike_window"):   # moved: name the new key
+        old = getattr(args.logging, key)
+        config.require(old is None,
+                       f"logging.{key} was moved to optim.{key} (with optim.spike=off|log|skip|"
+                       f"rollback saying what a spike does: README, \"Loss spikes\"). Write "
+                       + ("optim.spike=off" if key == "spike_factor" and old == 0 else
+                          f"optim.{key}={old}") + " instead.")
+    config.require(args.optim.spike != "rollback" or args.checkpoint.every > 0,
+                   "optim.spike=rollback goes back to the newest checkpoint, but with "
+                   "checkpoint.every=0 none is saved before the end. Set checkpoint.every=N (a "
+                   "rollback replays up to N steps), or use optim.spike=skip.")
     distributed.validate_args(args.distributed)
     d = args.distributed
     pipeline.validate_pp(args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
@@ -383,6 +393,11 @@ class Run:
         self.phases = profiling.PhaseTimer(env.device)   # fwd_s, bwd_s, optim_s in metrics
         self.step_loss = StepLoss(env.device)   # the current step's losses (train_step)
         self.nonfinite_steps = 0  # steps skipped for NaN/Inf gradients (optim.nonfinite=skip)
+        self.spikes = SpikeMonitor(args.optim, env.is_main)   # optim.spike (lingua/spikes.py)
+        # next_step() calls so far, the data batches skipped by rollbacks included: a rollback's
+        # skip range is in these numbers, the same on every layout (the global batch of a call
+        # does not depend on it), while the jsonl loader has no global index of its own.
+        self.batches_consumed = 0
         self.tokenizer = None     # built for the first downstream evaluation
         self.step = 0             # steps done; resume() moves it to the newest checkpoint's
 
@@ -404,8 +419,11 @@ class Run:
 
     def resume(self) -> int:
         """Load the newest intact checkpoint of dump_dir, if any (weights, optimizer, data
-        position, scheduler); returns the step the run continues from (0: a fresh run)."""
+        position, scheduler, spike statistics); returns the step the run continues from (0: a
+        fresh run). The data ranges of every rollback so far are read back from spikes.jsonl
+        too: one made after the newest checkpoint is in no checkpoint's train state."""
         self.step = self._load_newest()
+        self._read_spike_records()
         return self.step
 
     def _load_newest(self) -> int:
@@ -417,10 +435,30 @@ class Run:
             return 0
         state = checkpoint.load(resume_from, self.parts, self.optimizers.optimizers,
                                 self.env.rank, self.env.world_size)
+        self._restore_train_state(state)
+        return state["step"]
+
+    def _restore_train_state(self, state: dict, keep_records: bool = False) -> None:
         self.train_loader.load_state_dict(state["data"])
         self.optimizers.load_scheduler_state(state["scheduler"])
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
-        return state["step"]
+        # A checkpoint from before spike handling has neither: no batch had been skipped.
+        self.batches_consumed = state.get("batches_consumed", state["step"])
+        self.spikes.load_state_dict(state.get("spikes", {}), keep_records)
+
+    def _read_spike_records(self) -> None:
+        """Rank 0 reads spikes.jsonl and tells the others (or its error: none may wait alone)."""
+        outcome = [None]
+        if self.env.is_main:
+            try:
+                outcome = [spikes.read_records(self.dump_dir)]
+            except RunError as err:
+                outcome = [str(err)]
+        if self.env.world_size > 1:
+            torch.distributed.broadcast_object_list(outcome, src=0)
+        if isinstance(outcome[0], str):
+            raise RunError(outcome[0])
+        self.spikes.merge_records(outcome[0])
 
     def train_step(self, micro_batches) -> None:
         """Forward/backward over this rank's micro-batches; their losses add up in
@@ -500,12 +538,15 @@ class Run:
             return metrics.flops_per_token(self.app.model_class(m), m.n_layers, m.dim,
                                            self.args.data.seq_len, m.tie_embeddings)
 
-    def _save(self, config_yaml: str, data_state: Optional[dict] = None) -> None:
+    def _save(self, config_yaml: str, before: Optional[tuple] = None) -> None:
+        """`before`: (data state, batches consumed) to save instead of the current ones."""
         args, env = self.args, self.env
-        train_state = {"step": self.step,
-                       "data": data_state if data_state is not None else self.train_loader.state_dict(),
+        data_state, batches = before if before is not None else (
+            self.train_loader.state_dict(), self.batches_consumed)
+        train_state = {"step": self.step, "data": data_state,
                        "scheduler": self.optimizers.scheduler_state(),
-                       "nonfinite_steps": self.nonfinite_steps}
+                       "nonfinite_steps": self.nonfinite_steps, "batches_consumed": batches,
+                       "spikes": self.spikes.state_dict()}
         checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
                         train_state, config_yaml, env.rank, env.world_size, args.checkpoint.keep)
 
@@ -527,7 +568,7 @@ class Run:
             optimizer.zero_grad(set_to_none=True)
         saved = "nothing was saved (no step had run)"
         if self.step > 0:
-            self._save(config_yaml, data_state=data_before)
+            self._save(config_yaml, before=data_before)
             saved = f"the state after step {self.step} is saved in {checkpoint.newest(self.dump_dir)}"
         raise RunError(
             f"Step {self.step + 1}: the gradient norm is {grad_norm.item()} (NaN or Inf), so the "
@@ -557,11 +598,12 @@ class Run:
             loop.profiler.step_begin(self.step + 1)
             # Where the data stood before this step: a step that must be undone (non-finite
             # gradients with optim.nonfinite=stop) is saved as if it never ran.
-            data_before = self.train_loader.state_dict() if self.args.optim.nonfinite == "stop" else None
+            data_before = (self.train_loader.state_dict(), self.batches_consumed) \
+                if self.args.optim.nonfinite == "stop" else None
             self.phases.start_step(timed=self._logs_at(self.step + 1))
             t0 = time.perf_counter()
             with torch.profiler.record_function("data"):
-                micro_batches = self.train_loader.next_step()
+                micro_batches = self._next_batches()
             t_data = time.perf_counter() - t0
             probing = self._start_probe(loop)
             self.step_loss = StepLoss(self.env.device)   # this step's losses only
@@ -569,7 +611,10 @@ class Run:
             if probing:  # weights and gradients as the optimizer will see them, before clipping
                 loop.probe.stop()
                 loop.probe_alerts += loop.probe.finish_step(self.step + 1, loop.log.wandb_run)
-            grad_norm, lr = self._optimizer_step(loop, data_before)
+            grad_norm, lr, spike = self._optimizer_step(loop, data_before)
+            if spike is not None and self._roll_back(loop, spike, micro_batches):
+                loop.profiler.step_end(spike.step)
+                continue   # from the checkpoint's step, with the spike's batches to be skipped
             self.step += 1
             collect_garbage(self.step, self.args.gc_every, self.args.gc_full_every)
             loop.window.add(time.perf_counter() - t0, t_data, self.global_tokens,
@@ -589,6 +634,10 @@ class Run:
         peak = metrics.peak_flops(env.device, args.distributed.model_dtype)
         logger.info("training steps %d -> %d, global batch %d x %d tokens", self.step, args.steps,
                     self.global_batch, args.data.seq_len)
+        if not args.probe.every and self.spikes.on and env.is_main:
+            # A probe made at a spike (Run._spike_probe) comes after the resume: the lines of
+            # the steps about to run again must go now, as Probe does when probe.every is set.
+            metrics.drop_rows_after(self.dump_dir / "probe" / "probe.jsonl", self.step)
         return _Loop(
             log=metrics.MetricLogger(self.dump_dir, args.logging, config.to_dict(args), env.is_main,
                                      self.step),
@@ -599,42 +648,157 @@ class Run:
             probe=Probe(args.probe, self.parts, env, self.dump_dir, self.step) if args.probe.every else None,
             profiler=profiling.StepProfiler(args.profiling, self.dump_dir, env.rank, env.device,
                                             flops_per_token * self.global_tokens / env.world_size,
-                                            peak),
-            spikes=metrics.SpikeDetector(args.logging.spike_factor, args.logging.spike_window))
+                                            peak))
 
     def _logs_at(self, step: int) -> bool:
         return step % self.args.logging.every == 0 or step == self.args.steps
 
     def _start_probe(self, loop: "_Loop") -> bool:
-        """Hooks for this step's forward passes if the probe samples it."""
+        """Hooks for this step's forward passes if the probe samples it, or if the step before
+        was a spike (optim.spike=log|skip): then it is probed in full whatever probe.every says,
+        so that the probe's plots show the spike beside the regular probe steps."""
         probing = loop.probe is not None and loop.probe.active(self.step + 1)
+        if self.spikes.probe_next:
+            self.spikes.probe_next, probing = False, True
+            self._spike_probe(loop)
         if probing:
             loop.probe.start()
         if self.app.start_step is not None:
             self.app.start_step(self.parts)
         return probing
 
+    def _next_batches(self) -> list:
+        """This step's micro-batches: the next data batch no rollback said to skip. A skipped
+        batch is read and thrown away, so the loader's position stays its own business."""
+        while True:
+            micro_batches = self.train_loader.next_step()
+            self.batches_consumed += 1
+            record = self.spikes.skips_batch(self.batches_consumed)
+            if record is None:
+                return micro_batches
+            if self.env.is_main:
+                logger.info("data batch %d skipped (range %d..%d, from the loss spike at step "
+                            "%s)", self.batches_consumed, *record["skip"], record.get("step", "?"))
+
     def _optimizer_step(self, loop: "_Loop", data_before):
-        """Clip, then update, skip (optim.nonfinite=skip) or stop on a non-finite gradient norm.
-        Returns (pre-clip gradient norm, the learning rate this step used)."""
+        """Clip, then update; or skip the update (optim.nonfinite=skip on a non-finite gradient
+        norm, optim.spike=skip on a spike); or stop (optim.nonfinite=stop). Returns (pre-clip
+        gradient norm, the learning rate this step used, the spike to roll back from: with
+        optim.spike=rollback nothing is applied here, Run._roll_back decides)."""
         args, env = self.args, self.env
         with self.phases.phase("optim"):
             grad_norm = optim.clip_grad_norm(self.parts, args.optim.clip, loop.pp_group)
             lr = self.optimizers.lr
-            if bool(torch.isfinite(grad_norm)):  # the norm is global: every rank agrees
-                self.optimizers.step()
-                if self.app.after_step is not None:
-                    self.app.after_step(self.parts, env)
-            elif args.optim.nonfinite == "skip":
+            if not bool(torch.isfinite(grad_norm)):  # the norm is global: every rank agrees
+                if args.optim.nonfinite != "skip":
+                    self._stop_on_nonfinite(grad_norm, data_before, loop.config_yaml)
                 self.optimizers.skip()
                 self.nonfinite_steps += 1
                 if env.is_main:
                     logger.warning("step %d: gradient norm is %s; update skipped "
                                    "(optim.nonfinite=skip), %d such steps so far",
                                    self.step + 1, grad_norm.item(), self.nonfinite_steps)
-            else:
-                self._stop_on_nonfinite(grad_norm, data_before, loop.config_yaml)
-        return grad_norm, lr
+                return grad_norm, lr, None
+            values = self._spike_values(grad_norm) if self.spikes.on else None
+            spike = None if values is None else self.spikes.check(self.step + 1, values)
+            if spike is not None:
+                self.spikes.since_row = True
+                if args.optim.spike == "rollback":
+                    return grad_norm, lr, spike
+                self.spikes.probe_next = True
+                if args.optim.spike == "skip":
+                    self.optimizers.skip()
+                    self.spikes.skipped(spike)
+                    return grad_norm, lr, None
+                self.spikes.logged(spike)
+            self.optimizers.step()
+            if self.app.after_step is not None:
+                self.app.after_step(self.parts, env)
+            if values is not None:
+                self.spikes.accept(values)
+        return grad_norm, lr, None
+
+    def _spike_values(self, grad_norm: torch.Tensor) -> dict:
+        """The step's loss over the global batch and its gradient norm, the same numbers on
+        every rank: one all-reduce of (loss sum, token count, norm) per step.
+
+        Over all ranks, not only those holding distinct losses (data/context-parallel ranks,
+        the last pipeline stage): tensor-parallel peers hold copies of the same (sum, count)
+        and earlier stages add zeros, so sum / count is the global mean either way, and one
+        collective on the default group costs less than one per mesh dimension. The norm is
+        global already; summing it and dividing by the world size leaves no rank its own copy
+        to decide on. Every rank then updates the same windows and takes the same decision."""
+        packed = torch.zeros(3, dtype=torch.float64, device=self.env.device)
+        pair = self.step_loss.sums.get("loss")
+        if pair is not None:
+            packed[:2] = pair
+        packed[2] = grad_norm.detach().double()
+        if self.env.world_size > 1:
+            torch.distributed.all_reduce(packed)
+        total, count, norm = packed.tolist()
+        return {"loss": total / count if count else math.nan,
+                "grad_norm": norm / self.env.world_size}
+
+    def _roll_back(self, loop: "_Loop", spike: Spike, micro_batches) -> bool:
+        """optim.spike=rollback at the spiking step: record the data batches to skip (in
+        spikes.jsonl first, so that a crash cannot lose them), run the spiking batch again with
+        the probe on, and reload the newest intact checkpoint on every rank, as resume does.
+        Returns False, having skipped the update instead, when no checkpoint from before the
+        spike exists yet: stopping a run in its first checkpoint.every steps for a spike would
+        cost more than the spike, and skipping is the closest thing that needs no checkpoint."""
+        env = self.env
+        for optimizer in self.optimizers.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        target = checkpoint.newest_verified(self.dump_dir, env.rank, env.world_size)
+        if target is None or int(target.name) >= spike.step:
+            self.optimizers.skip()
+            self.spikes.probe_next = True
+            self.spikes.skipped(spike, "optim.spike=rollback, but no checkpoint was saved "
+                                       "before it yet")
+            return False
+        back_to = int(target.name)
+        record = self.spikes.record_rollback(spike, self.batches_consumed, back_to, str(target))
+        if env.is_main:
+            spikes.append_record(self.dump_dir, record)
+            logger.warning("%s spike at step %d: %.4g is above the threshold %.4g (%s); rolling "
+                           "back to %s and skipping data batches %d..%d (rollback %d, recorded "
+                           "in %s)", spike.on, spike.step, spike.value, spike.threshold,
+                           spike.why, target, *record["skip"], len(self.spikes.rollbacks),
+                           spikes.records_path(self.dump_dir))
+        self._probe_spiking_batch(loop, spike.step, micro_batches, back_to)
+        state = checkpoint.load(target, self.parts, self.optimizers.optimizers, env.rank,
+                                env.world_size)
+        self._restore_train_state(state, keep_records=True)
+        self.step = state["step"]
+        self.spikes.since_row = True  # the next row (the checkpoint's next step) says so
+        loop.log.rewind(self.step)   # steps after the checkpoint run again: their rows go
+        loop.window.reset()
+        return True
+
+    def _probe_spiking_batch(self, loop: "_Loop", step: int, micro_batches, back_to: int) -> None:
+        """The spiking batch again, forward and backward on the weights that produced the spike,
+        with the probe on; recorded as step `step`, its gradients thrown away. The probe's lines
+        after the checkpoint go first: those steps run again and will write their own."""
+        probe = self._spike_probe(loop)
+        if self.env.is_main:
+            metrics.drop_rows_after(probe.path, back_to)
+        probe.start()
+        if self.app.start_step is not None:
+            self.app.start_step(self.parts)
+        self.step_loss = StepLoss(self.env.device)
+        self.train_step(micro_batches)
+        probe.stop()
+        loop.probe_alerts += probe.finish_step(step, loop.log.wandb_run)
+        for optimizer in self.optimizers.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def _spike_probe(self, loop: "_Loop") -> Probe:
+        """The probe, made on first use when probe.every=0 (it has no hooks until started)."""
+        if loop.probe is None:
+            loop.probe = Probe(self.args.probe, self.parts, self.env, self.dump_dir, self.step)
+            if self.env.is_main:
+                loop.probe.dir.mkdir(parents=True, exist_ok=True)
+        return loop.probe
 
     def _log_row(self, loop: "_Loop", grad_norm, lr) -> None:
         """The metrics.jsonl row of this step (every rank joins its collectives)."""
@@ -647,8 +811,10 @@ class Run:
                "data_s": loop.window.data_s(), "step_s": loop.window.step_s(),
                **loop.window.phase_s(), "peak_mem_gib": metrics.peak_memory_gib(env.device),
                "nonfinite_steps": self.nonfinite_steps, **self._skipped_data()}
-        if args.logging.spike_factor > 0:
-            row["loss_spike"] = int(loop.spikes.check(self.step, row["loss"]))
+        if self.spikes.on or self.spikes.rollbacks:
+            # loss_spike: a spike since the previous row (whatever was done about it)
+            row["loss_spike"], self.spikes.since_row = int(self.spikes.since_row), False
+            row.update(self.spikes.metrics(skipped_batches=self.batches_consumed - self.step))
         row.update(losses)    # the app's loss metrics (LossOutput.metrics)
         if self.app.step_metrics is not None:
             row.update(self.app.step_metrics(self.parts, env))
@@ -712,7 +878,6 @@ class _Loop:
     signals: object
     probe: Optional[Probe]
     profiler: profiling.StepProfiler
-    spikes: metrics.SpikeDetector
     probe_alerts: int = 0
 
 
