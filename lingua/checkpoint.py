@@ -14,15 +14,24 @@ shard, a disk error): before resuming, the ranks check it against its manifest t
 reading its share of the files (`newest_verified`), and automatic resume skips a damaged
 checkpoint (with a warning naming the file) for the one before it, while a checkpoint asked for by
 name (export, generate) that fails `verify()` is an error.
+
+With checkpoint.async_save a periodic save (`save_async`) only copies the state to CPU memory at
+its step; a background thread writes the same files into the same `.tmp-` directory while training
+goes on, and the manifest and rename happen at a later step boundary where every rank's write is
+done (`PendingSave.finish`), so the guarantee is the same: complete or invisible, and a write that
+failed on any rank stops every rank with the previous checkpoint still the newest.
 """
 
+import io
 import json
 import logging
 import os
+import time
 import zlib
 import random
 import re
 import shutil
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -50,6 +59,9 @@ class CheckpointArgs:
     keep: int = 3                   # keep the newest N checkpoints (0: keep all)
     save_final: bool = True         # also save after the last step
     init_from: Optional[str] = None # a Hugging Face directory to initialise weights from (fine-tuning)
+    # Write periodic checkpoints while the next steps run (the issue's `checkpoint.async`, which
+    # is a Python keyword): only the copy to CPU memory holds up training. See `save_async`.
+    async_save: bool = False
 
 
 def validate_args(args: CheckpointArgs) -> None:
@@ -336,69 +348,198 @@ def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
     If any rank cannot write (a full disk, a read-only or vanished directory), every rank raises
     RunError after the half-written directory is removed; older checkpoints are untouched.
     """
-    root = checkpoints_dir(dump_dir)
-    final = root / str(step)
-    # All ranks must write into the same tmp dir: rank 0 picks the nonce.
-    nonce = [os.urandom(4).hex()]
-    if world_size > 1:
-        dist.broadcast_object_list(nonce, src=0)
-    tmp = root / f"{step}.tmp-{nonce[0]}"
-    error = None
-    try:
-        if rank == 0:
-            tmp.mkdir(parents=True, exist_ok=False)
-    except OSError as err:
-        error = err
-    error = _first_error(error, world_size)
+    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep)
+    error = ckpt.open()
     if error is None:
         try:
-            dcp.save(_merged(_part_states(parts, optimizers)), checkpoint_id=str(tmp),
+            dcp.save(_merged(_part_states(parts, optimizers)), checkpoint_id=str(ckpt.tmp),
                      no_dist=world_size == 1)
         except (Exception, CheckpointException) as err:
             # DCP raises the same CheckpointException (a BaseException) on every rank.
             error = _root_cause(err)
+    described = {}
     if error is None:
         try:
-            own = dict(train_state, rng=_rng_state(), world_size=world_size)
-            torch.save(own, tmp / f"train_state_rank{rank}.pt")
-            # Each rank describes what it wrote (its DCP shards and train state) in parallel.
-            mine = [p for p in tmp.iterdir() if p.name.startswith((f"__{rank}_", f"train_state_rank{rank}."))]
-            described = _describe(mine)
+            described = ckpt.write_own()
         except OSError as err:
-            error, described = err, {}
-    error = _first_error(error, world_size)
+            error = err
+    return ckpt.close(error, described)
+
+
+def save_async(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
+               config_yaml: str, rank: int, world_size: int, keep: int,
+               device: torch.device = torch.device("cpu")) -> "PendingSave":
+    """Collective: `save` whose files are written while training goes on (checkpoint.async_save).
+
+    Before it returns, the model and optimizer state are copied to CPU memory (DCP's stager: a
+    new CPU storage for every tensor, so later optimizer steps do not reach the copy) and this
+    rank's train state (step, data position, scheduler, RNG) is captured; a background thread
+    then writes the DCP shards and this rank's train state into `<step>.tmp-<nonce>/` and
+    checksums them. Nothing is visible until `finish` (called by every rank at the same step
+    boundaries) writes the manifest and renames the directory, as `save` does. The caller
+    finishes one save before starting the next, so at most one copy of the state is held.
+
+    `device`: where the step-boundary agreement's flag lives (the default process group's
+    device: the GPU under NCCL). DCP's own collectives run in the background thread on a gloo
+    group of their own, so they never interleave with the training loop's collectives.
+    """
+    group = _async_group() if world_size > 1 else None
+    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, device)
+    error = ckpt.open()
     if error is None:
-        gathered = [described]
-        if world_size > 1:
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, described)
-        if rank == 0:
-            try:
-                (tmp / "config.yaml").write_text(config_yaml)
-                files = {}
-                for part in gathered:
-                    files.update(part)
-                files.update(_describe([tmp / ".metadata", tmp / "config.yaml"]))
-                (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
-                if final.exists():  # a checkpoint of the same step from an earlier attempt
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-            except OSError as err:
-                error = err
+        try:
+            started = time.perf_counter()
+            upload = dcp.async_save(_merged(_part_states(parts, optimizers)),
+                                    checkpoint_id=str(ckpt.tmp), process_group=group,
+                                    no_dist=world_size == 1)
+            # A Future here; an AsyncSaveResponse only with a stager that copies in the background.
+            ckpt.start(getattr(upload, "upload_completion", upload))
+            if rank == 0:
+                logger.info("checkpoint %s: state copied to CPU memory in %.2f s, written while "
+                            "training goes on", ckpt.final, time.perf_counter() - started)
+        except (Exception, CheckpointException) as err:
+            error = _root_cause(err)
+        # Every rank is writing, or none goes on (a rank that could not copy its state would
+        # leave the others' writers waiting for it).
         error = _first_error(error, world_size)
     if error is not None:
+        ckpt.close(error, {})   # raises RunError
+    return ckpt
+
+
+class PendingSave:
+    """One checkpoint from its `<step>.tmp-<nonce>/` directory to `<step>/`, shared by `save` and
+    `save_async`: `open` makes the directory, the DCP shards and `write_own` fill it (in the
+    calling thread, or in the background after `start`), and `close` makes it visible or
+    removes it. A pending asynchronous save is finished with `finish`."""
+
+    def __init__(self, dump_dir, step: int, train_state: dict, config_yaml: str, rank: int,
+                 world_size: int, keep: int, device: torch.device = torch.device("cpu")):
+        self.dump_dir, self.step, self.config_yaml = dump_dir, step, config_yaml
+        self.rank, self.world_size, self.keep, self.device = rank, world_size, keep, device
+        self.root = checkpoints_dir(dump_dir)
+        self.final = self.root / str(step)
+        self.tmp: Optional[Path] = None
+        # Serialized now: the train state of this step, whenever the files are written.
+        buffer = io.BytesIO()
+        torch.save(dict(train_state, rng=_rng_state(), world_size=world_size), buffer)
+        self.own_state = buffer.getvalue()
+        self.writing: Optional[futures.Future] = None   # the background write (save_async)
+
+    def open(self) -> Optional[BaseException]:
+        """Collective: the tmp directory, made by rank 0; every rank's view of any failure."""
+        # All ranks must write into the same tmp dir: rank 0 picks the nonce.
+        nonce = [os.urandom(4).hex()]
+        if self.world_size > 1:
+            dist.broadcast_object_list(nonce, src=0)
+        self.tmp = self.root / f"{self.step}.tmp-{nonce[0]}"
+        error = None
+        try:
+            if self.rank == 0:
+                self.tmp.mkdir(parents=True, exist_ok=False)
+        except OSError as err:
+            error = err
+        return _first_error(error, self.world_size)
+
+    def write_own(self) -> dict:
+        """This rank's train state file; then the description (size, CRC-32) of every file this
+        rank wrote (its DCP shards and train state), for the manifest."""
+        (self.tmp / f"train_state_rank{self.rank}.pt").write_bytes(self.own_state)
+        mine = [p for p in self.tmp.iterdir()
+                if p.name.startswith((f"__{self.rank}_", f"train_state_rank{self.rank}."))]
+        return _describe(mine)
+
+    def start(self, upload: futures.Future) -> None:
+        """Write in the background: DCP's upload, then this rank's train state and checksums
+        (reading the shards back for the CRC-32 is not left to the training loop either)."""
+        def write():
+            upload.result()   # raises what the DCP write raised
+            return self.write_own()
+
+        executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lingua-checkpoint")
+        self.writing = executor.submit(write)
+        executor.shutdown(wait=False)   # the thread ends after this one job
+
+    def finish(self, block: bool) -> Optional[Path]:
+        """Collective while the write is pending: every rank calls it at the same step
+        boundaries. Without `block`, it returns None unless every rank's write is done (one
+        all-reduce of a flag); then, or after waiting (`block`), it makes the checkpoint visible
+        as `save` does and returns its directory, or raises RunError on every rank if any rank's
+        write failed (the tmp directory removed; the previous checkpoint stays the newest)."""
+        if self.writing is None:
+            return self.final
+        if block:
+            futures.wait([self.writing])
+        elif not self._everyone_done():
+            return None
+        writing, self.writing = self.writing, None
+        error = writing.exception()
+        if error is not None:
+            return self.close(_root_cause(error), {})
+        return self.close(None, writing.result())
+
+    def _everyone_done(self) -> bool:
+        done = self.writing.done()
+        if self.world_size == 1:
+            return done
+        pending = torch.tensor([0.0 if done else 1.0], device=self.device)
+        dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+        return pending.item() == 0.0
+
+    def close(self, error: Optional[BaseException], described: dict) -> Path:
+        """Collective: with no error on any rank, rank 0 writes config.yaml and the manifest and
+        renames the directory to `<step>/`, then prunes to `keep`; else every rank raises
+        RunError after the directory is removed."""
+        rank, world_size, tmp, final = self.rank, self.world_size, self.tmp, self.final
+        error = _first_error(error, world_size)
+        if error is None:
+            gathered = [described]
+            if world_size > 1:
+                gathered = [None] * world_size
+                dist.all_gather_object(gathered, described)
+            if rank == 0:
+                try:
+                    (tmp / "config.yaml").write_text(self.config_yaml)
+                    files = {}
+                    for part in gathered:
+                        files.update(part)
+                    files.update(_describe([tmp / ".metadata", tmp / "config.yaml"]))
+                    (tmp / MANIFEST).write_text(json.dumps({"step": self.step, "files": files},
+                                                           indent=1))
+                    if final.exists():  # a checkpoint of the same step from an earlier attempt
+                        shutil.rmtree(final)
+                    os.rename(tmp, final)
+                except OSError as err:
+                    error = err
+            error = _first_error(error, world_size)
+        if error is not None:
+            if rank == 0 and tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = newest(self.dump_dir)
+            raise RunError(f"Could not write checkpoint {final}: {error}. Nothing of it was kept; "
+                           f"{f'the previous checkpoint {previous} is intact' if previous else 'no earlier checkpoint exists'}."
+                           f" Free disk space (or make {self.root} writable, or point dump_dir at a "
+                           f"filesystem with room), then run the same command to resume.") from None
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        previous = newest(dump_dir)
-        raise RunError(f"Could not write checkpoint {final}: {error}. Nothing of it was kept; "
-                       f"{f'the previous checkpoint {previous} is intact' if previous else 'no earlier checkpoint exists'}."
-                       f" Free disk space (or make {root} writable, or point dump_dir at a "
-                       f"filesystem with room), then run the same command to resume.") from None
-    if rank == 0:
-        _prune(root, keep)
-        logger.info("saved checkpoint %s", final)
-    _barrier(world_size)
-    return final
+            _prune(self.root, self.keep)
+            logger.info("saved checkpoint %s", final)
+        _barrier(world_size)
+        return final
+
+
+# DCP's collectives of a background write get a gloo group of their own: on the default group they
+# would interleave with the training loop's collectives in an order that differs between ranks
+# (a hang or mixed-up data on gloo and NCCL alike), and dcp.async_save needs a CPU backend, which
+# an NCCL-only default group lacks. Made once per default group (every rank, at the first
+# asynchronous save); only one background write uses it at a time.
+_ASYNC_GROUP: list = [None, None]   # [default group it belongs to, the gloo group]
+
+
+def _async_group():
+    world = dist.group.WORLD
+    if _ASYNC_GROUP[0] is not world:
+        _ASYNC_GROUP[:] = [world, dist.new_group(backend="gloo")]
+    return _ASYNC_GROUP[1]
 
 
 def _root_cause(err: BaseException) -> BaseException:

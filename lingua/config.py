@@ -38,6 +38,21 @@ def register_schema(name: str, schema: Type) -> None:
     ConfigStore.instance().store(name=name, node=schema)
 
 
+def _unalias(override: str) -> str:
+    """The contract's spellings that are Python keywords, which no dataclass field can be
+    named: `checkpoint.async=B` is checkpoint.async_save=B, `eval.async=true|false` is
+    eval.mode=async|inline."""
+    key, eq, value = override.partition("=")
+    bare = key.lstrip("+~")
+    prefix = key[:len(key) - len(bare)]
+    if bare == "checkpoint.async":
+        return f"{prefix}checkpoint.async_save{eq}{value}"
+    if bare == "eval.async":
+        mode = {"true": "async", "false": "inline"}.get(value.strip().lower(), value)
+        return f"{prefix}eval.mode{eq}{mode}"
+    return override
+
+
 def split_argv(argv: Sequence[str], default_preset: str) -> tuple:
     """Separate the preset choice (`config=NAME` or `--config-name NAME`) from Hydra overrides."""
     preset, overrides, i = default_preset, [], 0
@@ -54,7 +69,7 @@ def split_argv(argv: Sequence[str], default_preset: str) -> tuple:
             preset = argv[i + 1]
             i += 1
         else:
-            overrides.append(arg)
+            overrides.append(_unalias(arg))
         i += 1
     return preset, overrides
 

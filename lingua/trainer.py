@@ -400,6 +400,7 @@ class Run:
         self.batches_consumed = 0
         self.tokenizer = None     # built for the first downstream evaluation
         self.step = 0             # steps done; resume() moves it to the newest checkpoint's
+        self.pending_save: Optional[checkpoint.PendingSave] = None  # checkpoint.async_save's write
 
     def _build_pipeline(self, stage_ids):
         d = self.args.distributed
@@ -538,17 +539,48 @@ class Run:
             return metrics.flops_per_token(self.app.model_class(m), m.n_layers, m.dim,
                                            self.args.data.seq_len, m.tie_embeddings)
 
-    def _save(self, config_yaml: str, before: Optional[tuple] = None) -> None:
-        """`before`: (data state, batches consumed) to save instead of the current ones."""
+    def _save(self, config_yaml: str, before: Optional[tuple] = None, wait: bool = True) -> None:
+        """`before`: (data state, batches consumed) to save instead of the current ones. With
+        checkpoint.async_save and wait=False (a periodic save) only the copy to CPU memory
+        happens now; the files are written while the next steps run, and a later step boundary
+        makes the checkpoint visible (_finish_save). A save still being written is finished
+        first, so at most one is in flight."""
         args, env = self.args, self.env
+        self._finish_save(block=True)
         data_state, batches = before if before is not None else (
             self.train_loader.state_dict(), self.batches_consumed)
         train_state = {"step": self.step, "data": data_state,
                        "scheduler": self.optimizers.scheduler_state(),
                        "nonfinite_steps": self.nonfinite_steps, "batches_consumed": batches,
                        "spikes": self.spikes.state_dict()}
+        if args.checkpoint.async_save and not wait:
+            self.pending_save = checkpoint.save_async(
+                self.dump_dir, self.step, self.parts, self.optimizers.optimizers, train_state,
+                config_yaml, env.rank, env.world_size, args.checkpoint.keep, env.device)
+            return
         checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
                         train_state, config_yaml, env.rank, env.world_size, args.checkpoint.keep)
+
+    def _finish_save(self, block: bool) -> None:
+        """checkpoint.async_save: make the checkpoint being written visible once every rank's
+        write is done (block: wait for it). Every rank calls this at the same step boundaries
+        (a collective while a save is in flight); a write that failed on any rank raises
+        RunError on every rank, with the previous checkpoint still the newest."""
+        if self.pending_save is None:
+            return
+        if self.pending_save.finish(block) is not None:
+            step, self.pending_save = self.pending_save.step, None
+            self._after_save(step)
+
+    def _after_save(self, step: int) -> None:
+        """A periodic checkpoint is complete: eval.mode=async evaluates it in a job of its own."""
+        args, env = self.args, self.env
+        if args.eval.tasks and args.eval.mode == "async" and self.evaluates_at(step) \
+                and env.is_main:   # a job evaluates the checkpoint; training goes on
+            from lingua import eval_jobs
+
+            eval_jobs.submit(args, self.app.model_class.__module__.rsplit(".", 1)[0], step,
+                             checkpoint.checkpoints_dir(self.dump_dir) / str(step))
 
     def _skipped_data(self) -> dict:
         """Bad data lines skipped so far, in total and by reason, summed over the data-parallel
@@ -749,6 +781,7 @@ class Run:
         env = self.env
         for optimizer in self.optimizers.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        self._finish_save(block=True)   # the checkpoint being written is the newest one
         target = checkpoint.newest_verified(self.dump_dir, env.rank, env.world_size)
         if target is None or int(target.name) >= spike.step:
             self.optimizers.skip()
@@ -831,24 +864,26 @@ class Run:
 
     def _save_or_stop(self, loop: "_Loop") -> bool:
         """Checkpoint when due; on an agreed signal (time limit, preemption) save if not saved
-        and return True to stop, requeueing the Slurm job when asked."""
+        and return True to stop, requeueing the Slurm job when asked. With checkpoint.async_save
+        a periodic save is written while the next steps run: a later step boundary finishes it
+        once every rank's write is done, and the next save, the last step and a stop wait for
+        it (the same boundaries on every rank: each check is a collective)."""
         args, env = self.args, self.env
         last = self.step == args.steps
         saved = (args.checkpoint.every and self.step % args.checkpoint.every == 0) or (
             last and args.checkpoint.save_final)
-        if saved:
-            self._save(loop.config_yaml)
-            if args.eval.tasks and args.eval.mode == "async" and self.evaluates_at(self.step) \
-                    and env.is_main:   # a job evaluates the checkpoint; training goes on
-                from lingua import eval_jobs
-
-                eval_jobs.submit(args, self.app.model_class.__module__.rsplit(".", 1)[0],
-                                 self.step, checkpoint.checkpoints_dir(self.dump_dir) / str(self.step))
+        if saved:   # the last step's save is written before the run ends
+            self._save(loop.config_yaml, wait=last)
+            if self.pending_save is None:
+                self._after_save(self.step)
+        else:       # a save in flight (checkpoint.async_save) is finished once written
+            self._finish_save(block=last)
         action = loop.signals.agreed(env.world_size, env.device)
         if action == preemption.NONE or last:
             return False
         if not saved:
             self._save(loop.config_yaml)
+        self._finish_save(block=True)   # stop with the checkpoint written
         if env.is_main:
             logger.warning("stopped by a signal after step %d; checkpoint %s saved",
                            self.step, checkpoint.newest(self.dump_dir))

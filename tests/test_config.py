@@ -156,3 +156,15 @@ def test_impossible_parallel_layouts_are_refused_before_any_work(corpus, tmp_pat
     with pytest.raises(ConfigError, match=needle):
         load(tiny_args(corpus, tmp_path / "run", *overrides))
     assert not (tmp_path / "run").exists()
+
+
+def test_contract_spellings_that_are_python_keywords():
+    """DESIGN's `checkpoint.async=...` and `eval.async=...` (no dataclass field can be named
+    `async`) mean checkpoint.async_save and eval.mode."""
+    from apps.llama.train import load_config
+
+    args = load_config(["checkpoint.async=true", "eval.async=false"])
+    assert args.checkpoint.async_save is True and args.eval.mode == "inline"
+    args = load_config(["checkpoint.async=false"], check=False)
+    assert args.checkpoint.async_save is False
+    assert load_config(["eval.async=true"], check=False).eval.mode == "async"
