@@ -22,6 +22,25 @@ from lingua import metrics, optim
 SHAPE = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=8192, multiple_of=256)
 
 
+def cpu_description() -> str:
+    """The CPU model and the flags that decide its matmul speed, for every benchmark's output."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and model == "unknown CPU":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags |= set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return f"{model}; flags: {' '.join(f for f in wanted if f in flags) or 'none of ' + ', '.join(wanted)}"
+
+
+def median(values: list) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def hf_model(args: LlamaArgs):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -23,27 +23,9 @@ import time
 import torch
 
 from apps.llama.model import LlamaArgs, Transformer
-from llama_cpu import SHAPE  # the benchmark model; run as python benchmarks/muon_cost.py
+from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks/muon_cost.py
 from lingua import metrics, optim
 from lingua.muon import muon_flops, split_params
-
-
-def cpu_description() -> str:
-    model, flags = "unknown CPU", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and model == "unknown CPU":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags |= set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return f"{model}; flags: {' '.join(f for f in wanted if f in flags) or 'none of ' + ', '.join(wanted)}"
-
-
-def median(times: list) -> float:
-    return sorted(times)[len(times) // 2]
 
 
 def timed(fn) -> tuple:

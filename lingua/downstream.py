@@ -28,6 +28,7 @@ Pipeline and context parallelism are not supported here: an evaluation job resha
 checkpoint to a layout without them (DCP loads any layout).
 """
 
+import contextlib
 import difflib
 import functools
 import json
@@ -252,7 +253,7 @@ class LinguaLM(_lm_base()):
         continuations' rows are turned to fp32: a batch of 128k-vocabulary logits is GBs)."""
         from torch.distributed.tensor import DTensor
 
-        with torch.no_grad(), (self.autocast() if self.autocast else _nullcontext()):
+        with torch.no_grad(), (self.autocast() if self.autocast else contextlib.nullcontext()):
             out = self.model(tokens.to(self.device_), cache=cache)
         if isinstance(out, tuple):  # an app whose forward returns more than the logits
             out = out[0]
@@ -397,14 +398,6 @@ class LinguaLM(_lm_base()):
 
     def get_model_info(self) -> dict:
         return {"model_num_parameters": None, "model_dtype": None}
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: int,
