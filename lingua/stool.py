@@ -16,7 +16,7 @@ and device, so a typo fails in a second instead of after hours in the queue. The
   3. submits through submitit: one task per process (on GPU jobs one per GPU), ranks from Slurm,
      `--signal=USR2@<delay>` before the time limit (the job checkpoints and requeues itself:
      lingua/preemption.py), `srun --kill-on-bad-exit=1`;
-  4. prints the job id, the dump dir and the log paths.
+  4. prints the job id, the dump dir, the log paths and how to follow the job (squeue, sacct).
 
 Config values never pass through a shell: the overrides reach the job pickled, and the batch
 script holds only quoted paths. The environment reaches the job through Slurm (sbatch exports it),
@@ -190,6 +190,38 @@ def hydra_quote(value) -> str:
     return "'" + text.replace("'", "\\'") + "'"
 
 
+# A path Hydra reads as itself unquoted: words of these characters with a '/' among them (so not
+# `null`, `true` or a number), inner spaces allowed (Hydra strips only leading and trailing ones).
+# Anything else (',', '=', '$', quotes, brackets, non-ASCII) is quoted, so it is not read as a
+# sweep, an interpolation or a grammar error.
+PLAIN_PATH = re.compile(r"^(?=.*/)[A-Za-z0-9_./-]+(?: +[A-Za-z0-9_./-]+)*$")
+
+
+def path_override(key: str, path) -> str:
+    """`key=path` as Hydra reads it, quoted only where Hydra needs it: the override is shown to
+    the user (the dry run's `would run` line), where a quoted plain path reads as a second layer
+    of quoting around the shell's."""
+    text = str(path)
+    return f"{key}={text if PLAIN_PATH.match(text) else hydra_quote(text)}"
+
+
+# Characters a shell expands inside double quotes ('!' too, in an interactive bash).
+DOUBLE_QUOTE_SPECIAL = re.compile(r'["$`\\!]')
+
+
+def shell_join(argv: List[str]) -> str:
+    """argv as a person would type it into a shell: bare where that is safe, else in single
+    quotes, or in double quotes when the word holds a single quote (Hydra's quoted values) and
+    nothing a shell expands there; shlex.quote's '"'"' only where neither will do."""
+    words = []
+    for arg in argv:
+        quoted = shlex.quote(arg)
+        if "'" in arg and not DOUBLE_QUOTE_SPECIAL.search(arg):
+            quoted = f'"{arg}"'
+        words.append(quoted)
+    return " ".join(words)
+
+
 @contextlib.contextmanager
 def job_view(world_size: int, device: str):
     """Validate as the job will see things: its world size and device, not this login node's."""
@@ -270,7 +302,7 @@ def absolute_paths(args) -> List[str]:
     for key in PATH_KEYS:
         value = _get(args, key)
         if value and not Path(value).is_absolute():
-            fixes.append(f"{key}={hydra_quote(Path(value).resolve())}")
+            fixes.append(path_override(key, Path(value).resolve()))
     return fixes
 
 
@@ -299,7 +331,7 @@ def plan(app, overrides: List[str], multirun: bool) -> List[Submission]:
         combo = list(combo)
         if name_runs:
             named = [combo[i] for i in swept]
-            combo.append(f"dump_dir={hydra_quote(Path(base.dump_dir) / run_name(named))}")
+            combo.append(path_override("dump_dir", Path(base.dump_dir) / run_name(named)))
         raw = app.load_config(combo, check=False)
         validate_slurm_args(raw.slurm)
         filled = slurm_defaults(raw.slurm)
@@ -365,18 +397,202 @@ def check_dump_dir(sub: Submission) -> None:
                           f"slurm.reuse_dump_dir=true if replacing its config is what you mean.")
 
 
-def check_partition(partition: Optional[str]) -> None:
-    """An unknown partition fails here, with the cluster's list, not as a bare sbatch error."""
-    if partition is None or shutil.which("sinfo") is None:
-        return
-    result = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=60)
+@dataclass
+class Node:
+    """One node of one partition as `sinfo` lists it; None where the value could not be read
+    (such a value is never the reason for refusing a job)."""
+    name: str
+    partition: str
+    cpus: Optional[int]
+    mem_mb: Optional[int]
+    gpus: Optional[int]
+
+
+# `sinfo -N`: one line per node and partition; %P marks the default partition with '*'.
+SINFO_NODES = ["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"]
+
+
+def parse_count(text: str) -> Optional[int]:
+    """A CPU count or a memory size (MB) from sinfo. "64+" (sinfo's "at least", for groups of
+    unequal nodes) and anything else but a plain number is unknown."""
+    text = text.strip()
+    return int(text) if text.isdigit() else None
+
+
+def split_gres(gres: str) -> List[str]:
+    """`gpu:h100:8(S:0,1),nvme:1` -> its items: commas inside parentheses do not split."""
+    items, depth, word = [], 0, ""
+    for char in gres:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(word)
+            word = ""
+        else:
+            word += char
+    return [item.strip() for item in [*items, word] if item.strip()]
+
+
+GRES_SCALE = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+
+
+def parse_gpus(gres: str) -> Optional[int]:
+    """GPUs per node from sinfo's GRES (%G): `(null)` -> 0, `gpu:8`, `gpu:h100:8(S:0-1)`,
+    `gpu:a100:4,gpu:v100:2` -> 6; None when a gpu entry's count cannot be read."""
+    gres = gres.strip()
+    if gres in ("", "(null)", "N/A", "none"):
+        return 0
+    total = 0
+    for item in split_gres(gres):
+        fields = re.sub(r"\(.*?\)", "", item).split(":")   # drop (S:0-1), (IDX:...)
+        if fields[0].strip() != "gpu":
+            continue
+        count = re.fullmatch(r"(\d+)([KMG]?)", fields[-1].strip()) if len(fields) > 1 else None
+        if count:
+            total += int(count.group(1)) * GRES_SCALE[count.group(2)]
+        elif len(fields) <= 2:  # `gpu` or `gpu:<type>`: one GPU
+            total += 1
+        else:
+            return None
+    return total
+
+
+def parse_sinfo_nodes(text: str) -> List[Node]:
+    """`sinfo -N -o '%N|%P|%c|%m|%G'` lines to Nodes; a line that is not five fields is skipped
+    (a site's sinfo wrapper may add notes)."""
+    nodes = []
+    for line in text.splitlines():
+        fields = line.split("|")
+        if len(fields) != 5 or not fields[0].strip():
+            continue
+        name, partition, cpus, mem, gres = fields
+        nodes.append(Node(name.strip(), partition.strip(), parse_count(cpus), parse_count(mem),
+                          parse_gpus(gres)))
+    return nodes
+
+
+def mem_request_mb(mem: Optional[str]) -> Optional[int]:
+    """slurm.mem in MB (Slurm's default unit); None when it asks for nothing in particular
+    (unset, or 0: all of a node's memory)."""
+    if mem is None or not MEM.match(str(mem)):
+        return None
+    text = str(mem)
+    unit = text[-1] if text[-1] in "KMGT" else "M"
+    number = int(text.rstrip("KMGT"))
+    mb = {"K": number / 1024, "M": number, "G": number * 1024, "T": number * 1024 ** 2}[unit]
+    return -(-int(mb * 1024) // 1024) or None   # rounded up; 0 -> None
+
+
+def cluster_nodes() -> Optional[List[Node]]:
+    """The cluster's nodes per partition from sinfo; None where there is no sinfo, or it fails
+    (the controller is down): then nothing is checked and sbatch has the last word."""
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        result = subprocess.run(SINFO_NODES, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
     if result.returncode != 0:
+        return None
+    return parse_sinfo_nodes(result.stdout)
+
+
+def _partitions(nodes: List[Node]) -> tuple:
+    """({partition: its nodes}, the default partition or None)."""
+    by_name, default = {}, None
+    for node in nodes:
+        name = node.partition.rstrip("*")
+        if node.partition.endswith("*"):
+            default = name
+        by_name.setdefault(name, []).append(node)
+    return by_name, default
+
+
+def check_partition(partition: Optional[str], nodes: Optional[List[Node]] = None) -> None:
+    """An unknown partition fails here, with the cluster's list, not as a bare sbatch error."""
+    if partition is None:
+        return
+    nodes = cluster_nodes() if nodes is None else nodes
+    if nodes is None:
         return  # sbatch will say what is wrong
-    known = sorted(set(result.stdout.split()))
-    if partition not in known:
+    known = sorted(_partitions(nodes)[0])
+    unknown = [p for p in str(partition).split(",") if p not in known]
+    if unknown:
         raise ConfigError(f"slurm.partition={partition!r} does not exist on this cluster. Its "
                           f"partitions are: {', '.join(known) or 'none'} (from `sinfo`). Pick one "
                           f"of them, or leave slurm.partition out for the default.")
+
+
+def _most(values: list) -> Optional[int]:
+    """The largest value, or None when any is unknown (an unknown node may be the big one)."""
+    return None if not values or None in values else max(values)
+
+
+def resource_problems(s: SlurmArgs, partition: str, nodes: List[Node]) -> List[str]:
+    """What no node of this partition can hold, each naming the slurm.* keys, the request and
+    what the nodes have; [] when the job fits (as far as sinfo tells)."""
+    cpus_each = max(s.cpus_per_task, 1)   # 0: the cluster's default, one CPU a task
+    need = {"cpus": s.tasks_per_node * cpus_each, "gpus": s.gpus_per_node,
+            "mem_mb": mem_request_mb(s.mem)}
+    cpus = f"{need['cpus']} CPU{'s' if need['cpus'] != 1 else ''} a node"
+    asked = {
+        "cpus": (f"slurm.tasks_per_node={s.tasks_per_node} x slurm.cpus_per_task={cpus_each} asks "
+                 f"for {cpus}" if s.cpus_per_task else
+                 f"slurm.tasks_per_node={s.tasks_per_node} asks for {cpus} (one a task)"),
+        "gpus": (f"slurm.gpus_per_node={s.gpus_per_node} asks for {s.gpus_per_node} "
+                 f"GPU{'s' if s.gpus_per_node != 1 else ''} a node"),
+        "mem_mb": f"slurm.mem={s.mem} asks for {need['mem_mb']} MB a node",
+    }
+    units = {"cpus": "CPUs", "gpus": "GPUs", "mem_mb": "MB of memory"}
+    problems = []
+    for key, wanted in need.items():
+        most = _most([getattr(n, key) for n in nodes])
+        if wanted and most is not None and wanted > most:
+            problems.append(f"{asked[key]}, but the nodes of partition '{partition}' have at most "
+                            f"{most} {units[key]}")
+    if problems:
+        return problems
+
+    def holds(node: Node) -> bool:
+        return all(not wanted or getattr(node, key) is None or getattr(node, key) >= wanted
+                   for key, wanted in need.items())
+
+    total, able = len(nodes), sum(holds(n) for n in nodes)
+    if s.nodes > total:
+        problems.append(f"slurm.nodes={s.nodes} asks for more nodes than partition '{partition}' "
+                        f"has ({total})")
+    elif s.nodes > able:
+        wanted = ", ".join(asked[k] for k, v in need.items() if v)
+        problems.append(f"slurm.nodes={s.nodes} asks for {s.nodes} nodes that each hold the "
+                        f"job's share ({wanted}), but only {able} of the {total} nodes of "
+                        f"partition '{partition}' do")
+    return problems
+
+
+def check_resources(s: SlurmArgs, chosen: List[str] = (),
+                    nodes: Optional[List[Node]] = None) -> bool:
+    """Refuse, before anything is written or queued, a job that no node of its partition can
+    hold: Slurm would queue it and it would pend forever (reason PartitionConfig). Also checks the
+    partition exists. Returns whether sinfo was there to check against."""
+    nodes = cluster_nodes() if nodes is None else nodes
+    if nodes is None:
+        return False
+    check_partition(s.partition, nodes)
+    by_name, default = _partitions(nodes)
+    names = str(s.partition).split(",") if s.partition else [default] if default else []
+    found = {name: resource_problems(s, name, by_name[name]) for name in names}
+    if not found or any(not problems for problems in found.values()):
+        return True   # a job may name several partitions: one that holds it is enough
+    text = "; ".join(p for problems in found.values() for p in problems)
+    hint = ""
+    picked = [c for c in chosen if c.split("=", 1)[0] in text]
+    if picked:
+        hint = (f" stool chose {', '.join(picked)} itself (slurm.* left at 0): set those keys to "
+                f"what the nodes have.")
+    raise ConfigError(f"No node can hold this job: {text} (from `sinfo`). Slurm would queue it "
+                      f"and it would wait forever (reason PartitionConfig). Ask for less per "
+                      f"node (e.g. fewer slurm.tasks_per_node on more slurm.nodes), or pick a "
+                      f"partition with bigger nodes (`sinfo -N -o '%P %N %c %m %G'` lists them)."
+                      f"{hint}")
 
 
 def snapshot_code(dest: Path) -> int:
@@ -469,6 +685,28 @@ def log_paths(job, n_tasks: int) -> List[str]:
     return paths
 
 
+def accounting_enabled() -> Optional[bool]:
+    """Whether this cluster keeps finished jobs for sacct (None: cannot tell)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"^AccountingStorageType\s*=\s*(\S+)", out, re.M)
+    return None if match is None else match.group(1) != "accounting_storage/none"
+
+
+def status_hint(job_ids: List[str]) -> str:
+    """How to follow the jobs: sacct where the cluster has accounting; where it has none, sacct
+    fails ("accounting storage is disabled") and Slurm forgets a job MinJobAge after it ends."""
+    ids = ",".join(dict.fromkeys(str(j).split("_")[0] for j in job_ids))  # an array: its id
+    if accounting_enabled() is False:
+        return (f"  follow it: squeue -j {ids}; scontrol show job {ids} (this cluster has no "
+                f"accounting, so no sacct: Slurm forgets a finished job after MinJobAge, and the "
+                f"dump dir with its slurm/ logs is the record)")
+    return f"  follow it: squeue -j {ids} (queued, running); sacct -j {ids} (also once it ended)"
+
+
 def dry_run_plan(module: str, sub, sweep: bool) -> str:
     """lingua.plan's per-rank memory and time for the job, as comment lines of the dry run: the
     model built and parallelised at the job's world size on the fake process group."""
@@ -502,15 +740,19 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
                           "node, start a local one with `bash setup/slurm_local.sh start`, or train "
                           "without Slurm: `torchrun --nproc-per-node N -m " + module + " ...`.")
     executor = make_executor(slurm, folder, code_dir, job_name)
+    # Against the cluster's nodes, on a dry run too where sinfo answers.
+    checked = check_resources(slurm, submissions[0].filled if slurm.gpus_per_node else [])
     if slurm.dry_run:
         print(batch_script(executor, len(submissions)))
         for sub in submissions:
-            print(f"# would run: {module} {' '.join(shlex.quote(o) for o in sub.overrides)}")
+            # As one would type it: pasted into a shell it runs the job's config here.
+            print(f"# would run: {shell_join(['python', '-m', module, *sub.overrides])}")
             print(f"#   dump dir: {sub.dump_dir}")
         print(dry_run_plan(module, submissions[0], sweep))
+        print("# resources checked against `sinfo`" if checked else
+              "# resources not checked: `sinfo` is missing here or did not answer")
         print("# dry run: nothing written, nothing submitted")
         return []
-    check_partition(slurm.partition)
     for sub in submissions:
         check_dump_dir(sub)
 
@@ -537,6 +779,7 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
         print(f"  dump dir: {sub.dump_dir}")
         for path in log_paths(job, n_tasks):
             print(f"  log: {path}")
+    print(status_hint([job.job_id for job in jobs]))
     return jobs
 
 

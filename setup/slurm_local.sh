@@ -9,9 +9,20 @@
 # goes to /etc/slurm/slurm.conf, which is where sbatch/squeue/scontrol look; a slurm.conf this
 # script did not write is never touched. Process tracking is proctrack/linuxproc and task/none, so
 # no cgroups or systemd are needed (containers and CI runners work).
+#
+# Accounting, so that `sacct` works as on a real cluster: slurmdbd over a MariaDB server (Debian's
+# mariadb-server and slurmdbd, about 20 s to install; the database listens on its Unix socket
+# only). Slurm 22.05 has no file-based accounting storage (accounting_storage/filetxt is gone), so
+# a database server is the only way. LINGUA_SLURM_ACCOUNTING=0, or a failed install, leaves it out;
+# finished jobs are then in the job completion log ($LOGS/jobcomp.log, `sacct --completion`),
+# which is written either way.
+#
+# start is idempotent: daemons already running are left alone, unless the config changed, in
+# which case they are restarted to apply it (queued and running jobs survive a restart).
 set -euo pipefail
 
 CONF=/etc/slurm/slurm.conf
+DBD_CONF=/etc/slurm/slurmdbd.conf
 MARK="# written by lingua setup/slurm_local.sh"
 STATE=/var/spool/lingua-slurm
 LOGS=/var/log/lingua-slurm
@@ -39,11 +50,62 @@ missing: install Slurm and munge with this system's package manager."
     || { apt-get update -qq >/dev/null && apt-get install -y -qq munge slurmctld slurmd slurm-client >/dev/null; }
 }
 
-write_config() {
-  if [ -f "$CONF" ] && ! grep -qF "$MARK" "$CONF"; then
-    die "$CONF exists and was not written by this script; refusing to replace it. This machine \
+mariadbd_bin() { command -v mariadbd || command -v mysqld || ls /usr/sbin/mariadbd 2>/dev/null || true; }
+
+# Sets ACCOUNTING=slurmdbd when slurmdbd and MariaDB are installed (installing them if needed),
+# else ACCOUNTING=none with a warning: the cluster works without them, only sacct does not.
+install_accounting() {
+  ACCOUNTING=none
+  if [ "${LINGUA_SLURM_ACCOUNTING:-1}" = "0" ]; then
+    echo "slurm_local: LINGUA_SLURM_ACCOUNTING=0: no accounting (sacct --completion reads the job completion log)"
+    return
+  fi
+  if ! command -v slurmdbd >/dev/null || [ -z "$(mariadbd_bin)" ]; then
+    if command -v apt-get >/dev/null; then
+      echo "slurm_local: installing mariadb-server, slurmdbd (Debian packages) for sacct"
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get install -y -qq --no-install-recommends mariadb-server slurmdbd >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null 2>&1 \
+             && apt-get install -y -qq --no-install-recommends mariadb-server slurmdbd >/dev/null 2>&1; } \
+        || true
+    fi
+  fi
+  if command -v slurmdbd >/dev/null && [ -n "$(mariadbd_bin)" ]; then
+    ACCOUNTING=slurmdbd
+  else
+    echo "slurm_local: warning: slurmdbd or mariadb-server is missing and could not be installed: \
+no accounting, so plain sacct fails; sacct --completion reads the job completion log." >&2
+  fi
+}
+
+refuse_foreign() {
+  if [ -f "$1" ] && ! grep -qF "$MARK" "$1"; then
+    die "$1 exists and was not written by this script; refusing to replace it. This machine \
 already has a Slurm configuration: use that cluster, or move the file away."
   fi
+}
+
+install_file() {
+  if [ -f "$1" ] && cmp -s "$1.tmp" "$1"; then rm -f "$1.tmp"; else mv "$1.tmp" "$1"; fi
+}
+
+# The config the running daemons were started with is recorded once they are up, so that a start
+# that failed half-way (or an older version of this script) still gets its daemons restarted.
+config_hash() { cat "$CONF" "$DBD_CONF" 2>/dev/null | sha256sum | cut -d' ' -f1; }
+APPLIED=$STATE/applied-config.sha256
+
+accounting_lines() {
+  if [ "$ACCOUNTING" = slurmdbd ]; then
+    echo "AccountingStorageType=accounting_storage/slurmdbd"
+    echo "AccountingStorageHost=$NODE"
+  else
+    echo "AccountingStorageType=accounting_storage/none"
+  fi
+}
+
+write_config() {
+  refuse_foreign "$CONF"
+  refuse_foreign "$DBD_CONF"
   local cpus mem
   cpus=$(nproc)
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
@@ -62,7 +124,10 @@ SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+$(accounting_lines)
+# Every finished job gets a line here, with or without accounting (sacct --completion reads it).
+JobCompType=jobcomp/filetxt
+JobCompLoc=$LOGS/jobcomp.log
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d
 SlurmctldPidFile=$STATE/slurmctld.pid
@@ -78,10 +143,33 @@ SlurmdParameters=config_overrides
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=$PARTITION Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 EOF
-  mv "$CONF.tmp" "$CONF"
+  install_file "$CONF"
+  [ "$ACCOUNTING" = slurmdbd ] || return 0
+  # The database is MariaDB's, on its Unix socket: root connects there without a password
+  # (Debian's unix_socket authentication), so this file holds no secret. slurmdbd wants it 600.
+  (umask 077; cat >"$DBD_CONF.tmp" <<EOF
+$MARK
+AuthType=auth/munge
+DbdHost=$NODE
+SlurmUser=root
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=root
+StorageLoc=lingua_slurm_acct_db
+PidFile=$STATE/slurmdbd.pid
+LogFile=$LOGS/slurmdbd.log
+EOF
+  )
+  install_file "$DBD_CONF"
 }
 
-running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# Is the daemon of this pid file alive? (A daemon removes its pid file as it exits; a zombie left
+# to an init that does not reap counts as gone.)
+running() {
+  local pid
+  pid=$(cat "$1" 2>/dev/null) && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null \
+    && [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ]
+}
 
 start_munge() {
   if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return; fi
@@ -103,6 +191,48 @@ start_munge() {
   die "munged did not start (see /var/log/munge/munged.log)."
 }
 
+db_alive() { { command -v mariadb-admin >/dev/null && mariadb-admin ping >/dev/null 2>&1; } \
+  || { command -v mysqladmin >/dev/null && mysqladmin ping >/dev/null 2>&1; }; }
+
+# MariaDB as installed (Debian's datadir, socket /run/mysqld/mysqld.sock), no TCP port. One that
+# already answers there (started by systemd, say) is used as it is.
+start_mariadb() {
+  db_alive && return
+  if [ ! -d /var/lib/mysql/mysql ]; then
+    mariadb-install-db --user=mysql --datadir=/var/lib/mysql >"$LOGS/mariadb-install.log" 2>&1 \
+      || die "could not create MariaDB's database (see $LOGS/mariadb-install.log)."
+  fi
+  # It runs as the mysql user: its socket, pid file and log must be that user's to write.
+  mkdir -p /run/mysqld "$STATE/mariadb"
+  touch "$LOGS/mariadb.log"
+  chown mysql:mysql /run/mysqld "$STATE/mariadb" "$LOGS/mariadb.log" 2>/dev/null || true
+  nohup "$(mariadbd_bin)" --user=mysql --skip-networking --pid-file="$STATE/mariadb/mariadb.pid" \
+    --log-error="$LOGS/mariadb.log" >/dev/null 2>&1 &
+  for _ in $(seq 150); do db_alive && return; sleep 0.2; done
+  die "MariaDB did not start (see $LOGS/mariadb.log); LINGUA_SLURM_ACCOUNTING=0 runs without it."
+}
+
+start_slurmdbd() {
+  if [ "$CHANGED" = 1 ]; then stop_daemon "$STATE/slurmdbd.pid"; fi
+  running "$STATE/slurmdbd.pid" || slurmdbd
+  for _ in $(seq 100); do
+    sacctmgr -n show cluster >/dev/null 2>&1 && break
+    sleep 0.2
+  done
+  sacctmgr -n show cluster >/dev/null 2>&1 || die "slurmdbd did not answer (see $LOGS/slurmdbd.log)."
+  # The cluster must be known to the database before slurmctld registers with it.
+  if ! sacctmgr -n -P show cluster format=cluster | grep -qx lingua-local; then
+    sacctmgr -i add cluster lingua-local >/dev/null
+  fi
+}
+
+stop_daemon() {
+  running "$1" || return 0
+  kill "$(cat "$1" 2>/dev/null)" 2>/dev/null || true
+  for _ in $(seq 100); do running "$1" || return 0; sleep 0.1; done
+  die "the daemon of $1 did not stop."
+}
+
 wait_idle() {
   for _ in $(seq 100); do
     local state
@@ -119,21 +249,33 @@ wait_idle() {
 cmd_start() {
   need_root
   install_packages
+  install_accounting
   write_config
+  CHANGED=0
+  [ "$(config_hash)" = "$(cat "$APPLIED" 2>/dev/null)" ] || CHANGED=1
   start_munge
+  if [ "$ACCOUNTING" = slurmdbd ]; then
+    start_mariadb
+    start_slurmdbd
+  else
+    stop_daemon "$STATE/slurmdbd.pid"
+  fi
+  if [ "$CHANGED" = 1 ]; then  # a new config: restart what runs with the old one
+    stop_daemon "$STATE/slurmd.pid"
+    stop_daemon "$STATE/slurmctld.pid"
+  fi
   running "$STATE/slurmctld.pid" || slurmctld
   running "$STATE/slurmd.pid" || slurmd -N "$NODE"
   wait_idle
-  echo "slurm_local: up. Partition '$PARTITION' on $NODE with $(nproc) CPUs; config $CONF, logs $LOGS."
+  config_hash >"$APPLIED"
+  local acct="sacct works (accounting in slurmdbd)"
+  [ "$ACCOUNTING" = slurmdbd ] || acct="no accounting: finished jobs are in $LOGS/jobcomp.log (sacct --completion)"
+  echo "slurm_local: up. Partition '$PARTITION' on $NODE with $(nproc) CPUs; $acct; config $CONF, logs $LOGS."
 }
 
 cmd_stop() {
-  for pidfile in "$STATE/slurmd.pid" "$STATE/slurmctld.pid"; do
-    if running "$pidfile"; then kill "$(cat "$pidfile")"; fi
-  done
-  for _ in $(seq 50); do
-    running "$STATE/slurmd.pid" || running "$STATE/slurmctld.pid" || break
-    sleep 0.1
+  for pidfile in slurmd.pid slurmctld.pid slurmdbd.pid mariadb/mariadb.pid; do
+    stop_daemon "$STATE/$pidfile"
   done
   echo "slurm_local: stopped (munged left running; it is harmless)."
 }

@@ -89,6 +89,41 @@ def dump_logs(folder) -> str:
     return "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in sorted(Path(folder).glob("*_log.*")))
 
 
+def accounting_on() -> bool:
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout
+    return bool(re.search(r"^AccountingStorageType\s*=\s*accounting_storage/slurmdbd", out, re.M))
+
+
+def sacct_states(job_id: str, *flags: str, timeout: float = 30) -> dict:
+    """{job id: state} as sacct reports it once every job of job_id has a final state (slurmctld
+    sends the records to slurmdbd a moment after the job ends)."""
+    deadline = time.time() + timeout
+    while True:
+        proc = subprocess.run(["sacct", *flags, "-j", job_id, "-X", "-n", "-P", "-o",
+                               "JobID,State"], capture_output=True, text=True)
+        states = dict(line.split("|", 1) for line in proc.stdout.splitlines() if "|" in line)
+        if (states and all(v not in ("PENDING", "RUNNING", "REQUEUED") for v in states.values())
+                or time.time() > deadline):
+            assert proc.returncode == 0, proc.stderr
+            return states
+        time.sleep(0.5)
+
+
+def check_sacct(job_id: str, stool_output: str, array_tasks: int = 0) -> None:
+    """sacct works on the local cluster, as users expect, and stool says to use it. Without
+    accounting (LINGUA_SLURM_ACCOUNTING=0 or no MariaDB) stool names scontrol instead."""
+    base = job_id.split("_")[0]
+    if not accounting_on():
+        assert os.environ.get("LINGUA_SLURM_ACCOUNTING") == "0" or not REQUIRED, (
+            "setup/slurm_local.sh start set up no accounting: sacct fails (see its output)")
+        assert f"scontrol show job {base}" in stool_output, stool_output
+        return
+    assert f"sacct -j {base}" in stool_output, stool_output
+    want = ({f"{base}_{i}": "COMPLETED" for i in range(array_tasks)} if array_tasks
+            else {base: "COMPLETED"})
+    assert sacct_states(base) == want
+
+
 def losses(dump_dir) -> dict:
     return {row["step"]: row["loss"] for row in read_metrics(dump_dir)}
 
@@ -111,6 +146,9 @@ def test_two_task_job_matches_torchrun_and_keeps_values_and_secrets(corpus, tmp_
     [job] = job_ids(proc.stdout)
     assert str(dump) in proc.stdout and "_log.out" in proc.stdout
     assert wait_for(job, logs=dump / "slurm") == "COMPLETED", dump_logs(dump / "slurm")
+    check_sacct(job, proc.stdout)
+    # The job completion log is written with or without accounting (sacct --completion).
+    assert sacct_states(job, "--completion") == {job: "COMPLETED"}
 
     ref = tmp_path / "torchrun"
     run_torchrun(2, "apps.llama.train", tiny_args(corpus, ref, "distributed.dp_shard=2", steps=4))
@@ -245,6 +283,7 @@ def test_sweep_sends_a_job_array_with_one_dump_dir_per_value(corpus, tmp_path):
     assert jobs[0].split("_")[0] == jobs[1].split("_")[0]  # one array
     for job in jobs:
         assert wait_for(job, logs=base / "slurm") == "COMPLETED", dump_logs(base / "slurm")
+    check_sacct(jobs[0], proc.stdout, array_tasks=2)
     runs = {p.name: p for p in base.iterdir() if (p / "metrics.jsonl").is_file()}
     # Named after the swept value as Hydra parses it (1e-3 -> 0.001), as Hydra's sweeper does.
     assert sorted(runs) == ["optim.lr=0.001", "optim.lr=0.003"], sorted(runs)
@@ -260,11 +299,74 @@ def test_a_job_slurm_refuses_gets_a_clear_error(corpus, tmp_path):
     assert proc.returncode == 2
     assert "Slurm refused the job" in proc.stderr and "slurm.*" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def node_cpus() -> int:
+    [cpus] = set(subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%c"],
+                                capture_output=True, text=True, check=True).stdout.split())
+    return int(cpus)
+
+
+def test_a_job_no_node_can_hold_is_refused_before_anything_is_written(corpus, tmp_path):
+    """More tasks than the node has CPUs used to be queued and pend forever (PartitionConfig):
+    stool refuses it before writing anything, naming the key, the request and what the nodes
+    have."""
+    dump, cpus = tmp_path / "toomany", node_cpus()
+    # (The dry run makes the same check: tests/test_stool.py, against a made-up sinfo.)
+    proc = stool("apps.llama.train", *tiny_args(corpus, dump), f"slurm.tasks_per_node={cpus + 1}",
+                 f"distributed.dp_shard={cpus + 1}", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (f"slurm.tasks_per_node={cpus + 1} asks for {cpus + 1} CPUs a node (one a task), "
+            f"but the nodes of partition 'debug' have at most {cpus} CPUs") in proc.stderr
+    assert "Traceback" not in proc.stderr and "submitted job" not in proc.stdout
     # A GPU job on this GPU-less cluster: the error names the values stool chose itself.
-    gpu_args = tiny_args(corpus, tmp_path / "gpu", "distributed.backend=nccl")
-    proc = stool("apps.llama.train", *gpu_args, "slurm.gpus_per_node=1", check=False)
-    assert proc.returncode == 2 and "Slurm refused the job" in proc.stderr, proc.stderr
+    proc = stool("apps.llama.train", *tiny_args(corpus, dump, "distributed.backend=nccl"),
+                 "slurm.gpus_per_node=1", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert ("slurm.gpus_per_node=1 asks for 1 GPU a node, but the nodes of partition 'debug' "
+            "have at most 0 GPUs") in proc.stderr, proc.stderr
     assert "stool chose slurm.tasks_per_node=1, slurm.cpus_per_task=8" in proc.stderr, proc.stderr
+    squeue = subprocess.run(["squeue", "-h", "-n", "toomany"], capture_output=True, text=True)
+    assert squeue.stdout.strip() == "" and not dump.exists()
+    # The same check in-process against this cluster's sinfo (no stool start-up per case).
+    from lingua.errors import ConfigError
+    from lingua.stool import SlurmArgs, check_resources
+
+    for args, message in [
+        (SlurmArgs(nodes=2, tasks_per_node=1),
+         "slurm.nodes=2 asks for more nodes than partition 'debug' has (1)"),
+        (SlurmArgs(tasks_per_node=1, mem="64T"), "slurm.mem=64T asks for 67108864 MB a node"),
+        (SlurmArgs(tasks_per_node=1, cpus_per_task=cpus + 1, partition="debug"),
+         f"slurm.tasks_per_node=1 x slurm.cpus_per_task={cpus + 1} asks for {cpus + 1} CPUs"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_resources(args)
+    assert check_resources(SlurmArgs(tasks_per_node=cpus, mem="100M"))  # what fits is fine
+
+
+def test_starting_the_local_slurm_again_changes_nothing():
+    """`start` is idempotent: with the config unchanged the daemons keep running (their jobs
+    with them), and the config they run is the one written (accounting through slurmdbd)."""
+    as_root = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    if as_root and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode != 0:
+        pytest.skip("neither root nor passwordless sudo: cannot run setup/slurm_local.sh start")
+    state = Path("/var/spool/lingua-slurm")
+    if not (state / "slurmctld.pid").is_file():
+        pytest.skip("this Slurm was not started by setup/slurm_local.sh")
+    before = {name: (state / f"{name}.pid").read_text() for name in ("slurmctld", "slurmd")}
+    proc = subprocess.run([*as_root, "bash", "setup/slurm_local.sh", "start"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {name: (state / f"{name}.pid").read_text() for name in before} == before
+    config = subprocess.run(["scontrol", "show", "config"], capture_output=True,
+                            text=True).stdout
+    assert re.search(r"JobCompType\s*=\s*jobcomp/filetxt", config), config
+    if os.environ.get("LINGUA_SLURM_ACCOUNTING") != "0":
+        assert "sacct works" in proc.stdout, proc.stdout + proc.stderr
+        assert accounting_on()
+        listed = subprocess.run(["sacct", "-n", "-X", "-S", "now-1hours"], capture_output=True,
+                                text=True)
+        assert listed.returncode == 0, listed.stderr
 
 
 def test_unknown_partition_is_refused_before_anything_is_written(corpus, tmp_path):

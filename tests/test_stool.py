@@ -3,6 +3,7 @@ dump-dir reuse, quoting; and the stop-on-signal path of the trainer under torchr
 The same code against a real Slurm is in test_slurm.py."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,34 @@ from lingua import distributed, stool
 from lingua.errors import ConfigError
 from tests.conftest import REPO, free_port, read_metrics, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
+
+
+# What stool's checks see of "the cluster" here: a made-up one, whatever Slurm this machine runs
+# (the local one has 2 CPUs and no GPUs; test_slurm.py checks against it). The GRES and memory
+# strings are as real sinfo prints them on big clusters. The default partition is gpu.
+FAKE_SINFO = """gpu001|gpu*|224|2000000|gpu:h100:8(S:0-1)
+gpu002|gpu*|224|2000000|gpu:h100:8(S:0-1)
+cpu01|cpu|64|257000|(null)
+cpu02|cpu|64|257000+|(null)
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_bin(tmp_path_factory) -> Path:
+    """A folder with a `sinfo` that prints FAKE_SINFO, and one that fails, for PATH."""
+    root = tmp_path_factory.mktemp("fake_slurm")
+    for name, body in (("bin", f"cat <<'EOF'\n{FAKE_SINFO}EOF\n"),
+                       ("broken", "echo 'sinfo: error: Unable to contact slurm controller' >&2\n"
+                                  "exit 1\n")):
+        (root / name).mkdir()
+        (root / name / "sinfo").write_text("#!/bin/sh\n" + body)
+        (root / name / "sinfo").chmod(0o755)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _fake_cluster(fake_bin, monkeypatch):
+    monkeypatch.setenv("PATH", f"{fake_bin / 'bin'}{os.pathsep}{os.environ['PATH']}")
 
 
 def run_stool(*args, env_extra=None):
@@ -43,6 +72,7 @@ def test_dry_run_prints_the_batch_script_and_writes_nothing(corpus, tmp_path):
                  # srun of Slurm 22.05-23.02 does not take --cpus-per-task from the job.
                  "export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-4}",
                  "submitit.core._submit", "# dry run: nothing written, nothing submitted",
+                 "# resources checked against `sinfo`",
                  "# plan at 4 processes (cpu)", "dp_shard=4", "fits"):
         assert line in script, f"{line!r} missing from:\n{script}"
     [srun] = [line for line in script.splitlines() if line.startswith("srun ")]
@@ -164,6 +194,147 @@ def test_bad_slurm_values_are_named(override, message):
     args = train.load_config(["slurm.time=10", "slurm.tasks_per_node=4", override], check=False)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         stool.validate_slurm_args(args.slurm)
+
+
+@pytest.mark.parametrize("gres, gpus", [
+    ("(null)", 0), ("", 0), ("gpu:8", 8), ("gpu:h100:8(S:0-1)", 8), ("gpu:4(IDX:0-3)", 4),
+    ("gpu:a100:4,gpu:v100:2", 6), ("gpu:h100:8(S:0,1),nvme:1", 8), ("mps:100,gpu:2", 2),
+    ("nvme:2", 0), ("gpu", 1), ("gpu:tesla", 1), ("gpu:h100:eight", None), ("gpu:1K", 1024),
+])
+def test_sinfo_gres_strings_are_read_defensively(gres, gpus):
+    assert stool.parse_gpus(gres) == gpus
+
+
+def test_sinfo_node_lines_are_read_defensively():
+    nodes = stool.parse_sinfo_nodes(
+        "n1|gpu*|224|2000000|gpu:h100:8(S:0-1)\n"
+        "n2|gpu*|64+|257000+|gpu:h100:x:y\n"     # unknown values: never a reason to refuse
+        "sinfo: some site notice\n\n"
+        "n3|cpu|N/A|1|(null)\n")
+    assert [(n.name, n.partition, n.cpus, n.mem_mb, n.gpus) for n in nodes] == [
+        ("n1", "gpu*", 224, 2000000, 8), ("n2", "gpu*", None, None, None),
+        ("n3", "cpu", None, 1, 0)]
+    assert [stool.mem_request_mb(m) for m in ("64G", "500", "1T", "512K", "0", None)] == [
+        65536, 500, 1024 ** 2, 1, None, None]
+
+
+def _slurm(**values) -> "stool.SlurmArgs":
+    return stool.SlurmArgs(**{"tasks_per_node": 1, **values})
+
+
+def test_a_job_no_node_can_hold_is_refused_with_what_the_nodes_have():
+    nodes = stool.parse_sinfo_nodes("n1|debug*|2|7000|(null)\n")
+    with pytest.raises(ConfigError) as err:
+        stool.check_resources(_slurm(tasks_per_node=3), nodes=nodes)
+    assert ("slurm.tasks_per_node=3 asks for 3 CPUs a node (one a task), but the nodes of "
+            "partition 'debug' have at most 2 CPUs") in str(err.value)
+    assert "PartitionConfig" in str(err.value) and "\n" not in str(err.value)
+    cases = [
+        (_slurm(tasks_per_node=2, cpus_per_task=2),
+         "slurm.tasks_per_node=2 x slurm.cpus_per_task=2 asks for 4 CPUs a node, but the nodes "
+         "of partition 'debug' have at most 2 CPUs"),
+        (_slurm(nodes=2), "slurm.nodes=2 asks for more nodes than partition 'debug' has (1)"),
+        (_slurm(mem="8G"), "slurm.mem=8G asks for 8192 MB a node, but the nodes of partition "
+                           "'debug' have at most 7000 MB of memory"),
+        (_slurm(gpus_per_node=1), "slurm.gpus_per_node=1 asks for 1 GPU a node, but the nodes "
+                                  "of partition 'debug' have at most 0 GPUs"),
+    ]
+    for slurm, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            stool.check_resources(slurm, nodes=nodes)
+    for fits in (_slurm(tasks_per_node=2), _slurm(mem="7000"), _slurm(mem="0"), _slurm()):
+        assert stool.check_resources(fits, nodes=nodes)
+
+
+def test_resources_are_checked_per_partition_and_node():
+    nodes = stool.parse_sinfo_nodes(FAKE_SINFO + "big|cpu|256|64000|(null)\n")
+    # Enough CPUs on one cpu node and enough memory on others, but not both on two of them.
+    with pytest.raises(ConfigError, match=re.escape(
+            "slurm.nodes=2 asks for 2 nodes that each hold the job's share (slurm.tasks_per_node"
+            "=128 asks for 128 CPUs a node (one a task), slurm.mem=100G asks for 102400 MB a "
+            "node), but only 0 of the 3 nodes of partition 'cpu' do")):
+        stool.check_resources(_slurm(partition="cpu", nodes=2, tasks_per_node=128, mem="100G"),
+                              nodes=nodes)
+    assert stool.check_resources(_slurm(partition="cpu", tasks_per_node=256), nodes=nodes)
+    # 257000+ is "at least": a request above it is left to Slurm, not refused, on that node.
+    assert stool.check_resources(_slurm(partition="cpu", mem="300000"), nodes=nodes)
+    with pytest.raises(ConfigError, match="but only 1 of the 3 nodes of partition 'cpu' do"):
+        stool.check_resources(_slurm(partition="cpu", nodes=2, mem="300000"), nodes=nodes)
+    # No partition: the default one (gpu*); several: one that holds the job is enough.
+    assert stool.check_resources(_slurm(nodes=2, gpus_per_node=8, tasks_per_node=8), nodes=nodes)
+    with pytest.raises(ConfigError, match="partition 'gpu' have at most 224 CPUs"):
+        stool.check_resources(_slurm(tasks_per_node=256), nodes=nodes)
+    assert stool.check_resources(_slurm(partition="gpu,cpu", tasks_per_node=256), nodes=nodes)
+    with pytest.raises(ConfigError, match="slurm.partition='gpu,nope' does not exist"):
+        stool.check_resources(_slurm(partition="gpu,nope"), nodes=nodes)
+    # Values stool picked itself are named, so the user knows which keys to set.
+    with pytest.raises(ConfigError, match=re.escape(
+            "stool chose slurm.tasks_per_node=8, slurm.cpus_per_task=32 itself")):
+        stool.check_resources(_slurm(gpus_per_node=8, tasks_per_node=8, cpus_per_task=32),
+                              ["slurm.tasks_per_node=8", "slurm.cpus_per_task=32"], nodes=nodes)
+
+
+def test_a_dry_run_checks_resources_where_sinfo_answers(corpus, tmp_path, fake_bin):
+    args = [*tiny_args(corpus, tmp_path / "big"), "slurm.partition=cpu", "slurm.dry_run=true"]
+    proc = run_stool("apps.llama.train", *args, "slurm.tasks_per_node=65")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert ("slurm.tasks_per_node=65 asks for 65 CPUs a node (one a task), but the nodes of "
+            "partition 'cpu' have at most 64 CPUs (from `sinfo`)") in proc.stderr, proc.stderr
+    assert "#SBATCH" not in proc.stdout
+    # sinfo there but failing (controller down): the dry run says it did not check.
+    proc = run_stool("apps.llama.train", *args, "slurm.tasks_per_node=65",
+                     env_extra={"PATH": f"{fake_bin / 'broken'}{os.pathsep}{os.environ['PATH']}"})
+    assert proc.returncode == 0, proc.stderr
+    assert "# resources not checked: `sinfo` is missing here or did not answer" in proc.stdout
+
+
+def test_the_would_run_line_is_the_command_as_typed(corpus, tmp_path, monkeypatch, capsys):
+    """Relative paths made absolute are shown as a person types them: shell quoting only where a
+    shell needs it (a space), no Hydra quoting where Hydra needs none; pasted into bash, the line
+    gives back the argv the job gets."""
+    from apps.llama import train
+
+    given = [f"data.root={corpus}", "data.prepare_embedded=false", "slurm.dry_run=true"]
+    monkeypatch.chdir(tmp_path)   # relative paths are taken from where stool runs
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def would_run(dump_override: str) -> str:
+        assert stool.submit("apps.llama.train", [dump_override, *given]) == []   # dry run
+        [line] = [ln for ln in capsys.readouterr().out.splitlines()
+                  if ln.startswith("# would run: ")]
+        return line[len("# would run: "):]
+
+    head = "python -m apps.llama.train"
+    assert would_run("dump_dir=runs/plain") == (
+        f"{head} dump_dir=runs/plain {' '.join(given)} dump_dir={tmp_path}/runs/plain "
+        f"slurm.tasks_per_node=1")
+    spaced = would_run("dump_dir=runs/my run")
+    assert spaced == (f"{head} 'dump_dir=runs/my run' {' '.join(given)} "
+                      f"'dump_dir={tmp_path}/runs/my run' slurm.tasks_per_node=1")
+    # Pasted into a shell: the job's argv, which composes the same dump_dir.
+    odd = "runs/it's, odd $HOME"
+    for rel, line in (("runs/my run", spaced),
+                      (odd, would_run(stool.path_override("dump_dir", odd)))):
+        [sub] = stool.plan(train, [stool.path_override("dump_dir", rel), *given], False)
+        words = subprocess.run(["bash", "-c", 'printf "%s\\n" ' + line], capture_output=True,
+                               text=True, check=True).stdout.split("\n")[:-1]
+        assert words == ["python", "-m", "apps.llama.train", *sub.overrides], line
+        assert Path(train.load_config(words[3:], check=False).dump_dir) == tmp_path / rel
+
+
+@pytest.mark.parametrize("path", ["/data/plain-path_1.x", "/data/with space", "/d/a,b", "/d/it's",
+                                  '/d/q"uote', "/d/$HOME", "/d/${x}", "/d/x=y", "/d/ñ",
+                                  "/d/a\\b", "/d/trailing ", "/d/[1]", "null", "10", "run/1"])
+def test_path_overrides_survive_hydra_and_the_shell(path):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    override = stool.path_override("dump_dir", path)
+    assert OverridesParser.create().parse_override(override).value() == path
+    assert ("'" in override) == (stool.PLAIN_PATH.match(path) is None)   # quoted only if needed
+    typed = stool.shell_join(["x", override])
+    words = subprocess.run(["bash", "-c", 'printf "%s\\n" ' + typed], capture_output=True,
+                           text=True, check=True).stdout.split("\n")[:-1]
+    assert words == ["x", override], typed
 
 
 def test_gpu_job_is_validated_for_cuda_on_a_cpu_login_node(corpus, tmp_path):
