@@ -133,8 +133,8 @@ def check_async(args) -> None:
                           "node, or `bash setup/slurm_local.sh start` for a local one), or "
                           "evaluate on the training ranks with eval.mode=inline.")
     if os.environ.get("RANK", "0") == "0":  # every rank validates; one asking sinfo is enough
-        try:
-            stool.check_partition(s.partition)
+        try:  # the partition exists and one of its nodes can hold the job, as stool checks
+            stool.check_resources(s)
         except ConfigError as err:
             raise _eval_slurm_error(err) from None
 

@@ -297,6 +297,12 @@ def test_a_refused_submission_is_a_warning_and_training_finishes(corpus, tmp_pat
                                           r"debug.*eval.slurm.partition out"):
         eval_jobs.check_async(load_args(async_args(corpus, dump,
                                                    "eval.slurm.partition=nonexistent")))
+    # ... and so is a job no node of the partition can hold (it would pend forever).
+    too_many = os.cpu_count() + 1
+    with pytest.raises(ConfigError, match=rf"No node can hold this job: eval.slurm.tasks_per_node="
+                                          rf"{too_many}"):
+        eval_jobs.check_async(load_args(async_args(corpus, dump,
+                                                   f"eval.slurm.tasks_per_node={too_many}")))
 
 
 # ---------------------------------------------------------------------------------------------
