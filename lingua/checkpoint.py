@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import time
+import warnings
 import zlib
 import random
 import re
@@ -254,6 +255,52 @@ def require_intact(ckpt_dir) -> None:
                           f"from where it was written.")
 
 
+def _holds_checkpoint(path: Path) -> bool:
+    # DCP's metadata or our manifest. A damaged checkpoint is still one: loading it names the damage.
+    return (path / ".metadata").is_file() or (path / MANIFEST).is_file()
+
+
+def _no_step_error(path: Path) -> ConfigError:
+    have = [p.name for p in list_complete(path.parent.parent)]
+    return ConfigError(f"no checkpoint {path.name} in {path.parent}; the run has: "
+                       f"{', '.join(have) or 'none'}. Give one of those, or the run directory "
+                       f"{path.parent.parent} for its newest complete checkpoint.")
+
+
+def resolve(target, in_run: bool = False) -> Path:
+    """The checkpoint directory a command line means (generate, export, eval): a run directory
+    (dump_dir, or its checkpoints/ folder) means its newest complete checkpoint, as resume picks
+    it; a checkpoint directory means itself. `in_run`: the checkpoint must sit in its run, as
+    <dump_dir>/checkpoints/<step> (eval writes results beside the run's metrics). ConfigError
+    saying what exists instead."""
+    path = Path(target)
+    in_checkpoints = path.parent.name == "checkpoints" and STEP_DIR.match(path.name)
+    if not path.exists():
+        if in_checkpoints and path.parent.parent.is_dir():
+            raise _no_step_error(path)
+        raise ConfigError(f"{target} does not exist: give a run directory (dump_dir) or one of "
+                          f"its checkpoints, <dump_dir>/checkpoints/<step>.")
+    if path.is_dir() and (_holds_checkpoint(path) or in_checkpoints):
+        if in_run and not in_checkpoints:
+            raise ConfigError(f"{target} is a checkpoint outside a run directory: results are "
+                              f"written beside the run's metrics, so give the checkpoint inside "
+                              f"its run directory (<dump_dir>/checkpoints/<step>).")
+        return path
+    if path.name == "checkpoints" and path.is_dir():
+        path = path.parent
+    if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
+        ckpt = newest(path)
+        if ckpt is None:
+            raise ConfigError(f"{target} has no complete checkpoint (no {path}/checkpoints/<step> "
+                              f"with its files): train it with checkpoint.every set, or give "
+                              f"another run directory.")
+        return ckpt
+    raise ConfigError(f"{target} is neither a run directory (dump_dir, holding config.yaml and "
+                      f"checkpoints/) nor a checkpoint (<dump_dir>/checkpoints/<step>, holding "
+                      f"config.yaml, manifest.json and the DCP files). Give the dump_dir of a "
+                      f"training run, or one of its checkpoints.")
+
+
 def read_run_config(ckpt_dir) -> DictConfig:
     path = Path(ckpt_dir) / "config.yaml"
     if not path.is_file():
@@ -263,7 +310,23 @@ def read_run_config(ckpt_dir) -> DictConfig:
     return OmegaConf.load(path)
 
 
+# DCP warns at every save and load of a one-process run that it "assumes the intent is to
+# save/load in a single process", even when no_dist=True says exactly that (torch 2.13's
+# state_dict_saver.save / state_dict_loader.load warn whenever no_dist). That intent is ours, so
+# this one message is ignored, only from DCP's modules. A filter, not catch_warnings: dcp.async_save
+# calls save in its own thread. Installed before each call because pytest resets the filters
+# between tests (filterwarnings drops an identical filter before inserting it: no growth).
+SINGLE_PROCESS_DCP_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
+                              r"assuming the intent is to (save|load) in a single process")
+
+
+def _quiet_single_process_dcp() -> None:
+    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_DCP_WARNING, category=UserWarning,
+                            module=r"torch\.distributed\.checkpoint")
+
+
 def _dcp_load(state: dict, ckpt_dir: Path) -> None:
+    _quiet_single_process_dcp()
     try:
         dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as err:  # DCP wraps mismatches in a CheckpointException
@@ -351,6 +414,7 @@ def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
     ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep)
     error = ckpt.open()
     if error is None:
+        _quiet_single_process_dcp()
         try:
             dcp.save(_merged(_part_states(parts, optimizers)), checkpoint_id=str(ckpt.tmp),
                      no_dist=world_size == 1)
@@ -387,6 +451,7 @@ def save_async(dump_dir, step: int, parts: list, optimizers: list, train_state: 
     ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, device)
     error = ckpt.open()
     if error is None:
+        _quiet_single_process_dcp()
         try:
             started = time.perf_counter()
             upload = dcp.async_save(_merged(_part_states(parts, optimizers)),

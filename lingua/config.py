@@ -144,6 +144,35 @@ def _open_maps(overrides: Sequence[str], maps: Sequence[str]) -> list:
     return out
 
 
+# A preset's switch that holds for the preset's own value of another key only. The debug presets
+# build the embedded corpus on first use at *their* data.root (data/embedded), so that the first
+# command works right after install; a data.root given on the command line names a corpus the
+# user means to have, so a missing one there is an error naming the key, not a place to create a
+# directory and build a toy corpus in (data.prepare_embedded=true given with it still asks for
+# exactly that).
+PRESET_SCOPED = {"data.prepare_embedded": "data.root"}
+
+
+def _override_keys(overrides: Sequence[str]) -> set:
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+
+
+def _scope_to_preset(cfg: DictConfig, overrides: Sequence[str], preset_alone: Callable) -> None:
+    """Turn off each PRESET_SCOPED switch the preset set (not the command line) when the command
+    line moved its key away from the preset's value (`preset_alone()` composes the preset with no
+    override; called only then, so a run without such overrides composes once)."""
+    given = _override_keys(overrides)
+    for switch, key in PRESET_SCOPED.items():
+        if switch in given or OmegaConf.select(cfg, switch) is not True:
+            continue
+        parents = {".".join(key.split(".")[:i]) for i in range(1, key.count(".") + 2)}
+        if not parents & given:   # neither data.root=... nor data={...} on the command line
+            continue
+        ours, preset = OmegaConf.select(cfg, key), OmegaConf.select(preset_alone(), key)
+        if ours is None or preset is None or Path(ours).resolve() != Path(preset).resolve():
+            OmegaConf.update(cfg, switch, False)
+
+
 def compose_config(app: str, argv: Sequence[str], default_preset: str = "debug",
                    schema: Optional[Type] = None) -> DictConfig:
     """Compose (preset + overrides) into a typed DictConfig; raises ConfigError on any bad key/type.
@@ -156,6 +185,7 @@ def compose_config(app: str, argv: Sequence[str], default_preset: str = "debug",
     try:
         with initialize_config_dir(config_dir=config_dir, version_base=None, job_name=app):
             cfg = compose(config_name=config_name, overrides=_open_maps(overrides, maps))
+            _scope_to_preset(cfg, overrides, lambda: compose(config_name=config_name))
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as err:
         message = _explain_compose_error(err, overrides, list(keys), maps)
         for override in overrides:  # quote the user's override, not our `++` form of it

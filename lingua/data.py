@@ -502,9 +502,13 @@ def validate_data_args(args: DataArgs) -> None:
     if not root.is_dir():
         if args.prepare_embedded and args.format == "memmap" and args.tokenizer.kind == "bytes":
             return  # built on first use
+        # A preset builds its embedded corpus only at its own data.root (lingua.config
+        # PRESET_SCOPED): a missing directory the user named is not created behind her back.
+        build = (", or add data.prepare_embedded=true to build it there on first use"
+                 if args.format == "memmap" and args.tokenizer.kind == "bytes" else "")
         raise ConfigError(f"data.root={args.root} does not exist. Prepare a corpus there (`python "
                           f"setup/prepare_data.py embedded --out {args.root}` for the built-in "
-                          f"one), or point data.root at an existing corpus directory.")
+                          f"one{build}), or point data.root at an existing corpus directory.")
     if args.format == "memmap":
         _validate_memmap(args, root)
     else:
@@ -637,7 +641,12 @@ def ensure_embedded_corpus(root) -> Path:
         return root
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    meta = build_embedded_corpus(tmp)
+    logger.info("preparing the embedded corpus in %s (first use; a few seconds)", root)
+    try:
+        meta = build_embedded_corpus(tmp)
+    except BaseException:   # Ctrl-C or a failure while building: leave nothing half-made behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.rename(tmp, root)
         logger.info("prepared the embedded corpus in %s (%d train tokens)", root,

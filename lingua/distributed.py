@@ -291,11 +291,52 @@ def build_mesh(dims: ParallelDims, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     sizes = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
-    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
-    mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-    mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
-    mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
-    return mesh
+    root = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+    flat = {name: root[parts]._flatten(name) for name, parts in FLATTENED.items()}
+    return Mesh(root, flat)
+
+
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
+
+class Mesh:
+    """The root DeviceMesh plus the flattened meshes `_flatten` returned, indexed by name like a
+    DeviceMesh: `mesh["tp"]`, `mesh["dp_shard_cp"]`, `mesh[("dp_replicate", "dp_shard_cp")]`.
+
+    Why not the root mesh alone: slicing a flattened dim from the root mesh (root["dp"]) warns
+    "Slicing a flattened dim from root mesh will be deprecated" at every call in torch 2.13
+    (DeviceMesh._get_slice_mesh_layout), a lookup torch is removing; it asks callers to keep the
+    flattened meshes themselves. A slice that mixes both kinds is built with
+    DeviceMesh._concatenate (one root, so FSDP's HSDP and DTensor accept it), as
+    lingua/expert_parallel.py builds its expert mesh.
+    Everything else (get_group, size, mesh, ...) is the root mesh's."""
+
+    def __init__(self, root, flat: dict):
+        self.root, self.flat, self._slices = root, flat, {}
+
+    def __getitem__(self, names):
+        key = (names,) if isinstance(names, str) else tuple(names)
+        if key not in self._slices:
+            self._slices[key] = self._slice(key)
+        return self._slices[key]
+
+    def _slice(self, key: tuple):
+        if not any(name in self.flat for name in key):
+            return self.root[key]
+        if len(key) == 1:
+            return self.flat[key[0]]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh._concatenate([self[name] for name in key])
+
+    def __getattr__(self, name):
+        if name in ("root", "flat", "_slices"):   # not set yet (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self.root, name)
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.root!r}, flattened {sorted(self.flat)})"
 
 
 def destroy() -> None:

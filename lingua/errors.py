@@ -1,9 +1,23 @@
-"""Errors for bad user input.
+"""Errors for bad user input, and how their message reaches the person once.
 
 A ConfigError carries a message meant for a person: what was wrong and how to fix it. Entry points
 catch it and print the message alone (no traceback), before any process group, checkpoint write
 or job submission happens.
+
+Under torchrun every rank usually hits the same error (the config is the same everywhere; a
+damaged file is read by all), and torchrun then reports the failure of the first rank that exited
+as a 35-line summary whose root cause says only "To enable traceback see ...". `report` prints the
+message once for the job (the first rank to fail claims it through torchrun's TCP store; ranks
+with the same message stay quiet) and writes it to the rank's TORCHELASTIC_ERROR_FILE, the JSON
+file torchrun reads (torch.distributed.elastic.multiprocessing.errors.ProcessFailure), so the
+root cause torchrun prints is that message.
 """
+
+import datetime
+import json
+import os
+import sys
+import time
 
 
 class ConfigError(ValueError):
@@ -14,3 +28,95 @@ class RunError(RuntimeError):
     """A run had to stop for a reason outside the code (a full disk, a lost rank, non-finite
     values): the message says what happened, what is safe on disk and how to go on. Entry points
     print it without a traceback and exit 1."""
+
+
+# How long a rank waits on torchrun's store to learn whether another rank reported first: the
+# store is the agent's, alive while any worker is; the wait is only ever this long if it is gone.
+STORE_TIMEOUT_S = 10
+
+
+def report(message: str) -> None:
+    """Print `message` (an error's paragraph) on stderr once for the job, and make it the failure
+    torchrun reports for this rank. A rank whose message another rank already printed stays
+    quiet; one with a different message prints its own."""
+    rank = os.environ.get("RANK", "0")
+    now = time.time()
+    first = _first_report(rank, message, now)
+    if first is None:
+        print(message, file=sys.stderr, flush=True)
+        return
+    first_rank, first_time = first
+    # Later than the first report's, so that torchrun (which takes the earliest failure as the
+    # root cause) shows the message itself, not this pointer to it.
+    _write_error_file(f"the same error as rank {first_rank} (its message is above)",
+                      max(now, first_time + 1))
+
+
+def _first_report(rank: str, message: str, now: float):
+    """None when this rank is the one to print `message` (the first to fail, or alone, or with
+    another message than the first); else (rank, time) of the report that printed it. The first
+    writes its error file before telling the others, so torchrun finds it however soon it stops
+    the job."""
+    store = _job_store()
+    if store is None:
+        _write_error_file(message, now)
+        return None
+    key = f"lingua/error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        if store.add(key + "/count", 1) == 1:
+            _write_error_file(message, now)
+            store.set(key, json.dumps([rank, now, message]))
+            return None
+        first_rank, first_time, first_message = json.loads(store.get(key))
+    except Exception:   # the store is gone or slow: say it ourselves rather than not at all
+        _write_error_file(message, now)
+        return None
+    if first_message != message:
+        _write_error_file(message, now)
+        return None
+    return first_rank, first_time
+
+
+def _job_store():
+    """A client of the TCP store torchrun's agent serves to its workers (None outside torchrun,
+    or alone): it works before any process group exists, so errors at config load are reported
+    once too."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        from torch.distributed import TCPStore
+
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                        is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    except Exception:
+        return None
+
+
+def _write_error_file(message: str, timestamp: float) -> None:
+    """The failure torchrun reports for this rank: its error file, in the form torch's own
+    @record writes (ErrorHandler.record_exception) with the message where the traceback goes,
+    which is the line torchrun's summary prints. (The plain {"message": str} form is read too,
+    but torchrun then logs two warnings about it.)"""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {
+        "py_callstack": message, "timestamp": str(int(timestamp))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass   # torchrun then shows its generic line; the message is on stderr either way
+
+
+def record_crash(err: BaseException) -> None:
+    """An unexpected exception (a bug, not a ConfigError/RunError) under torchrun: its traceback
+    becomes the failure torchrun reports, as torch's @record does. Call inside `except`."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(err)
+        except Exception:
+            pass

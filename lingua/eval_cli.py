@@ -35,28 +35,10 @@ CHANGEABLE = ("eval", "distributed", "logging", "slurm", "data.tokenizer")
 
 def resolve_checkpoint(target: str) -> Tuple[Path, Path, int]:
     """(checkpoint dir, run dir, step) for a dump_dir (its newest complete checkpoint) or a
-    checkpoint directory <dump_dir>/checkpoints/<step>."""
-    path = Path(target)
-    if not path.exists() and path.parent.name == "checkpoints" and path.parent.is_dir():
-        have = sorted((p.name for p in path.parent.iterdir() if p.name.isdigit()), key=int)
-        raise ConfigError(f"no checkpoint {path.name} in {path.parent}; the run has: "
-                          f"{', '.join(have) or 'none'}.")
-    if not path.exists():
-        raise ConfigError(f"{target} does not exist: give a run directory (dump_dir) or one of "
-                          f"its checkpoints, <dump_dir>/checkpoints/<step>.")
-    if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file() and not (
-            path / checkpoint.MANIFEST).is_file():
-        ckpt = checkpoint.newest(path)
-        if ckpt is None:
-            raise ConfigError(f"{target} has no complete checkpoint (no {path}/checkpoints/<step> "
-                              f"with its files): train it with checkpoint.every set, or give "
-                              f"another run directory.")
-        return ckpt, path, int(ckpt.name)
-    if path.parent.name != "checkpoints" or not path.name.isdigit():
-        raise ConfigError(f"{target} is neither a run directory nor one of its checkpoints "
-                          f"(<dump_dir>/checkpoints/<step>): results are written beside the "
-                          f"run's metrics, so give the checkpoint inside its run directory.")
-    return path, path.parent.parent, int(path.name)
+    checkpoint directory <dump_dir>/checkpoints/<step>: lingua.checkpoint.resolve, which generate
+    and export share, held to checkpoints inside their run."""
+    ckpt = checkpoint.resolve(target, in_run=True)
+    return ckpt, ckpt.parent.parent, int(ckpt.name)
 
 
 def run_config(schema, ckpt: Path, overrides: Sequence[str]):

@@ -12,6 +12,8 @@ biases) is told which file to edit instead of getting a Hugging Face model witho
 """
 
 import json
+import logging
+import os
 import re
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -167,6 +169,28 @@ def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: 
             "and recomputed on load can go on NOT_IMPORTED in that file with the reason.")
 
 
+# ---------------------------------------------------------------------------------------------
+# Exportable at all? Each app's hf.py says, from the model args alone, why its export would refuse
+# a run (`export_problems(model_args) -> list of reasons`); training warns at start, the export
+# command refuses with the same reasons before reading any weights.
+
+
+def warn_unexportable(problems: List[str], command: str) -> None:
+    """One warning line (rank 0) at the start of a run whose checkpoints `command` will refuse:
+    better learned before training than after."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before any process group
+    if problems and int(rank) == 0:
+        logging.getLogger(__name__).warning(
+            "warning: %s export will refuse this run's checkpoints: %s. Training goes on; change those "
+            "options now if you need a Hugging Face model.", command, "; ".join(problems))
+
+
+def refuse_unexportable(problems: List[str], command: str, ckpt_dir) -> None:
+    if problems:
+        raise ConfigError(f"{command} export: {ckpt_dir} cannot be written as a Hugging Face model: "
+                          f"{'; '.join(problems)}.")
+
+
 def byte_tokenizer_json():
     """A `tokenizers` Tokenizer that gives exactly lingua's byte tokenizer's ids (byte b -> id b,
     BOS 256 as `<s>`, EOS 257 as `</s>`; encoding with special tokens prepends BOS), so Hugging
@@ -209,7 +233,6 @@ def write_tokenizer(run_config, out_dir) -> Optional[str]:
     equivalent tokenizer.json, an HF tokenizer.json as it is. Returns what was written, or None
     with a warning for kinds transformers cannot read as they are (tiktoken, sentencepiece:
     give the HF tools the tokenizer you trained with)."""
-    import logging
     import shutil
 
     from omegaconf import OmegaConf

@@ -4,13 +4,19 @@ MFU = model FLOPs per token x tokens/s / peak FLOP/s of the hardware.
   model FLOPs per token = 6 x N + 12 x n_layers x dim x seq_len
 N counts every parameter that takes part in a matmul (the embedding lookup does not, the output
 projection does, once even when tied); the second term is attention's QK^T and AV (forward and
-backward, PaLM's convention, counted as if not causal). On a GPU the peak comes from a table of
-dense bf16 peaks; on CPU it is measured at start-up with a short matmul benchmark in the run's
-dtype and cached, so MFU on CPU is "fraction of what a large matmul reaches on this machine".
-Where no credible peak exists (bf16 on a CPU without bf16 instructions, which torch emulates) or
-MFU would exceed 100%, mfu is logged as null with a warning instead of a made-up number.
+backward, PaLM's convention, counted as if not causal); MoE apps count active parameters only
+(apps/moe/model.py: top_k of the routed experts, all shared ones). On a GPU the peak comes from a
+table of dense data-sheet peaks; on CPU (or a GPU missing from it) it is measured at the start of
+each run on the forward matmul of the model's largest linear over a micro-batch's tokens, in the
+run's dtype, best of a few calls, so MFU on CPU is "fraction of what this model's largest matmul
+reaches on this machine now". Nothing is cached across runs: a peak measured while the machine was
+busy would make every later run's MFU too high. The peak used goes to dump_dir/peak.json (`Peak`).
+MFU is never above 1: above it a measured peak is measured once more (the higher kept), and
+where no credible peak exists (bf16 on a CPU without bf16 instructions, which torch emulates, or
+still above 1) mfu is logged as null with a warning instead of a made-up number.
 """
 
+import collections
 import json
 import logging
 import math
@@ -58,24 +64,50 @@ def flops_per_token(model: nn.Module, n_layers: int, dim: int, seq_len: int,
     return 6.0 * n_matmul + 12.0 * n_layers * dim * seq_len
 
 
-def _cache_path() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return root / "lingua" / "matmul_peak.json"
+# One measured matmul's work is capped so the measurement stays well under a second on a CPU,
+# whatever the model: above it the rows (tokens) are cut, which barely changes a CPU's rate.
+MAX_MEASURED_FLOPS = 2e10
+MIN_MEASURED_ROWS = 64
+PEAK_NAME = "peak.json"
+
+
+def largest_linear(parts) -> Optional[tuple]:
+    """(in_features, out_features) of the largest nn.Linear in the model parts (full, logical
+    shapes: a DTensor's shape is the whole matrix), or None where there is none."""
+    shapes = [tuple(m.weight.shape) for part in parts for m in part.modules()
+              if isinstance(m, nn.Linear)]
+    if not shapes:
+        return None
+    out_features, in_features = max(shapes, key=lambda s: s[0] * s[1])
+    return in_features, out_features
+
+
+def measure_matmul_peak(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
+                        seconds: float = 0.1, max_repeats: int = 50) -> dict:
+    """Best FLOP/s of an [m, k] x [k, n] matmul (the forward of a linear over m tokens) on this
+    device with this process's threads: two warm-up calls, then at least 3 and at most
+    `max_repeats` timed calls within `seconds`, the fastest one kept (other load on the machine
+    only ever slows a call down). Returns {"flops_per_s", "best_s", "repeats"}."""
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(2):
+        a @ b
+    sync()
+    best, repeats, deadline = math.inf, 0, time.perf_counter() + seconds
+    while repeats < 3 or (repeats < max_repeats and time.perf_counter() < deadline):
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        repeats += 1
+    return {"flops_per_s": 2.0 * m * k * n / best, "best_s": best, "repeats": repeats}
 
 
 def measure_cpu_peak(dtype: torch.dtype, seconds: float = 0.5) -> float:
-    """Best FLOP/s of a square matmul on this CPU with the current thread count."""
+    """Best FLOP/s of a 1024^3 matmul on this CPU (benchmarks; runs use the model's shape)."""
     n = 1024
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        a @ b
-        best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
-    return best
+    return measure_matmul_peak(n, n, n, dtype, torch.device("cpu"), seconds, 1000)["flops_per_s"]
 
 
 # Native bf16 matmuls on CPU: x86's AVX512-BF16 or AMX, Arm's BF16 extension (hwcap "bf16").
@@ -117,30 +149,150 @@ def warn_once(key: str, message: str) -> None:
         logger.warning(message)
 
 
-def mfu(flops_per_s: float, peak: Optional[float]) -> Optional[float]:
+def mfu(flops_per_s: float, peak) -> Optional[float]:
     """Model FLOPs utilisation (`flops_per_s` of model FLOPs on one device over its peak), or None
-    where no honest number exists: no credible peak (bf16 emulated on this CPU: peak_flops gives
-    None), or a value above 1, which says the peak is wrong (a CPU measurement disturbed by other
-    load, a GPU not in GPU_PEAK_FLOPS, a FLOP count that misses work), not that the run beat the
-    hardware. Logged as JSON null rather than a made-up number, with a warning the first time."""
-    if not peak:
-        return None
-    value = flops_per_s / peak
-    if not math.isfinite(value) or value > 1:
-        shown = f"{peak / 1e12:.1f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:.1f} GFLOP/s"
-        warn_once("mfu_above_1",
-                  f"MFU came out at {100 * value:.0f}% of the peak ({shown} per device), which "
-                  f"no run reaches: that peak is not credible for this hardware, so such MFU "
-                  f"values are logged as null. On a GPU the peak is the data-sheet value in "
-                  f"lingua/metrics.py's GPU_PEAK_FLOPS; on CPU a short matmul measurement cached "
-                  f"in {_cache_path()}: delete that file to measure again on an idle machine.")
+    where no honest number exists: no credible peak (bf16 emulated on this CPU), or a value above
+    1, which says the peak is wrong (a CPU measurement disturbed by other load, a GPU not in
+    GPU_PEAK_FLOPS, a FLOP count that misses work), not that the run beat the hardware. `peak`:
+    a Peak (a run's: a measured one is measured again once before giving up, see Peak.mfu) or
+    FLOP/s. Logged as JSON null rather than a made-up number, with a warning the first time."""
+    if isinstance(peak, Peak):
+        return peak.mfu(flops_per_s)
+    value = _ratio(flops_per_s, peak)
+    if value is not None and value > 1:
+        _warn_not_credible(value, peak, "")
         return None
     return value
 
 
-def peak_flops(device: torch.device, dtype_name: str) -> Optional[float]:
-    """Peak FLOP/s of one device in the run's dtype; None where there is no credible one (bf16
-    emulated on this CPU: measuring it would only time the emulation)."""
+def _ratio(flops_per_s: float, peak: Optional[float]) -> Optional[float]:
+    if not peak:
+        return None
+    value = flops_per_s / peak
+    return value if math.isfinite(value) else math.inf
+
+
+def _show_flops(value: float) -> str:
+    return f"{value / 1e12:.1f} TFLOP/s" if value >= 1e12 else f"{value / 1e9:.1f} GFLOP/s"
+
+
+def _warn_not_credible(value: float, peak: float, where: str) -> None:
+    warn_once("mfu_above_1",
+              f"MFU came out at {100 * value:.0f}% of the peak ({_show_flops(peak)} per device), "
+              f"which no run reaches: that peak is not credible for this hardware, so such MFU "
+              f"values are logged as null. {where}On a GPU the peak is the data-sheet value in "
+              f"lingua/metrics.py's GPU_PEAK_FLOPS; on CPU it is measured at the start of each "
+              f"run on a matmul of the model's shape (a machine busy with other work then gives "
+              f"a low peak): run again on an idle machine.")
+
+
+@dataclass
+class Peak:
+    """The peak FLOP/s that one device's MFU is divided by, and how it was obtained: what
+    `dump_dir/peak.json` records (rank 0's, written at the start of each run and when measured
+    again; a resumed run's earlier entries kept under "earlier")."""
+    flops_per_s: Optional[float]   # None: no credible peak, mfu is logged as null
+    source: str                    # "datasheet" | "measured" | "none"
+    dtype: str                     # the run's distributed.model_dtype
+    device: str                    # "NVIDIA H100 80GB HBM3", "cpu x86_64, 2 threads"
+    matmul: Optional[list] = None  # [tokens, in, out] of the measured matmul (measured only)
+    best_s: Optional[float] = None
+    repeats: int = 0
+    measured_at: str = ""          # ISO time of the measurement (or of the data-sheet lookup)
+    from_step: int = 0             # the run's first step with this peak
+    note: str = ""
+    path: Optional[Path] = None    # where peak.json goes (rank 0), None elsewhere
+    remeasured: bool = False
+
+    def record(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("path", "remeasured")}
+
+    def write(self, earlier: Optional[list] = None) -> None:
+        if self.path is None:
+            return
+        if earlier is None:
+            try:
+                earlier = json.loads(self.path.read_text()).get("earlier", [])
+            except (OSError, ValueError, AttributeError):
+                earlier = []
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({**self.record(), "earlier": earlier}, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+    def mfu(self, flops_per_s: float) -> Optional[float]:
+        """flops_per_s / the peak, never above 1. Above 1 a measured peak is measured once more
+        (the machine may have been busy at the start: the higher of the two is kept, peak.json
+        says so); still above 1, or against a data-sheet peak, the value is None (null)."""
+        value = _ratio(flops_per_s, self.flops_per_s)
+        if value is None or value <= 1:
+            return value
+        if self.source == "measured" and not self.remeasured:
+            self.remeasured = True
+            before = self.flops_per_s
+            again = measure_matmul_peak(*self.matmul, DTYPES[self.dtype], _device_of(self))
+            if again["flops_per_s"] > before:
+                self.flops_per_s, self.best_s = again["flops_per_s"], again["best_s"]
+                self.repeats, self.measured_at = again["repeats"], _now()
+            self.note = (f"MFU came out at {100 * value:.0f}% against the start's "
+                         f"{_show_flops(before)}: measured again, {_show_flops(again['flops_per_s'])}"
+                         f"; the higher is kept")
+            logger.info("MFU peak: %s", self.note)
+            self.write()
+            value = _ratio(flops_per_s, self.flops_per_s)
+            if value <= 1:
+                return value
+        _warn_not_credible(value, self.flops_per_s, f"The peak's record is {self.path}. "
+                           if self.path else "")
+        return None
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _device_of(peak: Peak) -> torch.device:
+    if peak.device.startswith("cpu"):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def run_peak(device: torch.device, dtype_name: str, parts=(), tokens: int = 1024,
+             step: int = 0, dump_dir=None) -> Peak:
+    """The run's peak for MFU, obtained once at its start: on a GPU the data-sheet value
+    (GPU_PEAK_FLOPS); on a CPU, or a GPU not in that table, measured now on the forward matmul of
+    the model's largest linear over `tokens` (a micro-batch: data.batch_size x data.seq_len), in
+    the run's dtype, best of a few calls; None (source "none") for bf16 on a CPU that emulates
+    it. With dump_dir (rank 0), written to dump_dir/peak.json: value, source, dtype, device,
+    shape, time; an earlier run's entry (a resume) is kept under "earlier"."""
+    peak = _obtain_peak(device, dtype_name, parts, tokens)
+    peak.from_step = step
+    if dump_dir is not None:
+        peak.path = Path(dump_dir) / PEAK_NAME
+        peak.write(_earlier_peaks(peak.path))
+    if peak.flops_per_s is not None:
+        how = (f"{peak.source} on a {'x'.join(map(str, peak.matmul))} matmul (tokens x the "
+               f"model's largest linear), best of {peak.repeats}" if peak.source == "measured"
+               else peak.source)
+        logger.info("MFU peak: %s %s on %s, %s%s", _show_flops(peak.flops_per_s), dtype_name,
+                    peak.device, how, f" (recorded in {peak.path})" if peak.path else "")
+    return peak
+
+
+def _earlier_peaks(path: Path) -> list:
+    """peak.json's entries from the runs before this one in the same dump_dir (resumes)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    return old.pop("earlier", []) + [old]
+
+
+def _obtain_peak(device: torch.device, dtype_name: str, parts, tokens: int) -> Peak:
     if device.type == "cpu" and dtype_name == "bf16" and cpu_bf16_emulated():
         warn_once("bf16_emulated",
                   "distributed.model_dtype=bf16 on a CPU without bf16 instructions (no "
@@ -148,32 +300,37 @@ def peak_flops(device: torch.device, dtype_name: str) -> Optional[float]:
                   "matmuls here, so this run will be 30-100x slower than in fp32. Use "
                   "distributed.model_dtype=fp32 on this CPU. MFU is logged as null: there is no "
                   "meaningful bf16 peak to measure it against.")
-        return None
+        return Peak(None, "none", dtype_name, _device_name(device), measured_at=_now(),
+                    note="bf16 is emulated on this CPU (no bf16 instructions): no credible peak")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, value in GPU_PEAK_FLOPS[dtype_name].items():
             if key in name:
-                return value
-        logger.warning("no peak FLOP/s known for %s: MFU is reported against the H100's", name)
-        return GPU_PEAK_FLOPS[dtype_name]["H100"]
-    key = f"{platform.processor() or platform.machine()}|{torch.get_num_threads()}|{dtype_name}|{torch.__version__}"
-    path = _cache_path()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key not in cache:
-        dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-        cache[key] = measure_cpu_peak(dtype)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only home only costs a re-measurement next time
-        logger.info("measured CPU matmul peak (%s): %.1f GFLOP/s", dtype_name, cache[key] / 1e9)
-    return cache[key]
+                return Peak(value, "datasheet", dtype_name, name, measured_at=_now(),
+                            note=f"dense {dtype_name} peak of the {key} (SXM) data sheet")
+        logger.warning("no data-sheet peak FLOP/s known for %s (lingua/metrics.py's "
+                       "GPU_PEAK_FLOPS): MFU is against a matmul measured at start", name)
+    k, n = largest_linear(parts) or (1024, 1024)
+    m = max(MIN_MEASURED_ROWS, min(tokens, int(MAX_MEASURED_FLOPS / (2 * k * n))))
+    measured = measure_matmul_peak(m, k, n, DTYPES[dtype_name], device)
+    return Peak(measured["flops_per_s"], "measured", dtype_name, _device_name(device),
+                matmul=[m, k, n], best_s=measured["best_s"], repeats=measured["repeats"],
+                measured_at=_now())
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def peak_flops(device: torch.device, dtype_name: str) -> Optional[float]:
+    """Peak FLOP/s of one device in the dtype (benchmarks): the data-sheet value on a known GPU,
+    else a 1024^3 matmul measured now; None where there is no credible one (bf16 emulated on
+    this CPU: measuring it would only time the emulation)."""
+    if device.type == "cpu" and not (dtype_name == "bf16" and cpu_bf16_emulated()):
+        return measure_cpu_peak(DTYPES[dtype_name])
+    return _obtain_peak(device, dtype_name, (), 1024).flops_per_s
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -253,8 +410,13 @@ def wandb_id(dump_dir) -> str:
     return path.read_text().strip()
 
 
-def format_line(m: dict) -> str:
-    parts = [f"step {m['step']}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
+def format_line(m: dict, total_steps: Optional[int] = None) -> str:
+    """The step's line for a person: progress first (`step 120/200 (60%)`), the time left last
+    (`eta 0:45`, from `eta_s` when the row has one)."""
+    step = f"step {m['step']}"
+    if total_steps:
+        step += f"/{total_steps} ({100 * m['step'] / total_steps:.0f}%)"
+    parts = [step, f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
              f"gnorm {m['grad_norm']:.3f}", f"tok/s {m['tokens_per_s']:.0f}",
              "mfu n/a" if m["mfu"] is None else f"mfu {100 * m['mfu']:.1f}%",
              f"data {1000 * m['data_s']:.0f}ms",
@@ -263,23 +425,51 @@ def format_line(m: dict) -> str:
         parts.append(f"val_loss {m['val_loss']:.4f} ppl {m['val_ppl']:.1f}")
     parts += [f"{k.removeprefix('eval/')} {v:.4f}" for k, v in m.items()
               if k.startswith("eval/") and not k.endswith("_stderr")]   # downstream tasks
+    if m.get("eta_s") is not None:
+        parts.append(f"eta {format_duration(m['eta_s'])}")
     return " | ".join(parts)
 
 
+def format_duration(seconds: float) -> str:
+    """0:45, 12:05, 1:02:03 (hours are not folded into days: a long run shows 50:00:00)."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
 class Window:
-    """Step times and token counts since the last logged step (tokens/s over the window)."""
+    """Step times and token counts since the last logged step (tokens/s over the window), and
+    the wall-clock ends of the recent steps, which outlive a reset: the ETA.
+
+    The ETA divides the time between the ends of the last RECENT_STEPS steps by their number, so
+    it includes what happens between steps (evaluation, checkpoint saves, logging) and leaves out
+    the first step after the loop starts (compilation, allocator and cache warm-up): its end is
+    where the first interval starts."""
+
+    RECENT_STEPS = 50
 
     def __init__(self):
+        self.step_ends = collections.deque(maxlen=self.RECENT_STEPS + 1)
         self.reset()
 
     def reset(self) -> None:
         self.steps, self.seconds, self.data_seconds, self.tokens = 0, 0.0, 0.0, 0
         self.timed_steps, self.phase_seconds = 0, {}
 
+    def eta_s(self, steps_left: int) -> Optional[float]:
+        """Seconds until `steps_left` more steps are done at the recent pace; None until two
+        steps have ended (the first one's time is not a pace)."""
+        if len(self.step_ends) < 2:
+            return None
+        pace = (self.step_ends[-1] - self.step_ends[0]) / (len(self.step_ends) - 1)
+        return pace * max(steps_left, 0)
+
     def add(self, step_seconds: float, data_seconds: float, tokens: int,
-            phase_seconds: Optional[dict] = None) -> None:
+            phase_seconds: Optional[dict] = None, now: Optional[float] = None) -> None:
         """`phase_seconds` ({"fwd": s, ...}) only for steps whose phases were timed: on CUDA
-        that is the synchronized, logged step alone (see profiling.PhaseTimer)."""
+        that is the synchronized, logged step alone (see profiling.PhaseTimer). `now`: the
+        step's end (time.perf_counter()), given by tests."""
+        self.step_ends.append(time.perf_counter() if now is None else now)
         self.steps += 1
         self.seconds += step_seconds
         self.data_seconds += data_seconds

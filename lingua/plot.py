@@ -1,11 +1,16 @@
 """Compare training runs from their metrics.jsonl: loss (and val_loss), lr, grad_norm, tokens/s, MFU,
-and downstream-task metrics (`eval/<task>/<metric>` keys) against step.
+peak memory, and downstream-task metrics (`eval/<task>/<metric>` keys) against step.
 
     python -m lingua.plot runs/a runs/b [--out DIR]
 
 writes DIR/compare.png (default: the first run's dump_dir/plots/) and, when any run has `eval/`
 keys, DIR/downstream.png beside it (the loss curves, then one panel per task and metric); it
 prints the absolute path of each file written.
+Figures meant for a report: every axis labelled with its unit, one legend above the panels, each
+run its own colour AND line style AND marker (two runs with identical curves stay visible: the
+later one dashed over the earlier, markers at other steps), val_loss as markers joined by a thin
+solid line, loss and grad norm on a log scale, and MFU never drawn above 100% (a value above it
+says the peak was wrong; the panel says how many were dropped).
 `save_figure` is the one place figures are written, so every plot this project makes has the
 same backend, dpi and therefore a pixel size that depends only on the figure size.
 """
@@ -14,6 +19,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -24,12 +30,12 @@ matplotlib.use("Agg")  # before pyplot: plots are written from training nodes th
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter, FuncFormatter, MaxNLocator  # noqa: E402
 
 from lingua.errors import ConfigError  # noqa: E402
 
 DPI = 100
-FIGSIZE = (15.0, 8.0)  # inches: with DPI, a 1500 x 800 PNG
+FIGSIZE = (15.0, 8.0)  # inches: with DPI, a 1500 x 800 PNG (the legend band included)
 COMPARE_NAME = "compare.png"
 DOWNSTREAM_NAME = "downstream.png"
 EVAL_PREFIX = "eval/"  # metrics.jsonl keys eval/<task>/<metric>, with <metric>_stderr beside them
@@ -39,14 +45,32 @@ DOWNSTREAM_COLS = 3
 PANEL_SIZE = (5.0, 3.6)  # inches per downstream panel; the figure grows with the grid
 LEGEND_COLS = 6
 LEGEND_ROW_INCHES = 0.35  # the legend band above the grid grows a row per LEGEND_COLS entries
+# Run i: colour C<i>, line style and marker cycled at other periods, so no two of the first
+# dozen runs look alike even in greyscale. "o" is left for val_loss.
+LINESTYLES = ["-", "--", ":", "-."]
+MARKERS = ["s", "^", "D", "v", "P", "X"]
+MARKERS_PER_LINE = 8
+VAL_MARKER = "o"
 
-# (key, panel title, scale applied to the values): one panel each, in this order.
+
+@dataclass(frozen=True)
+class Panel:
+    key: str          # metrics.jsonl key
+    title: str
+    ylabel: str       # with the unit
+    scale: float = 1.0
+    log: bool = False
+    cap: Optional[float] = None   # values above it (after scale) are not credible: dropped
+
+
+# One panel each, in this order (a 2 x 3 grid).
 PANELS = [
-    ("loss", "loss", 1.0),
-    ("lr", "learning rate", 1.0),
-    ("grad_norm", "grad norm", 1.0),
-    ("tokens_per_s", "tokens/s", 1.0),
-    ("mfu", "MFU (%)", 100.0),
+    Panel("loss", "loss", "cross-entropy (nats/token)", log=True),
+    Panel("lr", "learning rate", "learning rate"),
+    Panel("grad_norm", "grad norm", "gradient L2 norm", log=True),
+    Panel("tokens_per_s", "throughput", "tokens/s (all ranks)"),
+    Panel("mfu", "MFU", "MFU (%)", scale=100.0, cap=100.0),
+    Panel("peak_mem_gib", "peak memory", "GiB (rank 0)"),
 ]
 
 
@@ -163,76 +187,140 @@ def run_colours(runs: Mapping[str, Sequence[dict]]) -> Dict[str, str]:
     return {label: f"C{i % 10}" for i, label in enumerate(runs)}
 
 
-def draw_loss(ax, runs: Mapping[str, Sequence[dict]], colours: Mapping[str, str]) -> Tuple[bool, bool]:
-    """Each run's train loss (solid) and val_loss (dashed, markers) on ax. Returns (drawn, has_val)."""
+def run_styles(runs: Mapping[str, Sequence[dict]]) -> Dict[str, dict]:
+    """label -> {color, linestyle, marker} by run order (the same in every figure)."""
+    return {label: {"color": f"C{i % 10}", "linestyle": LINESTYLES[i % len(LINESTYLES)],
+                    "marker": MARKERS[i % len(MARKERS)]} for i, label in enumerate(runs)}
+
+
+def plot_run(ax, steps, values, style: dict, index: int, n_runs: int, **kwargs):
+    """One run's curve: its colour and line style, its marker at about MARKERS_PER_LINE steps,
+    shifted per run so that identical curves show every run's markers."""
+    every = max(n_runs, len(steps) // MARKERS_PER_LINE, 1)
+    return ax.plot(steps, values, color=style["color"], linestyle=style["linestyle"],
+                   marker=style["marker"], markersize=5, linewidth=1.4,
+                   markevery=(index % every, every), **kwargs)
+
+
+def draw_loss(ax, runs: Mapping[str, Sequence[dict]], styles: Mapping[str, dict]) -> Tuple[bool, bool]:
+    """Each run's train loss (its style) and val_loss (rings joined by a thin solid line, in the
+    run's colour) on ax. Returns (drawn, has_val)."""
     drawn = has_val = False
-    for label, rows in runs.items():
+    for i, (label, rows) in enumerate(runs.items()):
         steps, values = series(rows, "loss")
         if steps:
-            # A lone point needs a marker: a one-point line draws nothing.
-            ax.plot(steps, values, color=colours[label], linewidth=1.2, label=label,
-                    marker="o" if len(steps) == 1 else None, markersize=4)
+            plot_run(ax, steps, values, styles[label], i, len(runs), label=label)
             drawn = True
         steps, values = series(rows, "val_loss")
         if steps:
-            ax.plot(steps, values, color=colours[label], linestyle="--", marker="o",
-                    markersize=4, label=f"{label} val_loss")
+            # Hollow rings, the earlier runs' larger: equal val_losses show as concentric rings.
+            ax.plot(steps, values, color=styles[label]["color"], linestyle="-", linewidth=0.8,
+                    marker=VAL_MARKER, markersize=6 + 3 * min(len(runs) - 1 - i, 3),
+                    markerfacecolor="none", markeredgewidth=1.5, label=f"{label} val_loss")
             drawn = has_val = True
     return drawn, has_val
 
 
-def legend_handles(runs, colours: Mapping[str, str], has_val: bool) -> List[Line2D]:
-    """One entry per run colour, then the loss line styles when val_loss is drawn."""
-    handles = [Line2D([], [], color=colours[label], linewidth=2, label=label) for label in runs]
+def legend_handles(runs, styles: Mapping[str, dict], has_val: bool) -> List[Line2D]:
+    """One entry per run (colour, line style, marker), then val_loss's look when it is drawn."""
+    handles = [Line2D([], [], color=st["color"], linestyle=st["linestyle"], marker=st["marker"],
+                      linewidth=2, markersize=6, label=label) for label, st in styles.items()
+               if label in runs]
     if has_val:
-        handles += [Line2D([], [], color="black", label="train loss"),
-                    Line2D([], [], color="black", linestyle="--", marker="o", markersize=4,
-                           label="val_loss")]
+        handles.append(Line2D([], [], color="black", linewidth=0.8, marker=VAL_MARKER,
+                              markersize=7, markerfacecolor="none", markeredgewidth=1.5,
+                              label="val_loss"))
     return handles
 
 
-def style_panel(ax, title: str, drawn: bool) -> None:
+def style_panel(ax, title: str, drawn: bool, ylabel: Optional[str] = None) -> None:
     ax.set_title(title)
     ax.set_xlabel("step")
+    if ylabel:
+        ax.set_ylabel(ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
+    ax.grid(True, which="minor", axis="y", alpha=0.12)
     if not drawn:
         ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center",
                 color="gray", fontsize=14)
 
 
+def log_scale(ax) -> None:
+    """A log y axis where every value drawn is positive (else linear stays), labelled with plain
+    numbers (3, 4, 5, where matplotlib writes 4x10^0 or labels a single tick)."""
+    values = [y for line in ax.get_lines() for y in line.get_ydata()]
+    if not values or min(values) <= 0:
+        return
+    ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    # Under a decade every minor tick gets a label; above it only 2x and 5x (0.2, 0.5, 2, 5).
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g") if high / low < 10 else
+                                 FuncFormatter(_two_and_five))
+
+
+def _two_and_five(value: float, _pos) -> str:
+    mantissa = round(value / 10 ** math.floor(math.log10(value)), 6) if value > 0 else 0
+    return f"{value:g}" if mantissa in (2, 5) else ""
+
+
+def legend_band(handles: List[Line2D]) -> float:
+    """Inches above the panels for a legend of these entries, LEGEND_COLS to a row."""
+    return LEGEND_ROW_INCHES * (math.ceil(len(handles) / LEGEND_COLS) + 0.5)
+
+
+def figure_legend(fig, handles: List[Line2D]) -> None:
+    """The legend in the band above the panels: outside every panel, so it hides no curve."""
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), LEGEND_COLS) or 1,
+               frameon=False, fontsize=11)
+
+
+def draw_panel(ax, panel: Panel, runs, styles) -> bool:
+    """The panel's key for every run; True when anything was drawn."""
+    drawn, dropped = False, 0
+    for i, (label, rows) in enumerate(runs.items()):
+        steps, values = series(rows, panel.key, panel.scale)
+        if panel.cap is not None:
+            kept = [(s, v) for s, v in zip(steps, values) if v <= panel.cap]
+            dropped += len(steps) - len(kept)
+            steps, values = [s for s, _ in kept], [v for _, v in kept]
+        if steps:
+            plot_run(ax, steps, values, styles[label], i, len(runs), label=label)
+            drawn = True
+    if dropped:
+        ax.text(0.99, 0.98, f"{dropped} value(s) above {panel.cap:.0f}% not drawn: not credible",
+                transform=ax.transAxes, ha="right", va="top", fontsize=8, color="gray")
+    if drawn and panel.cap is not None:
+        ax.set_ylim(0, min(panel.cap, ax.get_ylim()[1]))
+    return drawn
+
+
 def compare_figure(runs: Mapping[str, Sequence[dict]]) -> Figure:
-    """A figure with one panel per metric in PANELS, x = step, one colour per run (label -> rows).
-    val_loss is drawn in the loss panel as dashed markers in the run's colour."""
+    """A figure with one panel per metric in PANELS, x = step, each run in its own colour, line
+    style and marker (label -> rows), and one legend above the panels. val_loss is drawn in the
+    loss panel as circles joined by a thin line in the run's colour."""
     fig, axes = plt.subplots(2, 3, figsize=FIGSIZE, dpi=DPI)
-    axes = axes.ravel()
-    colours = run_colours(runs)
+    styles = run_styles(runs)
     has_val = False
-    for ax, (key, title, scale) in zip(axes, PANELS):
-        if key == "loss":
-            drawn, has_val = draw_loss(ax, runs, colours)
+    for ax, panel in zip(axes.ravel(), PANELS):
+        if panel.key == "loss":
+            drawn, has_val = draw_loss(ax, runs, styles)
         else:
-            drawn = False
-            for label, rows in runs.items():
-                steps, values = series(rows, key, scale)
-                if steps:
-                    ax.plot(steps, values, color=colours[label], linewidth=1.2,
-                            marker="o" if len(steps) == 1 else None, markersize=4)
-                    drawn = True
-        style_panel(ax, title, drawn)
-    # The sixth slot holds one legend for all panels: run colours, then the loss line styles.
-    legend_ax = axes[len(PANELS)]
-    legend_ax.axis("off")
-    legend_ax.legend(handles=legend_handles(runs, colours, has_val), loc="center", frameon=False,
-                     fontsize=11)
-    fig.tight_layout()
+            drawn = draw_panel(ax, panel, runs, styles)
+        style_panel(ax, panel.title, drawn, panel.ylabel)
+        if panel.log and drawn:
+            log_scale(ax)
+    handles = legend_handles(runs, styles, has_val)
+    figure_legend(fig, handles)
+    fig.tight_layout(rect=(0, 0, 1, 1 - legend_band(handles) / FIGSIZE[1]))
     return fig
 
 
 def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
     """The loss panel (as in compare_figure), then one panel per (task, metric) any run logged:
     title task, y the metric (accuracy-like in %), each run's evaluated steps as markers joined by
-    a line in the run's compare_figure colour, with stderr error bars where logged. One legend
+    a line in the run's compare_figure style, with stderr error bars where logged. One legend
     above the grid names the runs. None when no run has eval/ keys."""
     per_run = {label: downstream_series(rows) for label, rows in runs.items()}
     task_metrics = sorted({tm for s in per_run.values() for tm in s})
@@ -241,11 +329,10 @@ def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
     n = 1 + len(task_metrics)
     cols = min(DOWNSTREAM_COLS, n)
     nrows = math.ceil(n / cols)
-    colours = run_colours(runs)
+    styles = run_styles(runs)
     has_val = any(series(rows, "val_loss")[0] for rows in runs.values())
-    handles = legend_handles(runs, colours, has_val)
-    legend_cols = min(len(handles), LEGEND_COLS)
-    legend_h = LEGEND_ROW_INCHES * (math.ceil(len(handles) / legend_cols) + 0.5)
+    handles = legend_handles(runs, styles, has_val)
+    legend_h = legend_band(handles)
     height = PANEL_SIZE[1] * nrows + legend_h
     fig, axes = plt.subplots(nrows, cols, figsize=(PANEL_SIZE[0] * cols, height), dpi=DPI,
                              squeeze=False)
@@ -254,9 +341,10 @@ def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
         ax.remove()  # the last row's empty slots; fig.axes then holds only panels
 
     loss_ax = axes[0]
-    drawn, _ = draw_loss(loss_ax, runs, colours)
-    loss_ax.set_ylabel("loss")
-    style_panel(loss_ax, "loss", drawn)
+    drawn, _ = draw_loss(loss_ax, runs, styles)
+    style_panel(loss_ax, "loss", drawn, PANELS[0].ylabel)
+    if drawn:
+        log_scale(loss_ax)
 
     for ax, (task, metric) in zip(axes[1:n], task_metrics):
         # Shared x so an evaluation lines up with the loss at that step; tick labels stay on.
@@ -266,19 +354,20 @@ def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
             if (task, metric) not in run_series:
                 continue
             steps, values, stderrs = run_series[(task, metric)]
-            ax.plot(steps, [v * scale for v in values], color=colours[label], linewidth=1.2,
-                    marker="o", markersize=4, label=label)
+            st = styles[label]   # every evaluated step gets its marker: there are few
+            ax.plot(steps, [v * scale for v in values], color=st["color"],
+                    linestyle=st["linestyle"], linewidth=1.2, marker=st["marker"], markersize=5,
+                    label=label)
             bars = [(s, v * scale, e * scale) for s, v, e in zip(steps, values, stderrs or [])
                     if math.isfinite(e) and e >= 0]
             if bars:
                 # fmt="none", capsize=0: only the bars, so ax.get_lines() is one line per run.
                 ax.errorbar([b[0] for b in bars], [b[1] for b in bars],
-                            yerr=[b[2] for b in bars], fmt="none", ecolor=colours[label],
+                            yerr=[b[2] for b in bars], fmt="none", ecolor=st["color"],
                             elinewidth=1.0, alpha=0.7, capsize=0)
-        ax.set_ylabel(ylabel)
-        style_panel(ax, task, True)
+        style_panel(ax, task, True, ylabel)
 
-    fig.legend(handles=handles, loc="upper center", ncol=legend_cols, frameon=False, fontsize=11)
+    figure_legend(fig, handles)
     fig.tight_layout(rect=(0, 0, 1, 1 - legend_h / height))
     return fig
 

@@ -14,12 +14,24 @@ After the save:
     `slurm.max_requeues` allows; the requeued job resumes from this checkpoint.
   - SIGTERM: nothing more. Slurm requeues a preempted or `scontrol requeue`d job itself, and a
     cancelled job should end; either way the work so far is on disk.
+
+Ctrl-C (SIGINT) is treated like SIGTERM once the training loop runs (`catch_interrupts`): the
+run saves at the next step boundary and stops with one line saying where and how to resume.
+torchrun starts its workers in sessions of their own, so a terminal's Ctrl-C reaches torchrun
+alone, which sends each worker one SIGINT; on a second Ctrl-C it sends them SIGTERM. So a
+second interrupt (SIGINT, or any signal after a SIGINT) stops at once, without saving: one line,
+exit code 130. Before the loop, SIGINT keeps Python's KeyboardInterrupt, which the entry point
+(lingua.trainer.exit_cli) turns into one line: nothing is lost there, and waiting for a first step
+to save it would make Ctrl-C during a long model build or data preparation feel ignored.
 """
 
 import logging
 import os
+import shlex
 import signal
 import subprocess
+import sys
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,32 +40,73 @@ logger = logging.getLogger(__name__)
 
 NONE, STOP, REQUEUE = 0, 1, 2   # ordered: when ranks disagree the larger (requeue) wins
 
+# The exit code of a run the user interrupted (Ctrl-C), saved or not: a shell's 128 + SIGINT.
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+
+
+def is_rank0() -> bool:
+    """Whether this process prints for the job (from the launcher's variables: a handler may run
+    before any process group exists)."""
+    return os.environ.get("RANK", "0") == "0"
+
 
 class StopSignals:
-    """Records SIGUSR2 / SIGTERM from `listen()` until `stop_listening()` (old handlers return)."""
+    """Records SIGUSR2 / SIGTERM from `listen()`, and SIGINT from `catch_interrupts()`, until
+    `stop_listening()` (old handlers return)."""
 
     def __init__(self):
         self.received = NONE
+        self.interrupted = False        # a SIGINT is among the signals received
         self._previous = {}
+        self._stop_now_line: Optional[Callable[[], str]] = None
 
     def _on_signal(self, signum, frame) -> None:
-        wanted = REQUEUE if signum == signal.SIGUSR2 else STOP
-        self.received = max(self.received, wanted)
+        if self.received != NONE and (signum == signal.SIGINT or self.interrupted):
+            self._stop_now()
+        self.received = max(self.received, REQUEUE if signum == signal.SIGUSR2 else STOP)
+        self.interrupted = self.interrupted or signum == signal.SIGINT
+        if not is_rank0():   # every rank got it (torchrun, Slurm): one line for the job
+            return
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        again = " (Ctrl-C again: stop now, without saving)" if self.interrupted else ""
         # logging is not safe inside a signal handler; a plain write is.
-        os.write(2, f"lingua: got {signal.Signals(signum).name}; saving a checkpoint after this "
-                    f"step, then stopping\n".encode())
+        os.write(2, f"lingua: got {what}; saving a checkpoint after this step, then stopping"
+                    f"{again}\n".encode())
+
+    def _stop_now(self) -> None:
+        """A second interrupt: leave at once. A checkpoint being written stays invisible (they
+        are complete or absent), so the newest one on disk is intact."""
+        if is_rank0():
+            try:
+                line = self._stop_now_line() if self._stop_now_line else ""
+            except Exception:   # saying where the run is must not keep it from stopping
+                line = ""
+            line = line or "run the same command again to resume from the newest checkpoint"
+            os.write(2, f"\nlingua: interrupted again: stopped at once without saving; "
+                        f"{line}\n".encode())
+        os._exit(EXIT_INTERRUPTED)
 
     def listen(self) -> "StopSignals":
         if not self._previous:  # idempotent: stool's job listens early, the trainer again
-            self.received = NONE
+            self.received, self.interrupted = NONE, False
             for signum in (signal.SIGUSR2, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def catch_interrupts(self, stop_now_line: Callable[[], str]) -> "StopSignals":
+        """From here (the training loop) SIGINT saves and stops like SIGTERM; `stop_now_line()`
+        says where the run is if a second one stops it without saving."""
+        self.listen()
+        self._stop_now_line = stop_now_line
+        if signal.SIGINT not in self._previous:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
         return self
 
     def stop_listening(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        self._stop_now_line = None
 
     def agreed(self, world_size: int, device: torch.device) -> int:
         """What every rank should do now (NONE, STOP or REQUEUE): the strongest signal any got."""
@@ -67,6 +120,21 @@ class StopSignals:
 # One per process: signals are process-wide. Listening starts as early as possible (stool's job
 # does it before importing the app) so a signal during start-up is not lost.
 SIGNALS = StopSignals()
+
+
+def resume_command() -> str:
+    """The command that resumes this run, as its launcher was given it: `python -m <app> ...`,
+    `torchrun --nproc-per-node N -m <app> ...` (one node), else "the same command"."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is None or not hasattr(main, "load_config"):   # not `python -m apps.<app>.train`
+        return "the same command"
+    tail = shlex.join(["-m", spec.name, *sys.argv[1:]])
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return f"python {tail}"
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return f"the same torchrun command on every node (torchrun ... {tail})"
+    return f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', '1')} {tail}"
 
 
 def requeues_so_far() -> int:

@@ -137,12 +137,13 @@ class StepProfiler:
       trace_rank<r>_step<k>.json     Chrome trace (chrome://tracing or ui.perfetto.dev)
       summary_rank<r>.txt            the top_ops operators by self time (+ memory table on CPU)
       memory_snapshot_rank<r>.pickle CUDA only, with memory=true (pytorch.org/memory_viz)
-    `flops_per_step` (model FLOPs this device does per step) and `peak_flops` (its peak FLOP/s),
-    when given, add the MFU of the recorded steps to rank 0's log line.
+    `flops_per_step` (model FLOPs this device does per step) and `peak_flops` (its peak: the
+    run's metrics.Peak, or FLOP/s), when given, add the MFU of the recorded steps to rank 0's log
+    line (never above 100%: metrics.mfu).
     """
 
     def __init__(self, args: ProfilingArgs, dump_dir, rank: int, device: torch.device,
-                 flops_per_step: Optional[float] = None, peak_flops: Optional[float] = None):
+                 flops_per_step: Optional[float] = None, peak_flops=None):
         self.args, self.rank, self.device = args, rank, device
         self.out_dir = Path(dump_dir) / "profiling"
         self.flops_per_step, self.peak_flops = flops_per_step, peak_flops

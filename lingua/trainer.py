@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from lingua import (checkpoint, config, coverage, data, decoder, distributed, downstream,
+from lingua import (checkpoint, config, coverage, data, decoder, distributed, downstream, errors,
                     evaluation, metrics, optim, pipeline, preemption, spikes, weights)
 from lingua import loss as loss_module
 from lingua import probe as probe_module
@@ -663,7 +663,10 @@ class Run:
         """What the loop keeps between steps: logger, timers, probe, profiler, signals."""
         args, env = self.args, self.env
         flops_per_token = self._flops_per_token()
-        peak = metrics.peak_flops(env.device, args.distributed.model_dtype)
+        # Measured now on this model's shapes (or the GPU's data sheet); rank 0 writes peak.json.
+        peak = metrics.run_peak(env.device, args.distributed.model_dtype, self.parts,
+                                args.data.batch_size * args.data.seq_len, self.step,
+                                self.dump_dir if env.is_main else None)
         logger.info("training steps %d -> %d, global batch %d x %d tokens", self.step, args.steps,
                     self.global_batch, args.data.seq_len)
         if not args.probe.every and self.spikes.on and env.is_main:
@@ -676,7 +679,7 @@ class Run:
             config_yaml=config.to_yaml(args), window=metrics.Window(),
             flops_per_token=flops_per_token, peak=peak,
             pp_group=env.mesh["pp"].get_group() if env.dims.pp > 1 else None,
-            signals=preemption.SIGNALS.listen(),
+            signals=preemption.SIGNALS.catch_interrupts(self._where_to_resume),
             probe=Probe(args.probe, self.parts, env, self.dump_dir, self.step) if args.probe.every else None,
             profiler=profiling.StepProfiler(args.profiling, self.dump_dir, env.rank, env.device,
                                             flops_per_token * self.global_tokens / env.world_size,
@@ -843,7 +846,8 @@ class Run:
                "mfu": metrics.mfu(loop.flops_per_token * tokens_per_s / env.world_size, loop.peak),
                "data_s": loop.window.data_s(), "step_s": loop.window.step_s(),
                **loop.window.phase_s(), "peak_mem_gib": metrics.peak_memory_gib(env.device),
-               "nonfinite_steps": self.nonfinite_steps, **self._skipped_data()}
+               "nonfinite_steps": self.nonfinite_steps, **self._skipped_data(),
+               "eta_s": loop.window.eta_s(args.steps - self.step)}
         if self.spikes.on or self.spikes.rollbacks:
             # loss_spike: a spike since the previous row (whatever was done about it)
             row["loss_spike"], self.spikes.since_row = int(self.spikes.since_row), False
@@ -860,7 +864,7 @@ class Run:
         loop.window.reset()
         loop.log.log(row)
         if env.is_main:
-            logger.info(metrics.format_line(row))
+            logger.info(metrics.format_line(row, args.steps))
 
     def _save_or_stop(self, loop: "_Loop") -> bool:
         """Checkpoint when due; on an agreed signal (time limit, preemption) save if not saved
@@ -884,12 +888,18 @@ class Run:
         if not saved:
             self._save(loop.config_yaml)
         self._finish_save(block=True)   # stop with the checkpoint written
-        if env.is_main:
-            logger.warning("stopped by a signal after step %d; checkpoint %s saved",
-                           self.step, checkpoint.newest(self.dump_dir))
+        if env.is_main:   # one line for the job: where the run is and how to go on
+            how = "interrupted (Ctrl-C)" if loop.signals.interrupted else "stopped by a signal"
+            logger.warning("%s after step %d; %s", how, self.step, self._where_to_resume())
             if action == preemption.REQUEUE:
                 preemption.requeue_job(args.slurm.max_requeues)
         return True
+
+    def _where_to_resume(self) -> str:
+        newest = checkpoint.newest(self.dump_dir)
+        if newest is None:
+            return f"no checkpoint saved yet; to start over, run again: {preemption.resume_command()}"
+        return f"checkpoint {newest} saved; to resume, run again: {preemption.resume_command()}"
 
     def _close_loop(self, loop: "_Loop") -> None:
         loop.profiler.close()
@@ -908,7 +918,7 @@ class _Loop:
     config_yaml: str
     window: metrics.Window
     flops_per_token: float
-    peak: Optional[float]
+    peak: metrics.Peak
     pp_group: object
     signals: object
     probe: Optional[Probe]
@@ -918,8 +928,9 @@ class _Loop:
 
 def run(args, app: App) -> int:
     """Train `app` with checked `args` from start (or the newest checkpoint) to args.steps:
-    0 when done, EXIT_STOPPED when a signal stopped it after saving. Every app's main calls it,
-    so the flow is written once (the module docstring)."""
+    0 when done, EXIT_STOPPED when a signal stopped it after saving (EXIT_INTERRUPTED, 130, when
+    that signal was a Ctrl-C). Every app's main calls it, so the flow is written once (the
+    module docstring)."""
     env = distributed.init(args.distributed)
     start_run(args, env)
     parts, stage_ids = build_model_parts(args, env, app)
@@ -928,25 +939,48 @@ def run(args, app: App) -> int:
     training.resume()                 # from the newest intact checkpoint of dump_dir, if any
     completed = training.train()
     distributed.destroy()
-    return 0 if completed else EXIT_STOPPED
+    if completed:
+        return 0
+    return preemption.EXIT_INTERRUPTED if preemption.SIGNALS.interrupted else EXIT_STOPPED
 
 
 def exit_cli(main: Callable) -> None:
     """Run an app's main() as a command: a ConfigError prints its paragraph and exits 2, a
-    RunError exits 1; both without a traceback. A run that ended (finished, stopped or failed
-    with a RunError) leaves through distributed.exit_process, which says why."""
+    RunError exits 1; both without a traceback, printed once for the job and handed to torchrun
+    as the failure it reports (lingua.errors.report). A Ctrl-C outside the training loop (which
+    saves and stops by itself) is one line and exit code 130. A run that ended (finished,
+    stopped or failed with a RunError) leaves through distributed.exit_process."""
+    import signal
     import sys
+
+    def report(err):
+        # torchrun stops the other workers with SIGTERM as soon as one exits: a rank that is
+        # saying why it failed finishes saying it (milliseconds), then leaves by itself.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        errors.report(f"error: {err}")
 
     try:
         code = main()
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        report(err)
         # Most config errors come before any process group; a plan refused after it started
         # (lingua.coverage) leaves gloo threads that can abort a normal interpreter exit.
         if torch.distributed.is_initialized():
             distributed.exit_process(2)
         sys.exit(2)
     except RunError as err:
-        print(f"error: {err}", file=sys.stderr)
+        report(err)
         code = 1
+    except KeyboardInterrupt:
+        # Config, model build, data preparation, resume: nothing is half-written (checkpoints
+        # are complete or invisible), so there is nothing to save and nothing to clean up.
+        if preemption.is_rank0():
+            print(f"\nlingua: interrupted (Ctrl-C) outside the training loop; nothing more was "
+                  f"saved. To go on, run again: {preemption.resume_command()}", file=sys.stderr,
+                  flush=True)
+        code = preemption.EXIT_INTERRUPTED
+    except Exception as err:
+        errors.record_crash(err)   # torchrun's summary shows this traceback, not a link
+        raise
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # leaving now: a late Ctrl-C is no traceback
     distributed.exit_process(code)

@@ -1,11 +1,30 @@
 #!/usr/bin/env bash
 # Install (first time only), prepare the embedded corpus (first time only) and train the debug
 # LLaMA on CPU. A second run resumes the same run directory, so it is quick once training is done.
+# Ctrl-C saves a checkpoint at the next step and stops (a second Ctrl-C stops at once); either
+# way this script still says where the run is and how to go on.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+again="bash setup/quickstart.sh"   # the command to run again, as it was given
+[ -n "${DUMP_DIR:-}" ] && again="DUMP_DIR=$(printf %q "$DUMP_DIR") $again"
+for arg in "$@"; do again+=" $(printf %q "$arg")"; done
 DUMP_DIR="${DUMP_DIR:-runs/quickstart}"
-python -m apps.llama.train config=debug dump_dir="$DUMP_DIR" "$@"
+status=0
+python -m apps.llama.train config=debug dump_dir="$DUMP_DIR" "$@" || status=$?
+case "$DUMP_DIR" in /*) RUN_DIR="$DUMP_DIR" ;; *) RUN_DIR="$REPO/$DUMP_DIR" ;; esac
+newest="$(ls "$RUN_DIR/checkpoints" 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -n 1 || true)"
 echo
-echo ">> run directory: $REPO/$DUMP_DIR"
-echo "   config.yaml (resolved config), metrics.jsonl (one line per logged step), checkpoints/"
-echo "   generate: python -m apps.llama.generate $DUMP_DIR/checkpoints/<step> --prompt 'def '"
-echo "   evaluate: python -m apps.llama.eval $DUMP_DIR 'eval.tasks=[lingua_continuation]'"
+case "$status" in
+  0)
+    echo ">> run directory: $RUN_DIR"
+    echo "   config.yaml (resolved config), metrics.jsonl (one line per logged step), checkpoints/"
+    echo "   generate: python -m apps.llama.generate $DUMP_DIR/checkpoints/<step> --prompt 'def '"
+    echo "   evaluate: python -m apps.llama.eval $DUMP_DIR 'eval.tasks=[lingua_continuation]'" ;;
+  3|130)   # stopped early by a signal (lingua.trainer.EXIT_STOPPED) or by Ctrl-C
+    echo ">> stopped before the end: run directory $RUN_DIR, newest checkpoint:" \
+         "$([ -n "$newest" ] && echo "$DUMP_DIR/checkpoints/$newest" || echo "none yet")"
+    echo "   to go on from there, run the same command again: $again" ;;
+  *)
+    echo ">> the run failed (exit code $status; the message above says why)." \
+         "Run directory: $RUN_DIR" ;;
+esac
+exit "$status"

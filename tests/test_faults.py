@@ -148,8 +148,13 @@ def test_two_ranks_that_cannot_write_both_stop_without_hanging(corpus, tmp_path)
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0, out[-3000:]
-        # (torchrun adds its own traceback of the failed worker; ours print only the message)
-        assert out.count("error: Could not write checkpoint") == 2, out[-3000:]
+        # Printed once per distinct message (lingua.errors.report: a rank repeating another's
+        # stays quiet; here rank 1's names rank 0's error, so both may print), and torchrun's
+        # summary shows it as the root cause instead of a traceback.
+        printed = [line for line in out.splitlines()
+                   if line.startswith("error: Could not write checkpoint")]
+        assert 1 <= len(printed) <= 2, out[-3000:]
+        assert "traceback : error: Could not write checkpoint" in out.split("Root Cause")[-1]
         assert checkpoint.verify(ckpts / "2") is None
     finally:
         subprocess.run(["umount", "-l", str(ckpts)])

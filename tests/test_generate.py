@@ -125,3 +125,114 @@ def test_cli_end_to_end(tmp_path):
     bad = subprocess.run(cmd[:4] + ["--prompts-file", "missing.txt"], capture_output=True, text=True,
                          env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "missing.txt does not exist" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# What the commands take: a run directory (its newest complete checkpoint) or a checkpoint; a
+# missing step or a directory that is neither is one paragraph naming what exists (exit 2).
+# The resolver is lingua.checkpoint.resolve, shared with `python -m apps.<app>.eval`.
+
+COMMANDS = ["apps.llama.generate", "apps.mtp.generate", "apps.llama.hf", "apps.mtp.hf"]
+
+
+def _make_run(root: Path, app: str) -> dict:
+    """A run directory as training leaves it: config.yaml and checkpoints 5 and 10 of different
+    weights, beside an unfinished save (.tmp-) and a step 15 whose copy lost its files: neither is
+    a complete checkpoint. Returns {step: model}."""
+    import importlib
+
+    model_module = importlib.import_module(f"apps.{app}.model")
+    args = model_module.LlamaArgs(**{k: getattr(ARGS, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
+                                                                    "vocab_size", "multiple_of", "max_seq_len",
+                                                                    "init_std")})
+    cfg = OmegaConf.create({"model": asdict(args), "data": {"tokenizer": {"kind": "bytes", "path": None}}})
+    root.mkdir(parents=True)
+    OmegaConf.save(cfg, root / "config.yaml")
+    models = {}
+    for step in (5, 10):
+        torch.manual_seed(step)
+        models[step] = model_module.Transformer(args).eval()
+        ckpt = root / "checkpoints" / str(step)
+        dcp.save({"model": models[step].state_dict()}, checkpoint_id=str(ckpt))
+        OmegaConf.save(cfg, ckpt / "config.yaml")
+        checkpoint.write_manifest(ckpt)
+    (root / "checkpoints" / "15").mkdir()
+    (root / "checkpoints" / "20.tmp-abc").mkdir()
+    return models
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    return {app: (root / app, _make_run(root / app, app)) for app in ("llama", "mtp")}
+
+
+def _command(name: str, target, out: Path) -> list:
+    if name.endswith(".hf"):
+        return ["export", str(target), str(out)]
+    return [str(target), "--prompt", "Hello", "--max-new-tokens", "8", "--device", "cpu"]
+
+
+def _run(name: str, target, out: Path, capsys):
+    """(exit code, stdout, stderr) of the command run in this process."""
+    import importlib
+
+    code = 0
+    try:
+        importlib.import_module(name).main(_command(name, target, out))
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("app", ["llama", "mtp"])
+def test_generate_takes_a_run_directory_or_a_checkpoint(app, runs, tmp_path, capsys):
+    run, models = runs[app]
+    outputs = {}
+    for target in (run, run / "checkpoints", run / "checkpoints" / "10", run / "checkpoints" / "5"):
+        code, out, err = _run(f"apps.{app}.generate", target, tmp_path, capsys)
+        assert code == 0, err
+        outputs[target] = out
+    from lingua.tokenizer import TokenizerArgs, build_tokenizer
+
+    tok = build_tokenizer(TokenizerArgs(kind="bytes"))
+    ids = greedy_by_full_forward(models[10], tok.encode("Hello", add_bos=True, add_eos=False), 8)
+    ids = ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids
+    assert outputs[run] == f"prompt: Hello\ncompletion: {tok.decode(ids)}\n\n"  # checkpoint 10's
+    assert outputs[run] == outputs[run / "checkpoints"] == outputs[run / "checkpoints" / "10"]
+    assert outputs[run / "checkpoints" / "5"] != outputs[run]  # the newest, not any checkpoint
+
+
+@pytest.mark.parametrize("app", ["llama", "mtp"])
+def test_export_takes_a_run_directory(app, runs, tmp_path, capsys):
+    from apps.llama.hf import load_hf  # both export LlamaForCausalLM (MTP: its main model)
+
+    run, models = runs[app]
+    code, out, err = _run(f"apps.{app}.hf", run, tmp_path / "hf", capsys)
+    assert code == 0 and f"from {run / 'checkpoints' / '10'}" in out, err
+    exported, _ = load_hf(tmp_path / "hf")
+    newest = models[10].state_dict()
+    for key, value in exported.state_dict().items():
+        assert torch.equal(value, newest[key]), key
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_missing_step_and_wrong_directories_are_named(name, runs, tmp_path, capsys):
+    run = runs["mtp" if ".mtp." in name else "llama"][0]
+    fresh = tmp_path / "fresh"  # a run that has saved no checkpoint yet
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text((run / "config.yaml").read_text())
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (run / "checkpoints" / "7", f"no checkpoint 7 in {run / 'checkpoints'}; the run has: 5, 10. "),
+        (fresh / "checkpoints" / "7", f"no checkpoint 7 in {fresh / 'checkpoints'}; the run has: none. "),
+        (fresh, f"{fresh} has no complete checkpoint"),
+        (tmp_path / "empty", f"{tmp_path / 'empty'} is neither a run directory (dump_dir"),
+        (tmp_path / "nowhere", f"{tmp_path / 'nowhere'} does not exist"),
+    ]
+    for target, message in cases:
+        code, out, err = _run(name, target, tmp_path / "out", capsys)
+        assert code == 2 and err.startswith("error: ") and message in err, (target, err)
+        assert err.count("\n") == 1 and "manifest.json is missing" not in err and not out
+    assert not (tmp_path / "out").exists()

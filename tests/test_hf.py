@@ -154,9 +154,39 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=0)
 
-    bad = subprocess.run([sys.executable, "-m", "apps.llama.hf", "export", str(tmp_path), str(out)],
+    # The HF directory is not a checkpoint (run directories and missing steps: tests/test_generate.py).
+    bad = subprocess.run([sys.executable, "-m", "apps.llama.hf", "export", str(out), str(tmp_path / "x")],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert bad.returncode == 2 and "config.yaml is missing" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "is neither a run directory" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_fork_export_problems_warn_at_start_and_refuse(corpus, tmp_path, monkeypatch, caplog, capsys):
+    """Every LlamaArgs option exports; a fork's export_problems (apps/<fork>/hf.py) is said at the
+    start of training (one warning line) and refused by the export with the same reason."""
+    import logging
+
+    import apps.llama.hf as llama_hf
+    from apps.llama import train
+    from tests.conftest import tiny_args
+
+    with caplog.at_level(logging.WARNING):
+        args = train.load_config(tiny_args(corpus, tmp_path / "run"))
+    said = lambda: [r.getMessage() for r in caplog.records if r.name == "lingua.hf"]  # noqa: E731
+    assert llama_hf.export_problems(args.model) == [] and not said()
+    reason = "model.qk_norm=true (LlamaForCausalLM has no QK-norm): train without it"
+    for module in (llama_hf, train):
+        monkeypatch.setattr(module, "export_problems", lambda model_args: [reason])
+    with caplog.at_level(logging.WARNING):
+        train.load_config(tiny_args(corpus, tmp_path / "run"))
+    assert [message.count(reason) for message in said()] == [1]
+    ckpt = tmp_path / "checkpoints" / "10"
+    dcp.save({"model": Transformer(SMALL).state_dict()}, checkpoint_id=str(ckpt))
+    OmegaConf.save(OmegaConf.create({"model": asdict(SMALL)}), ckpt / "config.yaml")
+    checkpoint.write_manifest(ckpt)
+    with pytest.raises(SystemExit) as e:
+        llama_hf.main(["export", str(ckpt), str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and reason in err and err.count("\n") == 1 and not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize("dim, hidden, multiple_of, mult", [

@@ -1,5 +1,6 @@
-"""apps/moe/hf.py against transformers' own MixtralForCausalLM and Glm4MoeForCausalLM (tiny random
-models built from configs: nothing is downloaded)."""
+"""apps/moe/hf.py against transformers' own MixtralForCausalLM, Qwen2MoeForCausalLM and
+Glm4MoeForCausalLM (tiny random models built from configs: nothing is downloaded), and the MoE
+debug preset trained, exported and compared with its Hugging Face model."""
 
 import json
 import os
@@ -21,7 +22,7 @@ from apps.moe.model import MoEArgs, Transformer
 from lingua.errors import ConfigError
 
 from transformers import (  # noqa: E402
-    Glm4MoeConfig, Glm4MoeForCausalLM, MixtralConfig, MixtralForCausalLM,
+    Glm4MoeConfig, Glm4MoeForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +61,21 @@ def glm(seed=0, **extra):
                   attention_bias=False, use_qk_norm=False, rope_theta=50000.0, num_nextn_predict_layers=0)
     cfg = Glm4MoeConfig(**{**SHAPE, **fields, **extra}, attn_implementation="sdpa")
     return _randomize(Glm4MoeForCausalLM(cfg), seed)
+
+
+def qwen(seed=0, gate=0.0, **extra):
+    """Qwen2-MoE as apps.moe exports it: no q/k/v biases, and a zero shared-expert gate (`gate`
+    other than 0: a learned one, which our ungated shared experts cannot express)."""
+    fields = dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                  num_hidden_layers=3, num_experts=4, mlp_only_layers=[0], norm_topk_prob=False,
+                  qkv_bias=False, rope_theta=50000.0)
+    model = _randomize(Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**SHAPE, **fields, **extra},
+                                                          attn_implementation="sdpa")), seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("shared_expert_gate.weight"):
+                p.fill_(gate)
+    return model
 
 
 def x_tokens(vocab=300):
@@ -105,6 +121,36 @@ def test_glm4_moe_to_ours_and_back(case, tmp_path):
     assert (cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["routed_scaling_factor"]) == (96, 32, 2.5)
 
 
+def test_qwen2_moe_to_ours_and_back(tmp_path):
+    """Softmax routing with shared experts and a dense first layer (the debug preset's shape)."""
+    ours, args, cfg = _round_trip(qwen(), Qwen2MoeForCausalLM, tmp_path)
+    assert (args.score_func, args.norm_topk, args.route_scale) == ("softmax", False, 1.0)
+    assert (args.n_experts, args.top_k, args.n_shared_experts, args.n_dense_layers) == (4, 2, 2, 1)
+    assert args.expert_hidden_dim == 32 and ours.layers["1"].moe.shared_experts.w2.weight.shape == (64, 64)
+    assert cfg["architectures"] == ["Qwen2MoeForCausalLM"] and cfg["qkv_bias"] is False
+    assert cfg["mlp_only_layers"] == [0] and cfg["shared_expert_intermediate_size"] == 64
+    with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as f:
+        assert not f.get_tensor("model.layers.1.mlp.shared_expert_gate.weight").any()
+
+
+def test_qwen2_moe_refuses_what_ours_cannot_compute(tmp_path):
+    """A learned shared-expert gate, q/k/v biases (Qwen's default) and MoE every other layer are
+    named, not loaded into a model that would compute something else."""
+    qwen(gate=0.3).save_pretrained(tmp_path / "gated")
+    with pytest.raises(ConfigError, match=r"shared_expert_gate.weight is non-zero .*ungated"):
+        load_hf(tmp_path / "gated")
+    qwen().save_pretrained(tmp_path)
+    cfg_path = tmp_path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for change, message in [({"qkv_bias": True}, "qkv_bias=true"),
+                            ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+                            ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
+                            ({"shared_expert_intermediate_size": 48}, "not a multiple of moe_intermediate_size")]:
+        cfg_path.write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ConfigError, match=message):
+            load_hf(tmp_path)
+
+
 def test_glm4_parity_is_not_vacuous(tmp_path):
     """The selection bias changes which experts are chosen, and the routed scale counts: dropping
     either moves the logits far beyond the 1e-4 of the parity tests."""
@@ -126,7 +172,7 @@ def test_glm4_parity_is_not_vacuous(tmp_path):
         assert (ours(x) - ref).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("make", [mixtral, glm])
+@pytest.mark.parametrize("make", [mixtral, glm, qwen])
 def test_fused_and_sharded_layouts(make, tmp_path):
     """transformers 5's fused experts (save_original_format=False) and bf16 shards load too."""
     hf = make()
@@ -148,15 +194,19 @@ def test_fused_and_sharded_layouts(make, tmp_path):
 def test_export_refuses_what_hf_cannot_express(tmp_path):
     base = MoEArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, n_experts=4, multiple_of=32,
                    score_func="softmax", norm_topk=True, max_seq_len=64)
-    for change, named in [({"norm_topk": False}, "norm_topk=False"), ({"route_scale": 2.0}, "route_scale=2.0"),
-                          ({"n_shared_experts": 1}, "n_shared_experts=1"), ({"n_dense_layers": 1}, "n_dense_layers=1")]:
+    # Softmax routing beyond Mixtral's exports as Qwen2-MoE, and reads back as the same args.
+    for change in [{"norm_topk": False}, {"n_shared_experts": 1}, {"n_dense_layers": 1}]:
         args = replace(base, **change)
-        with pytest.raises(ConfigError, match=named):
-            save_hf(Transformer(args), args, tmp_path)
-    model = Transformer(base)
-    model.layers["1"].moe.router.expert_bias[0] = 0.1  # what bias_update_rate > 0 leaves behind
-    with pytest.raises(ConfigError, match="layer 1's expert_bias is non-zero"):
-        save_hf(model, base, tmp_path)
+        save_hf(Transformer(args), args, tmp_path / "qwen")
+        assert json.loads((tmp_path / "qwen" / "config.json").read_text())["model_type"] == "qwen2_moe"
+        assert load_hf(tmp_path / "qwen")[1] == args
+    with pytest.raises(ConfigError, match="route_scale=2.0 with softmax routing"):
+        save_hf(Transformer(replace(base, route_scale=2.0)), replace(base, route_scale=2.0), tmp_path)
+    for args, arch in [(base, "MixtralForCausalLM"), (replace(base, n_shared_experts=1), "Qwen2MoeForCausalLM")]:
+        model = Transformer(args)
+        model.layers["1"].moe.router.expert_bias[0] = 0.1  # what bias_update_rate > 0 leaves behind
+        with pytest.raises(ConfigError, match=f"layer 1's expert_bias is non-zero .*{arch} chooses"):
+            save_hf(model, args, tmp_path)
     assert not (tmp_path / "config.json").exists()
     # Capacity dropping is a routing policy, not weights: exported, and read back as HF runs it.
     dropping = replace(base, capacity_factor=1.25)
@@ -223,12 +273,13 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=0)
 
-    bad_args = replace(args, score_func="softmax", n_dense_layers=0, n_shared_experts=0, route_scale=1.0,
-                       norm_topk=False)
+    # Softmax routing with a selection bias: refused from the config, before any weight is read.
+    bad_args = replace(args, score_func="softmax", route_scale=1.0)
     OmegaConf.save(OmegaConf.create({"model": asdict(bad_args)}), ckpt / "config.yaml")
     bad = subprocess.run([sys.executable, "-m", "apps.moe.hf", "export", str(ckpt), str(tmp_path / "x")],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert bad.returncode == 2 and "norm_topk=False" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "bias_update_rate=0.001 with softmax" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "x").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,3 +342,81 @@ def test_import_refuses_tensors_it_would_drop(tmp_path):
     ours, _ = load_hf(tmp_path / "fused")
     with torch.no_grad():
         torch.testing.assert_close(ours(x_tokens()), hf(x_tokens()).logits, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The debug preset exports; options that cannot are said at the start of training.
+
+def _preset_args(corpus, dump, *extra):
+    """The MoE debug preset with its model as shipped (softmax top-2 of 8 experts, a shared
+    expert, the first layer dense); only the data and the run are made tiny."""
+    return [f"dump_dir={dump}", f"data.root={corpus}", "data.prepare_embedded=false", "data.seq_len=64",
+            "data.batch_size=2", "data.val_sequences=8", "steps=2", "checkpoint.every=2", "eval.every=0",
+            "logging.every=1", *extra]
+
+
+@pytest.fixture(scope="module")
+def debug_run(corpus, tmp_path_factory):
+    from apps.moe import train
+
+    dump = tmp_path_factory.mktemp("moe_debug") / "run"
+    assert train.main(_preset_args(corpus, dump)) == 0
+    return dump
+
+
+def test_debug_preset_exports_with_the_same_logits(debug_run, tmp_path, capsys):
+    from apps.moe.hf import export_problems, main
+    from lingua.checkpoint import load_model_state, read_run_config
+
+    ckpt = debug_run / "checkpoints" / "2"
+    args = MoEArgs(**OmegaConf.to_container(read_run_config(ckpt).model, resolve=True))
+    assert (args.score_func, args.n_shared_experts, args.n_dense_layers) == ("softmax", 1, 1)  # the preset's
+    assert export_problems(args) == []
+    out = tmp_path / "hf"
+    main(["export", str(debug_run), str(out)])  # the run directory: its newest checkpoint
+    assert f"wrote Qwen2MoeForCausalLM from {ckpt}" in capsys.readouterr().out
+    ours = Transformer(args)
+    load_model_state(ckpt, ours)
+    hf = Qwen2MoeForCausalLM.from_pretrained(out).eval()
+    x = x_tokens(258)
+    with torch.no_grad():
+        ref = hf(x).logits
+        torch.testing.assert_close(ref, ours.eval()(x), atol=1e-4, rtol=0)
+        for i in range(1, args.n_layers):  # not vacuous: without the gate's factor 2 they differ
+            ours.layers[str(i)].moe.shared_experts.w2.weight.mul_(0.5)
+        assert (ours(x) - ref).abs().max() > 1e-2
+    assert load_hf(out)[1] == replace(args, attn_backend="sdpa")
+
+
+def test_unexportable_options_warn_at_start_and_export_refuses(debug_run, corpus, tmp_path, caplog, capsys):
+    """One warning line from the config check, before any model is built; the export of such a
+    run's checkpoint refuses with the same reasons, before reading its weights."""
+    import logging
+    import shutil
+
+    from apps.moe import hf as moe_hf
+    from apps.moe import train
+
+    bad = ["model.route_scale=2.0", "model.bias_update_rate=0.01"]
+    with caplog.at_level(logging.WARNING):
+        train.load_config(_preset_args(corpus, tmp_path / "plain"))
+        assert not [r for r in caplog.records if r.name == "lingua.hf"]  # the preset as shipped exports
+        args = train.load_config(_preset_args(corpus, tmp_path / "bad", *bad))
+    warned = [r.getMessage() for r in caplog.records if r.name == "lingua.hf"]
+    reasons = moe_hf.export_problems(args.model)
+    assert len(reasons) == 2 and "route_scale=2.0" in reasons[0] and "bias_update_rate=0.01" in reasons[1]
+    assert len(warned) == 1 and "\n" not in warned[0] and "apps.moe.hf export will refuse" in warned[0]
+    assert all(r in warned[0] for r in reasons)
+
+    run = tmp_path / "run"
+    shutil.copytree(debug_run, run)
+    ckpt = run / "checkpoints" / "2"
+    cfg = OmegaConf.load(ckpt / "config.yaml")
+    cfg.model.route_scale, cfg.model.bias_update_rate = 2.0, 0.01
+    OmegaConf.save(cfg, ckpt / "config.yaml")
+    checkpoint.write_manifest(ckpt)
+    with pytest.raises(SystemExit) as e:
+        moe_hf.main(["export", str(run), str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and all(r in err for r in reasons)
+    assert not (tmp_path / "hf").exists()

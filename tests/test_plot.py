@@ -112,12 +112,65 @@ def test_panel_without_data_says_so_and_series_skips_missing_keys(tmp_path):
     fig = plot.compare_figure({"r": rows})
     texts = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in fig.axes}
     assert texts["loss"] == []
-    assert texts["learning rate"] == ["no data"] and texts["MFU (%)"] == ["no data"]
+    assert texts["learning rate"] == ["no data"] and texts["MFU"] == ["no data"]
     path = plot.save_figure(fig, tmp_path / "deep" / "dir" / "f.png")
     assert path.is_absolute() and mpimg.imread(path).shape[:2] == EXPECTED_SHAPE
     import matplotlib.pyplot as plt
 
     assert not plt.fignum_exists(fig.number)  # save_figure closed it
+
+
+def test_compare_figure_is_fit_for_a_report(tmp_path):
+    """Axis labels with units, one legend above the panels (no panel spent on it), runs with
+    identical curves still told apart, val_loss as rings on a thin solid line, log scales."""
+    a = write_run(tmp_path / "a", val_every=5)
+    runs = {"a": plot.read_metrics(a), "a-again": plot.read_metrics(a),
+            "b": plot.read_metrics(write_run(tmp_path / "b", offset=0.3))}
+    fig = plot.compare_figure(runs)
+    assert [ax.get_title() for ax in fig.axes] == \
+        ["loss", "learning rate", "grad norm", "throughput", "MFU", "peak memory"]
+    assert [ax.get_ylabel() for ax in fig.axes] == \
+        ["cross-entropy (nats/token)", "learning rate", "gradient L2 norm",
+         "tokens/s (all ranks)", "MFU (%)", "GiB (rank 0)"]
+    assert {ax.get_xlabel() for ax in fig.axes} == {"step"}
+    assert [ax.get_yscale() for ax in fig.axes] == ["log", "linear", "log", "linear", "linear",
+                                                     "linear"]
+    # One figure legend, drawn above every panel.
+    assert len(fig.legends) == 1 and not any(ax.get_legend() for ax in fig.axes)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["a", "a-again", "b", "val_loss"]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend_box = fig.legends[0].get_window_extent(renderer)
+    assert all(legend_box.y0 >= ax.get_tightbbox(renderer).y1 - 1 for ax in fig.axes)
+    # Identical curves: a different colour, line style and marker, markers at other steps.
+    lr_a, lr_again, _ = fig.axes[1].get_lines()
+    assert (lr_a.get_xydata() == lr_again.get_xydata()).all()
+    assert lr_a.get_color() != lr_again.get_color()
+    assert lr_a.get_linestyle() != lr_again.get_linestyle()
+    assert lr_a.get_marker() != lr_again.get_marker()
+    assert lr_a.get_markevery()[0] != lr_again.get_markevery()[0]
+    # val_loss: a ring at each evaluated step, joined by a thin solid line.
+    val = {line.get_label(): line for line in fig.axes[0].get_lines()}["a val_loss"]
+    train = {line.get_label(): line for line in fig.axes[0].get_lines()}["a"]
+    assert val.get_xydata()[:, 0].tolist() == [5, 10, 15, 20]
+    assert val.get_linestyle() == "-" and val.get_marker() == "o" and val.get_markevery() is None
+    assert val.get_markerfacecolor() == "none" and val.get_linewidth() < train.get_linewidth()
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def test_mfu_is_never_drawn_above_100_percent(tmp_path):
+    rows = [{"step": s, "loss": 1.0, "mfu": m} for s, m in enumerate([0.2, 1.7, 0.4, 1.3], 1)]
+    fig = plot.compare_figure({"r": rows})
+    mfu_ax = fig.axes[4]
+    (line,) = mfu_ax.get_lines()
+    assert line.get_xydata().tolist() == [[1, 20.0], [3, 40.0]]
+    assert mfu_ax.get_ylim()[1] <= 100
+    assert [t.get_text() for t in mfu_ax.texts] == ["2 value(s) above 100% not drawn: not credible"]
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
 
 
 def test_plot_a_real_training_run(corpus, tmp_path):
@@ -179,10 +232,10 @@ def test_downstream_figure_panels_lines_and_percent(tmp_path):
     assert [ax.get_title() for ax in fig.axes] == \
         ["loss", "arc-easy", "lingua_continuation", "lingua_continuation"]  # 2x3 grid, 2 removed
     assert [ax.get_ylabel() for ax in fig.axes] == \
-        ["loss", "word_perplexity", "acc (%)", "acc_norm (%)"]
+        ["cross-entropy (nats/token)", "word_perplexity", "acc (%)", "acc_norm (%)"]
     assert {ax.get_xlabel() for ax in fig.axes} == {"step"}
     assert [t.get_text() for t in fig.legends[0].get_texts()] == \
-        ["base", "fork", "plain", "train loss", "val_loss"]
+        ["base", "fork", "plain", "val_loss"]
     loss_ax, ppl_ax, acc_ax, norm_ax = fig.axes
     assert [line.get_label() for line in loss_ax.get_lines()] == \
         ["base", "base val_loss", "fork", "plain"]  # the run without eval keys is drawn too
@@ -195,7 +248,9 @@ def test_downstream_figure_panels_lines_and_percent(tmp_path):
     assert lines(acc_ax) == {"base": [[10, 25.0], [20, 50.0]],
                              "fork": [[5, 0.0], [10, 25.0], [20, 75.0]]}
     assert lines(norm_ax) == {"base": [[10, 12.5], [20, 37.5]], "fork": [[10, 50.0], [20, 62.5]]}
-    assert all(line.get_marker() == "o" for ax in fig.axes[1:] for line in ax.get_lines())
+    # Each evaluated step has a marker, the run's own (as its line style): base, fork.
+    assert [(line.get_marker(), line.get_linestyle(), line.get_markevery())
+            for line in acc_ax.get_lines()] == [("s", "-", None), ("^", "--", None)]
     # Error bars in %: base's two, then fork's two with a stderr (step 5's "N/A" has none).
     bars = [seg.tolist() for c in acc_ax.collections for seg in c.get_segments()]
     assert bars == [[[10, 21.875], [10, 28.125]], [[20, 48.4375], [20, 51.5625]],
@@ -219,7 +274,7 @@ def test_cli_writes_downstream_png_beside_compare(tmp_path):
         str((tmp_path / "o" / "downstream.png").absolute())]
     check_png(tmp_path / "o" / "compare.png")
     img = mpimg.imread(tmp_path / "o" / "downstream.png")
-    legend_h = plot.LEGEND_ROW_INCHES * 1.5  # 5 legend entries: one row, plus half a row
+    legend_h = plot.LEGEND_ROW_INCHES * 1.5  # 4 legend entries: one row, plus half a row
     assert img.shape[:2] == (round((2 * plot.PANEL_SIZE[1] + legend_h) * plot.DPI),
                              round(3 * plot.PANEL_SIZE[0] * plot.DPI))
     assert img[..., :3].std() > 0.05

@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,6 +235,127 @@ def test_a_run_records_every_kind_and_the_reader_and_plots_work(corpus, tmp_path
         image = matplotlib.image.imread(path)
         assert image.shape[0] >= 300 and image.shape[1] >= 600, path
         assert image[..., :3].std() > 0.05, f"{path} looks blank"
+
+
+# -- plots of a recorded probe.jsonl (written here: no training needed) ------------------------
+def fork_probe_run(dump):
+    """A fork's run: 2 layers with a new attention.q_norm, probed at steps 3 and 6, metrics.jsonl
+    logged every 2 steps (so step 3 has no loss row)."""
+    (dump / "probe").mkdir(parents=True)
+    lines = []
+    for step in (3, 6):
+        stats = {}
+        for layer in (0, 1):
+            value = {"rms": 1.0 + layer + step / 10, "abs_max": 4.0 + step, "kurtosis": 3.0}
+            stats[f"layers.{layer}/output"] = value
+            stats[f"layers.{layer}.attention.q_norm/output"] = {**value, "rms": 0.5 + layer}
+            stats[f"layers.{layer}.attention.q_norm/weight"] = {**value, "rms": 1.0}
+            stats[f"layers.{layer}.attention.wo/weight"] = value
+            stats[f"layers.{layer}.attention.core/attention"] = {
+                "max_logit": 2.0 + layer, "entropy": 1.5, "entropy_frac": 0.6}
+        stats["output/weight"] = {"rms": 0.02, "abs_max": 0.1, "kurtosis": 3.0}
+        lines.append(json.dumps({"step": step, "alerts": [], "stats": stats}))
+    (dump / "probe" / "probe.jsonl").write_text("\n".join(lines) + "\n")
+    rows = [{"step": s, "loss": 5.0 - s / 2, **({"val_loss": 4.9 - s / 2} if s == 6 else {})}
+            for s in (2, 4, 6)]
+    (dump / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return dump
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """{file name: the matplotlib figure} of what probe.plot draws, instead of PNGs."""
+    import lingua.plot
+
+    drawn = {}
+
+    def keep(fig, path):
+        drawn[Path(path).name] = fig
+        return Path(path)
+
+    monkeypatch.setattr(lingua.plot, "save_figure", keep)
+    yield drawn
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def test_probe_plots_label_every_axis_and_mark_the_probe_steps(tmp_path, figures):
+    probe.plot(fork_probe_run(tmp_path / "run"), stats=("rms",))
+    assert set(figures) == {"heatmap_rms.png", "lines_rms.png", "attention.png", "loss.png"}
+    heatmap = figures["heatmap_rms.png"]
+    panels = [ax for ax in heatmap.axes if ax.get_title()]
+    colorbars = [ax for ax in heatmap.axes if not ax.get_title()]
+    assert [ax.get_title() for ax in panels] == ["rms of block output (layer x step)",
+                                                 "rms of attention.wo weight (layer x step)"]
+    assert len(colorbars) == len(panels) and {ax.get_ylabel() for ax in colorbars} == {"rms"}
+    assert {(ax.get_xlabel(), ax.get_ylabel()) for ax in panels} == {("step", "layer")}
+    (lines_ax,) = figures["lines_rms.png"].axes
+    assert [line.get_label() for line in lines_ax.get_lines()] == ["layer 0", "layer 1"]
+    assert (lines_ax.get_xlabel(), lines_ax.get_ylabel()) == ("step", "rms")
+    assert all(ax.get_ylabel() for ax in figures["attention.png"].axes)
+    (loss_ax,) = figures["loss.png"].axes
+    marks = {line.get_label(): line for line in loss_ax.get_lines()}["probe step (2)"]
+    # Step 3 logged no loss: its mark sits on the curve between steps 2 and 4.
+    assert marks.get_xydata().tolist() == [[3.0, 3.5], [6.0, 2.0]]
+    assert marks.get_markersize() >= 6 and loss_ax.get_ylabel() == "cross-entropy (nats/token)"
+    val = {line.get_label(): line for line in loss_ax.get_lines()}["val_loss"]
+    assert val.get_linestyle() == "-" and val.get_marker() == "o"
+
+
+def test_modules_option_draws_the_chosen_modules(tmp_path, figures):
+    dump = fork_probe_run(tmp_path / "run")
+    probe.plot(dump, stats=("rms", "abs_max"), modules=["layers.*.attention.q_norm", "output"])
+    output_ax, weight_ax = figures["lines_rms.png"].axes
+    assert output_ax.get_title() == "rms of output, one line per module"
+    assert [line.get_label() for line in output_ax.get_lines()] == \
+        ["layers.0.attention.q_norm", "layers.1.attention.q_norm"]
+    assert [line.get_xydata().tolist() for line in output_ax.get_lines()] == \
+        [[[3, 0.5], [6, 0.5]], [[3, 1.5], [6, 1.5]]]
+    assert [line.get_label() for line in weight_ax.get_lines()] == \
+        ["output", "layers.0.attention.q_norm", "layers.1.attention.q_norm"]
+    titles = [ax.get_title() for ax in figures["heatmap_abs_max.png"].axes if ax.get_title()]
+    assert titles == ["abs_max of attention.q_norm output (layer x step)",
+                      "abs_max of attention.q_norm weight (layer x step)"]
+
+
+def test_default_stats_are_those_the_run_recorded(tmp_path, figures):
+    # probe.stats=[rms] records no abs_max or kurtosis: the default plot (as at the end of a run,
+    # for wandb) draws rms alone rather than refusing; naming abs_max is refused.
+    dump = fork_probe_run(tmp_path / "run")
+    path = dump / "probe" / "probe.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    for line in lines:
+        line["stats"] = {k: ({"rms": v["rms"]} if "rms" in v else v) for k, v in line["stats"].items()}
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    probe.plot(dump)
+    assert {"heatmap_rms.png", "lines_rms.png"} <= set(figures)
+    assert not any("abs_max" in name or "kurtosis" in name for name in figures)
+    with pytest.raises(ValueError, match="abs_max not recorded"):
+        probe.plot(dump, stats=("abs_max",))
+
+
+def test_cli_refuses_unknown_stats_and_modules_naming_the_known_ones(tmp_path, capsys):
+    from lingua import probe_report
+
+    dump = fork_probe_run(tmp_path / "run")
+    out = tmp_path / "plots"
+    proc = run_python("lingua.probe", ["plot", str(dump), "--stats", "rms,bogus", "--out", str(out)],
+                      check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "bogus" in proc.stderr and "known: abs_max,kurtosis,rms" in proc.stderr
+    assert probe_report.main(["plot", str(dump), "--modules", "layers.*.attention.k_norm",
+                              "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "'layers.*.attention.k_norm' matches no module" in err
+    assert "layers.*.attention.q_norm" in err and "output" in err
+    assert not out.exists()   # refused before anything is drawn
+    assert probe_report.main(["plot", str(dump), "--modules", "layers.1.attention.q_norm",
+                              "--stats", "rms", "--out", str(out)]) == 0
+    assert {Path(p).name for p in capsys.readouterr().out.split()} == \
+        {"heatmap_rms.png", "lines_rms.png", "attention.png", "loss.png"}
 
 
 def test_selection_of_modules_and_tensors(corpus, tmp_path):

@@ -1,8 +1,10 @@
 """Text generation with a KV cache: greedy, temperature, top-k and top-p sampling.
 
-CLI: python -m apps.llama.generate <checkpoint_dir> --prompt "Once upon" [--prompt ...]
+CLI: python -m apps.llama.generate <run_dir or checkpoint_dir> --prompt "Once upon" [--prompt ...]
          [--prompts-file f.txt] [--max-new-tokens 64] [--temperature 0.8] [--top-k 50]
          [--top-p 0.95] [--seed 0] [--device cpu]
+
+A run directory (dump_dir) means its newest complete checkpoint, <dump_dir>/checkpoints/<step>.
 """
 
 import argparse
@@ -68,11 +70,12 @@ def generate(model: Transformer, prompt: List[int], max_new_tokens: int, tempera
     return out
 
 
-def load_model(ckpt_dir: str, device: str = "cpu"):
-    """(model, tokenizer) from a training checkpoint directory."""
-    from lingua.checkpoint import load_model_state, read_run_config
+def load_model(target: str, device: str = "cpu"):
+    """(model, tokenizer) from a run directory (its newest complete checkpoint) or a checkpoint."""
+    from lingua.checkpoint import load_model_state, read_run_config, resolve
     from lingua.tokenizer import TokenizerArgs, build_tokenizer
 
+    ckpt_dir = resolve(target)
     cfg = read_run_config(ckpt_dir)
     args = LlamaArgs(**OmegaConf.to_container(cfg.model, resolve=True))
     args.attn_backend = "sdpa"  # decoding always runs sdpa with the cache's mask
@@ -90,7 +93,8 @@ def load_model(ckpt_dir: str, device: str = "cpu"):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m apps.llama.generate", description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint_dir")
+    p.add_argument("checkpoint_dir", help="a run directory (its newest complete checkpoint) or "
+                                          "<dump_dir>/checkpoints/<step>")
     p.add_argument("--prompt", action="append", default=[])
     p.add_argument("--prompts-file", help="one prompt per line (empty lines skipped)")
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -8,10 +8,11 @@ loop) is lingua.trainer.run, the same for every app; this file says what is LLaM
 
 from dataclasses import dataclass, field
 
-from apps.llama.hf import load_hf
+from apps.llama.hf import export_problems, load_hf
 from apps.llama.model import LlamaArgs, Transformer, validate_model_args
 from apps.llama.parallelize import parallelize_llama, uses_loss_parallel, validate_tp
 
+from lingua import hf as lingua_hf
 from lingua import config, trainer
 
 
@@ -36,6 +37,8 @@ APP = trainer.App(model_class=Transformer, parallelize=parallelize_llama,
 
 def validate(args: TrainArgs) -> None:
     trainer.validate(args, APP)
+    # Said now (one line), not after training: the run's checkpoints will not export to HF.
+    lingua_hf.warn_unexportable(export_problems(args.model), "python -m apps.llama.hf")
 
 
 def load_config(argv=None, check: bool = True) -> TrainArgs:

@@ -1,11 +1,19 @@
 """Hugging Face interop for the MoE model: config.json + safetensors directories <-> our Transformer.
 
-Two Hugging Face architectures, chosen from the model args on export and from config.json's
-`model_type` on import; both compute exactly what our model computes:
+Three Hugging Face architectures, chosen from the model args on export and from config.json's
+`model_type` on import; each computes exactly what our model computes:
 
 * MixtralForCausalLM ("mixtral"): softmax over all experts, top-k, the top-k weights renormalised
   to sum to 1. So it needs score_func=softmax, norm_topk=True, route_scale=1, no shared experts,
   no dense layers and a zero expert_bias.
+* Qwen2MoeForCausalLM ("qwen2_moe", Qwen1.5-MoE / Qwen2-MoE) for the other softmax models (the
+  debug preset's): softmax top-k with optional renormalisation (norm_topk_prob), a shared expert
+  of width n_shared * expert width, the first layers dense (mlp_only_layers), no routed scaling
+  and no selection bias. Its shared expert is gated, sigmoid(shared_expert_gate . x); ours is
+  not, so the export writes a zero gate (sigmoid(0) = 1/2 for every token) and doubles the shared
+  down projection: both are exact in floating point (powers of two), and the import undoes it,
+  refusing a learned (non-zero) gate. Its attention is ours once qkv_bias=False (Qwen's default
+  has q/k/v biases) and without sliding windows.
 * Glm4MoeForCausalLM ("glm4_moe", GLM-4.5) for the DeepSeek-V3 router: sigmoid scores,
   `e_score_correction_bias` used only to choose the experts, optional renormalisation
   (norm_topk_prob), routed_scaling_factor, shared experts of width n_shared * expert width, the
@@ -20,7 +28,9 @@ Hugging Face models route every token (dropless): a model trained with capacity_
 exported as is and reads back with capacity_factor=0, which is what the HF model computes.
 Attention, embeddings, norms and the safetensors reading are apps/llama/hf.py's.
 
-CLI: python -m apps.moe.hf export <checkpoint_dir> <out_dir> [--dtype bf16|fp32]
+CLI: python -m apps.moe.hf export <run_dir or checkpoint_dir> <out_dir> [--dtype bf16|fp32]
+(a run directory: its newest complete checkpoint). `export_problems(model_args)` says from the
+args alone why the export would refuse a model; apps/moe/train.py warns with it at start.
 """
 
 import argparse
@@ -29,7 +39,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
@@ -39,6 +49,7 @@ from lingua import hf as lingua_hf
 from apps.llama.hf import key_map, llama_hf_config
 from lingua.hf import DTYPES, ffn_recipe, read_weights, rope_args
 from apps.moe.model import MoEArgs, Transformer, expert_hidden
+from lingua.checkpoint import resolve
 from lingua.errors import ConfigError
 from lingua.transformer import ffn_hidden_dim
 
@@ -56,15 +67,18 @@ class Layout:
 LAYOUTS = {
     "mixtral": Layout("MixtralForCausalLM", "block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
     "glm4_moe": Layout("Glm4MoeForCausalLM", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "qwen2_moe": Layout("Qwen2MoeForCausalLM", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 }
+# Qwen2-MoE's shared expert output is scaled by sigmoid(gate . x); a zero gate makes that exactly this.
+QWEN_GATE = 0.5
 
 
 # State-dict tensors deliberately not exported: pattern (whole name) -> why. (The RoPE tables are
 # derived and registered non-persistent: not in the state dict.)
 NOT_EXPORTED: Dict[str, str] = {
-    # Glm4Moe exports it as gate.e_score_correction_bias; only Mixtral leaves it out.
+    # Glm4Moe exports it as gate.e_score_correction_bias; Mixtral and Qwen2-MoE leave it out.
     r"layers\.\d+\.moe\.router\.expert_bias":
-        "Mixtral routes without a selection bias; save_hf refuses a non-zero one, so none is lost",
+        "Mixtral and Qwen2-MoE route without a selection bias; save_hf refuses a non-zero one, so none is lost",
 }
 
 # Tensors some HF files carry that load_hf deliberately does not read: pattern -> why.
@@ -80,29 +94,50 @@ def _where() -> str:
     return f"_plain_keys / _moe_keys / _expert_keys in {lingua_hf.app_file(__file__)}"
 
 
+def _layout_problems(args: MoEArgs) -> List[str]:
+    """What no exported architecture can express, from the args (each reason with its fix)."""
+    if args.score_func == "sigmoid":
+        return []
+    if args.score_func != "softmax":
+        return [f"model.score_func={args.score_func!r}: only softmax and sigmoid routing export"]
+    if args.route_scale != 1.0:
+        return [f"model.route_scale={args.route_scale} with softmax routing (Mixtral and Qwen2-MoE have "
+                "no routed scaling): train with route_scale=1, or with score_func=sigmoid (exported as "
+                "Glm4MoeForCausalLM, which has routed_scaling_factor)"]
+    return []
+
+
+def export_problems(args: MoEArgs) -> List[str]:
+    """Why `python -m apps.moe.hf export` would refuse a model trained with `args`, each reason
+    with its fix; empty when it exports. Sigmoid routing always exports (Glm4Moe); softmax
+    routing exports as Mixtral or Qwen2-MoE, neither of which scales or biases the routing."""
+    problems = _layout_problems(args)
+    if args.score_func == "softmax" and args.bias_update_rate > 0:
+        # A zero bias would export (save_hf checks the weights), but training makes it non-zero.
+        problems.append(f"model.bias_update_rate={args.bias_update_rate} with softmax routing (the "
+                        "expert_bias it learns chooses experts; Mixtral and Qwen2-MoE route without one): "
+                        "train with bias_update_rate=0, or with score_func=sigmoid (DeepSeek-V3's router, "
+                        "exported as Glm4MoeForCausalLM with the bias as e_score_correction_bias)")
+    return problems
+
+
 def layout_for(args: MoEArgs) -> str:
-    """The HF model_type that expresses `args` exactly; ConfigError naming what neither can."""
+    """The HF model_type that expresses `args` exactly; ConfigError naming what none can. (A
+    non-zero expert_bias under softmax routing is refused by save_hf, from the weights.)"""
+    problems = _layout_problems(args)
+    if problems:
+        raise ConfigError("save_hf: " + "; ".join(problems) + ".")
     if args.score_func == "sigmoid":
         return "glm4_moe"
-    if args.score_func != "softmax":
-        raise ConfigError(f"model.score_func={args.score_func!r}: only softmax and sigmoid routing export.")
-    blockers = []
-    if not args.norm_topk:
-        blockers.append("model.norm_topk=False (Mixtral always renormalises the top-k weights)")
-    if args.route_scale != 1.0:
-        blockers.append(f"model.route_scale={args.route_scale} (Mixtral has no routed scaling)")
-    if args.n_shared_experts:
-        blockers.append(f"model.n_shared_experts={args.n_shared_experts} (Mixtral has no shared experts)")
-    if args.n_dense_layers:
-        blockers.append(f"model.n_dense_layers={args.n_dense_layers} (every Mixtral layer is MoE)")
-    if blockers:
-        raise ConfigError(
-            "save_hf: softmax routing exports as MixtralForCausalLM, which cannot express "
-            + "; ".join(blockers) + ". Train with norm_topk=true, route_scale=1, no shared experts and "
-            "no dense layers, or use score_func=sigmoid (exported as Glm4MoeForCausalLM, which has "
-            "shared experts, dense first layers, optional renormalisation and routed scaling)."
-        )
-    return "mixtral"
+    if args.norm_topk and not args.n_shared_experts and not args.n_dense_layers:
+        return "mixtral"  # the simplest and most widely supported layout
+    return "qwen2_moe"
+
+
+def _shared_names(kind: str, hf: str) -> Dict[str, str]:
+    """Our shared-expert FFN weight -> its HF name, in layer block `hf`."""
+    module = "shared_expert" if kind == "qwen2_moe" else "shared_experts"
+    return {w: f"{hf}.{module}.{name}.weight" for w, name in LAYOUTS[kind].proj.items()}
 
 
 def _moe_keys(args: MoEArgs, kind: str, i: int) -> Dict[str, str]:
@@ -111,9 +146,9 @@ def _moe_keys(args: MoEArgs, kind: str, i: int) -> Dict[str, str]:
     names = {f"layers.{i}.moe.router.gate.weight": f"{hf}.gate.weight"}
     if kind == "glm4_moe":
         names[f"layers.{i}.moe.router.expert_bias"] = f"{hf}.gate.e_score_correction_bias"
-        if args.n_shared_experts:
-            for ours, theirs in LAYOUTS[kind].proj.items():
-                names[f"layers.{i}.moe.shared_experts.{ours}.weight"] = f"{hf}.shared_experts.{theirs}.weight"
+    if kind != "mixtral" and args.n_shared_experts:  # Qwen2-MoE's down projection is doubled (QWEN_GATE)
+        for ours, theirs in _shared_names(kind, hf).items():
+            names[f"layers.{i}.moe.shared_experts.{ours}.weight"] = theirs
     return names
 
 
@@ -141,6 +176,13 @@ def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
     if kind == "mixtral":
         moe.update(intermediate_size=expert_hidden(args), num_local_experts=args.n_experts,
                    sliding_window=None, router_jitter_noise=0.0, router_aux_loss_coef=args.aux_loss_coef)
+    elif kind == "qwen2_moe":
+        moe.update(moe_intermediate_size=expert_hidden(args), num_experts=args.n_experts,
+                   shared_expert_intermediate_size=args.n_shared_experts * expert_hidden(args),
+                   mlp_only_layers=list(range(args.n_dense_layers)), decoder_sparse_step=1,
+                   norm_topk_prob=args.norm_topk, qkv_bias=False, use_sliding_window=False,
+                   sliding_window=None, router_aux_loss_coef=args.aux_loss_coef)
+        del cfg["attention_bias"]  # Qwen2-MoE's is qkv_bias
     else:
         moe.update(moe_intermediate_size=expert_hidden(args), n_routed_experts=args.n_experts,
                    n_shared_experts=args.n_shared_experts, first_k_dense_replace=args.n_dense_layers,
@@ -160,21 +202,23 @@ def _take(state: Dict[str, torch.Tensor], key: str) -> torch.Tensor:
     return state[key].detach()
 
 
-def _check_bias(state: Dict[str, torch.Tensor], args: MoEArgs) -> None:
-    """Mixtral has no selection bias: a non-zero expert_bias would choose other experts there."""
+def _check_bias(state: Dict[str, torch.Tensor], args: MoEArgs, kind: str) -> None:
+    """Mixtral and Qwen2-MoE have no selection bias: a non-zero expert_bias would choose other
+    experts there."""
     for i in range(args.n_dense_layers, args.n_layers):
         bias = _take(state, f"layers.{i}.moe.router.expert_bias")
         if bias.abs().max() > 0:
             raise ConfigError(
                 f"save_hf: layer {i}'s expert_bias is non-zero (max |bias| = {bias.abs().max().item():.3g}, "
-                f"from model.bias_update_rate={args.bias_update_rate}); MixtralForCausalLM chooses experts "
+                f"from model.bias_update_rate={args.bias_update_rate}); {LAYOUTS[kind].arch} chooses experts "
                 "without a bias, so its outputs would differ. Export sigmoid-routed models (score_func="
                 "sigmoid, as DeepSeek-V3) to keep the bias, or train softmax routing with bias_update_rate=0."
             )
 
 
 def save_hf(model: Transformer, model_args: MoEArgs, path, dtype: Optional[torch.dtype] = None) -> None:
-    """Write `path/config.json` and `path/model.safetensors` (Mixtral or Glm4Moe layout, see above)."""
+    """Write `path/config.json` and `path/model.safetensors` (Mixtral, Qwen2-MoE or Glm4Moe layout,
+    see the module docstring)."""
     kind = layout_for(model_args)
     if model_args.capacity_factor > 0:
         warnings.warn(f"model.capacity_factor={model_args.capacity_factor}: the Hugging Face model "
@@ -185,8 +229,8 @@ def save_hf(model: Transformer, model_args: MoEArgs, path, dtype: Optional[torch
     for key in [*plain, *experts]:
         _take(state, key)  # a missing one: a pipeline stage or other args, said before the unmapped ones
     lingua_hf.check_export(state, [*plain, *experts], NOT_EXPORTED, _where(), path)
-    if kind == "mixtral":
-        _check_bias(state, model_args)
+    if kind != "glm4_moe":
+        _check_bias(state, model_args, kind)
     out = {theirs: _take(state, ours) for ours, theirs in plain.items()}
     layout = LAYOUTS[kind]
     for i in range(model_args.n_dense_layers, model_args.n_layers):
@@ -194,11 +238,15 @@ def save_hf(model: Transformer, model_args: MoEArgs, path, dtype: Optional[torch
             stacked = _take(state, f"layers.{i}.moe.experts.{w}")  # [E, in, out]: HF Linear is [out, in]
             for e in range(stacked.shape[0]):
                 out[f"model.layers.{i}.{layout.block}.experts.{e}.{name}.weight"] = stacked[e].t()
-        if kind == "glm4_moe" and not model_args.n_shared_experts:
-            # Glm4Moe always builds a shared MLP; width 0 makes it add nothing.
-            dim, like = model_args.dim, out["model.embed_tokens.weight"]
-            for name, shape in (("gate_proj", (0, dim)), ("up_proj", (0, dim)), ("down_proj", (dim, 0))):
-                out[f"model.layers.{i}.mlp.shared_experts.{name}.weight"] = like.new_zeros(shape)
+        hf, dim, like = f"model.layers.{i}.{layout.block}", model_args.dim, out["model.embed_tokens.weight"]
+        shared = _shared_names(kind, hf) if kind != "mixtral" else {}
+        if shared and not model_args.n_shared_experts:
+            # Glm4Moe and Qwen2-MoE always build a shared MLP; width 0 makes it add nothing.
+            for w, name in shared.items():
+                out[name] = like.new_zeros((dim, 0) if w == "w2" else (0, dim))
+        if kind == "qwen2_moe":  # an ungated shared expert: zero gate, doubled down projection
+            out[shared["w2"]] = out[shared["w2"]] / QWEN_GATE
+            out[f"{hf}.shared_expert_gate.weight"] = like.new_zeros((1, dim))
     tensors = {}
     for k, t in out.items():
         keep_fp32 = k.endswith("e_score_correction_bias")  # HF keeps it fp32: it decides routing
@@ -236,6 +284,8 @@ def _unsupported(cfg: dict, kind: str) -> list:
         if window is not None and window < cfg.get("max_position_embeddings", 0):
             bad.append(f"sliding_window={window} (our attention is full causal)")
         return bad
+    if kind == "qwen2_moe":
+        return bad + _qwen_unsupported(cfg)
     rope = cfg.get("rope_parameters") or {}
     partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))  # HF's default
     if partial != 1.0:
@@ -247,6 +297,25 @@ def _unsupported(cfg: dict, kind: str) -> list:
     if n_group != topk_group:
         bad.append(f"group-limited routing n_group={n_group}, topk_group={topk_group} (our router is "
                    "plain top-k, which equals keeping every group: n_group == topk_group, e.g. 1 and 1)")
+    return bad
+
+
+def _qwen_unsupported(cfg: dict) -> list:
+    bad = []
+    if cfg.get("qkv_bias", True):  # Qwen's default: Qwen1.5-MoE and Qwen2-57B-A14B have them
+        bad.append("qkv_bias=true (q/k/v projection biases; our attention has none)")
+    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+        bad.append("sliding-window attention (ours is full causal)")
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        bad.append(f"decoder_sparse_step={cfg['decoder_sparse_step']} (ours: every layer after the dense "
+                   "first ones is MoE)")
+    dense = cfg.get("mlp_only_layers") or []
+    if list(dense) != list(range(len(dense))):
+        bad.append(f"mlp_only_layers={dense} (ours: the first n_dense_layers layers are dense)")
+    expert, shared = cfg.get("moe_intermediate_size"), cfg.get("shared_expert_intermediate_size")
+    if expert and shared and shared % expert:
+        bad.append(f"shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size="
+                   f"{expert} (ours: n_shared_experts times the expert width)")
     return bad
 
 
@@ -274,6 +343,11 @@ def _moe_fields(cfg: dict, kind: str) -> dict:
         return {"n_experts": cfg["num_local_experts"], "top_k": cfg["num_experts_per_tok"],
                 "score_func": "softmax", "norm_topk": True, "route_scale": 1.0,
                 "n_shared_experts": 0, "n_dense_layers": 0}
+    if kind == "qwen2_moe":
+        return {"n_experts": cfg["num_experts"], "top_k": cfg["num_experts_per_tok"], "score_func": "softmax",
+                "norm_topk": bool(cfg.get("norm_topk_prob", False)), "route_scale": 1.0,
+                "n_shared_experts": cfg["shared_expert_intermediate_size"] // cfg["moe_intermediate_size"],
+                "n_dense_layers": len(cfg.get("mlp_only_layers") or [])}
     return {"n_experts": cfg["n_routed_experts"], "top_k": cfg["num_experts_per_tok"], "score_func": "sigmoid",
             "norm_topk": bool(cfg.get("norm_topk_prob", True)),
             "route_scale": float(cfg.get("routed_scaling_factor", 1.0)),
@@ -282,12 +356,19 @@ def _moe_fields(cfg: dict, kind: str) -> dict:
 
 
 def args_from_hf_config(config_path: Path) -> MoEArgs:
+    return _args_and_kind(config_path)[0]
+
+
+def _args_and_kind(config_path: Path) -> Tuple[MoEArgs, str]:
+    """(MoEArgs, the config's model_type): the type decides the weight names, and a Qwen2-MoE
+    directory whose args Mixtral could also express still has Qwen2-MoE's names."""
     cfg = _read_config(config_path)
     kind = cfg.get("model_type")
     if kind not in LAYOUTS:
         raise ConfigError(f"{config_path}: model_type {kind!r} is not supported by apps.moe, which reads "
-                          "MixtralForCausalLM ('mixtral') and Glm4MoeForCausalLM ('glm4_moe') directories "
-                          "(dense LlamaForCausalLM ones: apps.llama.hf).")
+                          "MixtralForCausalLM ('mixtral'), Qwen2MoeForCausalLM ('qwen2_moe') and "
+                          "Glm4MoeForCausalLM ('glm4_moe') directories (dense LlamaForCausalLM ones: "
+                          "apps.llama.hf).")
     try:
         bad = _unsupported(cfg, kind)
         if bad:
@@ -308,7 +389,7 @@ def args_from_hf_config(config_path: Path) -> MoEArgs:
         aligned = fields["dim"] % 8 == 0 and (fields["expert_hidden_dim"] or ffn_hidden_dim(
             fields["dim"], fields["multiple_of"], fields["ffn_dim_multiplier"])) % 8 == 0
         fields["expert_impl"] = "grouped" if aligned else "loop"
-    return MoEArgs(**fields)
+    return MoEArgs(**fields), kind
 
 
 def _fetch(tensors: Dict[str, torch.Tensor], key: str, path: Path) -> torch.Tensor:
@@ -328,8 +409,10 @@ def _consumed(names: Dict[str, Path], args: MoEArgs, kind: str) -> set:
             used |= {f"{hf}.experts.gate_up_proj", f"{hf}.experts.down_proj"}
         else:
             used |= {f"{hf}.experts.{e}.{p}.weight" for e in range(args.n_experts) for p in layout.proj.values()}
-        if kind == "glm4_moe" and not args.n_shared_experts:  # zero-width (what save_hf and HF write), checked on load
-            used |= {f"{hf}.shared_experts.{p}.weight" for p in layout.proj.values()}
+        if kind != "mixtral" and not args.n_shared_experts:  # zero-width (what save_hf and HF write), checked on load
+            used |= set(_shared_names(kind, hf).values())
+        if kind == "qwen2_moe":  # checked zero on load
+            used.add(f"{hf}.shared_expert_gate.weight")
     return used
 
 
@@ -348,6 +431,23 @@ def _stacked_experts(tensors, args: MoEArgs, kind: str, i: int, path: Path) -> D
                 f"{hf}.0.{name}.weight") for w, name in layout.proj.items()}
 
 
+def _ungate_shared(tensors: Dict[str, torch.Tensor], origin: Dict[str, Path], args: MoEArgs, path: Path) -> None:
+    """Qwen2-MoE's gated shared expert as our ungated one: only a zero gate (sigmoid = 1/2 for
+    every token, what save_hf writes) is expressible; its 1/2 goes into the down projection."""
+    for i in range(args.n_dense_layers, args.n_layers):
+        hf = f"model.layers.{i}.mlp"
+        gate = _fetch(tensors, f"{hf}.shared_expert_gate.weight", path)
+        if gate.abs().max() > 0:
+            raise ConfigError(
+                f"{origin[f'{hf}.shared_expert_gate.weight']}: {hf}.shared_expert_gate.weight is non-zero "
+                f"(max |w| = {gate.abs().max().item():.3g}): a learned per-token gate on the shared expert, "
+                "which apps.moe's model does not have (its shared experts are ungated; an export from it "
+                "writes a zero gate). Such a model cannot be loaded without changing what it computes.")
+        if args.n_shared_experts:
+            down = _shared_names("qwen2_moe", hf)["w2"]
+            tensors[down] = _fetch(tensors, down, path) * QWEN_GATE  # exact: a power of two
+
+
 def _init_rope(model: Transformer) -> None:
     """The RoPE tables (non-persistent buffers, still on meta); init_weights would also re-draw the
     weights just loaded."""
@@ -355,14 +455,13 @@ def _init_rope(model: Transformer) -> None:
 
 
 def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transformer, MoEArgs]:
-    """Read a MixtralForCausalLM or Glm4MoeForCausalLM directory into (Transformer on CPU, MoEArgs).
-    dtype None keeps the file's; the routers' expert_bias stays fp32."""
+    """Read a MixtralForCausalLM, Qwen2MoeForCausalLM or Glm4MoeForCausalLM directory into
+    (Transformer on CPU, MoEArgs). dtype None keeps the file's; the routers' expert_bias stays fp32."""
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"{config_path} is missing: {path} is not a Hugging Face model directory.")
-    args = args_from_hf_config(config_path)
-    kind = layout_for(args)
+    args, kind = _args_and_kind(config_path)
     # transformers 5's fused Mixtral layout (save_original_format=False) calls the block "mlp"
     ours_for = (lambda k: k.replace(".mlp.", ".block_sparse_moe.")) if kind == "mixtral" else (lambda k: k)
     names = lingua_hf.tensor_names(path)
@@ -372,19 +471,20 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
     tensors, origin = read_weights(path)
     tensors = {ours_for(k): t for k, t in tensors.items()}
     origin = {ours_for(k): f for k, f in origin.items()}
-    if kind == "glm4_moe" and not args.n_shared_experts:
+    if kind != "mixtral" and not args.n_shared_experts:
         for i in range(args.n_dense_layers, args.n_layers):
-            for p in LAYOUTS[kind].proj.values():
-                k = f"model.layers.{i}.mlp.shared_experts.{p}.weight"
+            for k in _shared_names(kind, f"model.layers.{i}.mlp").values():
                 if k in tensors and tensors[k].numel():
                     raise ConfigError(f"{origin[k]}: {k} has shape {tuple(tensors[k].shape)} but config.json's "
                                       "n_shared_experts=0 gives it width 0; the weights do not match the config.")
+    if kind == "qwen2_moe":
+        _ungate_shared(tensors, origin, args, path)
     hf_names = _plain_keys(args, kind)
     state = {ours: _fetch(tensors, theirs, path) for ours, theirs in hf_names.items()}
     for i in range(args.n_dense_layers, args.n_layers):
         for w, (t, source) in _stacked_experts(tensors, args, kind, i, path).items():
             state[f"layers.{i}.moe.experts.{w}"], hf_names[f"layers.{i}.moe.experts.{w}"] = t, source
-        if kind == "mixtral":
+        if kind != "glm4_moe":  # no selection bias
             state[f"layers.{i}.moe.router.expert_bias"] = torch.zeros(args.n_experts)
     with torch.device("meta"):
         model = Transformer(args)
@@ -408,9 +508,11 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
 
 
 def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> str:
-    """A training checkpoint (DCP + config.yaml) -> a Hugging Face directory; returns its architecture."""
+    """A training checkpoint (DCP + config.yaml; a run directory: its newest complete one) -> a
+    Hugging Face directory; returns its architecture."""
     from lingua.checkpoint import load_model_state, read_run_config
 
+    ckpt_dir = resolve(ckpt_dir)
     section = read_run_config(ckpt_dir).model
     try:
         args = MoEArgs(**OmegaConf.to_container(section, resolve=True))
@@ -418,7 +520,7 @@ def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> 
         raise ConfigError(f"{ckpt_dir}/config.yaml: its model section does not fit MoEArgs ({e}); "
                           "export it with the app that trained it.") from None
     args.attn_backend = "sdpa"  # never runs attention here; xformers would refuse on CPU
-    layout_for(args)  # refuse before reading any weights
+    lingua_hf.refuse_unexportable(export_problems(args), "python -m apps.moe.hf", ckpt_dir)  # before any weight
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
@@ -435,17 +537,20 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m apps.moe.hf", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     cmd = commands.add_parser("export", help="write a training checkpoint as a Hugging Face MoE directory "
-                                             "(MixtralForCausalLM or Glm4MoeForCausalLM, from the routing)")
-    cmd.add_argument("checkpoint_dir")
+                                             "(MixtralForCausalLM, Qwen2MoeForCausalLM or Glm4MoeForCausalLM, "
+                                             "from the routing)")
+    cmd.add_argument("checkpoint_dir", help="a run directory (its newest complete checkpoint) or "
+                                            "<dump_dir>/checkpoints/<step>")
     cmd.add_argument("out_dir")
     cmd.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as trained (fp32)")
     ns = parser.parse_args(argv)
     try:
-        arch = export(ns.checkpoint_dir, ns.out_dir, DTYPES.get(ns.dtype))
+        ckpt = resolve(ns.checkpoint_dir)
+        arch = export(ckpt, ns.out_dir, DTYPES.get(ns.dtype))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"wrote {arch}: {ns.out_dir}/config.json and {ns.out_dir}/model.safetensors")
+    print(f"wrote {arch} from {ckpt}: {ns.out_dir}/config.json and {ns.out_dir}/model.safetensors")
 
 
 if __name__ == "__main__":

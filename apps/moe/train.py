@@ -9,12 +9,13 @@ per-layer routing metrics.
 from dataclasses import dataclass, field
 
 
-from apps.moe.hf import load_hf
+from apps.moe.hf import export_problems, load_hf
 from apps.moe.model import MoEArgs, Transformer, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.llama.parallelize import validate_tp
 from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
 
+from lingua import hf as lingua_hf
 from lingua import config, distributed, trainer
 from lingua.expert_parallel import validate_ep
 from lingua.loss import LossOutput, cross_entropy
@@ -83,6 +84,8 @@ APP = trainer.App(model_class=Transformer, parallelize=parallelize_moe, validate
 
 def validate(args: TrainArgs) -> None:
     trainer.validate(args, APP)
+    # Said now (one line), not after training: the run's checkpoints will not export to HF.
+    lingua_hf.warn_unexportable(export_problems(args.model), "python -m apps.moe.hf")
 
 
 def load_config(argv=None, check: bool = True) -> TrainArgs:

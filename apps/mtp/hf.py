@@ -5,7 +5,9 @@ Our RoPE rotates the two halves of each head (lingua/transformer.py), exactly as
 `rotate_half` does, so q/k projection rows are copied as they are. (Meta's original checkpoints
 use interleaved pairs; converting those needs the row permutation HF's own converter applies.)
 
-CLI: python -m apps.mtp.hf export <checkpoint_dir> <out_dir> [--dtype bf16|fp32]
+CLI: python -m apps.mtp.hf export <run_dir or checkpoint_dir> <out_dir> [--dtype bf16|fp32]
+(a run directory: its newest complete checkpoint). `export_problems(model_args)` says from the
+args alone why the export would refuse a model; apps/mtp/train.py warns with it at start.
 """
 
 import argparse
@@ -13,13 +15,14 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from apps.mtp.model import LlamaArgs, Transformer
+from lingua.checkpoint import resolve
 from lingua.errors import ConfigError
 from lingua import hf as lingua_hf
 from lingua.hf import DTYPES, ffn_recipe, read_weights, rope_args
@@ -95,6 +98,14 @@ NOT_IMPORTED: Dict[str, str] = {
 }
 # With tie_word_embeddings transformers itself ignores a stored lm_head and ties it to the embedding.
 TIED_NOT_IMPORTED = {r"lm_head\.weight": "a copy of embed_tokens that transformers also replaces by the tied embedding"}
+
+
+def export_problems(model_args: LlamaArgs) -> List[str]:
+    """Why `python -m apps.mtp.hf export` would refuse a model trained with these args, each
+    reason with its fix; training warns with them at start. Empty: every option of the main model
+    has its LlamaForCausalLM setting, and the MTP modules stay behind by design (NOT_EXPORTED). A
+    fork whose model adds an option HF cannot express names it here."""
+    return []
 
 
 def _where() -> str:
@@ -182,8 +193,10 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
 
 
 def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> None:
+    """A training checkpoint (a run directory: its newest complete one) -> a HF directory."""
     from lingua.checkpoint import load_model_state, read_run_config
 
+    ckpt_dir = resolve(ckpt_dir)
     model_cfg = OmegaConf.to_container(read_run_config(ckpt_dir).model, resolve=True)
     try:
         args = LlamaArgs(**model_cfg)
@@ -191,6 +204,7 @@ def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> 
         raise ConfigError(f"{ckpt_dir}/config.yaml: its model section does not fit LlamaArgs ({e}); "
                           "export it with the app that trained it.") from None
     args.attn_backend = "sdpa"  # the export never runs attention; xformers would refuse on CPU
+    lingua_hf.refuse_unexportable(export_problems(args), "python -m apps.mtp.hf", ckpt_dir)
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
@@ -206,16 +220,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m apps.mtp.hf", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("export", help="write a training checkpoint as a Hugging Face LlamaForCausalLM directory")
-    p.add_argument("checkpoint_dir")
+    p.add_argument("checkpoint_dir", help="a run directory (its newest complete checkpoint) or "
+                                          "<dump_dir>/checkpoints/<step>")
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as trained (fp32)")
     ns = parser.parse_args(argv)
     try:
-        export(ns.checkpoint_dir, ns.out_dir, DTYPES.get(ns.dtype))
+        ckpt = resolve(ns.checkpoint_dir)
+        export(ckpt, ns.out_dir, DTYPES.get(ns.dtype))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"wrote {ns.out_dir}/config.json and {ns.out_dir}/model.safetensors")
+    print(f"wrote LlamaForCausalLM from {ckpt}: {ns.out_dir}/config.json and {ns.out_dir}/model.safetensors")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from apps.mtp.hf import load_hf
+from apps.mtp.hf import export_problems, load_hf
 from apps.mtp.model import LlamaArgs, Transformer, validate_model_args
 from apps.mtp.parallelize import parallelize_mtp, uses_loss_parallel, validate_tp
+from lingua import hf as lingua_hf
 from lingua import config, trainer
 from lingua.loss import LossOutput
 from lingua.tensor_parallel import token_loss_sum
@@ -75,6 +76,8 @@ APP = make_app(LlamaArgs())   # the defaults; main() makes the run's from its mo
 
 def validate(args: TrainArgs) -> None:
     trainer.validate(args, make_app(args.model))
+    # Said now (one line), not after training: the run's checkpoints will not export to HF.
+    lingua_hf.warn_unexportable(export_problems(args.model), "python -m apps.mtp.hf")
 
 
 def load_config(argv=None, check: bool = True) -> TrainArgs:
