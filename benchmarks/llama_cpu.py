@@ -1,24 +1,46 @@
-"""Our LLaMA training step vs Hugging Face's LlamaForCausalLM on the same shape, batch and dtype.
+"""Our LLaMA trainer (`python -m apps.llama.train`) vs a Hugging Face training loop, on CPU, with
+both sides running at the same time on separate cores.
 
-    python benchmarks/llama_cpu.py [--dtype bf16|fp32] [--steps 6] [--warmup 2]
+    python benchmarks/llama_cpu.py [--shapes 5M,10M,50M] [--dtypes fp32,bf16] [--rounds 3]
+                                   [--warmup 3] [--steps 8] [--compile] [--batch 4] [--seq-len 512]
+    python benchmarks/llama_cpu.py --profile [--shapes 10M] [--dtypes fp32]
 
-Both sides do the same work per step: forward, next-token cross-entropy, backward, grad-norm clip
-and a fused AdamW step, with sdpa attention; bf16 means autocast compute with fp32 weights and
-optimizer state on both sides. Prints tokens/s of each, their ratio (ours / HF), and each one's
-MFU against this machine's matmul peak measured in the same run and dtype. The default dtype is
-bf16 where the CPU has bf16 instructions, else fp32 (emulated bf16 is 30-100x slower, and its
-"peak" measures the emulation: MFU is then not reported).
+Each round runs the trainer (the real entry point and loop, in a subprocess) and the HF loop (in
+another) side by side, each pinned to its own core with one torch thread, and swaps the cores the
+next round; a round's ratio is ours / HF tokens/s over the same wall-clock window. Prints, per
+shape and dtype, each round's figures and the median of the per-round ratios, with the CPU
+model and flags. Figures from back-to-back runs are not evidence on a shared machine (they drift
+by 30-40% within minutes); side by side, drift hits both alike. What each side does, step by
+step, is written in benchmarks/trainer_vs_hf.py.
+
+Each round also gives the ratio per CPU-second (user + system time of each process, all its
+threads): where other work on the machine takes turns on our two cores, wall-clock tokens/s of
+one side can drop by half while it waits, but its CPU time per step moves far less; on an idle
+machine the two ratios agree.
+
+`--compile` runs ours with distributed.compile=true (inductor compiles each block once; the
+warm-up steps absorb the compilation). `--profile` runs both sides once under torch.profiler
+(ours through profiling.enabled=true, the trainer's own window) and prints their top operators
+side by side, in ms per step.
+
+bf16 is autocast compute with fp32 weights and optimizer state on both sides; it is refused where
+the CPU has no bf16 instructions (emulated bf16 is 30-100x slower and measures the emulation).
 """
 
 import argparse
-import time
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from apps.llama.model import LlamaArgs, Transformer
-from lingua import metrics, optim
+import trainer_vs_hf as pair  # noqa: E402
 
-# ~36M parameters: 8 layers of width 512, 8k vocabulary (untied), SwiGLU hidden 1536.
+# The ~36M-parameter shape benchmarks/muon_cost.py and checkpoint_async.py train in-process:
+# 8 layers of width 512, 8k vocabulary (untied), SwiGLU hidden 1536.
 SHAPE = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=8192, multiple_of=256)
 
 
@@ -41,93 +63,128 @@ def median(values: list) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def hf_model(args: LlamaArgs):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from lingua.transformer import ffn_hidden_dim
-
-    cfg = LlamaConfig(hidden_size=args.dim, num_hidden_layers=args.n_layers,
-                      num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-                      intermediate_size=ffn_hidden_dim(args.dim, args.multiple_of, None),
-                      vocab_size=args.vocab_size, max_position_embeddings=args.max_seq_len,
-                      rope_theta=args.rope_theta, rms_norm_eps=args.norm_eps,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg)
+def two_cores() -> tuple:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        sys.exit("benchmarks/llama_cpu.py runs both sides at once, one core each: it needs two "
+                 f"cores, and this process may use {len(cores)}.")
+    return cores[0], cores[1]
 
 
-def time_steps(model, loss_fn, tokens, dtype, steps, warmup) -> float:
-    """Seconds per training step (median over `steps` after `warmup`)."""
-    opt = torch.optim.AdamW(optim.param_groups(model, 0.1), lr=1e-4, fused=True)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        with autocast:
-            loss = loss_fn(model, tokens)
-        loss.backward()
-        optim.clip_grad_norm([model], 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+def bench(shape: str, dtype: str, cli, cores, workdir) -> tuple:
+    """Rounds of ours vs HF side by side; prints each round and returns the medians of the
+    per-round ratios: (tokens/s, tokens per CPU-second)."""
+    ratios, cpu_ratios = [], []
+    for r in range(cli.rounds):
+        core_ours, core_hf = cores if r % 2 == 0 else cores[::-1]
+        res = pair.run_pair(shape, dtype, cli.batch, cli.seq_len, cli.warmup, cli.steps,
+                            core_ours, core_hf, cli.compile, workdir)
+        ratios.append(res["ours"] / res["hf"])
+        cpu_ratios.append(res["ours_cpu"] / res["hf_cpu"])
+        print(f"  round {r + 1}: ours {res['ours']:7.0f} tokens/s (wall-clock {res['ours_wall']:7.0f}"
+              f", {res['ours_steps']} steps, core {core_ours})  HF {res['hf']:7.0f} tokens/s "
+              f"({res['hf_steps']:.1f} steps, core {core_hf})  ratio {ratios[-1]:.3f} (wall-clock "
+              f"{res['ours_wall'] / res['hf']:.3f}; per CPU-second {cpu_ratios[-1]:.3f})", flush=True)
+    result = median(ratios), median(cpu_ratios)
+    print(f"{shape} ({pair.n_params(pair.SHAPES[shape]) / 1e6:.1f}M params) {dtype} "
+          f"{'compiled' if cli.compile else 'eager'}: ours / HF tokens/s = {result[0]:.3f} "
+          f"(median of {cli.rounds}: {', '.join(f'{x:.3f}' for x in ratios)}); per CPU-second "
+          f"{result[1]:.3f}", flush=True)
+    return result
 
 
-def ours_loss(model, tokens):
-    logits = model(tokens[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+def _parse_table(text: str) -> dict:
+    """{operator: self CPU ms total} from a torch.profiler key_averages() table."""
+    units = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+    ops = {}
+    for line in text.splitlines():
+        m = re.match(r"^\s*(\S.*?)\s+[\d.]+%\s+([\d.]+)(us|ms|s)\s+[\d.]+%\s+[\d.]+(?:us|ms|s)\s+"
+                     r"[\d.]+(?:us|ms|s)\s+(\d+)\s*$", line)
+        if m:
+            ops[m.group(1)] = float(m.group(2)) * units[m.group(3)]
+    return ops
 
 
-def hf_loss(model, tokens):
-    logits = model(input_ids=tokens[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+def profile(shape: str, dtype: str, cli, cores, workdir) -> None:
+    """Both sides under torch.profiler at the same time; top operators side by side."""
+    import subprocess
+
+    active, warmup = 3, 3
+    core_ours, core_hf = cores
+    hf_out = Path(workdir) / f"hf_profile_{shape}_{dtype}.txt"
+    with open(hf_out, "w") as out:
+        hf = subprocess.Popen(pair.hf_command(shape, dtype, cli.batch, cli.seq_len, 100, active),
+                              cwd=pair.REPO, env=pair.pinned_env(), preexec_fn=pair.pinned(core_hf),
+                              stdout=out, stderr=subprocess.STDOUT)
+        dump = Path(workdir) / f"ours_profile_{shape}_{dtype}"
+        cmd = pair.trainer_command(pair.SHAPES[shape], dtype, cli.batch, cli.seq_len,
+                                   warmup + 1 + active, dump, cli.compile,
+                                   ["profiling.enabled=true", f"profiling.start_step={warmup}",
+                                    "profiling.wait=0", "profiling.warmup=1",
+                                    f"profiling.active={active}", "profiling.memory=false",
+                                    "profiling.record_shapes=false", "profiling.top_ops=40"])
+        subprocess.run(cmd, cwd=pair.REPO, env=pair.pinned_env(), preexec_fn=pair.pinned(core_ours),
+                       check=True, stdout=subprocess.DEVNULL)
+        hf.wait()
+    ours = _parse_table((dump / "profiling" / "summary_rank0.txt").read_text())
+    theirs = _parse_table(hf_out.read_text())
+    print(f"\n{shape} {dtype}: self CPU time, ms per step (mean of {active} profiled steps)")
+    print(f"{'operator':<58} {'ours':>9} {'HF':>9}")
+    names = sorted(set(ours) | set(theirs), key=lambda n: -max(ours.get(n, 0), theirs.get(n, 0)))
+    for name in names[:30]:
+        cell = lambda d: f"{d[name] / active:9.1f}" if name in d else f"{'-':>9}"  # noqa: E731
+        print(f"{name[:58]:<58} {cell(ours)} {cell(theirs)}")
+    total = lambda d: sum(v for k, v in d.items() if k.startswith("aten::"))  # noqa: E731
+    print(f"{'sum of aten:: operators listed':<58} {total(ours) / active:9.1f} "
+          f"{total(theirs) / active:9.1f}")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
-                        help="default: bf16 where this CPU has bf16 instructions, else fp32")
+    parser.add_argument("--shapes", default="5M,10M,50M", help=f"of {', '.join(pair.SHAPES)}")
+    parser.add_argument("--dtypes", default=None,
+                        help="default: fp32,bf16 where this CPU has bf16 instructions, else fp32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="trainer steps left out")
+    parser.add_argument("--steps", type=int, default=8, help="trainer steps measured")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    cli = parser.parse_args()
+    parser.add_argument("--compile", action="store_true", help="ours with distributed.compile=true")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--workdir", default=None)
+    cli = parser.parse_args(argv)
+
+    from lingua import metrics
+
     emulated = metrics.cpu_bf16_emulated()
-    cli.dtype = cli.dtype or ("fp32" if emulated else "bf16")
-    emulated = emulated and cli.dtype == "bf16"
-    if emulated:
-        print("note: this CPU has no bf16 instructions (no avx512_bf16 / amx_bf16), so bf16 is "
-              "emulated: 30-100x slower than fp32, and no MFU is reported. --dtype fp32 measures "
-              "what this CPU can do.")
+    dtypes = (cli.dtypes or ("fp32" if emulated else "fp32,bf16")).split(",")
+    if emulated and "bf16" in dtypes:
+        sys.exit("this CPU has no bf16 instructions (no avx512_bf16 / amx_bf16): bf16 is emulated "
+                 "there, 30-100x slower than fp32, and would measure the emulation. Use --dtypes fp32.")
+    shapes = cli.shapes.split(",")
+    for name in shapes:
+        if name not in pair.SHAPES:
+            sys.exit(f"--shapes: unknown shape {name!r}; use some of {', '.join(pair.SHAPES)}.")
+    cores = two_cores()
+    import torch
+    import transformers
 
-    args = LlamaArgs(**SHAPE, max_seq_len=cli.seq_len)
-    torch.manual_seed(0)
-    ours = Transformer(args)
-    theirs = hf_model(args)
-    n_params = sum(p.numel() for p in ours.parameters())
-    assert n_params == sum(p.numel() for p in theirs.parameters()), "shapes differ"
-    tokens = torch.randint(0, args.vocab_size, (cli.batch, cli.seq_len + 1))
-    n_tokens = cli.batch * cli.seq_len
-
-    peak = None if emulated else metrics.measure_cpu_peak(
-        torch.bfloat16 if cli.dtype == "bf16" else torch.float32, 1.0)
-    flops = metrics.flops_per_token(ours, args.n_layers, args.dim, cli.seq_len)
-    results = {}
-    # Alternate the two sides so that drift in machine load hits both equally.
-    for _ in range(2):
-        for name, model, loss_fn in (("ours", ours, ours_loss), ("hf", theirs, hf_loss)):
-            t = time_steps(model, loss_fn, tokens, cli.dtype, cli.steps, cli.warmup)
-            results[name] = min(results.get(name, float("inf")), t)
-
-    print(f"model {n_params / 1e6:.1f}M params, batch {cli.batch} x {cli.seq_len}, {cli.dtype}, "
-          f"{torch.get_num_threads()} threads; measured matmul peak "
-          f"{'n/a (emulated bf16)' if peak is None else f'{peak / 1e9:.0f} GFLOP/s'}")
-    for name in ("ours", "hf"):
-        tps = n_tokens / results[name]
-        mfu = metrics.mfu(flops * tps, peak)  # None: no credible peak
-        print(f"{name:>5}: {results[name] * 1000:7.0f} ms/step  {tps:8.0f} tokens/s  "
-              f"MFU {'  n/a' if mfu is None else f'{100 * mfu:5.1f}%'} of measured peak")
-    print(f"ratio ours/hf tokens/s: {results['hf'] / results['ours']:.3f}")
+    print(f"CPU: {cpu_description()} (bf16 {'emulated' if emulated else 'native'})")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}; batch {cli.batch} x "
+          f"{cli.seq_len} tokens, one thread per side, cores {cores[0]} and {cores[1]}, swapped "
+          f"each round; ours {'compiled' if cli.compile else 'eager'}", flush=True)
+    workdir = cli.workdir or tempfile.mkdtemp(prefix="llama_cpu_")
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    summary = []
+    for shape in shapes:
+        for dtype in dtypes:
+            if cli.profile:
+                profile(shape, dtype, cli, cores, workdir)
+                continue
+            print(f"{shape} {dtype}:", flush=True)
+            summary.append((shape, dtype, bench(shape, dtype, cli, cores, workdir)))
+    for shape, dtype, (ratio, cpu_ratio) in summary:
+        print(f"ratio ours/hf tokens/s: {shape} {dtype} {ratio:.3f} (per CPU-second {cpu_ratio:.3f})")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from torch import nn
 from lingua.decoder import Decoder
 from lingua.transformer import (
     CoreAttention, FeedForward, KVCache, RMSNorm, TransformerArgs, apply_rope, ffn_hidden_dim,
-    repeat_kv, validate_transformer_args,
+    grouped_kv_ok, repeat_kv, validate_transformer_args,
 )
 
 
@@ -53,7 +53,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(cache_key, k, v)
-        k, v = repeat_kv(k, v, q.shape[2])
+        if not grouped_kv_ok(self.core, q, mask):   # the plain sdpa call groups k/v heads itself
+            k, v = repeat_kv(k, v, q.shape[2])
         out = self.core(q, k, v, mask, decoding=cache is not None)
         return self.wo(out.reshape(b, s, -1))
 
@@ -70,8 +71,12 @@ class TransformerBlock(nn.Module):
     def forward(self, x, rope, mask=None, cache: Optional[KVCache] = None):
         # Only x is positional: the tensor-parallel plan lays out the first input and passes the
         # keyword ones (plain tensors and objects every rank holds whole) through.
+        # layer_id is read only when decoding: torch.compile guards on the integer attributes it
+        # reads, so reading it in training would compile every block separately (and blocks past
+        # dynamo's recompile limit, 8, would silently run eager) instead of once for all.
+        cache_key = "" if cache is None else str(self.layer_id)
         x = x + self.attention(self.attention_norm(x), rope=rope, mask=mask, cache=cache,
-                               cache_key=str(self.layer_id))
+                               cache_key=cache_key)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def init_weights(self, std: float, out_std: float):

@@ -82,8 +82,11 @@ class MoEBlock(nn.Module):
             self.feed_forward = FeedForward(args.dim, hidden)
 
     def forward(self, x, rope, mask=None, cache: Optional[KVCache] = None):
+        # layer_id only when decoding: torch.compile guards on the integers it reads, and would
+        # compile each block separately (past its limit of 8, silently eager) if read in training.
+        cache_key = "" if cache is None else str(self.layer_id)
         h = x + self.attention(self.attention_norm(x), rope=rope, mask=mask, cache=cache,
-                               cache_key=str(self.layer_id))
+                               cache_key=cache_key)
         return h + (self.moe if self.is_moe else self.feed_forward)(self.ffn_norm(h))
 
     def init_weights(self, std: float, out_std: float):

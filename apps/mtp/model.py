@@ -89,8 +89,11 @@ class TransformerBlock(nn.Module):
     def forward(self, x, rope, mask=None, cache: Optional[KVCache] = None):
         # Only x is positional: the tensor-parallel plan lays out the first input and passes the
         # keyword ones (plain tensors and objects every rank holds whole) through.
+        # layer_id only when decoding: torch.compile guards on the integers it reads, and would
+        # compile each block separately (past its limit of 8, silently eager) if read in training.
+        cache_key = "" if cache is None else str(self.layer_id)
         x = x + self.attention(self.attention_norm(x), rope=rope, mask=mask, cache=cache,
-                               cache_key=str(self.layer_id))
+                               cache_key=cache_key)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def init_weights(self, std: float, out_std: float):

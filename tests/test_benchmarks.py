@@ -1,0 +1,167 @@
+"""benchmarks/llama_cpu.py (our trainer vs a Hugging Face loop, side by side), and what makes our
+step faster than HF's: the hand-written RMSNorm / RoPE backward passes of the eager step, sdpa's
+own grouped-query attention, and one compiled graph shared by all blocks."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lingua.transformer as T
+from apps.llama.model import LlamaArgs, Transformer
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import trainer_vs_hf  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", ["5M", "10M", "50M", "tiny"])
+def test_hf_side_has_our_shape(shape):
+    """Both sides train the same model: same parameter count, from the same shape table."""
+    args = trainer_vs_hf.SHAPES[shape]
+    with torch.device("meta"):
+        ours = Transformer(LlamaArgs(**args, vocab_size=trainer_vs_hf.VOCAB,
+                                     multiple_of=trainer_vs_hf.MULTIPLE_OF, max_seq_len=1024))
+        theirs = trainer_vs_hf.hf_model(args, 512)
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in theirs.parameters()) == trainer_vs_hf.n_params(args)
+    assert theirs.config.num_key_value_heads == args["n_kv_heads"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                    reason="the benchmark runs its two sides at once, one core each")
+def test_llama_cpu_benchmark_runs_end_to_end(tmp_path):
+    """One round on a tiny shape through `python -m apps.llama.train` and the HF loop; prints
+    the CPU, each side's tokens/s and a ratio."""
+    out = subprocess.run(
+        [sys.executable, "benchmarks/llama_cpu.py", "--shapes", "tiny", "--dtypes", "fp32",
+         "--rounds", "1", "--warmup", "2", "--steps", "3", "--batch", "2", "--seq-len", "64",
+         "--workdir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "CPU: " in out.stdout and "flags:" in out.stdout
+    assert re.search(r"round 1: ours +\d+ tokens/s .* HF +\d+ tokens/s", out.stdout), out.stdout
+    match = re.search(r"ratio ours/hf tokens/s: tiny fp32 ([\d.]+) \(per CPU-second ([\d.]+)\)",
+                      out.stdout)
+    assert match and float(match.group(1)) > 0 and float(match.group(2)) > 0, out.stdout
+    rows = (tmp_path / "ours_tiny_fp32_eager_0" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 5   # every step logged (logging.every=1), as the benchmark reads them
+
+
+def _composite(monkeypatch):
+    monkeypatch.setattr(T, "_eager_plain", lambda *tensors: False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_and_rope_backward_match_autograd(monkeypatch, dtype):
+    """The written-out backward passes give autograd's gradients of the composite ops (fp32:
+    to rounding; bf16 inputs with bf16 weights, as under FSDP's mixed precision: to bf16)."""
+    torch.manual_seed(0)
+    norm = T.RMSNorm(48).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    cos, sin = T.rope_tables(LlamaArgs(dim=64, n_heads=4, max_seq_len=16))
+    x = torch.randn(2, 16, 48, dtype=dtype, requires_grad=True)
+    q = torch.randn(2, 16, 4, 16, dtype=dtype, requires_grad=True)
+    g_norm, g_rope = torch.randn(2, 16, 48, dtype=dtype), torch.randn(2, 16, 4, 16, dtype=dtype)
+
+    def run():
+        x.grad = q.grad = norm.weight.grad = None
+        y, r = norm(x), T.apply_rope(q, cos, sin)
+        torch.autograd.backward([y, r], [g_norm, g_rope])
+        names = {type(t.grad_fn).__name__ for t in (y, r)}
+        return names, [t.detach().clone() for t in (y, r, x.grad, norm.weight.grad, q.grad)]
+
+    names, fast = run()
+    assert names == {"_RMSNormFunctionBackward", "_RopeFunctionBackward"}
+    _composite(monkeypatch)
+    _, slow = run()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(fast, slow):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_compiled_code_takes_the_composite_ops():
+    """Under torch.compile the composite ops are traced (inductor fuses them better than the
+    hand-written backward passes)."""
+    def which(t):
+        return t * (1.0 if T._eager_plain(t) else 2.0)
+
+    assert which(torch.ones(1)).item() == 1.0
+    assert torch.compile(which, backend="eager")(torch.ones(1)).item() == 2.0
+
+
+def test_grouped_kv_heads_reach_sdpa_unrepeated(monkeypatch):
+    """The plain sdpa call gets k/v with their own heads (no repeat_kv copy) and gives the same
+    logits and gradients as with repeated heads; a hook on the kernel call (the probe) or a
+    mask gets them repeated."""
+    torch.manual_seed(0)
+    model = Transformer(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32,
+                                  max_seq_len=16))
+    tokens = torch.randint(0, 32, (2, 16))
+    seen = []
+    core = model.layers["0"].attention.core
+    cpu_q = torch.empty(1)
+    assert T.grouped_kv_ok(core, cpu_q)
+    assert not T.grouped_kv_ok(core, cpu_q, mask=torch.ones(1, dtype=torch.bool))
+    # Off CPU (CUDA here stands as any other device) k/v are always repeated: sdpa's fused
+    # CUDA kernels but flash do not group heads, and would fall back to the math kernel.
+    assert not T.grouped_kv_ok(core, torch.empty(1, device="meta"))
+
+    def run():
+        model.zero_grad()
+        out = model(tokens)
+        out.square().sum().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    original = T.attention
+    monkeypatch.setattr(T, "attention", lambda q, k, v, *a: seen.append(k.shape[2]) or original(q, k, v, *a))
+    grouped, grouped_grads = run()
+    assert set(seen) == {2}
+    seen.clear()
+    handle = core.register_forward_hook(lambda *args: None)
+    assert not T.grouped_kv_ok(core, cpu_q)
+    repeated, repeated_grads = run()
+    handle.remove()
+    assert seen[0] == 4 and set(seen[1:]) == {2}   # only the hooked layer repeats
+    torch.testing.assert_close(grouped, repeated)
+    for a, b in zip(grouped_grads, repeated_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_compiled_blocks_share_one_graph():
+    """distributed.compile compiles one graph for all blocks: a block's integer attributes
+    (layer_id) are not read in training, so dynamo does not guard on them. Otherwise each block
+    compiles separately and those past dynamo's recompile limit (8) run eager."""
+    from torch._dynamo.testing import CompileCounter
+
+    from lingua.distributed import apply_compile
+
+    torch._dynamo.reset()
+    model = Transformer(LlamaArgs(dim=32, n_layers=10, n_heads=2, vocab_size=32, max_seq_len=8))
+    counter = CompileCounter()
+    apply_compile(model.layers, counter)
+    model(torch.randint(0, 32, (1, 8))).sum().backward()
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+def test_keep_freed_memory_respects_user_malloc_settings(monkeypatch):
+    """The trainer tunes glibc's malloc for CPU runs, unless the user set MALLOC_* themselves."""
+    from lingua.trainer import keep_freed_memory
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert keep_freed_memory() is False
+    import os
+    import platform
+
+    for key in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(key)
+    if platform.libc_ver()[0] == "glibc":
+        assert keep_freed_memory() is True
