@@ -1,20 +1,30 @@
 """Grouped-GEMM experts (torch._grouped_mm) vs the per-expert Python loop, on one MoE layer.
 
-    python benchmarks/moe_cpu.py [--tokens 4096] [--dim 256] [--hidden 512] [--steps 9] [--warmup 2]
+    python benchmarks/moe_cpu.py [--tokens 4096] [--dim 256] [--hidden 512] [--experts 8] [--top_k 2]
+                                 [--steps 9] [--warmup 2] [--threads N]
+    python benchmarks/moe_cpu.py --experts 64 --top_k 8 --hidden 128 --threads 1   # fine-grained
 
 Both sides run the same MoE layer (same weights, 8 experts, top-2, softmax router) forward and
 backward on the same tokens; only `experts.impl` differs. fp32: fp32 weights and inputs; bf16:
 autocast to bf16 with fp32 weights, as the trainer runs it. Prints the median seconds per
 forward+backward of each, the ratio loop / grouped (> 1: grouped is faster) and the expert
-matmuls' GFLOP/s.
+matmuls' GFLOP/s, with the CPU model and flags. The two alternate step by step in one process, so
+drift in the machine's load hits both alike.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from lingua.moe import MoE
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llama_cpu import cpu_description  # noqa: E402
+
+from lingua.moe import MoE  # noqa: E402
 
 
 def time_layers(layers: dict, x: torch.Tensor, dtype: str, steps: int, warmup: int) -> dict:
@@ -42,7 +52,11 @@ def main():
     p.add_argument("--top_k", type=int, default=2)
     p.add_argument("--steps", type=int, default=9)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    print(f"CPU: {cpu_description()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; MoE layer: {a.tokens} tokens, "
           f"dim {a.dim}, hidden {a.hidden}, {a.experts} experts, top-{a.top_k}; forward+backward")
     # 3 matmuls of dim x hidden per assignment, x2 FLOPs per MAC, x3 for forward + backward.
