@@ -156,7 +156,7 @@ def test_matches_lm_eval_hflm_on_our_export(trained, one_process, tmp_path):
                 continue
             torch.testing.assert_close(torch.tensor(loglikelihoods(ours), dtype=torch.float64),
                                        torch.tensor(loglikelihoods(ref), dtype=torch.float64),
-                                       rtol=0, atol=1e-4)
+                                       rtol=1e-6, atol=1e-4)   # rolling sums reach ~700 nats
         mc = "lingua_continuation"
         if mc in tasks:
             ours_mc = results(one_process, 20)["results"][mc]
