@@ -66,8 +66,8 @@ def median(values: list) -> float:
 def two_cores() -> tuple:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
-        sys.exit("benchmarks/llama_cpu.py runs both sides at once, one core each: it needs two "
-                 f"cores, and this process may use {len(cores)}.")
+        sys.exit(f"{Path(sys.argv[0]).name} runs both sides at once, one core each: it needs "
+                 f"two cores, and this process may use {len(cores)}.")
     return cores[0], cores[1]
 
 

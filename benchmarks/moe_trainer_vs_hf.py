@@ -45,7 +45,6 @@ HF experts implementations (transformers >= 5 chooses per model, `experts_implem
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -57,7 +56,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from llama_cpu import cpu_description, median  # noqa: E402
+from llama_cpu import cpu_description, median, two_cores  # noqa: E402
+from trainer_vs_hf import pinned, pinned_env  # noqa: E402  (the LLaMA twin's, shared)
+from trainer_vs_hf import wait_for_first_step  # noqa: E402
 
 # Byte-level (vocab 258, the debug preset's tokenizer) Mixtral-exportable MoE shapes.
 #   issue: the issue's shape, 8 experts top-2 of hidden 768 (30.9M parameters).
@@ -97,17 +98,6 @@ def trainer_command(shape: dict, dtype: str, batch: int, seq_len: int, steps: in
             f"optim.eps={EPS}", f"optim.weight_decay={WEIGHT_DECAY}", f"optim.clip={CLIP}",
             f"optim.warmup={WARMUP}", "eval.every=0", "eval.at_end=false", "checkpoint.every=0",
             "probe.every=0", *extra]
-
-
-def pinned_env() -> dict:
-    """One torch thread, unbuffered output (the trainer's log lines are timed as they come)."""
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                WANDB_MODE="offline", PYTHONPATH=str(REPO))
-
-
-def pinned(core: int):
-    """preexec_fn: the child runs on `core` alone."""
-    return lambda: os.sched_setaffinity(0, {core})
 
 
 def run(cmd: list, what: str, core=None, **kwargs) -> str:
@@ -199,20 +189,6 @@ def measured_rows(dump_dir: Path, tokens_per_step: int):
                              for before, row in zip(rows, rows[1:])]
 
 
-def wait_for_first_step(hf: subprocess.Popen, hf_log: Path, timeout: float = 600.0) -> None:
-    """Until the HF side has trained a step (its start-up is slower than ours): from then on
-    it is training whenever ours is."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = hf_log.read_text()
-        if '{"hf_step"' in text:
-            return
-        if hf.poll() is not None:
-            raise RuntimeError(f"the HF side exited ({hf.returncode}) before its first step:\n{text[-3000:]}")
-        time.sleep(0.2)
-    raise RuntimeError(f"the HF side trained no step in {timeout:.0f} s")
-
-
 def run_pair(name: str, hf_dir: Path, experts: str, dtype: str, batch: int, seq_len: int,
              windows: int, core_ours: int, core_hf: int, workdir: Path, log_every: int,
              extra=()) -> dict:
@@ -262,14 +238,6 @@ def run_pair(name: str, hf_dir: Path, experts: str, dtype: str, batch: int, seq_
             "hf": batch * seq_len * len(inside) / sum(b - a for a, b in inside),
             "ours_steps": ours_steps, "hf_steps": len(inside), "window_s": t_end - t_start,
             "ours_core": core_ours, "hf_core": core_hf}
-
-
-def two_cores() -> tuple:
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        sys.exit("benchmarks/moe_trainer_vs_hf.py runs both sides at once, one core each: it "
-                 f"needs two cores, and this process may use {len(cores)}.")
-    return cores[0], cores[1]
 
 
 def bf16_native() -> bool:

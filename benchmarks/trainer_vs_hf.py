@@ -175,7 +175,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _wait_for_first_step(proc, path: Path, timeout: float = 600.0) -> None:
+def wait_for_first_step(proc, path: Path, timeout: float = 600.0) -> None:
+    """Until the HF side has trained a step (its start-up is slower than ours): from then on it
+    is training whenever ours is."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = path.read_text()
@@ -207,7 +209,7 @@ def run_pair(shape_name: str, dtype: str, batch: int, seq_len: int, warmup: int,
                           stderr=subprocess.STDOUT)
     arrivals, tail = {}, []
     try:
-        _wait_for_first_step(hf, hf_path)
+        wait_for_first_step(hf, hf_path)
         ours = subprocess.Popen(trainer_command(shape, dtype, batch, seq_len, steps, dump_dir,
                                                 compile, trainer_extra),
                                 cwd=REPO, env=pinned_env(), preexec_fn=pinned(core_ours),
