@@ -23,7 +23,6 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lingua.errors import ConfigError
 
@@ -96,39 +95,6 @@ def validate_transformer_args(args: TransformerArgs) -> None:
 
 
 
-def _eager_plain(*tensors) -> bool:
-    """Take the hand-written autograd path (RMSNorm, RoPE)? Only for plain tensors in eager
-    mode: inductor fuses the composite ops better itself, and a DTensor (sequence parallelism)
-    needs its ops one by one so that each propagates its sharding."""
-    return not torch.compiler.is_compiling() and not any(isinstance(t, DTensor) for t in tensors)
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm with a written-out backward: the same arithmetic as the composite
-    (x * rsqrt(mean(x^2) + eps)).type_as(x) * weight, in about half the memory passes (autograd
-    of the composite makes ~15 over [b, s, dim] per norm; on CPU these passes, not FLOPs, are
-    the cost: ~8% of a small model's step)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        xhat = xf * rstd
-        ctx.save_for_backward(xhat, rstd, weight)
-        ctx.x_dtype = x.dtype
-        return xhat.type_as(x) * weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        xhat, rstd, weight = ctx.saved_tensors
-        dweight = (grad * xhat.to(ctx.x_dtype)).sum(tuple(range(grad.ndim - 1))).to(weight.dtype)
-        gw = (grad * weight).to(xhat.dtype)
-        # d/dx of x * rstd(x): rstd * (gw - xhat * mean(gw * xhat))
-        mean = torch.linalg.vecdot(gw, xhat).unsqueeze(-1) / xhat.shape[-1]
-        dx = torch.addcmul(gw, xhat, mean, value=-1).mul_(rstd)
-        return dx.to(ctx.x_dtype), dweight, None
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -137,8 +103,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32: bf16 mean-of-squares loses too much precision.
-        if _eager_plain(x, self.weight):
-            return _RMSNormFunction.apply(x, self.weight, self.eps)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
@@ -195,32 +159,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-class _RopeFunction(torch.autograd.Function):
-    """x * cos + rotate_half(x) * sin as x * cos + roll(x, d/2) * [-sin, sin] (the same products
-    and sums), with the backward written out: a rotation's gradient is the rotation by minus the
-    angle, so nothing but the tables is saved, and a third of autograd's memory passes go."""
-
-    @staticmethod
-    def forward(ctx, x, cos, signed_sin):
-        xf = x.to(torch.promote_types(x.dtype, cos.dtype))
-        ctx.save_for_backward(cos, signed_sin)
-        ctx.x_dtype = x.dtype
-        return torch.addcmul(xf * cos, xf.roll(x.shape[-1] // 2, -1), signed_sin).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, signed_sin = ctx.saved_tensors
-        gf = grad.to(cos.dtype)
-        dx = (gf * cos).add_((gf * signed_sin).roll(grad.shape[-1] // 2, -1))
-        return dx.to(ctx.x_dtype), None, None
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [b, s, h, d]; cos/sin [s, d]. Computed in (at least) fp32 so bf16 runs keep exact positions."""
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    if _eager_plain(x, cos, sin):
-        half = sin.shape[-1] // 2
-        return _RopeFunction.apply(x, cos, torch.cat([-sin[..., :half], sin[..., half:]], -1))
     xf = x.to(torch.promote_types(x.dtype, cos.dtype))
     return (xf * cos + _rotate_half(xf) * sin).type_as(x)
 
@@ -350,9 +291,7 @@ def _flex_attention(q, k, v, block_mask):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, mask=None) -> torch.Tensor:
-    """q [b, s, h, d], k/v [b, s, h_kv, d] -> [b, s, h, d]. k/v may have fewer heads than q
-    (grouped-query attention) for sdpa only, which groups them itself (enable_gqa); the other
-    backends take them repeated to h heads (repeat_kv)."""
+    """q, k, v [b, s, h, d] (k/v already repeated to h heads) -> [b, s, h, d]."""
     if backend == "xformers":
         from xformers.ops import memory_efficient_attention
 
@@ -365,9 +304,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, m
     if backend == "flex":
         out = _flex_attention(q, k, v, mask)
     elif mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.transpose(1, 2)
 
 
@@ -414,8 +353,8 @@ class CoreAttention(nn.Module):
     through this module (one contract of apps' model files, checked at start by
     lingua.coverage.check_model_contract). Context parallelism finds it by type and replaces it
     with a version that sees every rank's keys and values; the probe hooks it for attention
-    statistics. Its inputs are q, k, v [b, s, heads, head_dim] after RoPE, with k/v repeated to
-    the query heads (repeat_kv) unless `takes_grouped_kv()`, and the mask the decoder shell built.
+    statistics. Its inputs are q, k, v [b, s, heads, head_dim] after RoPE and with k/v already
+    repeated to the query heads (repeat_kv), and the mask the decoder shell built.
 
     With a KV cache (decoding) it runs sdpa with the cache's offset-causal mask on any backend.
     """
@@ -424,30 +363,11 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.backend = backend
 
-    def takes_grouped_kv(self) -> bool:
-        """May k/v come with their own (fewer) heads? Yes for the plain sdpa call: sdpa groups
-        them itself (enable_gqa), without repeat_kv's copy and its backward (~5% of a small
-        GQA model's CPU step). No while a hook watches this module (the probe reads q and k
-        head by head) or for the other backends: they see k/v repeated, as before. A module
-        that replaces this one (context parallelism) is asked nothing: callers repeat for it."""
-        return self.backend == "sdpa" and not self._forward_hooks and not self._forward_pre_hooks
-
     def forward(self, q, k, v, mask=None, decoding: bool = False):
         if decoding:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
         return attention(q, k, v, self.backend, mask)
-
-
-def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:
-    """Whether an attention block may pass `core` k/v with fewer heads than q (see
-    CoreAttention.takes_grouped_kv): on CPU only, where it was measured, with no mask, and for a
-    CoreAttention. On CUDA sdpa groups heads in its flash kernel only (bf16/fp16, sm80+); fp32,
-    a mask, or an older GPU would fall back to the math kernel (slow, [s, s] scores in memory),
-    so CUDA keeps repeat_kv and the fused kernels it always had."""
-    return (q.device.type == "cpu" and mask is None and isinstance(core, CoreAttention)
-            and core.takes_grouped_kv())
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
