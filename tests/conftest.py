@@ -91,3 +91,20 @@ def slurm_is_up() -> str:
     if proc.returncode != 0 or not proc.stdout.strip():
         return f"Slurm is not running: {proc.stderr.strip()} (bash setup/slurm_local.sh start)"
     return ""
+
+
+@pytest.fixture(autouse=True)
+def _root_log_handlers_do_not_leak():
+    """A test that runs a trainer or CLI in-process calls metrics.setup_logging, whose
+    basicConfig(force=True) binds the root logger to that test's captured stdout. Left there, a
+    later test's log records go to a closed stream ("--- Logging error ---" on stderr, which
+    breaks tests that count stderr lines). After each test the plain StreamHandlers it added to
+    the root logger go (pytest's own capture handlers are subclasses and are left to pytest)."""
+    import logging
+
+    root = logging.getLogger()
+    before = set(root.handlers)
+    yield
+    for handler in list(root.handlers):
+        if type(handler) is logging.StreamHandler and handler not in before:
+            root.removeHandler(handler)

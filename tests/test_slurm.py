@@ -94,15 +94,17 @@ def accounting_on() -> bool:
     return bool(re.search(r"^AccountingStorageType\s*=\s*accounting_storage/slurmdbd", out, re.M))
 
 
-def sacct_states(job_id: str, *flags: str, timeout: float = 30) -> dict:
-    """{job id: state} as sacct reports it once every job of job_id has a final state (slurmctld
-    sends the records to slurmdbd a moment after the job ends)."""
+def sacct_states(job_id: str, *flags: str, timeout: float = 30, expect=()) -> dict:
+    """{job id: state} as sacct reports it once every job of job_id (and each of `expect`) has a
+    final state (slurmctld sends the records to slurmdbd a moment after each job ends, so an
+    array's tasks may appear one at a time)."""
     deadline = time.time() + timeout
     while True:
         proc = subprocess.run(["sacct", *flags, "-j", job_id, "-X", "-n", "-P", "-o",
                                "JobID,State"], capture_output=True, text=True)
         states = dict(line.split("|", 1) for line in proc.stdout.splitlines() if "|" in line)
-        if (states and all(v not in ("PENDING", "RUNNING", "REQUEUED") for v in states.values())
+        if (states and set(expect) <= set(states)
+                and all(v not in ("PENDING", "RUNNING", "REQUEUED") for v in states.values())
                 or time.time() > deadline):
             assert proc.returncode == 0, proc.stderr
             return states
@@ -121,7 +123,7 @@ def check_sacct(job_id: str, stool_output: str, array_tasks: int = 0) -> None:
     assert f"sacct -j {base}" in stool_output, stool_output
     want = ({f"{base}_{i}": "COMPLETED" for i in range(array_tasks)} if array_tasks
             else {base: "COMPLETED"})
-    assert sacct_states(base) == want
+    assert sacct_states(base, expect=want) == want
 
 
 def losses(dump_dir) -> dict:
