@@ -45,7 +45,6 @@ HF experts implementations (transformers >= 5 chooses per model, `experts_implem
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -58,7 +57,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from llama_cpu import cpu_description, median, two_cores  # noqa: E402
 from trainer_vs_hf import pinned, pinned_env  # noqa: E402  (the LLaMA twin's, shared)
-from trainer_vs_hf import wait_for_first_step  # noqa: E402
+from trainer_vs_hf import follow_trainer, wait_for_first_step  # noqa: E402
 
 # Byte-level (vocab 258, the debug preset's tokenizer) Mixtral-exportable MoE shapes.
 #   issue: the issue's shape, 8 experts top-2 of hidden 768 (30.9M parameters).
@@ -80,7 +79,6 @@ MIXTRAL = dict(n_shared_experts=0, n_dense_layers=0, score_func="softmax", norm_
 VOCAB = 258
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP, WARMUP = 3e-3, (0.9, 0.95), 1e-8, 0.1, 1.0, 20
 
-_STEP_LINE = re.compile(r"train: step (\d+)\D")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,20 +203,13 @@ def run_pair(name: str, hf_dir: Path, experts: str, dtype: str, batch: int, seq_
         hf = subprocess.Popen(hf_command(hf_dir, experts, dtype, batch, seq_len, 1_000_000),
                               cwd=REPO, env=pinned_env(), preexec_fn=pinned(core_hf),
                               stdout=hf_out, stderr=subprocess.STDOUT)
-    arrivals, tail = {}, []
     try:
         wait_for_first_step(hf, hf_log)
         ours = subprocess.Popen(trainer_command(SHAPES[name], dtype, batch, seq_len, steps, dump_dir,
                                                 ["checkpoint.save_final=false", *extra]),
                                 cwd=REPO, env=pinned_env(), preexec_fn=pinned(core_ours),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        for line in ours.stdout:
-            match = _STEP_LINE.search(line)
-            if match:
-                arrivals[int(match.group(1))] = time.monotonic()
-            tail = (tail + [line])[-30:]
-        if ours.wait() != 0:
-            raise RuntimeError(f"the trainer failed (exit {ours.returncode}):\n{''.join(tail)}")
+        arrivals = follow_trainer(ours, time.monotonic)
     finally:
         hf.terminate()
         hf.wait()

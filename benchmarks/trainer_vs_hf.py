@@ -189,6 +189,20 @@ def wait_for_first_step(proc, path: Path, timeout: float = 600.0) -> None:
     raise RuntimeError(f"the HF side did no step in {timeout:.0f} s")
 
 
+def follow_trainer(ours: subprocess.Popen, stamp) -> dict:
+    """{step: stamp()} taken as each of the trainer's step lines arrives (stdout, line-buffered);
+    raises with its last lines if it fails. Shared with benchmarks/moe_trainer_vs_hf.py."""
+    arrivals, tail = {}, []
+    for line in ours.stdout:
+        match = _STEP_LINE.search(line)
+        if match:
+            arrivals[int(match.group(1))] = stamp()
+        tail = (tail + [line])[-30:]
+    if ours.wait() != 0:
+        raise RuntimeError(f"the trainer failed (exit {ours.returncode}):\n{''.join(tail)}")
+    return arrivals
+
+
 def run_pair(shape_name: str, dtype: str, batch: int, seq_len: int, warmup: int, measured: int,
              core_ours: int, core_hf: int, compile: bool = False, workdir=None,
              trainer_extra=()) -> dict:
@@ -207,7 +221,6 @@ def run_pair(shape_name: str, dtype: str, batch: int, seq_len: int, warmup: int,
     hf = subprocess.Popen(hf_command(shape_name, dtype, batch, seq_len, 100_000), cwd=REPO,
                           env=pinned_env(), preexec_fn=pinned(core_hf), stdout=hf_log,
                           stderr=subprocess.STDOUT)
-    arrivals, tail = {}, []
     try:
         wait_for_first_step(hf, hf_path)
         ours = subprocess.Popen(trainer_command(shape, dtype, batch, seq_len, steps, dump_dir,
@@ -215,13 +228,7 @@ def run_pair(shape_name: str, dtype: str, batch: int, seq_len: int, warmup: int,
                                 cwd=REPO, env=pinned_env(), preexec_fn=pinned(core_ours),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
-        for line in ours.stdout:
-            match = _STEP_LINE.search(line)
-            if match:
-                arrivals[int(match.group(1))] = time.monotonic(), cpu_seconds(ours.pid)
-            tail = (tail + [line])[-30:]
-        if ours.wait() != 0:
-            raise RuntimeError(f"the trainer failed (exit {ours.returncode}):\n{''.join(tail)}")
+        arrivals = follow_trainer(ours, lambda: (time.monotonic(), cpu_seconds(ours.pid)))
     finally:
         hf.terminate()
         hf.wait()

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import lingua.transformer as T
 from apps.llama.model import LlamaArgs, Transformer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,10 +50,6 @@ def test_llama_cpu_benchmark_runs_end_to_end(tmp_path):
     assert match and float(match.group(1)) > 0 and float(match.group(2)) > 0, out.stdout
     rows = (tmp_path / "ours_tiny_fp32_eager_0" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 5   # every step logged (logging.every=1), as the benchmark reads them
-
-
-def _composite(monkeypatch):
-    monkeypatch.setattr(T, "_eager_plain", lambda *tensors: False)
 
 
 def test_compiled_blocks_share_one_graph():
