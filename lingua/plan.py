@@ -37,8 +37,9 @@ parameters, gradients and optimizer state live in host memory and are listed, no
 Activations (`block_activation_bytes`): bytes kept per token and per block between forward and
 backward, counted from what lingua.transformer's blocks and lingua.moe's MoE layer save (the
 Megatron-style per-layer accounting of Korthikanti et al. 2022, redone for this code: RMSNorm
-in fp32, GQA attention whose keys and values are repeated to all heads before flash attention,
-SwiGLU, torch's TP + sequence parallel, and the op-level checkpointing policy of
+in fp32 with its written-out backward, GQA attention whose keys and values are repeated to all
+heads before flash attention on GPU (on CPU sdpa groups them itself: `grouped_kv`, which the
+tests measure), SwiGLU, torch's TP + sequence parallel, and the op-level checkpointing policy of
 lingua.distributed). tests/test_plan.py measures the live tensors of real blocks on CPU (dense
 and MoE, bf16, fp32 and autocast, every ac mode, tp 1 and 2) and checks this formula against
 them. Assumptions: a flash/memory-efficient attention kernel (no seq x seq matrix, as on GPU),
@@ -169,12 +170,14 @@ def _shape(a) -> dict:
 
 
 def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
-                           fp32_residual: bool = False) -> float:
+                           fp32_residual: bool = False, grouped_kv: bool = False) -> float:
     """Bytes one block keeps per token of the sequence for its backward (see the module
     docstring). e: bytes of the compute dtype (2 bf16, 4 fp32); ac: none | op | full (layer is
     per block: none or full). fp32_residual: autocast (bf16 layouts without FSDP), where the
     residual stream and the norms stay fp32 and every matmul casts its own bf16 copy of its
-    input (wq, wk and wv three, w1 and w3 two)."""
+    input (wq, wk and wv three, w1 and w3 two). grouped_kv: k/v reach attention with their own
+    heads (sdpa's GQA, taken on CPU only: lingua.transformer.grouped_kv_ok); on GPU they are
+    repeated to all heads first."""
     s = _shape(model_args)
     h, nh, hk, f = s["h"], s["nh"], s["hk"], s["f"]
     t = tp
@@ -183,10 +186,12 @@ def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
     attn_in, ffn_in = (3, 2) if fp32_residual else (1, 1)   # kept copies of those inputs
     if ac == "full":
         return r * h / t                                    # the block's input
-    norm = 4 * h + r * h + 4                                # fp32 copy, normalised, rsqrt
+    norm = _norm_bytes(h, r, t)
     if ac == "none":
-        # norms; attention input(s); q, k, v (repeated to all heads), output, logsumexp
-        out = 2 * norm / t + attn_in * e * h + (4 * e * h + 4 * nh) / t
+        # norms; attention input(s); q, k, v (repeated to all heads unless grouped), output,
+        # logsumexp
+        kv = 2 * hk if grouped_kv else 2 * h
+        out = 2 * norm / t + attn_in * e * h + (e * (2 * h + kv) + 4 * nh) / t
         if not moe:
             return out + ffn_in * e * h + 4 * e * f / t     # FFN input(s); w1, silu, w3, product
         k, he, hs = s["k"], s["he"], s["hs"]
@@ -207,12 +212,19 @@ def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
     return out + (r * h if gathered else 0)                 # all-gathered MoE input
 
 
+def _norm_bytes(h: int, r: int, tp: int) -> int:
+    """What an RMSNorm keeps per token: its fp32 normalised input and rsqrt (the eager
+    written-out backward of lingua.transformer.RMSNorm); under tp (sequence-parallel DTensors,
+    which take torch's composite ops one by one) also its normalised output before the weight."""
+    return 4 * h + 4 + (r * h if tp > 1 else 0)
+
+
 def output_activation_bytes(model_args, e: int, tp: int, loss_parallel: bool,
                             fp32_residual: bool = False) -> float:
     """Bytes per token at the last stage's end: final norm, the output projection's (gathered)
     input, bf16 logits, their fp32 copy and the fp32 log-probabilities of the cross-entropy."""
     h, vocab = model_args.dim, model_args.vocab_size
-    norm = 4 * h + (4 if fp32_residual else e) * h + 4
+    norm = _norm_bytes(h, 4 if fp32_residual else e, tp)
     v_local = vocab / tp if loss_parallel else vocab
     return norm / tp + e * h + (e + 8) * v_local
 

@@ -255,11 +255,14 @@ def _quantile(hist: torch.Tensor, n: float, q: float, vmin: float, vmax: float) 
 
 def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int) -> tuple:
     """Max logit and entropy for `n_queries` evenly spaced query positions of every sequence
-    and head. q, k [b, s, h, d] (k repeated to q's heads); causal, or `mask` a boolean
+    and head. q [b, s, h, d], k [b, s, h_kv, d] (h_kv divides h: grouped-query attention, where
+    kv head j serves query heads j*h/h_kv .. (j+1)*h/h_kv - 1); causal, or `mask` a boolean
     [s, s] / [b, 1, s, s] tensor (True = may attend); other mask objects (flex, xformers) are
     taken as plain causal. Returns (sums [3], maxes [1]):
     sums = entropy total, log(keys seen) total, number of (query, head) rows."""
     b, s, h, d = q.shape
+    if k.shape[2] != h:   # sdpa's own GQA (CoreAttention.takes_grouped_kv): repeat here, not there
+        k = k.repeat_interleave(h // k.shape[2], dim=2)
     idx = torch.linspace(s - 1, 0, min(n_queries, s), device=q.device).round().long().unique()
     qs = q.detach()[:, idx].float()                                        # [b, n, h, d]
     logits = torch.einsum("bnhd,bshd->bhns", qs, k.detach().float()) / math.sqrt(d)

@@ -23,6 +23,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lingua.errors import ConfigError
 
@@ -95,6 +96,39 @@ def validate_transformer_args(args: TransformerArgs) -> None:
 
 
 
+def _eager_plain(*tensors) -> bool:
+    """Take the hand-written autograd path (RMSNorm, RoPE)? Only for plain tensors in eager
+    mode: inductor fuses the composite ops better itself, and a DTensor (sequence parallelism)
+    needs its ops one by one so that each propagates its sharding."""
+    return not torch.compiler.is_compiling() and not any(isinstance(t, DTensor) for t in tensors)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm with a written-out backward: the same arithmetic as the composite
+    (x * rsqrt(mean(x^2) + eps)).type_as(x) * weight, in about half the memory passes (autograd
+    of the composite makes ~15 over [b, s, dim] per norm; on CPU these passes, not FLOPs, are
+    the cost: ~8% of a small model's step)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        xhat = xf * rstd
+        ctx.save_for_backward(xhat, rstd, weight)
+        ctx.x_dtype = x.dtype
+        return xhat.type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, rstd, weight = ctx.saved_tensors
+        dweight = (grad * xhat.to(ctx.x_dtype)).sum(tuple(range(grad.ndim - 1))).to(weight.dtype)
+        gw = (grad * weight).to(xhat.dtype)
+        # d/dx of x * rstd(x): rstd * (gw - xhat * mean(gw * xhat))
+        mean = torch.linalg.vecdot(gw, xhat).unsqueeze(-1) / xhat.shape[-1]
+        dx = torch.addcmul(gw, xhat, mean, value=-1).mul_(rstd)
+        return dx.to(ctx.x_dtype), dweight, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -103,6 +137,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32: bf16 mean-of-squares loses too much precision.
+        if _eager_plain(x, self.weight):
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
@@ -159,9 +195,39 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+class _RopeFunction(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin, computed half by half in place (first half
+    x1 * cos - x2 * sin, second half x2 * cos + x1 * sin), with the backward written out: a
+    rotation's gradient is the rotation by minus the angle, so nothing but the tables (views of
+    the model's buffers) is saved, and a third of autograd's memory passes go."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        xf = x.to(torch.promote_types(x.dtype, cos.dtype))
+        half = x.shape[-1] // 2
+        out = xf * cos
+        out[..., :half].addcmul_(xf[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(xf[..., :half], sin[..., half:])
+        ctx.save_for_backward(cos, sin)
+        ctx.x_dtype = x.dtype
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        gf = grad.to(cos.dtype)
+        half = grad.shape[-1] // 2
+        dx = gf * cos
+        dx[..., :half].addcmul_(gf[..., half:], sin[..., half:])
+        dx[..., half:].addcmul_(gf[..., :half], sin[..., :half], value=-1)
+        return dx.to(ctx.x_dtype), None, None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [b, s, h, d]; cos/sin [s, d]. Computed in (at least) fp32 so bf16 runs keep exact positions."""
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    if _eager_plain(x, cos, sin):
+        return _RopeFunction.apply(x, cos, sin)
     xf = x.to(torch.promote_types(x.dtype, cos.dtype))
     return (xf * cos + _rotate_half(xf) * sin).type_as(x)
 
@@ -291,7 +357,9 @@ def _flex_attention(q, k, v, block_mask):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, mask=None) -> torch.Tensor:
-    """q, k, v [b, s, h, d] (k/v already repeated to h heads) -> [b, s, h, d]."""
+    """q [b, s, h, d], k/v [b, s, h_kv, d] -> [b, s, h, d]. k/v may have fewer heads than q
+    (grouped-query attention) for sdpa only, which groups them itself (enable_gqa); the other
+    backends take them repeated to h heads (repeat_kv)."""
     if backend == "xformers":
         from xformers.ops import memory_efficient_attention
 
@@ -304,9 +372,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, m
     if backend == "flex":
         out = _flex_attention(q, k, v, mask)
     elif mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
 
@@ -353,8 +421,8 @@ class CoreAttention(nn.Module):
     through this module (one contract of apps' model files, checked at start by
     lingua.coverage.check_model_contract). Context parallelism finds it by type and replaces it
     with a version that sees every rank's keys and values; the probe hooks it for attention
-    statistics. Its inputs are q, k, v [b, s, heads, head_dim] after RoPE and with k/v already
-    repeated to the query heads (repeat_kv), and the mask the decoder shell built.
+    statistics. Its inputs are q, k, v [b, s, heads, head_dim] after RoPE, with k/v repeated to
+    the query heads (repeat_kv) unless `takes_grouped_kv()`, and the mask the decoder shell built.
 
     With a KV cache (decoding) it runs sdpa with the cache's offset-causal mask on any backend.
     """
@@ -363,11 +431,31 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.backend = backend
 
+    def takes_grouped_kv(self) -> bool:
+        """May k/v come with their own (fewer) heads? Yes for the plain sdpa call: sdpa groups
+        them itself (enable_gqa), without repeat_kv's copy and its backward (~5% of a small
+        GQA model's CPU step); the other backends take them repeated. The answer never depends
+        on who watches the module (the probe reads grouped heads itself), so a probed step
+        computes exactly like an unprobed one. A module that replaces this one (context
+        parallelism) is asked nothing: callers repeat for it."""
+        return self.backend == "sdpa"
+
     def forward(self, q, k, v, mask=None, decoding: bool = False):
         if decoding:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]).transpose(1, 2)
         return attention(q, k, v, self.backend, mask)
+
+
+def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:
+    """Whether an attention block may pass `core` k/v with fewer heads than q (see
+    CoreAttention.takes_grouped_kv): on CPU only, where it was measured, with no mask, and for a
+    CoreAttention. On CUDA sdpa groups heads in its flash kernel only (bf16/fp16, sm80+); fp32,
+    a mask, or an older GPU would fall back to the math kernel (slow, [s, s] scores in memory),
+    so CUDA keeps repeat_kv and the fused kernels it always had."""
+    return (q.device.type == "cpu" and mask is None and isinstance(core, CoreAttention)
+            and core.takes_grouped_kv())
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:

@@ -87,10 +87,10 @@ def test_llama_8b_on_64_gpus(data, tmp_path):
     assert p.n_params == 8_030_261_248
     assert p.args.distributed.ac == "op" and p.dims.dp_shard == 64
     assert p.fits and p.busiest.total < 50 * GIB
-    # The same run without activation checkpointing is within 3 GiB of the 72 GiB usable: the
-    # preset's ac=op is what gives it room.
+    # The same run without activation checkpointing is within about 6 GiB of the 72 GiB
+    # usable (65.8 GiB): the preset's ac=op is what gives it room.
     without = run_plan("apps.llama.train", "llama_8b", data, tmp_path, 64, "distributed.ac=none")
-    assert without.busiest.total > 66 * GIB
+    assert without.busiest.total > 65 * GIB
     assert without.busiest.activations > 2 * p.busiest.activations - 20 * GIB
 
 
@@ -161,10 +161,10 @@ def test_deepseek_16b_on_64_gpus_with_ep8(data, tmp_path):
 
 
 def test_the_70b_preset_without_tp_does_not_fit_and_the_fix_is_named(data, tmp_path):
-    """What the preset used to be (no tp, no ac): 155 GiB of activations and gathered blocks on
+    """What the preset used to be (no tp, no ac): 145 GiB of activations and gathered blocks on
     each of 256 GPUs. The search re-plans ac=op (still too large) and names ac=full."""
     p = run_plan("apps.llama.train", "llama_70b", data, tmp_path, 256, "distributed.tp=1")
-    assert not p.fits and p.busiest.total > 150 * GIB
+    assert not p.fits and p.busiest.total > 140 * GIB
     assert p.suggestion.startswith("distributed.ac=full")
     assert p.tried[0].startswith("distributed.ac=op")
     text = planner.format_plan(p)
@@ -313,9 +313,30 @@ def test_activation_formula_matches_what_blocks_keep(case, ac):
     x = torch.randn(*tokens, args.dim, dtype=dtype, requires_grad=True)
     measured = per_layer_bytes_per_token(model, x, tokens, autocast=kind == "autocast")
     e = 4 if kind == "fp32" or kind == "noshared-fp32" else 2
+    # On CPU k/v reach sdpa with their own heads (lingua.transformer.grouped_kv_ok).
     predicted = planner.block_activation_bytes(args, app == "moe", ac, e,
-                                               fp32_residual=kind == "autocast")
+                                               fp32_residual=kind == "autocast", grouped_kv=True)
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
+
+
+@pytest.mark.parametrize("ac", ["none", "op"])
+def test_activation_formula_with_kv_repeated_as_on_gpu(monkeypatch, ac):
+    """On CUDA k/v are repeated to all heads before attention (grouped_kv_ok is CPU-only): the
+    formula the planner uses for GPUs (grouped_kv=False) is checked by forcing that path here."""
+    import apps.llama.model as llama_model
+    from lingua.distributed import apply_ac
+
+    monkeypatch.setattr(llama_model, "grouped_kv_ok", lambda *a, **k: False)
+    model, args = small_model("llama", torch.bfloat16)
+    apply_ac(model.layers, ac)
+    tokens = (2, 64)
+    x = torch.randn(*tokens, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    measured = per_layer_bytes_per_token(model, x, tokens)
+    predicted = planner.block_activation_bytes(args, False, ac, 2, grouped_kv=False)
+    assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
+    if ac == "none":   # the repeated k/v are what differs: 2 x (h - hk) x 2 bytes a token
+        grouped = planner.block_activation_bytes(args, False, ac, 2, grouped_kv=True)
+        assert predicted - grouped == 2 * 2 * (args.dim - args.dim // args.n_heads * args.n_kv_heads)
 
 
 @pytest.mark.parametrize("ac", ["none", "op", "full"])
@@ -341,7 +362,7 @@ def test_activation_formula_under_tensor_parallel(app, ac):
         local = torch.randn(2, 32, args.dim, dtype=torch.bfloat16, requires_grad=True)
         x = DTensor.from_local(local, env.mesh["tp"], (Shard(1),), run_check=False)
         measured = per_layer_bytes_per_token(model, x, tokens)
-    predicted = planner.block_activation_bytes(args, app == "moe", ac, 2, tp=2)
+    predicted = planner.block_activation_bytes(args, app == "moe", ac, 2, tp=2, grouped_kv=True)
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
 
 

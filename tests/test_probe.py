@@ -90,6 +90,48 @@ def test_attention_statistics_match_a_direct_softmax():
                                                     rel=1e-6)
 
 
+def test_attention_statistics_read_grouped_kv_heads_like_repeated_ones():
+    # On CPU sdpa gets k with its own (fewer) heads; the probe must see what repeat_kv would give.
+    from lingua.transformer import repeat_kv
+
+    torch.manual_seed(3)
+    q, k = torch.randn(2, 12, 6, 8), torch.randn(2, 12, 2, 8)
+    grouped = probe.finish_attention(*probe.attention_summary(q, k, None, n_queries=12))
+    repeated = probe.finish_attention(*probe.attention_summary(q, repeat_kv(k, k, 6)[0], None,
+                                                               n_queries=12))
+    assert grouped == repeated
+
+
+def test_a_hook_on_attention_changes_nothing_the_step_computes():
+    """The probe hooks CoreAttention; the step it watches must compute bit for bit like an
+    unwatched one (the spike tests compare runs exactly), including sdpa's grouped k/v path."""
+    from apps.llama.model import LlamaArgs, Transformer
+    from lingua.transformer import CoreAttention
+
+    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    tokens = torch.randint(0, 64, (2, 16))
+
+    def step():
+        model.zero_grad()
+        loss = model(tokens).float().logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    plain = step()
+    kv_heads = []
+    handles = [m.register_forward_hook(lambda mod, inp, out: kv_heads.append(inp[1].shape[2]))
+               for m in model.modules() if isinstance(m, CoreAttention)]
+    watched = step()
+    for h in handles:
+        h.remove()
+    assert kv_heads == [2, 2]   # grouped: sdpa groups the heads, hooked or not
+    assert torch.equal(plain[0], watched[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1]))
+
+
 def test_router_load_and_entropy():
     scores = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
     experts = torch.tensor([[0, 1], [1, 2], [0, 1]])
