@@ -72,6 +72,43 @@ def _grouped_mm_eager(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> t
     return _grouped_mm(x, w, offs)
 
 
+class _GatherRows(torch.autograd.Function):
+    """rows[i] = src[index[i]] for a permutation `index`, whose backward is the gather through
+    the inverse permutation (torch's index_select backward zero-fills and scatter-adds instead:
+    two more passes, and atomics on GPU)."""
+
+    @staticmethod
+    def forward(ctx, src, index, inverse):
+        ctx.save_for_backward(inverse)
+        return src.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _Dispatch(torch.autograd.Function):
+    """x [T, dim] -> x[slot // top_k for slot in order]: each token's row once per expert it is
+    routed to. Backward gathers the rows' gradients back into slot order (through `inverse`:
+    slot -> row, n_rows for a dropped slot) and sums each token's top_k slots: no zero-fill and
+    accumulate-scatter (index_put), deterministic on GPU."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse, top_k):
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        if inverse.numel() > grad.shape[0]:  # dropped slots read an appended zero row
+            grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
+        slots = grad.index_select(0, inverse)
+        return slots.view(-1, ctx.top_k, grad.shape[1]).sum(1), None, None, None
+
+
 def check_grouped_alignment(dim: int, hidden: int) -> None:
     """torch._grouped_mm needs every row stride to be a multiple of 16 bytes (8 bf16 values)."""
     if dim % 8 or hidden % 8:
@@ -197,17 +234,39 @@ class MoE(nn.Module):
             rank_in_expert = torch.arange(n_assign, device=x.device) - start[flat[order]]
             order = order[rank_in_expert < cap]
             kept = counts.clamp(max=cap)
-        token = order // self.top_k
-        y = self.experts(x[token], kept)
-        # Unsort into [T*k] slots (dropped slots stay zero), then weight and sum over the k slots.
-        # A scatter, not index_add, keeps the result deterministic on GPU.
-        slots = y.new_zeros(n_assign, shape[-1]).index_copy(0, order, y)
-        # Combine in fp32 (the router's weights are fp32); return the experts' compute dtype.
-        out = (slots.view(-1, self.top_k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(y.dtype)
+        # slot -> row of the expert-sorted rows (n_kept for a dropped slot)
+        inverse = torch.full((n_assign,), order.numel(), dtype=order.dtype, device=x.device)
+        inverse.index_copy_(0, order, torch.arange(order.numel(), device=x.device))
+        # Under autocast the experts compute in its dtype: cast the T rows once, not the T*k
+        # gathered ones (a bf16 gather also moves half the bytes).
+        xe = x.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else x
+        y = self.experts(_Dispatch.apply(xe, order, inverse, self.top_k), kept)
+        out = self._combine(y, order, inverse, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         self._balance(counts, scores, logits, n_assign - order.numel())
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _combine(self, y, order, inverse, weights) -> torch.Tensor:
+        """Expert outputs y [n, dim] (row i is slot order[i] = t * top_k + j) -> sum over j of
+        weights[t, j] * (slot (t, j)'s row), [T, dim] in y's dtype; dropped slots count as zero.
+
+        The rows go back into slot order by a gather through the inverse permutation (whose
+        backward is a gather through `order`; with drops, a scatter into zeros, whose backward
+        is the same gather), then each token's k slots are weighted and summed in one batched
+        [1, k] x [k, dim] product. Deterministic on GPU (no index_add), and on CPU fewer passes
+        over the [T*k, dim] rows than scatter, fp32 copy, product and sum."""
+        n_slots, dim = weights.numel(), y.shape[-1]
+        if order.numel() == n_slots:
+            slots = _GatherRows.apply(y, inverse, order)
+        else:
+            slots = y.new_zeros(n_slots, dim).index_copy(0, order, y)
+        slots = slots.view(-1, self.top_k, dim)
+        # In y's dtype: under bf16 autocast an fp32 copy of the [T*k, dim] rows (and the cast of
+        # their gradient back) cost more than the expert GEMMs of small experts. bmm accumulates
+        # in fp32 either way; the weights (and their gradient, for the router) are rounded to
+        # bf16 like any autocast matmul's operands, the routing itself stays fp32.
+        return torch.bmm(weights.unsqueeze(1).to(y.dtype), slots).squeeze(1)
 
     def _probs(self, scores: torch.Tensor) -> torch.Tensor:
         """Per-token distributions over experts: sigmoid scores are normalised to sum to 1."""

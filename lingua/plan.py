@@ -195,9 +195,10 @@ def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
         if not moe:
             return out + ffn_in * e * h + 4 * e * f / t     # FFN input(s); w1, silu, w3, product
         k, he, hs = s["k"], s["he"], s["hs"]
-        # the router's fp32 input; per routed slot: gathered row, expert output, w1, silu, w3,
-        # product, fp32 combine; router scores / indices; shared experts (with their input).
-        out += 4 * h + k * (2 * e * h + 4 * h + 4 * e * he) + 4 * s["E"] + 28 * k
+        # the router's fp32 input; per routed slot: gathered row, w1, silu, w3, product, and
+        # the expert output gathered back to slot order (the combine's bmm input); router
+        # scores / indices; shared experts (with their input).
+        out += 4 * h + k * (2 * e * h + 4 * e * he) + 4 * s["E"] + 28 * k
         return out + (ffn_in * e * h + 4 * e * hs if hs else 0)
     if ac != "op":
         raise ValueError(f"ac={ac!r}: use none, op or full (layer is a mix of none and full)")
@@ -208,7 +209,9 @@ def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
     if not moe:
         return out + 2 * e * f / t + e * h + (r * h if gathered else 0)   # w1 w3; w2; FFN in
     hs = s["hs"]
-    out += 4 * s["E"] + (2 * e * hs + e * h if hs else 0)   # router gate; shared w1 w3 w2
+    # router gate; the combine's bmm output (a matmul's, so kept; full sequence under tp, like
+    # the MoE input); shared w1 w3 w2
+    out += 4 * s["E"] + e * h + (2 * e * hs + e * h if hs else 0)
     return out + (r * h if gathered else 0)                 # all-gathered MoE input
 
 
