@@ -33,6 +33,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,7 @@ WCKEY = re.compile(r"^[A-Za-z0-9._+-]+$")
 # process and a few loader threads, and what nearly every GPU node has per GPU (8-GPU nodes have
 # 64 to 224 CPUs). Lower it, or raise it, with slurm.cpus_per_task.
 GPU_JOB_CPUS = 8
+STOP_GRACE_S = 5     # how long rank 0 of a stopped multi-rank job waits for its peers to exit
 
 
 def slurm_defaults(s: SlurmArgs) -> List[str]:
@@ -165,6 +167,11 @@ class TrainJob:
             # rank's 3 could kill rank 0 before it has requeued the job. Rank 0 reports the stop
             # (srun's exit code is the highest of its tasks': 3).
             code = 0
+        elif code == EXIT_STOPPED and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # And rank 0 leaves last: had it exited 3 while a peer was still tearing down, srun
+            # would kill that peer ("forcing job termination") and report 1, not 3, as the job's
+            # exit code. The ranks left the trainer together (a barrier); give them a moment.
+            time.sleep(STOP_GRACE_S)
         # As exit_cli does (distributed.exit_process says why). submitit's result file is not
         # needed: the run directory is the record.
         distributed.exit_process(code)

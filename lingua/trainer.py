@@ -960,6 +960,10 @@ def run(args, app: App) -> int:
     training = Run(args, env, app, parts, stage_ids, optimizers)
     training.resume()                 # from the newest intact checkpoint of dump_dir, if any
     completed = training.train()
+    if not completed:
+        # Stopped by a signal, everything saved: every rank leaves from here together, so that
+        # under srun rank 0 (the one that exits non-zero, see lingua.stool) can leave last.
+        distributed.barrier(env)
     distributed.destroy()
     if completed:
         return 0
