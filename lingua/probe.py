@@ -261,8 +261,10 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int) ->
     taken as plain causal. Returns (sums [3], maxes [1]):
     sums = entropy total, log(keys seen) total, number of (query, head) rows."""
     b, s, h, d = q.shape
-    if k.shape[2] != h:   # sdpa's own GQA (CoreAttention.takes_grouped_kv): repeat here, not there
-        k = k.repeat_interleave(h // k.shape[2], dim=2)
+    if k.shape[2] != h:   # sdpa's own GQA (lingua.transformer.grouped_kv_ok): repeat here, not there
+        from lingua.transformer import repeat_kv
+
+        k, _ = repeat_kv(k, k, h)
     idx = torch.linspace(s - 1, 0, min(n_queries, s), device=q.device).round().long().unique()
     qs = q.detach()[:, idx].float()                                        # [b, n, h, d]
     logits = torch.einsum("bnhd,bshd->bhns", qs, k.detach().float()) / math.sqrt(d)

@@ -422,7 +422,7 @@ class CoreAttention(nn.Module):
     lingua.coverage.check_model_contract). Context parallelism finds it by type and replaces it
     with a version that sees every rank's keys and values; the probe hooks it for attention
     statistics. Its inputs are q, k, v [b, s, heads, head_dim] after RoPE, with k/v repeated to
-    the query heads (repeat_kv) unless `takes_grouped_kv()`, and the mask the decoder shell built.
+    the query heads (repeat_kv) unless `grouped_kv_ok`, and the mask the decoder shell built.
 
     With a KV cache (decoding) it runs sdpa with the cache's offset-causal mask on any backend.
     """
@@ -430,15 +430,6 @@ class CoreAttention(nn.Module):
     def __init__(self, backend: str = "sdpa"):
         super().__init__()
         self.backend = backend
-
-    def takes_grouped_kv(self) -> bool:
-        """May k/v come with their own (fewer) heads? Yes for the plain sdpa call: sdpa groups
-        them itself (enable_gqa), without repeat_kv's copy and its backward (~5% of a small
-        GQA model's CPU step); the other backends take them repeated. The answer never depends
-        on who watches the module (the probe reads grouped heads itself), so a probed step
-        computes exactly like an unprobed one. A module that replaces this one (context
-        parallelism) is asked nothing: callers repeat for it."""
-        return self.backend == "sdpa"
 
     def forward(self, q, k, v, mask=None, decoding: bool = False):
         if decoding:
@@ -449,13 +440,17 @@ class CoreAttention(nn.Module):
 
 
 def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:
-    """Whether an attention block may pass `core` k/v with fewer heads than q (see
-    CoreAttention.takes_grouped_kv): on CPU only, where it was measured, with no mask, and for a
-    CoreAttention. On CUDA sdpa groups heads in its flash kernel only (bf16/fp16, sm80+); fp32,
-    a mask, or an older GPU would fall back to the math kernel (slow, [s, s] scores in memory),
-    so CUDA keeps repeat_kv and the fused kernels it always had."""
+    """Whether an attention block may pass `core` k/v with fewer heads than q: sdpa groups them
+    itself (enable_gqa), without repeat_kv's copy and its backward (~5% of a small GQA model's
+    CPU step). Only for a CoreAttention on the plain sdpa call (the other backends, and a module
+    that replaces it under context parallelism, take k/v repeated), on CPU, where it was
+    measured, with no mask. On CUDA sdpa groups heads in its flash kernel only (bf16/fp16,
+    sm80+); fp32, a mask, or an older GPU would fall back to the math kernel (slow, [s, s]
+    scores in memory), so CUDA keeps repeat_kv and the fused kernels it always had. The answer
+    never depends on who watches the module (the probe repeats grouped heads itself), so a
+    probed step computes exactly like an unprobed one."""
     return (q.device.type == "cpu" and mask is None and isinstance(core, CoreAttention)
-            and core.takes_grouped_kv())
+            and core.backend == "sdpa")
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
