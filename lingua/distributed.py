@@ -227,8 +227,11 @@ def _device(local_rank: int) -> torch.device:
     `srun --gpus-per-task=1`, or a CUDA_VISIBLE_DEVICES per task): the task then sees one device,
     cuda:0, while LOCAL_RANK still counts the tasks on the node (3 for the fourth). Where every
     task sees all of the node's GPUs (torchrun, stool's gpus_per_node) it is the local rank.
+
+    LINGUA_JOB_DEVICE=cpu keeps a run on the CPU of a GPU machine (the test suite's CPU
+    references do this; so can a researcher debugging on a GPU node), as job_device_type says.
     """
-    if torch.cuda.is_available():
+    if job_device_type() == "cuda" and torch.cuda.is_available():
         index = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)

@@ -357,9 +357,12 @@ class Pipeline:
         # Tokens only enter at the first stage and labels only at the last; doc_ids go to every
         # stage (each one builds its attention mask), and so do an app's extra forward inputs
         # (model_kwargs: [b, ...] tensors, cut into micro-batches like the tokens).
-        args = (tokens.to(self.device),) if self.has_first else ()
-        kwargs = {"doc_ids": doc_ids.to(self.device)} if doc_ids is not None else {}
-        kwargs.update({k: v.to(self.device) for k, v in (model_kwargs or {}).items()})
+        # Contiguous: the batch's tokens are a [:, :-1] view (row stride seq_len + 1), and torch
+        # 2.11's stages compare input strides with the contiguous ones they inferred (a
+        # PipeliningShapeError there; 2.13 compares shapes only). The copy is a few KiB.
+        args = (tokens.to(self.device).contiguous(),) if self.has_first else ()
+        kwargs = {"doc_ids": doc_ids.to(self.device).contiguous()} if doc_ids is not None else {}
+        kwargs.update({k: v.to(self.device).contiguous() for k, v in (model_kwargs or {}).items()})
         target = labels.to(self.device) if self.has_last else None
         losses: list = []
         if self.steps_run == 0:

@@ -223,7 +223,9 @@ def build_model_parts(args, env: DistEnv, app: App) -> tuple:
         del hf_state
     weights.check_placement(parts, env.device, param_device)
     n_params = sum(p.numel() for part in parts for p in part.parameters())
-    logger.info("model: %.2fM parameters on this rank's %d part(s)", n_params / 1e6, len(parts))
+    # The device is named so a launch that gave tasks the wrong GPU (or none) shows at once.
+    logger.info("model: %.2fM parameters on this rank's %d part(s), on %s (%s compute)",
+                n_params / 1e6, len(parts), env.device, args.distributed.model_dtype)
     return parts, stage_ids
 
 

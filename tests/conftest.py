@@ -94,6 +94,20 @@ def slurm_is_up() -> str:
 
 
 @pytest.fixture(autouse=True)
+def _cpu_unless_marked_gpu(request, monkeypatch):
+    """On a machine with a GPU, every test not marked gpu still trains on the CPU (in-process and
+    in the torchrun processes it starts, which inherit the variable): their references are
+    single-process CPU runs and their layouts gloo groups of up to 8 ranks, which one GPU's NCCL
+    cannot hold. Without a GPU this changes nothing."""
+    import torch
+
+    from lingua.distributed import JOB_DEVICE_VAR
+
+    if torch.cuda.is_available() and request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv(JOB_DEVICE_VAR, "cpu")
+
+
+@pytest.fixture(autouse=True)
 def _root_log_handlers_do_not_leak():
     """A test that runs a trainer or CLI in-process calls metrics.setup_logging, whose
     basicConfig(force=True) binds the root logger to that test's captured stdout. Left there, a
