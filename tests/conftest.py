@@ -93,18 +93,25 @@ def slurm_is_up() -> str:
     return ""
 
 
-@pytest.fixture(autouse=True)
-def _cpu_unless_marked_gpu(request, monkeypatch):
-    """On a machine with a GPU, every test not marked gpu still trains on the CPU (in-process and
-    in the torchrun processes it starts, which inherit the variable): their references are
-    single-process CPU runs and their layouts gloo groups of up to 8 ranks, which one GPU's NCCL
-    cannot hold. Without a GPU this changes nothing."""
+# On a machine with a GPU every test not marked gpu still trains on the CPU, in-process and in
+# the torchrun processes it starts (they inherit the variable): their references are
+# single-process CPU runs, their layouts gloo groups of up to 8 ranks that one GPU's NCCL cannot
+# hold. Set for the whole session, so session- and module-scoped fixtures (reference runs that
+# gpu tests compare with too) train on the CPU; gpu-marked tests lift it. Without a GPU this
+# changes nothing.
+_CPU_ON_GPU_MACHINE = False
+if os.environ.get("LINGUA_JOB_DEVICE") is None:
     import torch
 
-    from lingua.distributed import JOB_DEVICE_VAR
+    if torch.cuda.is_available():
+        os.environ["LINGUA_JOB_DEVICE"] = "cpu"   # lingua.distributed.JOB_DEVICE_VAR
+        _CPU_ON_GPU_MACHINE = True
 
-    if torch.cuda.is_available() and request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setenv(JOB_DEVICE_VAR, "cpu")
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_train_on_the_gpu(request, monkeypatch):
+    if _CPU_ON_GPU_MACHINE and request.node.get_closest_marker("gpu") is not None:
+        monkeypatch.delenv("LINGUA_JOB_DEVICE")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,103 @@
+"""benchmarks/gpu_vs_hf.py (our trainer vs a Hugging Face loop on one GPU): both sides train the
+same model, and the whole comparison runs end to end (on the CPU here, tiny shapes, fp32)."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+pytest.importorskip("transformers")
+
+import gpu_vs_hf  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(gpu_vs_hf.SHAPES))
+def test_hf_side_has_our_shape(name):
+    """The HF model of every shape (built from our exporter's config) has our parameter count
+    and our head, expert and tying layout; the 1B shape is the llama_1b preset's."""
+    shape = gpu_vs_hf.SHAPES[name]
+    experts = ["default", "eager"] if shape.app == "moe" else ["default"]
+    with torch.device("meta"):
+        ours = gpu_vs_hf.our_model(shape)
+    count = sum(p.numel() for p in ours.parameters())
+    for impl in experts:
+        theirs = gpu_vs_hf.hf_model(shape, impl, device="meta")
+        assert sum(p.numel() for p in theirs.parameters()) == count, (name, impl)
+        cfg = theirs.config
+        assert cfg.num_key_value_heads == shape.model["n_kv_heads"]
+        assert cfg.tie_word_embeddings == shape.model.get("tie_embeddings", False)
+        assert cfg._attn_implementation == "sdpa"
+        if shape.app == "moe":
+            assert type(theirs).__name__ == "MixtralForCausalLM"
+            assert cfg.num_local_experts == shape.model["n_experts"]
+            assert cfg.intermediate_size == shape.model["expert_hidden_dim"]
+            if impl != "default":
+                assert cfg._experts_implementation == impl
+    if name == "1B":
+        assert count == pytest.approx(1.04e9, rel=0.01)
+        assert shape.model["dim"] == 2048 and shape.model["tie_embeddings"] is True
+
+
+def test_sides():
+    """HF's per-expert loop is measured uncompiled only; LLaMA shapes have no experts variants."""
+    moe, llama = gpu_vs_hf.SHAPES["moe"], gpu_vs_hf.SHAPES["125M"]
+    names = [s.name for s in gpu_vs_hf.sides_for(moe, ["compiled"], ["compiled", "eager"],
+                                                 ["default", "eager"])]
+    assert names == ["ours", "hf_compiled", "hf_eager", "hf_eager_experts_eager"]
+    names = [s.name for s in gpu_vs_hf.sides_for(llama, ["compiled", "eager"], ["eager"],
+                                                 ["default", "eager"])]
+    assert names == ["ours", "ours_eager", "hf_eager"]
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory, corpus):
+    """One end-to-end run on CPU: the tiny LLaMA and MoE shapes, ours and HF eager, one round."""
+    work = tmp_path_factory.mktemp("gpu_vs_hf")
+    out = work / "results.json"
+    cmd = [sys.executable, "benchmarks/gpu_vs_hf.py", "--device", "cpu", "--shapes", "tiny,tiny-moe",
+           "--ours-eager", "--hf", "eager", "--rounds", "1", "--warmup", "2", "--steps", "2",
+           "--workdir", str(work), "--data-root", str(corpus), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_runs_end_to_end_on_cpu(cpu_run):
+    stdout, results = cpu_run
+    assert results["complete"] and results["env"]["device"] == "cpu"
+    assert results["env"]["torch"] == torch.__version__ and results["env"]["transformers"]
+    # The step counts are whole windows of the trainer's own logging (the debug presets': 10).
+    assert results["settings"]["logging_every"] == 10
+    assert (results["settings"]["warmup"], results["settings"]["steps"]) == (10, 10)
+    table = stdout[stdout.rindex("shape "):]   # the table comes last
+    for name, sides in (("tiny", ["ours_eager", "hf_eager"]),
+                        ("tiny-moe", ["ours_eager", "hf_eager", "hf_eager_experts_eager"])):
+        shape = results["shapes"][name]
+        for side in sides:
+            got = shape["sides"][side]
+            assert got["rounds_ok"] == 1 and got["tokens_per_s"] > 0, (name, side, got)
+            assert got["peak_mem_gib"] > 0 and 0 < got["mfu_measured"] < 1
+            assert re.search(rf"^{re.escape(name)} +{side}\b.* [\d,]+ +1 ", table, re.M), table
+        ours, hf = shape["sides"]["ours_eager"], shape["sides"]["hf_eager"]
+        assert shape["ratios"]["ours_eager/hf_eager"] == pytest.approx(
+            ours["tokens_per_s"] / hf["tokens_per_s"])
+        run = ours["runs"][0]
+        # Ours measured its rows after the warm-up only: the row at step 20 (steps 11-20).
+        assert run["rows"] == [10, 20] and run["measured_steps"] == 10
+        # MFU is over the FLOPs per token the trainer itself logs its MFU with (read back from
+        # its logged mfu and peak; unless the trainer measured its CPU peak again mid-run).
+        if not run["trainer_peak_note"]:
+            assert run["trainer_flops_per_token"] == pytest.approx(shape["flops_per_token"],
+                                                                   rel=1e-9)
+        assert run["wall_tokens_per_s"] > 0
+    moe = results["shapes"]["tiny-moe"]["sides"]
+    assert moe["hf_eager"]["runs"][0]["experts_implementation"]   # transformers' own choice
+    assert moe["hf_eager_experts_eager"]["runs"][0]["experts_implementation"] == "eager"
