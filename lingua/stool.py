@@ -651,7 +651,14 @@ def make_executor(slurm: SlurmArgs, folder: Path, code_dir: Path, job_name: str)
     extra = {"requeue": True}
     if slurm.mem is not None:
         extra["mem"] = str(slurm.mem)   # as given: submitit's own mem option converts from GB
-    setup = [f"cd {shlex.quote(str(code_dir))}", f"export PYTHONPATH={shlex.quote(str(code_dir))}"]
+    from lingua.distributed import JOB_DEVICE_VAR
+
+    setup = [f"cd {shlex.quote(str(code_dir))}", f"export PYTHONPATH={shlex.quote(str(code_dir))}",
+             # The job trains on the device it asked Slurm for, which is what stool validated for:
+             # sbatch passes on the submitting shell's environment, and a LINGUA_JOB_DEVICE=cpu
+             # set there to debug would otherwise keep a GPU job on its CPUs (and a CPU job on a
+             # node with visible GPUs would take them).
+             f"unset {JOB_DEVICE_VAR}" if slurm.gpus_per_node else f"export {JOB_DEVICE_VAR}=cpu"]
     params = dict(job_name=job_name, nodes=slurm.nodes, ntasks_per_node=slurm.tasks_per_node,
                   time=slurm.time, signal_delay_s=slurm.signal_delay_s, setup=setup,
                   additional_parameters=extra,

@@ -129,6 +129,10 @@ def test_given_slurm_values_win_and_a_cpu_job_keeps_one_task(corpus, tmp_path):
     sbatch = _sbatch_lines(script)
     assert sbatch["ntasks-per-node"] == "1" and "cpus-per-task" not in sbatch, script
     assert "SRUN_CPUS_PER_TASK" not in script and "--wckey" not in script
+    # The job's device is the one it asked for, whatever LINGUA_JOB_DEVICE the submitter had.
+    assert "\nexport LINGUA_JOB_DEVICE=cpu\n" in script and "unset LINGUA_JOB_DEVICE" not in script
+    gpu_script = _script([*args, "slurm.gpus_per_node=4", "slurm.dry_run=true"], tmp_path)
+    assert "\nunset LINGUA_JOB_DEVICE\n" in gpu_script and "LINGUA_JOB_DEVICE=" not in gpu_script
     # A bad value is named as given, before stool fills in its defaults.
     from apps.llama import train
 
