@@ -87,7 +87,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from moe_trainer_vs_hf import MIXTRAL as MIXTRAL_OVERRIDES  # noqa: E402
-from trainer_vs_hf import _STEP_LINE  # noqa: E402  (the trainer's step line, as its twin reads it)
+from trainer_vs_hf import _STEP_LINE, hf_optimizer  # noqa: E402  (shared with the CPU twin)
 
 
 @dataclass(frozen=True)
@@ -226,12 +226,7 @@ def hf_side(shape: Shape, mode: str, experts: str, device: str, warmup: int, ste
     model.train()
     assert all(p.dtype == torch.float32 for p in model.parameters())
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
+    opt, sched = hf_optimizer(model, LR, BETAS, EPS, WEIGHT_DECAY, WARMUP)
     config = model.config
     forward = torch.compile(model) if mode == "compiled" else model
     # bf16 as Trainer(bf16=True) does it on a GPU: fp32 weights, autocast around forward + loss.

@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from llama_cpu import cpu_description, median, two_cores  # noqa: E402
 from trainer_vs_hf import pinned, pinned_env  # noqa: E402  (the LLaMA twin's, shared)
-from trainer_vs_hf import follow_trainer, wait_for_first_step  # noqa: E402
+from trainer_vs_hf import follow_trainer, hf_optimizer, wait_for_first_step  # noqa: E402
 
 # Byte-level (vocab 258, the debug preset's tokenizer) Mixtral-exportable MoE shapes.
 #   issue: the issue's shape, 8 experts top-2 of hidden 768 (30.9M parameters).
@@ -135,12 +135,7 @@ def hf_loop(hf_dir: str, experts: str, dtype: str, batch: int, seq_len: int, ste
                                                attn_implementation="sdpa", dtype=torch.float32)
     model.train()
     assert model.config._experts_implementation == experts, model.config._experts_implementation
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
+    opt, sched = hf_optimizer(model, LR, BETAS, EPS, WEIGHT_DECAY, WARMUP)
     pool = torch.randint(0, VOCAB, (8, batch, seq_len + 1))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
     print(json.dumps({"hf_experts": model.config._experts_implementation}), file=out, flush=True)

@@ -110,6 +110,20 @@ def hf_model(shape: dict, seq_len: int):
     return LlamaForCausalLM(cfg)
 
 
+def hf_optimizer(model, lr: float, betas, eps: float, weight_decay: float, warmup: int):
+    """What `transformers.Trainer` builds by default for the HF side of every benchmark here:
+    fused AdamW (adamw_torch_fused) with weight decay on matrices only, and a linear warm-up
+    LambdaLR. Shared with benchmarks/moe_trainer_vs_hf.py and benchmarks/gpu_vs_hf.py."""
+    import torch
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=betas, eps=eps, fused=True)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+
+
 def hf_loop(shape: dict, dtype: str, batch: int, seq_len: int, steps: int, profile_steps: int = 0,
             warmup: int = 3, out=sys.stdout) -> None:
     """Train HF's model `steps` steps; print one JSON line per step with its end time
@@ -119,12 +133,7 @@ def hf_loop(shape: dict, dtype: str, batch: int, seq_len: int, steps: int, profi
 
     torch.manual_seed(0)
     model = hf_model(shape, seq_len)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    opt, sched = hf_optimizer(model, LR, BETAS, EPS, WEIGHT_DECAY, warmup=20)
     pool = torch.randint(0, VOCAB, (8, batch, seq_len + 1))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
     prof = None
