@@ -309,16 +309,29 @@ class Pipeline:
         # torch's stages infer shapes on their first step with an extra forward (on real tensors
         # at the first stage, uninitialised ones after it): marked by inferring_shapes().
         self.steps_run = 0
-        # ... and the last stage's extra forward ends in one extra loss_fn call, on uninitialised
-        # tensors (torch's _backward_metadata_inference, before any micro-batch). Both are
-        # marked with inferring_shapes() (module level) while they run.
-        self._inference_calls_left = 0
+        # ... and torch 2.13 (not 2.11) ends the last stage's extra forward in one extra loss_fn
+        # call, on uninitialised tensors (its _backward_metadata_inference, run from the stage's
+        # _prepare_backward_infra before any micro-batch). Both are marked with
+        # inferring_shapes() (module level) while they run. Which loss_fn calls are torch's is
+        # told by where they come from, not by counting: counting one under 2.11 marked the
+        # first real micro-batch's loss, which the trainer then left out of the logged loss.
+        self._preparing_backward = False
+        for stage in stages:
+            if stage.is_last and hasattr(stage, "_prepare_backward_infra"):
+                stage._prepare_backward_infra = self._marking_loss_calls(stage._prepare_backward_infra)
+
+    def _marking_loss_calls(self, prepare):
+        def prepare_backward(*args, **kwargs):
+            self._preparing_backward = True
+            try:
+                return prepare(*args, **kwargs)
+            finally:
+                self._preparing_backward = False
+        return prepare_backward
 
     def loss_fn_for_torch(self, output, target, **kwargs):
         """The loss_fn build_schedule gives torch's schedule: ours, marked while inferring."""
-        inferring = self._inference_calls_left > 0
-        self._inference_calls_left = max(0, self._inference_calls_left - 1)
-        _set_inferring(inferring)
+        _set_inferring(self._preparing_backward)
         try:
             return self.loss_fn(output, target, **kwargs)
         finally:
@@ -367,7 +380,6 @@ class Pipeline:
         losses: list = []
         if self.steps_run == 0:
             self._mark_first_forwards()
-            self._inference_calls_left = 1 if self.has_last else 0
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         self.steps_run += 1
         if not self.has_last:

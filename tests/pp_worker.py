@@ -18,6 +18,7 @@ from lingua.distributed import exit_process
 from lingua.evaluation import token_loss_sum
 from lingua.pipeline import (
     build_schedule,
+    inferring_shapes,
     split_model,
     stage_ids_of_rank,
     stage_layer_ids,
@@ -74,8 +75,13 @@ def run_case(case: dict, rank: int, pp: int) -> dict:
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
 
+    recorded = []   # what a recording loss_fn (the trainer's logged loss) sees of a step
+
     def loss_fn(output, target):
-        return token_loss_sum(output, target) / n_tokens
+        loss = token_loss_sum(output, target) / n_tokens
+        if not inferring_shapes():
+            recorded.append(loss.item())
+        return loss
 
     pipe = build_schedule(parts, ids, n_stages, dist.group.WORLD, "cpu", case["schedule"],
                           case["microbatches"], loss_fn)
@@ -83,6 +89,7 @@ def run_case(case: dict, rank: int, pp: int) -> dict:
               "fqns": [n for part in parts for n, _ in part.named_parameters()]}
     loss = pipe.step(tokens, labels, doc_ids)
     result["loss"] = None if loss is None else loss.item()
+    result["recorded"] = recorded.copy()
     result["grads"] = grad_errors(parts, ref_grads)
     ev = pipe.eval_loss(tokens, labels, doc_ids)
     result["eval"] = None if ev is None else ev.item()

@@ -180,6 +180,11 @@ def test_schedule_matches_single_process(pp_results, case):
     for key in ("loss", "eval", "loss2"):  # step, eval_loss, step again after evaluation
         assert abs(last[key] - ref) <= 1e-5 * abs(ref), f"{key}={last[key]} vs reference {ref}"
     assert abs(last["eval_twice"] - 2 * ref) <= 2e-5 * abs(ref), "eval on a batch of another shape"
+    # loss_fn's calls on real micro-batches, those not marked inferring_shapes() (torch 2.13
+    # makes one extra, marked call on a first step, 2.11 none): one per micro-batch, adding up.
+    recorded = last["recorded"]
+    assert len(recorded) == dict((c[0], c[3]) for c in CASES)[case], recorded
+    assert abs(sum(recorded) - ref) <= 1e-5 * abs(ref), f"recorded {recorded} vs reference {ref}"
     for r, res in enumerate(ranks):
         _check_grads(res["grads"], f"rank {r}")
         _check_grads(res["grads2"], f"rank {r} second step")
