@@ -185,9 +185,26 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 32 << 20) and mallopt(m_trim_threshold, 1 << 30))
 
 
+TESTED_TORCH = "2.13"   # pyproject.toml's pin: the version the suite runs on
+
+
+def torch_version_warning(version: str) -> Optional[str]:
+    """What to say when the run's torch is not the tested one (None when it is): clusters often
+    carry another build, and torch.distributed's private paths change between versions."""
+    if version.split("+")[0].rsplit(".", 1)[0] == TESTED_TORCH:
+        return None
+    return (f"torch {version} is not the version lingua is tested with ({TESTED_TORCH}.x, "
+            "pyproject.toml). Seen under 2.11 (one H100, 2026-11-24): the one-GPU runbook passes, "
+            "but the InterleavedZeroBubble, ZBVZeroBubble and DualPipeV pipeline schedules failed "
+            "(on gloo; NCCL untried). "
+            f"Install torch=={TESTED_TORCH}.0 where you can.")
+
+
 def start_run(args, env: DistEnv) -> None:
     """Logging, the embedded corpus on first use, and the run's config.yaml."""
     metrics.setup_logging(env.rank)
+    if env.is_main and (untested := torch_version_warning(torch.__version__)):
+        logger.warning(untested)
     if env.device.type == "cpu":
         keep_freed_memory()
     preemption.SIGNALS.listen()

@@ -4,6 +4,7 @@ and the offload path on 2 gloo ranks with a fake CUDA half. What only a GPU can 
 the GPU runbook (tests/test_gpu.py)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +110,18 @@ def test_cpu_offload_path_on_a_two_backend_group(tmp_path):
         assert r["norm"] == pytest.approx(r["reference_norm"], rel=1e-5)
         assert r["clipped_norm"] == pytest.approx(0.5, rel=1e-4)
         assert r["probe_sums_match"] and r["stepped"] and r["restored"]
+
+
+def test_an_untested_torch_is_named_at_start_and_the_tested_one_is_not():
+    """The GPU image of 2026-11-24 had torch 2.11, where three pipeline schedules fail: a run on
+    another torch than the pin says so once, at start; the pin and the check name one version."""
+    from lingua.trainer import TESTED_TORCH, torch_version_warning
+
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert f'"torch=={TESTED_TORCH}.0"' in pyproject
+    assert torch_version_warning(f"{TESTED_TORCH}.0") is None
+    assert torch_version_warning(f"{TESTED_TORCH}.1+cu130") is None
+    message = torch_version_warning("2.11.0+cu130")
+    assert message.startswith("torch 2.11.0+cu130 is not the version lingua is tested with")
+    assert "ZBVZeroBubble" in message and f"torch=={TESTED_TORCH}.0" in message
+    assert torch_version_warning("2.1.3") is not None   # not a prefix match
