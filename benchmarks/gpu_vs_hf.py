@@ -87,7 +87,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from moe_trainer_vs_hf import MIXTRAL as MIXTRAL_OVERRIDES  # noqa: E402
-from trainer_vs_hf import _STEP_LINE, hf_optimizer  # noqa: E402  (shared with the CPU twin)
+from trainer_vs_hf import follow_trainer, hf_optimizer  # noqa: E402  (shared with the CPU twin)
 
 
 @dataclass(frozen=True)
@@ -450,17 +450,13 @@ def run_ours(name: str, shape: Shape, side: Side, cli, tag: str, timeout: float)
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(cli.device), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
     killer = Killer(proc, timeout)
-    arrivals, lines = {}, []
-    for line in proc.stdout:   # each logged step's line, timed as it arrives
-        match = _STEP_LINE.search(line)
-        if match:
-            arrivals[int(match.group(1))] = time.monotonic() - start
-        lines.append(line)
-    proc.wait()
-    killer.cancel()
-    if proc.returncode != 0:
-        raise RuntimeError(f"the trainer {'timed out' if killer.fired else 'failed'} (exit "
-                           f"{proc.returncode}): {' '.join(cmd[1:])}\n{''.join(lines[-40:])}")
+    lines = []
+    try:   # each logged step's line, timed as it arrives
+        arrivals = follow_trainer(proc, lambda: time.monotonic() - start, lines)
+    except RuntimeError as err:
+        raise RuntimeError(f"{'timed out: ' if killer.fired else ''}{' '.join(cmd[1:])}\n{err}") from None
+    finally:
+        killer.cancel()
     out = read_ours(dump_dir, shape, cli.warmup, total, arrivals)
     out.update(command=" ".join(cmd[1:]), dump_dir=str(dump_dir),
                output_tail=[line.rstrip() for line in lines[-20:]],

@@ -198,15 +198,18 @@ def wait_for_first_step(proc, path: Path, timeout: float = 600.0) -> None:
     raise RuntimeError(f"the HF side did no step in {timeout:.0f} s")
 
 
-def follow_trainer(ours: subprocess.Popen, stamp) -> dict:
+def follow_trainer(ours: subprocess.Popen, stamp, lines: list = None) -> dict:
     """{step: stamp()} taken as each of the trainer's step lines arrives (stdout, line-buffered);
-    raises with its last lines if it fails. Shared with benchmarks/moe_trainer_vs_hf.py."""
+    raises with its last lines if it fails. `lines`, if given, receives every line. Shared with
+    benchmarks/moe_trainer_vs_hf.py and benchmarks/gpu_vs_hf.py."""
     arrivals, tail = {}, []
     for line in ours.stdout:
         match = _STEP_LINE.search(line)
         if match:
             arrivals[int(match.group(1))] = stamp()
         tail = (tail + [line])[-30:]
+        if lines is not None:
+            lines.append(line)
     if ours.wait() != 0:
         raise RuntimeError(f"the trainer failed (exit {ours.returncode}):\n{''.join(tail)}")
     return arrivals

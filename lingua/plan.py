@@ -46,8 +46,8 @@ them. Assumptions: a flash/memory-efficient attention kernel (no seq x seq matri
 MoE routing balanced across experts and EP ranks (an overloaded EP rank receives more rows), no
 torch.compile fusion (compile only lowers it: on one H100, llama_1b compiled at seq 4096 x 4
 peaked at 34.3 GiB without ac and 24.6 with ac=op, where the plan says 45.6 and 32.9;
-BENCHMARKS.md); context parallelism adds the all-gathered keys and
-values of the whole sequence (not measured). Under autocast the residual stream is fp32 and each
+BENCHMARKS.md); context parallelism adds the all-gathered keys and values of the whole sequence
+(not measured). Under autocast the residual stream is fp32 and each
 matmul keeps its own bf16 copy of its input (wq, wk, wv: three). Per rank: the layers it holds x the micro-batches in flight (1 without pipelining; with
 pp: GPipe all, 1F1B pp - pp_rank, interleaved (v-1) x pp + 2 (pp - 1 - pp_rank) + 1 chunks as in
 torch's schedule) + one block recomputed in backward (ac != none) + the last stage's output: the

@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from lingua.distributed import JOB_DEVICE_VAR
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,18 +103,15 @@ def slurm_is_up() -> str:
 # gpu tests compare with too) train on the CPU; gpu-marked tests lift it. Without a GPU this
 # changes nothing.
 _CPU_ON_GPU_MACHINE = False
-if os.environ.get("LINGUA_JOB_DEVICE") is None:
-    import torch
-
-    if torch.cuda.is_available():
-        os.environ["LINGUA_JOB_DEVICE"] = "cpu"   # lingua.distributed.JOB_DEVICE_VAR
-        _CPU_ON_GPU_MACHINE = True
+if os.environ.get(JOB_DEVICE_VAR) is None and torch.cuda.is_available():
+    os.environ[JOB_DEVICE_VAR] = "cpu"
+    _CPU_ON_GPU_MACHINE = True
 
 
 @pytest.fixture(autouse=True)
 def _gpu_tests_train_on_the_gpu(request, monkeypatch):
     if _CPU_ON_GPU_MACHINE and request.node.get_closest_marker("gpu") is not None:
-        monkeypatch.delenv("LINGUA_JOB_DEVICE")
+        monkeypatch.delenv(JOB_DEVICE_VAR)
 
 
 @pytest.fixture(autouse=True)

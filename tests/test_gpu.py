@@ -1,8 +1,8 @@
 """The GPU runbook: `bash setup/test.sh -m gpu` on a machine with one CUDA GPU (two for the tests
 marked so). Everything here is skipped without CUDA. The one-GPU tests first ran on 2026-11-24
 (one H100, torch 2.11.0+cu130) and pass; that run found the LOCAL_RANK test looking for a device
-line the trainer never printed. The two-GPU tests have not run yet. Other gpu-marked tests live beside the
-code they check: tests/test_init_weights.py (init_from on one GPU, pipeline stages' first
+line the trainer never printed. The two-GPU tests have not run yet. Other gpu-marked tests live
+beside the code they check: tests/test_init_weights.py (init_from on one GPU, pipeline stages' first
 weights drawn on CUDA).
 
 What each test would catch (issue 12's findings):
