@@ -71,12 +71,21 @@ def _python_env() -> dict:
     return env
 
 
+def _terminal_sigint():
+    """preexec_fn: SIGINT as a terminal's foreground command has it (default). A suite started in
+    the background (`cmd &` without job control, as CI runners and nohup scripts do) hands its
+    children SIGINT ignored, and Python then installs no KeyboardInterrupt handler: Ctrl-C before
+    the training loop's own handler would go unseen."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(cmd: list, out: Path) -> subprocess.Popen:
     """`cmd` in the repository with stdout and stderr going to out.stdout / out.stderr files,
     which the test reads while it runs (a pipe nobody reads could fill up and stall it)."""
     return subprocess.Popen(cmd, cwd=REPO, env=_python_env(),
                             stdout=open(out.with_suffix(".stdout"), "w"),
-                            stderr=open(out.with_suffix(".stderr"), "w"))
+                            stderr=open(out.with_suffix(".stderr"), "w"),
+                            preexec_fn=_terminal_sigint)
 
 
 def _output(out: Path) -> tuple:
@@ -232,7 +241,8 @@ def test_the_quickstart_says_where_an_interrupted_run_is(corpus, tmp_path):
     env = dict(_python_env(), DUMP_DIR=str(dump))
     proc = subprocess.Popen(["bash", "setup/quickstart.sh", *args], cwd=REPO, env=env,
                             stdout=open(out.with_suffix(".stdout"), "w"),
-                            stderr=open(out.with_suffix(".stderr"), "w"), start_new_session=True)
+                            stderr=open(out.with_suffix(".stderr"), "w"), start_new_session=True,
+                            preexec_fn=_terminal_sigint)
     _wait_for(lambda: _rows_logged(dump) >= 3, proc, out, "3 logged steps")
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = _finish(proc, out)
