@@ -43,11 +43,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # Byte-level LLaMA shapes (vocab 258: 256 bytes + BOS + EOS, the debug preset's tokenizer), SwiGLU
-# width from multiple_of=256. Parameters: 4.9M, 9.6M (the issue's), 50.7M.
+# width from multiple_of=256. Parameters: 4.9M, 9.6M (the issue's), 50.7M. "10M-vocab32k" is the
+# issue's body with a real tokenizer's vocabulary (LLaMA 2's 32000; 33.2M parameters), where the
+# output layer and the loss weigh what they do in real runs; both sides still train on byte tokens.
 SHAPES = {
     "5M": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4),
     "10M": dict(dim=384, n_layers=6, n_heads=6, n_kv_heads=2),
     "50M": dict(dim=768, n_layers=8, n_heads=12, n_kv_heads=4),
+    "10M-vocab32k": dict(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=32000),
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2),   # tests/test_benchmarks.py
 }
 VOCAB, MULTIPLE_OF, ROPE_THETA, NORM_EPS = 258, 256, 10000.0, 1e-5
@@ -56,13 +59,17 @@ LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
 _STEP_LINE = re.compile(r"train: step (\d+)\b")
 
 
+def vocab_size(shape: dict) -> int:
+    return shape.get("vocab_size", VOCAB)
+
+
 def n_params(shape: dict) -> int:
     from lingua.transformer import ffn_hidden_dim
 
     d, layers = shape["dim"], shape["n_layers"]
     kv_dim = d // shape["n_heads"] * shape["n_kv_heads"]
     per_layer = 2 * d * d + 2 * d * kv_dim + 3 * d * ffn_hidden_dim(d, MULTIPLE_OF) + 2 * d
-    return layers * per_layer + 2 * VOCAB * d + d
+    return layers * per_layer + 2 * vocab_size(shape) * d + d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,9 +78,9 @@ def n_params(shape: dict) -> int:
 
 def trainer_command(shape: dict, dtype: str, batch: int, seq_len: int, steps: int, dump_dir,
                     compile: bool = False, extra=()) -> list:
-    model = [f"model.{k}={v}" for k, v in shape.items()]
+    model = [f"model.{k}={v}" for k, v in {"vocab_size": VOCAB, **shape}.items()]
     return [sys.executable, "-m", "apps.llama.train", f"dump_dir={dump_dir}", f"steps={steps}",
-            *model, f"model.vocab_size={VOCAB}", f"model.multiple_of={MULTIPLE_OF}",
+            *model, f"model.multiple_of={MULTIPLE_OF}",
             f"model.max_seq_len={max(seq_len, 1024)}", f"data.seq_len={seq_len}",
             f"data.batch_size={batch}", f"distributed.model_dtype={dtype}",
             f"distributed.compile={str(compile).lower()}", f"optim.lr={LR}",
@@ -104,7 +111,7 @@ def hf_model(shape: dict, seq_len: int):
     cfg = LlamaConfig(hidden_size=shape["dim"], num_hidden_layers=shape["n_layers"],
                       num_attention_heads=shape["n_heads"], num_key_value_heads=shape["n_kv_heads"],
                       intermediate_size=ffn_hidden_dim(shape["dim"], MULTIPLE_OF),
-                      vocab_size=VOCAB, max_position_embeddings=max(seq_len, 1024),
+                      vocab_size=vocab_size(shape), max_position_embeddings=max(seq_len, 1024),
                       rope_theta=ROPE_THETA, rms_norm_eps=NORM_EPS, tie_word_embeddings=False,
                       attn_implementation="sdpa")
     return LlamaForCausalLM(cfg)

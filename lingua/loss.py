@@ -20,7 +20,7 @@ called with the tokens alone, for every app, so runs of different apps compare.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -50,3 +50,17 @@ def cross_entropy(output: torch.Tensor, labels: torch.Tensor) -> LossOutput:
 
 def default_batch_inputs(tokens: torch.Tensor, labels: torch.Tensor) -> tuple:
     return {}, labels
+
+
+def for_training(loss: Callable, compile: bool, backend: str, loss_parallel: bool) -> Callable:
+    """The app's loss as training calls it: under distributed.compile=true compiled too, as
+    torchtitan compiles its loss beside the blocks. Eager cross-entropy of [tokens, vocab] logits
+    makes their fp32 copy and keeps fp32 log-probabilities for backward; compiled, it reads the
+    logits in their own dtype in one fused pass and keeps them with each row's logsumexp. With a
+    real vocabulary that is a large share of a step (CPU, vocabulary 32000, 2048 tokens, bf16
+    autocast: 714 -> 311 ms forward + backward of the loss alone; BENCHMARKS.md). Left eager
+    under loss parallelism, whose vocabulary-sharded DTensor logits and torch's loss_parallel
+    context we do not trace. The apps' losses (llama, moe, mtp) each compile to one graph."""
+    if not compile or loss_parallel:
+        return loss
+    return torch.compile(loss, backend=backend)

@@ -44,8 +44,9 @@ lingua.distributed). tests/test_plan.py measures the live tensors of real blocks
 and MoE, bf16, fp32 and autocast, every ac mode, tp 1 and 2) and checks this formula against
 them. Assumptions: a flash/memory-efficient attention kernel (no seq x seq matrix, as on GPU),
 MoE routing balanced across experts and EP ranks (an overloaded EP rank receives more rows), no
-torch.compile fusion (compile only lowers it: on one H100, llama_1b compiled at seq 4096 x 4
-peaked at 34.3 GiB without ac and 24.6 with ac=op, where the plan says 45.6 and 32.9;
+torch.compile fusion (compile only lowers it, the loss's fp32 logits included, which compiled
+runs do not keep: on one H100, llama_1b compiled at seq 4096 x 4 peaked at 34.3 GiB without ac
+and 24.6 with ac=op, where the plan says 45.6 and 32.9, measured before the loss was compiled;
 BENCHMARKS.md); context parallelism adds the all-gathered keys and values of the whole sequence
 (not measured). Under autocast the residual stream is fp32 and each
 matmul keeps its own bf16 copy of its input (wq, wk, wv: three). Per rank: the layers it holds x the micro-batches in flight (1 without pipelining; with

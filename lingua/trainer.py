@@ -372,10 +372,10 @@ def sequence_shard(parts, batch, args, env: DistEnv, app: Optional[App] = None):
                          {k: mine(v) for k, v in model_kwargs.items()})
 
 
-def forward_loss(app: App, model, mb: MicroBatch) -> "loss_module.LossOutput":
-    """One micro-batch through a whole (unpipelined) model, then the app's loss."""
+def forward_loss(loss: Callable, model, mb: MicroBatch) -> "loss_module.LossOutput":
+    """One micro-batch through a whole (unpipelined) model, then the loss (Run.loss)."""
     output = model(mb.tokens, doc_ids=mb.doc_ids, positions=mb.positions, **mb.model_kwargs)
-    return app.loss(output, mb.target)
+    return loss(output, mb.target)
 
 
 def eval_loss_sum(model, mb: MicroBatch) -> torch.Tensor:
@@ -426,6 +426,8 @@ class Run:
         self.parts, self.optimizers = parts, optimizers
         self.dump_dir = Path(args.dump_dir)
         self.loss_parallel = app.loss_parallel(args.distributed)
+        d = args.distributed
+        self.loss = loss_module.for_training(app.loss, d.compile, d.compile_backend, self.loss_parallel)
         self.train_loader = data.build_train_loader(args.data, env.dp_rank, env.dp_size, args.seed)
         self.val_batches = data.build_val_batches(args.data, env.dp_rank, env.dp_size)
         self.global_batch = args.data.batch_size * env.dp_size * args.data.grad_accum
@@ -449,9 +451,10 @@ class Run:
             return None
 
         def loss_fn(output, target):  # called by the schedule on the last stage, per micro-batch
-            out = self.app.loss(output, target)
-            if not pipeline.inferring_shapes():   # torch's extra first call, on empty tensors
-                self.step_loss.add(out)
+            if pipeline.inferring_shapes():   # torch's extra first call, on empty tensors: eager,
+                return self.app.loss(output, target).loss_sum / self.global_tokens  # no compile
+            out = self.loss(output, target)
+            self.step_loss.add(out)
             return out.loss_sum / self.global_tokens
 
         n_microbatches = d.pp_microbatches or pipeline.default_microbatches(d.pp, d.pp_virtual_stages)
@@ -522,7 +525,7 @@ class Run:
                             self.pipe.step(mb.tokens, mb.target, mb.doc_ids, mb.model_kwargs)
                         continue
                     with self.phases.phase("fwd"), mixed_precision(args, env, self.parts):
-                        out = forward_loss(self.app, self.parts[0], mb)
+                        out = forward_loss(self.loss, self.parts[0], mb)
                     with self.phases.phase("bwd"):
                         (out.loss_sum / self.global_tokens).backward()
                     self.step_loss.add(out)

@@ -128,3 +128,10 @@ def test_fsdp4_with_ac(corpus, tmp_path, reference, ac):
 def test_compile_composes_with_fsdp(corpus, tmp_path, reference):
     check_layout(corpus, tmp_path, reference, 2,
                  ["distributed.dp_shard=2", "data.batch_size=4", "distributed.compile=true"], "none")
+
+
+def test_compile_composes_with_pipelining(corpus, tmp_path, reference):
+    """Compiled blocks on both stages and the compiled loss on the last (called by the schedule;
+    torch's shape-inference call stays eager)."""
+    check_layout(corpus, tmp_path, reference, 2,
+                 PP + ["distributed.pp_schedule=1F1B", "distributed.compile=true"], "none")

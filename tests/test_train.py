@@ -177,11 +177,17 @@ def test_activation_checkpointing_gives_the_same_losses(corpus, tmp_path, ac):
     assert_equivalent(dump, plain)
 
 
-def test_compiled_blocks_give_the_same_losses(corpus, tmp_path):
+def test_compiled_blocks_and_loss_give_the_same_losses(corpus, tmp_path, monkeypatch):
+    from lingua import loss as loss_module
+
     plain = tmp_path / "plain"
     train.main(tiny_args(corpus, plain, steps=2))
+    made = []   # the loss the compiled run trains with (lingua.loss.for_training)
+    real = loss_module.for_training
+    monkeypatch.setattr(loss_module, "for_training", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     dump = tmp_path / "compiled"
     train.main(tiny_args(corpus, dump, "distributed.compile=true", steps=2))
+    assert len(made) == 1 and made[0] is not train.APP.loss   # compiled, not the app's own
     assert_equivalent(dump, plain)
 
 

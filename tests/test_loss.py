@@ -1,0 +1,101 @@
+"""The loss as training calls it (lingua.loss.for_training): compiled under distributed.compile=true,
+with the same values and gradients as the eager loss for every app, and the memory the compiled
+cross-entropy is for (it keeps the logits in their own dtype, not fp32 log-probabilities)."""
+
+import pytest
+import torch
+
+from lingua import loss as loss_module
+
+VOCAB = 1000
+
+
+def _apps():
+    from apps.llama.train import APP as llama
+    from apps.moe.train import APP as moe
+    from apps.mtp.model import LlamaArgs as MtpArgs
+    from apps.mtp.train import batch_inputs as mtp_inputs
+    from apps.mtp.train import make_app
+
+    b, s = 2, 16
+    labels = torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(0))
+    _, mtp_target = mtp_inputs(labels, labels, 2)
+    return {
+        "llama": (llama.loss, lambda: torch.randn(b, s, VOCAB), labels),
+        "moe": (moe.loss, lambda: (torch.randn(b, s, VOCAB), torch.rand(3)), labels),
+        "mtp": (make_app(MtpArgs(mtp_depth=2)).loss, lambda: torch.randn(3, b, s, VOCAB), mtp_target),
+    }
+
+
+def _leaf_copies(output):
+    """A copy of the model output (a tensor or a tuple of them) made of fresh leaves that take
+    gradients, and the list of those leaves."""
+    tensors = output if isinstance(output, tuple) else (output,)
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    return (tuple(leaves) if isinstance(output, tuple) else leaves[0]), leaves
+
+
+@pytest.mark.parametrize("app", ["llama", "moe", "mtp"])
+def test_compiled_loss_matches_the_eager_one_in_one_graph(app):
+    import torch._dynamo
+
+    loss, make_output, target = _apps()[app]
+    torch.manual_seed(1)
+    output = make_output()
+    eager_in, eager_leaves = _leaf_copies(output)
+    compiled_in, compiled_leaves = _leaf_copies(output)
+
+    compiled = loss_module.for_training(loss, compile=True, backend="inductor", loss_parallel=False)
+    assert compiled is not loss
+    explained = torch._dynamo.explain(loss)(compiled_in, target)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+    want, got = loss(eager_in, target), compiled(compiled_in, target)
+    torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-5, atol=1e-3)
+    assert int(got.tokens) == int(want.tokens)
+    if want.logged_sum is not None:
+        torch.testing.assert_close(got.logged_sum, want.logged_sum, rtol=1e-5, atol=1e-3)
+    assert set(got.metrics) == set(want.metrics)
+    for name, (value, count) in want.metrics.items():
+        torch.testing.assert_close(got.metrics[name][0], value, rtol=1e-5, atol=1e-3)
+        assert int(got.metrics[name][1]) == int(count)
+    want.loss_sum.backward()
+    got.loss_sum.backward()
+    for e, c in zip(eager_leaves, compiled_leaves):
+        torch.testing.assert_close(c.grad, e.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_loss_stays_eager_without_compile_or_under_loss_parallelism():
+    from apps.llama.train import APP
+
+    assert loss_module.for_training(APP.loss, compile=False, backend="inductor", loss_parallel=False) is APP.loss
+    assert loss_module.for_training(APP.loss, compile=True, backend="inductor", loss_parallel=True) is APP.loss
+
+
+def _saved_bytes(fn, logits, labels) -> int:
+    """Bytes of the tensors autograd keeps for backward while fn runs (its saved tensors)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(logits, labels)
+    out.loss_sum.backward()
+    return sum(saved)
+
+
+def test_compiled_cross_entropy_keeps_bf16_logits_not_fp32_log_probabilities():
+    """What for_training's compile is for: eager cross-entropy of bf16 logits keeps the fp32
+    log-probabilities (4 bytes per logit) for backward; compiled it keeps at most the bf16 logits
+    (2 bytes) and a value per row."""
+    from apps.llama.train import APP
+
+    tokens = 64
+    logits = torch.randn(1, tokens, VOCAB, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (1, tokens))
+    eager = _saved_bytes(APP.loss, logits, labels)
+    compiled = _saved_bytes(loss_module.for_training(APP.loss, True, "inductor", False), logits, labels)
+    assert eager >= 4 * tokens * VOCAB, eager
+    assert compiled <= 2 * tokens * VOCAB + 64 * tokens, compiled
