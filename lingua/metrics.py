@@ -88,8 +88,11 @@ def measure_matmul_peak(m: int, k: int, n: int, dtype: torch.dtype, device: torc
     device with this process's threads: two warm-up calls, then at least 3 and at most
     `max_repeats` timed calls within `seconds`, the fastest one kept (other load on the machine
     only ever slows a call down). Returns {"flops_per_s", "best_s", "repeats"}."""
-    a = torch.randn(m, k, dtype=dtype, device=device)
-    b = torch.randn(k, n, dtype=dtype, device=device)
+    # From a generator of its own: the global one is the run's (checkpointed, resumed), and a
+    # peak measured again mid-run only when the machine was busy must not move it.
+    gen = torch.Generator(device).manual_seed(0)
+    a = torch.randn(m, k, dtype=dtype, device=device, generator=gen)
+    b = torch.randn(k, n, dtype=dtype, device=device, generator=gen)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(2):
         a @ b
