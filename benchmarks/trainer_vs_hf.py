@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Byte-level LLaMA shapes (vocab 258: 256 bytes + BOS + EOS, the debug preset's tokenizer), SwiGLU
 # width from multiple_of=256. Parameters: 4.9M, 9.6M (the issue's), 50.7M. "10M-vocab32k" is the
-# issue's body with a real tokenizer's vocabulary (LLaMA 2's 32000; 33.2M parameters), where the
+# issue's body with a real tokenizer's vocabulary (LLaMA 2's 32000; 34.0M parameters), where the
 # output layer and the loss weigh what they do in real runs; both sides still train on byte tokens.
 SHAPES = {
     "5M": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4),
