@@ -3,7 +3,7 @@ both sides training at the same time on separate cores.
 
     python benchmarks/moe_trainer_vs_hf.py [--shapes issue,fine] [--dtypes fp32,bf16] [--rounds 3]
                                            [--hf-experts grouped_mm,eager] [--windows 1]
-                                           [--batch 4] [--seq-len 512]
+                                           [--batch 4] [--seq-len 512] [--compile]
 
 Per shape: the trainer trains one step and saves a checkpoint, and apps.moe.hf's export (the
 function behind `python -m apps.moe.hf export`) turns it into a Mixtral directory: the HF side
@@ -12,7 +12,7 @@ softmax top-k with renormalised weights, which is Mixtral's router). Then each r
 torch thread (the cores swap every round):
 
   ours  `python -m apps.moe.train` on the shape (a subprocess: the real entry point and loop) with
-        the app's default logging; its tokens/s are read from metrics.jsonl, over the rows after
+        the app's default logging, eager (`--compile`: distributed.compile=true, blocks and loss); its tokens/s are read from metrics.jsonl, over the rows after
         the first (the first logging window holds the warm-up steps).
   HF    `python benchmarks/moe_trainer_vs_hf.py hf ...` (a subprocess) loading the exported
         directory with `MixtralForCausalLM.from_pretrained` and training it step after step until
@@ -63,12 +63,16 @@ from trainer_vs_hf import follow_trainer, hf_optimizer, wait_for_first_step  # n
 #   issue: the issue's shape, 8 experts top-2 of hidden 768 (30.9M parameters).
 #   fine:  the same width and the same active expert FLOPs per token, split into 64 experts top-8
 #          of hidden 192 (fine-grained, DeepSeek-style without the shared expert; 59.3M).
+#   issue-vocab32k: the issue's shape with a 32000-token vocabulary (LLaMA 2's; 55.3M), where the
+#          output layer and the loss weigh what they do in real runs; still trained on byte tokens.
 #   tiny:  for the smoke test.
 SHAPES = {
     "issue": dict(dim=384, n_layers=4, n_heads=6, n_kv_heads=6, n_experts=8, top_k=2,
                   expert_hidden_dim=768),
     "fine": dict(dim=384, n_layers=4, n_heads=6, n_kv_heads=6, n_experts=64, top_k=8,
                  expert_hidden_dim=192),
+    "issue-vocab32k": dict(dim=384, n_layers=4, n_heads=6, n_kv_heads=6, n_experts=8, top_k=2,
+                           expert_hidden_dim=768, vocab_size=32000),
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, n_experts=8, top_k=2,
                  expert_hidden_dim=64),
 }
@@ -86,12 +90,12 @@ LR, BETAS, EPS, WEIGHT_DECAY, CLIP, WARMUP = 3e-3, (0.9, 0.95), 1e-8, 0.1, 1.0, 
 
 
 def trainer_command(shape: dict, dtype: str, batch: int, seq_len: int, steps: int, dump_dir,
-                    extra=()) -> list:
-    model = [f"model.{k}={v}" for k, v in {**shape, **MIXTRAL}.items()]
+                    extra=(), compile: bool = False) -> list:
+    model = [f"model.{k}={v}" for k, v in {"vocab_size": VOCAB, **shape, **MIXTRAL}.items()]
     return [sys.executable, "-m", "apps.moe.train", f"dump_dir={dump_dir}", f"steps={steps}",
-            *model, f"model.vocab_size={VOCAB}", f"model.max_seq_len={max(seq_len, 1024)}",
+            *model, f"model.max_seq_len={max(seq_len, 1024)}",
             f"data.seq_len={seq_len}", f"data.batch_size={batch}", "data.grad_accum=1",
-            f"distributed.model_dtype={dtype}", "distributed.compile=false",
+            f"distributed.model_dtype={dtype}", f"distributed.compile={str(compile).lower()}",
             f"optim.lr={LR}", f"optim.beta1={BETAS[0]}", f"optim.beta2={BETAS[1]}",
             f"optim.eps={EPS}", f"optim.weight_decay={WEIGHT_DECAY}", f"optim.clip={CLIP}",
             f"optim.warmup={WARMUP}", "eval.every=0", "eval.at_end=false", "checkpoint.every=0",
@@ -184,7 +188,7 @@ def measured_rows(dump_dir: Path, tokens_per_step: int):
 
 def run_pair(name: str, hf_dir: Path, experts: str, dtype: str, batch: int, seq_len: int,
              windows: int, core_ours: int, core_hf: int, workdir: Path, log_every: int,
-             extra=()) -> dict:
+             extra=(), compile: bool = False) -> dict:
     """One round: the trainer and the HF loop at the same time, each on its own core."""
     tag = f"{name}_{dtype}_{experts}_{core_ours}"
     dump_dir = workdir / f"ours_{tag}"
@@ -201,7 +205,7 @@ def run_pair(name: str, hf_dir: Path, experts: str, dtype: str, batch: int, seq_
     try:
         wait_for_first_step(hf, hf_log)
         ours = subprocess.Popen(trainer_command(SHAPES[name], dtype, batch, seq_len, steps, dump_dir,
-                                                ["checkpoint.save_final=false", *extra]),
+                                                ["checkpoint.save_final=false", *extra], compile),
                                 cwd=REPO, env=pinned_env(), preexec_fn=pinned(core_ours),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         arrivals = follow_trainer(ours, time.monotonic)
@@ -239,7 +243,8 @@ def bench(cli) -> dict:
     import torch
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; one thread a side, "
-          f"cores {cores[0]} and {cores[1]} (swapped each round); batch {cli.batch} x {cli.seq_len}")
+          f"cores {cores[0]} and {cores[1]} (swapped each round); batch {cli.batch} x {cli.seq_len}; "
+          f"ours {'compiled' if cli.compile else 'eager'}")
     results = {}
     for name in cli.shapes.split(","):
         hf_dir = export_shape(name, cli.batch, cli.seq_len, workdir, cores[0], cli.extra)
@@ -253,7 +258,8 @@ def bench(cli) -> dict:
                 for r in range(cli.rounds):
                     ours_core, hf_core = (cores if r % 2 == 0 else cores[::-1])
                     res = run_pair(name, hf_dir, experts, dtype, cli.batch, cli.seq_len,
-                                   cli.windows, ours_core, hf_core, workdir, log_every, cli.extra)
+                                   cli.windows, ours_core, hf_core, workdir, log_every, cli.extra,
+                                   cli.compile)
                     ratios.append(res["ours"] / res["hf"])
                     print(f"  round {r + 1}: ours {res['ours']:7.0f} tok/s ({res['ours_steps']} "
                           f"steps, core {ours_core})  HF {res['hf']:7.0f} tok/s ({res['hf_steps']} "
@@ -287,6 +293,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--workdir", default=None, help="default: a new temporary directory")
+    parser.add_argument("--compile", action="store_true", help="ours with distributed.compile=true")
     parser.add_argument("--extra", action="append", default=[],
                         help="a Hydra override for our trainer (e.g. data.root=...), repeatable")
     cli = parser.parse_args(argv)
