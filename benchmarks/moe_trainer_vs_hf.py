@@ -12,8 +12,9 @@ softmax top-k with renormalised weights, which is Mixtral's router). Then each r
 torch thread (the cores swap every round):
 
   ours  `python -m apps.moe.train` on the shape (a subprocess: the real entry point and loop) with
-        the app's default logging, eager (`--compile`: distributed.compile=true, blocks and loss); its tokens/s are read from metrics.jsonl, over the rows after
-        the first (the first logging window holds the warm-up steps).
+        the app's default logging, eager (`--compile`: distributed.compile=true, blocks and
+        loss); its tokens/s are read from metrics.jsonl, over the rows after the first (the
+        first logging window holds the warm-up steps).
   HF    `python benchmarks/moe_trainer_vs_hf.py hf ...` (a subprocess) loading the exported
         directory with `MixtralForCausalLM.from_pretrained` and training it step after step until
         stopped; its tokens/s are over its steps whose midpoints fall inside our measured

@@ -38,7 +38,7 @@ class DistributedArgs:
     cp_backend: str = "allgather"   # allgather (portable: CPU and CUDA) | ring (torch's, CUDA)
     ac: str = "none"                # activation checkpointing: none | full | layer | op
     ac_every: int = 1               # ac=layer: checkpoint every N-th block
-    compile: bool = False           # torch.compile each transformer block, and the loss
+    compile: bool = False           # torch.compile each block, and the loss (not under loss_parallel)
     compile_backend: str = "inductor"  # a torch.compile backend (torch._dynamo.list_backends())
     async_tp: bool = False          # overlap TP communication with compute (CUDA + compile)
     loss_parallel: bool = True      # with tp > 1 (and pp = 1): cross-entropy on vocab-sharded logits

@@ -19,12 +19,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import trainer_vs_hf  # noqa: E402
 
 
-@pytest.mark.parametrize("shape", ["5M", "10M", "50M", "tiny"])
+@pytest.mark.parametrize("shape", ["5M", "10M", "50M", "10M-vocab32k", "tiny"])
 def test_hf_side_has_our_shape(shape):
     """Both sides train the same model: same parameter count, from the same shape table."""
     args = trainer_vs_hf.SHAPES[shape]
     with torch.device("meta"):
-        ours = Transformer(LlamaArgs(**args, vocab_size=trainer_vs_hf.VOCAB,
+        ours = Transformer(LlamaArgs(**{"vocab_size": trainer_vs_hf.VOCAB, **args},
                                      multiple_of=trainer_vs_hf.MULTIPLE_OF, max_seq_len=1024))
         theirs = trainer_vs_hf.hf_model(args, 512)
     count = sum(p.numel() for p in ours.parameters())

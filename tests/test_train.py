@@ -182,12 +182,18 @@ def test_compiled_blocks_and_loss_give_the_same_losses(corpus, tmp_path, monkeyp
 
     plain = tmp_path / "plain"
     train.main(tiny_args(corpus, plain, steps=2))
-    made = []   # the loss the compiled run trains with (lingua.loss.for_training)
+    made, calls = [], []   # the loss the compiled run trains with, and its calls
     real = loss_module.for_training
-    monkeypatch.setattr(loss_module, "for_training", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+
+    def for_training(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return lambda *a: calls.append(1) or made[-1](*a)
+
+    monkeypatch.setattr(loss_module, "for_training", for_training)
     dump = tmp_path / "compiled"
     train.main(tiny_args(corpus, dump, "distributed.compile=true", steps=2))
     assert len(made) == 1 and made[0] is not train.APP.loss   # compiled, not the app's own
+    assert len(calls) == 2                                     # and what each step's loss came from
     assert_equivalent(dump, plain)
 
 

@@ -22,6 +22,8 @@ Nothing but this launcher reads these variables: the project's code is unchanged
 import os
 import sys
 
+import torch
+
 from apps.llama import train
 from lingua import optim, trainer
 
@@ -50,6 +52,9 @@ def inject(set_attr, batches: dict, app=None, rows=None, ranks=None) -> None:
         current["batch"] = self.batches_consumed   # the batch being trained (counted already)
         return real_step(self, micro_batches)
 
+    # Not compiled under distributed.compile=true: the batch number it reads changes every step,
+    # and torch.compile would recompile per batch until its limit.
+    @torch.compiler.disable
     def loss(output, target):
         factor = batches.get(current["batch"])
         if factor is not None and rows is not None and rows < output.shape[0]:
