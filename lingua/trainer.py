@@ -166,23 +166,28 @@ def collect_garbage(step: int, young_every: int, full_every: int) -> Optional[in
 
 
 def keep_freed_memory() -> bool:
-    """CPU training: let glibc's malloc keep freed blocks below 32 MiB for reuse. By default it
-    maps blocks above a threshold (128 KiB, raised as it goes) afresh and unmaps them when
-    freed; every step frees and reallocates the same activations, and the page faults of the
-    new mappings cost ~3% of a small model's CPU step (what CUDA's caching allocator saves on
-    GPU; BENCHMARKS.md, profiling section). Skipped where the C library has no mallopt or the
-    user tuned malloc (MALLOC_* variables)."""
+    """CPU training: let glibc's malloc keep every freed block for reuse, as CUDA's caching
+    allocator does on GPU. By default glibc maps large blocks (above 128 KiB, a threshold it
+    raises up to 32 MiB as it goes) afresh and unmaps them when freed; every step frees and
+    reallocates the same activations, so the kernel zeroes their pages again at each first
+    touch. With a real vocabulary the logits and their gradient (hundreds of MB each) are
+    such blocks, and those page faults took a third of a step's time (MoE, 32000 vocabulary,
+    bf16: BENCHMARKS.md, allocator). So: no mmap for any size (M_MMAP_MAX=0, blocks come from
+    the heap and go back to it) and no trimming of the heap's top (M_TRIM_THRESHOLD=-1), both
+    as mallopt(3) documents them. The process keeps its peak memory instead of returning it
+    between steps, which the peak it reports already counted. Skipped where the C library has
+    no mallopt or the user tuned malloc (MALLOC_* or GLIBC_TUNABLES set)."""
     import ctypes
     import os
 
-    if any(key.startswith("MALLOC_") for key in os.environ):
+    if "GLIBC_TUNABLES" in os.environ or any(key.startswith("MALLOC_") for key in os.environ):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (AttributeError, OSError):
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 << 20) and mallopt(m_trim_threshold, 1 << 30))
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(mallopt(m_mmap_max, 0) and mallopt(m_trim_threshold, -1))
 
 
 TESTED_TORCH = "2.13"   # pyproject.toml's pin: the version the suite runs on
