@@ -3,6 +3,7 @@ both sides running at the same time on separate cores.
 
     python benchmarks/llama_cpu.py [--shapes 5M,10M,50M] [--dtypes fp32,bf16] [--rounds 3]
                                    [--warmup 3] [--steps 8] [--compile] [--batch 4] [--seq-len 512]
+                                   [--hf-malloc-like-ours]
     python benchmarks/llama_cpu.py --profile [--shapes 10M] [--dtypes fp32]
 
 Each round runs the trainer (the real entry point and loop, in a subprocess) and the HF loop (in
@@ -17,6 +18,11 @@ Each round also gives the ratio per CPU-second (user + system time of each proce
 threads): where other work on the machine takes turns on our two cores, wall-clock tokens/s of
 one side can drop by half while it waits, but its CPU time per step moves far less; on an idle
 machine the two ratios agree.
+
+Our trainer tunes glibc's malloc on CPU (lingua.trainer.keep_freed_memory: freed blocks are
+kept for reuse, not unmapped and faulted in again); HF's process runs with glibc's default, what
+an HF user gets, unless `--hf-malloc-like-ours` gives it the same setting (what the setting
+alone is worth).
 
 `--compile` runs ours with distributed.compile=true (inductor compiles each block once; the
 warm-up steps absorb the compilation). `--profile` runs both sides once under torch.profiler
@@ -151,6 +157,8 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--compile", action="store_true", help="ours with distributed.compile=true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--hf-malloc-like-ours", action="store_true",
+                        help="HF's process tunes malloc as our trainer does on CPU")
     parser.add_argument("--workdir", default=None)
     cli = parser.parse_args(argv)
 
@@ -165,6 +173,8 @@ def main(argv=None):
     for name in shapes:
         if name not in pair.SHAPES:
             sys.exit(f"--shapes: unknown shape {name!r}; use some of {', '.join(pair.SHAPES)}.")
+    if cli.hf_malloc_like_ours:
+        os.environ[pair.HF_MALLOC_VAR] = "1"   # read by the HF process only
     cores = two_cores()
     import torch
     import transformers
@@ -172,7 +182,8 @@ def main(argv=None):
     print(f"CPU: {cpu_description()} (bf16 {'emulated' if emulated else 'native'})")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; batch {cli.batch} x "
           f"{cli.seq_len} tokens, one thread per side, cores {cores[0]} and {cores[1]}, swapped "
-          f"each round; ours {'compiled' if cli.compile else 'eager'}", flush=True)
+          f"each round; ours {'compiled' if cli.compile else 'eager'}; HF's malloc "
+          f"{'tuned like ours' if cli.hf_malloc_like_ours else 'glibc default'}", flush=True)
     workdir = cli.workdir or tempfile.mkdtemp(prefix="llama_cpu_")
     Path(workdir).mkdir(parents=True, exist_ok=True)
     summary = []

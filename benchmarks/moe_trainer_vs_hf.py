@@ -4,6 +4,7 @@ both sides training at the same time on separate cores.
     python benchmarks/moe_trainer_vs_hf.py [--shapes issue,fine] [--dtypes fp32,bf16] [--rounds 3]
                                            [--hf-experts grouped_mm,eager] [--windows 1]
                                            [--batch 4] [--seq-len 512] [--compile]
+                                           [--hf-malloc-like-ours]
 
 Per shape: the trainer trains one step and saves a checkpoint, and apps.moe.hf's export (the
 function behind `python -m apps.moe.hf export`) turns it into a Mixtral directory: the HF side
@@ -19,6 +20,11 @@ torch thread (the cores swap every round):
         directory with `MixtralForCausalLM.from_pretrained` and training it step after step until
         stopped; its tokens/s are over its steps whose midpoints fall inside our measured
         window (between our log lines that open and close it).
+
+Our trainer tunes glibc's malloc on CPU (lingua.trainer.keep_freed_memory: freed blocks are
+kept for reuse, not unmapped and faulted in again); HF's process runs with glibc's default, what
+an HF user gets, unless `--hf-malloc-like-ours` gives it the same setting (what the setting
+alone is worth).
 
 A round's ratio is ours / HF; the script prints each round and the median of the per-round
 ratios per shape, dtype and HF experts implementation, with the CPU model and flags. Figures from
@@ -46,6 +52,7 @@ HF experts implementations (transformers >= 5 chooses per model, `experts_implem
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -57,7 +64,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from llama_cpu import cpu_description, median, two_cores  # noqa: E402
-from trainer_vs_hf import pinned, pinned_env  # noqa: E402  (the LLaMA twin's, shared)
+from trainer_vs_hf import HF_MALLOC_VAR, hf_malloc_like_ours, pinned, pinned_env  # noqa: E402  (the LLaMA twin's, shared)
 from trainer_vs_hf import follow_trainer, hf_optimizer, wait_for_first_step  # noqa: E402
 
 # Byte-level (vocab 258, the debug preset's tokenizer) Mixtral-exportable MoE shapes.
@@ -135,6 +142,7 @@ def hf_loop(hf_dir: str, experts: str, dtype: str, batch: int, seq_len: int, ste
     import torch
     from transformers import MixtralForCausalLM
 
+    hf_malloc_like_ours()
     torch.manual_seed(0)
     model = MixtralForCausalLM.from_pretrained(hf_dir, experts_implementation=experts,
                                                attn_implementation="sdpa", dtype=torch.float32)
@@ -245,7 +253,8 @@ def bench(cli) -> dict:
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; one thread a side, "
           f"cores {cores[0]} and {cores[1]} (swapped each round); batch {cli.batch} x {cli.seq_len}; "
-          f"ours {'compiled' if cli.compile else 'eager'}")
+          f"ours {'compiled' if cli.compile else 'eager'}; HF's malloc "
+          f"{'tuned like ours' if cli.hf_malloc_like_ours else 'glibc default'}")
     results = {}
     for name in cli.shapes.split(","):
         hf_dir = export_shape(name, cli.batch, cli.seq_len, workdir, cores[0], cli.extra)
@@ -295,6 +304,8 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--workdir", default=None, help="default: a new temporary directory")
     parser.add_argument("--compile", action="store_true", help="ours with distributed.compile=true")
+    parser.add_argument("--hf-malloc-like-ours", action="store_true",
+                        help="HF's process tunes malloc as our trainer does on CPU")
     parser.add_argument("--extra", action="append", default=[],
                         help="a Hydra override for our trainer (e.g. data.root=...), repeatable")
     cli = parser.parse_args(argv)
@@ -303,6 +314,8 @@ def main(argv=None):
     if "bf16" in cli.dtypes.split(",") and not bf16_native():
         sys.exit("bf16 on a CPU without bf16 instructions (no avx512_bf16 / amx_bf16) is emulated, "
                  "30-100x slower: it would measure the emulation. Use --dtypes fp32.")
+    if cli.hf_malloc_like_ours:
+        os.environ[HF_MALLOC_VAR] = "1"   # read by the HF process only (hf_malloc_like_ours)
     bench(cli)
 
 

@@ -94,6 +94,21 @@ def pinned_env() -> dict:
                 WANDB_MODE="offline", PYTHONPATH=str(REPO))
 
 
+# Set for the HF process by `--hf-malloc-like-ours`: HF's loop tunes glibc's malloc as our
+# trainer does on CPU (lingua.trainer.keep_freed_memory), to show what that setting alone is worth.
+HF_MALLOC_VAR = "BENCH_HF_KEEP_FREED_MEMORY"
+
+
+def hf_malloc_like_ours() -> None:
+    """In the HF process: our trainer's malloc tuning, when the benchmark asked for it."""
+    if os.environ.get(HF_MALLOC_VAR) == "1":
+        from lingua.trainer import keep_freed_memory
+
+        if not keep_freed_memory():
+            sys.exit("--hf-malloc-like-ours: this C library has no mallopt, or MALLOC_* / "
+                     "GLIBC_TUNABLES are set; unset them or drop the option.")
+
+
 def pinned(core: int):
     """preexec_fn: the child runs on `core` alone."""
     return lambda: os.sched_setaffinity(0, {core})
@@ -138,6 +153,7 @@ def hf_loop(shape: dict, dtype: str, batch: int, seq_len: int, steps: int, profi
     that many steps after `warmup` (+1 of profiler warm-up) and the table is printed."""
     import torch
 
+    hf_malloc_like_ours()
     torch.manual_seed(0)
     model = hf_model(shape, seq_len)
     opt, sched = hf_optimizer(model, LR, BETAS, EPS, WEIGHT_DECAY, warmup=20)

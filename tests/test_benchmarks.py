@@ -3,6 +3,7 @@ step faster than HF's: the hand-written RMSNorm / RoPE backward passes of the ea
 own grouped-query attention, and one compiled graph shared by all blocks."""
 
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -40,10 +41,11 @@ def test_llama_cpu_benchmark_runs_end_to_end(tmp_path):
     out = subprocess.run(
         [sys.executable, "benchmarks/llama_cpu.py", "--shapes", "tiny", "--dtypes", "fp32",
          "--rounds", "1", "--warmup", "2", "--steps", "3", "--batch", "2", "--seq-len", "64",
-         "--workdir", str(tmp_path)],
+         "--workdir", str(tmp_path), "--hf-malloc-like-ours"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "CPU: " in out.stdout and "flags:" in out.stdout
+    assert "HF's malloc tuned like ours" in out.stdout
     assert re.search(r"round 1: ours +\d+ tokens/s .* HF +\d+ tokens/s", out.stdout), out.stdout
     match = re.search(r"ratio ours/hf tokens/s: tiny fp32 ([\d.]+) \(per CPU-second ([\d.]+)\)",
                       out.stdout)
@@ -70,15 +72,70 @@ def test_compiled_blocks_share_one_graph():
 
 
 def test_keep_freed_memory_respects_user_malloc_settings(monkeypatch):
-    """The trainer tunes glibc's malloc for CPU runs, unless the user set MALLOC_* themselves."""
+    """The trainer tunes glibc's malloc for CPU runs, unless the user set MALLOC_* or
+    GLIBC_TUNABLES themselves. Only the refusals run here: accepting would tune this pytest
+    process's malloc (the next test checks the effect, in a subprocess)."""
     from lingua.trainer import keep_freed_memory
 
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     assert keep_freed_memory() is False
-    import os
-    import platform
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0")
+    assert keep_freed_memory() is False
 
-    for key in [k for k in os.environ if k.startswith("MALLOC_")]:
-        monkeypatch.delenv(key)
-    if platform.libc_ver()[0] == "glibc":
-        assert keep_freed_memory() is True
+
+def test_hf_side_takes_our_malloc_setting_only_when_asked(monkeypatch):
+    """`--hf-malloc-like-ours` reaches the HF process as an environment variable; there it tunes
+    malloc as the trainer does, and says so when it cannot rather than measure something else."""
+    monkeypatch.delenv(trainer_vs_hf.HF_MALLOC_VAR, raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0")
+    trainer_vs_hf.hf_malloc_like_ours()                 # not asked: nothing happens
+    monkeypatch.setenv(trainer_vs_hf.HF_MALLOC_VAR, "1")
+    with pytest.raises(SystemExit, match="GLIBC_TUNABLES"):
+        trainer_vs_hf.hf_malloc_like_ours()
+
+
+_FAULTS_OF_REALLOCATION = """
+import resource, sys, torch
+from lingua.trainer import keep_freed_memory
+if sys.argv[1] == "tuned":
+    assert keep_freed_memory()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):  # warm-up: the heap settles (its 2nd block is sometimes fresh memory too)
+    x = torch.ones(256 << 20, dtype=torch.uint8); del x   # 256 MiB: a step's logits, real vocab
+before = faults()
+for _ in range(3):
+    x = torch.ones(256 << 20, dtype=torch.uint8); del x
+print(faults() - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
+    """A block freed and allocated again, as every step's logits and activations are, comes back
+    without page faults once the trainer tuned malloc; by default glibc unmaps it and the kernel
+    zeroes every page again (65,536 faults per 256 MiB)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+
+    def faults(mode):
+        out = subprocess.run([sys.executable, "-c", _FAULTS_OF_REALLOCATION, mode], cwd=REPO,
+                             env=env, capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert faults("default") > 3 * 60_000
+    assert faults("tuned") < 1_000
+
+
+def test_loss_cpu_benchmark_runs_and_checks_the_loss_it_times():
+    """benchmarks/loss_cpu.py: the three losses side by side; it asserts lingua's compiled loss
+    equals eager F.cross_entropy (value and gradient) before timing anything."""
+    out = subprocess.run([sys.executable, "benchmarks/loss_cpu.py", "--tokens", "64", "--vocab",
+                          "100", "--dtypes", "fp32", "--repeats", "1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "flags:" in out.stdout
+    for side in ["eager F.cross_entropy", "compiled F.cross_entropy", "lingua compiled"]:
+        assert re.search(rf"fp32 {side}.* forward +[\d.]+ ms +backward +[\d.]+ ms .* [\d.]+x",
+                         out.stdout), out.stdout
