@@ -109,6 +109,43 @@ class _Dispatch(torch.autograd.Function):
         return slots.view(-1, ctx.top_k, grad.shape[1]).sum(1), None, None, None
 
 
+# oneDNN, which runs bf16 / fp16 matmuls on CPU, builds (JIT-compiles) and caches a kernel for
+# every matmul shape it meets, and torch._grouped_mm on CPU runs one matmul per expert: as the
+# tokens an expert gets change every step, so do the shapes. Measured on a bf16 MoE step (CPU,
+# perf): up to 15% of the step building kernels, and the cached ones (~0.7 MB each) grew the
+# process by ~0.85 GB every 10 steps. So on CPU in those dtypes each expert's rows are padded
+# with zero rows to a multiple of CPU_GROUP_ROWS: a few shapes, built once. Skipped where the
+# padding would add more than 5% rows (few tokens, many experts). Not on GPU: its grouped GEMM
+# is one kernel for any split.
+CPU_GROUP_ROWS = 16
+
+
+def _cpu_group_rows(x: torch.Tensor, n_experts: int) -> int:
+    """The multiple to pad each expert's rows to (0: none): CPU bf16/fp16 only, see above."""
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    if n_experts * (CPU_GROUP_ROWS - 1) / 2 > 0.05 * x.shape[0]:   # expected padding > 5%
+        return 0
+    return CPU_GROUP_ROWS
+
+
+def _pad_groups(x: torch.Tensor, counts: torch.Tensor, multiple: int):
+    """Expert-sorted rows x [n, dim] with counts[e] rows per expert -> (padded_x, rows, offs):
+    expert e's rows start at a multiple of `multiple`, zero rows fill each group up to one,
+    x[i] is padded_x[rows[i]], and offs are the padded groups' int32 end offsets for
+    torch._grouped_mm. padded_x has a fixed n + n_experts * (multiple - 1) rows (no host sync);
+    the ones past offs[-1] belong to no group and are never read."""
+    n, n_experts = x.shape[0], counts.numel()
+    padded = (counts + multiple - 1) // multiple * multiple
+    ends = padded.cumsum(0)
+    shift = (ends - padded) - (counts.cumsum(0) - counts)   # padded start - packed start
+    expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts,
+                                     output_size=n)
+    rows = torch.arange(n, device=x.device) + shift[expert]
+    padded_x = x.new_zeros(n + n_experts * (multiple - 1), x.shape[1]).index_copy(0, rows, x)
+    return padded_x, rows, ends.to(torch.int32)
+
+
 def check_grouped_alignment(dim: int, hidden: int) -> None:
     """torch._grouped_mm needs every row stride to be a multiple of 16 bytes (8 bf16 values)."""
     if dim % 8 or hidden % 8:
@@ -152,9 +189,13 @@ class GroupedExperts(nn.Module):
             # rejects the [0, n] gradient, so the loop yields the (zero) gradients instead.
             return self._loop(x, counts, w1, w3, w2)
         offs = counts.cumsum(0).to(torch.int32)
+        group_rows = _cpu_group_rows(x, counts.numel())
+        if group_rows:
+            x, rows, offs = _pad_groups(x, counts, group_rows)
         mm = _grouped_mm_eager if torch.compiler.is_compiling() and x.dtype != torch.bfloat16 else _grouped_mm
         h = F.silu(mm(x, w1, offs)) * mm(x, w3, offs)
-        return mm(h, w2, offs)
+        y = mm(h, w2, offs)
+        return y.index_select(0, rows) if group_rows else y
 
     @staticmethod
     def _loop(x, counts, w1, w3, w2) -> torch.Tensor:

@@ -49,6 +49,54 @@ def test_grouped_matches_loop_including_empty_experts_and_stride0_grad(counts, d
         assert (grads["grouped"][2][1] == 0).all()
 
 
+def test_pad_groups_puts_each_expert_at_a_multiple_with_zero_rows_between():
+    from lingua.moe import _pad_groups
+
+    counts = torch.tensor([5, 0, 16, 17, 1])
+    x = torch.arange(1, 40, dtype=torch.float32).unsqueeze(1).repeat(1, 8)   # no zero rows
+    padded, rows, offs = _pad_groups(x, counts, 16)
+    assert offs.dtype == torch.int32 and offs.tolist() == [16, 16, 32, 64, 80]
+    assert padded.shape == (39 + 5 * 15, 8)
+    assert torch.equal(padded[rows], x)                      # every row kept, in its order
+    starts = [0, 16, 16, 32, 64]
+    for e, (start, count) in enumerate(zip(starts, counts.tolist())):
+        assert torch.equal(padded[start:start + count], x[sum(counts[:e]):sum(counts[:e + 1])])
+    assert int((padded[:80].abs().sum(1) == 0).sum()) == 80 - 39   # the rest of each group: zeros
+
+
+def test_cpu_bf16_experts_pad_their_groups_and_equal_the_loop(monkeypatch):
+    """On CPU in bf16 each expert's rows are padded to a multiple of CPU_GROUP_ROWS before
+    torch._grouped_mm (oneDNN builds a kernel per shape it meets): the group sizes the GEMMs
+    see are multiples, and the outputs and every gradient equal the per-expert loop's."""
+    import lingua.moe as moe_module
+
+    seen = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: seen.append(offs.tolist()) or grouped_mm(a, b, offs=offs))
+    counts = torch.tensor([500, 13, 0, 250, 261, 999, 1, 19])
+    assert moe_module._cpu_group_rows(torch.empty(2043, 16, dtype=torch.bfloat16), 8) == 16
+    grads = {}
+    for impl in ("grouped", "loop"):
+        ex = _experts(impl, n=8, dtype=torch.bfloat16)
+        x = torch.randn(int(counts.sum()), 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+        x.requires_grad_()
+        y = ex(x, counts)
+        (y.float() * torch.linspace(-1, 1, 16)).sum().backward()
+        grads[impl] = [y.detach().float(), x.grad.float()] + [p.grad.float() for p in ex.parameters()]
+    assert seen and all(o % moe_module.CPU_GROUP_ROWS == 0 for offs in seen for o in offs), seen
+    for g, l in zip(grads["grouped"], grads["loop"]):
+        torch.testing.assert_close(g, l, atol=3e-2, rtol=3e-2)
+
+
+def test_experts_are_not_padded_in_fp32_on_gpu_or_where_padding_would_cost_over_5_percent():
+    from lingua.moe import _cpu_group_rows
+
+    assert _cpu_group_rows(torch.empty(4096, 8), 8) == 0                          # fp32: MKL
+    assert _cpu_group_rows(torch.empty(4096, 8, dtype=torch.bfloat16), 8) == 16
+    assert _cpu_group_rows(torch.empty(256, 8, dtype=torch.bfloat16), 8) == 0     # 60 rows of 256
+    assert _cpu_group_rows(torch.empty(4096, 8, dtype=torch.bfloat16, device="meta"), 8) == 0
+
+
 def test_grouped_rejects_misaligned_shapes():
     with pytest.raises(ConfigError, match="multiples of 8"):
         GroupedExperts(4, 12, 24, "grouped")
