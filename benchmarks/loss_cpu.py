@@ -8,7 +8,9 @@ cross-entropy of lingua.tensor_parallel).
 One torch thread; the three alternate call by call in one process (machine drift hits all alike);
 prints each one's median forward and backward time and the ratio of the baselines' forward +
 backward over lingua's, with the CPU model and flags. The logits are fresh each call, as a
-training step's are (their gradient is a new buffer each time too).
+training step's are (their gradient is a new buffer each time too), and malloc is tuned as the
+trainer tunes it on CPU (lingua.trainer.keep_freed_memory), so that those buffers are reused,
+not faulted in afresh each call (`--glibc-default-malloc` to time with the faults).
 """
 
 import argparse
@@ -21,9 +23,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from llama_cpu import cpu_description  # noqa: E402
 from lingua import metrics  # noqa: E402
 from lingua.tensor_parallel import token_loss_sum  # noqa: E402
+from lingua.trainer import keep_freed_memory  # noqa: E402
 
 
 def f_cross_entropy(logits, labels):
@@ -69,6 +74,8 @@ def main(argv=None):
     parser.add_argument("--dtypes", default=None,
                         help="default: fp32,bf16 where this CPU has bf16 instructions, else fp32")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--glibc-default-malloc", action="store_true",
+                        help="leave malloc as glibc sets it (the trainer tunes it on CPU)")
     cli = parser.parse_args(argv)
     emulated = metrics.cpu_bf16_emulated()
     dtypes = (cli.dtypes or ("fp32" if emulated else "fp32,bf16")).split(",")
@@ -76,10 +83,10 @@ def main(argv=None):
         sys.exit("this CPU has no bf16 instructions: bf16 is emulated there (30-100x slower) and "
                  "would measure the emulation. Use --dtypes fp32.")
     torch.set_num_threads(1)
-    from llama_cpu import cpu_description
-
+    tuned = not cli.glibc_default_malloc and keep_freed_memory()
     print(f"CPU: {cpu_description()}; torch {torch.__version__}; one thread; logits "
-          f"[{cli.tokens}, {cli.vocab}]; median of {cli.repeats}, the three alternating")
+          f"[{cli.tokens}, {cli.vocab}]; median of {cli.repeats}, the three alternating; malloc "
+          f"{'tuned as the trainer tunes it' if tuned else 'glibc default'}")
     for name in dtypes:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
         result = bench(cli.tokens, cli.vocab, dtype, cli.repeats)
@@ -90,5 +97,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -17,6 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
@@ -174,13 +175,17 @@ class _CompiledCrossEntropySum(torch.autograd.Function):
         target = torch.where(counted, labels, 0).unsqueeze(1)
         target_logit = x.gather(1, target).squeeze(1)
         ctx.save_for_backward(logits, logsumexp, target, counted)
-        return ((logsumexp - target_logit) * counted).sum()
+        # where, not a product with the mask: an ignored row may hold -inf or NaN logits (a fork
+        # masking part of the vocabulary), which F.cross_entropy leaves out of the sum.
+        return torch.where(counted, logsumexp - target_logit, 0.0).sum()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
         logits, logsumexp, target, counted = ctx.saved_tensors
-        scale = (grad_loss * counted).unsqueeze(1)                 # 0 on ignored rows
-        logsumexp = logsumexp.unsqueeze(1)
-        grad = (torch.exp(logits.float() - logsumexp) * scale).to(logits.dtype)
-        at_target = (torch.exp(logits.gather(1, target).float() - logsumexp) - 1) * scale
+        counted, logsumexp = counted.unsqueeze(1), logsumexp.unsqueeze(1)
+        softmax = torch.exp(logits.float() - logsumexp) * grad_loss
+        grad = torch.where(counted, softmax, 0.0).to(logits.dtype)
+        at_target = (torch.exp(logits.gather(1, target).float() - logsumexp) - 1) * grad_loss
+        at_target = torch.where(counted, at_target, 0.0)
         return grad.scatter(1, target, at_target.to(logits.dtype)), None

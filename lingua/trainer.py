@@ -165,22 +165,49 @@ def collect_garbage(step: int, young_every: int, full_every: int) -> Optional[in
     return None
 
 
-def keep_freed_memory() -> bool:
-    """CPU training: let glibc's malloc keep every freed block for reuse, as CUDA's caching
-    allocator does on GPU. By default glibc maps large blocks (above 128 KiB, a threshold it
-    raises up to 32 MiB as it goes) afresh and unmaps them when freed; every step frees and
-    reallocates the same activations, so the kernel zeroes their pages again at each first
-    touch. With a real vocabulary the logits and their gradient (hundreds of MB each) are
-    such blocks, and those page faults took a third of a step's time (MoE, 32000 vocabulary,
-    bf16: BENCHMARKS.md, allocator). So: no mmap for any size (M_MMAP_MAX=0, blocks come from
-    the heap and go back to it) and no trimming of the heap's top (M_TRIM_THRESHOLD=-1), both
-    as mallopt(3) documents them. The process keeps its peak memory instead of returning it
-    between steps, which the peak it reports already counted. Skipped where the C library has
-    no mallopt or the user tuned malloc (MALLOC_* or GLIBC_TUNABLES set)."""
-    import ctypes
+# The malloc settings keep_freed_memory makes; a user who set any of them keeps theirs.
+USER_MALLOC_VARS = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                    "MALLOC_TOP_PAD_")
+USER_MALLOC_TUNABLES = ("glibc.malloc.mmap_max", "glibc.malloc.mmap_threshold",
+                        "glibc.malloc.trim_threshold", "glibc.malloc.top_pad")
+
+
+def user_malloc_setting() -> Optional[str]:
+    """The user's own setting of what keep_freed_memory tunes (a MALLOC_*_ variable or a
+    glibc.malloc tunable in GLIBC_TUNABLES), or None."""
     import os
 
-    if "GLIBC_TUNABLES" in os.environ or any(key.startswith("MALLOC_") for key in os.environ):
+    for key in USER_MALLOC_VARS:
+        if key in os.environ:
+            return key
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    for name in USER_MALLOC_TUNABLES:
+        if name in tunables:
+            return f"GLIBC_TUNABLES={tunables}"
+    return None
+
+
+def keep_freed_memory() -> bool:
+    """CPU training: let glibc's malloc keep freed blocks for reuse, as CUDA's caching allocator
+    does on GPU. By default glibc maps large blocks (above 128 KiB, a threshold it raises up to
+    32 MiB as it goes) afresh and unmaps them when freed; every step frees and reallocates the
+    same activations, so the kernel zeroes their pages again at each first touch. With a real
+    vocabulary the logits and their gradient (hundreds of MB each) are such blocks: in a perf
+    profile of a bf16 MoE step a third of the samples were in the kernel's page-fault path, and
+    the step got 10-15% faster without them (BENCHMARKS.md, "Then: page faults"). So: no mmap
+    for any size (M_MMAP_MAX=0, blocks come from the heap and go back to it) and no trimming of
+    the heap's top (M_TRIM_THRESHOLD=-1), both as mallopt(3) documents them.
+    What it costs: the process keeps the memory it freed (release_freed_memory gives back what
+    setup used once), and a long-lived block in the middle of the heap can keep a freed one
+    beside it from merging, so the peak can be higher than with mmap. It holds for the main
+    thread's arena, where training allocates (CPU autograd runs on the calling thread); other
+    threads' arenas still map blocks over 64 MiB. Process-wide, and it stays after run()
+    returns (a caller that trains in-process, as the tests do, keeps it). Returns False, and
+    changes nothing, where the C library has no mallopt or the user set one of these knobs
+    (user_malloc_setting)."""
+    import ctypes
+
+    if user_malloc_setting():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -188,6 +215,18 @@ def keep_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_max = -1, -4
     return bool(mallopt(m_mmap_max, 0) and mallopt(m_trim_threshold, -1))
+
+
+def release_freed_memory() -> None:
+    """Give the OS back the heap memory free at this moment (glibc's malloc_trim): called once
+    setup is done, so that transient copies made while building, initialising and resuming the
+    model do not stay resident for the whole run under keep_freed_memory's no-trim setting."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 TESTED_TORCH = "2.13"   # pyproject.toml's pin: the version the suite runs on
@@ -210,8 +249,10 @@ def start_run(args, env: DistEnv) -> None:
     metrics.setup_logging(env.rank)
     if env.is_main and (untested := torch_version_warning(torch.__version__)):
         logger.warning(untested)
-    if env.device.type == "cpu":
-        keep_freed_memory()
+    if env.device.type == "cpu" and not keep_freed_memory() and (user := user_malloc_setting()):
+        if env.is_main:
+            logger.info(f"malloc: left as set by {user} (the trainer would keep freed blocks "
+                        "for reuse on CPU; lingua.trainer.keep_freed_memory)")
     preemption.SIGNALS.listen()
     if args.data.prepare_embedded:
         if env.local_rank == 0:
@@ -986,6 +1027,8 @@ def run(args, app: App) -> int:
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
     training = Run(args, env, app, parts, stage_ids, optimizers)
     training.resume()                 # from the newest intact checkpoint of dump_dir, if any
+    if env.device.type == "cpu":
+        release_freed_memory()        # setup's transient copies (see keep_freed_memory)
     completed = training.train()
     if not completed:
         # Stopped by a signal, everything saved: every rank leaves from here together, so that
