@@ -162,9 +162,9 @@ class _CompiledCrossEntropySum(torch.autograd.Function):
     from F.cross_entropy, the backward builds the one-hot target by comparing an int64 column
     index with each row's label at every logit, and sums that one-hot again in a pass of its own;
     here the gradient is softmax * g in one pass over the logits and the target's entry, computed
-    in fp32 from its own logit, is written over it: 32000-vocabulary logits [2048, 32000],
-    one thread, backward 198 -> 134 ms in fp32 and 140 -> 105 ms in bf16 (BENCHMARKS.md, the
-    compiled loss). It keeps what the compiled F.cross_entropy keeps: the logits in their own
+    in fp32 from its own logit, is written over it: [2048, 32000] logits, one thread, backward
+    81.5 -> 44.5 ms in fp32 and 102.3 -> 55.5 ms in bf16 (benchmarks/loss_cpu.py; BENCHMARKS.md,
+    "Then: page faults, and the loss's backward"). It keeps what the compiled F.cross_entropy keeps: the logits in their own
     dtype and one logsumexp per row. Only ever called while compiling (token_loss_sum)."""
 
     @staticmethod
