@@ -102,8 +102,14 @@ def test_compiled_cross_entropy_keeps_bf16_logits_not_fp32_log_probabilities():
     assert compiled <= 2 * tokens * VOCAB + 64 * tokens, compiled
 
 
+@pytest.mark.parametrize("device", [
+    "cpu",
+    # The GPU runbook's check that inductor's Triton code for it agrees too (never run yet).
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_token_loss_sum_is_cross_entropy_with_its_gradient(dtype):
+def test_compiled_token_loss_sum_is_cross_entropy_with_its_gradient(dtype, device):
     """Under torch.compile token_loss_sum takes its written-out cross-entropy (one pass over the
     logits in backward, the target's entry written over it): the sum and the gradient are
     F.cross_entropy's, with ignored targets (-100, as MTP's) counting for nothing even where
@@ -123,6 +129,7 @@ def test_compiled_token_loss_sum_is_cross_entropy_with_its_gradient(dtype):
         labels[1, 5:9] = tensor_parallel.IGNORE_INDEX
         logits[1, 5, 0] = float("-inf")            # ignored rows: a masked column, a NaN
         logits[1, 6, 3] = float("nan")
+        logits, labels = logits.to(device), labels.to(device)
         eager_in, compiled_in = (logits.clone().requires_grad_() for _ in range(2))
         want = torch.nn.functional.cross_entropy(eager_in.flatten(0, 1).float(), labels.flatten(),
                                                  reduction="sum")
