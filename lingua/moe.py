@@ -114,9 +114,11 @@ class _Dispatch(torch.autograd.Function):
 # tokens an expert gets change every step, so do the shapes. Measured on a bf16 MoE step (CPU,
 # perf): up to 15% of the step building kernels, and the cached ones (~0.7 MB each) grew the
 # process by ~0.85 GB every 10 steps. So on CPU in those dtypes each expert's rows are padded
-# with zero rows to a multiple of CPU_GROUP_ROWS: a few shapes, built once. Skipped where the
-# padding would add more than 5% rows (few tokens, many experts). Not on GPU: its grouped GEMM
-# is one kernel for any split.
+# with zero rows to a multiple of CPU_GROUP_ROWS: 16x fewer shapes, which the cache keeps once
+# seen. The buffer has CPU_GROUP_ROWS - 1 more rows per expert than there are tokens (the last
+# expert's group takes what its padding leaves, so every row is in a group and computed): skipped
+# where that is over 10% of the rows (few tokens, many experts). Not on GPU: its grouped GEMM is
+# one kernel for any split.
 CPU_GROUP_ROWS = 16
 
 
@@ -124,26 +126,44 @@ def _cpu_group_rows(x: torch.Tensor, n_experts: int) -> int:
     """The multiple to pad each expert's rows to (0: none): CPU bf16/fp16 only, see above."""
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
         return 0
-    if n_experts * (CPU_GROUP_ROWS - 1) / 2 > 0.05 * x.shape[0]:   # expected padding > 5%
+    if n_experts * (CPU_GROUP_ROWS - 1) > 0.1 * x.shape[0]:
         return 0
     return CPU_GROUP_ROWS
 
 
+class _ScatterRows(torch.autograd.Function):
+    """out = zeros(n_out, dim) with out[rows[i]] = x[i]; backward gathers the rows back. Keeps
+    only `rows` for backward (torch's index_copy keeps its whole source: one more copy of the
+    expert rows per layer until backward)."""
+
+    @staticmethod
+    def forward(ctx, x, rows, n_out):
+        ctx.save_for_backward(rows)
+        return x.new_zeros(n_out, x.shape[1]).index_copy_(0, rows, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad.index_select(0, rows), None, None
+
+
 def _pad_groups(x: torch.Tensor, counts: torch.Tensor, multiple: int):
     """Expert-sorted rows x [n, dim] with counts[e] rows per expert -> (padded_x, rows, offs):
-    expert e's rows start at a multiple of `multiple`, zero rows fill each group up to one,
-    x[i] is padded_x[rows[i]], and offs are the padded groups' int32 end offsets for
-    torch._grouped_mm. padded_x has a fixed n + n_experts * (multiple - 1) rows (no host sync);
-    the ones past offs[-1] belong to no group and are never read."""
+    expert e's rows start at a multiple of `multiple`, zero rows fill each group up to the next
+    start, x[i] is padded_x[rows[i]], and offs are torch._grouped_mm's int32 group end offsets.
+    padded_x has a fixed n + n_experts * (multiple - 1) rows (a shape that does not depend on
+    the routing, for torch.compile); the last expert's group runs to its end, so no row is left
+    outside a group (torch._grouped_mm leaves such rows of its outputs unwritten)."""
     n, n_experts = x.shape[0], counts.numel()
+    n_out = n + n_experts * (multiple - 1)
     padded = (counts + multiple - 1) // multiple * multiple
     ends = padded.cumsum(0)
     shift = (ends - padded) - (counts.cumsum(0) - counts)   # padded start - packed start
     expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts,
                                      output_size=n)
     rows = torch.arange(n, device=x.device) + shift[expert]
-    padded_x = x.new_zeros(n + n_experts * (multiple - 1), x.shape[1]).index_copy(0, rows, x)
-    return padded_x, rows, ends.to(torch.int32)
+    ends[-1] = n_out
+    return _ScatterRows.apply(x, rows, n_out), rows, ends.to(torch.int32)
 
 
 def check_grouped_alignment(dim: int, hidden: int) -> None:
@@ -164,6 +184,7 @@ class GroupedExperts(nn.Module):
     dtype (autocast does not cover it, so we cast to the autocast dtype ourselves), 16-byte aligned
     rows (checked at construction), no stride-0 incoming gradient (made contiguous), no empty
     input (the loop handles it). Experts with zero tokens are fine (equal consecutive offsets).
+    On CPU in bf16/fp16 each expert's rows are padded to a multiple of CPU_GROUP_ROWS first.
     """
 
     def __init__(self, n_experts: int, dim: int, hidden: int, impl: str = "grouped"):
@@ -188,10 +209,11 @@ class GroupedExperts(nn.Module):
             # No rows (e.g. an expert-parallel rank that received none): grouped_mm's backward
             # rejects the [0, n] gradient, so the loop yields the (zero) gradients instead.
             return self._loop(x, counts, w1, w3, w2)
-        offs = counts.cumsum(0).to(torch.int32)
         group_rows = _cpu_group_rows(x, counts.numel())
-        if group_rows:
+        if group_rows:   # CPU bf16/fp16: padded groups, few GEMM shapes (see CPU_GROUP_ROWS)
             x, rows, offs = _pad_groups(x, counts, group_rows)
+        else:
+            offs = counts.cumsum(0).to(torch.int32)
         mm = _grouped_mm_eager if torch.compiler.is_compiling() and x.dtype != torch.bfloat16 else _grouped_mm
         h = F.silu(mm(x, w1, offs)) * mm(x, w3, offs)
         y = mm(h, w2, offs)
