@@ -145,6 +145,20 @@ def profile(shape: str, dtype: str, cli, cores, workdir) -> None:
           f"{total(theirs) / active:9.1f}")
 
 
+def dtypes_for_this_cpu(asked) -> tuple:
+    """(--dtypes as a list, whether bf16 is emulated here): by default fp32, and bf16 too where the
+    CPU has bf16 instructions; exits when bf16 is asked for where it is emulated (30-100x slower
+    than fp32: it would measure the emulation)."""
+    from lingua import metrics
+
+    emulated = metrics.cpu_bf16_emulated()
+    dtypes = (asked or ("fp32" if emulated else "fp32,bf16")).split(",")
+    if emulated and "bf16" in dtypes:
+        sys.exit("this CPU has no bf16 instructions (no avx512_bf16 / amx_bf16): bf16 is emulated "
+                 "there, 30-100x slower than fp32, and would measure the emulation. Use --dtypes fp32.")
+    return dtypes, emulated
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="5M,10M,50M", help=f"of {', '.join(pair.SHAPES)}")
@@ -162,13 +176,7 @@ def main(argv=None):
     parser.add_argument("--workdir", default=None)
     cli = parser.parse_args(argv)
 
-    from lingua import metrics
-
-    emulated = metrics.cpu_bf16_emulated()
-    dtypes = (cli.dtypes or ("fp32" if emulated else "fp32,bf16")).split(",")
-    if emulated and "bf16" in dtypes:
-        sys.exit("this CPU has no bf16 instructions (no avx512_bf16 / amx_bf16): bf16 is emulated "
-                 "there, 30-100x slower than fp32, and would measure the emulation. Use --dtypes fp32.")
+    dtypes, emulated = dtypes_for_this_cpu(cli.dtypes)
     shapes = cli.shapes.split(",")
     for name in shapes:
         if name not in pair.SHAPES:

@@ -25,8 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llama_cpu import cpu_description  # noqa: E402
-from lingua import metrics  # noqa: E402
+from llama_cpu import cpu_description, dtypes_for_this_cpu  # noqa: E402
 from lingua.tensor_parallel import token_loss_sum  # noqa: E402
 from lingua.trainer import keep_freed_memory  # noqa: E402
 
@@ -77,11 +76,7 @@ def main(argv=None):
     parser.add_argument("--glibc-default-malloc", action="store_true",
                         help="leave malloc as glibc sets it (the trainer tunes it on CPU)")
     cli = parser.parse_args(argv)
-    emulated = metrics.cpu_bf16_emulated()
-    dtypes = (cli.dtypes or ("fp32" if emulated else "fp32,bf16")).split(",")
-    if emulated and "bf16" in dtypes:
-        sys.exit("this CPU has no bf16 instructions: bf16 is emulated there (30-100x slower) and "
-                 "would measure the emulation. Use --dtypes fp32.")
+    dtypes, _ = dtypes_for_this_cpu(cli.dtypes)
     torch.set_num_threads(1)
     tuned = not cli.glibc_default_malloc and keep_freed_memory()
     print(f"CPU: {cpu_description()}; torch {torch.__version__}; one thread; logits "
