@@ -105,8 +105,9 @@ def hf_malloc_like_ours() -> None:
         from lingua.trainer import keep_freed_memory
 
         if not keep_freed_memory():
-            sys.exit("--hf-malloc-like-ours: this C library has no mallopt, or MALLOC_* / "
-                     "GLIBC_TUNABLES are set; unset them or drop the option.")
+            sys.exit("--hf-malloc-like-ours: this C library has no mallopt, or malloc's knobs are "
+                     "set (MALLOC_*_ variables, glibc.malloc tunables in GLIBC_TUNABLES); unset "
+                     "them or drop the option.")
 
 
 def pinned(core: int):

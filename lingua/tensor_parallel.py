@@ -164,8 +164,9 @@ class _CompiledCrossEntropySum(torch.autograd.Function):
     here the gradient is softmax * g in one pass over the logits and the target's entry, computed
     in fp32 from its own logit, is written over it: [2048, 32000] logits, one thread, backward
     81.5 -> 44.5 ms in fp32 and 102.3 -> 55.5 ms in bf16 (benchmarks/loss_cpu.py; BENCHMARKS.md,
-    "Then: page faults, and the loss's backward"). It keeps what the compiled F.cross_entropy keeps: the logits in their own
-    dtype and one logsumexp per row. Only ever called while compiling (token_loss_sum)."""
+    "Then: page faults, and the loss's backward"). It keeps what the compiled F.cross_entropy
+    keeps: the logits in their own dtype and one logsumexp per row. Only ever called while
+    compiling (token_loss_sum)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -249,8 +249,10 @@ def start_run(args, env: DistEnv) -> None:
     metrics.setup_logging(env.rank)
     if env.is_main and (untested := torch_version_warning(torch.__version__)):
         logger.warning(untested)
-    if env.device.type == "cpu" and not keep_freed_memory() and (user := user_malloc_setting()):
-        if env.is_main:
+    if env.device.type == "cpu":
+        if (user := user_malloc_setting()) is None:
+            keep_freed_memory()
+        elif env.is_main:
             logger.info(f"malloc: left as set by {user} (the trainer would keep freed blocks "
                         "for reuse on CPU; lingua.trainer.keep_freed_memory)")
     preemption.SIGNALS.listen()

@@ -55,6 +55,20 @@ def load_prepare_data():
     return load_setup_script("prepare_data")
 
 
+def saved_tensor_bytes(run) -> int:
+    """Bytes autograd keeps for backward while `run()` runs its forward and backward: one count
+    per storage (a tensor saved by two ops, as log_softmax's output is by nll_loss, counts once)."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(saved.values())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

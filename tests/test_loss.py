@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lingua import loss as loss_module
+from tests.conftest import saved_tensor_bytes
 
 VOCAB = 1000
 
@@ -73,18 +74,8 @@ def test_the_loss_stays_eager_without_compile_or_under_loss_parallelism():
 
 
 def _saved_bytes(fn, logits, labels) -> int:
-    """Bytes of the tensors autograd keeps for backward while fn runs (its saved tensors; one
-    storage saved by two ops, as log_softmax's output is by nll_loss, counted once)."""
-    saved = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(logits, labels)
-    out.loss_sum.backward()
-    return sum(saved.values())
+    """Bytes of the tensors autograd keeps for backward while fn runs (tests.conftest)."""
+    return saved_tensor_bytes(lambda: fn(logits, labels).loss_sum.backward())
 
 
 def test_compiled_cross_entropy_keeps_bf16_logits_not_fp32_log_probabilities():

@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from apps.moe.model import MoEArgs, Transformer, flops_per_token, validate_moe_args
 from lingua.errors import ConfigError
+from tests.conftest import saved_tensor_bytes
 from lingua.moe import (GroupedExperts, MoE, Router, active_params_per_token, moe_layers, reset_routing,
                         routing_metrics, update_expert_bias)
 
@@ -100,30 +101,19 @@ def test_experts_are_not_padded_in_fp32_off_cpu_or_where_padding_would_add_over_
     assert _cpu_group_rows(torch.empty(4096, 8, dtype=torch.bfloat16, device="meta"), 8) == 0
 
 
-def test_padded_experts_keep_no_second_copy_of_their_rows_for_backward():
+def test_padded_experts_keep_no_second_copy_of_their_rows_for_backward(monkeypatch):
     """What the padded path keeps for backward beyond the unpadded one: its padding rows and the
     row index, not another copy of the tokens' rows (torch's index_copy would keep its source)."""
     import lingua.moe as moe_module
 
     def saved_bytes(padded):
-        saved = {}
-
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
         ex = _experts("grouped", n=8, dim=64, hidden=64, dtype=torch.bfloat16)
         x = torch.randn(4000, 64, dtype=torch.bfloat16, requires_grad=True)
         counts = torch.tensor([500] * 8)
-        original = moe_module._cpu_group_rows
-        if not padded:
-            moe_module._cpu_group_rows = lambda x, n_experts: 0
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                ex(x, counts).sum().backward()
-        finally:
-            moe_module._cpu_group_rows = original
-        return sum(saved.values())
+        with monkeypatch.context() as patch:
+            if not padded:
+                patch.setattr(moe_module, "_cpu_group_rows", lambda x, n_experts: 0)
+            return saved_tensor_bytes(lambda: ex(x, counts).sum().backward())
 
     padded, unpadded = saved_bytes(True), saved_bytes(False)
     extra = padded - unpadded

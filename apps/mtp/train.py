@@ -17,7 +17,7 @@ from apps.mtp.parallelize import parallelize_mtp, uses_loss_parallel, validate_t
 from lingua import hf as lingua_hf
 from lingua import config, trainer
 from lingua.loss import LossOutput
-from lingua.tensor_parallel import token_loss_sum
+from lingua.tensor_parallel import IGNORE_INDEX, token_loss_sum
 
 
 @dataclass
@@ -35,7 +35,7 @@ def validate_mtp(args: TrainArgs) -> None:
                                              f"experts to shard. Remove distributed.ep.")
 
 
-IGNORE = -100  # cross_entropy's ignore_index: a target past the end of the sequence
+IGNORE = IGNORE_INDEX  # a target past the end of the sequence: token_loss_sum leaves it out
 
 
 def batch_inputs(tokens: torch.Tensor, labels: torch.Tensor, depth: int):
