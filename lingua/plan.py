@@ -44,6 +44,8 @@ lingua.distributed). tests/test_plan.py measures the live tensors of real blocks
 and MoE, bf16, fp32 and autocast, every ac mode, tp 1 and 2) and checks this formula against
 them. Assumptions: a flash/memory-efficient attention kernel (no seq x seq matrix, as on GPU),
 MoE routing balanced across experts and EP ranks (an overloaded EP rank receives more rows), no
+CPU expert padding (bf16 / fp16 MoE on CPU pads each expert's rows to a multiple of
+lingua.moe.CPU_GROUP_ROWS: at most 10% more expert rows kept; the plan is for GPUs), no
 torch.compile fusion (compile only lowers it, the loss's fp32 logits included, which compiled
 runs do not keep: on one H100, llama_1b compiled at seq 4096 x 4 peaked at 34.3 GiB without ac
 and 24.6 with ac=op, where the plan says 45.6 and 32.9, measured before the loss was compiled;

@@ -66,21 +66,22 @@ def test_pad_groups_puts_each_expert_at_a_multiple_with_zero_rows_between():
     assert int((padded.abs().sum(1) == 0).sum()) == 5 * 15   # the rest: zeros
 
 
-def test_cpu_bf16_experts_pad_their_groups_and_equal_the_loop(monkeypatch):
-    """On CPU in bf16 each expert's rows are padded to a multiple of CPU_GROUP_ROWS before
-    torch._grouped_mm (oneDNN builds a kernel per shape it meets): the group sizes the GEMMs
-    see are multiples, and the outputs and every gradient equal the per-expert loop's."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_half_experts_pad_their_groups_and_equal_the_loop(monkeypatch, dtype):
+    """On CPU in bf16 and fp16 each expert's rows are padded to a multiple of CPU_GROUP_ROWS
+    before torch._grouped_mm (oneDNN builds a kernel per shape it meets): the group sizes the
+    GEMMs see are multiples, and the outputs and every gradient equal the per-expert loop's."""
     import lingua.moe as moe_module
 
     seen = []
     grouped_mm = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: seen.append(offs.tolist()) or grouped_mm(a, b, offs=offs))
     counts = torch.tensor([500, 13, 0, 250, 261, 999, 1, 19])
-    assert moe_module._cpu_group_rows(torch.empty(2043, 16, dtype=torch.bfloat16), 8) == 16
+    assert moe_module._cpu_group_rows(torch.empty(2043, 16, dtype=dtype), 8) == 16
     grads = {}
     for impl in ("grouped", "loop"):
-        ex = _experts(impl, n=8, dtype=torch.bfloat16)
-        x = torch.randn(int(counts.sum()), 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+        ex = _experts(impl, n=8, dtype=dtype)
+        x = torch.randn(int(counts.sum()), 16, generator=torch.Generator().manual_seed(1)).to(dtype)
         x.requires_grad_()
         # Anomaly mode: no NaN from rows outside a group (grouped_mm leaves those unwritten).
         with torch.autograd.detect_anomaly():
@@ -97,6 +98,7 @@ def test_experts_are_not_padded_in_fp32_off_cpu_or_where_padding_would_add_over_
 
     assert _cpu_group_rows(torch.empty(4096, 8), 8) == 0                          # fp32: MKL
     assert _cpu_group_rows(torch.empty(4096, 8, dtype=torch.bfloat16), 8) == 16
+    assert _cpu_group_rows(torch.empty(4096, 8, dtype=torch.float16), 8) == 16
     assert _cpu_group_rows(torch.empty(256, 8, dtype=torch.bfloat16), 8) == 0     # 120 rows on 256
     assert _cpu_group_rows(torch.empty(4096, 8, dtype=torch.bfloat16, device="meta"), 8) == 0
 
@@ -207,6 +209,57 @@ def test_moe_under_bf16_autocast_grouped_matches_loop():
     assert outs[0][0].dtype == torch.float32 and torch.allclose(outs[0][0], outs[1][0], atol=5e-2, rtol=5e-2)
     assert torch.allclose(outs[0][1], outs[1][1], atol=5e-2, rtol=5e-2)
     assert torch.allclose(outs[0][0], _dense_reference(m, x), atol=0.1, rtol=0.1)
+
+
+def test_moe_layer_pads_under_bf16_autocast_and_compiles_once_for_any_routing(monkeypatch):
+    """The MoE layer as the trainer runs it on CPU in bf16 (autocast), with enough tokens for the
+    expert padding to apply (4 experts x 15 pad rows against 640 slots): it pads, its output and
+    every gradient equal the unpadded layer's, and torch.compile traces it once for two batches
+    that route differently, since the padded buffer's shape does not follow the routing. aot_eager:
+    dynamo and AOTAutograd as inductor gets them, without inductor's compile time."""
+    import lingua.moe as moe_module
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    batches = [torch.randn(2, 160, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    weight = torch.linspace(-1, 1, 16)
+
+    def step(layer, x):
+        layer.zero_grad()
+        # As the trainer does each step (reset_routing, update_expert_bias): the sums carried
+        # from the previous step would be another guard.
+        module = getattr(layer, "_orig_mod", layer)   # torch.compile's wrapper holds the layer
+        reset_routing([module])
+        module.step_counts = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+        (out.float() * weight).sum().backward()
+        return [out.detach().float()] + [p.grad.clone() for p in layer.parameters()]
+
+    padded_counts, pad = [], moe_module._pad_groups
+    with monkeypatch.context() as patch:
+        patch.setattr(moe_module, "_pad_groups", lambda x, c, m: padded_counts.append(c.tolist()) or pad(x, c, m))
+        padded = [step(_moe(), x) for x in batches]
+    assert len(padded_counts) == 2 and padded_counts[0] != padded_counts[1], padded_counts
+    with monkeypatch.context() as patch:
+        patch.setattr(moe_module, "_cpu_group_rows", lambda x, n_experts: 0)
+        unpadded = [step(_moe(), x) for x in batches]
+    for ours, reference in zip(padded, unpadded):
+        for a, b in zip(ours, reference):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    layer = _moe()
+    compiled = torch.compile(layer, backend=counter)
+    results = [step(compiled, batches[0])]
+    frames = counter.frame_count
+    results.append(step(compiled, batches[1]))
+    assert counter.frame_count == frames, "the second routing recompiled the layer"
+    assert any("repeat_interleave" in g.code for g in counter.graphs), "the padding was not traced"
+    for ours, reference in zip(results, padded):
+        for a, b in zip(ours, reference):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    torch._dynamo.reset()
 
 
 def test_capacity_drops_later_tokens():
