@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from llama_cpu import cpu_description, median, two_cores  # noqa: E402
+from llama_cpu import cpu_description, dtypes_for_this_cpu, median, two_cores  # noqa: E402
 from trainer_vs_hf import HF_MALLOC_VAR, hf_malloc_like_ours, pinned, pinned_env  # noqa: E402  (the LLaMA twin's, shared)
 from trainer_vs_hf import follow_trainer, hf_optimizer, wait_for_first_step  # noqa: E402
 
@@ -239,16 +239,13 @@ def run_pair(name: str, hf_dir: Path, experts: str, dtype: str, batch: int, seq_
             "ours_core": core_ours, "hf_core": core_hf}
 
 
-def bf16_native() -> bool:
-    flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else ""
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def bench(cli) -> dict:
     cores = two_cores()
     workdir = Path(cli.workdir or tempfile.mkdtemp(prefix="moe_trainer_vs_hf_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"CPU: {cpu_description()}; bf16 {'native' if bf16_native() else 'EMULATED'}")
+    from lingua.metrics import cpu_bf16_emulated
+
+    print(f"CPU: {cpu_description()}; bf16 {'EMULATED' if cpu_bf16_emulated() else 'native'}")
     import torch
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; one thread a side, "
@@ -311,9 +308,7 @@ def main(argv=None):
     cli = parser.parse_args(argv)
     if cli.side == "hf":
         return hf_loop(cli.hf_dir, cli.experts, cli.dtype, cli.batch, cli.seq_len, cli.steps)
-    if "bf16" in cli.dtypes.split(",") and not bf16_native():
-        sys.exit("bf16 on a CPU without bf16 instructions (no avx512_bf16 / amx_bf16) is emulated, "
-                 "30-100x slower: it would measure the emulation. Use --dtypes fp32.")
+    dtypes_for_this_cpu(cli.dtypes)   # exits where bf16 is asked for and only emulated here
     if cli.hf_malloc_like_ours:
         os.environ[HF_MALLOC_VAR] = "1"   # read by the HF process only (hf_malloc_like_ours)
     bench(cli)

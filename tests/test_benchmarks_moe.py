@@ -51,3 +51,29 @@ def test_measured_rows_skip_the_warmup_window(tmp_path):
     # 10 steps of 100 tokens at 100 tok/s = 10 s; 5 steps at 200 tok/s = 2.5 s; step 10's window
     # (the warm-up) is left out.
     assert first == 10 and measured == [(10, 10.0), (5, 2.5)]
+
+
+@pytest.mark.parametrize("script", ["moe_trainer_vs_hf", "llama_cpu"])
+def test_bf16_is_refused_where_the_cpu_only_emulates_it(monkeypatch, script):
+    """Both CPU benchmarks share one dtype check (llama_cpu.dtypes_for_this_cpu): asked for bf16
+    where it is emulated (30-100x slower than fp32), they exit before starting anything, naming
+    the fix; where it is native they accept it."""
+    import importlib
+
+    from lingua import metrics
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    bench = importlib.import_module(script)
+    started = []
+    # What each script starts first once the dtypes are accepted: the side-by-side runs.
+    monkeypatch.setattr(bench, "bench" if script == "moe_trainer_vs_hf" else "two_cores",
+                        lambda *a: started.append(a))
+    monkeypatch.setattr(metrics, "cpu_bf16_emulated", lambda: True)
+    with pytest.raises(SystemExit, match="--dtypes fp32"):
+        bench.main(["--dtypes", "bf16"])
+    assert not started
+    from llama_cpu import dtypes_for_this_cpu
+
+    monkeypatch.setattr(metrics, "cpu_bf16_emulated", lambda: False)
+    assert dtypes_for_this_cpu("bf16") == (["bf16"], False)
+    assert dtypes_for_this_cpu(None) == (["fp32", "bf16"], False)
