@@ -199,12 +199,15 @@ def keep_freed_memory() -> bool:
     the heap's top (M_TRIM_THRESHOLD=-1), both as mallopt(3) documents them.
     What it costs: the process keeps the memory it freed (release_freed_memory gives back what
     setup used once), and a long-lived block in the middle of the heap can keep a freed one
-    beside it from merging, so the peak can be higher than with mmap. It holds for the main
-    thread's arena, where training allocates (CPU autograd runs on the calling thread); other
-    threads' arenas still map blocks over 64 MiB. Process-wide, and it stays after run()
-    returns (a caller that trains in-process, as the tests do, keeps it). Returns False, and
-    changes nothing, where the C library has no mallopt or the user set one of these knobs
-    (user_malloc_setting)."""
+    beside it from merging, so the peak can be higher than with mmap (measured: 1.94 against
+    1.55 GiB resident at peak, +25%, for a 34M-parameter fp32 model with a 32000 vocabulary,
+    level from step 10 to 150; BENCHMARKS.md). To keep glibc's default, set one of the knobs
+    user_malloc_setting looks for, e.g. MALLOC_TOP_PAD_=131072 (mallopt(3)'s default). It
+    holds for the main thread's arena, where training allocates (CPU autograd runs on the
+    calling thread); other threads' arenas still map blocks over 64 MiB. Process-wide, and it
+    stays after run() returns (a caller that trains in-process, as the tests do, keeps it).
+    Returns False, and changes nothing, where the C library has no mallopt or the user set one
+    of these knobs (user_malloc_setting)."""
     import ctypes
 
     if user_malloc_setting():
