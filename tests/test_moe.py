@@ -245,7 +245,7 @@ def test_moe_layer_pads_under_bf16_autocast_and_compiles_once_for_any_routing(mo
         unpadded = [step(_moe(), x) for x in batches]
     for ours, reference in zip(padded, unpadded):
         for a, b in zip(ours, reference):
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)   # bf16, as above
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -258,7 +258,7 @@ def test_moe_layer_pads_under_bf16_autocast_and_compiles_once_for_any_routing(mo
     assert any("repeat_interleave" in g.code for g in counter.graphs), "the padding was not traced"
     for ours, reference in zip(results, padded):
         for a, b in zip(ours, reference):
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)   # bf16, as above
     torch._dynamo.reset()
 
 
