@@ -235,6 +235,11 @@ def test_moe_layer_pads_under_bf16_autocast_and_compiles_once_for_any_routing(mo
         (out.float() * weight).sum().backward()
         return [out.detach().float()] + [p.grad.clone() for p in layer.parameters()]
 
+    def assert_steps_close(steps, reference_steps):   # output and every gradient, bf16 as above
+        for ours, reference in zip(steps, reference_steps, strict=True):
+            for a, b in zip(ours, reference, strict=True):
+                torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+
     padded_counts, pad = [], moe_module._pad_groups
     with monkeypatch.context() as patch:
         patch.setattr(moe_module, "_pad_groups", lambda x, c, m: padded_counts.append(c.tolist()) or pad(x, c, m))
@@ -243,9 +248,7 @@ def test_moe_layer_pads_under_bf16_autocast_and_compiles_once_for_any_routing(mo
     with monkeypatch.context() as patch:
         patch.setattr(moe_module, "_cpu_group_rows", lambda x, n_experts: 0)
         unpadded = [step(_moe(), x) for x in batches]
-    for ours, reference in zip(padded, unpadded):
-        for a, b in zip(ours, reference):
-            torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)   # bf16, as above
+    assert_steps_close(padded, unpadded)
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -256,9 +259,7 @@ def test_moe_layer_pads_under_bf16_autocast_and_compiles_once_for_any_routing(mo
     results.append(step(compiled, batches[1]))
     assert counter.frame_count == frames, "the second routing recompiled the layer"
     assert any("repeat_interleave" in g.code for g in counter.graphs), "the padding was not traced"
-    for ours, reference in zip(results, padded):
-        for a, b in zip(ours, reference):
-            torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)   # bf16, as above
+    assert_steps_close(results, padded)
     torch._dynamo.reset()
 
 

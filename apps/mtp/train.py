@@ -35,16 +35,13 @@ def validate_mtp(args: TrainArgs) -> None:
                                              f"experts to shard. Remove distributed.ep.")
 
 
-IGNORE = IGNORE_INDEX  # a target past the end of the sequence: token_loss_sum leaves it out
-
-
 def batch_inputs(tokens: torch.Tensor, labels: torch.Tensor, depth: int):
     """From the whole sequence, before any sharding: targets [b, s, 1 + D], where [:, i, k] is
-    t_{i+k+1} (the labels shifted k more, IGNORE past the end), and the MTP modules' input
+    t_{i+k+1} (the labels shifted k more, IGNORE_INDEX past the end), and the MTP modules' input
     tokens future_tokens [b, s, D], where [:, i, k-1] is t_{i+k} (0 where there is none: its
-    targets are IGNORE)."""
+    targets are IGNORE_INDEX)."""
     b, s = labels.shape
-    pad = labels.new_full((b, depth), IGNORE)
+    pad = labels.new_full((b, depth), IGNORE_INDEX)
     ahead = torch.cat([labels, pad], dim=1)
     target = torch.stack([ahead[:, k:k + s] for k in range(depth + 1)], dim=-1)
     return {"future_tokens": target[..., :depth].clamp(min=0)}, target
@@ -56,7 +53,7 @@ def mtp_loss(output: torch.Tensor, target: torch.Tensor, weight: float) -> LossO
     (mtp/ce_0 is the next-token one again) and mtp/objective what is minimised."""
     depth = target.shape[-1] - 1
     terms = [token_loss_sum(output[k], target[..., k]) for k in range(depth + 1)]
-    counts = [(target[..., k] != IGNORE).sum() for k in range(depth + 1)]
+    counts = [(target[..., k] != IGNORE_INDEX).sum() for k in range(depth + 1)]
     total = terms[0] + weight / depth * sum(terms[1:])
     metrics = {f"mtp/ce_{k}": (terms[k], counts[k]) for k in range(depth + 1)}
     metrics["mtp/objective"] = (total, counts[0])
