@@ -935,6 +935,7 @@ class Run:
         """The metrics.jsonl row of this step (every rank joins its collectives)."""
         args, env = self.args, self.env
         tokens_per_s = loop.window.tokens_per_s()
+        loop.peak.measure_again(self.step)   # once, at the first row: see Peak.measure_again
         losses = self.step_loss.reduced(env, self.pipe is None or self.pipe.has_last)
         row = {"step": self.step, "loss": losses.pop("loss"), "lr": lr,
                "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,

@@ -121,6 +121,48 @@ def test_mfu_is_never_above_one_even_against_a_tiny_peak(tmp_path, monkeypatch):
     assert "not credible" in with_warning[0]
 
 
+def test_a_measured_peak_is_measured_again_once_at_the_first_logged_step(tmp_path, monkeypatch):
+    """One 0.1 s measurement at start can come out low (the machine busy in that moment), which
+    overstates every MFU of the run: the trainer measures again at its first logged row and keeps
+    the higher, once per run, and never lowers a peak; peak.json records both."""
+    rates = iter([40e9, 80e9, 10e9])
+    calls = []
+
+    def measure(*a, **k):
+        calls.append(a)
+        return {"flops_per_s": next(rates), "best_s": 1e-3, "repeats": 5}
+
+    monkeypatch.setattr(metrics, "measure_matmul_peak", measure)
+    model = torch.nn.Linear(16, 32)
+    peak = metrics.run_peak(torch.device("cpu"), "fp32", [model], tokens=64, dump_dir=tmp_path)
+    assert peak.flops_per_s == 40e9
+    peak.measure_again(step=10)
+    assert peak.flops_per_s == 80e9 and metrics.mfu(60e9, peak) == 0.75
+    record = json.loads((tmp_path / "peak.json").read_text())
+    assert record["flops_per_s"] == 80e9
+    assert record["measured_again"] == {"step": 10, "flops_per_s": 80e9,
+                                        "start_flops_per_s": 40e9, "kept": True}
+    assert not record["note"]   # the note is for a peak measured again because MFU passed 1
+    peak.measure_again(step=20)          # once per run: the third rate (lower) is never drawn
+    assert len(calls) == 2 and peak.flops_per_s == 80e9
+
+    # A second measurement lower than the start's leaves the peak as it was.
+    rates = iter([50e9, 30e9])
+    low = metrics.run_peak(torch.device("cpu"), "fp32", [model], tokens=64, dump_dir=tmp_path)
+    low.measure_again(step=1)
+    record = json.loads((tmp_path / "peak.json").read_text())
+    assert low.flops_per_s == record["flops_per_s"] == 50e9
+    assert record["measured_again"]["kept"] is False
+    assert [e["flops_per_s"] for e in record["earlier"]] == [80e9]
+
+    # A data-sheet peak, or none (bf16 emulated), is not measured.
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda *a, **k: 1 / 0)
+    for fixed in (metrics.Peak(1e15, "datasheet", "bf16", "NVIDIA H100"),
+                  metrics.Peak(None, "none", "bf16", "cpu")):
+        fixed.measure_again(step=10)
+        assert fixed.measured_again is None
+
+
 def test_a_data_sheet_peak_is_not_measured_and_above_one_is_null(monkeypatch):
     peak = metrics.Peak(1e9, "datasheet", "bf16", "NVIDIA H100")
     monkeypatch.setattr(metrics, "measure_matmul_peak", lambda *a, **k: 1 / 0)

@@ -1,5 +1,6 @@
 """End-to-end single-process training: loss falls, metrics, checkpoints, exact resume, eval."""
 
+import json
 import os
 import shutil
 import signal
@@ -26,6 +27,11 @@ def test_loss_falls_and_every_step_is_logged(corpus, tmp_path):
     assert METRIC_KEYS <= set(rows[0])
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    # The CPU peak MFU is divided by: measured at start and again at the first logged row.
+    peak = json.loads((dump / "peak.json").read_text())
+    again = peak["measured_again"]
+    assert peak["source"] == "measured" and again["step"] == 1
+    assert peak["flops_per_s"] == max(again["flops_per_s"], again["start_flops_per_s"])
     assert "val_loss" in rows[-1] and rows[-1]["val_ppl"] > 1
     assert (dump / "config.yaml").is_file()
     assert [p.name for p in checkpoint.list_complete(dump)] == ["30"]
