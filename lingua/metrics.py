@@ -84,11 +84,14 @@ def largest_linear(parts) -> Optional[tuple]:
 
 
 def measure_matmul_peak(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
-                        seconds: float = 0.1, max_repeats: int = 50) -> dict:
+                        seconds: float = 0.5, max_repeats: int = 50) -> dict:
     """Best FLOP/s of an [m, k] x [k, n] matmul (the forward of a linear over m tokens) on this
     device with this process's threads: two warm-up calls, then at least 3 and at most
     `max_repeats` timed calls within `seconds`, the fastest one kept (other load on the machine
-    only ever slows a call down). Returns {"flops_per_s", "best_s", "repeats"}."""
+    only ever slows a call down). Returns {"flops_per_s", "best_s", "repeats"}.
+    Half a second: within 0.1 s (3 calls of a 50M model's matmul) the best call varied from 71
+    to 87 GFLOP/s on a 2-core AVX2 machine with another process on the other core, while the
+    training step itself reached 84. Small matmuls stop at max_repeats long before."""
     # From a generator of its own: the global one is the run's (checkpointed, resumed), and a
     # peak measured again mid-run only when the machine was busy must not move it.
     gen = torch.Generator(device).manual_seed(0)
@@ -215,12 +218,12 @@ class Peak:
 
     def measure_again(self, step: int) -> None:
         """Measure a measured peak a second time, once per run, at its first logged step (after
-        compilation and the warm-up steps), and keep the higher of the two. One 0.1 s measurement
-        at start is exposed to whatever the machine does in that moment: on a 2-core AVX2 machine,
-        beside another process starting, it came out 25-45% low in 7 of 12 runs, which overstates
-        every MFU of the run as much. Other load only ever lowers a measurement, so the higher of
-        two taken at different moments is the better estimate. A data-sheet peak, or no peak
-        (emulated bf16), is left as it is; peak.json records both measurements."""
+        compilation and the warm-up steps), and keep the higher of the two. One measurement at
+        start is exposed to whatever the machine does in that moment: on a 2-core AVX2 machine,
+        beside another process starting, a 0.1 s one came out 25-45% low in 7 of 12 runs, which
+        overstated every MFU of the run as much. Other load only ever lowers a measurement, so
+        the higher of two taken at different moments is the better estimate. A data-sheet peak,
+        or no peak (emulated bf16), is left as it is; peak.json records both measurements."""
         if self.source != "measured" or self.measured_again is not None:
             return
         before = self.flops_per_s
