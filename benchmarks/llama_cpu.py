@@ -36,6 +36,7 @@ the CPU has no bf16 instructions (emulated bf16 is 30-100x slower and measures t
 import argparse
 import os
 import re
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -66,7 +67,9 @@ def cpu_description() -> str:
 
 
 def median(values: list) -> float:
-    return sorted(values)[len(values) // 2]
+    """statistics.median: with an even number of rounds, the mean of the middle two (taking
+    the upper one, as this did until 2026-11-25, made a 2-round run report its better round)."""
+    return statistics.median(values)
 
 
 def two_cores() -> tuple:

@@ -33,6 +33,13 @@ def test_hf_side_has_our_shape(shape):
     assert theirs.config.num_key_value_heads == args["n_kv_heads"]
 
 
+def test_the_reported_ratio_is_the_median_of_the_rounds_not_the_better_of_two():
+    import llama_cpu
+
+    assert llama_cpu.median([1.105, 1.048]) == pytest.approx(1.0765)
+    assert llama_cpu.median([1.264, 0.942, 1.034]) == 1.034
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
                     reason="the benchmark runs its two sides at once, one core each")
 def test_llama_cpu_benchmark_runs_end_to_end(tmp_path):
