@@ -208,7 +208,7 @@ class Peak:
     measured_at: str = ""          # ISO time of the measurement (or of the data-sheet lookup)
     from_step: int = 0             # the run's first step with this peak
     note: str = ""
-    # The second measurement, at the run's first logged step: {"step", "flops_per_s", "kept"}
+    # The second measurement, at the first logged step: {step, flops_per_s, start_flops_per_s, kept}
     measured_again: Optional[dict] = None
     path: Optional[Path] = None    # where peak.json goes (rank 0), None elsewhere
     remeasured: bool = False
