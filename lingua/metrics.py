@@ -266,9 +266,9 @@ class Peak:
             if again["flops_per_s"] > before:
                 self.flops_per_s, self.best_s = again["flops_per_s"], again["best_s"]
                 self.repeats, self.measured_at = again["repeats"], _now()
-            self.note = (f"MFU came out at {100 * value:.0f}% against the start's "
-                         f"{_show_flops(before)}: measured again, {_show_flops(again['flops_per_s'])}"
-                         f"; the higher is kept")
+            self.note = (f"MFU came out at {100 * value:.0f}% against a peak of "
+                         f"{_show_flops(before)}: measured again, "
+                         f"{_show_flops(again['flops_per_s'])}; the higher is kept")
             logger.info("MFU peak: %s", self.note)
             self.write()
             value = _ratio(flops_per_s, self.flops_per_s)
