@@ -226,19 +226,22 @@ class Peak:
         or no peak (emulated bf16), is left as it is; peak.json records both measurements."""
         if self.source != "measured" or self.measured_again is not None:
             return
+        before, again = self._measure_keeping_the_higher()
+        self.measured_again = {"step": step, "flops_per_s": again,
+                               "start_flops_per_s": before, "kept": again > before}
+        if again > 1.1 * before:
+            logger.info("MFU peak: measured again at step %d, %s against the start's %s: the "
+                        "higher is kept", step, _show_flops(again), _show_flops(before))
+        self.write()
+
+    def _measure_keeping_the_higher(self) -> tuple:
+        """This peak's matmul measured once more, the higher rate kept: (rate before, rate now)."""
         before = self.flops_per_s
         again = measure_matmul_peak(*self.matmul, DTYPES[self.dtype], _device_of(self))
-        kept = again["flops_per_s"] > before
-        if kept:
+        if again["flops_per_s"] > before:
             self.flops_per_s, self.best_s = again["flops_per_s"], again["best_s"]
             self.repeats, self.measured_at = again["repeats"], _now()
-        self.measured_again = {"step": step, "flops_per_s": again["flops_per_s"],
-                               "start_flops_per_s": before, "kept": kept}
-        if kept and again["flops_per_s"] > 1.1 * before:
-            logger.info("MFU peak: measured again at step %d, %s against the start's %s: the "
-                        "higher is kept", step, _show_flops(again["flops_per_s"]),
-                        _show_flops(before))
-        self.write()
+        return before, again["flops_per_s"]
 
     def write(self, earlier: Optional[list] = None) -> None:
         if self.path is None:
@@ -261,14 +264,10 @@ class Peak:
             return value
         if self.source == "measured" and not self.remeasured:
             self.remeasured = True
-            before = self.flops_per_s
-            again = measure_matmul_peak(*self.matmul, DTYPES[self.dtype], _device_of(self))
-            if again["flops_per_s"] > before:
-                self.flops_per_s, self.best_s = again["flops_per_s"], again["best_s"]
-                self.repeats, self.measured_at = again["repeats"], _now()
+            before, again = self._measure_keeping_the_higher()
             self.note = (f"MFU came out at {100 * value:.0f}% against a peak of "
-                         f"{_show_flops(before)}: measured again, "
-                         f"{_show_flops(again['flops_per_s'])}; the higher is kept")
+                         f"{_show_flops(before)}: measured again, {_show_flops(again)}; the "
+                         f"higher is kept")
             logger.info("MFU peak: %s", self.note)
             self.write()
             value = _ratio(flops_per_s, self.flops_per_s)

@@ -122,7 +122,7 @@ def test_mfu_is_never_above_one_even_against_a_tiny_peak(tmp_path, monkeypatch):
 
 
 def test_a_measured_peak_is_measured_again_once_at_the_first_logged_step(tmp_path, monkeypatch):
-    """One 0.1 s measurement at start can come out low (the machine busy in that moment), which
+    """One measurement at start can come out low (the machine busy in that moment), which
     overstates every MFU of the run: the trainer measures again at its first logged row and keeps
     the higher, once per run, and never lowers a peak; peak.json records both."""
     rates = iter([40e9, 80e9, 10e9])
