@@ -157,3 +157,29 @@ def test_tensor_parallel_dense_parts_match_one_process(corpus, tmp_path, referen
     dump = tmp_path / "run"
     run_torchrun(nproc, "apps.moe.train", moe_args(corpus, dump, *layout))
     assert_equivalent(dump, reference, prefixes=ROUTING)
+
+
+def test_bf16_trainer_pads_expert_groups_and_trains_as_the_expert_loop(corpus, tmp_path, monkeypatch):
+    """The CPU bf16 expert padding (lingua/moe.py CPU_GROUP_ROWS) reached through the trainer,
+    not only through the layer: distributed.model_dtype=bf16 on one process (autocast), with
+    8 x 64 tokens x top-2 = 1024 expert rows on 4 experts, enough for the padding to apply (it
+    is skipped where it would add over 10% of the rows). Every MoE layer pads at every step, and
+    the run equals model.expert_impl=loop (one matmul per expert, no padding) to bf16 rounding:
+    every step's loss and gradient norm, and the final parameters (bit for bit on an AVX2 CPU).
+    The final parameters are what catch a wrong padding here: handing each token another
+    token's expert output (y[:n] for y[rows]) moved this tiny model's losses by under 1e-4, its
+    expert weights' checksums by 4-105%."""
+    import lingua.moe as moe_module
+
+    args = ["data.batch_size=8", "distributed.model_dtype=bf16"]
+    padded_counts, pad = [], moe_module._pad_groups
+    with monkeypatch.context() as patch:
+        patch.setattr(moe_module, "_pad_groups",
+                      lambda x, c, m: padded_counts.append(c.tolist()) or pad(x, c, m))
+        train.main(moe_args(corpus, tmp_path / "grouped", *args, steps=3))
+    # 3 MoE layers (layer 0 is dense) x (3 training steps + the validation at the end, one batch
+    # of data.val_sequences=8): forwards only, backward does not pad again.
+    assert len(padded_counts) == 3 * (3 + 1), padded_counts
+    assert all(sum(counts) == 8 * 64 * 2 for counts in padded_counts), padded_counts
+    train.main(moe_args(corpus, tmp_path / "loop", *args, "model.expert_impl=loop", steps=3))
+    assert_equivalent(tmp_path / "grouped", tmp_path / "loop", rtol=2e-2, prefixes={"moe/": 2e-2})
