@@ -4,9 +4,12 @@
 # Ctrl-C saves a checkpoint at the next step and stops (a second Ctrl-C stops at once); either
 # way this script still says where the run is and how to go on.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-again="bash setup/quickstart.sh"   # the command to run again, as it was given
-[ -n "${DUMP_DIR:-}" ] && again="DUMP_DIR=$(printf %q "$DUMP_DIR") $again"
-for arg in "$@"; do again+=" $(printf %q "$arg")"; done
+# Commands are printed with absolute paths and the environment's own python, so they work when
+# pasted into a new shell anywhere (where `python` has no torch until .venv is activated).
+q() { printf %q "$1"; }
+again="bash $(q "$REPO/setup/quickstart.sh")"   # the command to run again, as it was given
+[ -n "${DUMP_DIR:-}" ] && again="DUMP_DIR=$(q "$DUMP_DIR") $again"
+for arg in "$@"; do again+=" $(q "$arg")"; done
 DUMP_DIR="${DUMP_DIR:-runs/quickstart}"
 status=0
 python -m apps.llama.train config=debug dump_dir="$DUMP_DIR" "$@" || status=$?
@@ -17,8 +20,10 @@ case "$status" in
   0)
     echo ">> run directory: $RUN_DIR"
     echo "   config.yaml (resolved config), metrics.jsonl (one line per logged step), checkpoints/"
-    echo "   generate: python -m apps.llama.generate $DUMP_DIR/checkpoints/<step> --prompt 'def '"
-    echo "   evaluate: python -m apps.llama.eval $DUMP_DIR 'eval.tasks=[lingua_continuation]'" ;;
+    py="$(q "$REPO/.venv/bin/python")"
+    echo "   generate: $py -m apps.llama.generate $(q "$RUN_DIR") --prompt 'def '"
+    echo "   evaluate: $py -m apps.llama.eval $(q "$RUN_DIR") 'eval.tasks=[lingua_continuation]'"
+    echo "   (or \`source $(q "$REPO/.venv/bin/activate")\` once in a shell, then plain \`python\`)" ;;
   3|130)   # stopped early by a signal (lingua.trainer.EXIT_STOPPED) or by Ctrl-C
     echo ">> stopped before the end: run directory $RUN_DIR, newest checkpoint:" \
          "$([ -n "$newest" ] && echo "$DUMP_DIR/checkpoints/$newest" || echo "none yet")"

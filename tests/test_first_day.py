@@ -251,8 +251,8 @@ def test_the_quickstart_says_where_an_interrupted_run_is(corpus, tmp_path):
     [saved] = _checkpoints(dump)
     assert (f">> stopped before the end: run directory {dump}, newest checkpoint: "
             f"{dump}/checkpoints/{saved}") in stdout, stdout[-2000:]
-    assert f"run the same command again: DUMP_DIR={dump} bash setup/quickstart.sh {args[0]}" \
-        in stdout
+    assert (f"run the same command again: DUMP_DIR={dump} bash {REPO}/setup/quickstart.sh "
+            f"{args[0]}") in stdout
 
 
 @pytest.mark.distributed
