@@ -12,8 +12,9 @@ finished writing; a rename is atomic, so a crash mid-write leaves only a `.tmp` 
 resume ignores. A step directory can still be damaged later (a truncated copy, a lost or corrupted
 shard, a disk error): before resuming, the ranks check it against its manifest together, each
 reading its share of the files (`newest_verified`), and automatic resume skips a damaged
-checkpoint (with a warning naming the file) for the one before it, while a checkpoint asked for by
-name (export, generate) that fails `verify()` is an error.
+checkpoint (with a warning naming the file) for the one before it and moves it aside to
+`<step>.damaged/`, so that `keep` counts intact checkpoints only; a checkpoint asked for by name
+(export, generate) that fails `verify()` is an error.
 
 With checkpoint.async_save a periodic save (`save_async`) only copies the state to CPU memory at
 its step; a background thread writes the same files into the same `.tmp-` directory while training
@@ -200,17 +201,33 @@ def _step_dirs(root: Path) -> list:
                   key=lambda p: int(p.name)) if root.is_dir() else []
 
 
-def newest(dump_dir) -> Optional[Path]:
+def newest(dump_dir, warn: bool = True) -> Optional[Path]:
     """The newest checkpoint whose files have the manifest's sizes (no checksums: a quick look,
     e.g. before any process group; resume reads every byte through `newest_verified`); damaged
-    newer ones (a missing .metadata included) are skipped with a warning. Unfinished `.tmp-`
-    directories are not candidates."""
+    newer ones (a missing .metadata included) are skipped, with a warning if `warn`. Unfinished
+    `.tmp-` directories are not candidates."""
     for ckpt in reversed(_step_dirs(checkpoints_dir(dump_dir))):
         problem = verify(ckpt, checksums=False)
         if problem is None:
             return ckpt
-        logger.warning("skipping damaged checkpoint %s: %s; trying the one before", ckpt, problem)
+        if warn:
+            logger.warning("skipping damaged checkpoint %s: %s; trying the one before", ckpt,
+                           problem)
     return None
+
+
+def _set_aside(ckpt: Path) -> str:
+    """Rename a damaged checkpoint to `<step>.damaged` (`.damaged-2`, ... if taken): only digit
+    names are checkpoints, so nothing lists it and `keep` no longer counts it. What was done."""
+    target, n = ckpt.with_name(f"{ckpt.name}.damaged"), 1
+    while target.exists():
+        n += 1
+        target = ckpt.with_name(f"{ckpt.name}.damaged-{n}")
+    try:
+        os.rename(ckpt, target)
+    except OSError as err:
+        return f"could not move it aside ({err}), delete it by hand"
+    return f"moved it to {target} (delete that to free its space)"
 
 
 def _all_gather(obj) -> list:
@@ -219,7 +236,8 @@ def _all_gather(obj) -> list:
     return gathered
 
 
-def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None) -> Optional[Path]:
+def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None,
+                    set_aside: bool = False) -> Optional[Path]:
     """The newest checkpoint that passes every rank's `verify_share` (so, all together, a full
     `verify` with checksums), the same on every rank; None if there is none.
 
@@ -228,7 +246,8 @@ def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None) -
     share of the files, so the ranks wait in the agreement for about 1/world_size of the time one
     rank would need to read a whole checkpoint (a 70B model with its Adam state is ~850 GB).
     Damaged checkpoints are skipped, newest first, with a warning (from rank 0) naming what each
-    rank found."""
+    rank found; with `set_aside` (resume), rank 0 also moves each to `<step>.damaged/`, once the
+    agreement says no rank reads it any more, so a later save's pruning does not count it."""
     if gather is None:
         gather = _all_gather if world_size > 1 else (lambda obj: [obj])
     root = checkpoints_dir(dump_dir)
@@ -241,8 +260,9 @@ def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None) -
         if not problems:
             return ckpt
         if rank == 0:
-            logger.warning("skipping damaged checkpoint %s: %s; trying the one before", ckpt,
-                           "; ".join(dict.fromkeys(problems)))
+            done = f"; {_set_aside(ckpt)}" if set_aside else ""
+            logger.warning("skipping damaged checkpoint %s: %s%s; trying the one before", ckpt,
+                           "; ".join(dict.fromkeys(problems)), done)
     return None
 
 
@@ -347,8 +367,9 @@ def load_model_state(ckpt_dir, model: nn.Module) -> None:
 
 def check_resume_compatible(dump_dir, run_config: dict, keys=("model",)) -> Optional[Path]:
     """Before any work: refuse a dump_dir whose newest checkpoint was made with other values of
-    `keys` (dotted config keys or whole sections, e.g. the model)."""
-    ckpt = newest(dump_dir)
+    `keys` (dotted config keys or whole sections, e.g. the model). Quiet about damaged ones: resume
+    warns about those, once."""
+    ckpt = newest(dump_dir, warn=False)
     if ckpt is None:
         return None
     saved = OmegaConf.create(OmegaConf.to_container(read_run_config(ckpt), resolve=True))
@@ -630,13 +651,20 @@ def _first_error(error: Optional[BaseException], world_size: int) -> Optional[Ba
 
 
 def _prune(root: Path, keep: int) -> None:
+    """Rank 0, after a save: delete the checkpoints older than the newest `keep` intact ones. One
+    damaged since resume (sizes against its manifest: nothing read) is moved aside, uncounted."""
     if keep <= 0:
         return
     from lingua.eval_jobs import pending_marker
 
-    complete = sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
-                      key=lambda p: int(p.name))
-    for old in complete[:-keep]:
+    intact = []
+    for ckpt in _step_dirs(root):
+        problem = verify(ckpt, checksums=False)
+        if problem is None:
+            intact.append(ckpt)
+        else:
+            logger.warning("damaged checkpoint %s: %s; %s", ckpt, problem, _set_aside(ckpt))
+    for old in intact[:-keep]:
         # An evaluation job (eval.mode=async) has not read this checkpoint yet: it removes the
         # marker once its results are written (or it gave up), and a later save prunes the
         # checkpoint then. A job that never runs (cancelled while queued, lost) leaves its

@@ -384,6 +384,7 @@ def test_pruning_keeps_checkpoints_with_a_pending_evaluation(tmp_path):
     root = checkpoint.checkpoints_dir(tmp_path)
     for step in (1, 2, 3, 4):
         (root / str(step)).mkdir(parents=True)
+        checkpoint.write_manifest(root / str(step))   # intact (no manifest: damaged, set aside)
     (root / "5.tmp-abcd").mkdir()
     marker = eval_jobs.pending_marker(tmp_path, 2)
     marker.parent.mkdir(parents=True)

@@ -7,8 +7,9 @@ import os
 
 import pytest
 
+from apps.llama import train
 from lingua import checkpoint
-from tests.conftest import run_torchrun
+from tests.conftest import run_torchrun, tiny_args
 
 
 def fake_checkpoint(dump, step: int, saved_ranks: int = 2):
@@ -92,6 +93,22 @@ def test_one_process_walks_back_to_the_newest_intact_checkpoint(tmp_path, caplog
     assert f"skipping damaged checkpoint {newest}: {newest / '__0_0.distcp'} is damaged" in caplog.text
     assert f"{newest.parent / '4' / '.metadata'} is damaged" in caplog.text
     assert checkpoint.newest_verified(tmp_path / "nothing") is None
+    assert sorted(p.name for p in newest.parent.iterdir()) == ["2", "4", "6", "8.tmp-abcd"]
+
+
+def test_pruning_counts_intact_checkpoints_only(tmp_path, caplog):
+    """A checkpoint damaged since resume is moved aside by the next save's pruning and not
+    counted by `keep`; one damaged again at the same step gets a name of its own."""
+    root = checkpoint.checkpoints_dir(tmp_path)
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step)
+    (root / "4.damaged").mkdir()
+    with open(root / "4" / "__0_0.distcp", "r+b") as f:
+        f.truncate(10)
+    checkpoint._prune(root, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["2", "4.damaged", "4.damaged-2", "6"]
+    assert f"damaged checkpoint {root / '4'}: {root / '4' / '__0_0.distcp'} has 10" in caplog.text
+    assert [p.name for p in checkpoint.list_complete(tmp_path)] == ["2", "6"]
 
 
 @pytest.mark.distributed
@@ -119,6 +136,8 @@ def test_two_ranks_skip_a_checkpoint_only_rank_1_finds_damaged(tmp_path):
     assert (f"[rank0] lingua.checkpoint: skipping damaged checkpoint {newer}: {newer / damaged} is "
             f"damaged") in proc.stdout, proc.stdout[-3000:]
     assert "[rank1] lingua.checkpoint: skipping" not in proc.stdout   # said once, by rank 0
+    # Moved aside once, by rank 0, after rank 1 had read its damaged share (it named the damage).
+    assert sorted(p.name for p in older.parent.iterdir()) == ["2", "4.damaged"]
 
 
 @pytest.mark.distributed
@@ -134,3 +153,22 @@ def test_more_ranks_than_the_save_had_and_no_intact_checkpoint(tmp_path):
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
     assert [r["choice"] for r in results] == [None, None, None]
     assert f"2/{damaged}" in results[2]["read"]
+
+
+def test_keep_counts_intact_checkpoints_only(corpus, tmp_path, capfd):
+    """A truncated newest checkpoint is skipped at resume, said once, and moved aside, so the next
+    save prunes down to `keep` intact checkpoints instead of deleting an intact one for it."""
+    dump = tmp_path / "run"
+    train.main(tiny_args(corpus, dump, "checkpoint.every=2", "checkpoint.keep=2", steps=4))
+    shard = checkpoint.checkpoints_dir(dump) / "4" / "__0_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    capfd.readouterr()
+    train.main(tiny_args(corpus, dump, "checkpoint.keep=2", steps=5))   # resumes at 2, saves 5
+    log = "".join(capfd.readouterr())
+    assert [p.name for p in checkpoint.list_complete(dump)] == ["2", "5"]
+    assert sorted(p.name for p in checkpoint.checkpoints_dir(dump).iterdir()) == [
+        "2", "4.damaged", "5"]
+    assert log.count("skipping damaged checkpoint") == 1, log[-3000:]
+    assert f"skipping damaged checkpoint {shard.parent}: {shard} has" in log
+    assert f"moved it to {shard.parent}.damaged (delete that to free its space)" in log

@@ -1,9 +1,9 @@
 """Resume's checkpoint verification on several gloo ranks, for tests/test_resume_verify.py.
 
 `torchrun --nproc-per-node N -m tests.workers.verify_worker DUMP_DIR OUT_DIR`: every rank calls
-`checkpoint.newest_verified(DUMP_DIR, rank, world_size)` (as Run.resume does) and writes
-OUT_DIR/rank<r>.json with the checkpoint it chose (its directory name, or null) and the files
-whose checksums it read. Warnings go to stdout, prefixed with the rank.
+`checkpoint.newest_verified(DUMP_DIR, rank, world_size, set_aside=True)` (as Run.resume does)
+and writes OUT_DIR/rank<r>.json with the checkpoint it chose (its directory name, or null) and
+the files whose checksums it read. Warnings go to stdout, prefixed with the rank.
 """
 
 import json
@@ -29,7 +29,7 @@ def main(dump_dir: Path, out_dir: Path) -> None:
         return crc32(path)
 
     checkpoint._crc32 = recording_crc32
-    choice = checkpoint.newest_verified(dump_dir, rank, world_size)
+    choice = checkpoint.newest_verified(dump_dir, rank, world_size, set_aside=True)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(
         {"choice": None if choice is None else choice.name, "read": read}))
     dist.barrier()
