@@ -3,6 +3,7 @@
 Every tokenizer loads from a local file: nothing is fetched from a hub at run time.
 """
 
+import base64
 import json
 import logging
 from dataclasses import dataclass
@@ -57,9 +58,8 @@ class ByteTokenizer(Tokenizer):
 class TikTokenizer(Tokenizer):
     def __init__(self, path: str):
         import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
 
-        ranks = load_tiktoken_bpe(path)
+        ranks = read_bpe_ranks(path)
         n = len(ranks)
         # Special tokens go right after the merges, as in Llama 3's tokenizer.
         self.bos_id, self.eos_id = n, n + 1
@@ -73,6 +73,26 @@ class TikTokenizer(Tokenizer):
 
     def decode(self, ids):
         return self.model.decode([i for i in ids if i < self.bos_id])
+
+
+def read_bpe_ranks(path: str) -> dict:
+    """token bytes -> rank from a tiktoken ranks file (lines of `base64(token) rank`), read from
+    the file each time: tiktoken's load_tiktoken_bpe caches every file by its path (under
+    $TMPDIR/data-gym-cache), so a file replaced in place would load as its old contents."""
+    ranks, why = {}, "it holds no line"
+    try:
+        for line in Path(path).read_bytes().splitlines():
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+    except ValueError as err:   # a file of another kind, or damaged (binascii.Error too)
+        ranks, why = {}, f"{str(err) or type(err).__name__} in line {line[:40]!r}"
+    if not ranks:
+        raise ConfigError(f"The tokenizer file {path} is empty or not tiktoken BPE ranks ({why}). "
+                          f"Point data.tokenizer.path at a tiktoken ranks file (lines of "
+                          f"`base64(token) rank`, as Llama 3's tokenizer.model), or set "
+                          f"data.tokenizer.kind to the file's kind.")
+    return ranks
 
 
 class SentencePieceTokenizer(Tokenizer):

@@ -82,6 +82,20 @@ def test_tiktoken_from_ranks_file(tiktoken_file):
     assert tok.decode([n, the, n + 1, the]) == "thethe"
 
 
+def test_tiktoken_file_fixed_in_place_loads(tiktoken_file):
+    # Nothing remembers a file by its path: an empty one is a clean error, the valid one
+    # written over it then loads, and so does a smaller one written over that.
+    good = tiktoken_file.read_bytes()
+    tiktoken_file.write_bytes(b"")
+    with pytest.raises(ConfigError, match="empty or not tiktoken BPE ranks") as err:
+        build_tokenizer(TokenizerArgs("tiktoken", str(tiktoken_file)))
+    assert str(tiktoken_file) in str(err.value)
+    tiktoken_file.write_bytes(good)
+    assert build_tokenizer(TokenizerArgs("tiktoken", str(tiktoken_file))).vocab_size == 262
+    tiktoken_file.write_bytes(b"".join(good.splitlines(keepends=True)[:256]))
+    assert build_tokenizer(TokenizerArgs("tiktoken", str(tiktoken_file))).vocab_size == 258
+
+
 # ------------------------------------------------------------------------------------------------
 # sentencepiece
 
