@@ -23,7 +23,9 @@ against lm-eval's own HFLM on our Hugging Face export.
 Results go to <dump_dir>/evals/<step>/results.json (with eval.log_samples, each example's
 requests and responses to samples/<task>.jsonl beside it; each task of a step is computed once: a
 later evaluation of that step adds the tasks it lacks) and as eval/<task>/<metric> values in
-metrics.jsonl and wandb (lingua/trainer.py inline, lingua/eval_cli.py otherwise).
+metrics.jsonl and wandb (lingua/trainer.py inline, lingua/eval_cli.py otherwise). With a
+`Progress` on stderr (the evaluation command's, unless logging.quiet), rank 0 says how far each
+request type is: tasks, requests done out of all, time left.
 Pipeline and context parallelism are not supported here: an evaluation job reshards the
 checkpoint to a layout without them (DCP loads any layout).
 """
@@ -34,8 +36,9 @@ import functools
 import json
 import logging
 import os
+import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, TextIO, Tuple
 
 import torch
 
@@ -43,6 +46,7 @@ from lingua import distributed
 from lingua.distributed import DistEnv
 from lingua.errors import ConfigError
 from lingua.evaluation import EvalArgs
+from lingua.metrics import format_duration
 
 logger = logging.getLogger("eval")
 
@@ -197,6 +201,45 @@ def append_metrics_row(dump_dir, row: dict) -> None:
         os.close(fd)
 
 
+class Progress:
+    """Progress lines of an evaluation on `stream` (stderr; None: silent). Per request type: a
+    line after its first batch (the first time left), then one every EVERY_S seconds at most,
+    and one at its end; never one per request, which would bury the log."""
+
+    EVERY_S = 10.0
+
+    def __init__(self, stream: Optional[TextIO] = None):
+        self.stream = stream
+        self.start("", 0, "")
+
+    def say(self, message: str) -> None:
+        if self.stream is not None:
+            print(f"eval: {message}", file=self.stream, flush=True)
+
+    def start(self, tasks: str, total: int, what: str) -> None:
+        self.tasks, self.total, self.what, self.done = tasks, total, what, 0
+        self.t0, self.last = time.perf_counter(), None
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.last is not None and now - self.last < self.EVERY_S and self.done < self.total:
+            return
+        self.last, elapsed = now, now - self.t0
+        left = elapsed / max(self.done, 1) * (self.total - self.done)
+        eta = f" | eta {format_duration(left)}" if self.done < self.total else ""
+        self.say(f"{self.tasks}: {self.what} {self.done}/{self.total} "
+                 f"({100 * self.done / max(self.total, 1):.0f}%) | elapsed "
+                 f"{format_duration(elapsed)}{eta}")
+
+
+def task_label(requests) -> str:
+    """The tasks lm-eval's requests come from (it sends all tasks' requests of a type at once)."""
+    names = sorted({getattr(req, "task_name", None) or "?" for req in requests})
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
+
+
 def _lm_base():
     from lm_eval.api.model import TemplateLM
 
@@ -208,12 +251,14 @@ class LinguaLM(_lm_base()):
     as this rank holds it: a plain module, or sharded by FSDP2 / TP."""
 
     def __init__(self, model, tokenizer, env: DistEnv, args: EvalArgs, max_length: int,
-                 autocast: Callable = None):
+                 autocast: Callable = None, progress: Optional[Progress] = None):
         super().__init__()
         self.model, self.tok, self.env, self.args = model, tokenizer, env, args
         self._max_length = max_length
         self.autocast = autocast
         self.device_ = env.device
+        self.progress = progress or Progress()
+        self._tasks = ""   # the tasks of the requests being scored (Progress's lines)
 
     # lm-eval sees one process: every rank builds every request (module docstring).
     @property
@@ -244,6 +289,7 @@ class LinguaLM(_lm_base()):
         return self.tok.decode(ids)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self._tasks = task_label(requests)
         return super().loglikelihood(requests, disable_tqdm=True)   # no bar in a training log
 
     # -- the model ------------------------------------------------------------------------------
@@ -267,9 +313,12 @@ class LinguaLM(_lm_base()):
         start = self.env.dp_rank * per_rank
         return range(min(start, n), min(start + per_rank, n))
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> List[Tuple[float, bool]]:
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
+                              what: str = "loglikelihood requests",
+                              **kwargs) -> List[Tuple[float, bool]]:
         """[(key, context ids, continuation ids)] -> [(sum of the continuation's log-probs,
         whether greedy decoding gives the continuation)], in the requests' order."""
+        self.progress.start(self._tasks, len(requests), what)
         inputs = []
         for _, context, continuation in requests:
             if not continuation:
@@ -304,6 +353,7 @@ class LinguaLM(_lm_base()):
             distributed.all_reduce_sum(scores, self.env, dims=("dp",))
             for j, i in enumerate(chunk):
                 results[i] = (scores[j, 0].item(), bool(scores[j, 1].item()))
+            self.progress.advance(len(chunk))
         for (key, _, _), result in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, result)
@@ -323,7 +373,9 @@ class LinguaLM(_lm_base()):
                 windows.append((None, context, continuation))
                 owner.append(index)
         totals = [0.0] * len(requests)
-        for index, (logprob, _) in zip(owner, self._loglikelihood_tokens(windows)):
+        self._tasks = task_label(requests)
+        scored = self._loglikelihood_tokens(windows, what="loglikelihood_rolling windows")
+        for index, (logprob, _) in zip(owner, scored):
             totals[index] += logprob
         for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
@@ -347,12 +399,14 @@ class LinguaLM(_lm_base()):
         order = sorted(range(len(jobs)), key=lambda i: (-len(jobs[i][0]), i))
         texts = [""] * len(jobs)
         dp = self.env.dp_size
+        self.progress.start(task_label(requests), len(jobs), "generate_until requests")
         for start in range(0, len(order), dp):
             chunk = order[start:start + dp]
             mine = chunk[self.env.dp_rank] if self.env.dp_rank < len(chunk) else None
             text = self._generate_one(jobs[mine] if mine is not None else None)
             for i, t in zip(chunk, self._gather_texts(text)):
                 texts[i] = t
+            self.progress.advance(len(chunk))
         for req, text in zip(requests, texts):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return texts
@@ -401,17 +455,19 @@ class LinguaLM(_lm_base()):
 
 
 def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: int,
-                   names: List[str], autocast: Callable = None) -> dict:
+                   names: List[str], autocast: Callable = None,
+                   progress: Optional[Progress] = None) -> dict:
     """Run lm-eval's tasks `names` (checked by load_tasks) with the model as this rank holds
     it; every rank calls it and gets the results ({"results": {task: {metric: value}}, ...}).
-    The model is in eval mode for the duration and back as it was afterwards."""
+    The model is in eval mode for the duration and back as it was afterwards. `progress`:
+    where rank 0 says how far it is (None: nowhere)."""
     from lm_eval import evaluator
 
     if not names:
         return {}
     was_training = model.training
     model.eval()
-    lm = LinguaLM(model, tokenizer, env, args, max_length, autocast)
+    lm = LinguaLM(model, tokenizer, env, args, max_length, autocast, progress)
     limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
     # lm-eval's evaluate(), not simple_evaluate(): the latter reseeds the global RNGs (the
     # training run's) and runs pip, conda, git and nvidia-smi for an environment report.
@@ -422,6 +478,7 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
         elif task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
+    lm.progress.say(f"building the requests of {', '.join(names)}")
     try:
         results = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit,
                                      log_samples=args.log_samples, bootstrap_iters=1000)

@@ -9,12 +9,14 @@ evaluation (`eval.tasks=[lingua_continuation] eval.limit=100 eval.batch_size=16 
 logging, not the model. A dump_dir means its newest complete checkpoint. Everything is checked
 before the model is built (tasks known and their data loadable, checkpoint intact); results go to
 <dump_dir>/evals/<step>/results.json and metrics.jsonl (lingua/downstream.py). Tasks that step
-already has results for are not run again.
+already has results for are not run again. Rank 0 says on stderr what it is doing and how far it
+is (requests done of all, time left: a line every 10 s at most); logging.quiet=true silences it.
 
 The evaluation job `eval.mode=async` submits at each checkpoint runs this too (lingua/eval_jobs.py).
 """
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
@@ -62,8 +64,9 @@ def run_config(schema, ckpt: Path, overrides: Sequence[str]):
                           f"({ckpt / 'config.yaml'}).") from None
 
 
-def check_eval_args(args, where: str) -> None:
-    """What an evaluation needs, before any work: tasks named and known, a layout it runs on."""
+def check_eval_args(args, where: str, progress=None) -> None:
+    """What an evaluation needs, before any work: tasks named and known, a layout it runs on.
+    `progress` (downstream.Progress) hears of the slow part, lm-eval's task index."""
     from lingua import evaluation
 
     evaluation.validate_args(args.eval)
@@ -73,6 +76,8 @@ def check_eval_args(args, where: str) -> None:
                           f"eval.tasks=[hellaswag,arc_easy].")
     downstream.check_layout(args.distributed, where)
     distributed.validate_args(args.distributed)
+    if progress is not None:
+        progress.say("indexing lm-eval's tasks (every task's YAML: seconds to minutes)")
     downstream.check_task_names(args.eval.tasks, args.eval.include_path)
 
 
@@ -84,30 +89,42 @@ def evaluate_checkpoint(app, schema, argv: Optional[Sequence[str]] = None) -> in
         return 0 if argv else 2
     ckpt, dump_dir, step = resolve_checkpoint(argv[0])
     args = run_config(schema, ckpt, argv[1:])
+    progress = downstream.Progress(progress_stream(args.logging.quiet))
     app.validate_model(args)
-    check_eval_args(args, "python -m apps.<app>.eval")
+    check_eval_args(args, "python -m apps.<app>.eval", progress)
     todo = downstream.missing_tasks(dump_dir, step, args.eval.tasks)
     if not todo:
         print(f"step {step} already has results for {args.eval.tasks}: "
               f"{(dump_dir / 'evals' / str(step) / downstream.RESULTS_NAME).resolve()}")
         return 0
+    progress.say(f"step {step} of {dump_dir}: loading the data of {', '.join(todo)}")
     downstream.load_tasks(todo, args.eval.include_path)     # data now: a task that cannot be fetched stops us here
     tokenizer = build_tokenizer(args.data.tokenizer)
 
     env = distributed.init(args.distributed)
     metrics.setup_logging(env.rank)
     checkpoint.verified(ckpt, env.rank, env.world_size)
+    progress.say(f"loading the model from {ckpt}")
     model = build_model(app, args, env, ckpt)
     args.eval.tasks = todo
     from lingua import trainer
 
-    results = downstream.evaluate_tasks(model, tokenizer, env, args.eval, args.model.max_seq_len,
-                                        todo,
-                                        autocast=lambda: trainer.mixed_precision(args, env, [model]))
+    results = downstream.evaluate_tasks(
+        model, tokenizer, env, args.eval, args.model.max_seq_len, todo,
+        autocast=lambda: trainer.mixed_precision(args, env, [model]), progress=progress)
     if env.is_main:
         record(dump_dir, step, results, args, ckpt, env, todo)
     distributed.destroy()
     return 0
+
+
+def progress_stream(quiet: bool):
+    """Where progress lines go: stderr on rank 0 (every rank does the same work), None (nowhere)
+    with logging.quiet=true, on other ranks, or where the process has no stderr."""
+    distributed.adopt_launcher_vars()    # RANK inside a Slurm step too, before the group exists
+    if quiet or os.environ.get("RANK", "0") != "0":
+        return None
+    return sys.stderr
 
 
 def build_model(app, args, env, ckpt: Path):

@@ -9,6 +9,7 @@ greedy generation), so every request type lm-eval has is covered, offline.
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -83,11 +84,27 @@ def assert_same_answers(run: Path, ref: Path, rtol: float, atol: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_process(trained, tmp_path_factory) -> Path:
+def one_process_cli(trained, tmp_path_factory) -> tuple:
+    """The evaluation command on a copy of the run, in one process: (run, its process)."""
     run = copy_run(trained, tmp_path_factory.mktemp("one") / "run")
     proc = run_python("apps.llama.eval", [str(run), *eval_overrides()])
     assert f"results: {(run / 'evals' / '20' / 'results.json').resolve()}" in proc.stdout
-    return run
+    return run, proc
+
+
+@pytest.fixture(scope="module")
+def one_process(one_process_cli) -> Path:
+    return one_process_cli[0]
+
+
+PROGRESS = re.compile(r"eval: (\S+): (\w+) (?:requests|windows) (\d+)/(\d+) \(\d+%\) \| "
+                      r"elapsed \d+:\d\d(?: \| eta (\d+:\d\d))?")
+
+
+def progress_lines(stderr: str) -> list:
+    """(task, request type, done, total, eta) of each progress line on stderr."""
+    return [(m[1], m[2], int(m[3]), int(m[4]), m[5])
+            for m in map(PROGRESS.fullmatch, stderr.splitlines()) if m]
 
 
 def test_cli_writes_results_rows_and_samples(one_process):
@@ -105,6 +122,24 @@ def test_cli_writes_results_rows_and_samples(one_process):
     generated = [row["resps"][0][0] for row in samples(one_process, 20, "lingua_continuation_generate")]
     assert len(generated) == LIMIT and all("\n" not in text for text in generated)
     assert any(generated), "greedy decoding produced only empty strings"
+
+
+def test_cli_shows_progress_on_stderr(one_process_cli):
+    """Each request type says how far it is (tasks, requests done of all, time left) after its
+    first batch and when done (then every 10 s at most: not per request), on stderr only."""
+    _, proc = one_process_cli
+    lines = progress_lines(proc.stderr)
+    kinds = {"lingua_continuation": ("loglikelihood", 4 * LIMIT),   # 4 choices per example
+             "lingua_continuation_rolling": ("loglikelihood_rolling", LIMIT),   # one window each
+             "lingua_continuation_generate": ("generate_until", LIMIT)}
+    for task, (kind, total) in kinds.items():
+        first = 1 if kind == "generate_until" else 5      # one batch: eval.batch_size=5
+        mine = [line for line in lines if line[0] == task]
+        assert mine[0][1:4] == (kind, first, total) and mine[-1][1:4] == (kind, total, total)
+        done = [line[2] for line in mine]
+        assert done == sorted(set(done)) and len(mine) < total / 2, proc.stderr
+        assert None not in [line[4] for line in mine[:-1]] and mine[-1][4] is None  # ETA till done
+    assert "eval: loading the model from" in proc.stderr and "eval:" not in proc.stdout
 
 
 def test_cli_does_not_compute_a_task_twice(one_process):
@@ -241,9 +276,10 @@ def test_moe_checkpoint_evaluates(corpus, tmp_path):
     run_python("apps.moe.train", tiny_args(corpus, run, *LONG, "model.n_experts=4",
                                            "model.top_k=2", steps=4))
     proc = run_python("apps.moe.eval", [str(run), "eval.tasks=[lingua_continuation]",
-                                        "eval.limit=8"])
+                                        "eval.limit=8", "logging.quiet=true"])
     acc = results(run, 4)["results"]["lingua_continuation"]["acc,none"]
     assert f"step 4 eval/lingua_continuation/acc {acc:.4f}" in proc.stdout
+    assert "eval:" not in proc.stderr + proc.stdout   # logging.quiet: no progress lines
 
 
 # -- bad input: one paragraph, exit code 2, nothing written -------------------------------------
