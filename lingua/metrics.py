@@ -6,15 +6,16 @@ N counts every parameter that takes part in a matmul (the embedding lookup does 
 projection does, once even when tied); the second term is attention's QK^T and AV (forward and
 backward, PaLM's convention, counted as if not causal); MoE apps count active parameters only
 (apps/moe/model.py: top_k of the routed experts, all shared ones). On a GPU the peak comes from a
-table of dense data-sheet peaks; on CPU (or a GPU missing from it) it is measured at the start of
-each run on the forward matmul of the model's largest linear over a micro-batch's tokens, in the
-run's dtype, best of a few calls, and once more at the first logged step (the higher kept), so
-MFU on CPU is "fraction of what this model's largest matmul reaches on this machine now".
-Nothing is cached across runs: a peak measured while the machine was busy would make every later
-run's MFU too high. The peak used goes to dump_dir/peak.json (`Peak`). MFU is never above 1:
-above it a measured peak is measured once more (the higher kept), and where no credible peak
-exists (bf16 on a CPU without bf16 instructions, which torch emulates, or still above 1) mfu is
-logged as null with a warning instead of a made-up number.
+table of dense data-sheet peaks; on CPU (or a GPU missing from it) it is measured once, before the
+loop, on the forward matmul of the model's largest linear over a micro-batch's tokens, in the
+run's dtype: the best of a few short rounds spread over up to a second (other load only ever
+slows a round down). MFU on CPU is then "fraction of what this model's largest matmul reaches on
+this machine". One peak per run: every row's mfu is divided by the same number, so MFU moves
+only with tokens/s. Nothing is cached across runs: a peak measured while the machine was busy
+would make every later run's MFU too high. The peak used goes to dump_dir/peak.json (`Peak`).
+MFU is never above 1: a row above it (the peak is wrong, or the FLOP count) logs mfu as null and
+the ratio under `mfu_above_peak`, with a warning; where no credible peak exists (bf16 on a CPU
+without bf16 instructions, which torch emulates) mfu is null too.
 """
 
 import collections
@@ -50,6 +51,7 @@ class LoggingArgs:
     wandb_entity: Optional[str] = None
     wandb_mode: str = "offline"     # offline | online (online needs WANDB_API_KEY in the env)
     name: Optional[str] = None      # run name (defaults to the dump_dir's name)
+    quiet: bool = False             # no progress lines on stderr (python -m apps.<app>.eval)
     # Moved to optim.spike_factor / optim.spike_window (optim.spike picks what a spike does:
     # README, "Loss spikes"). Kept only so that the config.yaml of older runs still loads (eval,
     # export); setting either is a config error naming the new key.
@@ -92,8 +94,8 @@ def measure_matmul_peak(m: int, k: int, n: int, dtype: torch.dtype, device: torc
     Half a second: within 0.1 s (3 calls of a 50M model's matmul) the best call varied from 71
     to 87 GFLOP/s on a 2-core AVX2 machine with another process on the other core, while the
     training step itself reached 84. Small matmuls stop at max_repeats long before."""
-    # From a generator of its own: the global one is the run's (checkpointed, resumed), and a
-    # peak measured again mid-run only when the machine was busy must not move it.
+    # From a generator of its own: the global one is the run's (checkpointed, resumed), and how
+    # many calls a measurement makes depends on the machine's load.
     gen = torch.Generator(device).manual_seed(0)
     a = torch.randn(m, k, dtype=dtype, device=device, generator=gen)
     b = torch.randn(k, n, dtype=dtype, device=device, generator=gen)
@@ -161,15 +163,21 @@ def mfu(flops_per_s: float, peak) -> Optional[float]:
     where no honest number exists: no credible peak (bf16 emulated on this CPU), or a value above
     1, which says the peak is wrong (a CPU measurement disturbed by other load, a GPU not in
     GPU_PEAK_FLOPS, a FLOP count that misses work), not that the run beat the hardware. `peak`:
-    a Peak (a run's: a measured one is measured again once before giving up, see Peak.mfu) or
-    FLOP/s. Logged as JSON null rather than a made-up number, with a warning the first time."""
-    if isinstance(peak, Peak):
-        return peak.mfu(flops_per_s)
-    value = _ratio(flops_per_s, peak)
-    if value is not None and value > 1:
-        _warn_not_credible(value, peak, "")
-        return None
-    return value
+    a run's Peak or FLOP/s. Logged as JSON null rather than a made-up number, with a warning the
+    first time (mfu_fields also logs the ratio)."""
+    return mfu_fields(flops_per_s, peak)["mfu"]
+
+
+def mfu_fields(flops_per_s: float, peak) -> dict:
+    """A row's {"mfu": value}; above 1, {"mfu": None, "mfu_above_peak": the ratio} and a
+    warning. The peak is never changed here: every row of a run is divided by the same one."""
+    flops = peak.flops_per_s if isinstance(peak, Peak) else peak
+    value = _ratio(flops_per_s, flops)
+    if value is None or value <= 1:
+        return {"mfu": value}
+    where = f"The peak's record is {peak.path}. " if getattr(peak, "path", None) else ""
+    _warn_not_credible(value, flops, where)
+    return {"mfu": None, "mfu_above_peak": value}
 
 
 def _ratio(flops_per_s: float, peak: Optional[float]) -> Optional[float]:
@@ -187,95 +195,43 @@ def _warn_not_credible(value: float, peak: float, where: str) -> None:
     warn_once("mfu_above_1",
               f"MFU came out at {100 * value:.0f}% of the peak ({_show_flops(peak)} per device), "
               f"which no run reaches: that peak is not credible for this hardware, so such MFU "
-              f"values are logged as null. {where}On a GPU the peak is the data-sheet value in "
-              f"lingua/metrics.py's GPU_PEAK_FLOPS; on CPU it is measured at the start of each "
-              f"run on a matmul of the model's shape (a machine busy with other work then gives "
-              f"a low peak): run again on an idle machine.")
+              f"values are logged as null (the ratio as mfu_above_peak). {where}On a GPU the "
+              f"peak is the data-sheet value in lingua/metrics.py's GPU_PEAK_FLOPS; on CPU it "
+              f"is measured before each run's loop on a matmul of the model's shape (a machine "
+              f"busy with other work then gives a low peak): run again on an idle machine.")
 
 
 @dataclass
 class Peak:
     """The peak FLOP/s that one device's MFU is divided by, and how it was obtained: what
-    `dump_dir/peak.json` records (rank 0's, written at the start of each run and when measured
-    again; a resumed run's earlier entries kept under "earlier")."""
+    `dump_dir/peak.json` records (rank 0's, written once before each run's loop; a resumed run's
+    earlier entries kept under "earlier"). It does not change during a run."""
     flops_per_s: Optional[float]   # None: no credible peak, mfu is logged as null
     source: str                    # "datasheet" | "measured" | "none"
     dtype: str                     # the run's distributed.model_dtype
     device: str                    # "NVIDIA H100 80GB HBM3", "cpu x86_64, 2 threads"
     matmul: Optional[list] = None  # [tokens, in, out] of the measured matmul (measured only)
     best_s: Optional[float] = None
-    repeats: int = 0
+    repeats: int = 0               # timed calls, all rounds together
+    rounds: Optional[list] = None  # each round's best FLOP/s; flops_per_s is their maximum
     measured_at: str = ""          # ISO time of the measurement (or of the data-sheet lookup)
     from_step: int = 0             # the run's first step with this peak
     note: str = ""
-    # The second measurement, at the first logged step: {step, flops_per_s, start_flops_per_s, kept}
-    measured_again: Optional[dict] = None
     path: Optional[Path] = None    # where peak.json goes (rank 0), None elsewhere
-    remeasured: bool = False
 
     def record(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("path", "remeasured")}
+        return {k: v for k, v in self.__dict__.items() if k != "path"}
 
-    def measure_again(self, step: int) -> None:
-        """Measure a measured peak a second time, once per run, at its first logged step (after
-        compilation and the warm-up steps), and keep the higher of the two. One measurement at
-        start is exposed to whatever the machine does in that moment: on a 2-core AVX2 machine,
-        beside another process starting, a 0.1 s one came out 25-45% low in 7 of 12 runs, which
-        overstated every MFU of the run as much. Other load only ever lowers a measurement, so
-        the higher of two taken at different moments is the better estimate. A data-sheet peak,
-        or no peak (emulated bf16), is left as it is; peak.json records both measurements."""
-        if self.source != "measured" or self.measured_again is not None:
-            return
-        before, again = self._measure_keeping_the_higher()
-        self.measured_again = {"step": step, "flops_per_s": again,
-                               "start_flops_per_s": before, "kept": again > before}
-        if again > 1.1 * before:
-            logger.info("MFU peak: measured again at step %d, %s against the start's %s: the "
-                        "higher is kept", step, _show_flops(again), _show_flops(before))
-        self.write()
-
-    def _measure_keeping_the_higher(self) -> tuple:
-        """This peak's matmul measured once more, the higher rate kept: (rate before, rate now)."""
-        before = self.flops_per_s
-        again = measure_matmul_peak(*self.matmul, DTYPES[self.dtype], _device_of(self))
-        if again["flops_per_s"] > before:
-            self.flops_per_s, self.best_s = again["flops_per_s"], again["best_s"]
-            self.repeats, self.measured_at = again["repeats"], _now()
-        return before, again["flops_per_s"]
-
-    def write(self, earlier: Optional[list] = None) -> None:
+    def write(self, earlier: list) -> None:
         if self.path is None:
             return
-        if earlier is None:
-            try:
-                earlier = json.loads(self.path.read_text()).get("earlier", [])
-            except (OSError, ValueError, AttributeError):
-                earlier = []
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps({**self.record(), "earlier": earlier}, indent=1) + "\n")
         os.replace(tmp, self.path)
 
     def mfu(self, flops_per_s: float) -> Optional[float]:
-        """flops_per_s / the peak, never above 1. Above 1 a measured peak is measured once more
-        (the machine may have been busy when it was measured: the higher is kept, peak.json's
-        note says so); still above 1, or against a data-sheet peak, the value is None (null)."""
-        value = _ratio(flops_per_s, self.flops_per_s)
-        if value is None or value <= 1:
-            return value
-        if self.source == "measured" and not self.remeasured:
-            self.remeasured = True
-            before, again = self._measure_keeping_the_higher()
-            self.note = (f"MFU came out at {100 * value:.0f}% against a peak of "
-                         f"{_show_flops(before)}: measured again, {_show_flops(again)}; the "
-                         f"higher is kept")
-            logger.info("MFU peak: %s", self.note)
-            self.write()
-            value = _ratio(flops_per_s, self.flops_per_s)
-            if value <= 1:
-                return value
-        _warn_not_credible(value, self.flops_per_s, f"The peak's record is {self.path}. "
-                           if self.path else "")
-        return None
+        """flops_per_s / the peak, or None above 1 (see mfu_fields)."""
+        return mfu(flops_per_s, self)
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -285,20 +241,15 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def _device_of(peak: Peak) -> torch.device:
-    if peak.device.startswith("cpu"):
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def run_peak(device: torch.device, dtype_name: str, parts=(), tokens: int = 1024,
              step: int = 0, dump_dir=None) -> Peak:
-    """The run's peak for MFU, obtained once at its start: on a GPU the data-sheet value
+    """The run's peak for MFU, obtained once before its loop: on a GPU the data-sheet value
     (GPU_PEAK_FLOPS); on a CPU, or a GPU not in that table, measured now on the forward matmul of
     the model's largest linear over `tokens` (a micro-batch: data.batch_size x data.seq_len), in
-    the run's dtype, best of a few calls; None (source "none") for bf16 on a CPU that emulates
-    it. With dump_dir (rank 0), written to dump_dir/peak.json: value, source, dtype, device,
-    shape, time; an earlier run's entry (a resume) is kept under "earlier"."""
+    the run's dtype, best of PEAK_ROUNDS rounds (measure_rounds); None (source "none") for bf16
+    on a CPU that emulates it. With dump_dir (rank 0), written to dump_dir/peak.json: value,
+    source, dtype, device, shape, rounds, time; an earlier run's entry (a resume) is kept under
+    "earlier"."""
     peak = _obtain_peak(device, dtype_name, parts, tokens)
     peak.from_step = step
     if dump_dir is not None:
@@ -306,7 +257,8 @@ def run_peak(device: torch.device, dtype_name: str, parts=(), tokens: int = 1024
         peak.write(_earlier_peaks(peak.path))
     if peak.flops_per_s is not None:
         how = (f"{peak.source} on a {'x'.join(map(str, peak.matmul))} matmul (tokens x the "
-               f"model's largest linear), best of {peak.repeats}" if peak.source == "measured"
+               f"model's largest linear), best of {len(peak.rounds)} rounds of "
+               f"{peak.repeats} calls in all" if peak.source == "measured"
                else peak.source)
         logger.info("MFU peak: %s %s on %s, %s%s", _show_flops(peak.flops_per_s), dtype_name,
                     peak.device, how, f" (recorded in {peak.path})" if peak.path else "")
@@ -344,10 +296,31 @@ def _obtain_peak(device: torch.device, dtype_name: str, parts, tokens: int) -> P
                        "GPU_PEAK_FLOPS): MFU is against a matmul measured at start", name)
     k, n = largest_linear(parts) or (1024, 1024)
     m = max(MIN_MEASURED_ROWS, min(tokens, int(MAX_MEASURED_FLOPS / (2 * k * n))))
-    measured = measure_matmul_peak(m, k, n, DTYPES[dtype_name], device)
-    return Peak(measured["flops_per_s"], "measured", dtype_name, _device_name(device),
-                matmul=[m, k, n], best_s=measured["best_s"], repeats=measured["repeats"],
-                measured_at=_now())
+    return Peak(source="measured", dtype=dtype_name, device=_device_name(device),
+                matmul=[m, k, n], measured_at=_now(),
+                **measure_rounds(m, k, n, DTYPES[dtype_name], device))
+
+
+# A run's measured peak: the best of PEAK_ROUNDS rounds of PEAK_ROUND_S, with a pause as long as
+# the round between them, so that a moment of other load (a process starting beside the run)
+# lowers one round, not the peak. Each round keeps its fastest call (measure_matmul_peak).
+PEAK_ROUNDS = 3
+PEAK_ROUND_S = 0.2
+
+
+def measure_rounds(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """{"flops_per_s": the best round's, "best_s", "repeats": calls in all, "rounds": each
+    round's FLOP/s}: Peak's fields of a measured peak."""
+    rounds, spent = [], 0.0
+    for _ in range(PEAK_ROUNDS):
+        time.sleep(spent)
+        t0 = time.perf_counter()
+        rounds.append(measure_matmul_peak(m, k, n, dtype, device, PEAK_ROUND_S))
+        spent = time.perf_counter() - t0
+    best = max(rounds, key=lambda r: r["flops_per_s"])
+    return {"flops_per_s": best["flops_per_s"], "best_s": best["best_s"],
+            "repeats": sum(r["repeats"] for r in rounds),
+            "rounds": [r["flops_per_s"] for r in rounds]}
 
 
 def _device_name(device: torch.device) -> str:

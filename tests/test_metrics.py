@@ -71,14 +71,18 @@ def test_moe_flops_per_token_count_active_experts_only():
 def test_run_peak_measures_the_model_shape_and_writes_peak_json(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(32, 96, bias=False),
                                 torch.nn.Linear(96, 32, bias=False), torch.nn.Linear(32, 8))
+    rng = torch.get_rng_state()
     peak = metrics.run_peak(torch.device("cpu"), "fp32", [model], tokens=128, step=0,
                             dump_dir=tmp_path)
+    assert torch.equal(torch.get_rng_state(), rng)   # not the run's generator (checkpointed)
     record = json.loads((tmp_path / "peak.json").read_text())
     assert record["source"] == "measured" and record["dtype"] == "fp32"
     assert record["matmul"] == [128, 32, 96]        # tokens x the largest linear (in, out)
     assert record["flops_per_s"] == peak.flops_per_s and 1e7 < peak.flops_per_s < 1e14
-    assert record["repeats"] >= 3 and record["measured_at"] and record["earlier"] == []
-    assert f"{torch.get_num_threads()} threads" in record["device"]
+    assert len(record["rounds"]) == metrics.PEAK_ROUNDS
+    assert record["flops_per_s"] == max(record["rounds"])
+    assert record["repeats"] >= 3 * metrics.PEAK_ROUNDS and record["measured_at"]
+    assert record["earlier"] == [] and f"{torch.get_num_threads()} threads" in record["device"]
     # A resumed run measures again: the first run's entry stays, under "earlier".
     metrics.run_peak(torch.device("cpu"), "fp32", [model], tokens=64, step=7, dump_dir=tmp_path)
     record = json.loads((tmp_path / "peak.json").read_text())
@@ -86,81 +90,47 @@ def test_run_peak_measures_the_model_shape_and_writes_peak_json(tmp_path):
     assert [e["from_step"] for e in record["earlier"]] == [0]
 
 
-def test_nothing_is_cached_across_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    calls = []
-    monkeypatch.setattr(metrics, "measure_matmul_peak",
-                        lambda *a, **k: calls.append(a) or {"flops_per_s": 1e11, "best_s": 1e-3,
-                                                            "repeats": 3})
-    metrics.run_peak(torch.device("cpu"), "fp32")
-    metrics.run_peak(torch.device("cpu"), "fp32")
-    assert len(calls) == 2 and not list(tmp_path.rglob("*"))
-
-
-def test_mfu_is_never_above_one_even_against_a_tiny_peak(tmp_path, monkeypatch):
-    """A peak measured while the machine was busy (here: 1 kFLOP/s) is measured again when MFU
-    comes out above 1; the higher is kept and peak.json says why. Neither measurement draws from
-    torch's global generator: it is the run's (checkpointed), and whether the peak is measured
-    again depends on the machine's load (a CI run's resumed RNG state once differed so)."""
-    model = torch.nn.Linear(16, 16)
-    rng = torch.get_rng_state()
-    peak = metrics.run_peak(torch.device("cpu"), "fp32", [model], tokens=64, dump_dir=tmp_path)
-    peak.flops_per_s = 1e3
-    real = 1e6        # far below any CPU's matmul rate: credible against a real measurement
-    value = metrics.mfu(real, peak)
-    assert value is not None and 0 < value <= 1
-    assert torch.equal(torch.get_rng_state(), rng)
-    record = json.loads((tmp_path / "peak.json").read_text())
-    assert record["flops_per_s"] == peak.flops_per_s > 1e6
-    assert "measured again" in record["note"]
-    # Measured once more only: a rate above even the new peak is logged as null, with a warning.
-    metrics._warned.discard("mfu_above_1")
-    with_warning = []
-    monkeypatch.setattr(metrics.logger, "warning", lambda msg, *a: with_warning.append(msg))
-    assert metrics.mfu(peak.flops_per_s * 1.3, peak) is None
-    assert "not credible" in with_warning[0]
-
-
-def test_a_measured_peak_is_measured_again_once_at_the_first_logged_step(tmp_path, monkeypatch):
-    """One measurement at start can come out low (the machine busy in that moment), which
-    overstates every MFU of the run: the trainer measures again at its first logged row and keeps
-    the higher, once per run, and never lowers a peak; peak.json records both."""
-    rates = iter([40e9, 80e9, 10e9])
-    calls = []
+def fake_rates(monkeypatch, rates) -> list:
+    """measure_matmul_peak returning `rates` in turn (then failing); the calls made."""
+    rates, calls = iter(rates), []
 
     def measure(*a, **k):
         calls.append(a)
         return {"flops_per_s": next(rates), "best_s": 1e-3, "repeats": 5}
 
     monkeypatch.setattr(metrics, "measure_matmul_peak", measure)
-    model = torch.nn.Linear(16, 32)
-    peak = metrics.run_peak(torch.device("cpu"), "fp32", [model], tokens=64, dump_dir=tmp_path)
-    assert peak.flops_per_s == 40e9
-    peak.measure_again(step=10)
-    assert peak.flops_per_s == 80e9 and metrics.mfu(60e9, peak) == 0.75
-    record = json.loads((tmp_path / "peak.json").read_text())
-    assert record["flops_per_s"] == 80e9
-    assert record["measured_again"] == {"step": 10, "flops_per_s": 80e9,
-                                        "start_flops_per_s": 40e9, "kept": True}
-    assert not record["note"]   # the note is for a peak measured again because MFU passed 1
-    peak.measure_again(step=20)          # once per run: the third rate (lower) is never drawn
-    assert len(calls) == 2 and peak.flops_per_s == 80e9
+    return calls
 
-    # A second measurement lower than the start's leaves the peak as it was.
-    rates = iter([50e9, 30e9])
-    low = metrics.run_peak(torch.device("cpu"), "fp32", [model], tokens=64, dump_dir=tmp_path)
-    low.measure_again(step=1)
-    record = json.loads((tmp_path / "peak.json").read_text())
-    assert low.flops_per_s == record["flops_per_s"] == 50e9
-    assert record["measured_again"]["kept"] is False
-    assert [e["flops_per_s"] for e in record["earlier"]] == [80e9]
 
-    # A data-sheet peak, or none (bf16 emulated), is not measured.
-    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda *a, **k: 1 / 0)
-    for fixed in (metrics.Peak(1e15, "datasheet", "bf16", "NVIDIA H100"),
-                  metrics.Peak(None, "none", "bf16", "cpu")):
-        fixed.measure_again(step=10)
-        assert fixed.measured_again is None
+def test_nothing_is_cached_across_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = fake_rates(monkeypatch, [1e11] * 2 * metrics.PEAK_ROUNDS)
+    metrics.run_peak(torch.device("cpu"), "fp32")
+    metrics.run_peak(torch.device("cpu"), "fp32")
+    assert len(calls) == 2 * metrics.PEAK_ROUNDS and not list(tmp_path.rglob("*"))
+
+
+def test_a_measured_peak_is_the_best_round_and_never_changes(tmp_path, monkeypatch):
+    """One round can come out low (the machine busy in that moment): the peak is the best of
+    PEAK_ROUNDS rounds, all taken by run_peak, before the loop. An MFU above 1 later (the peak
+    was still wrong) does not measure again or move the peak, which would make the run's MFU
+    jump between rows at the same tokens/s: mfu is null, the ratio goes to mfu_above_peak."""
+    calls = fake_rates(monkeypatch, [40e9, 80e9, 60e9])
+    peak = metrics.run_peak(torch.device("cpu"), "fp32", [torch.nn.Linear(16, 32)], tokens=64,
+                            dump_dir=tmp_path)
+    written = (tmp_path / "peak.json").read_text()
+    record = json.loads(written)
+    assert peak.flops_per_s == record["flops_per_s"] == 80e9
+    assert record["rounds"] == [40e9, 80e9, 60e9] and record["repeats"] == 15
+    assert metrics.mfu_fields(60e9, peak) == {"mfu": 0.75} and metrics.mfu(60e9, peak) == 0.75
+    metrics._warned.discard("mfu_above_1")
+    warnings = []
+    monkeypatch.setattr(metrics.logger, "warning", lambda msg, *a: warnings.append(msg))
+    assert metrics.mfu_fields(100e9, peak) == {"mfu": None, "mfu_above_peak": 1.25}
+    assert metrics.mfu(100e9, peak) is None and "not credible" in warnings[0]
+    assert len(calls) == metrics.PEAK_ROUNDS and peak.flops_per_s == 80e9
+    assert (tmp_path / "peak.json").read_text() == written
+    assert metrics.mfu_fields(60e9, peak) == {"mfu": 0.75}   # the next row: the same peak
 
 
 def test_a_data_sheet_peak_is_not_measured_and_above_one_is_null(monkeypatch):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from apps.llama import train
-from lingua import checkpoint
+from lingua import checkpoint, metrics
 from lingua.errors import ConfigError
 from tests.conftest import REPO, read_metrics, run_python, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
@@ -19,19 +19,25 @@ from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "data_s", "peak_mem_gib"}
 
 
-def test_loss_falls_and_every_step_is_logged(corpus, tmp_path):
+def test_loss_falls_and_every_step_is_logged(corpus, tmp_path, monkeypatch):
     dump = tmp_path / "run"
+    # The CPU peak MFU is divided by is measured before the loop (metrics.jsonl not yet open),
+    # never during it, so every row's MFU has the same denominator.
+    measured_in_loop = []
+    measure = metrics.measure_matmul_peak
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda *a, **k: measured_in_loop.append(
+        (dump / "metrics.jsonl").exists()) or measure(*a, **k))
     assert train.main(tiny_args(corpus, dump, steps=30)) == 0
     rows = read_metrics(dump)
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert METRIC_KEYS <= set(rows[0])
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
-    # The CPU peak MFU is divided by: measured at start and again at the first logged row.
+    assert measured_in_loop == [False] * metrics.PEAK_ROUNDS
+    per_token_s = [r["mfu"] / r["tokens_per_s"] for r in rows]   # FLOPs per token / peak
+    assert max(per_token_s) == pytest.approx(min(per_token_s), rel=1e-12, abs=0)
     peak = json.loads((dump / "peak.json").read_text())
-    again = peak["measured_again"]
-    assert peak["source"] == "measured" and again["step"] == 1
-    assert peak["flops_per_s"] == max(again["flops_per_s"], again["start_flops_per_s"])
+    assert peak["source"] == "measured" and peak["flops_per_s"] == max(peak["rounds"])
     assert "val_loss" in rows[-1] and rows[-1]["val_ppl"] > 1
     assert (dump / "config.yaml").is_file()
     assert [p.name for p in checkpoint.list_complete(dump)] == ["30"]
