@@ -363,9 +363,8 @@ def read_ours(dump_dir: Path, shape: Shape, warmup: int, total: int, arrivals: d
     seconds = sum(n * row["step_s"] for n, row in measured)
     peak_record = json.loads((dump_dir / "peak.json").read_text())
     peak = peak_record.get("flops_per_s")
-    # The last row with an MFU (the warm-up's will do): a CPU run's MFU is null where the peak it
-    # measured at start came out too low for a row's speed, and is measured again then (the
-    # higher kept: peak.json's note says so), which only the later rows used.
+    # The last row with an MFU (the warm-up's will do): a row faster than the run's one measured
+    # peak logs mfu null (and mfu_above_peak) instead.
     implied = [row["mfu"] * peak / row["tokens_per_s"] for row in rows
                if row.get("mfu") is not None and peak][-1:]
     wall = None
