@@ -191,6 +191,44 @@ def refuse_unexportable(problems: List[str], command: str, ckpt_dir) -> None:
                           f"{'; '.join(problems)}.")
 
 
+def export_cli(argv, prog: str, description: str, export) -> None:
+    """`<prog> export <checkpoint_dir> <out_dir> [--dtype]`, one command line for every app's hf.py:
+    `export(ckpt_dir, out_dir, dtype)` is the app's own. A bad input prints an `error:` line and
+    exits with status 2."""
+    import argparse
+    import sys
+
+    from lingua.checkpoint import resolve
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("export", help="write a training checkpoint as a Hugging Face directory")
+    p.add_argument("checkpoint_dir", help="a run directory (its newest complete checkpoint) or "
+                                          "<dump_dir>/checkpoints/<step>")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: as trained (fp32)")
+    ns = parser.parse_args(argv)
+    try:
+        ckpt = resolve(ns.checkpoint_dir)
+        export(ckpt, ns.out_dir, DTYPES.get(ns.dtype))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(wrote(ckpt, ns.out_dir))
+
+
+def wrote(ckpt_dir, out_dir) -> str:
+    """The line an export command prints, with the architecture read back from the config.json it
+    wrote: a fork that renames the architecture (Qwen3ForCausalLM, ...) is reported as written."""
+    try:
+        archs = json.loads((Path(out_dir) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError):
+        archs = None
+    arch = ", ".join(archs) if archs else "a model (config.json names no architecture)"
+    return f"wrote {arch} from {ckpt_dir}: {out_dir}/config.json and {out_dir}/model.safetensors"
+
+
 def byte_tokenizer_json():
     """A `tokenizers` Tokenizer that gives exactly lingua's byte tokenizer's ids (byte b -> id b,
     BOS 256 as `<s>`, EOS 257 as `</s>`; encoding with special tokens prepends BOS), so Hugging

@@ -5,6 +5,7 @@ tests/equivalence.py), and export its new weights to Hugging Face. Without the r
 hunk, the export must refuse and name the weight."""
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -117,6 +118,22 @@ def reference(fork, corpus, tmp_path_factory):
     return dump
 
 
+def test_readme_diff_matches_apps_llama_line_for_line(tmp_path):
+    """Each hunk applies at the line its header names: patch/git apply would still apply a diff
+    whose numbers went stale (an offset), but a reader following them by hand would not."""
+    shutil.copytree(REPO / "apps" / "llama", tmp_path / "apps" / "myarch",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    diff = readme_recipe()[1]
+    if shutil.which("patch"):
+        cmd = ["patch", "-p1", "--dry-run", "--batch", "--fuzz=0"]
+    else:
+        cmd = ["git", "apply", "--check", "-v", "-p1", "-"]
+    proc = subprocess.run(cmd, cwd=tmp_path, input=diff, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the README's diff does not apply to apps/llama:\n{out}"
+    assert "offset" not in out and "fuzz" not in out, f"the README's line numbers are stale:\n{out}"
+
+
 def test_recipe_changes_only_the_fork(fork):
     root, before, after = fork
     changed = sorted(p for p in before if after.get(p) != before[p])
@@ -198,11 +215,17 @@ print(type(theirs).__name__, diff)
 
 def test_export_maps_the_new_weights(fork, reference, tmp_path):
     out = tmp_path / "hf"
-    run_in(fork[0], ["export", str(final_checkpoint(reference, STEPS)), str(out)], module="apps.myarch.hf")
+    proc = run_in(fork[0], ["export", str(final_checkpoint(reference, STEPS)), str(out)],
+                  module="apps.myarch.hf")
+    assert "wrote Qwen3ForCausalLM from" in proc.stdout, proc.stdout
     names = safetensors_names(out / "model.safetensors")
     for name in NEW_WEIGHTS:
         theirs = "model." + name.replace("attention.", "self_attn.")
         assert theirs in names, f"the export lacks {theirs}: {sorted(names)}"
+    # An eps far from RMSNorm's default, read by both sides: Qwen3's q_norm/k_norm use it, so the
+    # fork's must too (every other norm already does) for the logits to agree.
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
     # transformers (a pinned dependency) reads it as Qwen3 (Llama + QK-norm) and computes the
     # fork's logits.
     proc = subprocess.run([sys.executable, "-c", QWEN3_CHECK, str(out)], cwd=fork[0],

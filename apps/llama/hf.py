@@ -9,9 +9,7 @@ CLI: python -m apps.llama.hf export <run_dir or checkpoint_dir> <out_dir> [--dty
 args alone why the export would refuse a model; apps/llama/train.py warns with it at start.
 """
 
-import argparse
 import json
-import sys
 import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -24,7 +22,7 @@ from apps.llama.model import LlamaArgs, Transformer
 from lingua.checkpoint import resolve
 from lingua.errors import ConfigError
 from lingua import hf as lingua_hf
-from lingua.hf import DTYPES, ffn_recipe, read_weights, rope_args
+from lingua.hf import ffn_recipe, read_weights, rope_args
 from lingua.transformer import ffn_hidden_dim
 
 
@@ -213,21 +211,7 @@ def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m apps.llama.hf", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("export", help="write a training checkpoint as a Hugging Face LlamaForCausalLM directory")
-    p.add_argument("checkpoint_dir", help="a run directory (its newest complete checkpoint) or "
-                                          "<dump_dir>/checkpoints/<step>")
-    p.add_argument("out_dir")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as trained (fp32)")
-    ns = parser.parse_args(argv)
-    try:
-        ckpt = resolve(ns.checkpoint_dir)
-        export(ckpt, ns.out_dir, DTYPES.get(ns.dtype))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(f"wrote LlamaForCausalLM from {ckpt}: {ns.out_dir}/config.json and {ns.out_dir}/model.safetensors")
+    lingua_hf.export_cli(argv, "python -m apps.llama.hf", __doc__.split("\n")[0], export)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,7 @@ CLI: python -m apps.moe.hf export <run_dir or checkpoint_dir> <out_dir> [--dtype
 args alone why the export would refuse a model; apps/moe/train.py warns with it at start.
 """
 
-import argparse
 import json
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +45,7 @@ from safetensors.torch import save_file
 
 from lingua import hf as lingua_hf
 from apps.llama.hf import key_map, llama_hf_config
-from lingua.hf import DTYPES, ffn_recipe, read_weights, rope_args
+from lingua.hf import ffn_recipe, read_weights, rope_args
 from apps.moe.model import MoEArgs, Transformer, expert_hidden
 from lingua.checkpoint import resolve
 from lingua.errors import ConfigError
@@ -534,23 +532,7 @@ def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m apps.moe.hf", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    cmd = commands.add_parser("export", help="write a training checkpoint as a Hugging Face MoE directory "
-                                             "(MixtralForCausalLM, Qwen2MoeForCausalLM or Glm4MoeForCausalLM, "
-                                             "from the routing)")
-    cmd.add_argument("checkpoint_dir", help="a run directory (its newest complete checkpoint) or "
-                                            "<dump_dir>/checkpoints/<step>")
-    cmd.add_argument("out_dir")
-    cmd.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as trained (fp32)")
-    ns = parser.parse_args(argv)
-    try:
-        ckpt = resolve(ns.checkpoint_dir)
-        arch = export(ckpt, ns.out_dir, DTYPES.get(ns.dtype))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(f"wrote {arch} from {ckpt}: {ns.out_dir}/config.json and {ns.out_dir}/model.safetensors")
+    lingua_hf.export_cli(argv, "python -m apps.moe.hf", __doc__.split("\n")[0], export)
 
 
 if __name__ == "__main__":
