@@ -6,11 +6,12 @@ peak memory, and downstream-task metrics (`eval/<task>/<metric>` keys) against s
 writes DIR/compare.png (default: the first run's dump_dir/plots/) and, when any run has `eval/`
 keys, DIR/downstream.png beside it (the loss curves, then one panel per task and metric); it
 prints the absolute path of each file written.
-Figures meant for a report: every axis labelled with its unit, one legend above the panels, each
-run its own colour AND line style AND marker (two runs with identical curves stay visible: the
-later one dashed over the earlier, markers at other steps), val_loss as markers joined by a thin
-solid line, loss and grad norm on a log scale, and MFU never drawn above 100% (a value above it
-says the peak was wrong; the panel says how many were dropped).
+Figures meant for a report: a title naming the runs, every axis labelled with its unit, one
+legend above the panels, each run its own colour AND line style AND marker (two runs with
+identical curves stay visible: the later one dashed over the earlier, markers at other steps),
+val_loss as markers joined by a thin solid line, loss and grad norm on a log scale that ends on
+a labelled tick at each end, MFU never drawn above 100% (a value above it says the peak was wrong; the
+panel says how many were dropped), and a downstream accuracy's chance level as a dashed line.
 `save_figure` is the one place figures are written, so every plot this project makes has the
 same backend, dpi and therefore a pixel size that depends only on the figure size.
 """
@@ -30,7 +31,9 @@ matplotlib.use("Agg")  # before pyplot: plots are written from training nodes th
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.ticker import FormatStrFormatter, FuncFormatter, MaxNLocator  # noqa: E402
+from matplotlib.ticker import (  # noqa: E402
+    FixedLocator, FormatStrFormatter, MaxNLocator, NullFormatter,
+)
 
 from lingua.errors import ConfigError  # noqa: E402
 
@@ -45,6 +48,23 @@ DOWNSTREAM_COLS = 3
 PANEL_SIZE = (5.0, 3.6)  # inches per downstream panel; the figure grows with the grid
 LEGEND_COLS = 6
 LEGEND_ROW_INCHES = 0.35  # the legend band above the grid grows a row per LEGEND_COLS entries
+TITLE_INCHES = 0.35  # the figure title, above the legend
+TITLE_CHARS = 110    # a longer list of run names ends in "and N more" (the legend names them all)
+# Log-axis tick mantissas per decade (log_ticks), and how many ticks a log axis may have.
+LOG_SUBS = [(1,), (1, 2, 5), (1, 2, 3, 5, 7), (1, 1.5, 2, 3, 4, 5, 6, 8)]
+MAX_LOG_TICKS = 8
+TICK_SLACK = 1.05  # a log axis may end this factor beyond its end tick rather than a tick further
+# Multiple-choice lm-eval tasks (and the shipped lingua_continuation) -> choices per question,
+# for the chance line of their accuracies. ARC has a few 3- and 5-choice questions: ~1/4.
+# A task not listed gets no chance line rather than a guessed one.
+TASK_CHOICES = {
+    "lingua_continuation": 4, "arc_easy": 4, "arc_challenge": 4, "hellaswag": 4, "openbookqa": 4,
+    "sciq": 4, "mmlu": 4, "race": 4, "logiqa": 4, "piqa": 2, "winogrande": 2, "boolq": 2,
+    "copa": 2, "rte": 2, "wic": 2, "wsc273": 2, "social_iqa": 3, "siqa": 3, "commonsense_qa": 5,
+    "mathqa": 5,
+}
+CHANCE_METRICS = ("acc", "acc_norm")
+CHANCE_STYLE = {"color": "0.35", "linestyle": "--", "linewidth": 1.0}
 # Run i: colour C<i>, line style and marker cycled at other periods, so no two of the first
 # dozen runs look alike even in greyscale. "o" is left for val_loss.
 LINESTYLES = ["-", "--", ":", "-."]
@@ -246,34 +266,65 @@ def style_panel(ax, title: str, drawn: bool, ylabel: Optional[str] = None) -> No
                 color="gray", fontsize=14)
 
 
-def log_scale(ax) -> None:
-    """A log y axis where every value drawn is positive (else linear stays), labelled with plain
-    numbers (3, 4, 5, where matplotlib writes 4x10^0 or labels a single tick)."""
-    values = [y for line in ax.get_lines() for y in line.get_ydata()]
+def log_scale(ax, values=None) -> None:
+    """A log y axis where every value drawn (or given) is positive (else linear stays), ending on
+    major ticks labelled with plain numbers (0.6, 0.8, 1, 1.2: not 6x10^-1, nor a lone label)."""
+    values = list(values or [y for line in ax.get_lines() for y in line.get_ydata()])
     if not values or min(values) <= 0:
         return
     ax.set_yscale("log")
-    low, high = ax.get_ylim()
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    # Under a decade every minor tick gets a label; above it only 2x and 5x (0.2, 0.5, 2, 5).
-    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g") if high / low < 10 else
-                                 FuncFormatter(_two_and_five))
+    ticks = log_ticks(min(values), max(values))
+    if ticks:   # else too many decades for plain numbers: matplotlib's own labels stay
+        lo, hi = math.log10(min(ticks[0], min(values))), math.log10(max(ticks[-1], max(values)))
+        pad = 0.03 * (hi - lo)   # no marker cut in half by the frame
+        ax.set_ylim(10 ** (lo - pad), 10 ** (hi + pad))
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-def _two_and_five(value: float, _pos) -> str:
-    mantissa = round(value / 10 ** math.floor(math.log10(value)), 6) if value > 0 else 0
-    return f"{value:g}" if mantissa in (2, 5) else ""
+def log_ticks(low: float, high: float) -> List[float]:
+    """3 to MAX_LOG_TICKS major ticks for a log axis over values in [low, high], the first at or
+    below low and the last at or above high (up to TICK_SLACK), so the axis ends on a labelled
+    tick at each end: of the sets of LOG_SUBS (and, under a decade, evenly spaced round numbers)
+    the one spanning the least, then the one with more ticks. [] where none fits (many decades)."""
+    decades = range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
+    grids = [sorted(m * 10.0 ** k for k in decades for m in subs) for subs in LOG_SUBS]
+    if math.log10(high / low) < 1:
+        grids.append([float(t) for t in MaxNLocator(nbins=5, steps=[1, 2, 5, 10])
+                      .tick_values(low, high) if t > 0])
+    fits = []
+    for grid in grids:
+        below = [t for t in grid if t <= low * TICK_SLACK]
+        above = [t for t in grid if t >= high / TICK_SLACK]
+        if below and above:
+            ticks = [t for t in grid if below[-1] <= t <= above[0]]
+            if 3 <= len(ticks) <= MAX_LOG_TICKS:
+                fits.append(ticks)
+    return min(fits, key=lambda ticks: (ticks[-1] / ticks[0], -len(ticks)), default=[])
 
 
 def legend_band(handles: List[Line2D]) -> float:
-    """Inches above the panels for a legend of these entries, LEGEND_COLS to a row."""
-    return LEGEND_ROW_INCHES * (math.ceil(len(handles) / LEGEND_COLS) + 0.5)
+    """Inches above the panels for the title and a legend of these entries, LEGEND_COLS to a row."""
+    return TITLE_INCHES + LEGEND_ROW_INCHES * (math.ceil(len(handles) / LEGEND_COLS) + 0.2)
 
 
-def figure_legend(fig, handles: List[Line2D]) -> None:
-    """The legend in the band above the panels: outside every panel, so it hides no curve."""
+def runs_title(labels: Sequence[str], what: str) -> str:
+    """"<run names>: <what>", the names cut to about TITLE_CHARS (the legend lists every run)."""
+    names = ", ".join(labels)
+    for shown in range(len(labels) - 1, 0, -1):
+        if len(names) <= TITLE_CHARS:
+            break
+        names = f"{', '.join(labels[:shown])} and {len(labels) - shown} more"
+    return f"{names}: {what}"
+
+
+def figure_header(fig, title: str, handles: List[Line2D], height: float) -> None:
+    """The title, then the legend below it, in the band above the panels: outside every panel,
+    so the legend hides no curve."""
+    fig.suptitle(title, y=1 - 0.06 / height, va="top", fontsize=13)
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), LEGEND_COLS) or 1,
-               frameon=False, fontsize=11)
+               frameon=False, fontsize=11, bbox_to_anchor=(0.5, 1 - TITLE_INCHES / height))
 
 
 def draw_panel(ax, panel: Panel, runs, styles) -> bool:
@@ -312,16 +363,15 @@ def compare_figure(runs: Mapping[str, Sequence[dict]]) -> Figure:
         if panel.log and drawn:
             log_scale(ax)
     handles = legend_handles(runs, styles, has_val)
-    figure_legend(fig, handles)
+    figure_header(fig, runs_title(list(runs), "training"), handles, FIGSIZE[1])
     fig.tight_layout(rect=(0, 0, 1, 1 - legend_band(handles) / FIGSIZE[1]))
     return fig
 
 
 def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
-    """The loss panel (as in compare_figure), then one panel per (task, metric) any run logged:
-    title task, y the metric (accuracy-like in %), each run's evaluated steps as markers joined by
-    a line in the run's compare_figure style, with stderr error bars where logged. One legend
-    above the grid names the runs. None when no run has eval/ keys."""
+    """The loss panel (as in compare_figure), then one panel per (task, metric) any run logged
+    (draw_task). One legend above the grid names the runs (and "chance" where a panel has its
+    line). None when no run has eval/ keys."""
     per_run = {label: downstream_series(rows) for label, rows in runs.items()}
     task_metrics = sorted({tm for s in per_run.values() for tm in s})
     if not task_metrics:
@@ -332,6 +382,8 @@ def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
     styles = run_styles(runs)
     has_val = any(series(rows, "val_loss")[0] for rows in runs.values())
     handles = legend_handles(runs, styles, has_val)
+    if any(task_choices(task, metric) for task, metric in task_metrics):
+        handles.append(Line2D([], [], **CHANCE_STYLE, label="chance"))
     legend_h = legend_band(handles)
     height = PANEL_SIZE[1] * nrows + legend_h
     fig, axes = plt.subplots(nrows, cols, figsize=(PANEL_SIZE[0] * cols, height), dpi=DPI,
@@ -349,27 +401,50 @@ def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
     for ax, (task, metric) in zip(axes[1:n], task_metrics):
         # Shared x so an evaluation lines up with the loss at that step; tick labels stay on.
         ax.sharex(loss_ax)
-        scale, ylabel = metric_axis(metric)
-        for label, run_series in per_run.items():
-            if (task, metric) not in run_series:
-                continue
-            steps, values, stderrs = run_series[(task, metric)]
-            st = styles[label]   # every evaluated step gets its marker: there are few
-            ax.plot(steps, [v * scale for v in values], color=st["color"],
-                    linestyle=st["linestyle"], linewidth=1.2, marker=st["marker"], markersize=5,
-                    label=label)
-            bars = [(s, v * scale, e * scale) for s, v, e in zip(steps, values, stderrs or [])
-                    if math.isfinite(e) and e >= 0]
-            if bars:
-                # fmt="none", capsize=0: only the bars, so ax.get_lines() is one line per run.
-                ax.errorbar([b[0] for b in bars], [b[1] for b in bars],
-                            yerr=[b[2] for b in bars], fmt="none", ecolor=st["color"],
-                            elinewidth=1.0, alpha=0.7, capsize=0)
-        style_panel(ax, task, True, ylabel)
+        draw_task(ax, task, metric, per_run, styles)
 
-    figure_legend(fig, handles)
+    figure_header(fig, runs_title(list(runs), "downstream tasks"), handles, height)
     fig.tight_layout(rect=(0, 0, 1, 1 - legend_h / height))
     return fig
+
+
+def task_choices(task: str, metric: str) -> Optional[int]:
+    """Choices per question of a multiple-choice task (TASK_CHOICES), for its accuracies' chance
+    line; None where they are not known or the metric is no accuracy."""
+    if metric not in CHANCE_METRICS:
+        return None
+    return TASK_CHOICES.get("mmlu" if task.startswith("mmlu_") else task)  # mmlu_<subject>
+
+
+def draw_task(ax, task: str, metric: str, per_run, styles) -> None:
+    """One (task, metric) panel titled with both: y the metric (accuracy-like in %), each run's
+    evaluated steps as markers joined by a line in the run's compare_figure style, stderr error
+    bars where logged, and the chance level as a dashed line where the task's choices are known."""
+    scale, ylabel = metric_axis(metric)
+    for label, run_series in per_run.items():
+        if (task, metric) not in run_series:
+            continue
+        steps, values, stderrs = run_series[(task, metric)]
+        st = styles[label]   # every evaluated step gets its marker: there are few
+        ax.plot(steps, [v * scale for v in values], color=st["color"],
+                linestyle=st["linestyle"], linewidth=1.2, marker=st["marker"], markersize=5,
+                label=label)
+        bars = [(s, v * scale, e * scale) for s, v, e in zip(steps, values, stderrs or [])
+                if math.isfinite(e) and e >= 0]
+        if bars:
+            # fmt="none", capsize=0: only the bars, so ax.get_lines() gains no line per run.
+            ax.errorbar([b[0] for b in bars], [b[1] for b in bars],
+                        yerr=[b[2] for b in bars], fmt="none", ecolor=st["color"],
+                        elinewidth=1.0, alpha=0.7, capsize=0)
+    choices = task_choices(task, metric)
+    if choices:
+        level = scale / choices
+        ax.axhline(level, **CHANCE_STYLE, label=f"chance (1/{choices})", zorder=1)
+        # At the left end: evaluations (often the last step's) sit to the right.
+        ax.annotate(f"chance {level:g}{'%' if scale == 100 else ''}", (0, level),
+                    xycoords=("axes fraction", "data"), xytext=(3, 3),
+                    textcoords="offset points", ha="left", va="bottom", fontsize=8, color="0.35")
+    style_panel(ax, f"{task}: {metric}", True, ylabel)
 
 
 def save_figure(fig: Figure, path) -> Path:

@@ -69,6 +69,9 @@ DEFAULT_KINDS = [("block", "output"), ("attention", "output"), ("feed_forward", 
 TENSOR_ORDER = ("output", "input", "weight", "weight.grad")
 # Per-head summaries and routing, recorded beside the module statistics: not --stats names.
 SUMMARY_TENSORS = ("attention", "router")
+# Heatmap colours span the quartiles +- CLIP_IQR interquartile ranges (Tukey's far-out fences)
+# where a cell lies beyond them: one outlier cell would otherwise wash the rest into one colour.
+CLIP_IQR = 3.0
 STAT_LABELS = {"abs_max": "max |x|", "rms": "rms", "kurtosis": "kurtosis (normal: 3)",
                "std": "std", "mean": "mean", "zero_frac": "fraction of zeros",
                "outlier_frac": "fraction beyond 6 std", "nonfinite": "NaN/Inf count"}
@@ -131,8 +134,9 @@ def select_modules(patterns, lines, path) -> List[str]:
 
 
 def plot(dump_dir, out_dir=None, stats=None, modules=None) -> List[Path]:
-    """PNGs: per stat, a layer x step heatmap for each sub-module kind and lines per module; the
-    attention entropy and max logit; and the loss curve with the probe steps marked. Returns
+    """PNGs, each titled with the run's name (dump_dir's): per stat, a layer x step heatmap for
+    each sub-module kind (colours robust to an outlier cell: colour_limits) and lines per module;
+    the attention entropy and max logit; and the loss curve with the probe steps marked. Returns
     their paths. `stats`: statistic names the run recorded (ConfigError otherwise; default:
     those of DEFAULT_STATS it recorded, as at the end of a run for wandb); `modules`:
     names or glob patterns (`layers.*.attention.q_norm`) choosing the modules drawn (default:
@@ -145,6 +149,7 @@ def plot(dump_dir, out_dir=None, stats=None, modules=None) -> List[Path]:
     from lingua.plot import save_figure
 
     dump_dir = Path(dump_dir)
+    run = dump_dir.resolve().name
     out_dir = Path(out_dir) if out_dir else dump_dir / "probe" / "plots"
     path = dump_dir / "probe" / "probe.jsonl"
     lines = _read_lines(dump_dir)
@@ -165,24 +170,26 @@ def plot(dump_dir, out_dir=None, stats=None, modules=None) -> List[Path]:
             if layer is not None:
                 by_kind[(sub, tensor)][(layer, step)] = values
     kinds = DEFAULT_KINDS if chosen is None else _kinds_of(chosen, by_kind)
-    written = []
+    figures = {}   # file name -> (figure, what it shows)
     for stat in stats:
         panels = [(k, by_kind[k]) for k in kinds
                   if k in by_kind and any(stat in x for x in by_kind[k].values())]
         if panels:
-            written.append(save_figure(_heatmaps(plt, stat, panels, steps),
-                                       out_dir / f"heatmap_{stat}.png"))
+            figures[f"heatmap_{stat}.png"] = (_heatmaps(plt, stat, panels, steps),
+                                              f"probe {stat} per layer and step")
         series = _line_series(stat, chosen, by_kind, by_module)
         if series:
-            written.append(save_figure(_lines(plt, stat, series), out_dir / f"lines_{stat}.png"))
+            figures[f"lines_{stat}.png"] = (_lines(plt, stat, series), f"probe {stat} per step")
     attention = [(k, v) for k, v in sorted(by_kind.items()) if k[1] == "attention"]
     if attention:
-        written.append(save_figure(_attention(plt, attention, steps), out_dir / "attention.png"))
+        figures["attention.png"] = (_attention(plt, attention, steps), "attention per layer")
     metrics_path = dump_dir / "metrics.jsonl"
     if metrics_path.is_file():
         rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
-        written.append(save_figure(_loss(plt, rows, steps), out_dir / "loss.png"))
-    return written
+        figures["loss.png"] = (_loss(plt, rows, steps), "loss, with the probe steps marked")
+    for fig, what in figures.values():   # a figure pasted into a report still names its run
+        fig.suptitle(f"{run}: {what}")
+    return [save_figure(fig, out_dir / name) for name, (fig, _) in figures.items()]
 
 
 def _kinds_of(modules, by_kind) -> list:
@@ -216,10 +223,39 @@ def _line_series(stat, chosen, by_kind, by_module) -> dict:
     return out
 
 
+def colour_limits(grid):
+    """(vmin, vmax, cells below vmin, cells above vmax) for a heatmap: the finite values' range,
+    narrowed to the quartiles +- CLIP_IQR IQR on a side where cells lie beyond (they take that
+    end's colour)."""
+    import numpy as np
+
+    finite = grid[np.isfinite(grid)]
+    if finite.size == 0:
+        return None, None, 0, 0
+    q1, q3 = np.percentile(finite, [25, 75])
+    low = max(finite.min(), q1 - CLIP_IQR * (q3 - q1))
+    high = min(finite.max(), q3 + CLIP_IQR * (q3 - q1))
+    if high <= low and finite.min() < finite.max():
+        # The other cells all equal: a range around them keeps the outliers apart.
+        low, high = low - 0.05 * (abs(low) or 1.0), high + 0.05 * (abs(high) or 1.0)
+    return float(low), float(high), int((finite < low).sum()), int((finite > high).sum())
+
+
+def _colour_bar(fig, ax, image, stat, below: int, above: int) -> None:
+    """The colour bar, its label naming the statistic and the colour scale chosen, with an arrow
+    at a clipped end."""
+    extend = {(False, False): "neither", (True, False): "min", (False, True): "max"}
+    bar = fig.colorbar(image, ax=ax, extend=extend.get((below > 0, above > 0), "both"))
+    fences = f"quartiles ± {CLIP_IQR:g} IQR"
+    scale = (f"colour clipped at {fences}\n({below + above} cell(s) beyond)" if below + above
+             else f"colour: full range\n(no cell beyond {fences})")
+    bar.set_label(f"{STAT_LABELS.get(stat, stat)}\n{scale}", fontsize=8)
+
+
 def _heatmaps(plt, stat, panels, steps):
     import numpy as np
 
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.4 * len(panels)), squeeze=False,
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.4 * len(panels) + 0.4), squeeze=False,
                              constrained_layout=True)
     for ax, ((sub, tensor), cells) in zip(axes[:, 0], panels):
         layers = sorted({layer for layer, _ in cells})
@@ -227,8 +263,10 @@ def _heatmaps(plt, stat, panels, steps):
         for (layer, step), values in cells.items():
             if stat in values and values[stat] is not None:
                 grid[layers.index(layer), steps.index(step)] = values[stat]
-        image = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest")
-        fig.colorbar(image, ax=ax, label=STAT_LABELS.get(stat, stat))
+        vmin, vmax, below, above = colour_limits(grid)
+        image = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest",
+                          vmin=vmin, vmax=vmax)
+        _colour_bar(fig, ax, image, stat, below, above)
         ticks = sorted(set(np.linspace(0, len(steps) - 1, min(len(steps), 10)).round().astype(int)))
         ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
         ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
@@ -239,6 +277,8 @@ def _heatmaps(plt, stat, panels, steps):
 
 
 def _lines(plt, stat, series: dict):
+    from lingua.plot import log_scale
+
     fig, axes = plt.subplots(len(series), 1, figsize=(10, 3.6 * len(series)), squeeze=False,
                              constrained_layout=True)
     styles = ["-", "--", ":", "-."]
@@ -248,7 +288,7 @@ def _lines(plt, stat, series: dict):
                     markersize=3, linestyle=styles[i % len(styles)])
         values = [v for points in lines.values() for _, v in points]
         if min(values) > 0 and max(values) / min(values) > 10:
-            ax.set_yscale("log")
+            log_scale(ax)
         ax.set_title(f"{stat} of {title}, one line per "
                      f"{'layer' if title.startswith('block') else 'module'}", fontsize=10)
         ax.set_xlabel("step")
@@ -295,17 +335,12 @@ def _loss(plt, rows, probe_steps):
         ax.plot(probe_steps, np.interp(probe_steps, list(loss), list(loss.values())),
                 linestyle="none", marker="v", markersize=7, color="C3",
                 label=f"probe step ({len(probe_steps)})")
-    if loss and min(loss.values()) > 0:
-        ax.set_yscale("log")
-        from matplotlib.ticker import FormatStrFormatter
+    if loss:   # the probe steps' vertical lines span the axes: not values
+        from lingua.plot import log_scale
 
-        low, high = ax.get_ylim()
-        if high / low < 10:
-            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-            ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+        log_scale(ax, [*loss.values(), *(r["val_loss"] for r in val)])
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("loss, with the probe steps marked")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper right")
     return fig

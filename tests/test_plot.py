@@ -135,13 +135,15 @@ def test_compare_figure_is_fit_for_a_report(tmp_path):
     assert {ax.get_xlabel() for ax in fig.axes} == {"step"}
     assert [ax.get_yscale() for ax in fig.axes] == ["log", "linear", "log", "linear", "linear",
                                                      "linear"]
-    # One figure legend, drawn above every panel.
+    # The runs' names as the title, then one figure legend, drawn above every panel.
+    assert fig.get_suptitle() == "a, a-again, b: training"
     assert len(fig.legends) == 1 and not any(ax.get_legend() for ax in fig.axes)
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["a", "a-again", "b", "val_loss"]
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     legend_box = fig.legends[0].get_window_extent(renderer)
     assert all(legend_box.y0 >= ax.get_tightbbox(renderer).y1 - 1 for ax in fig.axes)
+    assert fig._suptitle.get_window_extent(renderer).y0 >= legend_box.y1 - 1
     # Identical curves: a different colour, line style and marker, markers at other steps.
     lr_a, lr_again, _ = fig.axes[1].get_lines()
     assert (lr_a.get_xydata() == lr_again.get_xydata()).all()
@@ -155,6 +157,33 @@ def test_compare_figure_is_fit_for_a_report(tmp_path):
     assert val.get_xydata()[:, 0].tolist() == [5, 10, 15, 20]
     assert val.get_linestyle() == "-" and val.get_marker() == "o" and val.get_markevery() is None
     assert val.get_markerfacecolor() == "none" and val.get_linewidth() < train.get_linewidth()
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def visible_tick_labels(ax) -> dict:
+    """{tick value: its label} of the y axis's major ticks inside the view, after drawing."""
+    ax.figure.canvas.draw()
+    low, high = ax.get_ylim()
+    return {tick: label.get_text() for tick, label in zip(ax.get_yticks(), ax.get_yticklabels())
+            if low <= tick <= high}
+
+
+@pytest.mark.parametrize("low,high", [(0.6, 1.37), (0.3, 1.9), (0.05, 1.4), (0.9, 40.0)])
+def test_log_axes_label_major_ticks_on_both_sides_of_1(low, high):
+    """A grad norm crossing 1 (a real run's 0.6 to 1.37 among them) gets labelled major ticks
+    above 1 as well as below, in plain numbers."""
+    rows = [{"step": s, "loss": 3.2 + s / 20, "grad_norm": low * (high / low) ** (s / 20)}
+            for s in range(21)]
+    fig = plot.compare_figure({"r": rows})
+    loss_ax, grad_ax = fig.axes[0], fig.axes[2]
+    assert grad_ax.get_yscale() == "log"
+    labels = visible_tick_labels(grad_ax)
+    assert any(tick > 1 and text for tick, text in labels.items()), labels
+    assert any(tick < 1 and text for tick, text in labels.items()), labels
+    assert all(text == f"{tick:g}" for tick, text in labels.items()), labels   # not 10^0
+    assert len([t for t in visible_tick_labels(loss_ax).values() if t]) >= 3   # 3.2 to 4.2
     import matplotlib.pyplot as plt
 
     plt.close("all")
@@ -229,28 +258,38 @@ def test_downstream_figure_panels_lines_and_percent(tmp_path):
     dirs = downstream_runs(tmp_path)
     runs = {label: plot.read_metrics(d) for label, d in zip(plot.run_labels(dirs), dirs)}
     fig = plot.downstream_figure(runs)
+    assert fig.get_suptitle() == "base, fork, plain: downstream tasks"
     assert [ax.get_title() for ax in fig.axes] == \
-        ["loss", "arc-easy", "lingua_continuation", "lingua_continuation"]  # 2x3 grid, 2 removed
+        ["loss", "arc-easy: word_perplexity", "lingua_continuation: acc",
+         "lingua_continuation: acc_norm"]  # 2x3 grid, 2 removed
     assert [ax.get_ylabel() for ax in fig.axes] == \
         ["cross-entropy (nats/token)", "word_perplexity", "acc (%)", "acc_norm (%)"]
     assert {ax.get_xlabel() for ax in fig.axes} == {"step"}
     assert [t.get_text() for t in fig.legends[0].get_texts()] == \
-        ["base", "fork", "plain", "val_loss"]
+        ["base", "fork", "plain", "val_loss", "chance"]
     loss_ax, ppl_ax, acc_ax, norm_ax = fig.axes
     assert [line.get_label() for line in loss_ax.get_lines()] == \
         ["base", "base val_loss", "fork", "plain"]  # the run without eval keys is drawn too
     assert loss_ax.get_lines()[3].get_xydata()[:, 0].tolist() == list(range(1, 16))
 
     def lines(ax):
-        return {line.get_label(): line.get_xydata().tolist() for line in ax.get_lines()}
+        return {line.get_label(): line.get_xydata().tolist() for line in ax.get_lines()
+                if not line.get_label().startswith("chance")}
 
     assert lines(ppl_ax) == {"base": [[10, 40.5], [20, 30.25]]}
     assert lines(acc_ax) == {"base": [[10, 25.0], [20, 50.0]],
                              "fork": [[5, 0.0], [10, 25.0], [20, 75.0]]}
     assert lines(norm_ax) == {"base": [[10, 12.5], [20, 37.5]], "fork": [[10, 50.0], [20, 62.5]]}
+    # lingua_continuation has 4 choices: chance is a dashed line at 25% on both accuracies;
+    # a perplexity has none.
+    for ax in (acc_ax, norm_ax):
+        (chance,) = [line for line in ax.get_lines() if line.get_label().startswith("chance")]
+        assert chance.get_label() == "chance (1/4)" and chance.get_linestyle() == "--"
+        assert set(chance.get_ydata()) == {25.0}
+    assert not any(line.get_label().startswith("chance") for line in ppl_ax.get_lines())
     # Each evaluated step has a marker, the run's own (as its line style): base, fork.
     assert [(line.get_marker(), line.get_linestyle(), line.get_markevery())
-            for line in acc_ax.get_lines()] == [("s", "-", None), ("^", "--", None)]
+            for line in acc_ax.get_lines()[:2]] == [("s", "-", None), ("^", "--", None)]
     # Error bars in %: base's two, then fork's two with a stderr (step 5's "N/A" has none).
     bars = [seg.tolist() for c in acc_ax.collections for seg in c.get_segments()]
     assert bars == [[[10, 21.875], [10, 28.125]], [[20, 48.4375], [20, 51.5625]],
@@ -274,7 +313,23 @@ def test_cli_writes_downstream_png_beside_compare(tmp_path):
         str((tmp_path / "o" / "downstream.png").absolute())]
     check_png(tmp_path / "o" / "compare.png")
     img = mpimg.imread(tmp_path / "o" / "downstream.png")
-    legend_h = plot.LEGEND_ROW_INCHES * 1.5  # 4 legend entries: one row, plus half a row
+    legend_h = plot.TITLE_INCHES + plot.LEGEND_ROW_INCHES * 1.2  # 5 legend entries: one row
     assert img.shape[:2] == (round((2 * plot.PANEL_SIZE[1] + legend_h) * plot.DPI),
                              round(3 * plot.PANEL_SIZE[0] * plot.DPI))
     assert img[..., :3].std() > 0.05
+
+
+def test_chance_comes_from_the_number_of_choices_where_known():
+    assert plot.task_choices("lingua_continuation", "acc") == 4
+    assert plot.task_choices("piqa", "acc_norm") == 2
+    assert plot.task_choices("mmlu_anatomy", "acc") == 4
+    assert plot.task_choices("hellaswag", "word_perplexity") is None   # not an accuracy
+    assert plot.task_choices("my_new_task", "acc") is None   # unknown: no line, not a guess
+
+
+def test_a_long_list_of_runs_is_cut_in_the_title():
+    labels = [f"sweep_lr_{i:02d}" for i in range(20)]
+    title = plot.runs_title(labels, "training")
+    assert title.startswith("sweep_lr_00, sweep_lr_01") and title.endswith(" more: training")
+    assert len(title) <= plot.TITLE_CHARS + len(": training")
+    assert plot.runs_title(["quickstart"], "training") == "quickstart: training"

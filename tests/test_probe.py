@@ -330,7 +330,8 @@ def test_probe_plots_label_every_axis_and_mark_the_probe_steps(tmp_path, figures
     colorbars = [ax for ax in heatmap.axes if not ax.get_title()]
     assert [ax.get_title() for ax in panels] == ["rms of block output (layer x step)",
                                                  "rms of attention.wo weight (layer x step)"]
-    assert len(colorbars) == len(panels) and {ax.get_ylabel() for ax in colorbars} == {"rms"}
+    assert len(colorbars) == len(panels)
+    assert {ax.get_ylabel().splitlines()[0] for ax in colorbars} == {"rms"}
     assert {(ax.get_xlabel(), ax.get_ylabel()) for ax in panels} == {("step", "layer")}
     (lines_ax,) = figures["lines_rms.png"].axes
     assert [line.get_label() for line in lines_ax.get_lines()] == ["layer 0", "layer 1"]
@@ -343,6 +344,39 @@ def test_probe_plots_label_every_axis_and_mark_the_probe_steps(tmp_path, figures
     assert marks.get_markersize() >= 6 and loss_ax.get_ylabel() == "cross-entropy (nats/token)"
     val = {line.get_label(): line for line in loss_ax.get_lines()}["val_loss"]
     assert val.get_linestyle() == "-" and val.get_marker() == "o"
+
+
+def outlier_probe_run(dump):
+    """4 layers x 6 probe steps of smoothly growing block-output rms, one cell (layer 2, step
+    30) a thousand times larger; attention.wo weights without an outlier."""
+    (dump / "probe").mkdir(parents=True)
+    lines = []
+    for step in range(10, 70, 10):
+        stats = {}
+        for layer in range(4):
+            rms = 1000.0 if (layer, step) == (2, 30) else 1.0 + layer / 10 + step / 100
+            stats[f"layers.{layer}/output"] = {"rms": rms}
+            stats[f"layers.{layer}.attention.wo/weight"] = {"rms": 0.02 + layer / 1000}
+        lines.append(json.dumps({"step": step, "alerts": [], "stats": stats}))
+    (dump / "probe" / "probe.jsonl").write_text("\n".join(lines) + "\n")
+    (dump / "metrics.jsonl").write_text(json.dumps({"step": 10, "loss": 3.0}) + "\n")
+    return dump
+
+
+def test_probe_figures_name_the_run_and_heatmaps_clip_an_outlier(tmp_path, figures):
+    probe.plot(outlier_probe_run(tmp_path / "qk_norm_seed3"), stats=("rms",))
+    assert set(figures) == {"heatmap_rms.png", "lines_rms.png", "loss.png"}
+    for name, fig in figures.items():   # pasted into a report, each still names its run
+        assert fig.get_suptitle().startswith("qk_norm_seed3: "), name
+    block, wo = [ax.get_images()[0] for ax in figures["heatmap_rms.png"].axes if ax.get_images()]
+    # The outlier takes the top colour; the colours span the other cells (1.1 to 1.9), so their
+    # growth stays visible, and the colour bar says so.
+    assert 1.9 <= block.norm.vmax < 10 and block.norm.vmin == pytest.approx(1.1)
+    assert block.colorbar.extend == "max"
+    label = block.colorbar.ax.get_ylabel()
+    assert "clipped at quartiles ± 3 IQR" in label and "1 cell(s) beyond" in label
+    assert (wo.norm.vmin, wo.norm.vmax) == pytest.approx((0.02, 0.023))   # nothing to clip
+    assert wo.colorbar.extend == "neither" and "full range" in wo.colorbar.ax.get_ylabel()
 
 
 def test_modules_option_draws_the_chosen_modules(tmp_path, figures):
