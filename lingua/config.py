@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Type, TypeVar
@@ -23,7 +24,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import KeyValidationError, OmegaConfBaseException, ValidationError
 
 from lingua.errors import ConfigError
 
@@ -108,11 +109,77 @@ def _explain_compose_error(err: Exception, overrides: Sequence[str], known: Sequ
         close = difflib.get_close_matches(full_key, known, n=2, cutoff=0.8)
         if close:
             hint = f"Did you mean {' or '.join(close)}? " + hint
-    # Hydra's "To append to your config use +key=value" does not apply: the schema is closed.
-    details = "\n".join(line for line in text.splitlines()[1:]
-                        if line.strip() != first.strip() and not line.startswith("To append"))
+    # Hydra's "To append to your config use +key=value" does not apply: the schema is closed;
+    # OmegaConf's indented full_key/reference_type/object_type lines are its internals.
+    details = "\n".join(line for line in text.splitlines()[1:] if line.strip() != first.strip()
+                        and not line.startswith(("To append", " ")))
     return (f"Bad configuration{key_part}: {first}\n" + (f"{details}\n" if details else "")
             + f"Overrides given: {' '.join(overrides) or '(none)'}. {hint}")
+
+
+def _key_type(schema: Type, key: str):
+    """The type the schema gives a dotted key (a map's entry: the map's value type); None when
+    the schema does not say."""
+    hint = schema
+    for part in key.split("."):
+        hint = _unoptional(hint)
+        if dataclasses.is_dataclass(hint):
+            hint = typing.get_type_hints(hint).get(part)
+        elif typing.get_origin(hint) is dict:
+            hint = typing.get_args(hint)[1]
+        else:
+            return None
+    return hint
+
+
+def _unoptional(hint):
+    """X for Optional[X] (or X | None), else the hint itself."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    return args[0] if union and len(args) == 1 else hint
+
+
+TYPE_WORDS = {int: "an integer", float: "a float", bool: "true or false", str: "a string",
+              list: "a list ([a,b,...])", dict: "a map ({a:1,...})"}
+
+
+def _type_words(hint) -> str:
+    if _unoptional(hint) is not hint:
+        return f"{_type_words(_unoptional(hint))} or null"
+    return TYPE_WORDS.get(typing.get_origin(hint) or hint, getattr(hint, "__name__", str(hint)))
+
+
+def _as_override(value) -> Optional[str]:
+    """A scalar as it is written on the command line; None for anything else."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if isinstance(value, (int, float, str)) else None
+
+
+def _type_mismatch(err: Exception, overrides: Sequence[str], schema: Optional[Type]):
+    """One sentence for a value of the wrong type (key, value given, type expected, an example
+    of a right one); None for every other composition error."""
+    cause = err.__cause__ or err.__context__
+    key = getattr(cause, "full_key", None)
+    if schema is None or not key or not isinstance(cause, ValidationError) \
+            or isinstance(cause, KeyValidationError):
+        return None
+    hint = _key_type(schema, key)
+    if hint is None:
+        return None
+    given = next((o.split("=", 1)[1] for o in reversed(overrides)
+                  if "=" in o and o.split("=", 1)[0].lstrip("+~") == key), None)
+    given = given if given is not None else _as_override(cause.value) or str(cause.value)
+    shown = given if given == "null" else f"'{given}'"
+    if dataclasses.is_dataclass(_unoptional(hint)):
+        return (f"{key} is a section of the config, not a value ({shown}): set its keys, as in "
+                f"{key}.<name>=<value>.")
+    node = getattr(cause, "child_node", None)
+    example = _as_override(node._value()) if hasattr(node, "_value") else None
+    example = f": for example {key}={example}" if example not in (None, "null") else ""
+    return f"{key} takes {_type_words(hint)}, not {shown}{example}."
 
 
 def schema_keys(schema: Type, prefix: str = "") -> dict:
@@ -187,7 +254,8 @@ def compose_config(app: str, argv: Sequence[str], default_preset: str = "debug",
             cfg = compose(config_name=config_name, overrides=_open_maps(overrides, maps))
             _scope_to_preset(cfg, overrides, lambda: compose(config_name=config_name))
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as err:
-        message = _explain_compose_error(err, overrides, list(keys), maps)
+        message = _type_mismatch(err, overrides, schema) or \
+            _explain_compose_error(err, overrides, list(keys), maps)
         for override in overrides:  # quote the user's override, not our `++` form of it
             message = message.replace("++" + override, override)
         raise ConfigError(message) from None
@@ -237,6 +305,21 @@ def dump(args: Any, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(to_yaml(args))
     os.replace(tmp, path)
+
+
+def check_dump_dir(dump_dir: str) -> None:
+    """Refuse a dump_dir that is a file or lies under one: its mkdir would fail only after the
+    processes and the model were started. A dump_dir that does not exist yet is fine."""
+    path = Path(dump_dir)
+    found = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
+    if found is None or found.is_dir():
+        return
+    what = "a file" if found.is_file() else "not a directory"
+    where = "is" if found == path else f"lies under {found}, which is"
+    raise ConfigError(f"dump_dir={dump_dir} {where} {what}, so no run directory (config.yaml, "
+                      f"metrics.jsonl, checkpoints/) can be made there. Give dump_dir a path "
+                      f"inside a directory, e.g. dump_dir={found.parent / '<run name>'}, or "
+                      f"move {found} away.")
 
 
 def require(condition: bool, message: str) -> None:

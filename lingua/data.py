@@ -341,10 +341,13 @@ class JsonlSource:
             s["file"], s["offset"], s["file_start"] = s["file"] + 1, 0, s["line"]
             if s["file"] == len(self.files):
                 s.update(file=0, line=0, file_start=0, epoch=s["epoch"] + 1)
+        # check_jsonl_lines refuses such a corpus at start: here only if the files changed since
+        fix = ("Train on fewer data-parallel ranks than usable lines, or add documents."
+               if self.dp_size > 1 else "Fix the files: one {\"text\": ...} object a line.")
         raise ConfigError(f"Source {self.name or '(root)'} has no usable line for data-parallel "
                           f"rank {self.dp_rank} of {self.dp_size} in {len(self.files)} files "
                           f"({self.counter.count} lines skipped as bad, {self.counter.by_reason}). "
-                          f"Check the files, or use fewer ranks than lines.")
+                          + fix)
 
 
 class MalformedCounter:
@@ -484,8 +487,9 @@ def _jsonl_val_rows(args: DataArgs, n_rows: int):
     return JsonlLoader(val_args, 0, 1, seed=0).next_rows(n_rows)
 
 
-def validate_data_args(args: DataArgs) -> None:
-    """Cheap checks before any work; raises ConfigError naming the key or file and the fix."""
+def validate_data_args(args: DataArgs, files: bool = True) -> None:
+    """Cheap checks before any work; raises ConfigError naming the key or file and the fix.
+    files=False checks the batch shape only, not the corpus and tokenizer files (lingua.plan)."""
     if args.format not in ("memmap", "jsonl"):
         raise ConfigError(f"data.format={args.format!r} is unknown: use memmap or jsonl.")
     for key in ("seq_len", "batch_size", "grad_accum"):
@@ -493,6 +497,8 @@ def validate_data_args(args: DataArgs) -> None:
             raise ConfigError(f"data.{key}={getattr(args, key)} must be at least 1.")
     if args.val_sequences < 0:
         raise ConfigError(f"data.val_sequences={args.val_sequences} must be 0 or more.")
+    if not files:
+        return
     if not args.root:
         raise ConfigError("data.root is not set. Set data.root=/path/to/corpus (a directory "
                           "prepared by setup/prepare_data.py, or jsonl chunk files with "
@@ -548,6 +554,57 @@ def _validate_memmap(args: DataArgs, root: Path) -> None:
             raise ConfigError(f"The {split} split of {root} has {len(windows.tokens)} tokens, not "
                               f"enough for one sequence of data.seq_len={args.seq_len} + 1. Use a "
                               f"shorter data.seq_len or a larger corpus.")
+
+
+def check_jsonl_lines(args: DataArgs, dp_size: int) -> None:
+    """Every data-parallel rank has a usable line in every jsonl source, and validation one in
+    val/: read from the start until each has one (a few lines for a sound corpus), so that a
+    corpus of bad lines is refused before any process starts or any file of the run is written."""
+    if args.format != "jsonl":
+        return
+    readers = [(f"source {name} ({d})" if name else f"the corpus in {d}", d, dp_size, "")
+               for name, d in source_dirs(args).items()]
+    if args.val_sequences:   # one reader, in order (_jsonl_val_rows)
+        val = Path(args.root) / VAL_DIR
+        readers.append((f"the validation data in {val}", val, 1,
+                        ", or set data.val_sequences=0 to train without validation"))
+    for what, directory, ranks, hint in readers:
+        _check_lines(what, sorted(directory.glob("*.jsonl")), ranks, hint)
+
+
+def _check_lines(what: str, files: List[Path], dp_size: int, hint: str) -> None:
+    """ConfigError unless each of dp_size readers, taking every dp_size-th line as JsonlSource
+    does (blank lines keep their place), finds a usable one."""
+    missing, counter, first_bad, usable = set(range(dp_size)), MalformedCounter(log=False), None, 0
+    index = -1
+    for path in files:
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                index += 1
+                if not raw.strip():
+                    continue
+                try:
+                    _decode_line(raw)
+                except BadLine as err:
+                    counter.skip(path, line_no, err)
+                    first_bad = first_bad or f"line {line_no} of {path}: {err}"
+                    continue
+                usable += 1
+                missing.discard(index % dp_size)
+                if not missing:
+                    return
+    if usable:
+        ranks = ", ".join(map(str, sorted(missing)[:8])) + (", ..." if len(missing) > 8 else "")
+        raise ConfigError(f"{what} has {usable} usable line(s) for {dp_size} data-parallel "
+                          f"ranks, and rank r reads lines r, r+{dp_size}, r+{2 * dp_size}, ... "
+                          f"only, so rank {ranks} would get none. Train on fewer data-parallel "
+                          f"ranks than usable lines, or add documents.")
+    bad = {reason: n for reason, n in counter.by_reason.items() if n}
+    found = (f"its {counter.count} line(s) with text are all bad ({bad}), the first being "
+             f"{first_bad}" if first_bad else "its lines are all blank")
+    raise ConfigError(f"{what} has no usable line in its {len(files)} *.jsonl files: {found}. "
+                      f"Fix the files (one {{\"text\": ...}} object a line) or point data.root "
+                      f"at another corpus{hint}.")
 
 
 def _validate_jsonl(args: DataArgs, root: Path) -> None:

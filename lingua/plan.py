@@ -1,19 +1,21 @@
 """Plan a run before submitting it: per-rank memory, FLOPs and time, and whether it fits.
 
-    python -m lingua.plan apps.llama.train config=llama_8b data.root=... slurm.nodes=8 slurm.gpus_per_node=8
+    python -m lingua.plan apps.llama.train config=llama_8b slurm.nodes=8 slurm.gpus_per_node=8
     python -m lingua.plan apps.moe.train config=deepseek_16b ... --world-size 64 --mfu 0.3
 
-The config is composed and validated exactly as the job's (the app's `load_config`, for the job's
-world size and device, as stool does). Then, in this one process and without a GPU, the real
-model is built on the meta device and parallelised with the app's own plan (`APP.parallelize`:
-TP, CP, EP, activation checkpointing, FSDP; `pipeline.split_model` for each pipeline rank's
-stages) on torch's fake process group at the job's world size. What a rank holds is read off the
-local shards of its parameters (DTensor `to_local()` shapes), never computed from a formula: a
-sharding plan that leaves a layer replicated shows up here as memory. compile, async_tp and
-cpu_offload are left out of the build (they change no shard). Each pipeline rank is built
-(the first rank of each pipeline stage, which holds the largest FSDP / TP shard of uneven splits:
-torch gives the first ranks the larger chunks); expert parallelism gives every rank the same
-number of experts. The busiest rank decides.
+The config is composed as the job's (the app's `load_config`) and validated for the job's world
+size and device (lingua.trainer.validate), but without the data: whether a run fits is asked before
+the corpus is downloaded, so a missing data.root, tokenizer file or val/ directory is a `warning:`
+line (stool refuses them before submitting) and the vocabulary is model.vocab_size. Then, in this
+one process and without a GPU, the real model is built on the meta device and parallelised with the
+app's own plan (`APP.parallelize`: TP, CP, EP, activation checkpointing, FSDP;
+`pipeline.split_model` for each pipeline rank's stages) on torch's fake process group at the job's
+world size. What a rank holds is read off the local shards of its parameters (DTensor `to_local()`
+shapes), never computed from a formula: a sharding plan that leaves a layer replicated shows up
+here as memory. compile, async_tp and cpu_offload are left out of the build (they change no shard).
+Each pipeline rank is built (the first rank of each pipeline stage, which holds the largest FSDP /
+TP shard of uneven splits: torch gives the first ranks the larger chunks); expert parallelism gives
+every rank the same number of experts. The busiest rank decides.
 
 Memory of a rank, in bytes (what is counted, and what is assumed):
   parameters   local shards, as stored: fp32 master weights (model_dtype bf16 or fp32), plus the
@@ -134,6 +136,7 @@ class Plan:
     microbatch: int           # sequences per micro-batch
     in_flight: List[float]    # micro-batches (pipeline chunks) in flight per pipeline rank
     notes: List[str] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)   # data a job needs and this plan does not
     suggestion: Optional[str] = None    # the cheapest change that fits, when this does not
     tried: List[str] = field(default_factory=list)
 
@@ -448,7 +451,9 @@ def job_world_size(slurm) -> int:
 
 def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
               device_type: str):
-    """(app module, validated args, world size): composed and checked as the job will be."""
+    """(app module, validated args, world size): composed and checked as the job will be, but
+    for the corpus and tokenizer files (data_warnings)."""
+    from lingua import trainer
     from lingua.stool import import_app, job_view
 
     app = import_app(app_module)
@@ -460,8 +465,29 @@ def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
     if world < 1:
         raise ConfigError(f"The world size must be at least 1, got {world}.")
     with job_view(world, device_type):
-        args = app.load_config(list(overrides))
-    return app, args, world
+        trainer.validate(raw, app.APP, data_files=False)
+    return app, raw, world
+
+
+def data_warnings(args) -> List[str]:
+    """What a job would refuse to start without and a plan does without: the corpus (data.root,
+    its val/) and the tokenizer file, each problem once."""
+    from lingua import data, trainer
+    from lingua.tokenizer import TokenizerArgs
+
+    found, corpus = [], args.data
+    try:
+        trainer.check_vocab(args)
+    except ConfigError as err:
+        found.append(str(err))
+        if corpus.format == "jsonl":   # its checks need no tokenizer: a missing val/ shows too
+            corpus = dataclasses.replace(corpus, tokenizer=TokenizerArgs())
+    try:
+        data.validate_data_args(corpus)
+    except ConfigError as err:
+        if str(err) not in found:   # the same missing tokenizer file
+            found.insert(0, str(err))
+    return found
 
 
 def _flops_per_token(args, app) -> float:
@@ -510,6 +536,8 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
                   peak_flops=metrics.GPU_PEAK_FLOPS[dtype][gpu],
                   tokens_per_step=args.data.batch_size * dims.dp * args.data.grad_accum
                   * args.data.seq_len, microbatch=microbatch, in_flight=flights)
+    if suggest:   # the candidates of _cheapest_fix change the layout only, not the data
+        result.warnings = data_warnings(args)
     if device_type != "cuda":
         result.notes.append(f"planned for {device_type}: the memory limit is the GPU's "
                             f"({gpu}, {gpu_mem_gib:g} GiB) all the same")
@@ -630,6 +658,10 @@ def format_plan(p: Plan) -> str:
     lines.append("  (shards read from the model built on the fake process group; activations "
                  "estimated per block, see lingua/plan.py)")
     lines += [f"  note: {n}" for n in p.notes]
+    if p.warnings:   # planned all the same: the model's size does not depend on the data
+        lines += [f"warning: {w}" for w in p.warnings]
+        lines.append(f"  (planned without them, with model.vocab_size={a.model.vocab_size}; "
+                     f"the job and stool refuse to start until they are fixed)")
     return "\n".join(lines)
 
 

@@ -100,19 +100,20 @@ def device_type() -> str:
     return distributed.job_device_type()
 
 
-def validate(args, app: App) -> None:
-    """Every check that needs no process group, device or write: runs before any work starts."""
+def validate(args, app: App, data_files: bool = True) -> None:
+    """Every check that needs no process group, device or write: runs before any work starts.
+    data_files=False leaves out the corpus and tokenizer files (lingua.plan plans without them
+    and warns of them)."""
     config.check_positive(args, "", ["steps"])
+    config.check_dump_dir(args.dump_dir)
     for key in ("gc_every", "gc_full_every"):
         config.require(getattr(args, key) >= 0, f"{key}={getattr(args, key)} must be 0 (never) "
                        f"or a number of steps.")
     app.validate_model(args)
     check_attn_backend(args.model.attn_backend, device_type())
-    data.validate_data_args(args.data)
-    vocab = build_tokenizer(args.data.tokenizer).vocab_size
-    config.require(vocab <= args.model.vocab_size,
-                   f"The tokenizer ({args.data.tokenizer.kind}) has {vocab} tokens but "
-                   f"model.vocab_size={args.model.vocab_size}. Set model.vocab_size={vocab} or more.")
+    data.validate_data_args(args.data, files=data_files)
+    if data_files:
+        check_vocab(args)
     config.require(args.data.seq_len <= args.model.max_seq_len,
                    f"data.seq_len={args.data.seq_len} is longer than model.max_seq_len="
                    f"{args.model.max_seq_len}. Raise model.max_seq_len or shorten data.seq_len.")
@@ -131,6 +132,9 @@ def validate(args, app: App) -> None:
                    "rollback replays up to N steps), or use optim.spike=skip.")
     distributed.validate_args(args.distributed)
     d = args.distributed
+    if data_files:   # jsonl: a usable line for every data-parallel rank (reads a few lines)
+        data.check_jsonl_lines(args.data, distributed.parallel_dims(
+            d, distributed.world_size_from_env()).dp)
     pipeline.validate_pp(args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
                          d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings,
                          d.pp_split)
@@ -152,6 +156,15 @@ def validate(args, app: App) -> None:
     # Resuming is only exact with the same model and the same data stream.
     checkpoint.check_resume_compatible(args.dump_dir, config.to_dict(args),
                                        ("model", "seed", "data.format", "data.seq_len"))
+
+
+def check_vocab(args) -> None:
+    """The tokenizer file loads, and the model's vocabulary holds its tokens."""
+    vocab = build_tokenizer(args.data.tokenizer).vocab_size
+    config.require(vocab <= args.model.vocab_size,
+                   f"The tokenizer ({args.data.tokenizer.kind}) has {vocab} tokens but "
+                   f"model.vocab_size={args.model.vocab_size}. Set model.vocab_size={vocab} or "
+                   f"more.")
 
 
 def collect_garbage(step: int, young_every: int, full_every: int) -> Optional[int]:
@@ -525,8 +538,10 @@ class Run:
     def _load_newest(self) -> int:
         # Every rank checks the sizes of all files and the checksums of its share of them, and
         # the ranks agree, so all resume from the same intact checkpoint without one rank reading
-        # all of it (hundreds of GB) while the others wait under the collective timeout.
-        resume_from = checkpoint.newest_verified(self.dump_dir, self.env.rank, self.env.world_size)
+        # all of it (hundreds of GB) while the others wait under the collective timeout. Damaged
+        # ones are moved aside, so that checkpoint.keep never deletes an intact one for them.
+        resume_from = checkpoint.newest_verified(self.dump_dir, self.env.rank, self.env.world_size,
+                                                 set_aside=True)
         if resume_from is None:
             return 0
         state = checkpoint.load(resume_from, self.parts, self.optimizers.optimizers,
@@ -758,7 +773,8 @@ class Run:
         """What the loop keeps between steps: logger, timers, probe, profiler, signals."""
         args, env = self.args, self.env
         flops_per_token = self._flops_per_token()
-        # Measured now on this model's shapes (or the GPU's data sheet); rank 0 writes peak.json.
+        # Measured now, once for the run, on this model's shapes (or the GPU's data sheet):
+        # every row's MFU is divided by it. Rank 0 writes peak.json.
         peak = metrics.run_peak(env.device, args.distributed.model_dtype, self.parts,
                                 args.data.batch_size * args.data.seq_len, self.step,
                                 self.dump_dir if env.is_main else None)
@@ -880,7 +896,8 @@ class Run:
         for optimizer in self.optimizers.optimizers:
             optimizer.zero_grad(set_to_none=True)
         self._finish_save(block=True)   # the checkpoint being written is the newest one
-        target = checkpoint.newest_verified(self.dump_dir, env.rank, env.world_size)
+        target = checkpoint.newest_verified(self.dump_dir, env.rank, env.world_size,
+                                            set_aside=True)
         if target is None or int(target.name) >= spike.step:
             self.optimizers.skip()
             self.spikes.probe_next = True
@@ -935,11 +952,11 @@ class Run:
         """The metrics.jsonl row of this step (every rank joins its collectives)."""
         args, env = self.args, self.env
         tokens_per_s = loop.window.tokens_per_s()
-        loop.peak.measure_again(self.step)   # once, at the first row: see Peak.measure_again
         losses = self.step_loss.reduced(env, self.pipe is None or self.pipe.has_last)
         row = {"step": self.step, "loss": losses.pop("loss"), "lr": lr,
                "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
-               "mfu": metrics.mfu(loop.flops_per_token * tokens_per_s / env.world_size, loop.peak),
+               **metrics.mfu_fields(loop.flops_per_token * tokens_per_s / env.world_size,
+                                    loop.peak),
                "data_s": loop.window.data_s(), "step_s": loop.window.step_s(),
                **loop.window.phase_s(), "peak_mem_gib": metrics.peak_memory_gib(env.device),
                "nonfinite_steps": self.nonfinite_steps, **self._skipped_data(),

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import pytest
 
+from lingua.errors import ConfigError
 from tests.conftest import REPO, run_python, slurm_is_up, tiny_args
 
 MOE = ["model.n_experts=4", "model.top_k=2"]
@@ -36,7 +37,8 @@ def base(*extra):
 CASES = [
     Case("unknown_key", "apps.llama.train", base("optim.lrr=1"), {}, "optim.lrr"),
     Case("unknown_section", "apps.llama.train", base("optimizer.lr=1"), {}, "optimizer"),
-    Case("wrong_type", "apps.llama.train", base("steps=many"), {}, "steps"),
+    Case("wrong_type", "apps.llama.train", base("steps=many"), {},
+         "steps takes an integer, not 'many'"),
     Case("negative_lr", "apps.llama.train", base("optim.lr=-1e-3"), {}, "optim.lr=-0.001"),
     Case("steps_zero", "apps.llama.train", base("steps=0"), {}, "steps=0"),
     # with a dump_dir under tmp_path, so that "nothing written" checks something
@@ -165,3 +167,30 @@ def test_a_dump_dir_holding_another_model_is_refused_and_left_alone(corpus, tmp_
     proc = run_case("apps.llama.train", other, {})
     check_refused(proc, "holds a checkpoint")
     assert sorted((p.relative_to(dump), p.stat().st_mtime_ns) for p in dump.rglob("*")) == before
+
+
+@pytest.mark.parametrize("module,under", [("apps.llama.train", False),
+                                          ("apps.llama.train", True), ("lingua.stool", False)])
+def test_a_dump_dir_that_is_a_file_or_under_one_is_refused(corpus, tmp_path, module, under):
+    afile = tmp_path / "afile"
+    afile.write_text("not a run")
+    dump = afile / "sub" if under else afile
+    args = tiny_args(corpus, dump)
+    proc = run_case(module, ["apps.llama.train", *args] if module == "lingua.stool" else args, {})
+    check_refused(proc, f"dump_dir={dump} lies under {afile}, which is a file" if under
+                  else f"dump_dir={dump} is a file")
+    assert files_under(tmp_path) == ["afile"] and afile.read_text() == "not a run"
+
+
+@pytest.mark.parametrize("override,sentence", [
+    ("optim.lr=abc", "optim.lr takes a float, not 'abc': for example optim.lr=0.003."),
+    ("steps=ten", "steps takes an integer, not 'ten': for example steps=5."),
+])
+def test_a_value_of_the_wrong_type_is_one_sentence(corpus, tmp_path, override, sentence):
+    """The key, the value given and the type expected (the example is the value the override
+    would have replaced), without OmegaConf's internals (full_key, object_type, ...)."""
+    from apps.llama.train import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny_args(corpus, tmp_path / "run", override))
+    assert str(err.value) == sentence

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lingua.data import (SKIP_REASONS, BadLine, DataArgs, JsonlLoader, MemmapLoader, _decode_line,
-                         validate_data_args, write_memmap_corpus)
+                         check_jsonl_lines, validate_data_args, write_memmap_corpus)
 from lingua.errors import ConfigError
 from lingua.tokenizer import ByteTokenizer, TokenizerArgs
 from tests.conftest import REPO, load_prepare_data, read_metrics, run_python, tiny_args
@@ -140,6 +140,33 @@ def test_jsonl_source_with_no_good_line_is_a_config_error(tmp_path):
         for _ in range(20):
             loader.next_step()
     assert "lines skipped as bad" in str(err.value)
+
+
+def test_check_jsonl_lines_fits_its_advice_to_the_case(tmp_path):
+    """Every line bad: the file and the first bad line's problem, and no word of ranks, whatever
+    the number of ranks. Usable lines that miss a rank (rank r reads lines r, r+dp, ..., blank
+    lines keeping their place): that advice, which only more than one rank can need."""
+    root, chunk = tmp_path / "c", tmp_path / "c" / "0.jsonl"
+    write_lines(root / "val" / "v.jsonl", [good("held out")])
+    write_lines(chunk, [b"", b"not json", b'{"txt": 1}'])
+    for dp in (1, 4):
+        with pytest.raises(ConfigError) as err:
+            check_jsonl_lines(jargs(root, val_sequences=2), dp)
+        message = str(err.value)
+        assert f"line 2 of {chunk}: invalid JSON" in message, message
+        assert "'invalid_json': 1, 'no_text': 1" in message and "rank" not in message
+    write_lines(chunk, [b"not json", good("one"), b"", good("three"), good("four")])
+    check_jsonl_lines(jargs(root, val_sequences=2), 1)
+    check_jsonl_lines(jargs(root, val_sequences=2), 2)   # lines 1, 3 (and 4, 0-based) read
+    with pytest.raises(ConfigError) as err:
+        check_jsonl_lines(jargs(root, val_sequences=2), 4)
+    assert "has 3 usable line(s) for 4 data-parallel ranks" in str(err.value)
+    assert "rank 2 would get none" in str(err.value)
+    assert "fewer data-parallel ranks" in str(err.value)
+    write_lines(root / "val" / "v.jsonl", [b'{"text": ""}'])
+    check_jsonl_lines(jargs(root, val_sequences=0), 1)   # no validation: val/ is not read
+    with pytest.raises(ConfigError, match=r"validation data in .*'empty': 1.*val_sequences=0"):
+        check_jsonl_lines(jargs(root, val_sequences=2), 1)
 
 
 def test_jsonl_resume_from_a_state_without_file_start(bad_source):
@@ -418,3 +445,23 @@ def test_jsonl_run_is_bit_identical_twice(bad_jsonl_runs):
     assert [r["loss"] for r in one] == [r["loss"] for r in two]
     assert [r["grad_norm"] for r in one] == [r["grad_norm"] for r in two]
     assert [r["skipped_lines"] for r in one] == [r["skipped_lines"] for r in two]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_train_refuses_jsonl_without_lines_for_its_ranks_before_writing(tmp_path, world_size):
+    """Every line bad (one rank), or one usable line for two ranks: refused before the run
+    directory exists, with the advice that fits the case."""
+    from tests.test_bad_config import check_refused, run_case
+
+    root, dump = tmp_path / "corpus", tmp_path / "run"
+    write_lines(root / "val" / "v.jsonl", [good("held out " * 20)])
+    write_lines(root / "0.jsonl", [b"not json", b'{"txt": 1}']
+                + [good("the only document")] * (world_size > 1))
+    env = {"WORLD_SIZE": str(world_size)} if world_size > 1 else {}
+    proc = run_case("apps.llama.train", tiny_args(root, dump, "data.format=jsonl"), env)
+    if world_size == 1:
+        message = check_refused(proc, f"line 1 of {root / '0.jsonl'}: invalid JSON")
+        assert "rank" not in message, message
+    else:
+        check_refused(proc, "rank 1 would get none. Train on fewer data-parallel ranks")
+    assert not dump.exists()

@@ -86,7 +86,7 @@ def test_llama_8b_on_64_gpus(data, tmp_path):
     check_state(p, 32 * layer + 2 * 128256 * 4096 // 64 + 4096 // 64)
     assert p.n_params == 8_030_261_248
     assert p.args.distributed.ac == "op" and p.dims.dp_shard == 64
-    assert p.fits and p.busiest.total < 50 * GIB
+    assert p.fits and p.busiest.total < 50 * GIB and not p.warnings   # its data is all there
     # The same run without activation checkpointing is within about 6 GiB of the 72 GiB
     # usable (65.8 GiB): the preset's ac=op is what gives it room.
     without = run_plan("apps.llama.train", "llama_8b", data, tmp_path, 64, "distributed.ac=none")
@@ -379,13 +379,18 @@ def test_pipeline_micro_batches_in_flight():
 # The command line and stool's hook
 
 
-def test_cli_prints_the_table_and_exits_0_when_it_fits(data, tmp_path, capsys):
-    argv = ["apps.llama.train", "config=llama_8b", *data, f"dump_dir={tmp_path / 'run'}",
+def test_cli_prints_the_table_and_exits_0_when_it_fits(tmp_path, capsys):
+    # Asked before the data is downloaded: no data.root, no tokenizer file. It plans all the
+    # same, with the preset's model.vocab_size, and says what the job will need.
+    argv = ["apps.llama.train", "config=llama_8b", f"dump_dir={tmp_path / 'run'}",
             "slurm.nodes=8", "slurm.gpus_per_node=8"]
     assert planner.main(argv) == 0
     out = capsys.readouterr().out
     assert "64 ranks" in out and "\nfits: " in out and "activations (ac=op)" in out
     assert "tokens/s a GPU" in out and "days" in out
+    assert "\nwarning: data.root is not set" in out
+    assert "\nwarning: data.tokenizer.kind=tiktoken needs a file" in out
+    assert "model.vocab_size=128256" in out
     # stool's dry run gets the same text
     assert planner.report_text("apps.llama.train", argv[1:], 64).strip() == out.strip()
 
@@ -397,6 +402,29 @@ def test_cli_exit_codes_for_a_misfit_and_a_bad_config(data, tmp_path, capsys):
     assert "does not fit" in capsys.readouterr().out
     assert planner.main([*base, "--world-size", "64", "distributed.tp=3"]) == 2
     assert "distributed.tp=3" in capsys.readouterr().err
+
+
+def test_data_warnings_name_each_missing_piece(data, tmp_path):
+    # A corpus without val/ and a tokenizer path that is not there: one warning each.
+    (tmp_path / "0.jsonl").write_text('{"text": "a document"}\n')
+    args = planner.load_args("apps.llama.train", ["config=llama_8b", f"data.root={tmp_path}",
+                                                  f"data.tokenizer.path={tmp_path / 'nope'}"],
+                             8, "cuda")[1]
+    found = planner.data_warnings(args)
+    assert len(found) == 2 and "val" in found[0] and str(tmp_path / "nope") in found[1]
+    args = planner.load_args("apps.llama.train", ["config=llama_8b", *data], 8, "cuda")[1]
+    assert planner.data_warnings(args) == []
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_stool_still_refuses_a_job_without_its_data(tmp_path, dry_run):
+    from lingua import stool
+
+    dump = tmp_path / "run"
+    with pytest.raises(ConfigError, match="data.root is not set"):
+        stool.submit("apps.llama.train", ["config=llama_8b", f"dump_dir={dump}", "slurm.nodes=8",
+                                          "slurm.gpus_per_node=8", f"slurm.dry_run={dry_run}"])
+    assert not dump.exists()
 
 
 def test_world_size_comes_from_slurm_keys(data, tmp_path):
