@@ -31,10 +31,12 @@ import shlex
 import signal
 import subprocess
 import sys
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-import torch
-import torch.distributed as dist
+# torch is imported where used: stool's job listens for signals before it imports torch (seconds
+# of start-up, during which Slurm's time-limit warning may already arrive).
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,9 @@ NONE, STOP, REQUEUE = 0, 1, 2   # ordered: when ranks disagree the larger (reque
 
 # The exit code of a run the user interrupted (Ctrl-C), saved or not: a shell's 128 + SIGINT.
 EXIT_INTERRUPTED = 128 + signal.SIGINT
+# The exit code of a job a signal (time limit, preemption, scancel) stopped early, after saving:
+# not 0, because the work is not finished; Slurm requeues or cancels the job.
+EXIT_STOPPED = 3
 
 
 def is_rank0() -> bool:
@@ -108,10 +113,13 @@ class StopSignals:
         self._previous = {}
         self._stop_now_line = None
 
-    def agreed(self, world_size: int, device: torch.device) -> int:
+    def agreed(self, world_size: int, device: "torch.device") -> int:
         """What every rank should do now (NONE, STOP or REQUEUE): the strongest signal any got."""
         if world_size == 1:
             return self.received
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([float(self.received)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())

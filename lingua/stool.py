@@ -139,11 +139,14 @@ class TrainJob:
         self.overrides = list(overrides)
 
     def __call__(self) -> int:
-        from lingua import distributed, preemption
+        from lingua import preemption
 
-        # Before anything slow: from here on USR2/TERM mean "save at the next step, then stop";
-        # this replaces submitit's handler, which would checkpoint on rank 0 alone.
+        # Before anything slow (importing torch takes seconds): from here on USR2/TERM mean "save
+        # at the next step, then stop". Slurm sends USR2 up to 30 s earlier than asked, so it may
+        # come during start-up, where submitit's handler (replaced here) ends rank 0 with 1.
         preemption.SIGNALS.listen()
+        from lingua import distributed
+
         distributed.adopt_launcher_vars()
         app = importlib.import_module(self.module)
         print(f"stool job: {self.module} from {Path(app.__file__).resolve().parent}, rank "

@@ -103,11 +103,39 @@ accounting_lines() {
   fi
 }
 
+# Whole CPUs of this process's cgroup CPU quota (v2 cpu.max, else v1 cfs_quota_us); nothing when
+# there is no quota.
+cgroup_cpu_quota() {
+  local path quota="" period=""
+  path=$(awk -F: '$1 == "0" {print $3}' /proc/self/cgroup 2>/dev/null || true)
+  if [ -r "/sys/fs/cgroup$path/cpu.max" ]; then
+    read -r quota period <"/sys/fs/cgroup$path/cpu.max" || true
+  else
+    path=$(awk -F: '$2 ~ /(^|,)cpu(,|$)/ {print $3}' /proc/self/cgroup 2>/dev/null || true)
+    quota=$(cat "/sys/fs/cgroup/cpu$path/cpu.cfs_quota_us" 2>/dev/null || true)
+    period=$(cat "/sys/fs/cgroup/cpu$path/cpu.cfs_period_us" 2>/dev/null || true)
+  fi
+  case "$quota" in ''|*[!0-9]*) return 0 ;; esac   # "max", -1 or unreadable: no quota
+  case "$period" in ''|0|*[!0-9]*) return 0 ;; esac
+  echo $(( quota / period ))
+}
+
+# The CPUs this machine gives its jobs: the affinity mask (nproc, with the OpenMP variables
+# unset: nproc obeys OMP_NUM_THREADS, a per-program setting, not the machine's size), or fewer
+# where a cgroup quota allows less, so the node never claims CPUs its jobs cannot have.
+usable_cpus() {
+  local cpus quota
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+  quota=$(cgroup_cpu_quota)
+  if [ -n "$quota" ] && [ "$quota" -lt "$cpus" ]; then cpus=$quota; fi
+  echo $(( cpus > 0 ? cpus : 1 ))
+}
+
 write_config() {
   refuse_foreign "$CONF"
   refuse_foreign "$DBD_CONF"
   local cpus mem
-  cpus=$(nproc)
+  cpus=$(usable_cpus)
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
   mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d" "$LOGS"
   cat >"$CONF.tmp" <<EOF
@@ -270,7 +298,8 @@ cmd_start() {
   config_hash >"$APPLIED"
   local acct="sacct works (accounting in slurmdbd)"
   [ "$ACCOUNTING" = slurmdbd ] || acct="no accounting: finished jobs are in $LOGS/jobcomp.log (sacct --completion)"
-  echo "slurm_local: up. Partition '$PARTITION' on $NODE with $(nproc) CPUs; $acct; config $CONF, logs $LOGS."
+  echo "slurm_local: up. Partition '$PARTITION' on $NODE with $(usable_cpus) CPUs; $acct;" \
+    "config $CONF, logs $LOGS."
 }
 
 cmd_stop() {

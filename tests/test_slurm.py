@@ -62,11 +62,13 @@ def node_is_idle() -> bool:
 
 def release_if_requeued(job_id: str) -> None:
     """Slurm holds a requeued job for about two minutes (its BeginTime); a test need not wait,
-    but must let the previous run leave the node first: a job started on a node still completing
-    its previous run dies at once ("Killing non-startable batch job: Job credential revoked",
-    exit 1; seen once in a full run with a 2-task job)."""
+    but must let the previous run leave the node first, and start the next one in a later second
+    than the end of the previous: slurmd revoked the job's credentials then, with a time in whole
+    seconds, and refuses a launch credential that is not newer ("Killing non-startable batch job:
+    Job credential revoked", exit 1)."""
     if (job_field(job_id, "JobState") == "PENDING" and job_field(job_id, "Reason") == "BeginTime"
             and node_is_idle()):
+        time.sleep(1)   # the revocation came before the node was idle: now a second has passed
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
 
 
@@ -222,14 +224,16 @@ def test_requeued_job_resumes_with_the_same_losses(corpus, tmp_path):
 
 
 def test_time_limit_checkpoints_and_requeues(corpus, tmp_path):
-    # slurm.time=1 minute with USR2 50 s before it: each run gets the warning within a minute,
-    # saves and requeues; the second run finds its requeue budget (1) spent and stops, saved.
+    # slurm.time=1 minute with USR2 20 s before it: slurmctld looks at time limits every 30 s
+    # and sends USR2 up to 30 s early, so it comes 10 to 40 s into each run, after the tasks
+    # started, and the time limit ends a run 30 s after it or later. The first run saves and
+    # requeues; the second finds its requeue budget (1) spent and stops, saved.
     # Two ranks under srun --kill-on-bad-exit: rank 1 must not end the step (and rank 0 with it)
     # before rank 0 has requeued the job, and the job's exit code is still rank 0's 3.
     dump = tmp_path / "timelimit"
     proc = stool("apps.llama.train", *tiny_args(corpus, dump, "checkpoint.keep=0",
                                                 "distributed.dp_shard=2", steps=100000),
-                 "slurm.time=1", "slurm.signal_delay_s=50", "slurm.max_requeues=1",
+                 "slurm.time=1", "slurm.signal_delay_s=20", "slurm.max_requeues=1",
                  "slurm.cpus_per_task=1", "slurm.tasks_per_node=2")
     [job] = job_ids(proc.stdout)
     state = wait_for(job, timeout=400, logs=dump / "slurm")
@@ -346,9 +350,23 @@ def test_a_job_no_node_can_hold_is_refused_before_anything_is_written(corpus, tm
     assert check_resources(SlurmArgs(tasks_per_node=cpus, mem="100M"))  # what fits is fine
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may use: its affinity mask, or fewer under a cgroup CPU quota."""
+    cpus = len(os.sched_getaffinity(0))
+    v2, v1 = Path("/sys/fs/cgroup/cpu.max"), Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+    quota = (v2.read_text().split() if v2.is_file() else
+             [v1.read_text(), (v1.parent / "cpu.cfs_period_us").read_text()] if v1.is_file()
+             else [])
+    if len(quota) == 2 and quota[0].strip().isdigit():
+        cpus = min(cpus, max(1, int(quota[0]) // int(quota[1])))
+    return cpus
+
+
 def test_starting_the_local_slurm_again_changes_nothing():
     """`start` is idempotent: with the config unchanged the daemons keep running (their jobs
-    with them), and the config they run is the one written (accounting through slurmdbd)."""
+    with them), and the config they run is the one written (accounting through slurmdbd). The
+    node has the machine's CPUs, also when started from a shell with OMP_NUM_THREADS=1 (which
+    `nproc` follows)."""
     as_root = [] if os.geteuid() == 0 else ["sudo", "-n"]
     if as_root and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode != 0:
         pytest.skip("neither root nor passwordless sudo: cannot run setup/slurm_local.sh start")
@@ -356,9 +374,17 @@ def test_starting_the_local_slurm_again_changes_nothing():
     if not (state / "slurmctld.pid").is_file():
         pytest.skip("this Slurm was not started by setup/slurm_local.sh")
     before = {name: (state / f"{name}.pid").read_text() for name in ("slurmctld", "slurmd")}
-    proc = subprocess.run([*as_root, "bash", "setup/slurm_local.sh", "start"], cwd=REPO,
+    start = ["bash", "setup/slurm_local.sh", "start"]
+    proc = subprocess.run([*as_root, "env", "OMP_NUM_THREADS=1", *start], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        conf = Path("/etc/slurm/slurm.conf").read_text()
+        assert f" CPUs={usable_cpus()} " in conf and node_cpus() == usable_cpus(), conf
+    finally:   # a node sized wrong would fail the other tests: give it back its size
+        if node_cpus() != usable_cpus():
+            subprocess.run([*as_root, "env", "-u", "OMP_NUM_THREADS", *start], cwd=REPO,
+                           capture_output=True, timeout=300)
     assert {name: (state / f"{name}.pid").read_text() for name in before} == before
     config = subprocess.run(["scontrol", "show", "config"], capture_output=True,
                             text=True).stdout
