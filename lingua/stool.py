@@ -48,8 +48,8 @@ logger = logging.getLogger("stool")
 class SlurmArgs:
     """The `slurm.*` group: read by stool when submitting (max_requeues also by the job)."""
     nodes: int = 1
-    # Processes per node, each driving one GPU. 0: one per GPU on GPU jobs, 1 on CPU jobs (a
-    # default of 1 left 7 of 8 GPUs idle without a word). stool fills it in before validating.
+    # Processes per node, each driving one GPU. 0: one per GPU on GPU jobs, 1 on CPU jobs (so a
+    # GPU job never leaves GPUs idle by default). stool fills it in before validating.
     tasks_per_node: int = 0
     gpus_per_node: int = 0
     # 0: GPU_JOB_CPUS per task on GPU jobs (the cluster default is often 1 CPU a task, which
@@ -162,15 +162,13 @@ class TrainJob:
         except RunError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             code = 1
-        from lingua.trainer import EXIT_STOPPED
-
-        if code == EXIT_STOPPED and os.environ.get("RANK", "0") != "0":
+        if code == preemption.EXIT_STOPPED and os.environ.get("RANK", "0") != "0":
             # Stopped on a signal with everything saved. The tasks run under srun
             # --kill-on-bad-exit=1, where any non-zero exit ends the whole step at once: this
             # rank's 3 could kill rank 0 before it has requeued the job. Rank 0 reports the stop
             # (srun's exit code is the highest of its tasks': 3).
             code = 0
-        elif code == EXIT_STOPPED and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        elif code == preemption.EXIT_STOPPED and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # And rank 0 leaves last: had it exited 3 while a peer was still tearing down, srun
             # would kill that peer ("forcing job termination") and report 1, not 3, as the job's
             # exit code. The ranks left the trainer together (a barrier); give them a moment.
@@ -396,8 +394,8 @@ def check_dump_dir(sub: Submission) -> None:
         raise ConfigError(f"{existing} cannot be read ({err}). Use another dump_dir, or pass "
                           f"slurm.reuse_dump_dir=true to replace it.") from None
     old, new = _flat(old), _flat(config.to_dict(sub.args))
-    differ = sorted(k for k in set(old) | set(new)
-                    if not k.startswith("slurm.") and old.get(k, "<absent>") != new.get(k, "<absent>"))
+    differ = sorted(k for k in set(old) | set(new) if not k.startswith("slurm.")
+                    and old.get(k, "<absent>") != new.get(k, "<absent>"))
     if differ:
         shown = ", ".join(f"{k} ({old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r})"
                           for k in differ[:8])
@@ -616,7 +614,8 @@ def snapshot_code(dest: Path) -> int:
         files = [f for f in listed.stdout.decode().split("\0") if f]
     else:  # not a git checkout (an unpacked release): the package, apps and configs
         files = [str(p.relative_to(REPO_ROOT)) for top in ("lingua", "apps", "configs", "setup")
-                 for p in (REPO_ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+                 for p in (REPO_ROOT / top).rglob("*")
+                 if p.is_file() and "__pycache__" not in p.parts]
     tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
     count = 0
     for rel in files:
@@ -741,7 +740,8 @@ def dry_run_plan(module: str, sub, sweep: bool) -> str:
 
 
 def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
-    """Validate, snapshot, write config.yaml and submit; returns the submitit jobs ([] on dry run)."""
+    """Validate, snapshot, write config.yaml and submit; returns the submitit jobs ([] on a dry
+    run)."""
     from lingua import config
 
     app = import_app(module)
@@ -753,9 +753,10 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
     code_dir, folder = root / "code", root / "slurm"
     job_name = slurm.job_name or root.name or "lingua"
     if not slurm.dry_run and shutil.which("sbatch") is None:
-        raise ConfigError("sbatch is not on PATH: stool submits to Slurm. Run on a cluster's login "
-                          "node, start a local one with `bash setup/slurm_local.sh start`, or train "
-                          "without Slurm: `torchrun --nproc-per-node N -m " + module + " ...`.")
+        raise ConfigError("sbatch is not on PATH: stool submits to Slurm. Run on a cluster's "
+                          "login node, start a local one with `bash setup/slurm_local.sh start`, "
+                          "or train without Slurm: `torchrun --nproc-per-node N -m " + module
+                          + " ...`.")
     executor = make_executor(slurm, folder, code_dir, job_name)
     # Against the cluster's nodes, on a dry run too where sinfo answers.
     checked = check_resources(slurm, submissions[0].filled if slurm.gpus_per_node else [])

@@ -17,7 +17,6 @@ import pytest
 from tests.conftest import REPO, read_metrics, run_torchrun, slurm_is_up, tiny_args
 from tests.equivalence import assert_equivalent, resumed_line
 
-
 NO_SLURM = slurm_is_up()
 # setup/test.sh sets LINGUA_REQUIRE_SLURM after starting Slurm: there a missing Slurm fails the
 # tests (below) instead of skipping them.
@@ -56,7 +55,8 @@ def job_field(job_id: str, name: str) -> str:
 
 
 def node_is_idle() -> bool:
-    states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout.split()
+    states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True,
+                            text=True).stdout.split()
     return bool(states) and all(state.startswith("idle") for state in states)
 
 
@@ -88,7 +88,8 @@ def wait_for(job_id: str, timeout: float = 300, logs: Path = None) -> str:
 def dump_logs(folder) -> str:
     if folder is None or not Path(folder).is_dir():
         return ""
-    return "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in sorted(Path(folder).glob("*_log.*")))
+    logs = sorted(Path(folder).glob("*_log.*"))
+    return "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in logs)
 
 
 def accounting_on() -> bool:
