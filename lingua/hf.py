@@ -1,7 +1,7 @@
 """Hugging Face interop machinery shared by the apps: reading safetensors files and config fields
 (RoPE, SwiGLU width), and the checks that nothing is dropped. What names map to what is each
-app's own: its hf.py (apps/llama/hf.py for LlamaForCausalLM, apps/moe/hf.py for Mixtral and
-GLM-4.5 MoE) holds its key map and config.
+app's own: its hf.py (apps/llama/hf.py for LlamaForCausalLM, apps/moe/hf.py for Mixtral,
+Qwen2-MoE and GLM-4.5 MoE) holds its key map and config.
 
 Nothing is dropped silently in either direction. The app's key map is the source of truth: on
 export every tensor of the model's state dict must be mapped or be on the app's NOT_EXPORTED list
@@ -29,15 +29,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def rope_args(cfg: dict, config_path: Path) -> dict:
-    # transformers < 5 writes rope_theta + rope_scaling; 5.x writes rope_parameters (with the theta inside).
+    # transformers < 5 writes rope_theta + rope_scaling; 5.x writes rope_parameters (with the
+    # theta inside).
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return {"rope_theta": float(theta), "rope_scaling": False}
     if kind != "llama3":
-        raise ConfigError(f"{config_path}: rope type {kind!r} is not supported; this model implements "
-                          "plain RoPE and Llama 3.1 ('llama3') scaling only.")
+        raise ConfigError(f"{config_path}: rope type {kind!r} is not supported; this model "
+                          "implements plain RoPE and Llama 3.1 ('llama3') scaling only.")
     return {
         "rope_theta": float(theta), "rope_scaling": True,
         "rope_scale_factor": float(params["factor"]),
@@ -55,9 +56,13 @@ def ffn_recipe(dim: int, hidden: int, hint: Optional[dict] = None) -> Tuple[int,
     the model was trained with; otherwise multiple_of = hidden rounds any smaller width up to
     exactly `hidden`.
     """
-    recorded = [(hint.get("multiple_of"), hint.get("ffn_dim_multiplier"))] if isinstance(hint, dict) else []
-    for multiple_of, mult in recorded + [(256, None), (1024, None), (1024, 1.3), (256, 1.5), (256, 1.3), (4096, 1.3)]:
-        if isinstance(multiple_of, int) and multiple_of > 0 and ffn_hidden_dim(dim, multiple_of, mult) == hidden:
+    recorded = []
+    if isinstance(hint, dict):
+        recorded = [(hint.get("multiple_of"), hint.get("ffn_dim_multiplier"))]
+    known = [(256, None), (1024, None), (1024, 1.3), (256, 1.5), (256, 1.3), (4096, 1.3)]
+    for multiple_of, mult in recorded + known:
+        valid = isinstance(multiple_of, int) and multiple_of > 0
+        if valid and ffn_hidden_dim(dim, multiple_of, mult) == hidden:
             return multiple_of, mult
     base = int(2 * 4 * dim / 3)
     return hidden, (None if hidden >= base else hidden / base)
@@ -75,7 +80,9 @@ def _weight_files(path: Path) -> List[Path]:
                           "model.safetensors.index.json). Only safetensors files are read.")
     for f in files:
         if not f.is_file():
-            raise ConfigError(f"{f} is listed in {index} but missing; copy the complete model directory.")
+            raise ConfigError(
+                f"{f} is listed in {index} but missing; copy the complete model directory."
+            )
     return files
 
 
@@ -135,11 +142,11 @@ def check_export(state_keys: Iterable[str], exported: Iterable[str], not_exporte
     unmapped = [k for k in state_keys if k not in exported and not _allowed(k, not_exported)]
     if unmapped:
         raise ConfigError(
-            f"save_hf: {len(unmapped)} tensor(s) of the model have no Hugging Face name, so the export would "
-            f"silently lack them: {_listed(unmapped)}. Map each one to its Hugging Face name in {where} "
-            "(load_hf reads the same map back), or, for a buffer that is derived or runtime state with no Hugging "
-            "Face equivalent, add a pattern for it with the reason to NOT_EXPORTED in that file. "
-            f"Nothing was written to {out_dir}.")
+            f"save_hf: {len(unmapped)} tensor(s) of the model have no Hugging Face name, so the "
+            f"export would silently lack them: {_listed(unmapped)}. Map each one to its Hugging "
+            f"Face name in {where} (load_hf reads the same map back), or, for a buffer that is "
+            "derived or runtime state with no Hugging Face equivalent, add a pattern for it with "
+            f"the reason to NOT_EXPORTED in that file. Nothing was written to {out_dir}.")
 
 
 def check_filled(state_keys: Iterable[str], filled: Iterable[str], where: str, path) -> None:
@@ -148,9 +155,10 @@ def check_filled(state_keys: Iterable[str], filled: Iterable[str], where: str, p
     empty = [k for k in state_keys if k not in filled]
     if empty:
         raise ConfigError(
-            f"load_hf: {len(empty)} tensor(s) of the model get no value from {path}: {_listed(empty)}. Map each "
-            f"one to its Hugging Face name in {where}, or, if a Hugging Face model of this architecture has no "
-            "such weight, this directory cannot initialise the model.")
+            f"load_hf: {len(empty)} tensor(s) of the model get no value from {path}: "
+            f"{_listed(empty)}. Map each one to its Hugging Face name in {where}, or, if a Hugging "
+            "Face model of this architecture has no such weight, this directory cannot initialise "
+            "the model.")
 
 
 def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: Dict[str, str],
@@ -162,11 +170,12 @@ def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: 
     if dropped:
         files = sorted({names[k].name for k in dropped})
         raise ConfigError(
-            f"{path}: {len(dropped)} tensor(s) in {', '.join(files)} have no place in the model, so loading would "
-            f"silently drop them: {_listed(dropped)}. Either config.json describes fewer layers or experts than "
-            "the files hold, or the checkpoint has weights this architecture lacks (biases, extra norms?): use an "
-            f"app whose model has them, or add them to the model and map them in {where}; a tensor that is derived "
-            "and recomputed on load can go on NOT_IMPORTED in that file with the reason.")
+            f"{path}: {len(dropped)} tensor(s) in {', '.join(files)} have no place in the model, "
+            f"so loading would silently drop them: {_listed(dropped)}. Either config.json "
+            "describes fewer layers or experts than the files hold, or the checkpoint has weights "
+            "this architecture lacks (biases, extra norms?): use an app whose model has them, or "
+            f"add them to the model and map them in {where}; a tensor that is derived and "
+            "recomputed on load can go on NOT_IMPORTED in that file with the reason.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,14 +190,14 @@ def warn_unexportable(problems: List[str], command: str) -> None:
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before any process group
     if problems and int(rank) == 0:
         logging.getLogger(__name__).warning(
-            "warning: %s export will refuse this run's checkpoints: %s. Training goes on; change those "
-            "options now if you need a Hugging Face model.", command, "; ".join(problems))
+            "warning: %s export will refuse this run's checkpoints: %s. Training goes on; change "
+            "those options now if you need a Hugging Face model.", command, "; ".join(problems))
 
 
 def refuse_unexportable(problems: List[str], command: str, ckpt_dir) -> None:
     if problems:
-        raise ConfigError(f"{command} export: {ckpt_dir} cannot be written as a Hugging Face model: "
-                          f"{'; '.join(problems)}.")
+        raise ConfigError(f"{command} export: {ckpt_dir} cannot be written as a Hugging Face "
+                          f"model: {'; '.join(problems)}.")
 
 
 def export_cli(argv, prog: str, description: str, export) -> None:
@@ -266,11 +275,11 @@ def _bytes_to_unicode() -> Dict[int, str]:
 
 
 def write_tokenizer(run_config, out_dir) -> Optional[str]:
-    """Tokenizer files (of a run config's data.tokenizer) beside an export, so `AutoTokenizer.from_pretrained(out_dir)` (and
-    lm-eval's HFLM on the directory) encodes as training did: the byte tokenizer as an
-    equivalent tokenizer.json, an HF tokenizer.json as it is. Returns what was written, or None
-    with a warning for kinds transformers cannot read as they are (tiktoken, sentencepiece:
-    give the HF tools the tokenizer you trained with)."""
+    """Tokenizer files (of a run config's data.tokenizer) beside an export, so
+    `AutoTokenizer.from_pretrained(out_dir)` (and lm-eval's HFLM on the directory) encodes as
+    training did: the byte tokenizer as an equivalent tokenizer.json, an HF tokenizer.json as it
+    is. Returns what was written, or None with a warning for kinds transformers cannot read as
+    they are (tiktoken, sentencepiece: give the HF tools the tokenizer you trained with)."""
     import shutil
 
     from omegaconf import OmegaConf
@@ -278,7 +287,9 @@ def write_tokenizer(run_config, out_dir) -> Optional[str]:
     from lingua.tokenizer import TokenizerArgs
 
     section = OmegaConf.select(run_config, "data.tokenizer") or {}
-    tokenizer_args = TokenizerArgs(**OmegaConf.to_container(OmegaConf.create(section), resolve=True))
+    tokenizer_args = TokenizerArgs(
+        **OmegaConf.to_container(OmegaConf.create(section), resolve=True)
+    )
     out = Path(out_dir)
     kind = tokenizer_args.kind
     if kind == "bytes":

@@ -7,29 +7,33 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-
-from lingua import checkpoint
 import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from apps.llama.hf import args_from_hf_config, load_hf, save_hf
 from apps.llama.model import LlamaArgs, Transformer
+from lingua import checkpoint
 from lingua.errors import ConfigError
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
-CASES = {"plain": {}, "llama3_rope": {"rope_scaling": LLAMA3_ROPE}, "tied": {"tie_word_embeddings": True}}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+CASES = {
+    "plain": {},
+    "llama3_rope": {"rope_scaling": LLAMA3_ROPE},
+    "tied": {"tie_word_embeddings": True},
+}
 
 
 def hf_model(seed=0, **extra):
-    extra = copy.deepcopy(extra)  # LlamaConfig writes rope_theta into the rope_scaling dict it is given
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=300, rope_theta=500000.0, max_position_embeddings=64,
-                      rms_norm_eps=1e-5, attn_implementation="sdpa", **extra)
+    # LlamaConfig writes rope_theta into the rope_scaling dict it is given
+    extra = copy.deepcopy(extra)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                      rope_theta=500000.0, max_position_embeddings=64, rms_norm_eps=1e-5,
+                      attn_implementation="sdpa", **extra)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # large random weights: sharp attention makes layout mistakes visible
@@ -48,7 +52,8 @@ def test_hf_to_ours_and_back(case, tmp_path):
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     ours, args = load_hf(tmp_path / "hf")
     assert args.rope_scaling == (case == "llama3_rope") and args.tie_embeddings == (case == "tied")
-    assert (args.dim, args.n_heads, args.n_kv_heads, args.n_layers, args.rope_theta) == (64, 4, 2, 2, 500000.0)
+    shape = (args.dim, args.n_heads, args.n_kv_heads, args.n_layers, args.rope_theta)
+    assert shape == (64, 4, 2, 2, 500000.0)
     x = x_tokens()
     with torch.no_grad():
         ref = hf(x).logits
@@ -96,7 +101,8 @@ def test_sharded_checkpoint_and_dtype(tmp_path):
     assert ours.rope_cos.dtype == torch.float32  # positions stay exact in bf16 models
     fp32, _ = load_hf(tmp_path)
     assert fp32.tok_embeddings.weight.dtype == torch.float32
-    torch.testing.assert_close(fp32.tok_embeddings.weight, hf.model.embed_tokens.weight.float(), atol=0, rtol=0)
+    torch.testing.assert_close(fp32.tok_embeddings.weight, hf.model.embed_tokens.weight.float(),
+                               atol=0, rtol=0)
     ref = hf_model()  # fresh: hf.float() would keep its RoPE inv_freq rounded to bf16
     x = x_tokens()
     with torch.no_grad():
@@ -113,7 +119,8 @@ def test_load_errors_name_the_file(tmp_path):
     cfg = json.loads(cfg_path.read_text())
 
     cfg_path.write_text(json.dumps({**cfg, "vocab_size": 301}))
-    with pytest.raises(ConfigError, match=r"model.safetensors: model.embed_tokens.weight has shape \(300, 64\)"):
+    with pytest.raises(ConfigError,
+                       match=r"model.safetensors: model.embed_tokens.weight has shape \(300, 64\)"):
         load_hf(tmp_path)
     cfg_path.write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
     with pytest.raises(ConfigError, match="'yarn' is not supported"):
@@ -128,7 +135,9 @@ def test_load_errors_name_the_file(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="No weights in"):
         load_hf(tmp_path)
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "part-1.safetensors"}})
+    )
     with pytest.raises(ConfigError, match="part-1.safetensors is listed"):
         load_hf(tmp_path)
 
@@ -140,9 +149,10 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     model = Transformer(args)
     ckpt = tmp_path / "checkpoints" / "10"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt))
-    OmegaConf.save(OmegaConf.create({"model": asdict(args), "data": {"tokenizer": {"kind": "bytes"}}}),
-                   ckpt / "config.yaml")
-    checkpoint.write_manifest(ckpt)  # what save() adds: export/generate refuse a checkpoint without one
+    run_config = {"model": asdict(args), "data": {"tokenizer": {"kind": "bytes"}}}
+    OmegaConf.save(OmegaConf.create(run_config), ckpt / "config.yaml")
+    # what save() adds: export/generate refuse a checkpoint without one
+    checkpoint.write_manifest(ckpt)
     out = tmp_path / "hf"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "apps.llama.hf", "export", str(ckpt), str(out)],
@@ -154,13 +164,19 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=0)
 
-    # The HF directory is not a checkpoint (run directories and missing steps: tests/test_generate.py).
-    bad = subprocess.run([sys.executable, "-m", "apps.llama.hf", "export", str(out), str(tmp_path / "x")],
-                         capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert bad.returncode == 2 and "is neither a run directory" in bad.stderr and "Traceback" not in bad.stderr
+    # The HF directory is not a checkpoint (run directories and missing steps:
+    # tests/test_generate.py).
+    bad = subprocess.run(
+        [sys.executable, "-m", "apps.llama.hf", "export", str(out), str(tmp_path / "x")],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )
+    assert bad.returncode == 2 and "is neither a run directory" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
-def test_fork_export_problems_warn_at_start_and_refuse(corpus, tmp_path, monkeypatch, caplog, capsys):
+def test_fork_export_problems_warn_at_start_and_refuse(
+    corpus, tmp_path, monkeypatch, caplog, capsys
+):
     """Every LlamaArgs option exports; a fork's export_problems (apps/<fork>/hf.py) is said at the
     start of training (one warning line) and refused by the export with the same reason."""
     import logging
@@ -171,7 +187,9 @@ def test_fork_export_problems_warn_at_start_and_refuse(corpus, tmp_path, monkeyp
 
     with caplog.at_level(logging.WARNING):
         args = train.load_config(tiny_args(corpus, tmp_path / "run"))
-    said = lambda: [r.getMessage() for r in caplog.records if r.name == "lingua.hf"]  # noqa: E731
+    def said():
+        return [r.getMessage() for r in caplog.records if r.name == "lingua.hf"]
+
     assert llama_hf.export_problems(args.model) == [] and not said()
     reason = "model.qk_norm=true (LlamaForCausalLM has no QK-norm): train without it"
     for module in (llama_hf, train):
@@ -186,7 +204,8 @@ def test_fork_export_problems_warn_at_start_and_refuse(corpus, tmp_path, monkeyp
     with pytest.raises(SystemExit) as e:
         llama_hf.main(["export", str(ckpt), str(tmp_path / "hf")])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and reason in err and err.count("\n") == 1 and not (tmp_path / "hf").exists()
+    assert e.value.code == 2 and reason in err and err.count("\n") == 1
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize("dim, hidden, multiple_of, mult", [
@@ -196,8 +215,9 @@ def test_fork_export_problems_warn_at_start_and_refuse(corpus, tmp_path, monkeyp
     (64, 100, 100, 100 / 170),  # anything else still reproduces the width exactly
 ])
 def test_ffn_recipe_recovered_from_hf_config(tmp_path, dim, hidden, multiple_of, mult):
-    cfg = {"hidden_size": dim, "intermediate_size": hidden, "num_hidden_layers": 1, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
+    cfg = {"hidden_size": dim, "intermediate_size": hidden, "num_hidden_layers": 1,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+           "rope_theta": 500000.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     args = args_from_hf_config(tmp_path / "config.json")
     assert (args.multiple_of, args.ffn_dim_multiplier) == (multiple_of, mult)
@@ -206,7 +226,8 @@ def test_ffn_recipe_recovered_from_hf_config(tmp_path, dim, hidden, multiple_of,
 # ---------------------------------------------------------------------------------------------
 # Nothing dropped silently: a fork's new weight (QK-norm) or an HF file's extra tensor is refused.
 
-SMALL = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=32)
+SMALL = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
+                  max_seq_len=32)
 
 
 class QKNormTransformer(Transformer):
@@ -228,17 +249,20 @@ def test_export_refuses_unmapped_weights(tmp_path):
     msg = str(e.value)
     assert "12 tensor(s)" in msg and "\n" not in msg
     # every name up to ten, in layer order, then a count; the file to edit
-    assert ("layers.0.attention.k_norm.weight, layers.0.attention.q_norm.weight, layers.1.attention.k_norm.weight"
-            in msg and "layers.4.attention.q_norm.weight and 2 more" in msg)
+    assert ("layers.0.attention.k_norm.weight, layers.0.attention.q_norm.weight, "
+            "layers.1.attention.k_norm.weight" in msg
+            and "layers.4.attention.q_norm.weight and 2 more" in msg)
     assert "key_map in apps/llama/hf.py" in msg and "NOT_EXPORTED" in msg
     assert not out.exists()
 
-    # A parameter registered on one block of a built model: named, and an existing out_dir left as it was.
+    # A parameter registered on one block of a built model: named, and an existing out_dir left
+    # as it was.
     model = Transformer(SMALL)
     model.layers["1"].feed_forward.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(ConfigError, match=r"1 tensor\(s\) .*: layers\.1\.feed_forward\.scale\. Map"):
+    with pytest.raises(ConfigError,
+                       match=r"1 tensor\(s\) .*: layers\.1\.feed_forward\.scale\. Map"):
         save_hf(model, SMALL, out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
@@ -255,7 +279,8 @@ def test_export_cli_refuses_unmapped_weights(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         llama_hf.main(["export", str(ckpt), str(out)])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("error: save_hf: 4 tensor(s)") and err.count("\n") == 1
+    assert e.value.code == 2 and err.startswith("error: save_hf: 4 tensor(s)")
+    assert err.count("\n") == 1
     assert "layers.1.attention.q_norm.weight" in err and "apps/llama/hf.py" in err
     assert not out.exists()
 
@@ -274,10 +299,11 @@ def test_import_refuses_tensors_it_would_drop(tmp_path, monkeypatch):
         load_hf(tmp_path)
     msg = str(e.value)
     assert "\n" not in msg and "2 tensor(s) in model.safetensors" in msg
-    assert "drop them: model.layers.0.self_attn.q_proj.bias, model.layers.1.self_attn.q_norm.weight." in msg
+    assert ("drop them: model.layers.0.self_attn.q_proj.bias, "
+            "model.layers.1.self_attn.q_norm.weight." in msg)
     assert "key_map in apps/llama/hf.py" in msg and "NOT_IMPORTED" in msg
 
-    # What NOT_IMPORTED lists (RoPE inverse frequencies, recomputed) loads as before.
+    # What NOT_IMPORTED lists (RoPE inverse frequencies, recomputed) loads without complaint.
     hf = hf_model(tie_word_embeddings=True)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     _add_tensors(weights, {"model.rotary_emb.inv_freq": torch.ones(8),
@@ -290,6 +316,7 @@ def test_import_refuses_tensors_it_would_drop(tmp_path, monkeypatch):
 
     # A fork's model with weights the map does not fill: named, with the file to edit.
     monkeypatch.setattr("apps.llama.hf.Transformer", QKNormTransformer)
-    with pytest.raises(ConfigError, match=r"load_hf: 4 tensor\(s\) .*: layers\.0\.attention\.k_norm\.weight, .* "
-                                          r"key_map in apps/llama/hf\.py"):
+    with pytest.raises(ConfigError,
+                       match=r"load_hf: 4 tensor\(s\) .*: layers\.0\.attention\.k_norm\.weight, "
+                             r".* key_map in apps/llama/hf\.py"):
         load_hf(tmp_path)

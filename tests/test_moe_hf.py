@@ -10,20 +10,23 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-
-from lingua import checkpoint
 import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from torch.distributed import checkpoint as dcp
+from transformers import (
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+)
 
 from apps.moe.hf import args_from_hf_config, load_hf, save_hf
 from apps.moe.model import MoEArgs, Transformer
+from lingua import checkpoint
 from lingua.errors import ConfigError
-
-from transformers import (  # noqa: E402
-    Glm4MoeConfig, Glm4MoeForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -56,9 +59,10 @@ def mixtral(seed=0, **extra):
 
 
 def glm(seed=0, **extra):
-    fields = dict(intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, n_routed_experts=4,
-                  routed_scaling_factor=2.5, n_group=1, topk_group=1, partial_rotary_factor=1.0,
-                  attention_bias=False, use_qk_norm=False, rope_theta=50000.0, num_nextn_predict_layers=0)
+    fields = dict(intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                  n_routed_experts=4, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+                  partial_rotary_factor=1.0, attention_bias=False, use_qk_norm=False,
+                  rope_theta=50000.0, num_nextn_predict_layers=0)
     cfg = Glm4MoeConfig(**{**SHAPE, **fields, **extra}, attn_implementation="sdpa")
     return _randomize(Glm4MoeForCausalLM(cfg), seed)
 
@@ -66,9 +70,9 @@ def glm(seed=0, **extra):
 def qwen(seed=0, gate=0.0, **extra):
     """Qwen2-MoE as apps.moe exports it: no q/k/v biases, and a zero shared-expert gate (`gate`
     other than 0: a learned one, which our ungated shared experts cannot express)."""
-    fields = dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-                  num_hidden_layers=3, num_experts=4, mlp_only_layers=[0], norm_topk_prob=False,
-                  qkv_bias=False, rope_theta=50000.0)
+    fields = dict(intermediate_size=96, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=64, num_hidden_layers=3, num_experts=4,
+                  mlp_only_layers=[0], norm_topk_prob=False, qkv_bias=False, rope_theta=50000.0)
     model = _randomize(Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**SHAPE, **fields, **extra},
                                                           attn_implementation="sdpa")), seed)
     with torch.no_grad():
@@ -100,7 +104,8 @@ def _round_trip(hf, cls, tmp_path):
 
 def test_mixtral_to_ours_and_back(tmp_path):
     ours, args, cfg = _round_trip(mixtral(), MixtralForCausalLM, tmp_path)
-    assert (args.dim, args.n_heads, args.n_kv_heads, args.n_layers, args.rope_theta) == (64, 4, 2, 2, 1e6)
+    shape = (args.dim, args.n_heads, args.n_kv_heads, args.n_layers, args.rope_theta)
+    assert shape == (64, 4, 2, 2, 1e6)
     assert (args.n_experts, args.top_k, args.score_func, args.norm_topk) == (4, 2, "softmax", True)
     assert (args.n_shared_experts, args.n_dense_layers, args.route_scale) == (0, 0, 1.0)
     assert ours.layers["0"].moe.experts.w1.shape == (4, 64, 96)
@@ -108,7 +113,8 @@ def test_mixtral_to_ours_and_back(tmp_path):
     assert cfg["num_local_experts"] == 4 and cfg["sliding_window"] is None
 
 
-@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # HF's zero-width shared MLP
+# HF's zero-width shared MLP
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 @pytest.mark.parametrize("case", sorted(GLM_CASES))
 def test_glm4_moe_to_ours_and_back(case, tmp_path):
     ours, args, cfg = _round_trip(glm(**GLM_CASES[case]), Glm4MoeForCausalLM, tmp_path)
@@ -116,9 +122,11 @@ def test_glm4_moe_to_ours_and_back(case, tmp_path):
     assert (args.score_func, args.route_scale, args.norm_topk) == ("sigmoid", 2.5, deepseek)
     assert (args.n_shared_experts, args.n_dense_layers) == (int(deepseek), int(deepseek))
     assert args.expert_hidden_dim == 32 and args.n_experts == 4
-    assert hasattr(ours.layers["0"], "feed_forward") == deepseek and hasattr(ours.layers["2"], "moe")
+    assert hasattr(ours.layers["0"], "feed_forward") == deepseek
+    assert hasattr(ours.layers["2"], "moe")
     assert cfg["architectures"] == ["Glm4MoeForCausalLM"] and cfg["partial_rotary_factor"] == 1.0
-    assert (cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["routed_scaling_factor"]) == (96, 32, 2.5)
+    widths = (cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["routed_scaling_factor"])
+    assert widths == (96, 32, 2.5)
 
 
 def test_qwen2_moe_to_ours_and_back(tmp_path):
@@ -126,7 +134,8 @@ def test_qwen2_moe_to_ours_and_back(tmp_path):
     ours, args, cfg = _round_trip(qwen(), Qwen2MoeForCausalLM, tmp_path)
     assert (args.score_func, args.norm_topk, args.route_scale) == ("softmax", False, 1.0)
     assert (args.n_experts, args.top_k, args.n_shared_experts, args.n_dense_layers) == (4, 2, 2, 1)
-    assert args.expert_hidden_dim == 32 and ours.layers["1"].moe.shared_experts.w2.weight.shape == (64, 64)
+    assert args.expert_hidden_dim == 32
+    assert ours.layers["1"].moe.shared_experts.w2.weight.shape == (64, 64)
     assert cfg["architectures"] == ["Qwen2MoeForCausalLM"] and cfg["qkv_bias"] is False
     assert cfg["mlp_only_layers"] == [0] and cfg["shared_expert_intermediate_size"] == 64
     with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as f:
@@ -145,7 +154,8 @@ def test_qwen2_moe_refuses_what_ours_cannot_compute(tmp_path):
     for change, message in [({"qkv_bias": True}, "qkv_bias=true"),
                             ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
                             ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
-                            ({"shared_expert_intermediate_size": 48}, "not a multiple of moe_intermediate_size")]:
+                            ({"shared_expert_intermediate_size": 48},
+                             "not a multiple of moe_intermediate_size")]:
         cfg_path.write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ConfigError, match=message):
             load_hf(tmp_path)
@@ -192,20 +202,25 @@ def test_fused_and_sharded_layouts(make, tmp_path):
 
 
 def test_export_refuses_what_hf_cannot_express(tmp_path):
-    base = MoEArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, n_experts=4, multiple_of=32,
-                   score_func="softmax", norm_topk=True, max_seq_len=64)
+    base = MoEArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, n_experts=4,
+                   multiple_of=32, score_func="softmax", norm_topk=True, max_seq_len=64)
     # Softmax routing beyond Mixtral's exports as Qwen2-MoE, and reads back as the same args.
     for change in [{"norm_topk": False}, {"n_shared_experts": 1}, {"n_dense_layers": 1}]:
         args = replace(base, **change)
         save_hf(Transformer(args), args, tmp_path / "qwen")
-        assert json.loads((tmp_path / "qwen" / "config.json").read_text())["model_type"] == "qwen2_moe"
+        cfg = json.loads((tmp_path / "qwen" / "config.json").read_text())
+        assert cfg["model_type"] == "qwen2_moe"
         assert load_hf(tmp_path / "qwen")[1] == args
     with pytest.raises(ConfigError, match="route_scale=2.0 with softmax routing"):
-        save_hf(Transformer(replace(base, route_scale=2.0)), replace(base, route_scale=2.0), tmp_path)
-    for args, arch in [(base, "MixtralForCausalLM"), (replace(base, n_shared_experts=1), "Qwen2MoeForCausalLM")]:
+        save_hf(Transformer(replace(base, route_scale=2.0)), replace(base, route_scale=2.0),
+                tmp_path)
+    for args, arch in [(base, "MixtralForCausalLM"),
+                       (replace(base, n_shared_experts=1), "Qwen2MoeForCausalLM")]:
         model = Transformer(args)
-        model.layers["1"].moe.router.expert_bias[0] = 0.1  # what bias_update_rate > 0 leaves behind
-        with pytest.raises(ConfigError, match=f"layer 1's expert_bias is non-zero .*{arch} chooses"):
+        # what bias_update_rate > 0 leaves behind
+        model.layers["1"].moe.router.expert_bias[0] = 0.1
+        with pytest.raises(ConfigError,
+                           match=f"layer 1's expert_bias is non-zero .*{arch} chooses"):
             save_hf(model, args, tmp_path)
     assert not (tmp_path / "config.json").exists()
     # Capacity dropping is a routing policy, not weights: exported, and read back as HF runs it.
@@ -227,10 +242,12 @@ def test_load_errors_name_the_setting(tmp_path):
         ({"rope_parameters": {**rope, "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
         ({"use_qk_norm": True}, "use_qk_norm=true"),
         ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported"),
-        ({"moe_intermediate_size": 40}, (r"model.layers.1.mlp.experts.0.gate_proj.weight gives layers.1.moe."
-                                          r"experts.w1 of shape \(4, 64, 32\) but config.json implies \(4, 64, 40\)")),
-        ({"n_routed_experts": 3}, (r"6 tensor\(s\) in model.safetensors .* would silently drop them: "
-                                   r"model.layers.1.mlp.experts.3.down_proj.weight, ")),
+        ({"moe_intermediate_size": 40},
+         (r"model.layers.1.mlp.experts.0.gate_proj.weight gives layers.1.moe.experts.w1 of shape "
+          r"\(4, 64, 32\) but config.json implies \(4, 64, 40\)")),
+        ({"n_routed_experts": 3},
+         (r"6 tensor\(s\) in model.safetensors .* would silently drop them: "
+          r"model.layers.1.mlp.experts.3.down_proj.weight, ")),
         ({"num_hidden_layers": 4}, "model.layers.3.self_attn.q_proj.weight is missing"),
     ]:
         cfg_path.write_text(json.dumps({**cfg, **change}))
@@ -276,8 +293,10 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     # Softmax routing with a selection bias: refused from the config, before any weight is read.
     bad_args = replace(args, score_func="softmax", route_scale=1.0)
     OmegaConf.save(OmegaConf.create({"model": asdict(bad_args)}), ckpt / "config.yaml")
-    bad = subprocess.run([sys.executable, "-m", "apps.moe.hf", "export", str(ckpt), str(tmp_path / "x")],
-                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    bad = subprocess.run(
+        [sys.executable, "-m", "apps.moe.hf", "export", str(ckpt), str(tmp_path / "x")],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )
     assert bad.returncode == 2 and "bias_update_rate=0.001 with softmax" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "x").exists()
 
@@ -289,14 +308,15 @@ def test_export_cli_from_training_checkpoint(tmp_path):
 def test_export_refuses_unmapped_weights(score_func, tmp_path):
     """A weight added to a block (a fork's router bias) is named with the file to edit; Mixtral's
     zero expert_bias (NOT_EXPORTED) is not, and nothing is written."""
-    args = MoEArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, n_experts=4, multiple_of=32,
-                   max_seq_len=32, score_func=score_func, norm_topk=True)
+    args = MoEArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, n_experts=4,
+                   multiple_of=32, max_seq_len=32, score_func=score_func, norm_topk=True)
     model = Transformer(args)
     model.layers["1"].moe.router.register_parameter("gate_bias", torch.nn.Parameter(torch.zeros(4)))
     with pytest.raises(ConfigError) as e:
         save_hf(model, args, tmp_path / "out")
     msg = str(e.value)
-    assert "1 tensor(s)" in msg and ": layers.1.moe.router.gate_bias. Map" in msg and "\n" not in msg
+    assert "1 tensor(s)" in msg and ": layers.1.moe.router.gate_bias. Map" in msg
+    assert "\n" not in msg
     assert "apps/moe/hf.py" in msg and "NOT_EXPORTED" in msg
     assert not (tmp_path / "out").exists()
 
@@ -306,18 +326,21 @@ def _add_tensors(file: Path, extra: dict) -> None:
     save_file({**load_file(str(file)), **extra}, str(file), metadata={"format": "pt"})
 
 
-@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # HF's zero-width shared MLP
+# HF's zero-width shared MLP
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 def test_import_refuses_tensors_it_would_drop(tmp_path):
     # Sharded: the names come from each file's header, not from the index's weight_map.
     glm(**GLM_CASES["deepseek"]).save_pretrained(tmp_path / "glm", max_shard_size="40KB")
     shard = sorted((tmp_path / "glm").glob("*.safetensors"))[-1]
     _add_tensors(shard, {"model.layers.2.mlp.gate.bias": torch.zeros(4)})
-    with pytest.raises(ConfigError, match=rf"1 tensor\(s\) in {shard.name} .* drop them: model\.layers\.2\.mlp\."
-                                          r"gate\.bias\. .*apps/moe/hf\.py"):
+    with pytest.raises(ConfigError,
+                       match=rf"1 tensor\(s\) in {shard.name} .* drop them: "
+                             r"model\.layers\.2\.mlp\.gate\.bias\. .*apps/moe/hf\.py"):
         load_hf(tmp_path / "glm")
     # NOT_IMPORTED: RoPE inverse frequencies are recomputed, so not named.
     _add_tensors(shard, {"model.rotary_emb.inv_freq": torch.ones(8)})
-    with pytest.raises(ConfigError, match=r"1 tensor\(s\) .* drop them: model\.layers\.2\.mlp\.gate\.bias\. "):
+    with pytest.raises(ConfigError,
+                       match=r"1 tensor\(s\) .* drop them: model\.layers\.2\.mlp\.gate\.bias\. "):
         load_hf(tmp_path / "glm")
 
     # Glm4Moe without shared experts stores zero-width ones: read (and checked empty), not dropped.
@@ -325,7 +348,8 @@ def test_import_refuses_tensors_it_would_drop(tmp_path):
     load_hf(tmp_path / "plain")
     _add_tensors(tmp_path / "plain" / "model.safetensors",
                  {"model.layers.0.mlp.shared_experts.gate_proj.weight": torch.zeros(8, 64)})
-    with pytest.raises(ConfigError, match=r"shared_experts.gate_proj.weight has shape \(8, 64\) but .*n_shared_experts=0"):
+    with pytest.raises(ConfigError, match=r"shared_experts.gate_proj.weight has shape \(8, 64\) "
+                                          r"but .*n_shared_experts=0"):
         load_hf(tmp_path / "plain")
 
     # transformers 5's fused Mixtral ("mlp" where we say "block_sparse_moe"): named as in the file.
@@ -350,9 +374,9 @@ def test_import_refuses_tensors_it_would_drop(tmp_path):
 def _preset_args(corpus, dump, *extra):
     """The MoE debug preset with its model as shipped (softmax top-2 of 8 experts, a shared
     expert, the first layer dense); only the data and the run are made tiny."""
-    return [f"dump_dir={dump}", f"data.root={corpus}", "data.prepare_embedded=false", "data.seq_len=64",
-            "data.batch_size=2", "data.val_sequences=8", "steps=2", "checkpoint.every=2", "eval.every=0",
-            "logging.every=1", *extra]
+    return [f"dump_dir={dump}", f"data.root={corpus}", "data.prepare_embedded=false",
+            "data.seq_len=64", "data.batch_size=2", "data.val_sequences=8", "steps=2",
+            "checkpoint.every=2", "eval.every=0", "logging.every=1", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +394,8 @@ def test_debug_preset_exports_with_the_same_logits(debug_run, tmp_path, capsys):
 
     ckpt = debug_run / "checkpoints" / "2"
     args = MoEArgs(**OmegaConf.to_container(read_run_config(ckpt).model, resolve=True))
-    assert (args.score_func, args.n_shared_experts, args.n_dense_layers) == ("softmax", 1, 1)  # the preset's
+    # the preset's routing, shared expert and dense first layer
+    assert (args.score_func, args.n_shared_experts, args.n_dense_layers) == ("softmax", 1, 1)
     assert export_problems(args) == []
     out = tmp_path / "hf"
     main(["export", str(debug_run), str(out)])  # the run directory: its newest checkpoint
@@ -388,7 +413,9 @@ def test_debug_preset_exports_with_the_same_logits(debug_run, tmp_path, capsys):
     assert load_hf(out)[1] == replace(args, attn_backend="sdpa")
 
 
-def test_unexportable_options_warn_at_start_and_export_refuses(debug_run, corpus, tmp_path, caplog, capsys):
+def test_unexportable_options_warn_at_start_and_export_refuses(
+    debug_run, corpus, tmp_path, caplog, capsys
+):
     """One warning line from the config check, before any model is built; the export of such a
     run's checkpoint refuses with the same reasons, before reading its weights."""
     import logging
@@ -400,12 +427,15 @@ def test_unexportable_options_warn_at_start_and_export_refuses(debug_run, corpus
     bad = ["model.route_scale=2.0", "model.bias_update_rate=0.01"]
     with caplog.at_level(logging.WARNING):
         train.load_config(_preset_args(corpus, tmp_path / "plain"))
-        assert not [r for r in caplog.records if r.name == "lingua.hf"]  # the preset as shipped exports
+        # the preset as shipped exports
+        assert not [r for r in caplog.records if r.name == "lingua.hf"]
         args = train.load_config(_preset_args(corpus, tmp_path / "bad", *bad))
     warned = [r.getMessage() for r in caplog.records if r.name == "lingua.hf"]
     reasons = moe_hf.export_problems(args.model)
-    assert len(reasons) == 2 and "route_scale=2.0" in reasons[0] and "bias_update_rate=0.01" in reasons[1]
-    assert len(warned) == 1 and "\n" not in warned[0] and "apps.moe.hf export will refuse" in warned[0]
+    assert len(reasons) == 2 and "route_scale=2.0" in reasons[0]
+    assert "bias_update_rate=0.01" in reasons[1]
+    assert len(warned) == 1 and "\n" not in warned[0]
+    assert "apps.moe.hf export will refuse" in warned[0]
     assert all(r in warned[0] for r in reasons)
 
     run = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Hugging Face interop for the MoE model: config.json + safetensors directories <-> our Transformer.
+"""Hugging Face interop for the MoE model: config.json + safetensors directories <-> Transformer.
 
 Three Hugging Face architectures, chosen from the model args on export and from config.json's
 `model_type` on import; each computes exactly what our model computes:
@@ -43,12 +43,12 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from lingua import hf as lingua_hf
 from apps.llama.hf import key_map, llama_hf_config
-from lingua.hf import ffn_recipe, read_weights, rope_args
 from apps.moe.model import MoEArgs, Transformer, expert_hidden
+from lingua import hf as lingua_hf
 from lingua.checkpoint import resolve
 from lingua.errors import ConfigError
+from lingua.hf import ffn_recipe, read_weights, rope_args
 from lingua.transformer import ffn_hidden_dim
 
 # MoEArgs fields that only matter for training; recorded so that load_hf gives back the same args.
@@ -63,11 +63,18 @@ class Layout:
 
 
 LAYOUTS = {
-    "mixtral": Layout("MixtralForCausalLM", "block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
-    "glm4_moe": Layout("Glm4MoeForCausalLM", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
-    "qwen2_moe": Layout("Qwen2MoeForCausalLM", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "mixtral": Layout(
+        "MixtralForCausalLM", "block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}
+    ),
+    "glm4_moe": Layout(
+        "Glm4MoeForCausalLM", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    ),
+    "qwen2_moe": Layout(
+        "Qwen2MoeForCausalLM", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    ),
 }
-# Qwen2-MoE's shared expert output is scaled by sigmoid(gate . x); a zero gate makes that exactly this.
+# Qwen2-MoE's shared expert output is scaled by sigmoid(gate . x); a zero gate makes that exactly
+# this.
 QWEN_GATE = 0.5
 
 
@@ -76,16 +83,23 @@ QWEN_GATE = 0.5
 NOT_EXPORTED: Dict[str, str] = {
     # Glm4Moe exports it as gate.e_score_correction_bias; Mixtral and Qwen2-MoE leave it out.
     r"layers\.\d+\.moe\.router\.expert_bias":
-        "Mixtral and Qwen2-MoE route without a selection bias; save_hf refuses a non-zero one, so none is lost",
+        "Mixtral and Qwen2-MoE route without a selection bias; save_hf refuses a non-zero one, "
+        "so none is lost",
 }
 
 # Tensors some HF files carry that load_hf deliberately does not read: pattern -> why.
 NOT_IMPORTED: Dict[str, str] = {
-    r"model\.rotary_emb\.inv_freq": "RoPE inverse frequencies, recomputed from the config's rope settings",
-    r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq": "the same, stored per layer by older transformers",
+    r"model\.rotary_emb\.inv_freq":
+        "RoPE inverse frequencies, recomputed from the config's rope settings",
+    r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq":
+        "the same, stored per layer by older transformers",
 }
-# With tie_word_embeddings transformers itself ignores a stored lm_head and ties it to the embedding.
-TIED_NOT_IMPORTED = {r"lm_head\.weight": "a copy of embed_tokens that transformers also replaces by the tied embedding"}
+# With tie_word_embeddings transformers itself ignores a stored lm_head and ties it to the
+# embedding.
+TIED_NOT_IMPORTED = {
+    r"lm_head\.weight":
+        "a copy of embed_tokens that transformers also replaces by the tied embedding",
+}
 
 
 def _where() -> str:
@@ -99,9 +113,9 @@ def _layout_problems(args: MoEArgs) -> List[str]:
     if args.score_func != "softmax":
         return [f"model.score_func={args.score_func!r}: only softmax and sigmoid routing export"]
     if args.route_scale != 1.0:
-        return [f"model.route_scale={args.route_scale} with softmax routing (Mixtral and Qwen2-MoE have "
-                "no routed scaling): train with route_scale=1, or with score_func=sigmoid (exported as "
-                "Glm4MoeForCausalLM, which has routed_scaling_factor)"]
+        return [f"model.route_scale={args.route_scale} with softmax routing (Mixtral and Qwen2-MoE "
+                "have no routed scaling): train with route_scale=1, or with score_func=sigmoid "
+                "(exported as Glm4MoeForCausalLM, which has routed_scaling_factor)"]
     return []
 
 
@@ -112,10 +126,11 @@ def export_problems(args: MoEArgs) -> List[str]:
     problems = _layout_problems(args)
     if args.score_func == "softmax" and args.bias_update_rate > 0:
         # A zero bias would export (save_hf checks the weights), but training makes it non-zero.
-        problems.append(f"model.bias_update_rate={args.bias_update_rate} with softmax routing (the "
-                        "expert_bias it learns chooses experts; Mixtral and Qwen2-MoE route without one): "
-                        "train with bias_update_rate=0, or with score_func=sigmoid (DeepSeek-V3's router, "
-                        "exported as Glm4MoeForCausalLM with the bias as e_score_correction_bias)")
+        problems.append(f"model.bias_update_rate={args.bias_update_rate} with softmax routing "
+                        "(the expert_bias it learns chooses experts; Mixtral and Qwen2-MoE route "
+                        "without one): train with bias_update_rate=0, or with score_func=sigmoid "
+                        "(DeepSeek-V3's router, exported as Glm4MoeForCausalLM with the bias as "
+                        "e_score_correction_bias)")
     return problems
 
 
@@ -139,12 +154,14 @@ def _shared_names(kind: str, hf: str) -> Dict[str, str]:
 
 
 def _moe_keys(args: MoEArgs, kind: str, i: int) -> Dict[str, str]:
-    """Our key -> HF key for layer i's router and shared experts (routed experts are stacked apart)."""
+    """Our key -> HF key for layer i's router and shared experts (routed experts are stacked
+    apart)."""
     hf = f"model.layers.{i}.{LAYOUTS[kind].block}"
     names = {f"layers.{i}.moe.router.gate.weight": f"{hf}.gate.weight"}
     if kind == "glm4_moe":
         names[f"layers.{i}.moe.router.expert_bias"] = f"{hf}.gate.e_score_correction_bias"
-    if kind != "mixtral" and args.n_shared_experts:  # Qwen2-MoE's down projection is doubled (QWEN_GATE)
+    # Qwen2-MoE's shared down projection is doubled (QWEN_GATE)
+    if kind != "mixtral" and args.n_shared_experts:
         for ours, theirs in _shared_names(kind, hf).items():
             names[f"layers.{i}.moe.shared_experts.{ours}.weight"] = theirs
     return names
@@ -170,10 +187,15 @@ def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
     kind = layout_for(args)
     cfg = llama_hf_config(args, dtype)  # shape, attention, RoPE, norms, vocabulary: as Llama's
     del cfg["mlp_bias"]
-    moe = {"architectures": [LAYOUTS[kind].arch], "model_type": kind, "num_experts_per_tok": args.top_k}
+    moe = {
+        "architectures": [LAYOUTS[kind].arch],
+        "model_type": kind,
+        "num_experts_per_tok": args.top_k,
+    }
     if kind == "mixtral":
         moe.update(intermediate_size=expert_hidden(args), num_local_experts=args.n_experts,
-                   sliding_window=None, router_jitter_noise=0.0, router_aux_loss_coef=args.aux_loss_coef)
+                   sliding_window=None, router_jitter_noise=0.0,
+                   router_aux_loss_coef=args.aux_loss_coef)
     elif kind == "qwen2_moe":
         moe.update(moe_intermediate_size=expert_hidden(args), num_experts=args.n_experts,
                    shared_expert_intermediate_size=args.n_shared_experts * expert_hidden(args),
@@ -183,7 +205,8 @@ def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
         del cfg["attention_bias"]  # Qwen2-MoE's is qkv_bias
     else:
         moe.update(moe_intermediate_size=expert_hidden(args), n_routed_experts=args.n_experts,
-                   n_shared_experts=args.n_shared_experts, first_k_dense_replace=args.n_dense_layers,
+                   n_shared_experts=args.n_shared_experts,
+                   first_k_dense_replace=args.n_dense_layers,
                    norm_topk_prob=args.norm_topk, routed_scaling_factor=args.route_scale,
                    n_group=1, topk_group=1, use_qk_norm=False, partial_rotary_factor=1.0,
                    num_nextn_predict_layers=0)
@@ -195,8 +218,8 @@ def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
 
 def _take(state: Dict[str, torch.Tensor], key: str) -> torch.Tensor:
     if key not in state:
-        raise ConfigError(f"save_hf: the model has no {key}; it does not match model_args (a pipeline "
-                          "stage or a different architecture?). Export a whole model.")
+        raise ConfigError(f"save_hf: the model has no {key}; it does not match model_args (a "
+                          "pipeline stage or a different architecture?). Export a whole model.")
     return state[key].detach()
 
 
@@ -207,25 +230,33 @@ def _check_bias(state: Dict[str, torch.Tensor], args: MoEArgs, kind: str) -> Non
         bias = _take(state, f"layers.{i}.moe.router.expert_bias")
         if bias.abs().max() > 0:
             raise ConfigError(
-                f"save_hf: layer {i}'s expert_bias is non-zero (max |bias| = {bias.abs().max().item():.3g}, "
-                f"from model.bias_update_rate={args.bias_update_rate}); {LAYOUTS[kind].arch} chooses experts "
-                "without a bias, so its outputs would differ. Export sigmoid-routed models (score_func="
-                "sigmoid, as DeepSeek-V3) to keep the bias, or train softmax routing with bias_update_rate=0."
+                f"save_hf: layer {i}'s expert_bias is non-zero "
+                f"(max |bias| = {bias.abs().max().item():.3g}, "
+                f"from model.bias_update_rate={args.bias_update_rate}); "
+                f"{LAYOUTS[kind].arch} chooses experts without a bias, so its outputs would "
+                "differ. Export sigmoid-routed models (score_func=sigmoid, as DeepSeek-V3) to keep "
+                "the bias, or train softmax routing with bias_update_rate=0."
             )
 
 
-def save_hf(model: Transformer, model_args: MoEArgs, path, dtype: Optional[torch.dtype] = None) -> None:
+def save_hf(
+    model: Transformer, model_args: MoEArgs, path, dtype: Optional[torch.dtype] = None
+) -> None:
     """Write `path/config.json` and `path/model.safetensors` (Mixtral, Qwen2-MoE or Glm4Moe layout,
     see the module docstring)."""
     kind = layout_for(model_args)
     if model_args.capacity_factor > 0:
         warnings.warn(f"model.capacity_factor={model_args.capacity_factor}: the Hugging Face model "
-                      "routes every token (no capacity dropping).")
+                      "routes every token (no capacity dropping).", stacklevel=2)
     state = model.state_dict()
     plain = _plain_keys(model_args, kind)
-    experts = [k for i in range(model_args.n_dense_layers, model_args.n_layers) for k in _expert_keys(model_args, i)]
+    experts = [
+        k for i in range(model_args.n_dense_layers, model_args.n_layers)
+        for k in _expert_keys(model_args, i)
+    ]
+    # A missing key means a pipeline stage or other args: said before the unmapped ones.
     for key in [*plain, *experts]:
-        _take(state, key)  # a missing one: a pipeline stage or other args, said before the unmapped ones
+        _take(state, key)
     lingua_hf.check_export(state, [*plain, *experts], NOT_EXPORTED, _where(), path)
     if kind != "glm4_moe":
         _check_bias(state, model_args, kind)
@@ -233,10 +264,12 @@ def save_hf(model: Transformer, model_args: MoEArgs, path, dtype: Optional[torch
     layout = LAYOUTS[kind]
     for i in range(model_args.n_dense_layers, model_args.n_layers):
         for w, name in layout.proj.items():
-            stacked = _take(state, f"layers.{i}.moe.experts.{w}")  # [E, in, out]: HF Linear is [out, in]
+            # [E, in, out]: HF Linear is [out, in]
+            stacked = _take(state, f"layers.{i}.moe.experts.{w}")
             for e in range(stacked.shape[0]):
                 out[f"model.layers.{i}.{layout.block}.experts.{e}.{name}.weight"] = stacked[e].t()
-        hf, dim, like = f"model.layers.{i}.{layout.block}", model_args.dim, out["model.embed_tokens.weight"]
+        hf, dim = f"model.layers.{i}.{layout.block}", model_args.dim
+        like = out["model.embed_tokens.weight"]
         shared = _shared_names(kind, hf) if kind != "mixtral" else {}
         if shared and not model_args.n_shared_experts:
             # Glm4Moe and Qwen2-MoE always build a shared MLP; width 0 makes it add nothing.
@@ -276,7 +309,8 @@ def _unsupported(cfg: dict, kind: str) -> list:
     if cfg.get("hidden_act", "silu") != "silu":
         bad.append(f"hidden_act={cfg['hidden_act']} (our experts use SiLU)")
     if cfg.get("head_dim") not in (None, dim // n_heads):
-        bad.append(f"head_dim={cfg['head_dim']} != hidden_size/num_attention_heads={dim // n_heads}")
+        bad.append(f"head_dim={cfg['head_dim']} != "
+                   f"hidden_size/num_attention_heads={dim // n_heads}")
     if kind == "mixtral":
         window = cfg.get("sliding_window")
         if window is not None and window < cfg.get("max_position_embeddings", 0):
@@ -285,7 +319,8 @@ def _unsupported(cfg: dict, kind: str) -> list:
     if kind == "qwen2_moe":
         return bad + _qwen_unsupported(cfg)
     rope = cfg.get("rope_parameters") or {}
-    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))  # HF's default
+    # 0.5 is HF's default
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
     if partial != 1.0:
         bad.append(f"partial_rotary_factor={partial} (our RoPE rotates whole heads)")
     for key in ("attention_bias", "use_qk_norm"):
@@ -293,8 +328,9 @@ def _unsupported(cfg: dict, kind: str) -> list:
             bad.append(f"{key}=true")
     n_group, topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
     if n_group != topk_group:
-        bad.append(f"group-limited routing n_group={n_group}, topk_group={topk_group} (our router is "
-                   "plain top-k, which equals keeping every group: n_group == topk_group, e.g. 1 and 1)")
+        bad.append(f"group-limited routing n_group={n_group}, topk_group={topk_group} (our "
+                   "router is plain top-k, which equals keeping every group: "
+                   "n_group == topk_group, e.g. 1 and 1)")
     return bad
 
 
@@ -305,15 +341,16 @@ def _qwen_unsupported(cfg: dict) -> list:
     if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
         bad.append("sliding-window attention (ours is full causal)")
     if cfg.get("decoder_sparse_step", 1) != 1:
-        bad.append(f"decoder_sparse_step={cfg['decoder_sparse_step']} (ours: every layer after the dense "
-                   "first ones is MoE)")
+        bad.append(f"decoder_sparse_step={cfg['decoder_sparse_step']} (ours: every layer after "
+                   "the dense first ones is MoE)")
     dense = cfg.get("mlp_only_layers") or []
     if list(dense) != list(range(len(dense))):
         bad.append(f"mlp_only_layers={dense} (ours: the first n_dense_layers layers are dense)")
     expert, shared = cfg.get("moe_intermediate_size"), cfg.get("shared_expert_intermediate_size")
     if expert and shared and shared % expert:
-        bad.append(f"shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size="
-                   f"{expert} (ours: n_shared_experts times the expert width)")
+        bad.append(f"shared_expert_intermediate_size={shared} is not a multiple of "
+                   f"moe_intermediate_size={expert} (ours: n_shared_experts times the expert "
+                   "width)")
     return bad
 
 
@@ -324,7 +361,8 @@ def _ffn_fields(cfg: dict, kind: str) -> dict:
     if kind == "mixtral":
         expert = cfg["intermediate_size"]
         # No dense layer: any recipe is right, so keep a recorded one, else one of the expert width.
-        if isinstance(ffn_hint, dict) and isinstance(ffn_hint.get("multiple_of"), int) and ffn_hint["multiple_of"] > 0:
+        recorded = isinstance(ffn_hint, dict) and isinstance(ffn_hint.get("multiple_of"), int)
+        if recorded and ffn_hint["multiple_of"] > 0:
             multiple_of, mult = ffn_hint["multiple_of"], ffn_hint.get("ffn_dim_multiplier")
         else:
             multiple_of, mult = ffn_recipe(dim, expert)
@@ -333,7 +371,11 @@ def _ffn_fields(cfg: dict, kind: str) -> dict:
         multiple_of, mult = ffn_recipe(dim, cfg["intermediate_size"], ffn_hint)
     dense = ffn_hidden_dim(dim, multiple_of, mult)
     explicit = expert != dense or bool(moe_hint.get("expert_hidden_dim"))
-    return {"multiple_of": multiple_of, "ffn_dim_multiplier": mult, "expert_hidden_dim": expert if explicit else 0}
+    return {
+        "multiple_of": multiple_of,
+        "ffn_dim_multiplier": mult,
+        "expert_hidden_dim": expert if explicit else 0,
+    }
 
 
 def _moe_fields(cfg: dict, kind: str) -> dict:
@@ -342,11 +384,15 @@ def _moe_fields(cfg: dict, kind: str) -> dict:
                 "score_func": "softmax", "norm_topk": True, "route_scale": 1.0,
                 "n_shared_experts": 0, "n_dense_layers": 0}
     if kind == "qwen2_moe":
-        return {"n_experts": cfg["num_experts"], "top_k": cfg["num_experts_per_tok"], "score_func": "softmax",
+        return {"n_experts": cfg["num_experts"], "top_k": cfg["num_experts_per_tok"],
+                "score_func": "softmax",
                 "norm_topk": bool(cfg.get("norm_topk_prob", False)), "route_scale": 1.0,
-                "n_shared_experts": cfg["shared_expert_intermediate_size"] // cfg["moe_intermediate_size"],
+                "n_shared_experts": (
+                    cfg["shared_expert_intermediate_size"] // cfg["moe_intermediate_size"]
+                ),
                 "n_dense_layers": len(cfg.get("mlp_only_layers") or [])}
-    return {"n_experts": cfg["n_routed_experts"], "top_k": cfg["num_experts_per_tok"], "score_func": "sigmoid",
+    return {"n_experts": cfg["n_routed_experts"], "top_k": cfg["num_experts_per_tok"],
+            "score_func": "sigmoid",
             "norm_topk": bool(cfg.get("norm_topk_prob", True)),
             "route_scale": float(cfg.get("routed_scaling_factor", 1.0)),
             "n_shared_experts": cfg.get("n_shared_experts", 1),
@@ -363,24 +409,28 @@ def _args_and_kind(config_path: Path) -> Tuple[MoEArgs, str]:
     cfg = _read_config(config_path)
     kind = cfg.get("model_type")
     if kind not in LAYOUTS:
-        raise ConfigError(f"{config_path}: model_type {kind!r} is not supported by apps.moe, which reads "
-                          "MixtralForCausalLM ('mixtral'), Qwen2MoeForCausalLM ('qwen2_moe') and "
-                          "Glm4MoeForCausalLM ('glm4_moe') directories (dense LlamaForCausalLM ones: "
-                          "apps.llama.hf).")
+        raise ConfigError(f"{config_path}: model_type {kind!r} is not supported by apps.moe, "
+                          "which reads MixtralForCausalLM ('mixtral'), Qwen2MoeForCausalLM "
+                          "('qwen2_moe') and Glm4MoeForCausalLM ('glm4_moe') directories (dense "
+                          "LlamaForCausalLM ones: apps.llama.hf).")
     try:
         bad = _unsupported(cfg, kind)
         if bad:
             raise ConfigError(f"{config_path}: {'; '.join(bad)}: not supported by apps.moe.")
         fields = dict(
-            dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+            dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+            n_heads=cfg["num_attention_heads"],
             n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
             vocab_size=cfg["vocab_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            max_seq_len=cfg.get("max_position_embeddings", 4096), init_std=cfg.get("initializer_range", 0.02),
+            max_seq_len=cfg.get("max_position_embeddings", 4096),
+            init_std=cfg.get("initializer_range", 0.02),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **rope_args(cfg, config_path), **_ffn_fields(cfg, kind), **_moe_fields(cfg, kind),
         )
     except KeyError as e:
-        raise ConfigError(f"{config_path} lacks {e}; it is not a complete {LAYOUTS[kind].arch} config.") from None
+        raise ConfigError(
+            f"{config_path} lacks {e}; it is not a complete {LAYOUTS[kind].arch} config."
+        ) from None
     hint = cfg.get("lingua_moe") or {}
     fields.update({k: hint[k] for k in TRAINING_FIELDS if k in hint})
     if "expert_impl" not in hint:  # torch._grouped_mm needs 16-byte aligned rows
@@ -392,8 +442,8 @@ def _args_and_kind(config_path: Path) -> Tuple[MoEArgs, str]:
 
 def _fetch(tensors: Dict[str, torch.Tensor], key: str, path: Path) -> torch.Tensor:
     if key not in tensors:
-        raise ConfigError(f"{path}: weight {key} is missing from the safetensors files; the directory "
-                          "does not match its config.json.")
+        raise ConfigError(f"{path}: weight {key} is missing from the safetensors files; the "
+                          "directory does not match its config.json.")
     return tensors[key]
 
 
@@ -406,30 +456,48 @@ def _consumed(names: Dict[str, Path], args: MoEArgs, kind: str) -> set:
         if f"{hf}.experts.gate_up_proj" in names:
             used |= {f"{hf}.experts.gate_up_proj", f"{hf}.experts.down_proj"}
         else:
-            used |= {f"{hf}.experts.{e}.{p}.weight" for e in range(args.n_experts) for p in layout.proj.values()}
-        if kind != "mixtral" and not args.n_shared_experts:  # zero-width (what save_hf and HF write), checked on load
+            used |= {
+                f"{hf}.experts.{e}.{p}.weight"
+                for e in range(args.n_experts) for p in layout.proj.values()
+            }
+        # zero-width (what save_hf and HF write), checked on load
+        if kind != "mixtral" and not args.n_shared_experts:
             used |= set(_shared_names(kind, hf).values())
         if kind == "qwen2_moe":  # checked zero on load
             used.add(f"{hf}.shared_expert_gate.weight")
     return used
 
 
-def _stacked_experts(tensors, args: MoEArgs, kind: str, i: int, path: Path) -> Dict[str, Tuple[torch.Tensor, str]]:
+def _stacked_experts(
+    tensors, args: MoEArgs, kind: str, i: int, path: Path
+) -> Dict[str, Tuple[torch.Tensor, str]]:
     """Layer i's routed experts as our [E, in, out] stacks (with the HF key they came from), from
     per-expert Linear weights (the Hub layout, which save_pretrained writes) or from transformers
     5's fused gate_up_proj / down_proj (save_original_format=False)."""
     layout = LAYOUTS[kind]
     hf = f"model.layers.{i}.{layout.block}.experts"
     if f"{hf}.gate_up_proj" in tensors:
-        gate, up = tensors[f"{hf}.gate_up_proj"].chunk(2, dim=1)  # [E, 2*hidden, dim]: gate rows, then up
+        # [E, 2*hidden, dim]: gate rows, then up
+        gate, up = tensors[f"{hf}.gate_up_proj"].chunk(2, dim=1)
         down = _fetch(tensors, f"{hf}.down_proj", path)
-        return {"w1": (gate.transpose(1, 2), f"{hf}.gate_up_proj"), "w3": (up.transpose(1, 2), f"{hf}.gate_up_proj"),
+        return {"w1": (gate.transpose(1, 2), f"{hf}.gate_up_proj"),
+                "w3": (up.transpose(1, 2), f"{hf}.gate_up_proj"),
                 "w2": (down.transpose(1, 2), f"{hf}.down_proj")}
-    return {w: (torch.stack([_fetch(tensors, f"{hf}.{e}.{name}.weight", path).t() for e in range(args.n_experts)]),
-                f"{hf}.0.{name}.weight") for w, name in layout.proj.items()}
+    return {
+        w: (
+            torch.stack([
+                _fetch(tensors, f"{hf}.{e}.{name}.weight", path).t()
+                for e in range(args.n_experts)
+            ]),
+            f"{hf}.0.{name}.weight",
+        )
+        for w, name in layout.proj.items()
+    }
 
 
-def _ungate_shared(tensors: Dict[str, torch.Tensor], origin: Dict[str, Path], args: MoEArgs, path: Path) -> None:
+def _ungate_shared(
+    tensors: Dict[str, torch.Tensor], origin: Dict[str, Path], args: MoEArgs, path: Path
+) -> None:
     """Qwen2-MoE's gated shared expert as our ungated one: only a zero gate (sigmoid = 1/2 for
     every token, what save_hf writes) is expressible; its 1/2 goes into the down projection."""
     for i in range(args.n_dense_layers, args.n_layers):
@@ -437,10 +505,11 @@ def _ungate_shared(tensors: Dict[str, torch.Tensor], origin: Dict[str, Path], ar
         gate = _fetch(tensors, f"{hf}.shared_expert_gate.weight", path)
         if gate.abs().max() > 0:
             raise ConfigError(
-                f"{origin[f'{hf}.shared_expert_gate.weight']}: {hf}.shared_expert_gate.weight is non-zero "
-                f"(max |w| = {gate.abs().max().item():.3g}): a learned per-token gate on the shared expert, "
-                "which apps.moe's model does not have (its shared experts are ungated; an export from it "
-                "writes a zero gate). Such a model cannot be loaded without changing what it computes.")
+                f"{origin[f'{hf}.shared_expert_gate.weight']}: {hf}.shared_expert_gate.weight is "
+                f"non-zero (max |w| = {gate.abs().max().item():.3g}): a learned per-token gate on "
+                "the shared expert, which apps.moe's model does not have (its shared experts are "
+                "ungated; an export from it writes a zero gate). Such a model cannot be loaded "
+                "without changing what it computes.")
         if args.n_shared_experts:
             down = _shared_names("qwen2_moe", hf)["w2"]
             tensors[down] = _fetch(tensors, down, path) * QWEN_GATE  # exact: a power of two
@@ -454,18 +523,24 @@ def _init_rope(model: Transformer) -> None:
 
 def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transformer, MoEArgs]:
     """Read a MixtralForCausalLM, Qwen2MoeForCausalLM or Glm4MoeForCausalLM directory into
-    (Transformer on CPU, MoEArgs). dtype None keeps the file's; the routers' expert_bias stays fp32."""
+    (Transformer on CPU, MoEArgs). dtype None keeps the file's; the routers' expert_bias stays
+    fp32."""
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
-        raise ConfigError(f"{config_path} is missing: {path} is not a Hugging Face model directory.")
+        raise ConfigError(
+            f"{config_path} is missing: {path} is not a Hugging Face model directory."
+        )
     args, kind = _args_and_kind(config_path)
-    # transformers 5's fused Mixtral layout (save_original_format=False) calls the block "mlp"
-    ours_for = (lambda k: k.replace(".mlp.", ".block_sparse_moe.")) if kind == "mixtral" else (lambda k: k)
+    def ours_for(k: str) -> str:
+        # transformers 5's fused Mixtral layout (save_original_format=False) calls the block "mlp"
+        return k.replace(".mlp.", ".block_sparse_moe.") if kind == "mixtral" else k
+
     names = lingua_hf.tensor_names(path)
     used = _consumed({ours_for(k): f for k, f in names.items()}, args, kind)
     ignored = {**NOT_IMPORTED, **(TIED_NOT_IMPORTED if args.tie_embeddings else {})}
-    lingua_hf.check_import(names, [k for k in names if ours_for(k) in used], ignored, _where(), path)
+    consumed = [k for k in names if ours_for(k) in used]
+    lingua_hf.check_import(names, consumed, ignored, _where(), path)
     tensors, origin = read_weights(path)
     tensors = {ours_for(k): t for k, t in tensors.items()}
     origin = {ours_for(k): f for k, f in origin.items()}
@@ -473,15 +548,18 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
         for i in range(args.n_dense_layers, args.n_layers):
             for k in _shared_names(kind, f"model.layers.{i}.mlp").values():
                 if k in tensors and tensors[k].numel():
-                    raise ConfigError(f"{origin[k]}: {k} has shape {tuple(tensors[k].shape)} but config.json's "
-                                      "n_shared_experts=0 gives it width 0; the weights do not match the config.")
+                    raise ConfigError(
+                        f"{origin[k]}: {k} has shape {tuple(tensors[k].shape)} but config.json's "
+                        "n_shared_experts=0 gives it width 0; the weights do not match the config."
+                    )
     if kind == "qwen2_moe":
         _ungate_shared(tensors, origin, args, path)
     hf_names = _plain_keys(args, kind)
     state = {ours: _fetch(tensors, theirs, path) for ours, theirs in hf_names.items()}
     for i in range(args.n_dense_layers, args.n_layers):
         for w, (t, source) in _stacked_experts(tensors, args, kind, i, path).items():
-            state[f"layers.{i}.moe.experts.{w}"], hf_names[f"layers.{i}.moe.experts.{w}"] = t, source
+            state[f"layers.{i}.moe.experts.{w}"] = t
+            hf_names[f"layers.{i}.moe.experts.{w}"] = source
         if kind != "glm4_moe":  # no selection bias
             state[f"layers.{i}.moe.router.expert_bias"] = torch.zeros(args.n_experts)
     with torch.device("meta"):
@@ -491,9 +569,13 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
     for key in [k for k in expected if k in state]:  # model order: errors name the first layer's
         t = state[key]
         if t.shape != expected[key].shape:
-            where = f"{origin[hf_names[key]]}: {hf_names[key]}" if key in hf_names else f"{path}: {key}"
-            raise ConfigError(f"{where} gives {key} of shape {tuple(t.shape)} but config.json implies "
-                              f"{tuple(expected[key].shape)}; the weights do not match the config.")
+            if key in hf_names:
+                where = f"{origin[hf_names[key]]}: {hf_names[key]}"
+            else:
+                where = f"{path}: {key}"
+            raise ConfigError(f"{where} gives {key} of shape {tuple(t.shape)} but config.json "
+                              f"implies {tuple(expected[key].shape)}; the weights do not match the "
+                              "config.")
         fp32 = key.endswith("expert_bias")  # routing decisions flip on small differences
         state[key] = t.to(torch.float32 if fp32 else (dtype or t.dtype)).contiguous()
     model.load_state_dict(state, strict=True, assign=True)
@@ -515,16 +597,17 @@ def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> 
     try:
         args = MoEArgs(**OmegaConf.to_container(section, resolve=True))
     except TypeError as e:
-        raise ConfigError(f"{ckpt_dir}/config.yaml: its model section does not fit MoEArgs ({e}); "
-                          "export it with the app that trained it.") from None
+        raise ConfigError(f"{ckpt_dir}/config.yaml: its model section does not fit MoEArgs "
+                          f"({e}); export it with the app that trained it.") from None
     args.attn_backend = "sdpa"  # never runs attention here; xformers would refuse on CPU
-    lingua_hf.refuse_unexportable(export_problems(args), "python -m apps.moe.hf", ckpt_dir)  # before any weight
+    # Refused before any weight is read.
+    lingua_hf.refuse_unexportable(export_problems(args), "python -m apps.moe.hf", ckpt_dir)
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
     model.init_weights("cpu")  # fills non-persistent buffers; the checkpoint overwrites the rest
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, on purpose
+    with warnings.catch_warnings():  # a single-process load is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_model_state(ckpt_dir, model)
     save_hf(model, args, out_dir, dtype)
     lingua_hf.write_tokenizer(read_run_config(ckpt_dir), out_dir)  # HF tools encode as we did

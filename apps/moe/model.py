@@ -15,10 +15,21 @@ from torch import nn
 from apps.llama.model import Attention
 from lingua.decoder import Decoder
 from lingua.errors import ConfigError
-from lingua.moe import (EXPERT_IMPLS, SCORE_FUNCS, MoE, active_params_per_token, balance_loss_sum,
-                        check_grouped_alignment)
+from lingua.moe import (
+    EXPERT_IMPLS,
+    SCORE_FUNCS,
+    MoE,
+    active_params_per_token,
+    balance_loss_sum,
+    check_grouped_alignment,
+)
 from lingua.transformer import (
-    FeedForward, KVCache, RMSNorm, TransformerArgs, ffn_hidden_dim, validate_transformer_args,
+    FeedForward,
+    KVCache,
+    RMSNorm,
+    TransformerArgs,
+    ffn_hidden_dim,
+    validate_transformer_args,
 )
 
 
@@ -35,12 +46,15 @@ class MoEArgs(TransformerArgs):
     aux_loss_coef: float = 0.0        # Switch/GShard load-balancing loss
     z_loss_coef: float = 0.0          # router z-loss
     bias_update_rate: float = 0.0     # DeepSeek-V3 aux-loss-free balancing (0 = off)
-    capacity_factor: float = 0.0      # 0 = dropless; else ceil(cf * tokens * top_k / n_experts) per expert
+    # 0 = dropless; else ceil(cf * tokens * top_k / n_experts) tokens per expert
+    capacity_factor: float = 0.0
     expert_impl: str = "grouped"      # grouped | loop
 
 
 def expert_hidden(args: MoEArgs) -> int:
-    return args.expert_hidden_dim or ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
+    return args.expert_hidden_dim or ffn_hidden_dim(
+        args.dim, args.multiple_of, args.ffn_dim_multiplier
+    )
 
 
 def validate_moe_args(args: MoEArgs) -> None:
@@ -48,16 +62,19 @@ def validate_moe_args(args: MoEArgs) -> None:
     validate_transformer_args(args)
     if args.n_experts < 1 or not 1 <= args.top_k <= args.n_experts:
         raise ConfigError(
-            f"model.top_k={args.top_k} with model.n_experts={args.n_experts}: each token picks top_k "
-            "distinct experts, so 1 <= top_k <= n_experts is needed. Lower top_k or add experts."
+            f"model.top_k={args.top_k} with model.n_experts={args.n_experts}: each token picks "
+            "top_k distinct experts, so 1 <= top_k <= n_experts is needed. Lower top_k or add "
+            "experts."
         )
     if not 0 <= args.n_dense_layers <= args.n_layers:
         raise ConfigError(f"model.n_dense_layers={args.n_dense_layers} must be between 0 and "
                           f"model.n_layers={args.n_layers}.")
     if args.score_func not in SCORE_FUNCS:
-        raise ConfigError(f"model.score_func={args.score_func!r} is not one of {', '.join(SCORE_FUNCS)}.")
+        raise ConfigError(f"model.score_func={args.score_func!r} is not one of "
+                          f"{', '.join(SCORE_FUNCS)}.")
     if args.expert_impl not in EXPERT_IMPLS:
-        raise ConfigError(f"model.expert_impl={args.expert_impl!r} is not one of {', '.join(EXPERT_IMPLS)}.")
+        raise ConfigError(f"model.expert_impl={args.expert_impl!r} is not one of "
+                          f"{', '.join(EXPERT_IMPLS)}.")
     for name in ("capacity_factor", "n_shared_experts", "expert_hidden_dim", "aux_loss_coef",
                  "z_loss_coef", "bias_update_rate"):
         if getattr(args, name) < 0:
@@ -70,13 +87,16 @@ class MoEBlock(nn.Module):
     def __init__(self, layer_id: int, args: MoEArgs):
         super().__init__()
         self.layer_id, self.is_moe = layer_id, layer_id >= args.n_dense_layers
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads or args.n_heads, args.attn_backend)
+        self.attention = Attention(
+            args.dim, args.n_heads, args.n_kv_heads or args.n_heads, args.attn_backend
+        )
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if self.is_moe:
-            self.moe = MoE(args.dim, expert_hidden(args), args.n_experts, args.top_k, args.n_shared_experts,
-                           args.score_func, args.norm_topk, args.route_scale, args.capacity_factor,
-                           args.expert_impl, args.aux_loss_coef, args.z_loss_coef)
+            self.moe = MoE(args.dim, expert_hidden(args), args.n_experts, args.top_k,
+                           args.n_shared_experts, args.score_func, args.norm_topk,
+                           args.route_scale, args.capacity_factor, args.expert_impl,
+                           args.aux_loss_coef, args.z_loss_coef)
         else:
             hidden = ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
             self.feed_forward = FeedForward(args.dim, hidden)
@@ -95,7 +115,8 @@ class MoEBlock(nn.Module):
         att = self.attention
         ffns = [self.feed_forward] if not self.is_moe else [self.moe.experts] + (
             [self.moe.shared_experts] if self.moe.shared_experts is not None else [])
-        ins = [att.wq.weight, att.wk.weight, att.wv.weight] + [getattr(f.w1, "weight", f.w1) for f in ffns]
+        ins = [att.wq.weight, att.wk.weight, att.wv.weight]
+        ins += [getattr(f.w1, "weight", f.w1) for f in ffns]
         ins += [getattr(f.w3, "weight", f.w3) for f in ffns]
         outs = [att.wo.weight] + [getattr(f.w2, "weight", f.w2) for f in ffns]
         if self.is_moe:
@@ -140,9 +161,12 @@ class Transformer(Decoder):
 
 
 def flops_per_token(args: MoEArgs, seq_len: int) -> float:
-    """Training FLOPs per token counting active parameters only (see lingua.moe.active_params_per_token):
-    6 per active matmul parameter plus attention's 12 * n_layers * dim * seq_len."""
+    """Training FLOPs per token counting active parameters only (see
+    lingua.moe.active_params_per_token): 6 per active matmul parameter plus attention's
+    12 * n_layers * dim * seq_len."""
     with torch.device("meta"):
         model = Transformer(args)
-    active = active_params_per_token(model) + (model.tok_embeddings.weight.numel() if args.tie_embeddings else 0)
+    active = active_params_per_token(model)
+    if args.tie_embeddings:
+        active += model.tok_embeddings.weight.numel()
     return 6.0 * active + 12.0 * args.n_layers * args.dim * seq_len

@@ -8,15 +8,13 @@ per-layer routing metrics.
 
 from dataclasses import dataclass, field
 
-
+from apps.llama.parallelize import validate_tp
 from apps.moe.hf import export_problems, load_hf
 from apps.moe.model import MoEArgs, Transformer, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
-from apps.llama.parallelize import validate_tp
 from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
-
-from lingua import hf as lingua_hf
 from lingua import config, distributed, trainer
+from lingua import hf as lingua_hf
 from lingua.expert_parallel import validate_ep
 from lingua.loss import LossOutput, cross_entropy
 from lingua.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
@@ -59,8 +57,10 @@ def step_metrics(parts, env) -> dict:
     args = parts[0].args
     layers = {int(name): block.moe for part in parts for name, block in part.layers.items()
               if getattr(block, "moe", None) is not None}
-    values = routing_metrics(layers, args.n_layers, args.n_experts, device=env.device,
-                             reduce=lambda t: distributed.all_reduce_sum(t, env, dims=("dp_cp", "pp")))
+    values = routing_metrics(
+        layers, args.n_layers, args.n_experts, device=env.device,
+        reduce=lambda t: distributed.all_reduce_sum(t, env, dims=("dp_cp", "pp")),
+    )
     return {f"moe/{key}": value for key, value in values.items()}
 
 
@@ -76,10 +76,10 @@ def loss(output, target) -> LossOutput:
     return LossOutput(ce.loss_sum + balance_loss.sum(), ce.tokens, logged_sum=ce.loss_sum)
 
 
-APP = trainer.App(model_class=Transformer, parallelize=parallelize_moe, validate_model=validate_moe,
-                  loss_parallel=uses_loss_parallel, load_hf=load_hf, flops_per_token=flops_per_token,
-                  after_step=after_step, start_step=start_step, step_metrics=step_metrics,
-                  loss=loss)
+APP = trainer.App(model_class=Transformer, parallelize=parallelize_moe,
+                  validate_model=validate_moe, loss_parallel=uses_loss_parallel, load_hf=load_hf,
+                  flops_per_token=flops_per_token, after_step=after_step, start_step=start_step,
+                  step_metrics=step_metrics, loss=loss)
 
 
 def validate(args: TrainArgs) -> None:
