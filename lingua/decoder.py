@@ -34,8 +34,14 @@ from torch import nn
 
 from lingua.errors import ConfigError
 from lingua.transformer import (
-    CoreAttention, KVCache, RMSNorm, TransformerArgs, check_attn_backend, make_attn_mask,
-    rope_tables, validate_transformer_args,
+    CoreAttention,
+    KVCache,
+    RMSNorm,
+    TransformerArgs,
+    check_attn_backend,
+    make_attn_mask,
+    rope_tables,
+    validate_transformer_args,
 )
 
 
@@ -55,9 +61,13 @@ class Decoder(nn.Module):
         self.args = args
         self.attn_backend = args.attn_backend  # fixed at construction, like the layers' kernels
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): self.make_layer(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): self.make_layer(i, args) for i in range(args.n_layers)}
+        )
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = (
+            None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        )
         # Not persistent: derived from args, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
@@ -123,7 +133,8 @@ class Decoder(nn.Module):
         return h, rope, mask
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                cache: Optional[KVCache] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [b, s] (or hidden states [b, s, dim] on a later pipeline stage) -> logits
         [b, s, vocab] (hidden states on a stage before the last)."""
         h, _, _ = self.trunk(tokens, doc_ids, cache, positions)
@@ -143,7 +154,9 @@ def check_model_contract(model: nn.Module, where: str, context_parallel: bool = 
     if layers is not None and not isinstance(layers, nn.ModuleDict):
         problems.append(f"`layers` is a {type(layers).__name__}, not an nn.ModuleDict")
     elif layers is not None and list(layers) != [str(i) for i in range(len(layers))]:
-        problems.append(f"`layers` is keyed {list(layers)[:4]}..., not \"0\"..\"{len(layers) - 1}\"")
+        problems.append(
+            f"`layers` is keyed {list(layers)[:4]}..., not \"0\"..\"{len(layers) - 1}\""
+        )
     for name in ("init_weights", "forward"):
         if not callable(getattr(model, name, None)):
             problems.append(f"no method `{name}`")
@@ -155,7 +168,9 @@ def check_model_contract(model: nn.Module, where: str, context_parallel: bool = 
             problems.append(f"forward() takes no `{name}` argument")
     for name, layer in (layers.items() if isinstance(layers, nn.ModuleDict) else ()):
         if not callable(getattr(layer, "init_weights", None)):
-            problems.append(f"layer {name} ({type(layer).__name__}) has no init_weights(std, out_std)")
+            problems.append(
+                f"layer {name} ({type(layer).__name__}) has no init_weights(std, out_std)"
+            )
         if context_parallel and not any(isinstance(m, CoreAttention) for m in layer.modules()):
             problems.append(f"layer {name} ({type(layer).__name__}) does not attend through "
                             "lingua.transformer.CoreAttention")

@@ -15,9 +15,9 @@ handle better than complex ones.
 """
 
 import functools
-from dataclasses import dataclass
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -62,25 +62,27 @@ def validate_transformer_args(args: TransformerArgs) -> None:
         if getattr(args, name) <= 0:
             raise ConfigError(f"model.{name}={getattr(args, name)} must be a positive integer.")
     if args.n_kv_heads is not None and args.n_kv_heads <= 0:
-        raise ConfigError(f"model.n_kv_heads={args.n_kv_heads} must be positive (or null for n_heads).")
+        raise ConfigError(
+            f"model.n_kv_heads={args.n_kv_heads} must be positive (or null for n_heads)."
+        )
     if args.init_std <= 0 or args.norm_eps <= 0 or args.rope_theta <= 0:
         raise ConfigError("model.init_std, model.norm_eps and model.rope_theta must be positive.")
     if args.dim % args.n_heads:
         raise ConfigError(
-            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}: each head gets "
-            "dim / n_heads channels. Pick n_heads dividing dim (e.g. dim=256 with n_heads=8)."
+            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}: each head "
+            "gets dim / n_heads channels. Pick n_heads dividing dim (e.g. dim=256 with n_heads=8)."
         )
     n_kv = args.n_kv_heads or args.n_heads
     if args.n_heads % n_kv:
         raise ConfigError(
-            f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={n_kv}: in grouped-query "
-            "attention each key/value head serves the same number of query heads. Set n_kv_heads to a "
-            f"divisor of {args.n_heads}."
+            f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={n_kv}: in "
+            "grouped-query attention each key/value head serves the same number of query heads. "
+            f"Set n_kv_heads to a divisor of {args.n_heads}."
         )
     if (args.dim // args.n_heads) % 2:
         raise ConfigError(
-            f"head_dim = model.dim / model.n_heads = {args.dim // args.n_heads} is odd; RoPE rotates "
-            "channel pairs, so it must be even. Change dim or n_heads."
+            f"head_dim = model.dim / model.n_heads = {args.dim // args.n_heads} is odd; RoPE "
+            "rotates channel pairs, so it must be even. Change dim or n_heads."
         )
     if args.attn_backend not in ATTN_BACKENDS:
         raise ConfigError(
@@ -95,7 +97,6 @@ def validate_transformer_args(args: TransformerArgs) -> None:
         )
 
 
-
 def _eager_plain(*tensors) -> bool:
     """Take the hand-written autograd path (RMSNorm, RoPE)? Only for plain tensors in eager
     mode: inductor fuses the composite ops better itself, and a DTensor (sequence parallelism)
@@ -107,7 +108,7 @@ class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm with a written-out backward: the same arithmetic as the composite
     (x * rsqrt(mean(x^2) + eps)).type_as(x) * weight, in about half the memory passes (autograd
     of the composite makes ~15 over [b, s, dim] per norm; on CPU these passes, not FLOPs, are
-    the cost: ~8% of a small model's step)."""
+    the cost: see BENCHMARKS.md, "Where a LLaMA training step's time goes on CPU")."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -171,7 +172,9 @@ def rope_inv_freq(
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = original_max_seq_len / low_freq_factor
     high_freq_wavelen = original_max_seq_len / high_freq_factor
-    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
     smoothed = (1 - smooth) * inv_freq / scale_factor + smooth * inv_freq
     out = torch.where(wavelen > low_freq_wavelen, inv_freq / scale_factor, smoothed)
     return torch.where(wavelen < high_freq_wavelen, inv_freq, out)
@@ -179,7 +182,8 @@ def rope_inv_freq(
 
 def rope_cos_sin(inv_freq: torch.Tensor, max_seq_len: int, device=None,
                  dtype=torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_seq_len, head_dim] in the rotate_half layout (frequencies repeated twice).
+    """cos, sin tables [max_seq_len, head_dim] in the rotate_half layout (frequencies repeated
+    twice).
 
     Angles are formed in fp64 then rounded once: an fp32 product pos * freq is off by up to
     ~1e-3 rad at positions near 1e5.
@@ -224,7 +228,8 @@ class _RopeFunction(torch.autograd.Function):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, s, h, d]; cos/sin [s, d]. Computed in (at least) fp32 so bf16 runs keep exact positions."""
+    """x [b, s, h, d]; cos/sin [s, d]. Computed in (at least) fp32 so bf16 runs keep exact
+    positions."""
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     if _eager_plain(x, cos, sin):
         return _RopeFunction.apply(x, cos, sin)
@@ -267,7 +272,8 @@ _FLEX_CPU_TRAINING = (
 
 
 def check_attn_backend(name: str, device_type: str, training: bool = True) -> None:
-    """Raise ConfigError if `name` cannot run on `device_type` ("cpu", "cuda"); call before any work."""
+    """Raise ConfigError if `name` cannot run on `device_type` ("cpu", "cuda"); call before any
+    work."""
     if name not in ATTN_BACKENDS:
         raise ConfigError(
             f"model.attn_backend={name!r} is not a known attention backend. "
@@ -298,7 +304,9 @@ def _causal_block_mask(seq_len: int, device: str):
     return create_block_mask(lambda b, h, q, k: q >= k, None, None, seq_len, seq_len, device=device)
 
 
-def make_attn_mask(backend: str, doc_ids: Optional[torch.Tensor], seq_len: int, device: torch.device):
+def make_attn_mask(
+    backend: str, doc_ids: Optional[torch.Tensor], seq_len: int, device: torch.device
+):
     """Build the mask object `attention` needs, once per forward (shared by all layers).
 
     A token attends to earlier tokens of its own document when `doc_ids` [b, s] is given, else to
@@ -320,7 +328,9 @@ def make_attn_mask(backend: str, doc_ids: Optional[torch.Tensor], seq_len: int, 
         def doc_causal(b, h, q, k):
             return (q >= k) & (doc_ids[b, q] == doc_ids[b, k])
 
-        return create_block_mask(doc_causal, doc_ids.shape[0], None, seq_len, seq_len, device=str(device))
+        return create_block_mask(
+            doc_causal, doc_ids.shape[0], None, seq_len, seq_len, device=str(device)
+        )
     if backend == "xformers":
         check_attn_backend("xformers", torch.device(device).type)
         from xformers.ops import fmha
@@ -356,7 +366,9 @@ def _flex_attention(q, k, v, block_mask):
     return _compiled_flex(q, k, v, block_mask=block_mask)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, mask=None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, mask=None
+) -> torch.Tensor:
     """q [b, s, h, d], k/v [b, s, h_kv, d] -> [b, s, h, d]. k/v may have fewer heads than q
     (grouped-query attention) for sdpa only, which groups them itself (enable_gqa); the other
     backends take them repeated to h heads (repeat_kv)."""
@@ -372,9 +384,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, m
     if backend == "flex":
         out = _flex_attention(q, k, v, mask)
     elif mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+        )
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]
+        )
     return out.transpose(1, 2)
 
 
@@ -386,17 +402,20 @@ class KVCache:
     """Keys/values of the positions seen so far, for every attention layer (keyed like `layers`).
 
     A layer's buffers are made at its first update, shaped like the keys it caches: under tensor
-    parallelism a rank holds n_kv_heads / tp heads, which only the layer's output knows.
-    (`n_kv_heads`, `head_dim`, `device` and `dtype` are kept for callers that pass them.)
+    parallelism a rank holds n_kv_heads / tp heads, which only the layer's output knows; device
+    and dtype come from the keys too.
     """
 
-    def __init__(self, layer_keys, batch: int, max_len: int, n_kv_heads: Optional[int] = None,
-                 head_dim: Optional[int] = None, device=None, dtype=torch.float32):
-        self.kv: Dict[str, Optional[Tuple[torch.Tensor, torch.Tensor]]] = {key: None for key in layer_keys}
+    def __init__(self, layer_keys, batch: int, max_len: int):
+        self.kv: Dict[str, Optional[Tuple[torch.Tensor, torch.Tensor]]] = {
+            key: None for key in layer_keys
+        }
         self.batch, self.max_len = batch, max_len
         self.pos = 0  # positions already cached; the next token's absolute position
 
-    def update(self, key: str, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key: str, k: torch.Tensor, v: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.kv[key] is None:
             shape = (k.shape[0], self.max_len, *k.shape[2:])
             self.kv[key] = (k.new_zeros(shape), v.new_zeros(shape))
@@ -419,7 +438,7 @@ class KVCache:
 class CoreAttention(nn.Module):
     """softmax(QK^T)V over heads: the attention kernel call every app's attention block makes
     through this module (one contract of apps' model files, checked at start by
-    lingua.coverage.check_model_contract). Context parallelism finds it by type and replaces it
+    lingua.decoder.check_model_contract). Context parallelism finds it by type and replaces it
     with a version that sees every rank's keys and values; the probe hooks it for attention
     statistics. Its inputs are q, k, v [b, s, heads, head_dim] after RoPE, with k/v repeated to
     the query heads (repeat_kv) unless `grouped_kv_ok`, and the mask the decoder shell built.
@@ -441,14 +460,14 @@ class CoreAttention(nn.Module):
 
 def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:
     """Whether an attention block may pass `core` k/v with fewer heads than q: sdpa groups them
-    itself (enable_gqa), without repeat_kv's copy and its backward (~5% of a small GQA model's
-    CPU step). Only for a CoreAttention on the plain sdpa call (the other backends, and a module
-    that replaces it under context parallelism, take k/v repeated), on CPU, where it was
-    measured, with no mask. On CUDA sdpa groups heads in its flash kernel only (bf16/fp16,
-    sm80+); fp32, a mask, or an older GPU would fall back to the math kernel (slow, [s, s]
-    scores in memory), so CUDA keeps repeat_kv and the fused kernels it always had. The answer
-    never depends on who watches the module (the probe repeats grouped heads itself), so a
-    probed step computes exactly like an unprobed one."""
+    itself (enable_gqa), without repeat_kv's copy and its backward (see BENCHMARKS.md, "Where a
+    LLaMA training step's time goes on CPU"). Only for a CoreAttention on the plain sdpa call
+    (the other backends, and a module that replaces it under context parallelism, take k/v
+    repeated), on CPU, where it was measured, with no mask. On CUDA sdpa groups heads in its
+    flash kernel only (bf16/fp16, sm80+); fp32, a mask, or an older GPU would fall back to the
+    math kernel (slow, [s, s] scores in memory), so CUDA keeps repeat_kv and its fused kernels.
+    The answer never depends on who watches the module (the probe repeats grouped heads
+    itself), so a probed step computes exactly like an unprobed one."""
     return (q.device.type == "cpu" and mask is None and isinstance(core, CoreAttention)
             and core.backend == "sdpa")
 

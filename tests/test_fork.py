@@ -76,7 +76,8 @@ def apply_recipe(root: Path, diff: str) -> Path:
     shell, _ = readme_recipe()
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", shell], cwd=root,
                           capture_output=True, text=True)
-    assert proc.returncode == 0, f"the README's shell block failed:\n{shell}\n{proc.stdout}{proc.stderr}"
+    assert proc.returncode == 0, (f"the README's shell block failed:\n{shell}\n"
+                                  f"{proc.stdout}{proc.stderr}")
     apply_patch(root, diff)
     return root
 
@@ -95,9 +96,11 @@ def run_in(root: Path, args: list, nproc: int = 1, module: str = "apps.myarch.tr
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module, *args]
-    proc = subprocess.run(cmd, cwd=root, env=env_for(root), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=root, env=env_for(root), capture_output=True, text=True,
+                          timeout=300)
     if check:
-        assert proc.returncode == 0, f"{' '.join(cmd[2:5])} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, (f"{' '.join(cmd[2:5])} failed ({proc.returncode}):\n"
+                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
@@ -140,7 +143,8 @@ def test_recipe_changes_only_the_fork(fork):
     added = sorted(set(after) - set(before))
     outside = [p for p in changed + added if not p.startswith(FORK_DIRS)]
     assert not outside, f"the README's recipe changed or made files outside {FORK_DIRS}: {outside}"
-    assert {"apps/myarch/model.py", "apps/myarch/train.py", "configs/myarch/debug.yaml"} <= set(added)
+    made = {"apps/myarch/model.py", "apps/myarch/train.py", "configs/myarch/debug.yaml"}
+    assert made <= set(added)
     for path in (root / "apps" / "myarch").glob("*.py"):
         assert "apps.llama" not in path.read_text(), f"{path.name} still refers to apps.llama"
     assert "self.q_norm = RMSNorm" in (root / "apps/myarch/model.py").read_text()
@@ -177,14 +181,18 @@ def diff_part(diff: str, path: str) -> str:
 
 @pytest.mark.distributed
 def test_tp_without_the_plan_hunk_is_refused_naming_its_lines(corpus, tmp_path):
-    """lingua/coverage.py asks, at start, for exactly the lines the README's parallelize.py hunk adds."""
+    """lingua/coverage.py asks, at start, for exactly the lines the README's parallelize.py hunk
+    adds."""
     diff = readme_recipe()[1]
-    added = [line[1:].strip().rstrip(",") for line in diff_part(diff, "apps/myarch/parallelize.py").splitlines()
-             if line.startswith("+") and not line.startswith("+++") and not line[1:].strip().startswith("#")]
+    hunk = diff_part(diff, "apps/myarch/parallelize.py").splitlines()
+    added = [line[1:].strip().rstrip(",") for line in hunk
+             if line.startswith("+") and not line.startswith("+++")
+             and not line[1:].strip().startswith("#")]
     assert len(added) == 2, added
-    root = apply_recipe(copy_repo(tmp_path / "fork"), diff_without(diff, "apps/myarch/parallelize.py"))
-    proc = run_in(root, tiny_args(corpus, tmp_path / "run", "distributed.tp=2", "distributed.dp_shard=1",
-                                  steps=1), nproc=2, check=False)
+    root = apply_recipe(copy_repo(tmp_path / "fork"),
+                        diff_without(diff, "apps/myarch/parallelize.py"))
+    proc = run_in(root, tiny_args(corpus, tmp_path / "run", "distributed.tp=2",
+                                  "distributed.dp_shard=1", steps=1), nproc=2, check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
     assert "layers.0.attention.q_norm.weight (not reduced over tp=2)" in log, log[-3000:]
@@ -236,7 +244,8 @@ def test_export_maps_the_new_weights(fork, reference, tmp_path):
 
 
 def test_export_without_the_hf_hunk_refuses_naming_the_weight(fork, reference, tmp_path):
-    root = apply_recipe(copy_repo(tmp_path / "fork"), diff_without(readme_recipe()[1], "apps/myarch/hf.py"))
+    root = apply_recipe(copy_repo(tmp_path / "fork"),
+                        diff_without(readme_recipe()[1], "apps/myarch/hf.py"))
     out = tmp_path / "hf"
     proc = run_in(root, ["export", str(final_checkpoint(reference, STEPS)), str(out)],
                   module="apps.myarch.hf", check=False)
@@ -247,19 +256,22 @@ def test_export_without_the_hf_hunk_refuses_naming_the_weight(fork, reference, t
 
 
 def shared_runs(a_lines, b_lines, length):
-    """Runs of `length` identical consecutive lines (stripped, blank lines and comments ignored)."""
+    """Runs of `length` identical consecutive lines (stripped, blank lines and comments
+    ignored)."""
     def norm(lines):
         return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
     a, b = norm(a_lines), norm(b_lines)
     windows = {tuple(b[i:i + length]) for i in range(len(b) - length + 1)}
-    return [a[i:i + length] for i in range(len(a) - length + 1) if tuple(a[i:i + length]) in windows]
+    return [a[i:i + length] for i in range(len(a) - length + 1)
+            if tuple(a[i:i + length]) in windows]
 
 
 def test_llama_and_moe_apps_share_no_block_of_ten_lines():
     """What both apps need lives in lingua/: a fix there reaches both, nothing drifts."""
     for llama_file in (REPO / "apps" / "llama").glob("*.py"):
         for moe_file in (REPO / "apps" / "moe").glob("*.py"):
-            runs = shared_runs(llama_file.read_text().splitlines(), moe_file.read_text().splitlines(), 10)
+            runs = shared_runs(llama_file.read_text().splitlines(),
+                               moe_file.read_text().splitlines(), 10)
             assert not runs, f"{llama_file.name} and {moe_file.name} share:\n" + "\n".join(runs[0])
 
 

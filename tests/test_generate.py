@@ -5,14 +5,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-
-from lingua import checkpoint
 import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from apps.llama.generate import generate, sample_next
 from apps.llama.model import LlamaArgs, Transformer
+from lingua import checkpoint
 from lingua.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +41,8 @@ def test_cached_greedy_equals_full_forward():
     ref = greedy_by_full_forward(model, PROMPT, 30)
     assert len(set(ref)) > 5  # a non-degenerate sequence, so agreement means something
     assert generate(model, PROMPT, 30) == ref
-    assert generate(model, [256], 10) == greedy_by_full_forward(model, [256], 10)  # one-token prompt
+    # A one-token prompt.
+    assert generate(model, [256], 10) == greedy_by_full_forward(model, [256], 10)
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():
@@ -51,7 +51,8 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
     gen = torch.Generator().manual_seed(0)
     assert generate(model, PROMPT, 20, temperature=1.0, top_k=1, generator=gen) == greedy
     assert generate(model, PROMPT, 20, temperature=1.0, top_p=1e-6, generator=gen) == greedy
-    hot = [generate(model, PROMPT, 20, temperature=2.0, generator=torch.Generator().manual_seed(s)) for s in (1, 1, 2)]
+    hot = [generate(model, PROMPT, 20, temperature=2.0,
+                    generator=torch.Generator().manual_seed(seed)) for seed in (1, 1, 2)]
     assert hot[0] == hot[1] and hot[0] != greedy and hot[0] != hot[2]  # seeded, and really sampling
 
 
@@ -103,7 +104,8 @@ def test_cli_end_to_end(tmp_path):
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt))
     cfg = {"model": asdict(ARGS), "data": {"tokenizer": {"kind": "bytes", "path": None}}}
     OmegaConf.save(OmegaConf.create(cfg), ckpt / "config.yaml")
-    checkpoint.write_manifest(ckpt)  # what save() adds: export/generate refuse a checkpoint without one
+    # What save() adds: export/generate refuse a checkpoint without one.
+    checkpoint.write_manifest(ckpt)
     prompts = ["Hello", "Once upon a time", "abc"]
     (tmp_path / "prompts.txt").write_text("Once upon a time\n\nabc\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -122,8 +124,8 @@ def test_cli_end_to_end(tmp_path):
         expected += f"prompt: {text}\ncompletion: {tok.decode(ids)}\n\n"
     assert proc.stdout == expected
 
-    bad = subprocess.run(cmd[:4] + ["--prompts-file", "missing.txt"], capture_output=True, text=True,
-                         env=env, cwd=tmp_path)
+    bad = subprocess.run(cmd[:4] + ["--prompts-file", "missing.txt"], capture_output=True,
+                         text=True, env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "missing.txt does not exist" in bad.stderr
 
 
@@ -142,10 +144,12 @@ def _make_run(root: Path, app: str) -> dict:
     import importlib
 
     model_module = importlib.import_module(f"apps.{app}.model")
-    args = model_module.LlamaArgs(**{k: getattr(ARGS, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
-                                                                    "vocab_size", "multiple_of", "max_seq_len",
-                                                                    "init_std")})
-    cfg = OmegaConf.create({"model": asdict(args), "data": {"tokenizer": {"kind": "bytes", "path": None}}})
+    args_class = getattr(model_module, {"llama": "LlamaArgs", "mtp": "MTPArgs"}[app])
+    shape = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+             "max_seq_len", "init_std")
+    args = args_class(**{k: getattr(ARGS, k) for k in shape})
+    cfg = OmegaConf.create({"model": asdict(args),
+                            "data": {"tokenizer": {"kind": "bytes", "path": None}}})
     root.mkdir(parents=True)
     OmegaConf.save(cfg, root / "config.yaml")
     models = {}
@@ -225,8 +229,10 @@ def test_missing_step_and_wrong_directories_are_named(name, runs, tmp_path, caps
     (fresh / "config.yaml").write_text((run / "config.yaml").read_text())
     (tmp_path / "empty").mkdir()
     cases = [
-        (run / "checkpoints" / "7", f"no checkpoint 7 in {run / 'checkpoints'}; the run has: 5, 10. "),
-        (fresh / "checkpoints" / "7", f"no checkpoint 7 in {fresh / 'checkpoints'}; the run has: none. "),
+        (run / "checkpoints" / "7",
+         f"no checkpoint 7 in {run / 'checkpoints'}; the run has: 5, 10. "),
+        (fresh / "checkpoints" / "7",
+         f"no checkpoint 7 in {fresh / 'checkpoints'}; the run has: none. "),
         (fresh, f"{fresh} has no complete checkpoint"),
         (tmp_path / "empty", f"{tmp_path / 'empty'} is neither a run directory (dump_dir"),
         (tmp_path / "nowhere", f"{tmp_path / 'nowhere'} does not exist"),

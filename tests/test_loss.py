@@ -1,6 +1,7 @@
-"""The loss as training calls it (lingua.loss.for_training): compiled under distributed.compile=true,
-with the same values and gradients as the eager loss for every app, and the memory the compiled
-cross-entropy is for (it keeps the logits in their own dtype, not fp32 log-probabilities)."""
+"""The loss as training calls it (lingua.loss.for_training): compiled under
+distributed.compile=true, with the same values and gradients as the eager loss for every app, and
+the memory the compiled cross-entropy is for (it keeps the logits in their own dtype, not fp32
+log-probabilities)."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ VOCAB = 1000
 def _apps():
     from apps.llama.train import APP as llama
     from apps.moe.train import APP as moe
-    from apps.mtp.model import LlamaArgs as MtpArgs
+    from apps.mtp.model import MTPArgs
     from apps.mtp.train import batch_inputs as mtp_inputs
     from apps.mtp.train import make_app
 
@@ -24,7 +25,8 @@ def _apps():
     return {
         "llama": (llama.loss, lambda: torch.randn(b, s, VOCAB), labels),
         "moe": (moe.loss, lambda: (torch.randn(b, s, VOCAB), torch.rand(3)), labels),
-        "mtp": (make_app(MtpArgs(mtp_depth=2)).loss, lambda: torch.randn(3, b, s, VOCAB), mtp_target),
+        "mtp": (make_app(MTPArgs(mtp_depth=2)).loss, lambda: torch.randn(3, b, s, VOCAB),
+                mtp_target),
     }
 
 
@@ -69,8 +71,10 @@ def test_compiled_loss_matches_the_eager_one_in_one_graph(app):
 def test_the_loss_stays_eager_without_compile_or_under_loss_parallelism():
     from apps.llama.train import APP
 
-    assert loss_module.for_training(APP.loss, compile=False, backend="inductor", loss_parallel=False) is APP.loss
-    assert loss_module.for_training(APP.loss, compile=True, backend="inductor", loss_parallel=True) is APP.loss
+    assert loss_module.for_training(APP.loss, compile=False, backend="inductor",
+                                    loss_parallel=False) is APP.loss
+    assert loss_module.for_training(APP.loss, compile=True, backend="inductor",
+                                    loss_parallel=True) is APP.loss
 
 
 def _saved_bytes(fn, logits, labels) -> int:
@@ -88,14 +92,15 @@ def test_compiled_cross_entropy_keeps_bf16_logits_not_fp32_log_probabilities():
     logits = torch.randn(1, tokens, VOCAB, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, VOCAB, (1, tokens))
     eager = _saved_bytes(APP.loss, logits, labels)
-    compiled = _saved_bytes(loss_module.for_training(APP.loss, True, "inductor", False), logits, labels)
+    compiled = _saved_bytes(loss_module.for_training(APP.loss, True, "inductor", False), logits,
+                            labels)
     assert eager >= 4 * tokens * VOCAB, eager
     assert compiled <= 2 * tokens * VOCAB + 64 * tokens, compiled
 
 
 @pytest.mark.parametrize("device", [
     "cpu",
-    # The GPU runbook's check that inductor's Triton code for it agrees too (never run yet).
+    # The GPU runbook's check that inductor's Triton code for it agrees too.
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
 ])
@@ -130,7 +135,8 @@ def test_compiled_token_loss_sum_is_cross_entropy_with_its_gradient(dtype, devic
             graphs.append(gm)
             return compile_fx(gm, example_inputs)
 
-        got = torch.compile(tensor_parallel.token_loss_sum, backend=inductor_recording)(compiled_in, labels)
+        got = torch.compile(tensor_parallel.token_loss_sum,
+                            backend=inductor_recording)(compiled_in, labels)
         calls = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
         assert "autograd_function_apply" in calls, calls  # ours, not F.cross_entropy traced
         assert torch.isfinite(want) and torch.isfinite(got)

@@ -7,8 +7,14 @@ import torch.nn.functional as F
 
 from apps.llama.model import LlamaArgs, Transformer, validate_model_args
 from lingua.errors import ConfigError
-from lingua.transformer import (attention, check_attn_backend, ffn_hidden_dim, make_attn_mask,
-                                rope_cos_sin, rope_inv_freq)
+from lingua.transformer import (
+    attention,
+    check_attn_backend,
+    ffn_hidden_dim,
+    make_attn_mask,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 # init_std 0.3 makes attention sharp, so masking or position mistakes show up in the logits.
 TINY = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, multiple_of=32,
@@ -34,7 +40,8 @@ def test_forward_shapes_and_backward():
     F.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     assert set(model.layers.keys()) == {"0", "1"}
-    assert not any("rope" in k for k in model.state_dict())  # derived buffers stay out of checkpoints
+    # Derived buffers stay out of checkpoints.
+    assert not any("rope" in k for k in model.state_dict())
 
 
 def test_meta_build_to_empty_init_is_deterministic():
@@ -60,7 +67,8 @@ def test_meta_build_to_empty_init_is_deterministic():
         expected = TINY.init_std / math.sqrt(2 * (i + 1))
         for w in (a.layers[str(i)].attention.wo.weight, a.layers[str(i)].feed_forward.w2.weight):
             assert w.std().item() == pytest.approx(expected, rel=0.06)
-        assert a.layers[str(i)].attention.wq.weight.std().item() == pytest.approx(TINY.init_std, rel=0.06)
+        wq_std = a.layers[str(i)].attention.wq.weight.std().item()
+        assert wq_std == pytest.approx(TINY.init_std, rel=0.06)
         assert torch.equal(a.layers[str(i)].ffn_norm.weight, torch.ones(TINY.dim))
 
 
@@ -73,7 +81,8 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
         for name in ("wk", "wv"):
             key = f"layers.{i}.attention.{name}.weight"
             # kv head j serves query heads 2j and 2j+1: duplicate each head's rows
-            sd[key] = sd[key].view(2, hd, TINY.dim).repeat_interleave(2, dim=0).reshape(4 * hd, TINY.dim)
+            sd[key] = (sd[key].view(2, hd, TINY.dim).repeat_interleave(2, dim=0)
+                       .reshape(4 * hd, TINY.dim))
     mha.load_state_dict(sd)
     assert gqa.layers["0"].attention.wk.weight.shape == (2 * hd, TINY.dim)
     x = tokens(2, 20)
@@ -93,7 +102,8 @@ def _doc_ids(s):
 @pytest.mark.parametrize("seq_len", [37, 130])
 def test_sdpa_and_flex_agree(seq_len):
     # The attention function in fp32 on unit-scale inputs ...
-    q, k, v = torch.randn(3, 2, seq_len, 4, 16, generator=torch.Generator().manual_seed(0)).unbind(0)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 2, seq_len, 4, 16, generator=gen).unbind(0)
     for doc_ids in (None, _doc_ids(seq_len)):
         ref = attention(q, k, v, "sdpa", make_attn_mask("sdpa", doc_ids, seq_len, q.device))
         out = attention(q, k, v, "flex", make_attn_mask("flex", doc_ids, seq_len, q.device))
@@ -126,9 +136,11 @@ def test_doc_masking_hides_earlier_documents(backend):
 
 
 def test_sdpa_doc_masking_equals_separate_documents():
-    # fp64 with fp64 RoPE tables: positions shift between packed and alone, so fp32 rounding differs
+    # fp64 with fp64 RoPE tables: positions shift between packed and alone, so fp32 rounding
+    # differs.
     model = build().double()
-    model.rope_cos, model.rope_sin = rope_cos_sin(rope_inv_freq(16, TINY.rope_theta), 64, dtype=torch.float64)
+    model.rope_cos, model.rope_sin = rope_cos_sin(rope_inv_freq(16, TINY.rope_theta), 64,
+                                                  dtype=torch.float64)
     x = tokens(2, 50)
     doc_ids = _doc_ids(50)
     with torch.no_grad():
@@ -141,11 +153,12 @@ def test_sdpa_doc_masking_equals_separate_documents():
 
 
 def test_rope_llama31_scaling_by_hand():
-    # head_dim 8, theta 1e4: inverse frequencies 1, 0.1, 0.01, 0.001 (wavelengths 2*pi*1, 10, 100, 1000).
+    # head_dim 8, theta 1e4: inverse frequencies 1, 0.1, 0.01, 0.001 (wavelengths 2*pi*1, 10,
+    # 100, 1000).
     plain = rope_inv_freq(8, 10000.0)
     torch.testing.assert_close(plain, torch.tensor([1.0, 0.1, 0.01, 0.001], dtype=torch.float64))
-    # original context 1000, low/high freq factors 1/4: wavelengths < 250 kept, > 1000 divided by 8,
-    # between: (1-s)*f/8 + s*f with s = (1000/wavelen - 1) / 3.
+    # original context 1000, low/high freq factors 1/4: wavelengths < 250 kept, > 1000 divided
+    # by 8, between: (1-s)*f/8 + s*f with s = (1000/wavelen - 1) / 3.
     scaled = rope_inv_freq(8, 10000.0, scaling=True, scale_factor=8.0, low_freq_factor=1.0,
                            high_freq_factor=4.0, original_max_seq_len=1000)
     s = (10 / (2 * math.pi) - 1) / 3  # 0.1971831
@@ -158,8 +171,10 @@ def test_rope_llama31_scaling_by_hand():
     model = build(**args)
     pos = 7
     freqs = torch.cat([expected, expected])
-    torch.testing.assert_close(model.rope_cos[pos], torch.cos(pos * freqs).float(), atol=1e-7, rtol=0)
-    torch.testing.assert_close(model.rope_sin[pos], torch.sin(pos * freqs).float(), atol=1e-7, rtol=0)
+    torch.testing.assert_close(model.rope_cos[pos], torch.cos(pos * freqs).float(),
+                               atol=1e-7, rtol=0)
+    torch.testing.assert_close(model.rope_sin[pos], torch.sin(pos * freqs).float(),
+                               atol=1e-7, rtol=0)
 
 
 def test_tied_embeddings_share_the_embedding_matrix():
@@ -175,7 +190,8 @@ def test_tied_embeddings_share_the_embedding_matrix():
     torch.testing.assert_close(tied(x), untied(x))
     # the one matrix gets gradient from both the input lookup and the output projection
     tied(x).logsumexp(-1).sum().backward()
-    assert (tied.tok_embeddings.weight.grad.abs().sum(1) > 0).all()  # every vocab row, not just inputs
+    # Every vocab row, not just the inputs'.
+    assert (tied.tok_embeddings.weight.grad.abs().sum(1) > 0).all()
 
 
 def test_pipeline_stages_compose_to_the_full_model():
@@ -211,7 +227,8 @@ def test_attention_backend_checks():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(dim=60, n_heads=8), r"model.dim=60 is not divisible by model.n_heads=8"),
-    (dict(n_heads=4, n_kv_heads=3), r"model.n_heads=4 is not divisible by model.n_kv_heads=3.*divisor of 4"),
+    (dict(n_heads=4, n_kv_heads=3),
+     r"model.n_heads=4 is not divisible by model.n_kv_heads=3.*divisor of 4"),
     (dict(dim=60, n_heads=4, n_kv_heads=None), r"head_dim .* 15 is odd"),
     (dict(attn_backend="flash"), r"attn_backend='flash'"),
     (dict(n_layers=0), r"model.n_layers=0 must be a positive"),
@@ -252,7 +269,8 @@ def test_model_contract_names_what_a_fork_broke():
         check_model_contract(broken, "apps/fork/model.py")
     with torch.device("meta"):
         renamed = Transformer(args)
-    renamed.layers["1"].attention.core = torch.nn.Identity()  # its own kernel call: CP cannot reach it
+    # Its own kernel call: CP cannot reach it.
+    renamed.layers["1"].attention.core = torch.nn.Identity()
     check_model_contract(renamed, "apps/fork/model.py")       # fine without CP
     with pytest.raises(ConfigError, match=r"layer 1 .*does not attend through "
                                           r"lingua.transformer.CoreAttention"):

@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from apps.llama.model import LlamaArgs as PlainArgs, Transformer as Llama
+from apps.llama.model import LlamaArgs
+from apps.llama.model import Transformer as Llama
 from apps.mtp import train
-from apps.mtp.model import LlamaArgs, Transformer
+from apps.mtp.model import MTPArgs, Transformer
 from tests.conftest import run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -37,7 +38,7 @@ def test_targets_look_ahead_and_pad_past_the_end():
 
 def test_loss_is_next_token_plus_weighted_mean_of_the_depths():
     torch.manual_seed(0)
-    args = LlamaArgs(**SMALL, mtp_depth=2, mtp_loss_weight=0.5)
+    args = MTPArgs(**SMALL, mtp_depth=2, mtp_loss_weight=0.5)
     model = Transformer(args)
     tokens = torch.randint(0, 40, (2, 12))
     labels = torch.randint(0, 40, (2, 12))
@@ -50,14 +51,16 @@ def test_loss_is_next_token_plus_weighted_mean_of_the_depths():
     rope, mask = model.rope_and_mask(12, None, None, None, h.device)
     for layer in model.layers.values():
         h = layer(h, rope, mask)
-    want = F.cross_entropy(model.output(model.norm(h)).flatten(0, 1), labels.flatten(), reduction="sum")
+    want = F.cross_entropy(model.output(model.norm(h)).flatten(0, 1), labels.flatten(),
+                           reduction="sum")
     depth_ce = []
     for k, module in enumerate(model.mtp.values(), start=1):
         future = torch.zeros_like(labels)
         future[:, :12 - k + 1] = labels[:, k - 1:]
         h = module(h, model.mtp_embeddings(future), rope, mask)
         logits = model.output(model.norm(h))[:, :12 - k]
-        depth_ce.append(F.cross_entropy(logits.flatten(0, 1), labels[:, k:].flatten(), reduction="sum"))
+        depth_ce.append(F.cross_entropy(logits.flatten(0, 1), labels[:, k:].flatten(),
+                                        reduction="sum"))
     torch.testing.assert_close(out.loss_sum, want + 0.5 / 2 * (depth_ce[0] + depth_ce[1]))
     assert out.tokens == 24
     assert out.metrics["mtp/ce_2"][1] == 2 * (12 - 2)
@@ -67,8 +70,8 @@ def test_loss_is_next_token_plus_weighted_mean_of_the_depths():
 def test_main_path_is_llama_with_the_same_weights():
     """Without future tokens (generation, validation) the fork computes what apps/llama does."""
     torch.manual_seed(0)
-    model = Transformer(LlamaArgs(**SMALL, mtp_depth=1))
-    llama = Llama(PlainArgs(**SMALL))
+    model = Transformer(MTPArgs(**SMALL, mtp_depth=1))
+    llama = Llama(LlamaArgs(**SMALL))
     missing = llama.load_state_dict({k: v for k, v in model.state_dict().items()
                                      if not k.startswith("mtp")}, strict=True)
     assert not missing.missing_keys
@@ -143,4 +146,5 @@ def test_probe_sees_the_mtp_modules(corpus, tmp_path):
     dump = tmp_path / "probed"
     train.main(tiny_args(corpus, dump, "probe.every=2", "data.batch_size=4", steps=2))
     modules = set(probe.read(dump)["module"])
-    assert {"mtp.0.proj", "mtp.0.block.attention.core", "layers.1.attention.core"} <= modules, sorted(modules)[:40]
+    want = {"mtp.0.proj", "mtp.0.block.attention.core", "layers.1.attention.core"}
+    assert want <= modules, sorted(modules)[:40]

@@ -1,8 +1,8 @@
 """Text generation with a KV cache: greedy, temperature, top-k and top-p sampling.
 
-CLI: python -m apps.llama.generate <run_dir or checkpoint_dir> --prompt "Once upon" [--prompt ...]
-         [--prompts-file f.txt] [--max-new-tokens 64] [--temperature 0.8] [--top-k 50]
-         [--top-p 0.95] [--seed 0] [--device cpu]
+CLI: python -m apps.llama.generate <run_dir or checkpoint_dir> --prompt "Once upon"
+         [--prompt ...] [--prompts-file f.txt] [--max-new-tokens 64] [--temperature 0.8]
+         [--top-k 50] [--top-p 0.95] [--seed 0] [--device cpu]
 
 A run directory (dump_dir) means its newest complete checkpoint, <dump_dir>/checkpoints/<step>.
 """
@@ -22,7 +22,8 @@ from lingua.transformer import KVCache
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                top_p: Optional[float] = None,
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """logits [b, vocab] -> next token ids [b]. temperature 0 is greedy (argmax)."""
     if temperature <= 0:
         return logits.argmax(-1)
@@ -42,27 +43,30 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: List[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: Optional[int] = None, top_p: Optional[float] = None, eos_id: Optional[int] = None,
+def generate(model: Transformer, prompt: List[int], max_new_tokens: int,
+             temperature: float = 0.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, eos_id: Optional[int] = None,
              generator: Optional[torch.Generator] = None) -> List[int]:
     """New token ids after `prompt` (stops after eos_id, which is included, or max_new_tokens)."""
     args = model.args
     total = len(prompt) + max_new_tokens
-    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-        raise ConfigError(f"sampling needs temperature >= 0 (got {temperature}), top_k >= 1 (got {top_k}) "
-                          f"and 0 < top_p <= 1 (got {top_p}).")
+    bad_top_k = top_k is not None and top_k < 1
+    bad_top_p = top_p is not None and not 0 < top_p <= 1
+    if temperature < 0 or bad_top_k or bad_top_p:
+        raise ConfigError(f"sampling needs temperature >= 0 (got {temperature}), top_k >= 1 "
+                          f"(got {top_k}) and 0 < top_p <= 1 (got {top_p}).")
     if not prompt:
         raise ConfigError("generate: the prompt is empty; encode it with a BOS token at least.")
     if total > args.max_seq_len:
-        raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                          f"model.max_seq_len={args.max_seq_len}; shorten one of them.")
+        raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) "
+                          f"exceeds model.max_seq_len={args.max_seq_len}; shorten one of them.")
     weight = next(model.parameters())
-    cache = KVCache(model.layers.keys(), 1, total, args.n_kv_heads or args.n_heads,
-                    args.dim // args.n_heads, weight.device, weight.dtype)
+    cache = KVCache(model.layers.keys(), 1, total)
     tokens = torch.tensor([prompt], device=weight.device)
     out: List[int] = []
     for _ in range(max_new_tokens):
-        logits = model(tokens, cache=cache)[:, -1]  # the prompt in one pass, then one token at a time
+        # The prompt in one pass, then one token at a time.
+        logits = model(tokens, cache=cache)[:, -1]
         tokens = sample_next(logits, temperature, top_k, top_p, generator)[:, None]
         out.append(int(tokens))
         if eos_id is not None and out[-1] == eos_id:
@@ -87,12 +91,14 @@ def load_model(target: str, device: str = "cpu"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_model_state(ckpt_dir, model)
     tok_cfg = cfg.get("data", {}).get("tokenizer", {}) or {}
-    tokenizer = build_tokenizer(TokenizerArgs(**OmegaConf.to_container(OmegaConf.create(tok_cfg), resolve=True)))
+    tok_args = OmegaConf.to_container(OmegaConf.create(tok_cfg), resolve=True)
+    tokenizer = build_tokenizer(TokenizerArgs(**tok_args))
     return model.eval(), tokenizer
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m apps.llama.generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m apps.llama.generate",
+                                description=__doc__.split("\n")[0])
     p.add_argument("checkpoint_dir", help="a run directory (its newest complete checkpoint) or "
                                           "<dump_dir>/checkpoints/<step>")
     p.add_argument("--prompt", action="append", default=[])
@@ -112,7 +118,9 @@ def main(argv=None) -> None:
                 raise ConfigError(f"--prompts-file {path} does not exist.")
             prompts += [line for line in path.read_text().splitlines() if line.strip()]
         if not prompts:
-            raise ConfigError("no prompt given: pass --prompt TEXT (repeatable) or --prompts-file FILE.")
+            raise ConfigError(
+                "no prompt given: pass --prompt TEXT (repeatable) or --prompts-file FILE."
+            )
         model, tok = load_model(ns.checkpoint_dir, ns.device)
         gen = torch.Generator(device=ns.device).manual_seed(ns.seed)
         for text in prompts:

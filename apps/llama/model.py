@@ -17,8 +17,16 @@ from torch import nn
 
 from lingua.decoder import Decoder
 from lingua.transformer import (
-    CoreAttention, FeedForward, KVCache, RMSNorm, TransformerArgs, apply_rope, ffn_hidden_dim,
-    grouped_kv_ok, repeat_kv, validate_transformer_args,
+    CoreAttention,
+    FeedForward,
+    KVCache,
+    RMSNorm,
+    TransformerArgs,
+    apply_rope,
+    ffn_hidden_dim,
+    grouped_kv_ok,
+    repeat_kv,
+    validate_transformer_args,
 )
 
 
@@ -63,8 +71,10 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads or args.n_heads, args.attn_backend)
-        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier))
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads or args.n_heads,
+                                   args.attn_backend)
+        hidden_dim = ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
+        self.feed_forward = FeedForward(args.dim, hidden_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -80,9 +90,11 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
     def init_weights(self, std: float, out_std: float):
-        for lin in (self.attention.wq, self.attention.wk, self.attention.wv, self.feed_forward.w1, self.feed_forward.w3):
+        attn, ffn = self.attention, self.feed_forward
+        for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
             nn.init.normal_(lin.weight, std=std)
-        # Residual-branch outputs start smaller so the residual stream's variance does not grow with depth.
+        # Residual-branch outputs start smaller so the residual stream's variance does not grow
+        # with depth.
         for lin in (self.attention.wo, self.feed_forward.w2):
             nn.init.normal_(lin.weight, std=out_std)
         self.attention_norm.reset_parameters()

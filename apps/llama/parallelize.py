@@ -11,7 +11,10 @@ parallel, activation checkpointing, compile, then FSDP (which must see the final
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
 )
 
 from lingua.context_parallel import apply_cp
@@ -54,7 +57,8 @@ def attention_tp_plan() -> dict:
     """
     return {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1),),
+                                        desired_input_layouts=(Replicate(),),
                                         use_local_output=True),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
@@ -67,7 +71,8 @@ def feed_forward_tp_plan() -> dict:
     """The SwiGLU half of a block: gathered input, w1/w3 column-sharded, w2 row-sharded."""
     return {
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),),
                                            use_local_output=True),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
@@ -78,7 +83,8 @@ def feed_forward_tp_plan() -> dict:
 def tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]:
     """(root_plan, block_plan) for lingua.tensor_parallel.apply_tp; `model` is the Transformer
     or one pipeline part of it."""
-    return decoder_root_plan(model, loss_parallel), {**attention_tp_plan(), **feed_forward_tp_plan()}
+    block_plan = {**attention_tp_plan(), **feed_forward_tp_plan()}
+    return decoder_root_plan(model, loss_parallel), block_plan
 
 
 def uses_loss_parallel(args: DistributedArgs) -> bool:

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 from apps.llama.hf import export_problems, load_hf
 from apps.llama.model import LlamaArgs, Transformer, validate_model_args
 from apps.llama.parallelize import parallelize_llama, uses_loss_parallel, validate_tp
-
-from lingua import hf as lingua_hf
 from lingua import config, trainer
+from lingua import hf as lingua_hf
 
 
 @dataclass

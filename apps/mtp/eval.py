@@ -1,8 +1,9 @@
 """Evaluate a checkpoint of this app on downstream tasks (lm-evaluation-harness):
 
-    python -m apps.mtp.eval <dump_dir or dump_dir/checkpoints/STEP> eval.tasks=[lingua_continuation]
+    python -m apps.mtp.eval CHECKPOINT eval.tasks=[lingua_continuation]
 
-also under torchrun with any layout the checkpoint reshards to (lingua/eval_cli.py says how).
+where CHECKPOINT is a dump_dir or a dump_dir/checkpoints/STEP; also under torchrun with any
+layout the checkpoint reshards to (lingua/eval_cli.py says how).
 """
 
 from apps.mtp.train import APP, TrainArgs

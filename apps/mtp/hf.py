@@ -19,19 +19,22 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from apps.mtp.model import LlamaArgs, Transformer
+from apps.mtp.model import MTPArgs, Transformer
+from lingua import hf as lingua_hf
 from lingua.checkpoint import resolve
 from lingua.errors import ConfigError
-from lingua import hf as lingua_hf
 from lingua.hf import ffn_recipe, read_weights, rope_args
 from lingua.transformer import ffn_hidden_dim
 
 
-def key_map(args: LlamaArgs) -> Dict[str, str]:
+def key_map(args: MTPArgs) -> Dict[str, str]:
     """Our state_dict key -> Hugging Face key, for save_hf and load_hf alike. A fork that adds a
     weight (QK-norm's layers.N.attention.q_norm.weight, ...) maps it here; save_hf refuses a model
     with an unmapped tensor and load_hf a file with an unconsumed one."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    names = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+    }
     if not args.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
     per_layer = {
@@ -47,12 +50,13 @@ def key_map(args: LlamaArgs) -> Dict[str, str]:
     return names
 
 
-def llama_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
+def llama_hf_config(args: MTPArgs, dtype: torch.dtype) -> dict:
     rope_scaling = None
     if args.rope_scaling:
         rope_scaling = {
             "rope_type": "llama3", "factor": args.rope_scale_factor,
-            "low_freq_factor": args.rope_low_freq_factor, "high_freq_factor": args.rope_high_freq_factor,
+            "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
             "original_max_position_embeddings": args.rope_original_max_seq_len,
         }
     return {
@@ -74,8 +78,11 @@ def llama_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "initializer_range": args.init_std,
-        # HF needs only intermediate_size; these let load_hf give back the same LlamaArgs.
-        "lingua_ffn": {"multiple_of": args.multiple_of, "ffn_dim_multiplier": args.ffn_dim_multiplier},
+        # HF needs only intermediate_size; these let load_hf give back the same MTPArgs.
+        "lingua_ffn": {
+            "multiple_of": args.multiple_of,
+            "ffn_dim_multiplier": args.ffn_dim_multiplier,
+        },
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -84,21 +91,28 @@ def llama_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
 # tensor of this model is a weight HF has. The RoPE tables rope_cos/rope_sin are derived from the
 # args and registered non-persistent, so they are not in the state dict and need no entry.
 NOT_EXPORTED: Dict[str, str] = {
-    r"mtp\..*|mtp_embeddings\.weight": "the multi-token prediction modules: LlamaForCausalLM has no "
-    "place for them, and the exported model is the main one (generation uses the main head only)",
+    r"mtp\..*|mtp_embeddings\.weight":
+        "the multi-token prediction modules: LlamaForCausalLM has no place for them, and the "
+        "exported model is the main one (generation uses the main head only)",
 }
 
-# Tensors some HF LlamaForCausalLM files carry that load_hf deliberately does not read: pattern -> why.
+# Tensors some HF LlamaForCausalLM files carry that load_hf deliberately does not read:
+# pattern -> why.
 NOT_IMPORTED: Dict[str, str] = {
-    r"model\.rotary_emb\.inv_freq": "RoPE inverse frequencies, recomputed from rope_theta/rope_scaling",
+    r"model\.rotary_emb\.inv_freq":
+        "RoPE inverse frequencies, recomputed from rope_theta/rope_scaling",
     r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq":
         "the same, stored per layer by older transformers (Llama 2 era Hub files)",
 }
-# With tie_word_embeddings transformers itself ignores a stored lm_head and ties it to the embedding.
-TIED_NOT_IMPORTED = {r"lm_head\.weight": "a copy of embed_tokens that transformers also replaces by the tied embedding"}
+# With tie_word_embeddings transformers itself ignores a stored lm_head and ties it to the
+# embedding.
+TIED_NOT_IMPORTED = {
+    r"lm_head\.weight":
+        "a copy of embed_tokens that transformers also replaces by the tied embedding",
+}
 
 
-def export_problems(model_args: LlamaArgs) -> List[str]:
+def export_problems(model_args: MTPArgs) -> List[str]:
     """Why `python -m apps.mtp.hf export` would refuse a model trained with these args, each
     reason with its fix; training warns with them at start. Empty: every option of the main model
     has its LlamaForCausalLM setting, and the MTP modules stay behind by design (NOT_EXPORTED). A
@@ -110,7 +124,9 @@ def _where() -> str:
     return f"key_map in {lingua_hf.app_file(__file__)}"
 
 
-def save_hf(model: Transformer, model_args: LlamaArgs, path, dtype: Optional[torch.dtype] = None) -> None:
+def save_hf(
+    model: Transformer, model_args: MTPArgs, path, dtype: Optional[torch.dtype] = None
+) -> None:
     """Write `path/config.json` and `path/model.safetensors` (LlamaForCausalLM layout)."""
     state = model.state_dict()
     names = key_map(model_args)
@@ -130,7 +146,7 @@ def save_hf(model: Transformer, model_args: LlamaArgs, path, dtype: Optional[tor
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def args_from_hf_config(config_path: Path) -> LlamaArgs:
+def args_from_hf_config(config_path: Path) -> MTPArgs:
     try:
         cfg = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -145,27 +161,35 @@ def args_from_hf_config(config_path: Path) -> LlamaArgs:
         if cfg.get("head_dim") not in (None, dim // n_heads):
             unsupported.append(f"head_dim={cfg['head_dim']} != hidden_size/num_attention_heads")
         if unsupported:
-            raise ConfigError(f"{config_path}: {', '.join(unsupported)} is not supported by apps.mtp.")
+            raise ConfigError(
+                f"{config_path}: {', '.join(unsupported)} is not supported by apps.mtp."
+            )
         multiple_of, mult = ffn_recipe(dim, hidden, cfg.get("lingua_ffn"))
-        args = LlamaArgs(
+        args = MTPArgs(
             dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads, vocab_size=cfg["vocab_size"],
-            multiple_of=multiple_of, ffn_dim_multiplier=mult, norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            multiple_of=multiple_of, ffn_dim_multiplier=mult,
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_seq_len=cfg.get("max_position_embeddings", 4096),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             init_std=cfg.get("initializer_range", 0.02), **rope_args(cfg, config_path),
         )
     except KeyError as e:
-        raise ConfigError(f"{config_path} lacks {e}; it is not a LlamaForCausalLM config.") from None
+        raise ConfigError(
+            f"{config_path} lacks {e}; it is not a LlamaForCausalLM config."
+        ) from None
     return args
 
 
-def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transformer, LlamaArgs]:
-    """Read a LlamaForCausalLM directory into (Transformer on CPU, LlamaArgs). dtype None keeps the file's."""
+def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transformer, MTPArgs]:
+    """Read a LlamaForCausalLM directory into (Transformer on CPU, MTPArgs). dtype None keeps
+    the file's."""
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
-        raise ConfigError(f"{config_path} is missing: {path} is not a Hugging Face model directory.")
+        raise ConfigError(
+            f"{config_path} is missing: {path} is not a Hugging Face model directory."
+        )
     args = args_from_hf_config(config_path)
     names = key_map(args)
     ignored = {**NOT_IMPORTED, **(TIED_NOT_IMPORTED if args.tie_embeddings else {})}
@@ -182,8 +206,8 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
                               f"directory does not match its config.json.")
         t = tensors[theirs]
         if t.shape != expected[ours].shape:
-            raise ConfigError(f"{origin[theirs]}: {theirs} has shape {tuple(t.shape)} but config.json "
-                              f"implies {tuple(expected[ours].shape)}.")
+            raise ConfigError(f"{origin[theirs]}: {theirs} has shape {tuple(t.shape)} but "
+                              f"config.json implies {tuple(expected[ours].shape)}.")
         state[ours] = t if dtype is None else t.to(dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.init_rope("cpu")
@@ -197,10 +221,10 @@ def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> 
     ckpt_dir = resolve(ckpt_dir)
     model_cfg = OmegaConf.to_container(read_run_config(ckpt_dir).model, resolve=True)
     try:
-        args = LlamaArgs(**model_cfg)
+        args = MTPArgs(**model_cfg)
     except TypeError as e:
-        raise ConfigError(f"{ckpt_dir}/config.yaml: its model section does not fit LlamaArgs ({e}); "
-                          "export it with the app that trained it.") from None
+        raise ConfigError(f"{ckpt_dir}/config.yaml: its model section does not fit MTPArgs "
+                          f"({e}); export it with the app that trained it.") from None
     args.attn_backend = "sdpa"  # the export never runs attention; xformers would refuse on CPU
     lingua_hf.refuse_unexportable(export_problems(args), "python -m apps.mtp.hf", ckpt_dir)
     with torch.device("meta"):

@@ -23,25 +23,33 @@ positions=None), `layers` ModuleDict keyed "0".."n-1", `tok_embeddings` / `norm`
 from dataclasses import dataclass
 from typing import Optional
 
-from torch import nn
-
 import torch
+from torch import nn
 
 from lingua.decoder import Decoder
 from lingua.errors import ConfigError
 from lingua.transformer import (
-    CoreAttention, FeedForward, KVCache, RMSNorm, TransformerArgs, apply_rope, ffn_hidden_dim,
-    repeat_kv, validate_transformer_args,
+    CoreAttention,
+    FeedForward,
+    KVCache,
+    RMSNorm,
+    TransformerArgs,
+    apply_rope,
+    ffn_hidden_dim,
+    repeat_kv,
+    validate_transformer_args,
 )
 
 
 @dataclass
-class LlamaArgs(TransformerArgs):
+class MTPArgs(TransformerArgs):
+    """LLaMA's decoder shape plus the multi-token prediction modules'."""
+
     mtp_depth: int = 1                # D: extra tokens predicted, one sequential module each
     mtp_loss_weight: float = 0.3      # lambda: weight of the mean of the D MTP losses
 
 
-def validate_model_args(args: LlamaArgs) -> None:
+def validate_model_args(args: MTPArgs) -> None:
     validate_transformer_args(args)
     if args.mtp_depth < 1:
         raise ConfigError(f"model.mtp_depth={args.mtp_depth}: multi-token prediction needs at "
@@ -52,7 +60,7 @@ def validate_model_args(args: LlamaArgs) -> None:
 
 class Attention(nn.Module):
     """Grouped-query attention with RoPE. Parameter names mirror Meta's llama (wq/wk/wv/wo), which
-    apps/llama/hf.py maps to Hugging Face's and apps/llama/parallelize.py shards by head."""
+    apps/mtp/hf.py maps to Hugging Face's and apps/mtp/parallelize.py shards by head."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, backend: str = "sdpa"):
         super().__init__()
@@ -78,11 +86,13 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: LlamaArgs):
+    def __init__(self, layer_id: int, args: MTPArgs):
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads or args.n_heads, args.attn_backend)
-        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier))
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads or args.n_heads,
+                                   args.attn_backend)
+        hidden_dim = ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
+        self.feed_forward = FeedForward(args.dim, hidden_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -97,9 +107,11 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
     def init_weights(self, std: float, out_std: float):
-        for lin in (self.attention.wq, self.attention.wk, self.attention.wv, self.feed_forward.w1, self.feed_forward.w3):
+        attn, ffn = self.attention, self.feed_forward
+        for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
             nn.init.normal_(lin.weight, std=std)
-        # Residual-branch outputs start smaller so the residual stream's variance does not grow with depth.
+        # Residual-branch outputs start smaller so the residual stream's variance does not grow
+        # with depth.
         for lin in (self.attention.wo, self.feed_forward.w2):
             nn.init.normal_(lin.weight, std=out_std)
         self.attention_norm.reset_parameters()
@@ -109,7 +121,7 @@ class TransformerBlock(nn.Module):
 class MTPModule(nn.Module):
     """One depth of multi-token prediction: [norm(h); norm(emb)] -> proj (2 dim -> dim) -> block."""
 
-    def __init__(self, layer_id: int, args: LlamaArgs):
+    def __init__(self, layer_id: int, args: MTPArgs):
         super().__init__()
         self.hidden_norm = RMSNorm(args.dim, args.norm_eps)
         self.embed_norm = RMSNorm(args.dim, args.norm_eps)
@@ -133,7 +145,7 @@ class Transformer(Decoder):
     # The MTP modules and their embedding run after the main model, beside the head they share.
     last_stage_modules = Decoder.last_stage_modules + ("mtp", "mtp_embeddings")
 
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: MTPArgs):
         validate_model_args(args)
         super().__init__(args)
         self.mtp_embeddings = nn.Embedding(args.vocab_size, args.dim)
@@ -142,7 +154,7 @@ class Transformer(Decoder):
                                   for k in range(args.mtp_depth)})
         self.init_weights()  # the shell's call ran before these existed
 
-    def make_layer(self, layer_id: int, args: LlamaArgs) -> nn.Module:
+    def make_layer(self, layer_id: int, args: MTPArgs) -> nn.Module:
         return TransformerBlock(layer_id, args)
 
     @torch.no_grad()

@@ -13,7 +13,10 @@ parallel, activation checkpointing, compile, then FSDP (which must see the final
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
 )
 
 from lingua.context_parallel import apply_cp
@@ -55,7 +58,8 @@ def attention_tp_plan() -> dict:
     """
     return {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1),),
+                                        desired_input_layouts=(Replicate(),),
                                         use_local_output=True),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
@@ -68,7 +72,8 @@ def feed_forward_tp_plan() -> dict:
     """The SwiGLU half of a block: gathered input, w1/w3 column-sharded, w2 row-sharded."""
     return {
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),),
                                            use_local_output=True),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
@@ -84,7 +89,8 @@ def tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]:
         # The embedding of t_{i+k} enters the Shard(1) residual stream as the main one does;
         # norms and the 2 dim -> dim projection act on each token alone, so they run on this
         # rank's sequence shard with replicated weights (gradients summed over tp by DTensor).
-        root["mtp_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+        root["mtp_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=Shard(1),
                                                  use_local_output=False)
         for k in model.mtp:
             for name in ("hidden_norm", "embed_norm", "proj"):

@@ -1,10 +1,11 @@
-"""Train a LLaMA with multi-token prediction: `python -m apps.mtp.train [config=PRESET] [key=value ...]`.
+"""Train a LLaMA with multi-token prediction:
+`python -m apps.mtp.train [config=PRESET] [key=value ...]`.
 
 Several processes: `torchrun --nproc-per-node N -m apps.mtp.train distributed.dp_shard=N ...`.
 Reads top to bottom: the config schema, its checks, the App (what lingua/trainer.py needs to
 know about this model), main. The run itself (processes, model, optimizer, data and resume,
-loop) is lingua.trainer.run, the same for every app; this file says what is MTP's: the loss (through
-the trainer's loss seam, lingua/loss.py) and the shifted tokens it needs.
+loop) is lingua.trainer.run, the same for every app; this file says what is MTP's: the loss
+(through the trainer's loss seam, lingua/loss.py) and the shifted tokens it needs.
 """
 
 from dataclasses import dataclass, field
@@ -12,17 +13,17 @@ from dataclasses import dataclass, field
 import torch
 
 from apps.mtp.hf import export_problems, load_hf
-from apps.mtp.model import LlamaArgs, Transformer, validate_model_args
+from apps.mtp.model import MTPArgs, Transformer, validate_model_args
 from apps.mtp.parallelize import parallelize_mtp, uses_loss_parallel, validate_tp
-from lingua import hf as lingua_hf
 from lingua import config, trainer
+from lingua import hf as lingua_hf
 from lingua.loss import LossOutput
 from lingua.tensor_parallel import IGNORE_INDEX, token_loss_sum
 
 
 @dataclass
 class TrainArgs(trainer.BaseTrainArgs):
-    model: LlamaArgs = field(default_factory=LlamaArgs)
+    model: MTPArgs = field(default_factory=MTPArgs)
 
 
 config.register_schema("mtp_schema", TrainArgs)
@@ -60,7 +61,7 @@ def mtp_loss(output: torch.Tensor, target: torch.Tensor, weight: float) -> LossO
     return LossOutput(total, counts[0], metrics, logged_sum=terms[0])
 
 
-def make_app(model_args: LlamaArgs) -> trainer.App:
+def make_app(model_args: MTPArgs) -> trainer.App:
     return trainer.App(
         model_class=Transformer, parallelize=parallelize_mtp, validate_model=validate_mtp,
         loss_parallel=uses_loss_parallel, load_hf=load_hf,
@@ -68,7 +69,7 @@ def make_app(model_args: LlamaArgs) -> trainer.App:
         loss=lambda output, target: mtp_loss(output, target, model_args.mtp_loss_weight))
 
 
-APP = make_app(LlamaArgs())   # the defaults; main() makes the run's from its model args
+APP = make_app(MTPArgs())   # the defaults; main() makes the run's from its model args
 
 
 def validate(args: TrainArgs) -> None:
