@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 import torch
+from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks/checkpoint_async.py
 
 from apps.llama.model import LlamaArgs, Transformer
-from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks/checkpoint_async.py
 from lingua import checkpoint, metrics, optim
 
 MODES = ("sync", "async", "none")

@@ -334,7 +334,8 @@ def ours_overrides(shape: Shape, compile: bool, device: str, steps: int, dump_di
             f"optim.lr={LR}", f"optim.beta1={BETAS[0]}", f"optim.beta2={BETAS[1]}",
             f"optim.eps={EPS}", f"optim.weight_decay={WEIGHT_DECAY}", f"optim.clip={CLIP}",
             f"optim.warmup={WARMUP}",
-            "eval.every=0", "eval.at_end=false", "checkpoint.every=0", "checkpoint.save_final=false"]
+            "eval.every=0", "eval.at_end=false", "checkpoint.every=0",
+            "checkpoint.save_final=false"]
 
 
 def logging_every(shape: Shape, device: str, data_root) -> int:
@@ -372,7 +373,8 @@ def read_ours(dump_dir: Path, shape: Shape, warmup: int, total: int, arrivals: d
         wall = tokens * (total - warmup) / (arrivals[total] - arrivals[warmup])
     return {"tokens_per_s": tokens * steps / seconds, "wall_tokens_per_s": wall,
             "measured_steps": steps, "measured_s": seconds,
-            "rows": [row["step"] for row in rows], "peak_mem_gib": max(r["peak_mem_gib"] for r in rows),
+            "rows": [row["step"] for row in rows],
+            "peak_mem_gib": max(r["peak_mem_gib"] for r in rows),
             "logged_mfu": statistics.mean(r["mfu"] for _, r in measured if r.get("mfu") is not None)
             if any(r.get("mfu") is not None for _, r in measured) else None,
             "trainer_flops_per_token": implied[0] if implied else None,
@@ -407,7 +409,8 @@ def sides_for(shape: Shape, ours: list, hf: list, hf_experts: list) -> list:
 
 def child_env(device: str) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline",
-               PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+               PYTHONPATH=os.pathsep.join(
+                   [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     from lingua.distributed import JOB_DEVICE_VAR
 
     if device == "cpu":
@@ -453,7 +456,8 @@ def run_ours(name: str, shape: Shape, side: Side, cli, tag: str, timeout: float)
     try:   # each logged step's line, timed as it arrives
         arrivals = follow_trainer(proc, lambda: time.monotonic() - start, lines)
     except RuntimeError as err:
-        raise RuntimeError(f"{'timed out: ' if killer.fired else ''}{' '.join(cmd[1:])}\n{err}") from None
+        raise RuntimeError(
+            f"{'timed out: ' if killer.fired else ''}{' '.join(cmd[1:])}\n{err}") from None
     finally:
         killer.cancel()
     out = read_ours(dump_dir, shape, cli.warmup, total, arrivals)
@@ -683,7 +687,8 @@ def main(argv=None) -> int:
     parser.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True,
                         help="run the MoE shapes among --shapes (--no-moe: LLaMA only)")
     parser.add_argument("--ours", default="compiled",
-                        help="our trainer with distributed.compile true (compiled) and/or false (eager)")
+                        help="our trainer with distributed.compile true (compiled) "
+                             "and/or false (eager)")
     parser.add_argument("--ours-eager", action="store_true", help="the same as --ours eager")
     parser.add_argument("--hf", default="compiled,eager",
                         help="HF loop: eager and/or compiled (torch.compile(model))")

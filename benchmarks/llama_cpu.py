@@ -63,12 +63,13 @@ def cpu_description() -> str:
     except OSError:
         pass
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return f"{model}; flags: {' '.join(f for f in wanted if f in flags) or 'none of ' + ', '.join(wanted)}"
+    present = " ".join(f for f in wanted if f in flags) or "none of " + ", ".join(wanted)
+    return f"{model}; flags: {present}"
 
 
 def median(values: list) -> float:
     """statistics.median: with an even number of rounds, the mean of the middle two (taking
-    the upper one, as this did until 2026-11-25, made a 2-round run report its better round)."""
+    the upper one would make a 2-round run report its better round)."""
     return statistics.median(values)
 
 
@@ -90,10 +91,12 @@ def bench(shape: str, dtype: str, cli, cores, workdir) -> tuple:
                             core_ours, core_hf, cli.compile, workdir)
         ratios.append(res["ours"] / res["hf"])
         cpu_ratios.append(res["ours_cpu"] / res["hf_cpu"])
-        print(f"  round {r + 1}: ours {res['ours']:7.0f} tokens/s (wall-clock {res['ours_wall']:7.0f}"
+        print(f"  round {r + 1}: ours {res['ours']:7.0f} tokens/s "
+              f"(wall-clock {res['ours_wall']:7.0f}"
               f", {res['ours_steps']} steps, core {core_ours})  HF {res['hf']:7.0f} tokens/s "
               f"({res['hf_steps']:.1f} steps, core {core_hf})  ratio {ratios[-1]:.3f} (wall-clock "
-              f"{res['ours_wall'] / res['hf']:.3f}; per CPU-second {cpu_ratios[-1]:.3f})", flush=True)
+              f"{res['ours_wall'] / res['hf']:.3f}; per CPU-second {cpu_ratios[-1]:.3f})",
+              flush=True)
     result = median(ratios), median(cpu_ratios)
     print(f"{shape} ({pair.n_params(pair.SHAPES[shape]) / 1e6:.1f}M params) {dtype} "
           f"{'compiled' if cli.compile else 'eager'}: ours / HF tokens/s = {result[0]:.3f} "
@@ -140,9 +143,9 @@ def profile(shape: str, dtype: str, cli, cores, workdir) -> None:
     print(f"\n{shape} {dtype}: self CPU time, ms per step (mean of {active} profiled steps)")
     print(f"{'operator':<58} {'ours':>9} {'HF':>9}")
     names = sorted(set(ours) | set(theirs), key=lambda n: -max(ours.get(n, 0), theirs.get(n, 0)))
+    cell = lambda d, name: f"{d[name] / active:9.1f}" if name in d else f"{'-':>9}"  # noqa: E731
     for name in names[:30]:
-        cell = lambda d: f"{d[name] / active:9.1f}" if name in d else f"{'-':>9}"  # noqa: E731
-        print(f"{name[:58]:<58} {cell(ours)} {cell(theirs)}")
+        print(f"{name[:58]:<58} {cell(ours, name)} {cell(theirs, name)}")
     total = lambda d: sum(v for k, v in d.items() if k.startswith("aten::"))  # noqa: E731
     print(f"{'sum of aten:: operators listed':<58} {total(ours) / active:9.1f} "
           f"{total(theirs) / active:9.1f}")
@@ -158,7 +161,8 @@ def dtypes_for_this_cpu(asked) -> tuple:
     dtypes = (asked or ("fp32" if emulated else "fp32,bf16")).split(",")
     if emulated and "bf16" in dtypes:
         sys.exit("this CPU has no bf16 instructions (no avx512_bf16 / amx_bf16): bf16 is emulated "
-                 "there, 30-100x slower than fp32, and would measure the emulation. Use --dtypes fp32.")
+                 "there, 30-100x slower than fp32, and would measure the emulation. "
+                 "Use --dtypes fp32.")
     return dtypes, emulated
 
 
@@ -191,9 +195,10 @@ def main(argv=None):
     import transformers
 
     print(f"CPU: {cpu_description()} (bf16 {'emulated' if emulated else 'native'})")
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}; batch {cli.batch} x "
-          f"{cli.seq_len} tokens, one thread per side, cores {cores[0]} and {cores[1]}, swapped "
-          f"each round; ours {'compiled' if cli.compile else 'eager'}; HF's malloc "
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"batch {cli.batch} x {cli.seq_len} tokens, one thread per side, "
+          f"cores {cores[0]} and {cores[1]}, swapped each round; "
+          f"ours {'compiled' if cli.compile else 'eager'}; HF's malloc "
           f"{'tuned like ours' if cli.hf_malloc_like_ours else 'glibc default'}", flush=True)
     workdir = cli.workdir or tempfile.mkdtemp(prefix="llama_cpu_")
     Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -206,7 +211,8 @@ def main(argv=None):
             print(f"{shape} {dtype}:", flush=True)
             summary.append((shape, dtype, bench(shape, dtype, cli, cores, workdir)))
     for shape, dtype, (ratio, cpu_ratio) in summary:
-        print(f"ratio ours/hf tokens/s: {shape} {dtype} {ratio:.3f} (per CPU-second {cpu_ratio:.3f})")
+        print(f"ratio ours/hf tokens/s: {shape} {dtype} {ratio:.3f} "
+              f"(per CPU-second {cpu_ratio:.3f})")
 
 
 if __name__ == "__main__":

@@ -47,9 +47,10 @@ def main():
     dump = Path(tempfile.mkdtemp(prefix="lingua_gpu_bench_"))
     overrides = [f"config={cli.preset}", f"dump_dir={dump}", f"steps={cli.steps}",
                  f"data.root={REPO / 'data' / 'embedded'}", "data.format=memmap",
-                 "data.prepare_embedded=true", "data.tokenizer.kind=bytes", "data.tokenizer.path=null",
-                 "model.vocab_size=258", "model.tie_embeddings=false", "distributed.compile=true",
-                 "distributed.model_dtype=bf16", "checkpoint.every=0", "checkpoint.save_final=false",
+                 "data.prepare_embedded=true", "data.tokenizer.kind=bytes",
+                 "data.tokenizer.path=null", "model.vocab_size=258", "model.tie_embeddings=false",
+                 "distributed.compile=true", "distributed.model_dtype=bf16", "checkpoint.every=0",
+                 "checkpoint.save_final=false",
                  "eval.at_end=false", "logging.every=1", "optim.warmup=5", *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cli.gpus}",
            "-m", "apps.llama.train", *overrides]
@@ -64,8 +65,9 @@ def main():
     mfu = sum(mfus) / len(mfus)
     measured = measured_matmul_peak()
     mfu_measured = mfu * _datasheet_peak() / measured
-    print(f"{torch.cuda.get_device_name()} x {cli.gpus}: {tps:.0f} tokens/s; MFU {100 * mfu:.1f}% of "
-          f"the data-sheet bf16 peak, {100 * mfu_measured:.1f}% of the bf16 matmul peak measured "
+    print(f"{torch.cuda.get_device_name()} x {cli.gpus}: {tps:.0f} tokens/s; "
+          f"MFU {100 * mfu:.1f}% of the data-sheet bf16 peak, "
+          f"{100 * mfu_measured:.1f}% of the bf16 matmul peak measured "
           f"here ({measured / 1e12:.0f} TFLOP/s per GPU)")
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llama_cpu import cpu_description, dtypes_for_this_cpu  # noqa: E402
+
 from lingua.tensor_parallel import token_loss_sum  # noqa: E402
 from lingua.trainer import keep_freed_memory  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Grouped-GEMM experts (torch._grouped_mm) vs the per-expert Python loop, on one MoE layer.
 
-    python benchmarks/moe_cpu.py [--tokens 4096] [--dim 256] [--hidden 512] [--experts 8] [--top_k 2]
-                                 [--steps 9] [--warmup 2] [--threads N]
+    python benchmarks/moe_cpu.py [--tokens 4096] [--dim 256] [--hidden 512] [--experts 8]
+                                 [--top_k 2] [--steps 9] [--warmup 2] [--threads N]
     python benchmarks/moe_cpu.py --experts 64 --top_k 8 --hidden 128 --threads 1   # fine-grained
 
 Both sides run the same MoE layer (same weights, 8 experts, top-2, softmax router) forward and
@@ -57,8 +57,9 @@ def main():
     if a.threads:
         torch.set_num_threads(a.threads)
     print(f"CPU: {cpu_description()}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; MoE layer: {a.tokens} tokens, "
-          f"dim {a.dim}, hidden {a.hidden}, {a.experts} experts, top-{a.top_k}; forward+backward")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"MoE layer: {a.tokens} tokens, dim {a.dim}, hidden {a.hidden}, {a.experts} experts, "
+          f"top-{a.top_k}; forward+backward")
     # 3 matmuls of dim x hidden per assignment, x2 FLOPs per MAC, x3 for forward + backward.
     expert_flops = 3 * 2 * 3 * a.tokens * a.top_k * a.dim * a.hidden
     for dtype in ("fp32", "bf16"):
@@ -73,7 +74,8 @@ def main():
                     w.normal_(std=0.02)
         seconds = time_layers(layers, x, dtype, a.steps, a.warmup)
         for impl, s in seconds.items():
-            print(f"{dtype} {impl:8s} {s * 1e3:8.1f} ms/iter  experts {expert_flops / s / 1e9:6.1f} GFLOP/s")
+            print(f"{dtype} {impl:8s} {s * 1e3:8.1f} ms/iter  "
+                  f"experts {expert_flops / s / 1e9:6.1f} GFLOP/s")
         print(f"{dtype} ratio loop/grouped = {seconds['loop'] / seconds['grouped']:.2f}x")
 
 

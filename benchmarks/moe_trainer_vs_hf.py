@@ -9,8 +9,8 @@ both sides training at the same time on separate cores.
 Per shape: the trainer trains one step and saves a checkpoint, and apps.moe.hf's export (the
 function behind `python -m apps.moe.hf export`) turns it into a Mixtral directory: the HF side
 trains exactly our model (the same weights, the same shape: no shared expert, no dense layer,
-softmax top-k with renormalised weights, which is Mixtral's router). Then each round runs, side by side and each pinned to its own core with one
-torch thread (the cores swap every round):
+softmax top-k with renormalised weights, which is Mixtral's router). Then each round runs, side
+by side and each pinned to its own core with one torch thread (the cores swap every round):
 
   ours  `python -m apps.moe.train` on the shape (a subprocess: the real entry point and loop) with
         the app's default logging, eager (`--compile`: distributed.compile=true, blocks and
@@ -64,14 +64,21 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from llama_cpu import cpu_description, dtypes_for_this_cpu, median, two_cores  # noqa: E402
-from trainer_vs_hf import HF_MALLOC_VAR, hf_malloc_like_ours, pinned, pinned_env  # noqa: E402  (the LLaMA twin's, shared)
-from trainer_vs_hf import follow_trainer, hf_optimizer, wait_for_first_step  # noqa: E402
+from trainer_vs_hf import (  # noqa: E402  (the LLaMA twin's helpers, shared)
+    HF_MALLOC_VAR,
+    follow_trainer,
+    hf_malloc_like_ours,
+    hf_optimizer,
+    pinned,
+    pinned_env,
+    wait_for_first_step,
+)
 
 # Byte-level (vocab 258, the debug preset's tokenizer) Mixtral-exportable MoE shapes.
-#   issue: the issue's shape, 8 experts top-2 of hidden 768 (30.9M parameters).
+#   issue: 8 experts top-2 of hidden 768 (30.9M parameters).
 #   fine:  the same width and the same active expert FLOPs per token, split into 64 experts top-8
 #          of hidden 192 (fine-grained, DeepSeek-style without the shared expert; 59.3M).
-#   issue-vocab32k: the issue's shape with a 32000-token vocabulary (LLaMA 2's; 55.3M), where the
+#   issue-vocab32k: "issue" with a 32000-token vocabulary (LLaMA 2's; 55.3M), where the
 #          output layer and the loss weigh what they do in real runs; still trained on byte tokens.
 #   tiny:  for the smoke test.
 SHAPES = {
@@ -169,9 +176,11 @@ def hf_loop(hf_dir: str, experts: str, dtype: str, batch: int, seq_len: int, ste
               file=out, flush=True)
 
 
-def hf_command(hf_dir: Path, experts: str, dtype: str, batch: int, seq_len: int, steps: int) -> list:
+def hf_command(hf_dir: Path, experts: str, dtype: str, batch: int, seq_len: int,
+               steps: int) -> list:
     return [sys.executable, str(Path(__file__).resolve()), "hf", str(hf_dir), "--experts", experts,
-            "--dtype", dtype, "--batch", str(batch), "--seq-len", str(seq_len), "--steps", str(steps)]
+            "--dtype", dtype, "--batch", str(batch), "--seq-len", str(seq_len),
+            "--steps", str(steps)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +200,8 @@ def measured_rows(dump_dir: Path, tokens_per_step: int):
     row before."""
     rows = [json.loads(line) for line in open(dump_dir / "metrics.jsonl")]
     return rows[0]["step"], [(row["step"] - before["step"],
-                              (row["step"] - before["step"]) * tokens_per_step / row["tokens_per_s"])
+                              (row["step"] - before["step"]) * tokens_per_step
+                              / row["tokens_per_s"])
                              for before, row in zip(rows, rows[1:])]
 
 
@@ -213,10 +223,12 @@ def run_pair(name: str, hf_dir: Path, experts: str, dtype: str, batch: int, seq_
                               stdout=hf_out, stderr=subprocess.STDOUT)
     try:
         wait_for_first_step(hf, hf_log)
-        ours = subprocess.Popen(trainer_command(SHAPES[name], dtype, batch, seq_len, steps, dump_dir,
-                                                ["checkpoint.save_final=false", *extra], compile),
+        ours = subprocess.Popen(trainer_command(SHAPES[name], dtype, batch, seq_len, steps,
+                                                dump_dir, ["checkpoint.save_final=false", *extra],
+                                                compile),
                                 cwd=REPO, env=pinned_env(), preexec_fn=pinned(core_ours),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1)
         arrivals = follow_trainer(ours, time.monotonic)
     finally:
         hf.terminate()
@@ -249,7 +261,8 @@ def bench(cli) -> dict:
     import torch
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; one thread a side, "
-          f"cores {cores[0]} and {cores[1]} (swapped each round); batch {cli.batch} x {cli.seq_len}; "
+          f"cores {cores[0]} and {cores[1]} (swapped each round); "
+          f"batch {cli.batch} x {cli.seq_len}; "
           f"ours {'compiled' if cli.compile else 'eager'}; HF's malloc "
           f"{'tuned like ours' if cli.hf_malloc_like_ours else 'glibc default'}")
     results = {}

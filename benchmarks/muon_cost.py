@@ -1,6 +1,8 @@
-"""What optim.name=muon costs per step against AdamW, on the benchmark model (benchmarks/llama_cpu.py).
+"""What optim.name=muon costs per step against AdamW, on the benchmark model
+(benchmarks/llama_cpu.py).
 
-    python benchmarks/muon_cost.py [--dtype fp32|bf16] [--ns-dtype bf16|fp32] [--threads N] [--steps 5]
+    python benchmarks/muon_cost.py [--dtype fp32|bf16] [--ns-dtype bf16|fp32] [--threads N]
+                                   [--steps 5]
 
 Two timings, medians after `warmup`, with Muon and AdamW taking turns step by step so that drift
 in machine load hits both alike (wall time and this process's CPU time, which moves less with
@@ -21,9 +23,9 @@ import os
 import time
 
 import torch
+from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks/muon_cost.py
 
 from apps.llama.model import LlamaArgs, Transformer
-from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks/muon_cost.py
 from lingua import metrics, optim
 from lingua.muon import muon_flops, split_params
 
@@ -45,7 +47,8 @@ def interleaved(steps: dict, n: int, warmup: int) -> dict:
             t = timed(step)
             if i >= warmup:
                 times[name].append(t)
-    return {name: (median([w for w, _ in ts]), median([c for _, c in ts])) for name, ts in times.items()}
+    return {name: (median([w for w, _ in ts]), median([c for _, c in ts]))
+            for name, ts in times.items()}
 
 
 def optimizer_step(model, optimizers):
@@ -62,7 +65,8 @@ def training_step(model, optimizers, tokens, dtype: str):
     def step():
         with autocast:
             logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                 tokens[:, 1:].flatten())
         loss.backward()
         optim.clip_grad_norm([model], 1.0)
         optimizers.step()
@@ -92,7 +96,8 @@ def main():
     base = Transformer(args)
     models = {name: copy.deepcopy(base) for name in ("adamw", "muon")}
     total = 10_000  # far beyond the run: the lr stays near its peak
-    optimizers = {name: optim.Optimizers([m], optim.OptimArgs(name=name, warmup=0, muon_ns_dtype=cli.ns_dtype),
+    optimizers = {name: optim.Optimizers([m], optim.OptimArgs(name=name, warmup=0,
+                                                              muon_ns_dtype=cli.ns_dtype),
                                          total, torch.device("cpu")) for name, m in models.items()}
     tokens = torch.randint(0, args.vocab_size, (cli.batch, cli.seq_len + 1))
     muon_params = [p for _, p in split_params(base)[0]]
@@ -104,26 +109,31 @@ def main():
                       cli.warmup)
     for m in models.values():
         m.zero_grad(set_to_none=True)
-    train = interleaved({n: training_step(models[n], optimizers[n], tokens, cli.dtype) for n in names},
+    train = interleaved({n: training_step(models[n], optimizers[n], tokens, cli.dtype)
+                         for n in names},
                         cli.steps, cli.warmup)
 
     n_params = sum(p.numel() for p in base.parameters())
     n_muon = sum(p.numel() for p in muon_params)
     print(f"CPU: {cpu_description()}; {torch.get_num_threads()} threads; "
           f"bf16 {'emulated' if metrics.cpu_bf16_emulated() else 'native'}")
-    print(f"model {n_params / 1e6:.1f}M params ({n_muon / 1e6:.1f}M in {len(muon_params)} Muon matrices), "
+    print(f"model {n_params / 1e6:.1f}M params "
+          f"({n_muon / 1e6:.1f}M in {len(muon_params)} Muon matrices), "
           f"batch {cli.batch} x {cli.seq_len}, {cli.dtype} compute, torch {torch.__version__}")
     print(f"load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end "
           f"(the machine's other work; CPU time moves less with it than wall time)")
     for name in names:
-        print(f"{name:>6}: optimizer step {opt[name][0] * 1000:8.1f} ms wall {opt[name][1] * 1000:8.1f} ms CPU"
-              f"   training step {train[name][0] * 1000:8.1f} ms wall {train[name][1] * 1000:8.1f} ms CPU")
+        print(f"{name:>6}: optimizer step {opt[name][0] * 1000:8.1f} ms wall "
+              f"{opt[name][1] * 1000:8.1f} ms CPU"
+              f"   training step {train[name][0] * 1000:8.1f} ms wall "
+              f"{train[name][1] * 1000:8.1f} ms CPU")
     extra = opt["muon"][0] - opt["adamw"][0]
     print(f"Newton-Schulz: {ns_flops / 1e9:.1f} GFLOP per step ({cli.ns_dtype}), "
           f"{ns_flops / max(extra, 1e-9) / 1e9:.0f} GFLOP/s in Muon's extra optimizer time")
     for i, kind in enumerate(("wall", "CPU")):
         r_opt, r_step = opt["muon"][i] / opt["adamw"][i], train["muon"][i] / train["adamw"][i]
-        print(f"ratio muon/adamw ({kind}): optimizer step {r_opt:.1f}x, training step {r_step:.3f}x "
+        print(f"ratio muon/adamw ({kind}): optimizer step {r_opt:.1f}x, "
+              f"training step {r_step:.3f}x "
               f"({100 * (r_step - 1):+.1f}%)")
 
 if __name__ == "__main__":

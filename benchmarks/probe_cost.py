@@ -8,7 +8,7 @@ probe off (the baseline: no hooks at all) and once with probe.every=N. Prints
   - the probe step's own cost: its step time over the median non-probe step of the same run,
     and the average overhead that implies at probe.every=N, ((probe step - median) / N) / median,
     which is what the ratio measures but without the noise of two separate runs.
-The budget (issue 6) is at most 2% average overhead at probe.every=100.
+The budget is at most 2% average overhead at probe.every=100.
 """
 
 import argparse
@@ -48,7 +48,8 @@ def main():
     probe_steps = [r for r in on if r["step"] % a.every == 0]
     plain = statistics.median(r["step_s"] for r in on[skip:] if r["step"] % a.every)
     probe_step = statistics.mean(r["step_s"] for r in probe_steps)
-    print(f"steps {a.steps}, probe.every={a.every}, overrides: {' '.join(a.extra) or '(debug preset)'}")
+    print(f"steps {a.steps}, probe.every={a.every}, "
+          f"overrides: {' '.join(a.extra) or '(debug preset)'}")
     print(f"mean step, probe off:            {1000 * mean_off:8.1f} ms")
     print(f"mean step, probe.every={a.every:<4d}:      {1000 * mean_on:8.1f} ms")
     print(f"ratio (probe / off):             {mean_on / mean_off:8.4f}")

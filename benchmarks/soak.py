@@ -3,13 +3,13 @@
     python benchmarks/soak.py [--steps 2000] [--every 100] [--keep 3] [--interval 2]
                               [--dump-dir DIR] [--keep-dump] [extra Hydra overrides]
 
-Runs `python -m apps.llama.train` (the debug preset) with steps=N, checkpoint.every, checkpoint.keep,
-logging.every=10 and eval.every=100 (the preset's: evaluation is a code path a long run takes
-every few minutes, so it belongs in the soak; it costs 4 forward passes of 8 sequences per 100
-steps) as a subprocess, and every --interval seconds reads from /proc the resident memory
-(VmRSS), open file descriptors, threads and child processes of the training process and its
-descendants, and from the dump_dir its disk use (sum of file sizes) and its checkpoint
-directories. The step of a sample is the newest step in metrics.jsonl. Then it prints:
+Runs `python -m apps.llama.train` (the debug preset) with steps=N, checkpoint.every,
+checkpoint.keep, logging.every=10 and eval.every=100 (the preset's: evaluation is a code path a
+long run takes every few minutes, so it belongs in the soak; it costs 4 forward passes of 8
+sequences per 100 steps) as a subprocess, and every --interval seconds reads from /proc the
+resident memory (VmRSS), open file descriptors, threads and child processes of the training
+process and its descendants, and from the dump_dir its disk use (sum of file sizes) and its
+checkpoint directories. The step of a sample is the newest step in metrics.jsonl. Then it prints:
   - steps/s: over the whole run (start-up, evaluation and checkpoints included), sustained after
     the warm-up, and the step alone (median `step_s` of metrics.jsonl);
   - RSS: first/last/max and the least-squares slope in MiB per 1000 steps over the samples after
@@ -331,7 +331,8 @@ def report_metrics(rows: list, steps: int, log_every: int, eval_cfg: dict, dump:
                       or (s == steps and eval_cfg["at_end"])]
     ok = verdict("metrics.jsonl rows", logged == expected and evals == expected_evals,
                  f"{len(logged)} rows for {len(expected)} logged steps"
-                 + ("" if logged == expected else f" (unexpected: {sorted(set(logged) ^ set(expected))[:10]},"
+                 + ("" if logged == expected
+                    else f" (unexpected: {sorted(set(logged) ^ set(expected))[:10]},"
                     f" duplicates: {len(logged) - len(set(logged))})")
                  + f", {len(evals)} with val_loss (expected {len(expected_evals)})")
     complete = [p for p in (dump / "checkpoints").iterdir()

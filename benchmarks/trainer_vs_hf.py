@@ -43,8 +43,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # Byte-level LLaMA shapes (vocab 258: 256 bytes + BOS + EOS, the debug preset's tokenizer), SwiGLU
-# width from multiple_of=256. Parameters: 4.9M, 9.6M (the issue's), 50.7M. "10M-vocab32k" is the
-# issue's body with a real tokenizer's vocabulary (LLaMA 2's 32000; 34.0M parameters), where the
+# width from multiple_of=256. Parameters: 4.9M, 9.6M, 50.7M. "10M-vocab32k" is the
+# 10M body with a real tokenizer's vocabulary (LLaMA 2's 32000; 34.0M parameters), where the
 # output layer and the loss weigh what they do in real runs; both sides still train on byte tokens.
 SHAPES = {
     "5M": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4),
@@ -247,7 +247,8 @@ def run_pair(shape_name: str, dtype: str, batch: int, seq_len: int, warmup: int,
     window, and the step counts each had in it."""
     shape = SHAPES[shape_name]
     workdir = Path(workdir or tempfile.mkdtemp(prefix="trainer_vs_hf_"))
-    dump_dir = workdir / f"ours_{shape_name}_{dtype}_{'compile' if compile else 'eager'}_{core_ours}"
+    mode = "compile" if compile else "eager"
+    dump_dir = workdir / f"ours_{shape_name}_{dtype}_{mode}_{core_ours}"
     steps = warmup + measured
     hf_path = workdir / f"hf_{shape_name}_{dtype}_{core_hf}.jsonl"
     hf_path.unlink(missing_ok=True)
@@ -280,7 +281,8 @@ def run_pair(shape_name: str, dtype: str, batch: int, seq_len: int, warmup: int,
     hf_end = min(t_end, hf_rows[-1]["end"]) if hf_rows else t_start
     if hf_end - t_start < 0.5 * (t_end - t_start):
         raise RuntimeError("the HF side did not run through our measured window")
-    share = [(max(0.0, min(b["end"], hf_end) - max(a["end"], t_start)) / (b["end"] - a["end"]), a, b)
+    share = [(max(0.0, min(b["end"], hf_end) - max(a["end"], t_start)) / (b["end"] - a["end"]),
+              a, b)
              for a, b in zip(hf_rows, hf_rows[1:])]
     hf_steps = sum(f for f, _, _ in share)
     return {

@@ -2,7 +2,8 @@
 
     python setup/prepare_data.py embedded --out data/embedded
         the debug corpus: Python standard-library docstrings, bytes tokenizer (no download)
-    python setup/prepare_data.py jsonl <dir or files ...> --out DIR [--tokenizer-kind K --tokenizer-path P]
+    python setup/prepare_data.py jsonl <dir or files ...> --out DIR
+                                 [--tokenizer-kind K --tokenizer-path P]
         jsonl chunk files ({"text": ...} a line) -> the memory-mapped format; bad lines (invalid
         UTF-8 or JSON, no string "text", empty text) are counted by reason in meta.json and
         skipped, the first few logged with file and line; files under a `val/` directory (or
@@ -20,8 +21,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lingua.data import (VAL_DIR, BadLine, MalformedCounter, _decode_line,  # noqa: E402
-                         ensure_embedded_corpus, read_meta, write_memmap_corpus)
+from lingua.data import (  # noqa: E402
+    VAL_DIR,
+    BadLine,
+    MalformedCounter,
+    _decode_line,
+    ensure_embedded_corpus,
+    read_meta,
+    write_memmap_corpus,
+)
 from lingua.errors import ConfigError  # noqa: E402
 from lingua.tokenizer import TokenizerArgs, build_tokenizer  # noqa: E402
 
@@ -61,10 +69,12 @@ def prepare_jsonl(inputs, out: Path, tokenizer_args: TokenizerArgs, val_fraction
     tokenizer = build_tokenizer(tokenizer_args)
     counter = MalformedCounter()
     if val_files:
-        splits = {"train": jsonl_texts(train_files, counter), "val": jsonl_texts(val_files, counter)}
+        splits = {"train": jsonl_texts(train_files, counter),
+                  "val": jsonl_texts(val_files, counter)}
     else:  # hold out every k-th document
         every = max(2, round(1 / val_fraction))
-        splits = {"train": (t for i, t in enumerate(jsonl_texts(train_files, counter)) if i % every),
+        splits = {"train": (t for i, t in enumerate(jsonl_texts(train_files, counter))
+                            if i % every),
                   # the same lines again: counted and logged by the first pass already
                   "val": (t for i, t in enumerate(jsonl_texts(train_files,
                                                               MalformedCounter(log=False)))

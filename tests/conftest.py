@@ -45,7 +45,8 @@ def load_setup_script(name: str = "prepare_data"):
     """setup/<name>.py as a module (a script, not part of a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", REPO / "setup" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test",
+                                                  REPO / "setup" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -85,17 +86,20 @@ def run_torchrun(nproc: int, module: str, args: list, timeout: int = 240,
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module, *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-6000:]}")
     return proc
 
 
-def run_python(module: str, args: list, timeout: int = 240, check: bool = True) -> subprocess.CompletedProcess:
+def run_python(module: str, args: list, timeout: int = 240,
+               check: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{module} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{module} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-6000:]}")
     return proc
 
 

@@ -39,11 +39,13 @@ def make_batch(vocab: int, device):
 
 
 def loss_fn(logits, labels, n_tokens):
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / n_tokens
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                           reduction="sum") / n_tokens
 
 
 def grads(model):
-    return {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+    return {n.replace("._checkpoint_wrapped_module", ""): p.grad
+            for n, p in model.named_parameters()}
 
 
 def reference(model, tokens, labels, doc_ids):
@@ -104,8 +106,10 @@ def main():
     # name: (doc masking, activation checkpointing, dtype, explicit positions)
     cases = {"causal": (False, "none", "fp32", True), "causal_bf16": (False, "none", "bf16", False)}
     if not ring:  # torch's ring attention has no document masking (validate_cp refuses it)
-        cases.update({"doc": (True, "none", "fp32", False), "doc_ac_full": (True, "full", "fp32", False),
-                      "doc_ac_op": (True, "op", "fp32", True), "doc_bf16": (True, "none", "bf16", True)})
+        cases.update({"doc": (True, "none", "fp32", False),
+                      "doc_ac_full": (True, "full", "fp32", False),
+                      "doc_ac_op": (True, "op", "fp32", True),
+                      "doc_bf16": (True, "none", "bf16", True)})
     results = {}
     for name, (docs, ac, dtype, explicit) in cases.items():
         d = doc_ids if docs else None

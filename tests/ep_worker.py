@@ -33,7 +33,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def rank_tokens(case: str, world: int):
-    """Different tokens per rank (as data parallel), uneven counts; 'empty': the last rank has none."""
+    """Different tokens per rank (as data parallel), uneven counts; 'empty': the last rank has
+    none."""
     g = torch.Generator().manual_seed(7)
     sizes = [5 + 4 * r for r in range(world)]
     if case == "empty":
@@ -83,7 +84,8 @@ def full_grad(p):
 
 @torch.no_grad()
 def received_per_ep_rank(moe, xs, case, ep):
-    """Assignments each EP rank receives (over all ranks' tokens): proves 'skip' starves EP rank 0."""
+    """Assignments each EP rank receives (over all ranks' tokens): proves 'skip' starves EP
+    rank 0."""
     counts = torch.zeros(E, dtype=torch.long)
     for r, x in enumerate(xs):
         chosen = torch.topk(moe.router(x)[2] + rank_bias(case, r, ep), TOP_K)[1]

@@ -39,8 +39,9 @@ def read_rows(dump_dir) -> list:
     for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
             rows.append(json.loads(line))
-        except ValueError:
-            raise AssertionError(f"{path}:{number} is not a JSON line (a cut file?): {line[:200]!r}")
+        except ValueError as err:
+            raise AssertionError(
+                f"{path}:{number} is not a JSON line (a cut file?): {line[:200]!r}") from err
     assert rows, f"{path} is empty: no step was logged"
     return rows
 
@@ -55,8 +56,9 @@ def final_checkpoint(dump_dir, step: int) -> Path:
 
 
 def model_checksums(ckpt_dir) -> dict:
-    """{tensor name: (sum, sum of squares)} of every 'model.*' tensor in a DCP checkpoint, read
-    in this process (no process group) from the checkpoint's metadata and shards."""
+    """{tensor name: (sum, sum of squares, sum |x|)} of every 'model.*' tensor in a DCP
+    checkpoint, read in this process (no process group) from the checkpoint's metadata and
+    shards."""
     metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
@@ -104,7 +106,8 @@ def assert_same_rows(rows: list, reference: list, rtol: float = RTOL, keys=("los
             assert key in want, f"step {want['step']}: the reference did not log {key!r}"
             assert _close(got[key], want[key], tol), (
                 f"step {got['step']}: {key} = {got[key]!r} in the {what}, {want[key]!r} in the "
-                f"reference (relative difference {abs(got[key] - want[key]) / max(abs(want[key]), 1e-30):.2e}"
+                f"reference (relative difference "
+                f"{abs(got[key] - want[key]) / max(abs(want[key]), 1e-30):.2e}"
                 f" > {tol:g})")
 
 
@@ -113,7 +116,7 @@ def assert_same_checksums(got: dict, want: dict, rtol: float = RTOL, what: str =
         f"final checkpoints hold different tensors: only in the {what}: "
         f"{sorted(set(got) - set(want))}; only in the reference: {sorted(set(want) - set(got))}")
     for name in sorted(want):
-        (s, sq, l1), (ws, wsq, wl1) = got[name], want[name]
+        (s, sq, _), (ws, wsq, wl1) = got[name], want[name]
         assert _close(sq, wsq, rtol), (
             f"final {name}: sum of squares {sq!r} in the {what}, {wsq!r} in the reference "
             f"(relative difference {abs(sq - wsq) / max(abs(wsq), 1e-30):.2e} > {rtol:g})")

@@ -123,7 +123,8 @@ def assert_same(got, want, where="") -> None:
 
 def assert_same_checkpoints(dump, reference, steps) -> None:
     for step in steps:
-        ckpt, ref = Path(dump) / "checkpoints" / str(step), Path(reference) / "checkpoints" / str(step)
+        ckpt = Path(dump) / "checkpoints" / str(step)
+        ref = Path(reference) / "checkpoints" / str(step)
         assert checkpoint.verify(ckpt) is None, checkpoint.verify(ckpt)
         got, want = checkpoint_contents(ckpt), checkpoint_contents(ref)
         assert any(k.startswith("optim.") for k in want) and "train_state_rank0.pt" in want

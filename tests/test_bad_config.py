@@ -124,7 +124,8 @@ def check_refused(proc, must_contain):
     assert "Traceback" not in proc.stderr, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip()]
     # stderr ends with our paragraph; warnings libraries print before it are not ours
-    message = "\n".join(lines[next(i for i, line in enumerate(lines) if line.startswith("error:")):])
+    first = next(i for i, line in enumerate(lines) if line.startswith("error:"))
+    message = "\n".join(lines[first:])
     assert message.startswith("error:"), err[-2000:]
     assert must_contain in message, message
     assert len(message) < 1500, message

@@ -61,8 +61,9 @@ def cpu_run(tmp_path_factory, corpus):
     """One end-to-end run on CPU: the tiny LLaMA and MoE shapes, ours and HF eager, one round."""
     work = tmp_path_factory.mktemp("gpu_vs_hf")
     out = work / "results.json"
-    cmd = [sys.executable, "benchmarks/gpu_vs_hf.py", "--device", "cpu", "--shapes", "tiny,tiny-moe",
-           "--ours-eager", "--hf", "eager", "--rounds", "1", "--warmup", "2", "--steps", "2",
+    cmd = [sys.executable, "benchmarks/gpu_vs_hf.py", "--device", "cpu",
+           "--shapes", "tiny,tiny-moe", "--ours-eager", "--hf", "eager", "--rounds", "1",
+           "--warmup", "2", "--steps", "2",
            "--workdir", str(work), "--data-root", str(corpus), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

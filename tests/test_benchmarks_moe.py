@@ -16,7 +16,8 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins each side to its own core")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                    reason="the benchmark pins each side to its own core")
 def test_moe_trainer_vs_hf_smoke(tmp_path, corpus):
     work = tmp_path / "bench"
     cmd = [sys.executable, "benchmarks/moe_trainer_vs_hf.py", "--shapes", "tiny", "--rounds", "1",
@@ -25,7 +26,8 @@ def test_moe_trainer_vs_hf_smoke(tmp_path, corpus):
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "avx2" in out.stdout or "flags:" in out.stdout  # the CPU is named with its flags
-    round_line = re.search(r"round 1: ours +(\d+) tok/s \((\d+) steps.*HF +(\d+) tok/s \((\d+) steps.*"
+    round_line = re.search(r"round 1: ours +(\d+) tok/s \((\d+) steps.*"
+                           r"HF +(\d+) tok/s \((\d+) steps.*"
                            r"ours/HF (\d+\.\d+)", out.stdout)
     assert round_line, out.stdout
     ours, ours_steps, hf, hf_steps, ratio = (float(g) for g in round_line.groups())
@@ -36,7 +38,8 @@ def test_moe_trainer_vs_hf_smoke(tmp_path, corpus):
     config = json.loads((work / "hf_tiny" / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 8
     (hf_log_path,) = work.glob("hf_tiny_fp32_grouped_mm_*.jsonl")
-    hf_log = [json.loads(line) for line in hf_log_path.read_text().splitlines() if line.startswith("{")]
+    hf_log = [json.loads(line) for line in hf_log_path.read_text().splitlines()
+              if line.startswith("{")]
     assert hf_log[0] == {"hf_experts": "grouped_mm"} and "hf_step" in hf_log[1]
 
 

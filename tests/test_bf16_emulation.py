@@ -58,7 +58,7 @@ def test_no_peak_and_one_warning_for_emulated_bf16(monkeypatch, caplog, tmp_path
     assert len(warnings) == 1
     assert "30-100x slower" in warnings[0].getMessage()
     assert "distributed.model_dtype=fp32" in warnings[0].getMessage()
-    # fp32 on the same CPU is measured as before.
+    # fp32 on the same CPU is measured.
     monkeypatch.setattr(metrics, "measure_cpu_peak", lambda *a, **k: 30e9)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))   # not the real cache of measured peaks
     assert metrics.peak_flops(torch.device("cpu"), "fp32") == 30e9

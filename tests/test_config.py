@@ -26,7 +26,8 @@ def test_debug_preset_and_overrides(corpus, tmp_path):
 def test_gpu_presets_compose_with_their_usual_shapes(tmp_path):
     tok = tmp_path / "tok.model"
     tok.write_text("x")
-    shapes = {"llama_1b": (2048, 16, 32, 8), "llama_8b": (4096, 32, 32, 8), "llama_70b": (8192, 80, 64, 8)}
+    shapes = {"llama_1b": (2048, 16, 32, 8), "llama_8b": (4096, 32, 32, 8),
+              "llama_70b": (8192, 80, 64, 8)}
     for preset, (dim, layers, heads, kv) in shapes.items():
         cfg = config.compose_config("llama", [f"config={preset}", f"data.root={tmp_path}",
                                               f"data.tokenizer.path={tok}"])
@@ -95,7 +96,8 @@ def test_misspelt_key_gets_the_closest_real_key(corpus, tmp_path, override, sugg
     with pytest.raises(ConfigError) as err:
         load(tiny_args(corpus, tmp_path / "run", override))
     assert suggestion in str(err.value)
-    assert "To append to your config" not in str(err.value)  # Hydra's `+` hint: the schema is closed
+    # Hydra's `+` hint does not apply: the schema is closed
+    assert "To append to your config" not in str(err.value)
 
 
 def test_unrelated_bad_key_gets_no_suggestion(corpus, tmp_path):
@@ -118,8 +120,10 @@ def test_bad_input_files_are_refused(corpus, tmp_path):
 
 def test_world_size_mismatch_is_refused(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ConfigError, match=r"dp_replicate=2 x dp_shard=2 x cp=1 x tp=1 x pp=1 = 4, but 3 processes"):
-        load(tiny_args(corpus, tmp_path / "run", "distributed.dp_replicate=2", "distributed.dp_shard=2"))
+    with pytest.raises(ConfigError, match=r"dp_replicate=2 x dp_shard=2 x cp=1 x tp=1 x pp=1 = 4, "
+                                          r"but 3 processes"):
+        load(tiny_args(corpus, tmp_path / "run", "distributed.dp_replicate=2",
+                       "distributed.dp_shard=2"))
 
 
 def test_config_dump_round_trips(corpus, tmp_path):
@@ -131,7 +135,8 @@ def test_config_dump_round_trips(corpus, tmp_path):
 
 def test_cli_error_is_one_paragraph_without_traceback_and_touches_nothing(corpus, tmp_path):
     dump = tmp_path / "never_created"
-    proc = run_python("apps.llama.train", tiny_args(corpus, dump, "model.n_kv_heads=3"), check=False)
+    proc = run_python("apps.llama.train", tiny_args(corpus, dump, "model.n_kv_heads=3"),
+                      check=False)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "n_kv_heads" in proc.stderr
     assert not dump.exists()
@@ -140,18 +145,24 @@ def test_cli_error_is_one_paragraph_without_traceback_and_touches_nothing(corpus
 
 
 @pytest.mark.parametrize("world,overrides,needle", [
-    (3, ["distributed.tp=2", "distributed.dp_shard=1"], r"dp_shard=1 x cp=1 x tp=2 x pp=1 = 2, but 3"),
+    (3, ["distributed.tp=2", "distributed.dp_shard=1"],
+     r"dp_shard=1 x cp=1 x tp=2 x pp=1 = 2, but 3"),
     (3, ["distributed.tp=3", "distributed.dp_shard=1"], r"n_heads=4.*tp=3|tp=3.*n_heads=4"),
     (2, ["distributed.tp=2", "distributed.dp_shard=1", "model.n_kv_heads=1"], r"n_kv_heads=1"),
-    (4, ["distributed.cp=2", "distributed.tp=2", "distributed.dp_shard=1", "data.seq_len=36"], r"36.*2 x cp x tp|2\*cp\*tp|8"),
-    (4, ["distributed.pp=4", "distributed.dp_shard=1"], r"4 pipeline stages|more stages|stages.*2 layers|2 layers"),
-    (2, ["distributed.pp=2", "distributed.dp_shard=1", "distributed.pp_microbatches=3"], r"pp_microbatches=3|3 micro"),
-    (2, ["distributed.pp=2", "distributed.dp_shard=1", "distributed.pp_schedule=Zigzag"], r"Zigzag"),
-    (2, ["distributed.tp=2", "distributed.dp_shard=1", "model.tie_embeddings=true"], r"tie_embeddings"),
+    (4, ["distributed.cp=2", "distributed.tp=2", "distributed.dp_shard=1", "data.seq_len=36"],
+     r"36.*2 x cp x tp|2\*cp\*tp|8"),
+    (4, ["distributed.pp=4", "distributed.dp_shard=1"],
+     r"4 pipeline stages|more stages|stages.*2 layers|2 layers"),
+    (2, ["distributed.pp=2", "distributed.dp_shard=1", "distributed.pp_microbatches=3"],
+     r"pp_microbatches=3|3 micro"),
+    (2, ["distributed.pp=2", "distributed.dp_shard=1", "distributed.pp_schedule=Zigzag"],
+     r"Zigzag"),
+    (2, ["distributed.tp=2", "distributed.dp_shard=1", "model.tie_embeddings=true"],
+     r"tie_embeddings"),
     (1, ["distributed.async_tp=true"], r"async"),
 ])
-def test_impossible_parallel_layouts_are_refused_before_any_work(corpus, tmp_path, monkeypatch, world,
-                                                                overrides, needle):
+def test_impossible_parallel_layouts_are_refused_before_any_work(corpus, tmp_path, monkeypatch,
+                                                                world, overrides, needle):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(ConfigError, match=needle):
         load(tiny_args(corpus, tmp_path / "run", *overrides))

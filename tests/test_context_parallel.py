@@ -32,7 +32,8 @@ def test_shard_positions_cover_and_balance(seq_len, cp):
     assert len(work) == 1, work
     for s in shards:  # local order: a head chunk then a tail chunk, each ascending
         half = len(s) // 2
-        assert torch.all(s[1:half] - s[:half - 1] == 1) and torch.all(s[half + 1:] - s[half:-1] == 1)
+        assert (torch.all(s[1:half] - s[:half - 1] == 1)
+                and torch.all(s[half + 1:] - s[half:-1] == 1))
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -49,7 +50,8 @@ def test_shard_sequence():
     t = torch.arange(2 * 16 * 3).view(2, 16, 3)
     local = shard_sequence(t, 1, 4, dim=1)
     assert torch.equal(local, t[:, [2, 3, 12, 13]])
-    assert torch.equal(shard_sequence(t[0, :, 0], 0, 2, dim=0), t[0, [0, 1, 2, 3, 12, 13, 14, 15], 0])
+    assert torch.equal(shard_sequence(t[0, :, 0], 0, 2, dim=0),
+                       t[0, [0, 1, 2, 3, 12, 13, 14, 15], 0])
 
 
 def test_validate_cp_accepts():
@@ -60,9 +62,11 @@ def test_validate_cp_accepts():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(seq_len=40, cp=4, tp=2), ["data.seq_len=40", "2 x 4 x 2 = 16", "multiple of 16", "data.seq_len=32"]),
+    (dict(seq_len=40, cp=4, tp=2),
+     ["data.seq_len=40", "2 x 4 x 2 = 16", "multiple of 16", "data.seq_len=32"]),
     (dict(seq_len=30, cp=2, tp=1), ["data.seq_len=30", "= 4", "data.seq_len=28"]),
-    (dict(seq_len=64, cp=2, backend="ring", device_type="cpu"), ["needs CUDA", "cp_backend=allgather"]),
+    (dict(seq_len=64, cp=2, backend="ring", device_type="cpu"),
+     ["needs CUDA", "cp_backend=allgather"]),
     (dict(seq_len=64, cp=2, backend="ring", device_type="cuda", doc_masking=True),
      ["block_causal", "cp_backend=allgather", "document"]),
     (dict(seq_len=64, cp=2, backend="ulysses"), ["ulysses", "allgather, ring"]),
@@ -92,7 +96,8 @@ def _run_worker(nproc: int, out: Path, *extra: str) -> dict:
            str(REPO / "tests" / "cp_worker.py"), str(out), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     if proc.returncode != 0:
-        raise AssertionError(f"cp_worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"cp_worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
 
 
@@ -109,7 +114,8 @@ TOLERANCES = {"fp32": (1e-5, 1e-5, 1e-5), "bf16": (1e-3, 1e-2, 3e-2)}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["causal", "doc", "doc_ac_full", "doc_ac_op", "causal_bf16", "doc_bf16"])
+@pytest.mark.parametrize("case", ["causal", "doc", "doc_ac_full", "doc_ac_op", "causal_bf16",
+                                  "doc_bf16"])
 def test_cp_matches_single_process(cp_results, case):
     cp, results = cp_results
     r = results[case]
@@ -128,13 +134,15 @@ def test_cp_attention_outside_batch_raises(cp_results):
 
 @pytest.mark.gpu
 @pytest.mark.distributed
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ring attention CP needs 2 CUDA devices (NCCL)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="ring attention CP needs 2 CUDA devices (NCCL)")
 def test_ring_attention_matches_single_process(tmp_path):
     results = _run_worker(2, tmp_path / "ring.json", "ring")
     assert set(results) == {"causal", "causal_bf16"}
     for case, r in results.items():
         # Flash / memory-efficient kernels and the ring's log-sum-exp merge: looser than CPU fp32.
-        loss_tol, logits_tol, grads_tol = TOLERANCES["bf16"] if case.endswith("bf16") else (1e-5, 1e-4, 1e-4)
+        loss_tol, logits_tol, grads_tol = (TOLERANCES["bf16"] if case.endswith("bf16")
+                                           else (1e-5, 1e-4, 1e-4))
         assert r["loss_rel"] <= loss_tol, (case, r)
         assert r["logits_rel"] <= logits_tol, (case, r)
         assert r["grads_rel"] <= grads_tol, (case, r)

@@ -55,14 +55,17 @@ def test_bf16_fsdp_tracks_the_bf16_single_process_run(corpus, tmp_path):
     2x too large moves the gradient norm by 100%). tests/test_dtypes.py shows both compute in
     bf16."""
     one = tmp_path / "one"
-    train.main(tiny_args(corpus, one, "data.batch_size=8", "distributed.model_dtype=bf16", steps=STEPS))
+    train.main(tiny_args(corpus, one, "data.batch_size=8", "distributed.model_dtype=bf16",
+                         steps=STEPS))
     two = tmp_path / "two"
-    run_torchrun(2, "apps.llama.train", tiny_args(corpus, two, "data.batch_size=4", "distributed.dp_shard=2",
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, two, "data.batch_size=4",
+                                                  "distributed.dp_shard=2",
                                                   "distributed.model_dtype=bf16", steps=STEPS))
     assert_equivalent(two, one, rtol=2e-2)
 
 
-def test_sharding_over_4_ranks_cuts_per_rank_state_to_under_30_percent_of_replication(corpus, tmp_path):
+def test_sharding_over_4_ranks_cuts_per_rank_state_to_under_30_percent_of_replication(
+        corpus, tmp_path):
     per_layout = {}
     for name, layout in {"replicate": ["distributed.dp_replicate=4", "distributed.dp_shard=1"],
                          "shard": ["distributed.dp_shard=4"]}.items():
@@ -78,6 +81,8 @@ def test_sharding_over_4_ranks_cuts_per_rank_state_to_under_30_percent_of_replic
 
 def test_zero2_style_resharding_keeps_the_losses(corpus, tmp_path, reference):
     dump = tmp_path / "run"
-    run_torchrun(2, "apps.llama.train", tiny_args(corpus, dump, "data.batch_size=4", "distributed.dp_shard=2",
-                                                  "distributed.reshard_after_forward=false", steps=STEPS))
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, dump, "data.batch_size=4",
+                                                  "distributed.dp_shard=2",
+                                                  "distributed.reshard_after_forward=false",
+                                                  steps=STEPS))
     assert_equivalent(dump, reference)

@@ -111,7 +111,8 @@ def test_cli_writes_results_rows_and_samples(one_process):
     res = results(one_process, 20)
     assert sorted(res["results"]) == sorted(ALL_TASKS)
     mc = res["results"]["lingua_continuation"]
-    assert 0.0 <= mc["acc,none"] <= 1.0 and res["n-samples"]["lingua_continuation"]["effective"] == LIMIT
+    assert (0.0 <= mc["acc,none"] <= 1.0
+            and res["n-samples"]["lingua_continuation"]["effective"] == LIMIT)
     assert len(res["runs"]) == 1 and res["runs"][0]["world_size"] == 1
     rows = [r for r in read_metrics(one_process) if any(k.startswith("eval/") for k in r)]
     assert len(rows) == 1 and rows[0]["step"] == 20
@@ -119,7 +120,8 @@ def test_cli_writes_results_rows_and_samples(one_process):
     assert rows[0]["eval/lingua_continuation_rolling/bits_per_byte"] == pytest.approx(
         res["results"]["lingua_continuation_rolling"]["bits_per_byte,none"])
     assert len(samples(one_process, 20, "lingua_continuation")) == LIMIT
-    generated = [row["resps"][0][0] for row in samples(one_process, 20, "lingua_continuation_generate")]
+    generated = [row["resps"][0][0]
+                 for row in samples(one_process, 20, "lingua_continuation_generate")]
     assert len(generated) == LIMIT and all("\n" not in text for text in generated)
     assert any(generated), "greedy decoding produced only empty strings"
 
@@ -258,13 +260,15 @@ def test_wandb_gets_inline_and_job_results(corpus, tmp_path, monkeypatch):
     train.main(tiny_args(corpus, run, *LONG, "logging.wandb=true", "eval.every=2",
                          "eval.tasks=[lingua_continuation]", "eval.limit=4", steps=2))
     [training] = list((run / "wandb").glob("offline-run-*"))
-    assert b"eval/lingua_continuation/acc" in b"".join(p.read_bytes() for p in training.glob("*.wandb"))
+    assert b"eval/lingua_continuation/acc" in b"".join(p.read_bytes()
+                                                       for p in training.glob("*.wandb"))
     run_python("apps.llama.eval", [str(run), "eval.tasks=[lingua_continuation_rolling]",
                                    f"eval.include_path={TEST_TASKS}", "eval.limit=4"])
     [job] = [r for r in (run / "wandb").glob("offline-run-*") if r != training]
     history = b"".join(p.read_bytes() for p in job.glob("*.wandb"))
     wandb_id = (run / "wandb_id.txt").read_text().strip()
-    assert b"eval/lingua_continuation_rolling/bits_per_byte" in history and b"trained_step" in history
+    assert (b"eval/lingua_continuation_rolling/bits_per_byte" in history
+            and b"trained_step" in history)
     assert f"{wandb_id}-eval-2".encode() in history and wandb_id.encode() in history
     for path in run.rglob("*"):
         if path.is_file():
@@ -318,7 +322,8 @@ def test_bad_targets_and_overrides_are_refused(trained, tmp_path):
     run = copy_run(trained, tmp_path / "run")
     assert "no task to evaluate" in refused(run)
     assert "overrides of" in refused(run, "eval.tasks=[lingua_continuation]", "model.dim=32")
-    assert "distributed.pp=1" in refused(run, "eval.tasks=[lingua_continuation]", "distributed.pp=2")
+    assert "distributed.pp=1" in refused(run, "eval.tasks=[lingua_continuation]",
+                                         "distributed.pp=2")
     assert "no checkpoint 7 in" in refused(run / "checkpoints" / "7",
                                            "eval.tasks=[lingua_continuation]")
     err = refused(run, "eval.tasks=[lingua_continuation]", "eval.limit=0")
@@ -352,7 +357,7 @@ def test_flat_metrics_names():
     assert math.isfinite(got["eval/arc_easy/acc"])
 
 
-# -- the GPU runbook (bash setup/test.sh -m gpu): never run yet, no GPU was lent ----------------
+# -- the GPU runbook (bash setup/test.sh -m gpu) ------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -367,7 +372,8 @@ def test_bf16_on_one_gpu_is_close_to_fp32(one_process, tmp_path):
     shutil.rmtree(run / "evals")
     run_python("apps.llama.eval", [str(run), *eval_overrides("distributed.model_dtype=bf16")])
     ours, ref = results(run, 20)["results"], results(one_process, 20)["results"]
-    assert abs(ours["lingua_continuation"]["acc,none"] - ref["lingua_continuation"]["acc,none"]) <= 2 / LIMIT
+    assert abs(ours["lingua_continuation"]["acc,none"]
+               - ref["lingua_continuation"]["acc,none"]) <= 2 / LIMIT
     bpb = "bits_per_byte,none"
     assert ours["lingua_continuation_rolling"][bpb] == pytest.approx(
         ref["lingua_continuation_rolling"][bpb], rel=0.02)

@@ -146,7 +146,8 @@ def test_async_jobs_evaluate_each_checkpoint_while_training_goes_on(async_run, t
     # The training never waited: it returned before its last checkpoint had results.
     assert async_run["at_return"][4] is False
     for step in (2, 4):
-        assert f"step {step}: evaluation job {jobs[step]['job_id']} submitted" in async_run["stdout"]
+        assert (f"step {step}: evaluation job {jobs[step]['job_id']} submitted"
+                in async_run["stdout"])
         assert jobs[step]["step"] == step and jobs[step]["tasks"] == [TASK]
         assert jobs[step]["world_size"] == 1
         assert jobs[step]["logs"] == str(dump / "evals" / str(step) / "slurm")

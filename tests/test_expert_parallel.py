@@ -32,7 +32,8 @@ def _run_worker(nproc: int, mode: str, out: Path) -> list:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
                           check=False)
     if proc.returncode != 0:
-        raise AssertionError(f"ep_worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"ep_worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
 
 
@@ -97,7 +98,8 @@ def test_regroup_permutation():
     """Rows arrive grouped by (source rank, local expert); the permutation groups them by
     (local expert, source rank), keeping order within a block; the inverse undoes it."""
     recv = torch.tensor([[2, 0, 1], [0, 3, 1]])  # [ep=2, local experts=3]
-    labels = [(i, l, n) for i in range(2) for l in range(3) for n in range(int(recv[i, l]))]
+    labels = [(i, expert, n) for i in range(2) for expert in range(3)
+              for n in range(int(recv[i, expert]))]
     perm, inv = _regroup(recv)
     regrouped = [labels[j] for j in perm.tolist()]
     assert regrouped == sorted(labels, key=lambda t: (t[1], t[0], t[2]))

@@ -118,7 +118,8 @@ def test_a_failed_save_is_reported_and_keeps_the_previous_checkpoint(corpus, tmp
         else:
             _mount("-o", "remount,rw", str(ckpts))
         before = read_rows(dump)
-        proc = run_python("apps.llama.train", tiny_args(corpus, dump, "checkpoint.every=2", steps=4))
+        proc = run_python("apps.llama.train",
+                          tiny_args(corpus, dump, "checkpoint.every=2", steps=4))
         assert_resumed(dump, proc.stdout + proc.stderr, 2, before)
         assert sorted(losses(dump)) == [1, 2, 3, 4]
     finally:
@@ -192,7 +193,8 @@ def test_nonfinite_stop_saves_the_state_before_the_step_and_resumes(corpus, tmp_
                                                                     reference, capfd):
     dump = tmp_path / "stop"
     poison_step(monkeypatch, 4, float("inf"))
-    with pytest.raises(RunError, match=r"Step 4: the gradient norm is (nan|inf).*state after step 3"):
+    with pytest.raises(RunError,
+                       match=r"Step 4: the gradient norm is (nan|inf).*state after step 3"):
         train.main(tiny_args(corpus, dump, steps=6))
     assert checkpoint.verify(dump / "checkpoints" / "3") is None
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""A researcher's first day (issue 16): what she types and what she sees.
+"""A researcher's first day: what she types and what she sees.
 
 - a data.root she names that does not exist is an error, not a place to build a toy corpus in;
 - Ctrl-C saves at the next step and stops with one line (where, and the command that resumes);
@@ -115,7 +115,8 @@ def _finish(proc: subprocess.Popen, out: Path, timeout: float = 180) -> tuple:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError("the run did not stop:\n" + "\n".join(s[-3000:] for s in _output(out)))
+        raise AssertionError("the run did not stop:\n"
+                             + "\n".join(s[-3000:] for s in _output(out))) from None
     return _output(out)
 
 

@@ -1,14 +1,12 @@
 """The GPU runbook: `bash setup/test.sh -m gpu` on a machine with one CUDA GPU (two for the tests
-marked so). Everything here is skipped without CUDA. The one-GPU tests first ran on 2026-11-24
-(one H100, torch 2.11.0+cu130) and pass; that run found the LOCAL_RANK test looking for a device
-line the trainer never printed. The two-GPU tests have not run yet. Other gpu-marked tests live
-beside the code they check: tests/test_init_weights.py (init_from on one GPU, pipeline stages' first
-weights drawn on CUDA).
+marked so). Everything here is skipped without CUDA. Other gpu-marked tests live beside the
+code they check: tests/test_init_weights.py (init_from on one GPU, pipeline stages' first weights
+drawn on CUDA).
 
-What each test would catch (issue 12's findings):
-  1  cpu_offload on NCCL: the gradient norm of CPU-offloaded gradients needs a CPU backend
-  3  resume verification split over ranks, on NCCL
-  6  LOCAL_RANK beyond the visible devices (Slurm's --gpus-per-task=1)
+What each test would catch:
+  -  cpu_offload on NCCL: the gradient norm of CPU-offloaded gradients needs a CPU backend
+  -  resume verification split over ranks, on NCCL
+  -  LOCAL_RANK beyond the visible devices (Slurm's --gpus-per-task=1)
   -  one GPU trains in bf16 with compile and reports a credible MFU; two GPUs equal one
 """
 
@@ -47,7 +45,8 @@ def test_a_local_rank_beyond_the_visible_gpus_takes_one_of_them(corpus, tmp_path
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
     dump = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "apps.llama.train", *tiny_args(corpus, dump, steps=2)],
+    proc = subprocess.run([sys.executable, "-m", "apps.llama.train",
+                           *tiny_args(corpus, dump, steps=2)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "on cuda:0" in proc.stdout + proc.stderr

@@ -3,9 +3,9 @@ what they are.
 
 - Every layout builds on the meta device, shards, then materialises on env.device: nothing is
   left on another device (a fake device, meta, shows buffers move too).
-- A fresh init draws each tensor from its own (seed, name) stream: pipeline stages no longer
-  replay one stream (layers 2, 4, 6 of pp=4 started equal on GPUs), and every layout gets the
-  weights one process gets.
+- A fresh init draws each tensor from its own (seed, name) stream: pipeline stages do not
+  replay one stream (which would start layers 2, 4, 6 of pp=4 equal on GPUs), and every layout
+  gets the weights one process gets.
 - checkpoint.init_from starts from exactly the Hugging Face weights in one process, FSDP, TP and
   PP, with no full copy of the model on ranks other than rank 0's reader.
 GPU tests at the end are the runbook for what a CPU cannot show (CUDA generators, NCCL).
@@ -38,7 +38,8 @@ def stage_parts(n_stages: int) -> list:
     """The pipeline stages the trainer builds: split on the meta device, before any weight."""
     model = on_meta()
     layers = pipeline.stage_layer_ids(ARGS.n_layers, n_stages)
-    return [pipeline.split_model(model, layers[s], s == 0, s == n_stages - 1) for s in range(n_stages)]
+    return [pipeline.split_model(model, layers[s], s == 0, s == n_stages - 1)
+            for s in range(n_stages)]
 
 
 def tensors_of(module: nn.Module) -> list:
@@ -51,7 +52,7 @@ def tensors_of(module: nn.Module) -> list:
 
 @pytest.mark.parametrize("device", [
     "cpu",
-    # The runbook's one-GPU check of issue 12's point 4: CUDA generators, stages built apart.
+    # The runbook's one-GPU check: CUDA generators, stages built apart.
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
 ])
@@ -69,8 +70,9 @@ def test_pipeline_stages_start_distinct_and_as_one_process_does(device):
 
 
 def test_the_old_seeding_made_stages_alike():
-    """What the fix removes (and what the test above would catch): each stage seeded the same and
-    initialised itself, so stages without embeddings replayed the same stream."""
+    """Why each tensor has its own stream (and what the test above would catch): stages that
+    each seed the same and initialise themselves replay one stream where they have no
+    embeddings."""
     parts = stage_parts(4)
     for part in parts:
         part.to_empty(device="cpu")
@@ -181,7 +183,8 @@ def merged_hashes(ranks: list) -> dict:
 @pytest.mark.distributed
 def test_fresh_init_of_pipeline_stages_equals_one_process(corpus, tmp_path):
     common = ["model.n_layers=8", "data.batch_size=8", "distributed.pp_microbatches=4"]
-    one = merged_hashes(run_worker(1, tmp_path / "one.json", tiny_args(corpus, tmp_path / "a", *common)))
+    one = merged_hashes(run_worker(1, tmp_path / "one.json",
+                                   tiny_args(corpus, tmp_path / "a", *common)))
     pp4 = merged_hashes(run_worker(4, tmp_path / "pp4.json", tiny_args(
         corpus, tmp_path / "b", *common, "distributed.pp=4", "distributed.dp_shard=1")))
     assert pp4 == one
@@ -210,7 +213,8 @@ def hf_loss(corpus, hf_dir, tmp_path_factory):
     model, _ = load_hf(str(hf_dir))
     (batch,) = data.build_train_loader(cfg.data, 0, 1, cfg.seed).next_step()
     with torch.no_grad():
-        return evaluation.token_loss_sum(model(batch.tokens), batch.labels).item() / batch.labels.numel()
+        return (evaluation.token_loss_sum(model(batch.tokens), batch.labels).item()
+                / batch.labels.numel())
 
 
 LAYOUTS = {
@@ -275,14 +279,15 @@ MEDIUM = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_he
 
 @pytest.mark.distributed
 def test_init_from_holds_no_full_copy_per_rank(corpus, tmp_path):
-    """A 27.5M-parameter model (110 MB in fp32, 55 MB as a bf16 file) under dp_shard=2. Before
-    the fix each rank grew by ~210 MB (a full fp32 random model plus the file converted to fp32);
-    now each rank holds its shard (52.5 MB) and one full tensor at a time, and rank 0 maps the
-    file. Peak anonymous memory (copies, not mapped files) is measured."""
+    """A 27.5M-parameter model (110 MB in fp32, 55 MB as a bf16 file) under dp_shard=2. Each
+    rank holds its shard (52.5 MB) and one full tensor at a time, and rank 0 maps the file; a
+    full copy per rank (a full fp32 random model plus the file converted to fp32) would grow each
+    rank by ~210 MB. Peak anonymous memory (copies, not mapped files) is measured."""
     from apps.llama.hf import save_hf
 
     hf = tmp_path / "hf"
-    model_args = config.load("llama", train.TrainArgs, tiny_args(corpus, tmp_path / "x", *MEDIUM)).model
+    model_args = config.load("llama", train.TrainArgs,
+                             tiny_args(corpus, tmp_path / "x", *MEDIUM)).model
     save_hf(Transformer(model_args), model_args, hf, torch.bfloat16)
     ranks = run_worker(2, tmp_path / "out.json", tiny_args(
         corpus, tmp_path / "run", *MEDIUM, f"checkpoint.init_from={hf}", "distributed.dp_shard=2",
@@ -313,7 +318,8 @@ def test_gpu_init_from_starts_from_the_hf_weights(corpus, tmp_path, hf_dir, hf_l
         assert rank["devices"] == [f"cuda:{rank['rank']}"], rank["devices"]
         assert max(rank["max_diff"].values()) == 0.0
     dump = tmp_path / "tuned"
-    run_torchrun(nproc, "apps.llama.train", tiny_args(corpus, dump, f"checkpoint.init_from={hf_dir}",
+    run_torchrun(nproc, "apps.llama.train", tiny_args(corpus, dump,
+                                                      f"checkpoint.init_from={hf_dir}",
                                                       *extra, steps=1))
     assert read_metrics(dump)[0]["loss"] == pytest.approx(hf_loss, rel=1e-4)
 
@@ -321,17 +327,22 @@ def test_gpu_init_from_starts_from_the_hf_weights(corpus, tmp_path, hf_dir, hf_l
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 @pytest.mark.parametrize("layout", [
-    ["distributed.pp=4", "distributed.dp_shard=1", "data.batch_size=8", "distributed.pp_microbatches=4"],
-    ["distributed.pp=2", "distributed.dp_shard=2", "data.batch_size=4", "distributed.pp_microbatches=2"],
+    ["distributed.pp=4", "distributed.dp_shard=1", "data.batch_size=8",
+     "distributed.pp_microbatches=4"],
+    ["distributed.pp=2", "distributed.dp_shard=2", "data.batch_size=4",
+     "distributed.pp_microbatches=2"],
     ["distributed.dp_shard=2", "distributed.tp=2", "data.batch_size=4"],
 ], ids=["pp4", "pp2_fsdp2", "fsdp2_tp2"])
-def test_gpu_fresh_init_is_distinct_per_layer_and_the_same_in_every_layout(corpus, tmp_path, layout):
-    """The bug this replaces: on CUDA, stages initialised after sharding from one replayed stream
-    (and DTensor's RNG tracker broadcast rank 0's state), so layers 2/4/6 of pp=4 started equal.
-    Now each tensor is drawn whole on the GPU from its (seed, name) generator, then sliced: the
-    hashes must equal one GPU's, bit for bit, and the 8 layers must all differ."""
+def test_gpu_fresh_init_is_distinct_per_layer_and_the_same_in_every_layout(corpus, tmp_path,
+                                                                           layout):
+    """Each tensor is drawn whole on the GPU from its (seed, name) generator, then sliced: the
+    hashes must equal one GPU's, bit for bit, and the 8 layers must all differ. Stages initialised
+    after sharding from one replayed stream (or from rank 0's state broadcast by DTensor's RNG
+    tracker) would start layers 2/4/6 of pp=4 equal."""
     common = ["model.n_layers=8"]
-    one = merged_hashes(run_worker(1, tmp_path / "one.json", tiny_args(corpus, tmp_path / "a", *common)))
-    got = merged_hashes(run_worker(4, tmp_path / "four.json", tiny_args(corpus, tmp_path / "b", *common, *layout)))
+    one = merged_hashes(run_worker(1, tmp_path / "one.json",
+                                   tiny_args(corpus, tmp_path / "a", *common)))
+    got = merged_hashes(run_worker(4, tmp_path / "four.json",
+                                   tiny_args(corpus, tmp_path / "b", *common, *layout)))
     assert got == one
     assert len({one[f"layers.{i}.attention.wq.weight"] for i in range(8)}) == 8

@@ -12,7 +12,8 @@ def test_flops_per_token_counts_linears_and_attention():
     model.proj = torch.nn.Linear(8, 16, bias=False)
     model.output = torch.nn.Linear(8, 100, bias=False)
     n_matmul = 8 * 16 + 8 * 100  # embeddings excluded: a lookup is not a matmul
-    assert metrics.flops_per_token(model, n_layers=2, dim=8, seq_len=32) == 6 * n_matmul + 12 * 2 * 8 * 32
+    assert (metrics.flops_per_token(model, n_layers=2, dim=8, seq_len=32)
+            == 6 * n_matmul + 12 * 2 * 8 * 32)
     del model.output
     model.output = None
     tied = metrics.flops_per_token(model, n_layers=2, dim=8, seq_len=32, tied_embeddings=True)

@@ -10,9 +10,17 @@ from torch.utils.checkpoint import checkpoint
 
 from apps.moe.model import MoEArgs, Transformer, flops_per_token, validate_moe_args
 from lingua.errors import ConfigError
+from lingua.moe import (
+    GroupedExperts,
+    MoE,
+    Router,
+    active_params_per_token,
+    moe_layers,
+    reset_routing,
+    routing_metrics,
+    update_expert_bias,
+)
 from tests.conftest import saved_tensor_bytes
-from lingua.moe import (GroupedExperts, MoE, Router, active_params_per_token, moe_layers, reset_routing,
-                        routing_metrics, update_expert_bias)
 
 
 def _experts(impl, n=4, dim=16, hidden=24, dtype=torch.float32, seed=0):
@@ -37,14 +45,17 @@ def test_grouped_matches_loop_including_empty_experts_and_stride0_grad(counts, d
         torch.manual_seed(1)
         x = torch.randn(sum(counts), 16, dtype=dtype, requires_grad=True)
         y = ex(x, torch.tensor(counts))
-        y.sum().backward()  # a stride-0 incoming gradient: grouped_mm's backward rejects it unless fixed
-        grads[impl] = [y.detach().float(), x.grad.float()] + [p.grad.float() for p in ex.parameters()]
-    for g, l in zip(grads["grouped"], grads["loop"]):
-        assert torch.allclose(g, l, atol=tol, rtol=tol), (g - l).abs().max()
+        # A stride-0 incoming gradient: grouped_mm's backward rejects it unless fixed.
+        y.sum().backward()
+        grads[impl] = ([y.detach().float(), x.grad.float()]
+                       + [p.grad.float() for p in ex.parameters()])
+    for grouped, loop in zip(grads["grouped"], grads["loop"]):
+        assert torch.allclose(grouped, loop, atol=tol, rtol=tol), (grouped - loop).abs().max()
     ex = _experts("loop")  # the loop itself against per-expert matmuls written out
     x = torch.randn(sum(counts), 16)
     start = [0] + list(torch.tensor(counts).cumsum(0)[:-1])
-    ref = torch.cat([_ffn(x[s:s + c], ex.w1[e], ex.w3[e], ex.w2[e]) for e, (s, c) in enumerate(zip(start, counts))])
+    ref = torch.cat([_ffn(x[s:s + c], ex.w1[e], ex.w3[e], ex.w2[e])
+                     for e, (s, c) in enumerate(zip(start, counts))])
     assert torch.allclose(ex(x, torch.tensor(counts)), ref, atol=1e-6)
     if counts[1] == 0:  # an expert without tokens gets a zero (not missing) weight gradient
         assert (grads["grouped"][2][1] == 0).all()
@@ -75,7 +86,8 @@ def test_cpu_half_experts_pad_their_groups_and_equal_the_loop(monkeypatch, dtype
 
     seen = []
     grouped_mm = torch._grouped_mm
-    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: seen.append(offs.tolist()) or grouped_mm(a, b, offs=offs))
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: (seen.append(offs.tolist())
+                                                                  or grouped_mm(a, b, offs=offs)))
     counts = torch.tensor([500, 13, 0, 250, 261, 999, 1, 19])
     assert moe_module._cpu_group_rows(torch.empty(2043, 16, dtype=dtype), 8) == 16
     grads = {}
@@ -87,10 +99,12 @@ def test_cpu_half_experts_pad_their_groups_and_equal_the_loop(monkeypatch, dtype
         with torch.autograd.detect_anomaly():
             y = ex(x, counts)
             (y.float() * torch.linspace(-1, 1, 16)).sum().backward()
-        grads[impl] = [y.detach().float(), x.grad.float()] + [p.grad.float() for p in ex.parameters()]
-    assert seen and all(o % moe_module.CPU_GROUP_ROWS == 0 for offs in seen for o in offs[:-1]), seen
-    for g, l in zip(grads["grouped"], grads["loop"]):
-        torch.testing.assert_close(g, l, atol=3e-2, rtol=3e-2)
+        grads[impl] = ([y.detach().float(), x.grad.float()]
+                       + [p.grad.float() for p in ex.parameters()])
+    assert seen and all(o % moe_module.CPU_GROUP_ROWS == 0
+                        for offs in seen for o in offs[:-1]), seen
+    for grouped, loop in zip(grads["grouped"], grads["loop"]):
+        torch.testing.assert_close(grouped, loop, atol=3e-2, rtol=3e-2)
 
 
 def test_experts_are_not_padded_in_fp32_off_cpu_or_where_padding_would_add_over_10_percent():
@@ -145,7 +159,8 @@ def test_router_softmax_sigmoid_and_biased_selection():
     p = torch.tensor([2.0, 1.0, 0.0, 0.0]).exp() / torch.tensor([2.0, 1.0, 0.0, 0.0]).exp().sum()
     assert torch.allclose(s[0], p) and e.tolist() == [[0, 1]] and torch.allclose(w[0], p[:2])
     w, e, s, _ = _router("sigmoid")(x)
-    assert torch.allclose(s[0], torch.tensor([2.0, 1.0, 0.0, 0.0]).sigmoid()) and e.tolist() == [[0, 1]]
+    assert (torch.allclose(s[0], torch.tensor([2.0, 1.0, 0.0, 0.0]).sigmoid())
+            and e.tolist() == [[0, 1]])
     # p = (.61, .22, .08, .08); biased p + b = (-.39, .22, .08, .28) selects experts 3 and 1, yet
     # the weights stay the unbiased p[3], p[1].
     r = _router("softmax")
@@ -176,12 +191,14 @@ def _moe(**kw):
 
 
 def _dense_reference(m: MoE, x):
-    """Every expert on every token, weighted by the (sparse) routing weights, written from scratch."""
+    """Every expert on every token, weighted by the (sparse) routing weights, written from
+    scratch."""
     scores = (x @ m.router.gate.weight.T).softmax(-1)
     top = torch.topk(scores, m.top_k, -1).indices
     weights = torch.zeros_like(scores).scatter(-1, top, scores.gather(-1, top))
     ex = m.experts
-    out = sum(weights[:, e:e + 1] * _ffn(x, ex.w1[e], ex.w3[e], ex.w2[e]) for e in range(m.n_experts))
+    out = sum(weights[:, e:e + 1] * _ffn(x, ex.w1[e], ex.w3[e], ex.w2[e])
+              for e in range(m.n_experts))
     if m.shared_experts is not None:
         sh = m.shared_experts
         out = out + _ffn(x, sh.w1.weight.T, sh.w3.weight.T, sh.w2.weight.T)
@@ -206,7 +223,8 @@ def test_moe_under_bf16_autocast_grouped_matches_loop():
             out = m(x)
         out.float().sum().backward()
         outs.append((out.float(), m.router.gate.weight.grad))
-    assert outs[0][0].dtype == torch.float32 and torch.allclose(outs[0][0], outs[1][0], atol=5e-2, rtol=5e-2)
+    assert (outs[0][0].dtype == torch.float32
+            and torch.allclose(outs[0][0], outs[1][0], atol=5e-2, rtol=5e-2))
     assert torch.allclose(outs[0][1], outs[1][1], atol=5e-2, rtol=5e-2)
     assert torch.allclose(outs[0][0], _dense_reference(m, x), atol=0.1, rtol=0.1)
 
@@ -217,8 +235,9 @@ def test_moe_layer_pads_under_bf16_autocast_and_compiles_once_for_any_routing(mo
     every gradient equal the unpadded layer's, and torch.compile traces it once for two batches
     that route differently, since the padded buffer's shape does not follow the routing. aot_eager:
     dynamo and AOTAutograd as inductor gets them, without inductor's compile time."""
-    import lingua.moe as moe_module
     from torch._dynamo.testing import CompileCounterWithBackend
+
+    import lingua.moe as moe_module
 
     batches = [torch.randn(2, 160, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     weight = torch.linspace(-1, 1, 16)
@@ -242,7 +261,8 @@ def test_moe_layer_pads_under_bf16_autocast_and_compiles_once_for_any_routing(mo
 
     padded_counts, pad = [], moe_module._pad_groups
     with monkeypatch.context() as patch:
-        patch.setattr(moe_module, "_pad_groups", lambda x, c, m: padded_counts.append(c.tolist()) or pad(x, c, m))
+        patch.setattr(moe_module, "_pad_groups",
+                      lambda x, c, m: padded_counts.append(c.tolist()) or pad(x, c, m))
         padded = [step(_moe(), x) for x in batches]
     assert len(padded_counts) == 2 and padded_counts[0] != padded_counts[1], padded_counts
     with monkeypatch.context() as patch:
@@ -325,7 +345,8 @@ def test_balance_loss_gradient_equals_autograd_of_lm_plus_aux_by_hand():
     ((m(x) * r).sum() + m.balance_loss).backward()
     aux, z = _aux_by_hand(m, xr, gate=ref.router.gate.weight)
     ((ref(xr) * r).sum() + aux + z).backward()
-    for a, b in [(x.grad, xr.grad)] + [(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())]:
+    for a, b in [(x.grad, xr.grad)] + [(p.grad, q.grad)
+                                       for p, q in zip(m.parameters(), ref.parameters())]:
         assert torch.allclose(a, b, atol=1e-6)
 
 
@@ -335,13 +356,15 @@ def test_split_batch_aux_losses_and_gradients_sum_to_full_batch():
     x, r = torch.randn(10, 16), torch.randn(10, 16)
     ((full(x) * r).sum() + full.balance_loss).backward()
     full.balance_loss = None   # a tensor with a graph: deepcopy refuses it
-    full_counts, full_aux, full_z = full.stats["tokens_per_expert"], full.stats["aux_loss"], full.stats["z_loss"]
+    full_counts, full_aux, full_z = (full.stats["tokens_per_expert"], full.stats["aux_loss"],
+                                     full.stats["z_loss"])
     halves = [copy.deepcopy(full) for _ in range(2)]
     for h in halves:
         h.zero_grad()
         h.count_reducer = lambda c: full_counts.clone()
     outs = [h(x[i * 5:(i + 1) * 5]) for i, h in enumerate(halves)]
-    assert torch.equal(halves[0].stats["tokens_per_expert"] + halves[1].stats["tokens_per_expert"], full_counts)
+    assert torch.equal(halves[0].stats["tokens_per_expert"] + halves[1].stats["tokens_per_expert"],
+                       full_counts)
     for i, (h, o) in enumerate(zip(halves, outs)):
         ((o * r[i * 5:(i + 1) * 5]).sum() + h.balance_loss).backward()
     assert torch.allclose(sum(h.stats["aux_loss"] for h in halves), full_aux, atol=1e-7)
@@ -392,9 +415,12 @@ def test_meta_build_then_init_is_deterministic_and_complete():
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
     sd = states[0]
-    assert "layers.1.moe.router.expert_bias" in sd and (sd["layers.1.moe.router.expert_bias"] == 0).all()
-    assert sd["layers.1.moe.experts.w1"].shape == (4, 32, 96) and sd["layers.1.moe.experts.w2"].shape == (4, 96, 32)
-    assert "layers.0.feed_forward.w1.weight" in sd and not any(k.startswith("layers.0.moe") for k in sd)
+    assert ("layers.1.moe.router.expert_bias" in sd
+            and (sd["layers.1.moe.router.expert_bias"] == 0).all())
+    assert (sd["layers.1.moe.experts.w1"].shape == (4, 32, 96)
+            and sd["layers.1.moe.experts.w2"].shape == (4, 96, 32))
+    assert ("layers.0.feed_forward.w1.weight" in sd
+            and not any(k.startswith("layers.0.moe") for k in sd))
     assert "layers.2.moe.shared_experts.w2.weight" in sd and "rope_cos" not in sd
     # The residual output w2 is scaled down with depth like the dense FFN's.
     assert sd["layers.2.moe.experts.w2"].std() < 0.7 * sd["layers.2.moe.experts.w1"].std()
@@ -418,7 +444,8 @@ def test_forward_shapes_and_document_masking():
     (dict(top_k=5), "top_k"), (dict(top_k=0), "top_k"), (dict(score_func="tanh"), "score_func"),
     (dict(n_dense_layers=4), "n_dense_layers"), (dict(n_dense_layers=-1), "n_dense_layers"),
     (dict(capacity_factor=-1.0), "capacity_factor"), (dict(expert_impl="triton"), "expert_impl"),
-    (dict(dim=30), "n_heads"), (dict(n_kv_heads=3), "n_kv_heads"), (dict(expert_hidden_dim=20), "multiples of 8"),
+    (dict(dim=30), "n_heads"), (dict(n_kv_heads=3), "n_kv_heads"),
+    (dict(expert_hidden_dim=20), "multiples of 8"),
 ])
 def test_validate_moe_args(bad, match):
     with pytest.raises(ConfigError, match=match):
@@ -502,7 +529,8 @@ def test_routing_metrics_cover_every_training_forward_once_and_reset():
 
 def test_shape_inference_forward_is_left_out_of_routing_and_bias_counts():
     """A process's first pipeline step starts with torch's shape-inference forward (on
-    uninitialised tensors past the first stage): it must not reach the metrics or the bias update."""
+    uninitialised tensors past the first stage): it must not reach the metrics or the bias
+    update."""
     m = _moe()
     m.train()
     x = torch.randn(8, 16)
@@ -519,4 +547,5 @@ def test_shape_inference_forward_is_left_out_of_routing_and_bias_counts():
     once = m.routing.clone()
     reset_routing([m])
     m(x)
-    assert torch.equal(m.routing, once) and torch.equal(m.step_counts, 2 * m.stats["tokens_per_expert"])
+    assert (torch.equal(m.routing, once)
+            and torch.equal(m.step_counts, 2 * m.stats["tokens_per_expert"]))

@@ -39,7 +39,8 @@ def test_moe_trains_and_logs_routing_metrics(corpus, tmp_path):
     for layer in ("1", "2", "3"):  # layer 0 is dense
         assert rows[0][f"moe/{layer}/imbalance"] >= 1.0
         assert 0 <= rows[0][f"moe/{layer}/router_entropy"] <= 1.3863  # ln 4
-        assert rows[0][f"moe/{layer}/aux_loss"] > 0 and rows[0][f"moe/{layer}/dropped_fraction"] == 0
+        assert (rows[0][f"moe/{layer}/aux_loss"] > 0
+                and rows[0][f"moe/{layer}/dropped_fraction"] == 0)
     assert "moe/0/imbalance" not in rows[0]
 
 
@@ -85,8 +86,9 @@ def test_moe_pipeline_matches_one_process(corpus, tmp_path):
     one = tmp_path / "one"
     train.main(moe_args(corpus, one, "data.batch_size=4", "data.grad_accum=2"))
     two = tmp_path / "two"
-    run_torchrun(2, "apps.moe.train", moe_args(corpus, two, "distributed.pp=2", "distributed.dp_shard=1",
-                                               "data.batch_size=8", "distributed.pp_microbatches=2"))
+    run_torchrun(2, "apps.moe.train", moe_args(corpus, two, "distributed.pp=2",
+                                               "distributed.dp_shard=1", "data.batch_size=8",
+                                               "distributed.pp_microbatches=2"))
     assert_equivalent(two, one, prefixes=ROUTING)  # both stages' layers, on rank 0
 
 
@@ -107,17 +109,20 @@ def test_bad_moe_config_is_refused(corpus, tmp_path, monkeypatch, override, need
     if override.startswith("distributed."):
         monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=needle):
-        train.config.load("moe", train.TrainArgs, moe_args(corpus, tmp_path / "x", override), train.validate)
+        train.config.load("moe", train.TrainArgs, moe_args(corpus, tmp_path / "x", override),
+                          train.validate)
     assert checkpoint.newest(tmp_path / "x") is None
 
 
 def test_gpu_presets_compose(tmp_path):
     tok = tmp_path / "tok.model"
     tok.write_text("x")
-    for preset, (experts, top_k, shared) in {"moe_1b": (8, 2, 0), "deepseek_16b": (64, 6, 2)}.items():
+    presets = {"moe_1b": (8, 2, 0), "deepseek_16b": (64, 6, 2)}
+    for preset, (experts, top_k, shared) in presets.items():
         cfg = train.config.compose_config("moe", [f"config={preset}", f"data.root={tmp_path}",
                                                   f"data.tokenizer.path={tok}"])
-        assert (cfg.model.n_experts, cfg.model.top_k, cfg.model.n_shared_experts) == (experts, top_k, shared)
+        assert ((cfg.model.n_experts, cfg.model.top_k, cfg.model.n_shared_experts)
+                == (experts, top_k, shared))
 
 
 @pytest.mark.distributed
@@ -138,13 +143,13 @@ def test_expert_parallel_with_pipeline_and_ac(corpus, tmp_path):
     one = tmp_path / "one"
     train.main(moe_args(corpus, one, "data.batch_size=8", *aux_free))
     four = tmp_path / "four"
-    run_torchrun(4, "apps.moe.train", moe_args(corpus, four, "distributed.pp=2", "distributed.dp_shard=2",
+    run_torchrun(4, "apps.moe.train", moe_args(corpus, four, "distributed.pp=2",
+                                               "distributed.dp_shard=2",
                                                "distributed.ep=2", "data.batch_size=4",
-                                               "distributed.pp_microbatches=2", "distributed.ac=full",
-                                               *aux_free))
-    # 1e-5 again (measured ~1e-7): the 1.1e-5 one CI run once saw most likely came from the
-    # expert-bias update counting torch's shape-inference forward, run on uninitialised tensors
-    # past stage 0, so it varied from run to run. That forward is no longer counted.
+                                               "distributed.pp_microbatches=2",
+                                               "distributed.ac=full", *aux_free))
+    # The default 1e-5 holds (differences are ~1e-7) because the expert-bias update leaves out
+    # torch's shape-inference forward, which runs on uninitialised tensors past stage 0.
     assert_equivalent(four, one, prefixes=ROUTING)  # AC recomputes not counted twice
 
 
@@ -159,7 +164,8 @@ def test_tensor_parallel_dense_parts_match_one_process(corpus, tmp_path, referen
     assert_equivalent(dump, reference, prefixes=ROUTING)
 
 
-def test_bf16_trainer_pads_expert_groups_and_trains_as_the_expert_loop(corpus, tmp_path, monkeypatch):
+def test_bf16_trainer_pads_expert_groups_and_trains_as_the_expert_loop(corpus, tmp_path,
+                                                                       monkeypatch):
     """The CPU bf16 expert padding (lingua/moe.py CPU_GROUP_ROWS) reached through the trainer,
     not only through the layer: distributed.model_dtype=bf16 on one process (autocast), with
     8 x 64 tokens x top-2 = 1024 expert rows on 4 experts, enough for the padding to apply (it

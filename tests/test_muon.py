@@ -35,7 +35,8 @@ MUON = ["optim.name=muon"]
 # another bf16 value, and after 5 steps losses and norms differ by up to ~1e-4 instead of ~1e-7.
 # The sharding code is the same in both; test_bf16_sharded_run_tracks_one_process covers bf16.
 MUON_FP32 = ["optim.name=muon", "optim.muon_ns_dtype=fp32"]
-BF16_RTOL = 5e-4   # measured: <= 7e-5 after 5 steps; the local-shard mutant is off by 2e-3 at step 2
+# Measured: <= 7e-5 after 5 steps; the local-shard mutant is off by 2e-3 at step 2.
+BF16_RTOL = 5e-4
 MUTANT = "local_shards_only"
 
 
@@ -66,18 +67,22 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     # MoE: each expert's matrix (stacked [E, in, out]), the router gate and the shared expert.
     muon, adamw = split_params(tiny_moe())
     moe = {n for n, _ in muon if n.startswith("layers.1.moe.")}
-    assert moe == {"layers.1.moe.router.gate.weight", *(f"layers.1.moe.experts.{w}" for w in ("w1", "w2", "w3")),
+    assert moe == {"layers.1.moe.router.gate.weight",
+                   *(f"layers.1.moe.experts.{w}" for w in ("w1", "w2", "w3")),
                    *(f"layers.1.moe.shared_experts.{w}.weight" for w in ("w1", "w2", "w3"))}
-    assert all(p.ndim == 1 for n, p in adamw if n not in ("tok_embeddings.weight", "output.weight"))
+    assert all(p.ndim == 1 for n, p in adamw
+               if n not in ("tok_embeddings.weight", "output.weight"))
     # Tied embeddings: the one matrix is the embedding's, so AdamW's.
     muon, adamw = split_params(tiny_llama(tie_embeddings=True))
-    assert "tok_embeddings.weight" in {n for n, _ in adamw} and all(n.startswith("layers.") for n, _ in muon)
+    assert ("tok_embeddings.weight" in {n for n, _ in adamw}
+            and all(n.startswith("layers.") for n, _ in muon))
 
 
 def _random_grads(model, step: int) -> dict:
     gen = torch.Generator().manual_seed(1000 + step)
     # A different scale each step, so the momentum and the schedule matter.
-    return {n: torch.randn(p.shape, generator=gen) * (0.5 + step) for n, p in model.named_parameters()}
+    return {n: torch.randn(p.shape, generator=gen) * (0.5 + step)
+            for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("adjust,nesterov,fused", [("match_rms_adamw", True, True),
@@ -99,9 +104,11 @@ def test_one_process_equals_torch_muon_plus_adamw(adjust, nesterov, fused):
     ref_muon = torch.optim.Muon([named[n] for n in sorted(muon_names)], lr=args.muon_lr,
                                 weight_decay=args.weight_decay, momentum=args.muon_momentum,
                                 nesterov=nesterov, adjust_lr_fn=adjust)
-    ref_adamw = torch.optim.AdamW(optim.param_groups([p for n, p in named.items() if n not in muon_names],
+    ref_adamw = torch.optim.AdamW(optim.param_groups([p for n, p in named.items()
+                                                      if n not in muon_names],
                                                      args.weight_decay),
-                                  lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps, fused=fused)
+                                  lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
+                                  fused=fused)
     schedule = partial(lr_factor, args=args, total_steps=total)
     refs = [(o, torch.optim.lr_scheduler.LambdaLR(o, schedule)) for o in (ref_muon, ref_adamw)]
 
@@ -139,7 +146,8 @@ def test_each_expert_matrix_is_one_torch_muon_matrix():
     ours = MuonAdamW([], [{"params": [getattr(experts, n) for n in names], "lr": 0.02,
                            "weight_decay": 0.1}], lr=0.02, betas=(0.9, 0.95), eps=1e-8, fused=False,
                      adjust_lr_fn="original")
-    ref = torch.optim.Muon(list(per_expert.values()), lr=0.02, weight_decay=0.1, adjust_lr_fn="original")
+    ref = torch.optim.Muon(list(per_expert.values()), lr=0.02, weight_decay=0.1,
+                           adjust_lr_fn="original")
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         for n in names:
@@ -150,7 +158,8 @@ def test_each_expert_matrix_is_one_torch_muon_matrix():
         ours.step()
         ref.step()
     for (n, e), want in per_expert.items():
-        torch.testing.assert_close(getattr(experts, n)[e].detach().T, want.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(getattr(experts, n)[e].detach().T, want.detach(), rtol=0,
+                                   atol=1e-6)
 
 
 def test_fp32_newton_schulz_is_torchs_iteration_in_fp32():
@@ -229,7 +238,8 @@ def test_sharded_muon_matches_one_process(corpus, tmp_path, reference, nproc, la
     """FSDP (Shard(0)), TP (Shard(0) and Shard(1)), FSDP x TP (FSDP's _StridedShard over TP's
     shards) and HSDP (replicated over dp_replicate: NS split over dp_shard only)."""
     dump = tmp_path / "run"
-    run_torchrun(nproc, "apps.llama.train", tiny_args(corpus, dump, *MUON_FP32, *layout, steps=STEPS))
+    run_torchrun(nproc, "apps.llama.train",
+                 tiny_args(corpus, dump, *MUON_FP32, *layout, steps=STEPS))
     assert_equivalent(dump, reference)
 
 
@@ -252,7 +262,8 @@ def test_orthogonalising_each_shard_alone_is_caught(corpus, tmp_path, reference)
     """The mutant orthogonalises each rank's shard of a matrix instead of the whole matrix: the
     comparison with one process must fail (so the layout tests can fail)."""
     dump = tmp_path / "run"
-    run_torchrun(2, "tests.test_muon", [MUTANT, *tiny_args(corpus, dump, *MUON_FP32, "distributed.dp_shard=2",
+    run_torchrun(2, "tests.test_muon", [MUTANT, *tiny_args(corpus, dump, *MUON_FP32,
+                                                           "distributed.dp_shard=2",
                                                            "data.batch_size=4", steps=STEPS)])
     with pytest.raises(AssertionError):
         assert_equivalent(dump, reference)
@@ -262,8 +273,8 @@ def test_resume_in_one_process_is_bit_exact(corpus, tmp_path, capfd):
     from apps.llama import train
 
     dump = tmp_path / "run"
-    args = tiny_args(corpus, dump, *MUON, "data.batch_size=8", "checkpoint.every=3", "checkpoint.keep=0",
-                     steps=STEPS)
+    args = tiny_args(corpus, dump, *MUON, "data.batch_size=8", "checkpoint.every=3",
+                     "checkpoint.keep=0", steps=STEPS)
     train.main(args)
     uninterrupted = tmp_path / "uninterrupted"
     shutil.copytree(dump, uninterrupted)
@@ -282,7 +293,8 @@ def test_resume_from_fsdp2_in_one_process(corpus, tmp_path, reference, capfd):
     from apps.llama import train
 
     dump = tmp_path / "run"
-    args = tiny_args(corpus, dump, *MUON_FP32, "checkpoint.every=3", "checkpoint.keep=0", steps=STEPS)
+    args = tiny_args(corpus, dump, *MUON_FP32, "checkpoint.every=3", "checkpoint.keep=0",
+                     steps=STEPS)
     run_torchrun(2, "apps.llama.train", args + ["distributed.dp_shard=2", "data.batch_size=4"])
     first = read_rows(dump)
     shutil.rmtree(dump / "checkpoints" / str(STEPS))
@@ -301,7 +313,8 @@ def moe_reference(corpus, tmp_path_factory):
     from apps.moe import train
 
     dump = tmp_path_factory.mktemp("muon_moe_reference") / "run"
-    train.main([MOE[0], *tiny_args(corpus, dump, *MOE[1:], *MUON_FP32, "data.batch_size=8", steps=4)])
+    train.main([MOE[0], *tiny_args(corpus, dump, *MOE[1:], *MUON_FP32, "data.batch_size=8",
+                                   steps=4)])
     return dump
 
 
@@ -310,13 +323,14 @@ def moe_reference(corpus, tmp_path_factory):
     (2, ["distributed.ep=2", "distributed.dp_shard=2", "data.batch_size=4"]),
     (4, ["distributed.ep=2", "distributed.dp_shard=4", "data.batch_size=2"]),
 ], ids=["ep2", "ep2_fsdp4"])
-def test_moe_with_expert_parallel_matches_one_process(corpus, tmp_path, moe_reference, nproc, layout):
+def test_moe_with_expert_parallel_matches_one_process(corpus, tmp_path, moe_reference, nproc,
+                                                      layout):
     """Experts split over ep ranks (and, in ep2_fsdp4, FSDP over the experts of each ep rank):
     each rank holds whole experts and orthogonalises them where they are; the attention, router
     and shared-expert matrices are FSDP shards, each gathered to one rank."""
     dump = tmp_path / "run"
-    run_torchrun(nproc, "apps.moe.train", [MOE[0], *tiny_args(corpus, dump, *MOE[1:], *MUON_FP32, *layout,
-                                                              steps=4)])
+    run_torchrun(nproc, "apps.moe.train", [MOE[0], *tiny_args(corpus, dump, *MOE[1:], *MUON_FP32,
+                                                              *layout, steps=4)])
     assert_equivalent(dump, moe_reference, prefixes={"moe/": 1e-4})
 
 
@@ -336,8 +350,9 @@ def test_orthogonalize_on_uneven_and_stacked_shards(tmp_path):
 
 ORTHOGONALIZE = "orthogonalize"
 # name: (global shape, placement dim, number of such parameters)
-ORTHO_CASES = {"rows_uneven": ((5, 8), 0, 3), "cols": ((8, 12), 1, 2), "cols_uneven": ((6, 7), 1, 1),
-               "experts_inside": ((3, 5, 8), 1, 1), "experts_whole": ((4, 6, 8), 0, 2)}
+ORTHO_CASES = {"rows_uneven": ((5, 8), 0, 3), "cols": ((8, 12), 1, 2),
+               "cols_uneven": ((6, 7), 1, 1), "experts_inside": ((3, 5, 8), 1, 1),
+               "experts_whole": ((4, 6, 8), 0, 2)}
 
 
 def _orthogonalize_worker(out: str) -> None:
@@ -362,7 +377,8 @@ def _orthogonalize_worker(out: str) -> None:
         params = [distribute_tensor(f, mesh, [Shard(dim)]) for f in full]
         updates = [p.to_local() for p in params]
         got = orthogonalize(params, updates, ns)
-        want = [distribute_tensor(_ns_each(f, ns).float(), mesh, [Shard(dim)]).to_local() for f in full]
+        want = [distribute_tensor(_ns_each(f, ns).float(), mesh, [Shard(dim)]).to_local()
+                for f in full]
         results[case] = all(torch.equal(g.float(), w) for g, w in zip(got, want))
     if dist.get_rank() == 0:
         with open(out, "w") as f:

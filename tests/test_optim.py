@@ -57,8 +57,10 @@ def test_scheduler_drives_the_optimizer_lr():
     assert seen == pytest.approx([1e-2 * lr_factor(s, args, 10) for s in range(10)])
 
 
-@pytest.mark.parametrize("change,key", [({"lr": -1.0}, "optim.lr"), ({"scheduler": "step"}, "optim.scheduler"),
-                                        ({"warmup": -1}, "optim.warmup"), ({"beta2": 1.0}, "optim.beta2")])
+@pytest.mark.parametrize("change,key", [({"lr": -1.0}, "optim.lr"),
+                                        ({"scheduler": "step"}, "optim.scheduler"),
+                                        ({"warmup": -1}, "optim.warmup"),
+                                        ({"beta2": 1.0}, "optim.beta2")])
 def test_bad_optimizer_values_are_refused_by_name(change, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         optim.validate_args(OptimArgs(**change), steps=10)
@@ -66,7 +68,8 @@ def test_bad_optimizer_values_are_refused_by_name(change, key):
 
 def test_scheduler_position_restores_into_a_different_number_of_groups():
     args = OptimArgs(lr=1e-2, warmup=4, scheduler="cosine")
-    one = optim.Optimizers([torch.nn.Linear(2, 2, bias=False)], args, total_steps=10, device=torch.device("cpu"))
+    one = optim.Optimizers([torch.nn.Linear(2, 2, bias=False)], args, total_steps=10,
+                           device=torch.device("cpu"))
     assert len(one.optimizers[0].param_groups) == 1
     for _ in range(6):
         one.step()

@@ -1,4 +1,4 @@
-"""Every parallel layout against the single-process run with the same global batch (issue: 4D).
+"""Every parallel layout against the single-process run with the same global batch.
 
 A 4-layer tiny model, fp32, 5 steps; the global batch is 8 sequences in every run. Each layout
 must give the reference's loss and gradient norm at every step, its validation loss and its final
@@ -28,12 +28,14 @@ def reference(corpus, tmp_path_factory):
 def check_layout(corpus, tmp_path, reference, nproc, layout, ac):
     dump = tmp_path / "run"
     run_torchrun(nproc, "apps.llama.train",
-                 tiny_args(corpus, dump, *FOUR_LAYERS, *layout, f"distributed.ac={ac}", steps=STEPS))
+                 tiny_args(corpus, dump, *FOUR_LAYERS, *layout, f"distributed.ac={ac}",
+                           steps=STEPS))
     assert "val_loss" in read_rows(reference)[-1]
     assert_equivalent(dump, reference)
 
 
-PP = ["distributed.pp=2", "distributed.dp_shard=1", "data.batch_size=8", "distributed.pp_microbatches=4"]
+PP = ["distributed.pp=2", "distributed.dp_shard=1", "data.batch_size=8",
+      "distributed.pp_microbatches=4"]
 SCHEDULES = {
     "GPipe": [], "1F1B": [],
     "Interleaved1F1B": ["distributed.pp_virtual_stages=2"],
@@ -68,7 +70,8 @@ def resume_on_another_layout(corpus, tmp_path, reference, layout):
     """Save at step 3 under dp_shard=4, continue under `layout` from there: what one process
     computes, with steps 1-3 not run again."""
     dump = tmp_path / "run"
-    args = tiny_args(corpus, dump, *FOUR_LAYERS, "checkpoint.every=3", "checkpoint.keep=0", steps=STEPS)
+    args = tiny_args(corpus, dump, *FOUR_LAYERS, "checkpoint.every=3", "checkpoint.keep=0",
+                     steps=STEPS)
     run_torchrun(4, "apps.llama.train", args + ["distributed.dp_shard=4", "data.batch_size=2"])
     first = read_rows(dump)
     shutil.rmtree(dump / "checkpoints" / str(STEPS))
@@ -114,20 +117,22 @@ def test_context_parallel_with_document_masking(corpus, tmp_path):
     one = tmp_path / "one"
     train.main(tiny_args(corpus, one, "data.batch_size=8", "model.attn_mask=block_causal", steps=3))
     two = tmp_path / "two"
-    run_torchrun(2, "apps.llama.train", tiny_args(corpus, two, "data.batch_size=8", "distributed.cp=2",
-                                                  "distributed.dp_shard=1", "model.attn_mask=block_causal",
-                                                  steps=3))
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, two, "data.batch_size=8",
+                                                  "distributed.cp=2", "distributed.dp_shard=1",
+                                                  "model.attn_mask=block_causal", steps=3))
     assert_equivalent(two, one)
 
 
 @pytest.mark.parametrize("ac", ["full"])
 def test_fsdp4_with_ac(corpus, tmp_path, reference, ac):
-    check_layout(corpus, tmp_path, reference, 4, ["distributed.dp_shard=4", "data.batch_size=2"], ac)
+    check_layout(corpus, tmp_path, reference, 4, ["distributed.dp_shard=4", "data.batch_size=2"],
+                 ac)
 
 
 def test_compile_composes_with_fsdp(corpus, tmp_path, reference):
     check_layout(corpus, tmp_path, reference, 2,
-                 ["distributed.dp_shard=2", "data.batch_size=4", "distributed.compile=true"], "none")
+                 ["distributed.dp_shard=2", "data.batch_size=4", "distributed.compile=true"],
+                 "none")
 
 
 def test_compile_composes_with_pipelining(corpus, tmp_path, reference):

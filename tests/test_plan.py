@@ -18,7 +18,6 @@ import weakref
 
 import pytest
 import torch
-from torch import nn
 
 from lingua import plan as planner
 from lingua.errors import ConfigError
@@ -161,8 +160,8 @@ def test_deepseek_16b_on_64_gpus_with_ep8(data, tmp_path):
 
 
 def test_the_70b_preset_without_tp_does_not_fit_and_the_fix_is_named(data, tmp_path):
-    """What the preset used to be (no tp, no ac): 145 GiB of activations and gathered blocks on
-    each of 256 GPUs. The search re-plans ac=op (still too large) and names ac=full."""
+    """The preset with distributed.tp=1 (no tp, no ac): 145 GiB of activations and gathered
+    blocks on each of 256 GPUs. The search re-plans ac=op (still too large) and names ac=full."""
     p = run_plan("apps.llama.train", "llama_70b", data, tmp_path, 256, "distributed.tp=1")
     assert not p.fits and p.busiest.total > 140 * GIB
     assert p.suggestion.startswith("distributed.ac=full")
@@ -178,7 +177,8 @@ def test_the_70b_preset_without_tp_does_not_fit_and_the_fix_is_named(data, tmp_p
 DEBUG_LAYOUTS = [
     ("apps.llama.train", 1, []),
     ("apps.llama.train", 2, ["distributed.tp=2"]),
-    ("apps.llama.train", 4, ["distributed.tp=2", "distributed.model_dtype=bf16", "distributed.ac=op"]),
+    ("apps.llama.train", 4, ["distributed.tp=2", "distributed.model_dtype=bf16",
+                             "distributed.ac=op"]),
     ("apps.llama.train", 4, ["distributed.pp=2", "distributed.tp=2", "data.batch_size=4"]),
     ("apps.llama.train", 8, ["distributed.pp=2", "distributed.cp=2", "distributed.tp=2",
                              "data.batch_size=4"]),
@@ -195,8 +195,8 @@ DEBUG_LAYOUTS = [
 
 
 @pytest.mark.parametrize("app,world,layout", DEBUG_LAYOUTS,
-                         ids=[f"{a.split('.')[1]}-{w}-{'-'.join(x.split('.')[-1] for x in l)}"
-                              for a, w, l in DEBUG_LAYOUTS])
+                         ids=[f"{a.split('.')[1]}-{w}-{'-'.join(x.split('.')[-1] for x in lay)}"
+                              for a, w, lay in DEBUG_LAYOUTS])
 def test_debug_presets_build_at_small_world_sizes(corpus, tmp_path, app, world, layout):
     overrides = [f"data.root={corpus}", "data.prepare_embedded=false",
                  f"dump_dir={tmp_path / 'run'}", *layout]
@@ -281,9 +281,11 @@ def small_model(app, dtype, **extra):
     from lingua.config import from_dict
 
     if app == "llama":
-        from apps.llama.model import LlamaArgs as Args, Transformer
+        from apps.llama.model import LlamaArgs as Args
+        from apps.llama.model import Transformer
     else:
-        from apps.moe.model import MoEArgs as Args, Transformer
+        from apps.moe.model import MoEArgs as Args
+        from apps.moe.model import Transformer
     args = from_dict(Args, dict(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=32,
                                 vocab_size=512, max_seq_len=128, **extra))
     torch.manual_seed(0)
@@ -336,7 +338,8 @@ def test_activation_formula_with_kv_repeated_as_on_gpu(monkeypatch, ac):
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
     if ac == "none":   # the repeated k/v are what differs: 2 x (h - hk) x 2 bytes a token
         grouped = planner.block_activation_bytes(args, False, ac, 2, grouped_kv=True)
-        assert predicted - grouped == 2 * 2 * (args.dim - args.dim // args.n_heads * args.n_kv_heads)
+        assert predicted - grouped == 2 * 2 * (args.dim
+                                               - args.dim // args.n_heads * args.n_kv_heads)
 
 
 @pytest.mark.parametrize("ac", ["none", "op", "full"])

@@ -106,7 +106,8 @@ def test_run_labels_tell_equal_names_apart(tmp_path):
 
 
 def test_panel_without_data_says_so_and_series_skips_missing_keys(tmp_path):
-    rows = [{"step": 2, "loss": 1.0}, {"step": 1, "loss": 2.0, "lr": None}, {"step": 2, "loss": 0.5}]
+    rows = [{"step": 2, "loss": 1.0}, {"step": 1, "loss": 2.0, "lr": None},
+            {"step": 2, "loss": 0.5}]
     assert plot.series(rows, "loss") == ([1, 2], [2.0, 0.5])  # sorted, a step's last row wins
     assert plot.series(rows, "lr") == ([], [])
     fig = plot.compare_figure({"r": rows})
@@ -307,7 +308,8 @@ def test_downstream_figure_panels_lines_and_percent(tmp_path):
 
 def test_cli_writes_downstream_png_beside_compare(tmp_path):
     base, fork, plain = downstream_runs(tmp_path)
-    proc = run_python("lingua.plot", [str(base), str(fork), str(plain), "--out", str(tmp_path / "o")])
+    proc = run_python("lingua.plot", [str(base), str(fork), str(plain),
+                                      "--out", str(tmp_path / "o")])
     assert proc.stdout.strip().splitlines() == [
         str((tmp_path / "o" / "compare.png").absolute()),
         str((tmp_path / "o" / "downstream.png").absolute())]

@@ -4,8 +4,8 @@ alerts, wandb, and the same numbers under FSDP x TP and PP as in one process."""
 import json
 import math
 import os
-import sys
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,7 +64,8 @@ def test_sums_of_shards_give_the_statistics_of_the_whole():
     sums = sum(p[0] for p in parts)
     maxes = torch.stack([p[1] for p in parts]).amax(0)
     whole = probe.finish(*probe.summarize(x), set(probe.ALL_STATS), QUANTILES)
-    assert probe.finish(sums, maxes, set(probe.ALL_STATS), QUANTILES) == pytest.approx(whole, rel=1e-12)
+    assert (probe.finish(sums, maxes, set(probe.ALL_STATS), QUANTILES)
+            == pytest.approx(whole, rel=1e-12))
 
 
 def test_attention_statistics_match_a_direct_softmax():
@@ -72,7 +73,8 @@ def test_attention_statistics_match_a_direct_softmax():
     b, s, h, d = 2, 10, 3, 8
     q, k = torch.randn(b, s, h, d), torch.randn(b, s, h, d)
     doc = torch.tensor([[0] * 4 + [1] * 6, [0] * 10])
-    mask = (torch.ones(s, s, dtype=torch.bool).tril() & (doc[:, :, None] == doc[:, None, :]))[:, None]
+    mask = (torch.ones(s, s, dtype=torch.bool).tril()
+            & (doc[:, :, None] == doc[:, None, :]))[:, None]
     for m in (None, mask):
         sums, maxes = probe.attention_summary(q, k, m, n_queries=s)
         got = probe.finish_attention(sums, maxes)
@@ -402,7 +404,8 @@ def test_default_stats_are_those_the_run_recorded(tmp_path, figures):
     path = dump / "probe" / "probe.jsonl"
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     for line in lines:
-        line["stats"] = {k: ({"rms": v["rms"]} if "rms" in v else v) for k, v in line["stats"].items()}
+        line["stats"] = {k: ({"rms": v["rms"]} if "rms" in v else v)
+                         for k, v in line["stats"].items()}
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     probe.plot(dump)
     assert {"heatmap_rms.png", "lines_rms.png"} <= set(figures)
@@ -416,7 +419,8 @@ def test_cli_refuses_unknown_stats_and_modules_naming_the_known_ones(tmp_path, c
 
     dump = fork_probe_run(tmp_path / "run")
     out = tmp_path / "plots"
-    proc = run_python("lingua.probe", ["plot", str(dump), "--stats", "rms,bogus", "--out", str(out)],
+    proc = run_python("lingua.probe",
+                      ["plot", str(dump), "--stats", "rms,bogus", "--out", str(out)],
                       check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

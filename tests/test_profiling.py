@@ -25,7 +25,8 @@ def test_one_process_run_writes_a_chrome_trace_and_a_summary(corpus, tmp_path):
     dump = tmp_path / "run"
     proc = run_python("apps.llama.train", tiny_args(corpus, dump, *WINDOW, steps=5))
     traces = sorted((dump / "profiling").glob("trace_rank0_step*.json"))
-    assert [p.name for p in traces] == ["trace_rank0_step5.json"]  # named after the last recorded step
+    # Named after the last recorded step.
+    assert [p.name for p in traces] == ["trace_rank0_step5.json"]
     names = trace_names(traces[0])
     assert {"data", "forward", "backward", "optimizer"} <= names
     assert {"aten::mm", "aten::addmm"} & names

@@ -90,7 +90,8 @@ def test_one_process_walks_back_to_the_newest_intact_checkpoint(tmp_path, caplog
     flip_a_byte(newest / "__0_0.distcp")
     flip_a_byte(newest.parent / "4" / ".metadata")
     assert checkpoint.newest_verified(tmp_path) == newest.parent / "2"
-    assert f"skipping damaged checkpoint {newest}: {newest / '__0_0.distcp'} is damaged" in caplog.text
+    assert (f"skipping damaged checkpoint {newest}: {newest / '__0_0.distcp'} is damaged"
+            in caplog.text)
     assert f"{newest.parent / '4' / '.metadata'} is damaged" in caplog.text
     assert checkpoint.newest_verified(tmp_path / "nothing") is None
     assert sorted(p.name for p in newest.parent.iterdir()) == ["2", "4", "6", "8.tmp-abcd"]
@@ -131,7 +132,8 @@ def test_two_ranks_skip_a_checkpoint_only_rank_1_finds_damaged(tmp_path):
     # stops reading its share of a checkpoint at the first damaged file).
     read = [name for r in results for name in r["read"]]
     assert len(read) == len(set(read))
-    assert sorted(n for n in read if n.startswith("2/")) == sorted(f"2/{n}" for n in manifest_of(older))
+    assert (sorted(n for n in read if n.startswith("2/"))
+            == sorted(f"2/{n}" for n in manifest_of(older)))
     assert f"4/{damaged}" in results[1]["read"] and f"4/{damaged}" not in results[0]["read"]
     assert (f"[rank0] lingua.checkpoint: skipping damaged checkpoint {newer}: {newer / damaged} is "
             f"damaged") in proc.stdout, proc.stdout[-3000:]

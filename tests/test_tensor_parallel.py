@@ -1,4 +1,5 @@
-"""Tensor + sequence parallelism (lingua/tensor_parallel.py, lingua/tp_plan.py, apps/llama/parallelize.py).
+"""Tensor + sequence parallelism (lingua/tensor_parallel.py, lingua/tp_plan.py,
+apps/llama/parallelize.py).
 
 Unit: validate_tp / check_async_tp messages. Distributed: this file is also the worker script,
 run under `torch.distributed.run` (see `_launch`): every rank builds the same tiny model from one
@@ -18,13 +19,16 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # when run as a script by torchrun
+# Run as a script by torchrun, this file's directory (tests/) is on sys.path, not the repository:
+# the imports below need REPO inserted first.
+sys.path.insert(0, str(REPO))
 
-from apps.llama.model import LlamaArgs, Transformer
-from lingua.distributed import exit_process
-from lingua.errors import ConfigError
-from apps.llama.parallelize import tp_plans as decoder_tp_plans, validate_tp
-from lingua.tensor_parallel import (
+from apps.llama.model import LlamaArgs, Transformer  # noqa: E402
+from apps.llama.parallelize import tp_plans as decoder_tp_plans  # noqa: E402
+from apps.llama.parallelize import validate_tp  # noqa: E402
+from lingua.distributed import exit_process  # noqa: E402
+from lingua.errors import ConfigError  # noqa: E402
+from lingua.tensor_parallel import (  # noqa: E402
     apply_tp,
     check_async_tp,
     loss_parallel_context,
@@ -90,7 +94,8 @@ def test_check_async_tp():
 
 def test_token_loss_sum_plain():
     logits, labels = torch.randn(2, 5, 7), torch.randint(7, (2, 5))
-    expected = torch.nn.functional.cross_entropy(logits.view(10, 7), labels.view(10), reduction="sum")
+    expected = torch.nn.functional.cross_entropy(logits.view(10, 7), labels.view(10),
+                                                 reduction="sum")
     torch.testing.assert_close(token_loss_sum(logits, labels), expected)
     with loss_parallel_context(False):  # a no-op context
         torch.testing.assert_close(token_loss_sum(logits.bfloat16(), labels), expected,

@@ -174,7 +174,8 @@ def test_init_from_a_hugging_face_directory_starts_from_its_weights(corpus, tmp_
     model, _ = load_hf(str(hf_dir))
     cfg = train.config.load("llama", train.TrainArgs, args)
     (batch,) = data.build_train_loader(cfg.data, 0, 1, cfg.seed).next_step()
-    want = evaluation.token_loss_sum(model(batch.tokens), batch.labels).item() / batch.labels.numel()
+    want = (evaluation.token_loss_sum(model(batch.tokens), batch.labels).item()
+            / batch.labels.numel())
     assert read_metrics(tuned)[0]["loss"] == pytest.approx(want, rel=1e-5)
     assert want < read_metrics(first)[0]["loss"] - 0.5  # it did start from trained weights
 
@@ -219,7 +220,8 @@ def test_apply_ac_wraps_the_chosen_blocks_and_keeps_parameter_names():
     model = Transformer(LlamaArgs(dim=32, n_layers=4, n_heads=4, multiple_of=16, max_seq_len=16))
     names = list(model.state_dict())
     apply_ac(model.layers, "layer", every=2)
-    assert [isinstance(b, CheckpointWrapper) for b in model.layers.values()] == [True, False, True, False]
+    assert ([isinstance(b, CheckpointWrapper) for b in model.layers.values()]
+            == [True, False, True, False])
     assert list(model.state_dict()) == names
     model(torch.randint(0, 258, (1, 8))).sum().backward()
 

@@ -1,6 +1,6 @@
 """A run's stderr holds no warning the project knowingly triggers: DCP's "assuming the intent is to
 save/load in a single process" at each one-process save and load, torch's "Slicing a flattened dim
-from root mesh will be deprecated" at each sub-mesh lookup (issue 16, point 10)."""
+from root mesh will be deprecated" at each sub-mesh lookup."""
 
 import re
 import warnings

@@ -73,13 +73,14 @@ def main(out_path, app_name, argv):
             "devices": sorted({str(t.to_local().device if hasattr(t, "to_local") else t.device)
                                for part in parts
                                for t in list(part.parameters()) + list(part.buffers())})}
-    want = train.APP.load_hf(args.checkpoint.init_from)[0].state_dict() if args.checkpoint.init_from else None
+    want = (train.APP.load_hf(args.checkpoint.init_from)[0].state_dict()
+            if args.checkpoint.init_from else None)
     mine["hashes"], mine["max_diff"] = {}, {}
     for part in parts:
         for key, value in part.state_dict().items():
             full = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().cpu()
-            mine["hashes"][key] = hashlib.blake2b(full.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(),
-                                                  digest_size=16).hexdigest()
+            data = full.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            mine["hashes"][key] = hashlib.blake2b(data, digest_size=16).hexdigest()
             if want is not None:
                 mine["max_diff"][key] = (full.float() - want[key].float()).abs().max().item()
     everyone = [None] * env.world_size

@@ -4,7 +4,6 @@ Run under torchrun with the trainer's overrides; rank 0 writes {"rank": bytes...
 """
 
 import json
-import os
 import sys
 
 import torch

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
 from torch import nn
 
-import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
 from lingua import checkpoint, distributed, optim
 from lingua.probe import Probe, summarize
 
@@ -38,7 +38,8 @@ def main(out_dir: Path) -> None:
     result = {"backend": backend, "groups": {}}
     for name in MESH_GROUPS:
         group = env.mesh[name].get_group()
-        result["groups"][name] = [group._get_backend(torch.device(d)).name() for d in ("cpu", "cuda")]
+        result["groups"][name] = [group._get_backend(torch.device(d)).name()
+                                  for d in ("cpu", "cuda")]
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
@@ -69,10 +70,11 @@ def main(out_dir: Path) -> None:
     optimizers.step()
     after = [p.full_tensor().clone() for p in model.parameters()]
     result["stepped"] = all(not torch.equal(a, b) for a, b in zip(after, before))
-    result["param_devices_after_step"] = sorted({str(p.to_local().device) for p in model.parameters()})
+    result["param_devices_after_step"] = sorted({str(p.to_local().device)
+                                                 for p in model.parameters()})
 
-    saved = checkpoint.save(out_dir / "run", 1, [model], optimizers.optimizers, {"step": 1}, "x: 1\n",
-                            env.rank, env.world_size, keep=0)
+    saved = checkpoint.save(out_dir / "run", 1, [model], optimizers.optimizers, {"step": 1},
+                            "x: 1\n", env.rank, env.world_size, keep=0)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()

@@ -16,8 +16,8 @@ import sys
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from apps.llama import model, parallelize, train
-from lingua import trainer
 from apps.llama.model import Attention
+from lingua import trainer
 from lingua.transformer import RMSNorm, apply_rope, repeat_kv
 
 PLAN_VAR = "LINGUA_TEST_QK_PLAN"

@@ -58,7 +58,8 @@ def inject(set_attr, batches: dict, app=None, rows=None, ranks=None) -> None:
     def loss(output, target):
         factor = batches.get(current["batch"])
         if factor is not None and rows is not None and rows < output.shape[0]:
-            head, tail = real_loss(output[:rows], target[:rows]), real_loss(output[rows:], target[rows:])
+            head = real_loss(output[:rows], target[:rows])
+            tail = real_loss(output[rows:], target[rows:])
             head.loss_sum = head.loss_sum * factor + tail.loss_sum
             head.tokens = head.tokens + tail.tokens
             return head
@@ -82,7 +83,8 @@ if __name__ == "__main__":
     spec = os.environ.get(SPIKES_VAR, "")
     if spec:
         rows, ranks = os.environ.get(ROWS_VAR), os.environ.get(RANKS_VAR)
-        inject(setattr, {int(b): float(f) for b, f in (item.split(":") for item in spec.split(","))},
+        inject(setattr,
+               {int(b): float(f) for b, f in (item.split(":") for item in spec.split(","))},
                rows=int(rows) if rows else None,
                ranks={int(r) for r in ranks.split(",")} if ranks else None)
     if os.environ.get(MUTATION_VAR) == "rank1_decides_alone":
