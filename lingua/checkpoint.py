@@ -27,12 +27,12 @@ import io
 import json
 import logging
 import os
-import time
-import warnings
-import zlib
 import random
 import re
 import shutil
+import time
+import warnings
+import zlib
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +45,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-    set_optimizer_state_dict)
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from lingua.errors import ConfigError, RunError
 
@@ -60,9 +64,10 @@ class CheckpointArgs:
     every: int = 0                  # save every N steps (0: only at the end of training)
     keep: int = 3                   # keep the newest N checkpoints (0: keep all)
     save_final: bool = True         # also save after the last step
-    init_from: Optional[str] = None # a Hugging Face directory to initialise weights from (fine-tuning)
-    # Write periodic checkpoints while the next steps run (the issue's `checkpoint.async`, which
-    # is a Python keyword): only the copy to CPU memory holds up training. See `save_async`.
+    # A Hugging Face directory to initialise weights from (fine-tuning).
+    init_from: Optional[str] = None
+    # Write periodic checkpoints while the next steps run (not `async`, a Python keyword): only
+    # the copy to CPU memory holds up training. See `save_async`.
     async_save: bool = False
 
 
@@ -276,7 +281,8 @@ def require_intact(ckpt_dir) -> None:
 
 
 def _holds_checkpoint(path: Path) -> bool:
-    # DCP's metadata or our manifest. A damaged checkpoint is still one: loading it names the damage.
+    # DCP's metadata or our manifest. A damaged checkpoint is still one: loading it names the
+    # damage.
     return (path / ".metadata").is_file() or (path / MANIFEST).is_file()
 
 
@@ -380,8 +386,8 @@ def check_resume_compatible(dump_dir, run_config: dict, keys=("model",)) -> Opti
         if isinstance(old, DictConfig) or isinstance(new, DictConfig):
             old = OmegaConf.to_container(old) if isinstance(old, DictConfig) else {}
             new = OmegaConf.to_container(new) if isinstance(new, DictConfig) else {}
-            differing += [(f"{key}.{k}", old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-                          if old.get(k) != new.get(k)]
+            differing += [(f"{key}.{k}", old.get(k), new.get(k))
+                          for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
         elif old != new:
             differing.append((key, old, new))
     if differing:
@@ -602,10 +608,12 @@ class PendingSave:
             if rank == 0 and tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
             previous = newest(self.dump_dir)
+            kept = (f"the previous checkpoint {previous} is intact" if previous
+                    else "no earlier checkpoint exists")
             raise RunError(f"Could not write checkpoint {final}: {error}. Nothing of it was kept; "
-                           f"{f'the previous checkpoint {previous} is intact' if previous else 'no earlier checkpoint exists'}."
-                           f" Free disk space (or make {self.root} writable, or point dump_dir at a "
-                           f"filesystem with room), then run the same command to resume.") from None
+                           f"{kept}. Free disk space (or make {self.root} writable, or point "
+                           f"dump_dir at a filesystem with room), then run the same command to "
+                           f"resume.") from None
         if rank == 0:
             _prune(self.root, self.keep)
             logger.info("saved checkpoint %s", final)
@@ -704,7 +712,8 @@ def verified(ckpt_dir, rank: int = 0, world_size: int = 1) -> None:
     problems = _all_gather(problem) if world_size > 1 else [problem]
     problems = [p for p in problems if p is not None]
     if problems:
-        raise ConfigError(f"Checkpoint {ckpt_dir} is damaged: {'; '.join(dict.fromkeys(problems))}. "
+        raise ConfigError(f"Checkpoint {ckpt_dir} is damaged: "
+                          f"{'; '.join(dict.fromkeys(problems))}. "
                           f"Use another checkpoint of the run (ls {Path(ckpt_dir).parent}), or "
                           f"copy this one again from where it was written.")
 

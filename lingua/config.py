@@ -80,8 +80,8 @@ def _preset_location(app: str, preset: str) -> tuple:
     as_path = Path(preset)
     if preset.endswith((".yaml", ".yml")) or as_path.is_file():
         if not as_path.is_file():
-            raise ConfigError(f"Config file {preset} does not exist. Give an existing YAML file or a "
-                              f"preset name from {CONFIG_DIR / app} (without .yaml).")
+            raise ConfigError(f"Config file {preset} does not exist. Give an existing YAML "
+                              f"file or a preset name from {CONFIG_DIR / app} (without .yaml).")
         return str(as_path.resolve().parent), as_path.stem
     app_dir = CONFIG_DIR / app
     if not (app_dir / f"{preset}.yaml").is_file():

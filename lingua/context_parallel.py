@@ -73,7 +73,8 @@ def validate_cp(seq_len: int, cp: int, tp: int = 1, backend: str = "allgather",
                 device_type: Optional[str] = None, doc_masking: bool = False) -> None:
     """Raise ConfigError for a context-parallel setup that cannot run; call before any work."""
     if backend not in CP_BACKENDS:
-        raise ConfigError(f"distributed.cp_backend={backend!r} is not one of {', '.join(CP_BACKENDS)}.")
+        raise ConfigError(f"distributed.cp_backend={backend!r} is not one of "
+                          f"{', '.join(CP_BACKENDS)}.")
     if cp <= 1:
         return
     if seq_len % (2 * cp * tp):
@@ -134,7 +135,8 @@ class CPContext:
             return  # torch's ring attention masks causally by itself
         device = positions.device
         # all_gather concatenates the ranks' shards in rank order.
-        gathered = torch.cat([shard_positions(seq_len, r, self.size, device) for r in range(self.size)])
+        gathered = torch.cat([shard_positions(seq_len, r, self.size, device)
+                              for r in range(self.size)])
         self.gather_order = torch.argsort(gathered)
         keys = torch.arange(seq_len, device=device)
         mask = (positions[:, None] >= keys[None, :])[None]            # causal by global position
@@ -149,8 +151,8 @@ class CPContext:
     def require(self) -> "CPContext":
         if not self.active:
             raise RuntimeError(
-                "context-parallel attention was called outside `cp_batch`: wrap the forward and the "
-                "backward of each micro-batch in `with lingua.context_parallel.cp_batch(...)`."
+                "context-parallel attention was called outside `cp_batch`: wrap the forward and "
+                "the backward of each micro-batch in `with lingua.context_parallel.cp_batch(...)`."
             )
         return self
 
@@ -210,7 +212,8 @@ class RingAttention(nn.Module):
     def forward(self, q, k, v, mask=None, decoding: bool = False):  # never decoding under CP
         self.ctx.require()  # outside the context sdpa would silently attend within the shard only
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        # Looked up at call time on purpose: torch's CP context replaces F.scaled_dot_product_attention.
+        # Looked up at call time on purpose: torch's CP context replaces
+        # F.scaled_dot_product_attention.
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return out.transpose(1, 2)
 
@@ -234,13 +237,15 @@ def _fill_positions(module, args, kwargs):
     return args, kwargs
 
 
-def apply_cp(model: nn.Module, cp_mesh, backend: str = "allgather", rotate_method: str = "allgather") -> nn.Module:
+def apply_cp(model: nn.Module, cp_mesh, backend: str = "allgather",
+             rotate_method: str = "allgather") -> nn.Module:
     """Replace every CoreAttention in `model` by the context-parallel version; in place.
 
     `rotate_method` ("allgather" | "alltoall") is how torch's ring backend exchanges K/V shards.
     """
     if backend not in CP_BACKENDS:
-        raise ConfigError(f"distributed.cp_backend={backend!r} is not one of {', '.join(CP_BACKENDS)}.")
+        raise ConfigError(f"distributed.cp_backend={backend!r} is not one of "
+                          f"{', '.join(CP_BACKENDS)}.")
     ctx = CPContext(cp_mesh, backend)
     if backend == "ring":
         from torch.distributed.tensor.experimental._attention import set_rotate_method
@@ -251,7 +256,8 @@ def apply_cp(model: nn.Module, cp_mesh, backend: str = "allgather", rotate_metho
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, CoreAttention):
-                new = AllGatherKVAttention(ctx, n_rep) if backend == "allgather" else RingAttention(ctx)
+                new = (AllGatherKVAttention(ctx, n_rep) if backend == "allgather"
+                       else RingAttention(ctx))
                 setattr(module, child_name, new)
                 replaced.append(f"{name}.{child_name}" if name else child_name)
     if not replaced:
@@ -275,7 +281,8 @@ def _contexts(models) -> list:
     models = [models] if isinstance(models, nn.Module) else list(models)
     contexts = [m.cp_context for m in models if hasattr(m, "cp_context")]
     if not contexts:
-        raise ValueError("cp_batch: no model part has context parallelism applied (call apply_cp first).")
+        raise ValueError("cp_batch: no model part has context parallelism applied (call apply_cp "
+                         "first).")
     return contexts
 
 
@@ -288,12 +295,14 @@ def cp_batch(models: Union[nn.Module, Iterable[nn.Module]], tokens: torch.Tensor
     contexts = _contexts(models)
     ctx = contexts[0]
     seq_len = tokens.shape[1]
-    max_len = getattr(getattr(models if isinstance(models, nn.Module) else None, "args", None), "max_seq_len", None)
+    model_args = getattr(models if isinstance(models, nn.Module) else None, "args", None)
+    max_len = getattr(model_args, "max_seq_len", None)
     if max_len is not None and seq_len > max_len:
         raise ConfigError(f"sequence of {seq_len} tokens exceeds model.max_seq_len={max_len}; "
                           "raise model.max_seq_len.")
     if ctx.backend == "ring" and doc_ids is not None:
-        validate_cp(seq_len, ctx.size, backend="ring", device_type=tokens.device.type, doc_masking=True)
+        validate_cp(seq_len, ctx.size, backend="ring", device_type=tokens.device.type,
+                    doc_masking=True)
     with contextlib.ExitStack() as stack:
         if ctx.backend == "ring":
             from torch.distributed.tensor.experimental import context_parallel

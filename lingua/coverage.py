@@ -183,8 +183,8 @@ def _message(problems: list, dims, ep: int, no_ep: bool) -> str:
         if None in entries:
             text += " " + "; ".join(entries[None]) + "."
         text += (" A module that every tp rank should instead run whole on the all-gathered input "
-                 "takes lingua.tensor_parallel.ReplicatedCompute() (as apps/moe/parallelize.py's MoE "
-                 "layers).")
+                 "takes lingua.tensor_parallel.ReplicatedCompute() (as apps/moe/parallelize.py's "
+                 "MoE layers).")
     if missing & {"dp_replicate", "dp_shard", "cp"}:
         text += (" Data- and context-parallel ranks hold different tokens, so every parameter must "
                  "be sharded by FSDP over them: the app's parallelize.py must end with "

@@ -17,12 +17,13 @@ every line; tokenization, the expensive part, is done once per line.
 
 Bad data. A jsonl line that is not valid UTF-8, not valid JSON, has no string "text" field, or
 whose text is empty is skipped and counted by reason (`skipped_lines`, `skipped_by_reason`), once
-however many epochs pass over it; the first few are logged with their file and line number. Blank lines are formatting, not documents,
-and are skipped silently. `setup/prepare_data.py` applies the same rules when it builds the memmap
-format. A document longer than seq_len is packed across as many rows (and steps) as it needs. A
-memmap corpus whose files disagree with its meta.json (a truncated or damaged train.bin, a size
-that is not a whole number of tokens, a broken docs.npy) is refused with a ConfigError naming the
-file and the command that rebuilds it, before any process group or run directory exists.
+however many epochs pass over it; the first few are logged with their file and line number.
+Blank lines are formatting, not documents, and are skipped silently. `setup/prepare_data.py`
+applies the same rules when it builds the memmap format. A document longer than seq_len is
+packed across as many rows (and steps) as it needs. A memmap corpus whose files disagree with its
+meta.json (a truncated or damaged train.bin, a size that is not a whole number of tokens, a
+broken docs.npy) is refused with a ConfigError naming the file and the command that rebuilds it,
+before any process group or run directory exists.
 
 The loaders are single-process by design (no workers, no prefetch): a step's batch is a function
 of the seed, data.seq_len, the global batch and the data-parallel layout alone.
@@ -475,7 +476,8 @@ def build_val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]
     else:
         rows, docs = _jsonl_val_rows(args, n)
     share = n // dp_size
-    rows, docs = rows[dp_rank * share:(dp_rank + 1) * share], docs[dp_rank * share:(dp_rank + 1) * share]
+    mine = slice(dp_rank * share, (dp_rank + 1) * share)
+    rows, docs = rows[mine], docs[mine]
     return [_rows_to_batch(rows[i:i + args.batch_size], docs[i:i + args.batch_size])
             for i in range(0, share, args.batch_size)]
 
@@ -537,8 +539,8 @@ def _validate_memmap(args: DataArgs, root: Path) -> None:
     if saved["kind"] != args.tokenizer.kind:
         raise ConfigError(f"The corpus in {root} was tokenized with the {saved['kind']} tokenizer "
                           f"but data.tokenizer.kind={args.tokenizer.kind}. Use the corpus's "
-                          f"tokenizer (data.tokenizer.kind={saved['kind']}, path {saved.get('path')}) "
-                          f"or prepare the corpus again with yours.")
+                          f"tokenizer (data.tokenizer.kind={saved['kind']}, path "
+                          f"{saved.get('path')}) or prepare the corpus again with yours.")
     if args.tokenizer.kind != "bytes":
         # Same kind but another file would silently feed ids from another vocabulary; loading
         # the tokenizer is the only sure check (a second or less for real tokenizer files).
@@ -629,7 +631,8 @@ def _validate_jsonl(args: DataArgs, root: Path) -> None:
 
 def write_memmap_corpus(out: Path, splits: Dict[str, Iterator[str]], tokenizer: Tokenizer,
                         tokenizer_args: TokenizerArgs, source: str) -> dict:
-    """Tokenize each split's documents (BOS + text + EOS) into `<split>.bin` + `<split>.docs.npy`."""
+    """Tokenize each split's documents (BOS + text + EOS) into `<split>.bin` +
+    `<split>.docs.npy`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # meta.json is written last: until then a re-preparation stopped halfway reads as no corpus,
@@ -658,7 +661,8 @@ SKIP_STDLIB_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages"
 
 
 def stdlib_docstrings(min_chars: int = 200) -> List[str]:
-    """Long docstrings of the Python standard library: English prose on every machine with Python."""
+    """Long docstrings of the Python standard library: English prose on every machine with
+    Python."""
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -671,7 +675,8 @@ def stdlib_docstrings(min_chars: int = 200) -> List[str]:
             except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue
             for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                     ast.AsyncFunctionDef)):
                     doc = ast.get_docstring(node)
                     if doc and len(doc) >= min_chars:
                         docs.append(doc)
@@ -679,7 +684,8 @@ def stdlib_docstrings(min_chars: int = 200) -> List[str]:
 
 
 def build_embedded_corpus(out: Path, val_every: int = 50) -> dict:
-    """The debug corpus: stdlib docstrings, bytes tokenizer, every val_every-th document held out."""
+    """The debug corpus: stdlib docstrings, bytes tokenizer, every val_every-th document held
+    out."""
     docs = stdlib_docstrings()
     splits = {"train": (d for i, d in enumerate(docs) if i % val_every),
               "val": (d for i, d in enumerate(docs) if i % val_every == 0)}

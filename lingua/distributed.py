@@ -38,15 +38,15 @@ class DistributedArgs:
     cp_backend: str = "allgather"   # allgather (portable: CPU and CUDA) | ring (torch's, CUDA)
     ac: str = "none"                # activation checkpointing: none | full | layer | op
     ac_every: int = 1               # ac=layer: checkpoint every N-th block
-    compile: bool = False           # torch.compile each block, and the loss (not under loss_parallel)
+    compile: bool = False           # torch.compile each block, and the loss (not loss_parallel)
     compile_backend: str = "inductor"  # a torch.compile backend (torch._dynamo.list_backends())
     async_tp: bool = False          # overlap TP communication with compute (CUDA + compile)
-    loss_parallel: bool = True      # with tp > 1 (and pp = 1): cross-entropy on vocab-sharded logits
+    loss_parallel: bool = True      # tp > 1 (and pp = 1): cross-entropy on vocab-sharded logits
     model_dtype: str = "fp32"       # fp32 | bf16 compute; master weights and optimizer stay fp32
     reshard_after_forward: bool = True   # ZeRO-3 style; False keeps params gathered until backward
     cpu_offload: bool = False       # keep sharded parameters, gradients and optimizer state on CPU
     backend: str = "auto"           # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
-    timeout_s: int = 600            # collective timeout: a lost rank ends the run instead of hanging
+    timeout_s: int = 600            # collective timeout: a lost rank ends the run, no hang
 
 
 AC_MODES = ("none", "full", "layer", "op")
@@ -112,13 +112,14 @@ def validate_args(args: DistributedArgs) -> None:
         raise ConfigError("distributed.backend=nccl needs CUDA, and none is available here. "
                           "Use distributed.backend=auto (gloo on CPU).")
     if args.ac not in AC_MODES:
-        raise ConfigError(f"distributed.ac={args.ac!r} is unknown: use one of {', '.join(AC_MODES)} "
-                          f"(layer checkpoints every distributed.ac_every-th block, op saves matmul "
-                          f"outputs and recomputes the rest).")
+        raise ConfigError(f"distributed.ac={args.ac!r} is unknown: use one of "
+                          f"{', '.join(AC_MODES)} (layer checkpoints every "
+                          f"distributed.ac_every-th block, op saves matmul outputs and recomputes "
+                          f"the rest).")
     if args.cpu_offload and job_device_type() != "cuda":
-        raise ConfigError("distributed.cpu_offload=true moves sharded state from GPU to CPU memory; "
-                          "this run has no GPU, so everything is in CPU memory already. Remove "
-                          "distributed.cpu_offload.")
+        raise ConfigError("distributed.cpu_offload=true moves sharded state from GPU to CPU "
+                          "memory; this run has no GPU, so everything is in CPU memory already. "
+                          "Remove distributed.cpu_offload.")
     if args.compile:
         from torch._dynamo import list_backends
 
@@ -143,7 +144,8 @@ def validate_args(args: DistributedArgs) -> None:
 
 def job_device_type() -> str:
     """The device the run will train on. Usually this machine's; stool validates a config on a
-    login node for a job that runs elsewhere and says which device that job gets (JOB_DEVICE_VAR)."""
+    login node for a job that runs elsewhere and says which device that job gets
+    (JOB_DEVICE_VAR)."""
     return os.environ.get(JOB_DEVICE_VAR) or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -244,9 +246,9 @@ def process_group_backend(args: DistributedArgs, device_type: str) -> str:
     NCCL only moves CUDA tensors. With cpu_offload, FSDP2 keeps sharded gradients (and the
     optimizer's update) on the CPU, so the gradient norm's reduction (optim.clip_grad_norm), the
     probe's statistics of gradients and weights then communicate CPU tensors ("No backend type
-    associated with device type cpu" on NCCL alone): the group needs a CPU backend too. torch picks the backend by the tensor's device, and mesh
-    sub-groups inherit both (new_group copies the default group's backend string; split_group
-    splits every per-device backend)."""
+    associated with device type cpu" on NCCL alone): the group needs a CPU backend too. torch
+    picks the backend by the tensor's device, and mesh sub-groups inherit both (new_group copies
+    the default group's backend string; split_group splits every per-device backend)."""
     backend = args.backend if args.backend != "auto" else (
         "nccl" if device_type == "cuda" else "gloo")
     if backend == "nccl" and args.cpu_offload:
@@ -394,8 +396,13 @@ def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs,
     Gradients are reduced as a SUM: the trainer already divides the loss by the global batch's
     token count, so averaging over ranks here would divide twice.
     """
-    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
-                                        OffloadPolicy, fully_shard)
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     if env.world_size == 1 or env.dims.dp_replicate * env.dims.fsdp == 1:
         return model  # no data-parallel ranks (one process, or only tp/pp): nothing to shard

@@ -48,7 +48,8 @@ def report() -> list:
              f"torch       {torch.__version__}, {torch.get_num_threads()} threads"]
     if torch.cuda.is_available():
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
-        lines.append(f"cuda        {torch.version.cuda}, NCCL {nccl}, {torch.cuda.device_count()} GPU(s)")
+        lines.append(f"cuda        {torch.version.cuda}, NCCL {nccl}, "
+                     f"{torch.cuda.device_count()} GPU(s)")
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
             lines.append(f"  gpu {i}     {props.name}, {props.total_memory / 2 ** 30:.0f} GiB, "
@@ -61,7 +62,8 @@ def report() -> list:
     seen = [(name, os.environ[name]) for name in DIST_VARS if name in os.environ]
     seen += [(name, value) for name, value in sorted(os.environ.items())
              if name.startswith(("WANDB_", "HF_")) and name not in dict(seen)]
-    lines.append("environment " + ("(none of the distributed variables is set)" if not seen else ""))
+    lines.append("environment "
+                 + ("(none of the distributed variables is set)" if not seen else ""))
     lines += [f"  {name}={shown(name, value)}" for name, value in seen]
     return lines
 

@@ -98,7 +98,8 @@ def evaluate_checkpoint(app, schema, argv: Optional[Sequence[str]] = None) -> in
               f"{(dump_dir / 'evals' / str(step) / downstream.RESULTS_NAME).resolve()}")
         return 0
     progress.say(f"step {step} of {dump_dir}: loading the data of {', '.join(todo)}")
-    downstream.load_tasks(todo, args.eval.include_path)     # data now: a task that cannot be fetched stops us here
+    # The data now: a task that cannot be fetched stops us here.
+    downstream.load_tasks(todo, args.eval.include_path)
     tokenizer = build_tokenizer(args.data.tokenizer)
 
     env = distributed.init(args.distributed)
@@ -139,7 +140,8 @@ def build_model(app, args, env, ckpt: Path):
     return parts[0]
 
 
-def record(dump_dir: Path, step: int, results: dict, args, ckpt: Path, env, tasks: List[str]) -> None:
+def record(dump_dir: Path, step: int, results: dict, args, ckpt: Path, env,
+           tasks: List[str]) -> None:
     """Rank 0: results.json, a metrics.jsonl row, wandb, and a summary on stdout."""
     meta = {"checkpoint": str(ckpt.resolve()), "world_size": env.world_size,
             "layout": str(env.dims), "limit": args.eval.limit, "num_fewshot": args.eval.num_fewshot}

@@ -68,7 +68,6 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
                  "TORCHELASTIC_ERROR_FILE", "LINGUA_JOB_DEVICE")
 EXIT_CONFIG = 2     # a ConfigError (trainer.exit_cli): not retried
-EXIT_STOPPED = 3    # the job was told to stop (SIGTERM): Slurm requeues or cancels it
 
 
 def step_dir(dump_dir, step: int) -> Path:
@@ -105,7 +104,8 @@ def evaluated_steps_are_saved(args) -> Optional[str]:
         if e.every % c.every:
             return (f"eval.every={e.every} is not a multiple of checkpoint.every={c.every}: steps "
                     f"such as {e.every} have no checkpoint to evaluate. Set eval.every to a "
-                    f"multiple of {c.every} (e.g. eval.every={c.every * max(1, e.every // c.every)}) "
+                    f"multiple of {c.every} "
+                    f"(e.g. eval.every={c.every * max(1, e.every // c.every)}) "
                     f"or checkpoint.every to a divisor of {e.every}")
     last_saved = c.save_final or (c.every and args.steps % c.every == 0)
     if e.at_end and not last_saved:
@@ -207,8 +207,8 @@ def submit(args, app_package: str, step: int, ckpt_dir) -> Optional[str]:
                        "on; evaluate that checkpoint by hand: %s", step, type(err).__name__,
                        " ".join(str(err).split())[:500], by_hand)
         return None
-    record = {"step": step, "job_id": str(job.job_id),
-              "submitted": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    submitted = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    record = {"step": step, "job_id": str(job.job_id), "submitted": submitted,
               "checkpoint": str(ckpt_dir), "tasks": tasks, "world_size": world,
               "logs": str(folder), "by_hand": by_hand}
     try:
@@ -291,7 +291,8 @@ class EvalJob:
                 print(f"eval job: giving up on step {self.step}: {why}. Its checkpoint may now "
                       f"be pruned (checkpoint.keep). Evaluate it by hand: {self.by_hand}",
                       file=sys.stderr, flush=True)
-        distributed.exit_process(EXIT_STOPPED if action == "stop" else (code if code > 0 else 1))
+        distributed.exit_process(preemption.EXIT_STOPPED if action == "stop"
+                                 else (code if code > 0 else 1))
 
     def _first_to_act(self, restarts: int) -> bool:
         """Several tasks may fail together: one of them requeues (or gives up) for the job."""

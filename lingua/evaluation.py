@@ -11,7 +11,6 @@ from lingua.errors import ConfigError
 from lingua.stool import SlurmArgs
 from lingua.tensor_parallel import token_loss_sum  # noqa: F401  (the loss every caller uses)
 
-
 EVAL_MODES = ("inline", "async")
 
 
@@ -42,7 +41,8 @@ def validate_args(args: EvalArgs) -> None:
     if args.batch_size < 1 or args.max_gen_tokens < 1:
         raise ConfigError(f"eval.batch_size={args.batch_size} and eval.max_gen_tokens="
                           f"{args.max_gen_tokens} must be positive.")
-    if args.limit is not None and not (args.limit > 0 and (args.limit < 1 or args.limit == int(args.limit))):
+    if args.limit is not None and not (
+            args.limit > 0 and (args.limit < 1 or args.limit == int(args.limit))):
         raise ConfigError(f"eval.limit={args.limit} must be a number of examples (1, 2, ...) or a "
                           f"fraction between 0 and 1; leave it unset for every example.")
     if args.num_fewshot is not None and args.num_fewshot < 0:

@@ -40,7 +40,8 @@ every expert gradient is the sum over all dp x cp ranks, as for the other parame
 Non-expert parameters (router, attention, shared experts) are untouched by EP.
 
 FSDP's default Shard(0) on top of EP's Shard(0) works (FSDP2 records a _StridedShard; tested).
-Not covered: tensor parallelism inside the experts (EP x TP), EP over ranks other than dp_shard x cp.
+Not covered: tensor parallelism inside the experts (EP x TP), EP over ranks other than
+dp_shard x cp.
 """
 
 import inspect
@@ -72,20 +73,23 @@ def apply_global_counts(model: nn.Module, env) -> None:
 
 
 def validate_ep(n_experts: int, ep: int, dp_shard: int, cp: int = 1) -> None:
-    """ConfigError unless ep >= 1 divides both the experts and the dp_shard x cp ranks EP borrows."""
+    """ConfigError unless ep >= 1 divides both the experts and the dp_shard x cp ranks EP
+    borrows."""
     if ep < 1:
         raise ConfigError(f"distributed.ep={ep} must be at least 1 (1 = no expert parallelism).")
     if n_experts % ep:
         raise ConfigError(
-            f"distributed.ep={ep} does not divide model.n_experts={n_experts}: every expert-parallel "
-            f"rank must hold the same number of experts. Pick ep among the divisors of {n_experts} "
-            f"(e.g. {_largest_common_divisor(n_experts, dp_shard * cp, ep)}) or change model.n_experts."
+            f"distributed.ep={ep} does not divide model.n_experts={n_experts}: every "
+            f"expert-parallel rank must hold the same number of experts. Pick ep among the "
+            f"divisors of {n_experts} "
+            f"(e.g. {_largest_common_divisor(n_experts, dp_shard * cp, ep)}) or change "
+            f"model.n_experts."
         )
     if (dp_shard * cp) % ep:
         raise ConfigError(
-            f"distributed.ep={ep} does not divide dp_shard x cp = {dp_shard} x {cp} = {dp_shard * cp}: "
-            "expert parallelism borrows its ranks from the data-parallel shard and context-parallel "
-            f"ranks. Pick ep dividing {dp_shard * cp} (e.g. "
+            f"distributed.ep={ep} does not divide dp_shard x cp = {dp_shard} x {cp} = "
+            f"{dp_shard * cp}: expert parallelism borrows its ranks from the data-parallel shard "
+            f"and context-parallel ranks. Pick ep dividing {dp_shard * cp} (e.g. "
             f"{_largest_common_divisor(n_experts, dp_shard * cp, ep)}) or raise dp_shard / cp."
         )
 
@@ -106,7 +110,8 @@ def ep_meshes(mesh, ep: int):
 
     d = mesh["dp_shard_cp"].size()
     if d % ep:
-        raise ConfigError(f"distributed.ep={ep} does not divide dp_shard x cp = {d}; see validate_ep.")
+        raise ConfigError(f"distributed.ep={ep} does not divide dp_shard x cp = {d}; see "
+                          f"validate_ep.")
     split = mesh["dp_shard_cp"]._unflatten(0, (d // ep, ep), ("dp_shard_mod_ep", "ep"))
     fsdp_mesh = split["dp_shard_mod_ep"]
     if mesh["dp_replicate"].size() > 1:
@@ -138,13 +143,14 @@ def apply_ep(model: nn.Module, ep_mesh) -> list[str]:
             continue
         n_experts = module.w1.shape[0]
         if n_experts % ep:
-            raise ConfigError(f"distributed.ep={ep} does not divide the {n_experts} experts of {name}; "
-                              "see validate_ep.")
+            raise ConfigError(f"distributed.ep={ep} does not divide the {n_experts} experts of "
+                              f"{name}; see validate_ep.")
         n_local = n_experts // ep
         for w in EXPERT_WEIGHTS:
             p = getattr(module, w)
             if isinstance(p, DTensor):
-                raise TypeError(f"{name}.{w} is already a DTensor: apply_ep must run before FSDP/TP")
+                raise TypeError(f"{name}.{w} is already a DTensor: apply_ep must run before "
+                                f"FSDP/TP")
             # Slice locally instead of scattering: every rank holds the same weights, and slicing
             # also works on the meta device.
             local = p.detach()[rank * n_local:(rank + 1) * n_local].clone()
@@ -207,7 +213,8 @@ def _regroup(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ep, n_local = recv_counts.shape
     device = recv_counts.device
     # Sort key of block (source i, expert l) = l * ep + i; the stable sort keeps row order inside.
-    keys = (torch.arange(n_local, device=device) * ep + torch.arange(ep, device=device)[:, None]).reshape(-1)
+    keys = (torch.arange(n_local, device=device) * ep
+            + torch.arange(ep, device=device)[:, None]).reshape(-1)
     row_keys = torch.repeat_interleave(keys, recv_counts.reshape(-1))
     perm = torch.argsort(row_keys, stable=True)
     return perm, torch.argsort(perm)

@@ -57,10 +57,11 @@ def for_training(loss: Callable, compile: bool, backend: str, loss_parallel: boo
     torchtitan compiles its loss beside the blocks. Eager cross-entropy of [tokens, vocab] logits
     makes their fp32 copy and keeps fp32 log-probabilities for backward; compiled, it reads the
     logits in their own dtype in one fused pass and keeps them with each row's logsumexp. With a
-    real vocabulary that is a large share of a step (CPU, the 10M benchmark body with a 32000
-    vocabulary, bf16: the trainer went from 1.14x to 1.56x HF's tokens/s; BENCHMARKS.md).
+    real vocabulary that is a large share of a step (see BENCHMARKS.md, "LLaMA training step on
+    CPU vs Hugging Face transformers": "With a real vocabulary, and the loss compiled").
     Left eager under loss parallelism, whose vocabulary-sharded DTensor logits and torch's
-    loss_parallel context we do not trace. The apps' losses (llama, moe, mtp) each compile to one graph."""
+    loss_parallel context we do not trace. The apps' losses (llama, moe, mtp) each compile to one
+    graph."""
     if not compile or loss_parallel:
         return loss
     return torch.compile(loss, backend=backend)

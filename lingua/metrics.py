@@ -52,9 +52,9 @@ class LoggingArgs:
     wandb_mode: str = "offline"     # offline | online (online needs WANDB_API_KEY in the env)
     name: Optional[str] = None      # run name (defaults to the dump_dir's name)
     quiet: bool = False             # no progress lines on stderr (python -m apps.<app>.eval)
-    # Moved to optim.spike_factor / optim.spike_window (optim.spike picks what a spike does:
-    # README, "Loss spikes"). Kept only so that the config.yaml of older runs still loads (eval,
-    # export); setting either is a config error naming the new key.
+    # Moved to optim.spike_factor / optim.spike_window. Kept so that the config.yaml every run
+    # directory holds (these keys, null) still loads for resume, eval and export; setting either
+    # is a config error naming the new key (lingua.trainer.validate).
     spike_factor: Optional[float] = None
     spike_window: Optional[int] = None
 

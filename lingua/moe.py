@@ -111,9 +111,10 @@ class _Dispatch(torch.autograd.Function):
 
 # oneDNN, which runs bf16 / fp16 matmuls on CPU, builds (JIT-compiles) and caches a kernel for
 # every matmul shape it meets, and torch._grouped_mm on CPU runs one matmul per expert: as the
-# tokens an expert gets change every step, so do the shapes. Measured on a bf16 MoE step (CPU,
-# perf): up to 15% of the step building kernels, and the cached ones (~0.7 MB each) grew the
-# process by ~0.85 GB every 10 steps. So on CPU in those dtypes each expert's rows are padded
+# tokens an expert gets change every step, so do the shapes: a bf16 MoE step on CPU spends a
+# large share of its time building kernels, and the cached ones grow the process steadily (see
+# BENCHMARKS.md, "MoE trainer vs Hugging Face Mixtral", "Then: freed memory kept, the loss's
+# backward rewritten, experts padded"). So on CPU in those dtypes each expert's rows are padded
 # with zero rows to a multiple of CPU_GROUP_ROWS: 16x fewer shapes, which the cache keeps once
 # seen. The buffer has CPU_GROUP_ROWS - 1 more rows per expert than there are tokens (the last
 # expert's group takes what its padding leaves, so every row is in a group and computed): skipped
@@ -190,7 +191,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, n_experts: int, dim: int, hidden: int, impl: str = "grouped"):
         super().__init__()
         if impl not in EXPERT_IMPLS:
-            raise ConfigError(f"model.expert_impl={impl!r} is not one of {', '.join(EXPERT_IMPLS)}.")
+            raise ConfigError(f"model.expert_impl={impl!r} is not one of "
+                              f"{', '.join(EXPERT_IMPLS)}.")
         if impl == "grouped":
             check_grouped_alignment(dim, hidden)
         self.impl = impl
@@ -214,7 +216,8 @@ class GroupedExperts(nn.Module):
             x, rows, offs = _pad_groups(x, counts, group_rows)
         else:
             offs = counts.cumsum(0).to(torch.int32)
-        mm = _grouped_mm_eager if torch.compiler.is_compiling() and x.dtype != torch.bfloat16 else _grouped_mm
+        eager = torch.compiler.is_compiling() and x.dtype != torch.bfloat16
+        mm = _grouped_mm_eager if eager else _grouped_mm
         h = F.silu(mm(x, w1, offs)) * mm(x, w3, offs)
         y = mm(h, w2, offs)
         return y.index_select(0, rows) if group_rows else y
@@ -236,13 +239,16 @@ class Router(nn.Module):
                  norm_topk: bool = False, route_scale: float = 1.0):
         super().__init__()
         if score_func not in SCORE_FUNCS:
-            raise ConfigError(f"model.score_func={score_func!r} is not one of {', '.join(SCORE_FUNCS)}.")
-        self.top_k, self.score_func, self.norm_topk, self.route_scale = top_k, score_func, norm_topk, route_scale
+            raise ConfigError(f"model.score_func={score_func!r} is not one of "
+                              f"{', '.join(SCORE_FUNCS)}.")
+        self.top_k, self.score_func = top_k, score_func
+        self.norm_topk, self.route_scale = norm_topk, route_scale
         self.gate = nn.Linear(dim, n_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=True)
 
     def forward(self, x: torch.Tensor):
-        """x [T, dim] -> (weights [T, k] fp32, experts [T, k] long, scores [T, E] fp32, logits [T, E] fp32)."""
+        """x [T, dim] -> (weights [T, k] fp32, experts [T, k] long, scores [T, E] fp32,
+        logits [T, E] fp32)."""
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
@@ -264,12 +270,14 @@ class MoE(nn.Module):
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
         super().__init__()
         if not 1 <= top_k <= n_experts:
-            raise ConfigError(f"model.top_k={top_k} must be between 1 and model.n_experts={n_experts}.")
+            raise ConfigError(f"model.top_k={top_k} must be between 1 and "
+                              f"model.n_experts={n_experts}.")
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = Router(dim, n_experts, top_k, score_func, norm_topk, route_scale)
         self.experts = GroupedExperts(n_experts, dim, hidden, expert_impl)
-        self.shared_experts = FeedForward(dim, hidden * n_shared_experts) if n_shared_experts > 0 else None
+        self.shared_experts = (FeedForward(dim, hidden * n_shared_experts)
+                               if n_shared_experts > 0 else None)
         # Router counts summed over the ranks holding distinct tokens (see the module docstring).
         self.count_reducer: Callable[[torch.Tensor], torch.Tensor] = _identity
         # The last training forward's balancing losses, summed over its tokens (with their graph).
@@ -289,7 +297,8 @@ class MoE(nn.Module):
         n_assign = experts.numel()
         flat = experts.reshape(-1)
         counts = torch.bincount(flat, minlength=self.n_experts)
-        order = torch.argsort(flat, stable=True)  # token-major within an expert: earlier tokens first
+        # Token-major within an expert: earlier tokens first.
+        order = torch.argsort(flat, stable=True)
         kept = counts
         if self.capacity_factor > 0:
             cap = math.ceil(self.capacity_factor * x.shape[0] * self.top_k / self.n_experts)
@@ -302,7 +311,9 @@ class MoE(nn.Module):
         inverse.index_copy_(0, order, torch.arange(order.numel(), device=x.device))
         # Under autocast the experts compute in its dtype: cast the T rows once, not the T*k
         # gathered ones (a bf16 gather also moves half the bytes).
-        xe = x.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else x
+        device_type = x.device.type
+        xe = (x.to(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type)
+              else x)
         y = self.experts(_Dispatch.apply(xe, order, inverse, self.top_k), kept)
         out = self._combine(y, order, inverse, weights)
         if self.shared_experts is not None:
@@ -333,10 +344,13 @@ class MoE(nn.Module):
 
     def _probs(self, scores: torch.Tensor) -> torch.Tensor:
         """Per-token distributions over experts: sigmoid scores are normalised to sum to 1."""
-        return scores if self.router.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        if self.router.score_func == "softmax":
+            return scores
+        return scores / scores.sum(-1, keepdim=True)
 
     def _balance(self, counts, scores, logits, n_dropped: int) -> None:
-        """Record statistics, accumulate counts for the bias update, compute the balancing losses."""
+        """Record statistics, accumulate counts for the bias update, compute the balancing
+        losses."""
         counts_f = counts.float()
         # Forwards re-run inside backward (activation checkpointing) are not counted again, nor
         # the shape-inference forward of a process's first pipeline step (on copies of the first
@@ -344,7 +358,8 @@ class MoE(nn.Module):
         counted = (self.training and torch._C._current_graph_task_id() == -1
                    and not inferring_shapes())
         if counted:
-            self.step_counts = counts_f.detach() if self.step_counts is None else self.step_counts + counts_f.detach()
+            self.step_counts = (counts_f.detach() if self.step_counts is None
+                                else self.step_counts + counts_f.detach())
         aux = z = torch.zeros((), device=counts.device)
         self.balance_loss = None
         # Training only: evaluation and generation must not call the trainer's collective hooks.
@@ -366,8 +381,9 @@ class MoE(nn.Module):
                 "z_loss": z.detach(),
             }
             if counted:
-                sums = torch.stack([counts_f.new_tensor(float(n_dropped)), counts_f.new_tensor(float(n_slots)),
-                                    entropy.sum().float(), counts_f.new_tensor(float(scores.shape[0])),
+                sums = torch.stack([counts_f.new_tensor(float(n_dropped)),
+                                    counts_f.new_tensor(float(n_slots)), entropy.sum().float(),
+                                    counts_f.new_tensor(float(scores.shape[0])),
                                     aux.detach().float(), z.detach().float()])
                 row = torch.cat([counts_f.detach(), sums])
                 self.routing = row if self.routing is None else self.routing + row

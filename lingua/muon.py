@@ -49,17 +49,25 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+
 # torch's own Newton-Schulz and lr adjustment (torch is pinned): the single-process reference,
 # torch.optim.Muon, runs exactly these.
-from torch.optim._muon import (DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr,
-                               _zeropower_via_newtonschulz)
+from torch.optim._muon import (
+    DEFAULT_A,
+    DEFAULT_B,
+    DEFAULT_C,
+    EPS,
+    _adjust_lr,
+    _zeropower_via_newtonschulz,
+)
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float, dtype: str) -> torch.Tensor:
+def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float,
+                  dtype: str) -> torch.Tensor:
     """torch.optim.Muon's orthogonalisation of one matrix. bf16 is torch's own function (the
     reference). fp32 is the same iteration in fp32: on CPUs without avx512_bf16/amx bf16 is
     emulated and ~100x slower, and in fp32 a sharded run equals one process to ~1e-7 instead of
@@ -89,7 +97,8 @@ def split_params(model: nn.Module) -> tuple[list, list]:
                 continue
             seen.add(id(param))
             full = f"{module_name}.{name}" if module_name else name
-            hidden = param.ndim >= 2 and not isinstance(module, nn.Embedding) and module is not output
+            hidden = (param.ndim >= 2 and not isinstance(module, nn.Embedding)
+                      and module is not output)
             (muon if hidden else adamw).append((full, param))
     return muon, adamw
 
@@ -161,7 +170,8 @@ class MuonAdamW(torch.optim.AdamW):
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = torch.zeros_like(
+                    p.grad, memory_format=torch.preserve_format)
             buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
             buf.lerp_(grad, 1 - momentum)
             updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
@@ -198,7 +208,8 @@ def orthogonalize(params: list, updates: list, ns, dtype=torch.bfloat16) -> list
             key = (p.device_mesh, tuple(p.placements), tuple(p.shape))
             buckets.setdefault(key, []).append(i)
     for (mesh, placements, shape), indices in buckets.items():
-        n = math.prod(size for size, pl in zip(mesh.shape, placements) if not isinstance(pl, Replicate))
+        n = math.prod(size for size, pl in zip(mesh.shape, placements)
+                      if not isinstance(pl, Replicate))
         for start in range(0, len(indices), n):
             chunk = indices[start:start + n]
             # In NS's dtype before sending: NS casts its input first, so the result is the same.

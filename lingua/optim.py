@@ -71,7 +71,8 @@ def validate_args(args: OptimArgs, steps: int) -> None:
                           f"transformer blocks' matrices, AdamW for the rest).")
     validate_muon_args(args)
     if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise ConfigError(f"optim.lr={args.lr} must be a positive finite number, e.g. optim.lr=3e-4.")
+        raise ConfigError(f"optim.lr={args.lr} must be a positive finite number, e.g. "
+                          f"optim.lr=3e-4.")
     if args.scheduler not in SCHEDULES:
         raise ConfigError(f"optim.scheduler={args.scheduler!r} is unknown: use one of "
                           f"{', '.join(SCHEDULES)}.")
@@ -80,7 +81,8 @@ def validate_args(args: OptimArgs, steps: int) -> None:
     if args.weight_decay < 0:
         raise ConfigError(f"optim.weight_decay={args.weight_decay} must be 0 or more.")
     if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
-        raise ConfigError(f"optim.beta1={args.beta1} and optim.beta2={args.beta2} must lie in [0, 1).")
+        raise ConfigError(f"optim.beta1={args.beta1} and optim.beta2={args.beta2} must lie in "
+                          f"[0, 1).")
     if not 0 <= args.lr_min_ratio <= 1:
         raise ConfigError(f"optim.lr_min_ratio={args.lr_min_ratio} must lie in [0, 1].")
     if not 0 < args.decay_fraction <= 1:
@@ -88,8 +90,8 @@ def validate_args(args: OptimArgs, steps: int) -> None:
     if args.nonfinite not in ("skip", "stop"):
         raise ConfigError(f"optim.nonfinite={args.nonfinite!r}: use skip (drop a step whose "
                           f"gradients are NaN/Inf and go on) or stop (save and stop).")
-    choices = {"spike": ("off", "log", "skip", "rollback"), "spike_on": ("loss", "grad_norm", "both"),
-               "spike_rule": ("median", "sigma")}
+    choices = {"spike": ("off", "log", "skip", "rollback"),
+               "spike_on": ("loss", "grad_norm", "both"), "spike_rule": ("median", "sigma")}
     for key, allowed in choices.items():
         if getattr(args, key) not in allowed:
             raise ConfigError(f"optim.{key}={getattr(args, key)!r} is unknown: use one of "
@@ -125,8 +127,8 @@ def validate_muon_args(args: OptimArgs) -> None:
                           f"(Newton-Schulz iterations; 5 is the usual).")
     if args.muon_adjust_lr_fn not in ADJUST_LR_FNS:
         raise ConfigError(f"optim.muon_adjust_lr_fn={args.muon_adjust_lr_fn!r} is unknown: use "
-                          f"match_rms_adamw (Muon's update at AdamW's RMS: optim.lr carries over) or "
-                          f"original (Keller Jordan's sqrt(max(1, out/in)) scaling: set "
+                          f"match_rms_adamw (Muon's update at AdamW's RMS: optim.lr carries "
+                          f"over) or original (Keller Jordan's sqrt(max(1, out/in)) scaling: set "
                           f"optim.muon_lr to about 0.02).")
     if args.muon_ns_dtype not in NS_DTYPES:
         raise ConfigError(f"optim.muon_ns_dtype={args.muon_ns_dtype!r} is unknown: use bf16 "
@@ -180,7 +182,8 @@ def build_optimizer(part: nn.Module, args: OptimArgs, fused: bool) -> torch.opti
     muon, adamw = split_params(part)
     muon_lr = args.lr if args.muon_lr is None else args.muon_lr
     # One Muon group per mesh, like the AdamW groups (param_groups): weight decay on all.
-    muon_groups = [dict(g, lr=muon_lr) for g in param_groups([p for _, p in muon], args.weight_decay)]
+    muon_groups = [dict(g, lr=muon_lr)
+                   for g in param_groups([p for _, p in muon], args.weight_decay)]
     return MuonAdamW(param_groups([p for _, p in adamw], args.weight_decay), muon_groups,
                      lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps, fused=fused,
                      momentum=args.muon_momentum, nesterov=args.muon_nesterov,
@@ -242,7 +245,8 @@ def clip_grad_norm(parts: list, max_norm: float, pp_group=None) -> torch.Tensor:
     for p in params:
         key = (p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "device_mesh") else None
         groups.setdefault(key, []).append(p)
-    squared = torch.zeros((), dtype=torch.float32, device=params[0].grad.device) if params else torch.zeros(())
+    squared = (torch.zeros((), dtype=torch.float32, device=params[0].grad.device) if params
+               else torch.zeros(()))
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if hasattr(norm, "full_tensor"):  # a partial DTensor: reduce over its mesh

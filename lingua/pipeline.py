@@ -318,7 +318,8 @@ class Pipeline:
         self._preparing_backward = False
         for stage in stages:
             if stage.is_last and hasattr(stage, "_prepare_backward_infra"):
-                stage._prepare_backward_infra = self._marking_loss_calls(stage._prepare_backward_infra)
+                stage._prepare_backward_infra = self._marking_loss_calls(
+                    stage._prepare_backward_infra)
 
     def _marking_loss_calls(self, prepare):
         def prepare_backward(*args, **kwargs):
@@ -352,7 +353,8 @@ class Pipeline:
                     handle.remove()
 
             handles.append(stage.submod.register_forward_pre_hook(begin, with_kwargs=True))
-            handles.append(stage.submod.register_forward_hook(end, with_kwargs=True, always_call=True))
+            handles.append(stage.submod.register_forward_hook(end, with_kwargs=True,
+                                                              always_call=True))
 
     def _check_batch(self, tokens):
         if tokens.shape[0] % self.n_microbatches:
@@ -462,10 +464,7 @@ def build_schedule(stage_modules: Sequence[nn.Module], stage_ids: Sequence[int],
     micro-batches, never averaged (scale_grads=False): see the module docstring.
     """
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (
-        PipelineScheduleSingle,
-        get_schedule_class,
-    )
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     name = schedule_name(schedule)
     if len(stage_modules) != len(stage_ids):

@@ -49,18 +49,17 @@ MoE routing balanced across experts and EP ranks (an overloaded EP rank receives
 CPU expert padding (bf16 / fp16 MoE on CPU pads each expert's rows to a multiple of
 lingua.moe.CPU_GROUP_ROWS: at most 10% more expert rows kept; the plan is for GPUs), no
 torch.compile fusion (compile only lowers it, the loss's fp32 logits included, which compiled
-runs do not keep: on one H100, llama_1b compiled at seq 4096 x 4 peaked at 34.3 GiB without ac
-and 24.6 with ac=op, where the plan says 45.6 and 32.9, measured before the loss was compiled;
-BENCHMARKS.md); context parallelism adds the all-gathered keys and values of the whole sequence
-(not measured). Under autocast the residual stream is fp32 and each
-matmul keeps its own bf16 copy of its input (wq, wk, wv: three). Per rank: the layers it holds x the micro-batches in flight (1 without pipelining; with
-pp: GPipe all, 1F1B pp - pp_rank, interleaved (v-1) x pp + 2 (pp - 1 - pp_rank) + 1 chunks as in
-torch's schedule) + one block recomputed in backward (ac != none) + the last stage's output: the
-gathered input of the output projection, the bf16 logits, their fp32 copy and fp32 log-probs
-(vocabulary / tp with loss parallel). With tp > 1, torch's TP keeps the all-gathered
-(full-sequence) inputs of attention and FFN, and ac=op also keeps the full-sequence partial sums
-of wo and w2 (op keeps every matmul's output): so under tp, ac=op can keep MORE than ac=none,
-and ac=full is the one that shrinks activations.
+runs do not keep: see BENCHMARKS.md, "MFU and memory of llama_1b on one H100"); context
+parallelism adds the all-gathered keys and values of the whole sequence (not measured). Under
+autocast the residual stream is fp32 and each matmul keeps its own bf16 copy of its input (wq,
+wk, wv: three). Per rank: the layers it holds x the micro-batches in flight (1 without
+pipelining; with pp: GPipe all, 1F1B pp - pp_rank, interleaved (v-1) x pp + 2 (pp - 1 - pp_rank)
++ 1 chunks as in torch's schedule) + one block recomputed in backward (ac != none) + the last
+stage's output: the gathered input of the output projection, the bf16 logits, their fp32 copy
+and fp32 log-probs (vocabulary / tp with loss parallel). With tp > 1, torch's TP keeps the
+all-gathered (full-sequence) inputs of attention and FFN, and ac=op also keeps the
+full-sequence partial sums of wo and w2 (op keeps every matmul's output): so under tp, ac=op can
+keep MORE than ac=none, and ac=full is the one that shrinks activations.
 
 FLOPs per token are the app's (`APP.flops_per_token`, else lingua.metrics.flops_per_token, the
 numbers MFU is logged with); tokens/s = MFU x peak / FLOPs per token, with the dense bf16 (or
@@ -610,8 +609,8 @@ def format_plan(p: Plan) -> str:
     a, d, dims = p.args, p.args.distributed, p.dims
     e_name = "bf16" if d.model_dtype == "bf16" else "fp32"
     lines = [f"plan: {p.module} {' '.join(p.overrides)}".rstrip()]
-    lines.append(f"  {p.world_size} ranks: dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard}"
-                 f" cp={dims.cp} tp={dims.tp} pp={dims.pp}"
+    lines.append(f"  {p.world_size} ranks: dp_replicate={dims.dp_replicate} "
+                 f"dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} pp={dims.pp}"
                  + (f" ep={d.ep}" if d.ep > 1 else "")
                  + f", ac={d.ac}, {e_name} compute, micro-batch {p.microbatch} x "
                  f"{a.data.seq_len} tokens" + (f" ({p.in_flight[0]:g} in flight on pp rank 0,"

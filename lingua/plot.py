@@ -1,5 +1,5 @@
-"""Compare training runs from their metrics.jsonl: loss (and val_loss), lr, grad_norm, tokens/s, MFU,
-peak memory, and downstream-task metrics (`eval/<task>/<metric>` keys) against step.
+"""Compare training runs from their metrics.jsonl: loss (and val_loss), lr, grad_norm, tokens/s,
+MFU, peak memory, and downstream-task metrics (`eval/<task>/<metric>` keys) against step.
 
     python -m lingua.plot runs/a runs/b [--out DIR]
 
@@ -10,8 +10,9 @@ Figures meant for a report: a title naming the runs, every axis labelled with it
 legend above the panels, each run its own colour AND line style AND marker (two runs with
 identical curves stay visible: the later one dashed over the earlier, markers at other steps),
 val_loss as markers joined by a thin solid line, loss and grad norm on a log scale that ends on
-a labelled tick at each end, MFU never drawn above 100% (a value above it says the peak was wrong; the
-panel says how many were dropped), and a downstream accuracy's chance level as a dashed line.
+a labelled tick at each end, MFU never drawn above 100% (a value above it says the peak was
+wrong; the panel says how many were dropped), and a downstream accuracy's chance level as a
+dashed line.
 `save_figure` is the one place figures are written, so every plot this project makes has the
 same backend, dpi and therefore a pixel size that depends only on the figure size.
 """
@@ -31,9 +32,7 @@ matplotlib.use("Agg")  # before pyplot: plots are written from training nodes th
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.ticker import (  # noqa: E402
-    FixedLocator, FormatStrFormatter, MaxNLocator, NullFormatter,
-)
+from matplotlib.ticker import FixedLocator, FormatStrFormatter, MaxNLocator, NullFormatter  # noqa: E402
 
 from lingua.errors import ConfigError  # noqa: E402
 
@@ -131,12 +130,14 @@ def read_metrics(dump_dir) -> List[dict]:
 
 
 def run_labels(dump_dirs: Sequence) -> List[str]:
-    """Each run's directory name; runs with equal names get as many parent dirs as tell them apart."""
+    """Each run's directory name; runs with equal names get as many parent dirs as tell them
+    apart."""
     parts = [Path(d).resolve().parts for d in dump_dirs]
     depth = [1] * len(parts)
     while True:
         labels = ["/".join(p[-k:]) for p, k in zip(parts, depth)]
-        clashes = [i for i, lab in enumerate(labels) if labels.count(lab) > 1 and depth[i] < len(parts[i])]
+        clashes = [i for i, lab in enumerate(labels)
+                   if labels.count(lab) > 1 and depth[i] < len(parts[i])]
         if not clashes:
             break
         for i in clashes:
@@ -202,11 +203,6 @@ def metric_axis(metric: str) -> Tuple[float, str]:
     return 1.0, metric
 
 
-def run_colours(runs: Mapping[str, Sequence[dict]]) -> Dict[str, str]:
-    """label -> colour by run order, so a run has the same colour in every figure."""
-    return {label: f"C{i % 10}" for i, label in enumerate(runs)}
-
-
 def run_styles(runs: Mapping[str, Sequence[dict]]) -> Dict[str, dict]:
     """label -> {color, linestyle, marker} by run order (the same in every figure)."""
     return {label: {"color": f"C{i % 10}", "linestyle": LINESTYLES[i % len(LINESTYLES)],
@@ -222,7 +218,8 @@ def plot_run(ax, steps, values, style: dict, index: int, n_runs: int, **kwargs):
                    markevery=(index % every, every), **kwargs)
 
 
-def draw_loss(ax, runs: Mapping[str, Sequence[dict]], styles: Mapping[str, dict]) -> Tuple[bool, bool]:
+def draw_loss(ax, runs: Mapping[str, Sequence[dict]],
+              styles: Mapping[str, dict]) -> Tuple[bool, bool]:
     """Each run's train loss (its style) and val_loss (rings joined by a thin solid line, in the
     run's colour) on ax. Returns (drawn, has_val)."""
     drawn = has_val = False
@@ -448,7 +445,8 @@ def draw_task(ax, task: str, metric: str, per_run, styles) -> None:
 
 
 def save_figure(fig: Figure, path) -> Path:
-    """Write fig to path (format from the suffix) at a fixed dpi, close it, return the absolute path.
+    """Write fig to path (format from the suffix) at a fixed dpi, close it, return the absolute
+    path.
 
     No bbox_inches="tight": the image size stays figsize x DPI whatever the labels are."""
     path = Path(path).absolute()
@@ -487,8 +485,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     "into downstream.png.")
     parser.add_argument("dump_dirs", nargs="+", metavar="DIR", help="a training run's dump_dir")
     parser.add_argument("--out", metavar="OUT_DIR", default=None,
-                        help="directory for compare.png and downstream.png (default: the first run's "
-                             "dump_dir/plots)")
+                        help="directory for compare.png and downstream.png (default: the first "
+                             "run's dump_dir/plots)")
     ns = parser.parse_args(argv)
     try:
         paths = plot_runs(ns.dump_dirs, ns.out)

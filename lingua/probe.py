@@ -32,11 +32,12 @@ Schema of a line of probe.jsonl:
     {"step": int, "alerts": [str, ...],
      "stats": {"<module>/<tensor>": {"<stat>": float, ...}, ...}}
 <tensor> is input, output, a parameter's name (`layers.0.attention.wq/weight`), its gradient
-(`layers.0.attention.wq/weight.grad`), attention (stats `max_logit`, `entropy`, `entropy_frac` = entropy / log(keys seen)) or router
-(`load_min`, `load_max`, `load_cv` = std/mean of the tokens each expert got, `entropy` of the
-routing scores). Activation/weight stats: count, mean, std, rms, min, max, abs_max, kurtosis
-(Pearson: 3 for a normal distribution), zero_frac, outlier_frac (beyond 6 std of the mean),
-nonfinite (NaN/Inf count, excluded from the rest), q<quantile> (e.g. q0.99).
+(`layers.0.attention.wq/weight.grad`), attention (stats `max_logit`, `entropy`, `entropy_frac` =
+entropy / log(keys seen)) or router (`load_min`, `load_max`, `load_cv` = std/mean of the tokens
+each expert got, `entropy` of the routing scores). Activation/weight stats: count, mean, std,
+rms, min, max, abs_max, kurtosis (Pearson: 3 for a normal distribution), zero_frac, outlier_frac
+(beyond 6 std of the mean), nonfinite (NaN/Inf count, excluded from the rest), q<quantile> (e.g.
+q0.99).
 """
 
 import fnmatch
@@ -55,8 +56,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lingua.pipeline import inferring_shapes
 from lingua.errors import ConfigError
+from lingua.pipeline import inferring_shapes
+
 # Reading and plotting: `plot` for Probe.log_plots, and `read`/`plot` re-exported because
 # `lingua.probe.read(dump_dir)` is documented. No cycle: probe_report never imports probe.
 from lingua.probe_report import plot, read  # noqa: F401
@@ -236,7 +238,8 @@ def _mass_outside(hist: torch.Tensor, lo: float, hi: float) -> float:
 def _quantile(hist: torch.Tensor, n: float, q: float, vmin: float, vmax: float) -> float:
     target = q * n
     cum = torch.cumsum(hist, 0)
-    i = int(torch.searchsorted(cum, torch.tensor(target, dtype=torch.float64)).clamp(max=N_HIST - 1))
+    i = int(torch.searchsorted(cum, torch.tensor(target, dtype=torch.float64))
+            .clamp(max=N_HIST - 1))
     before = float(cum[i - 1]) if i > 0 else 0.0
     inside = float(hist[i])
     frac = 0.5 if inside == 0 else min(max((target - before) / inside, 0.0), 1.0)
@@ -261,7 +264,8 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int) ->
     taken as plain causal. Returns (sums [3], maxes [1]):
     sums = entropy total, log(keys seen) total, number of (query, head) rows."""
     b, s, h, d = q.shape
-    if k.shape[2] != h:   # sdpa's own GQA (lingua.transformer.grouped_kv_ok): repeat here, not there
+    # sdpa's own GQA (lingua.transformer.grouped_kv_ok): repeat here, not there.
+    if k.shape[2] != h:
         from lingua.transformer import repeat_kv
 
         k, _ = repeat_kv(k, k, h)
@@ -546,8 +550,9 @@ class Probe:
             hi, lo = sums.clone(), sums.clone()
             dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-            replicated = torch.cat([torch.full((n,), bool(torch.equal(h, l)))
-                                    for n, h, l in zip(sizes, hi.split(sizes), lo.split(sizes))])
+            replicated = torch.cat([torch.full((n,), bool(torch.equal(high, low)))
+                                    for n, high, low in zip(sizes, hi.split(sizes),
+                                                            lo.split(sizes))])
             summed = sums.clone()
             dist.all_reduce(summed, group=group)
             sums = torch.where(replicated.to(sums.device), sums, summed)

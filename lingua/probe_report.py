@@ -302,7 +302,7 @@ def _lines(plt, stat, series: dict):
 def _attention(plt, attention, steps):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), constrained_layout=True)
     labels = {"entropy": "entropy (nats)", "max_logit": "max attention logit"}
-    for (sub, _), cells in attention:
+    for (_sub, _), cells in attention:
         for layer in sorted({layer for layer, _ in cells}):
             xs = [s for s in steps if (layer, s) in cells and cells[(layer, s)]]
             for ax, stat in zip(axes, ("entropy", "max_logit")):
@@ -347,10 +347,11 @@ def _loss(plt, rows, probe_steps):
 
 
 def main(argv=None, prog: str = "python -m lingua.probe") -> int:
-    parser = argparse.ArgumentParser(prog=prog,
-                                     description="Plot the statistics a run recorded with probe.every.")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Plot the statistics a run recorded with probe.every.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plot", help="write PNGs of dump_dir/probe/probe.jsonl and print their paths")
+    p = sub.add_parser("plot",
+                       help="write PNGs of dump_dir/probe/probe.jsonl and print their paths")
     p.add_argument("dump_dir")
     p.add_argument("--out", default=None, help="output directory (default: dump_dir/probe/plots)")
     p.add_argument("--stats", default=None,

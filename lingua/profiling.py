@@ -162,8 +162,9 @@ class StepProfiler:
             if step > self.args.start_step:
                 # A resumed run that starts past the window: profiling it would need a run
                 # directory of its own (or a later start_step).
-                logger.warning("profiling: the run starts at step %d, after profiling.start_step=%d:"
-                               " nothing is profiled. Set profiling.start_step=%d or later.",
+                logger.warning("profiling: the run starts at step %d, after "
+                               "profiling.start_step=%d: nothing is profiled. Set "
+                               "profiling.start_step=%d or later.",
                                step, self.args.start_step, step + 1)
                 self.done = True
                 return
@@ -184,7 +185,8 @@ class StepProfiler:
     def close(self) -> None:
         """Stop a window the run left early (stopped by a signal): nothing complete to write."""
         if self.prof is not None:
-            logger.warning("profiling: the run stopped inside the profiled window; no trace written")
+            logger.warning("profiling: the run stopped inside the profiled window; no trace "
+                           "written")
             self.prof.stop()
             self._stop_memory_history()
             self.prof = None
@@ -238,7 +240,8 @@ class StepProfiler:
                     averages.table(sort_by=sort_by, row_limit=self.args.top_ops)]
         if self.args.memory and not self._cuda():
             sections += ["memory, sorted by self_cpu_memory_usage",
-                         averages.table(sort_by="self_cpu_memory_usage", row_limit=self.args.top_ops)]
+                         averages.table(sort_by="self_cpu_memory_usage",
+                                        row_limit=self.args.top_ops)]
         summary_path = self.out_dir / f"summary_rank{self.rank}.txt"
         summary_path.write_text("\n\n".join(sections) + "\n")
         if self.rank != 0:

@@ -256,7 +256,8 @@ def read_records(dump_dir) -> list:
         except (ValueError, KeyError, TypeError):
             raise RunError(f"{path}, line {number} is not a rollback record ({line[:200]!r}): "
                            f"each line is a JSON object with \"skip\": [first batch, last batch]. "
-                           f"Repair or remove that line, then run the same command again.") from None
+                           f"Repair or remove that line, then run the same command "
+                           f"again.") from None
         record["skip"] = [first, last]
         records.append(record)
     return records

@@ -21,11 +21,7 @@ the local shard.
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lingua.errors import ConfigError
@@ -93,7 +89,8 @@ def decoder_root_plan(model: nn.Module, loss_parallel: bool) -> dict:
     """
     if getattr(getattr(model, "args", None), "tie_embeddings", False):
         raise ConfigError("model.tie_embeddings=true is not supported with distributed.tp>1: "
-                          "set model.tie_embeddings=false (see lingua.tp_plan.validate_decoder_tp).")
+                          "set model.tie_embeddings=false (see "
+                          "lingua.tp_plan.validate_decoder_tp).")
     root: dict = {}
     first, last = model.tok_embeddings is not None, model.output is not None
     if first:

@@ -26,8 +26,24 @@ from typing import Callable, Optional
 
 import torch
 
-from lingua import (checkpoint, config, coverage, data, decoder, distributed, downstream, errors,
-                    evaluation, metrics, optim, pipeline, preemption, spikes, weights)
+from lingua import (
+    checkpoint,
+    config,
+    coverage,
+    data,
+    decoder,
+    distributed,
+    downstream,
+    errors,
+    evaluation,
+    metrics,
+    optim,
+    pipeline,
+    preemption,
+    profiling,
+    spikes,
+    weights,
+)
 from lingua import loss as loss_module
 from lingua import probe as probe_module
 from lingua.checkpoint import CheckpointArgs
@@ -39,9 +55,8 @@ from lingua.evaluation import EvalArgs
 from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs
 from lingua.probe import Probe, ProbeArgs
-from lingua.spikes import Spike, SpikeMonitor
-from lingua import profiling
 from lingua.profiling import ProfilingArgs
+from lingua.spikes import Spike, SpikeMonitor
 from lingua.stool import SlurmArgs
 from lingua.tensor_parallel import check_async_tp, loss_parallel_context
 from lingua.tokenizer import build_tokenizer
@@ -49,9 +64,6 @@ from lingua.transformer import check_attn_backend
 
 logger = logging.getLogger("train")
 
-# main()'s exit code when a signal (time limit, preemption, scancel) stopped the run early, after
-# saving a checkpoint: not 0, because the run is not finished.
-EXIT_STOPPED = 3
 
 
 @dataclass
@@ -93,7 +105,8 @@ class App:
     # The loss seam (lingua/loss.py): how the model's output becomes the summed loss, and what
     # else the forward and the loss take, made from the whole batch before any sharding.
     loss: Callable = loss_module.cross_entropy    # (output, target) -> LossOutput
-    batch_inputs: Callable = loss_module.default_batch_inputs  # (tokens, labels) -> (kwargs, target)
+    # (tokens, labels) -> (kwargs, target)
+    batch_inputs: Callable = loss_module.default_batch_inputs
 
 
 def device_type() -> str:
@@ -205,20 +218,19 @@ def keep_freed_memory() -> bool:
     does on GPU. By default glibc maps large blocks (above 128 KiB, a threshold it raises up to
     32 MiB as it goes) afresh and unmaps them when freed; every step frees and reallocates the
     same activations, so the kernel zeroes their pages again at each first touch. With a real
-    vocabulary the logits and their gradient (hundreds of MB each) are such blocks: in a perf
-    profile of a bf16 MoE step a third of the samples were in the kernel's page-fault path, and
-    the step got 10-15% faster without them (BENCHMARKS.md, "Then: page faults"). So: no mmap
-    for any size (M_MMAP_MAX=0, blocks come from the heap and go back to it) and no trimming of
-    the heap's top (M_TRIM_THRESHOLD=-1), both as mallopt(3) documents them.
+    vocabulary the logits and their gradient (hundreds of MB each) are such blocks, and the
+    kernel's page-fault path takes a large share of a step (see BENCHMARKS.md, "LLaMA training
+    step on CPU vs Hugging Face transformers", "Then: page faults"). So: no mmap for any size
+    (M_MMAP_MAX=0, blocks come from the heap and go back to it) and no trimming of the heap's
+    top (M_TRIM_THRESHOLD=-1), both as mallopt(3) documents them.
     What it costs: the process keeps the memory it freed (release_freed_memory gives back what
     setup used once), and a long-lived block in the middle of the heap can keep a freed one
-    beside it from merging, so the peak can be higher than with mmap (measured: 1.94 against
-    1.55 GiB resident at peak, +25%, for a 34M-parameter fp32 model with a 32000 vocabulary,
-    level from step 10 to 150; BENCHMARKS.md). To keep glibc's default, set one of the knobs
-    user_malloc_setting looks for, e.g. MALLOC_TOP_PAD_=131072 (mallopt(3)'s default). It
-    holds for the main thread's arena, where training allocates (CPU autograd runs on the
-    calling thread); other threads' arenas still map blocks over 64 MiB. Process-wide, and it
-    stays after run() returns (a caller that trains in-process, as the tests do, keeps it).
+    beside it from merging, so the resident peak can be higher than with mmap (see
+    BENCHMARKS.md, same section: it stays level over a long run). To keep glibc's default, set
+    one of the knobs user_malloc_setting looks for, e.g. MALLOC_TOP_PAD_=131072 (mallopt(3)'s
+    default). It holds for the main thread's arena, where training allocates (CPU autograd runs
+    on the calling thread); other threads' arenas still map blocks over 64 MiB. Process-wide, and
+    it stays after run() returns (a caller that trains in-process, as the tests do, keeps it).
     Returns False, and changes nothing, where the C library has no mallopt or the user set one
     of these knobs (user_malloc_setting)."""
     import ctypes
@@ -254,9 +266,9 @@ def torch_version_warning(version: str) -> Optional[str]:
     if version.split("+")[0].rsplit(".", 1)[0] == TESTED_TORCH:
         return None
     return (f"torch {version} is not the version lingua is tested with ({TESTED_TORCH}.x, "
-            "pyproject.toml). Seen under 2.11 (one H100, 2026-11-24): the one-GPU runbook passes, "
-            "but the InterleavedZeroBubble, ZBVZeroBubble and DualPipeV pipeline schedules failed "
-            "(on gloo; NCCL untried). "
+            "pyproject.toml). Under torch 2.11 the one-GPU runbook passes, but the "
+            "InterleavedZeroBubble, ZBVZeroBubble and DualPipeV pipeline schedules fail (on gloo; "
+            "NCCL untried). "
             f"Install torch=={TESTED_TORCH}.0 where you can.")
 
 
@@ -277,7 +289,8 @@ def start_run(args, env: DistEnv) -> None:
             data.ensure_embedded_corpus(args.data.root)
         distributed.barrier(env)
     if args.eval.tasks and args.eval.mode == "inline":
-        downstream.load_tasks(args.eval.tasks, args.eval.include_path)  # a task whose data cannot be read stops us here
+        # A task whose data cannot be read stops us here.
+        downstream.load_tasks(args.eval.tasks, args.eval.include_path)
     if env.is_main:
         Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
         config.dump(args, Path(args.dump_dir) / "config.yaml")
@@ -491,7 +504,8 @@ class Run:
         self.dump_dir = Path(args.dump_dir)
         self.loss_parallel = app.loss_parallel(args.distributed)
         d = args.distributed
-        self.loss = loss_module.for_training(app.loss, d.compile, d.compile_backend, self.loss_parallel)
+        self.loss = loss_module.for_training(app.loss, d.compile, d.compile_backend,
+                                             self.loss_parallel)
         self.train_loader = data.build_train_loader(args.data, env.dp_rank, env.dp_size, args.seed)
         self.val_batches = data.build_val_batches(args.data, env.dp_rank, env.dp_size)
         self.global_batch = args.data.batch_size * env.dp_size * args.data.grad_accum
@@ -521,7 +535,8 @@ class Run:
             self.step_loss.add(out)
             return out.loss_sum / self.global_tokens
 
-        n_microbatches = d.pp_microbatches or pipeline.default_microbatches(d.pp, d.pp_virtual_stages)
+        n_microbatches = (d.pp_microbatches
+                          or pipeline.default_microbatches(d.pp, d.pp_virtual_stages))
         return pipeline.build_schedule(self.parts, stage_ids, d.pp * d.pp_virtual_stages,
                                        self.env.mesh["pp"], self.env.device, d.pp_schedule,
                                        n_microbatches, loss_fn)
@@ -696,7 +711,8 @@ class Run:
         """Bad data lines skipped so far, in total and by reason, summed over the data-parallel
         ranks (each reads its own lines; cp/tp/pp peers read the same ones)."""
         reasons = self.train_loader.skipped_by_reason
-        counts = torch.tensor([float(self.train_loader.skipped_lines), *map(float, reasons.values())],
+        counts = torch.tensor([float(self.train_loader.skipped_lines),
+                               *map(float, reasons.values())],
                               dtype=torch.float64, device=self.env.device)
         counts = distributed.all_reduce_sum(counts, self.env, dims=("dp",))
         return {"skipped_lines": int(counts[0]),
@@ -711,7 +727,8 @@ class Run:
         saved = "nothing was saved (no step had run)"
         if self.step > 0:
             self._save(config_yaml, before=data_before)
-            saved = f"the state after step {self.step} is saved in {checkpoint.newest(self.dump_dir)}"
+            saved = (f"the state after step {self.step} is saved in "
+                     f"{checkpoint.newest(self.dump_dir)}")
         raise RunError(
             f"Step {self.step + 1}: the gradient norm is {grad_norm.item()} (NaN or Inf), so the "
             f"update was not applied and the run stopped (optim.nonfinite=stop); {saved}. Look "
@@ -791,7 +808,8 @@ class Run:
             flops_per_token=flops_per_token, peak=peak,
             pp_group=env.mesh["pp"].get_group() if env.dims.pp > 1 else None,
             signals=preemption.SIGNALS.catch_interrupts(self._where_to_resume),
-            probe=Probe(args.probe, self.parts, env, self.dump_dir, self.step) if args.probe.every else None,
+            probe=(Probe(args.probe, self.parts, env, self.dump_dir, self.step)
+                   if args.probe.every else None),
             profiler=profiling.StepProfiler(args.profiling, self.dump_dir, env.rank, env.device,
                                             flops_per_token * self.global_tokens / env.world_size,
                                             peak))
@@ -1011,7 +1029,8 @@ class Run:
     def _where_to_resume(self) -> str:
         newest = checkpoint.newest(self.dump_dir)
         if newest is None:
-            return f"no checkpoint saved yet; to start over, run again: {preemption.resume_command()}"
+            return (f"no checkpoint saved yet; to start over, run again: "
+                    f"{preemption.resume_command()}")
         return f"checkpoint {newest} saved; to resume, run again: {preemption.resume_command()}"
 
     def _close_loop(self, loop: "_Loop") -> None:
@@ -1041,9 +1060,9 @@ class _Loop:
 
 def run(args, app: App) -> int:
     """Train `app` with checked `args` from start (or the newest checkpoint) to args.steps:
-    0 when done, EXIT_STOPPED when a signal stopped it after saving (EXIT_INTERRUPTED, 130, when
-    that signal was a Ctrl-C). Every app's main calls it, so the flow is written once (the
-    module docstring)."""
+    0 when done, EXIT_STOPPED (3) when a signal stopped it after saving (EXIT_INTERRUPTED, 130,
+    when that signal was a Ctrl-C; both in lingua.preemption). Every app's main calls it, so the
+    flow is written once (the module docstring)."""
     env = distributed.init(args.distributed)
     start_run(args, env)
     parts, stage_ids = build_model_parts(args, env, app)
@@ -1060,7 +1079,8 @@ def run(args, app: App) -> int:
     distributed.destroy()
     if completed:
         return 0
-    return preemption.EXIT_INTERRUPTED if preemption.SIGNALS.interrupted else EXIT_STOPPED
+    return (preemption.EXIT_INTERRUPTED if preemption.SIGNALS.interrupted
+            else preemption.EXIT_STOPPED)
 
 
 def exit_cli(main: Callable) -> None:

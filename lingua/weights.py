@@ -90,12 +90,14 @@ class PerTensorStreams(TorchFunctionMode):
 
     def _generator(self, name: str) -> torch.Generator:
         if name not in self.generators:  # a second op on the same tensor continues its stream
-            self.generators[name] = torch.Generator(self.device).manual_seed(stream_seed(self.seed, name))
+            self.generators[name] = torch.Generator(self.device).manual_seed(
+                stream_seed(self.seed, name))
         return self.generators[name]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if getattr(func, "__name__", None) not in RANDOM_INITS or kwargs.get("generator") is not None:
+        if (getattr(func, "__name__", None) not in RANDOM_INITS
+                or kwargs.get("generator") is not None):
             return func(*args, **kwargs)
         in_kwargs = not args
         target = kwargs.get("tensor") if in_kwargs else args[0]
@@ -111,7 +113,8 @@ class PerTensorStreams(TorchFunctionMode):
         if local.is_meta or self.device.type == "meta":
             return func(*args, **kwargs)  # nothing to fill
         whole = local is target and local.device == self.device
-        full = target if whole else torch.empty(target.shape, dtype=target.dtype, device=self.device)
+        full = (target if whole
+                else torch.empty(target.shape, dtype=target.dtype, device=self.device))
         kwargs["generator"] = self._generator(name)
         if in_kwargs:
             kwargs["tensor"] = full
@@ -214,7 +217,8 @@ def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device) 
     problem = None
     if missing or wrong:
         problem = (f"the weights to load do not fit rank {rank}'s model part(s): missing "
-                   f"{missing[:4]} ({len(missing)}), shapes differing (theirs vs ours) {wrong[:4]}.")
+                   f"{missing[:4]} ({len(missing)}), shapes differing (theirs vs ours) "
+                   f"{wrong[:4]}.")
     problems = [problem]
     if world:  # every rank stops, not only those missing something (the others would wait)
         problems = [None] * dist.get_world_size()

@@ -276,7 +276,7 @@ def test_a_signal_stop_waits_for_the_write_then_saves(corpus, tmp_path, monkeypa
     install_writer_hook({"kind": "slow", "step": 2, "until_row": 3, "then": "sigterm",
                          "sleep": 0.5}, monkeypatch.setattr)
     args = tiny_args(corpus, dump, ASYNC, "checkpoint.every=2", "checkpoint.keep=0", steps=20)
-    assert train.main(args) == 3   # trainer.EXIT_STOPPED
+    assert train.main(args) == 3   # preemption.EXIT_STOPPED
     last = read_rows(dump)[-1]["step"]
     saved = [int(p.name) for p in checkpoint.list_complete(dump)]
     assert 3 <= last < 20 and saved == sorted({2, last}), (last, saved)

@@ -18,8 +18,17 @@ import numpy as np
 import pytest
 import torch
 
-from lingua.data import (SKIP_REASONS, BadLine, DataArgs, JsonlLoader, MemmapLoader, _decode_line,
-                         check_jsonl_lines, validate_data_args, write_memmap_corpus)
+from lingua.data import (
+    SKIP_REASONS,
+    BadLine,
+    DataArgs,
+    JsonlLoader,
+    MemmapLoader,
+    _decode_line,
+    check_jsonl_lines,
+    validate_data_args,
+    write_memmap_corpus,
+)
 from lingua.errors import ConfigError
 from lingua.tokenizer import ByteTokenizer, TokenizerArgs
 from tests.conftest import REPO, load_prepare_data, read_metrics, run_python, tiny_args

@@ -18,11 +18,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from apps.llama import model as llama_model
 from apps.llama import parallelize as llama_parallelize
+from apps.llama.model import Attention
 from apps.moe.parallelize import parallelize_moe
 from lingua import plan as planner
 from lingua.distributed import parallel_dims
 from lingua.errors import ConfigError
-from apps.llama.model import Attention
 from tests.conftest import TINY_MODEL, run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent
 from tests.workers.qk_norm_train import PLAN_VAR, QKNormAttention, with_qk_norm_plan

@@ -170,6 +170,10 @@ def test_state_survives_a_weights_only_checkpoint(tmp_path):
     ("optim.spike_on=weights", r"optim.spike_on='weights' is unknown"),
     ("optim.spike_factor=1.0", r"optim.spike_factor=1.0 must be above 1"),
     ("optim.spike_window=1", r"optim.spike_window=1 must be at least 2"),
+    ("logging.spike_factor=3", r"logging.spike_factor was moved to optim.spike_factor.*"
+                               r"Write optim.spike_factor=3"),
+    ("logging.spike_factor=0", r"logging.spike_factor was moved.*Write optim.spike=off"),
+    ("logging.spike_window=20", r"logging.spike_window was moved to optim.spike_window"),
     ("optim.spike=rollback", r"checkpoint.every=0 none is saved.*checkpoint.every=N"),
 ])
 def test_bad_spike_settings_are_refused(corpus, tmp_path, override, message):

@@ -18,7 +18,6 @@ from lingua.errors import ConfigError
 from tests.conftest import REPO, free_port, read_metrics, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
-
 # What stool's checks see of "the cluster" here: a made-up one, whatever Slurm this machine runs
 # (the local one has 2 CPUs and no GPUs; test_slurm.py checks against it). The GRES and memory
 # strings are as real sinfo prints them on big clusters. The default partition is gpu.
