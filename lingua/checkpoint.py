@@ -36,7 +36,7 @@ import zlib
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ from torch.distributed.checkpoint.state_dict import (
 from lingua.errors import ConfigError, RunError
 
 logger = logging.getLogger(__name__)
+# Whether the checkpoint of a step must outlive pruning (the trainer's: an evaluation job that has
+# not read it yet, lingua.eval_jobs.checkpoint_in_use).
+InUse = Callable[[int], bool]
 
 STEP_DIR = re.compile(r"^\d+$")
 
@@ -432,13 +435,16 @@ def _merged(part_states: list) -> dict:
 
 
 def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
-         config_yaml: str, rank: int, world_size: int, keep: int) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory.
+         config_yaml: str, rank: int, world_size: int, keep: int,
+         in_use: Optional[InUse] = None) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory. Afterwards the
+    checkpoints older than the newest `keep` intact ones are deleted, except those `in_use`
+    (a step -> bool the caller gives, e.g. a checkpoint a pending evaluation job will read).
 
     If any rank cannot write (a full disk, a read-only or vanished directory), every rank raises
     RunError after the half-written directory is removed; older checkpoints are untouched.
     """
-    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep)
+    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use)
     error = ckpt.open()
     if error is None:
         _quiet_single_process_dcp()
@@ -459,6 +465,7 @@ def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
 
 def save_async(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
                config_yaml: str, rank: int, world_size: int, keep: int,
+               in_use: Optional[InUse] = None,
                device: torch.device = torch.device("cpu")) -> "PendingSave":
     """Collective: `save` whose files are written while training goes on (checkpoint.async_save).
 
@@ -475,7 +482,8 @@ def save_async(dump_dir, step: int, parts: list, optimizers: list, train_state: 
     group of their own, so they never interleave with the training loop's collectives.
     """
     group = _async_group() if world_size > 1 else None
-    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, device)
+    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use,
+                       device)
     error = ckpt.open()
     if error is None:
         _quiet_single_process_dcp()
@@ -506,9 +514,11 @@ class PendingSave:
     removes it. A pending asynchronous save is finished with `finish`."""
 
     def __init__(self, dump_dir, step: int, train_state: dict, config_yaml: str, rank: int,
-                 world_size: int, keep: int, device: torch.device = torch.device("cpu")):
+                 world_size: int, keep: int, in_use: Optional[InUse] = None,
+                 device: torch.device = torch.device("cpu")):
         self.dump_dir, self.step, self.config_yaml = dump_dir, step, config_yaml
-        self.rank, self.world_size, self.keep, self.device = rank, world_size, keep, device
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.keep, self.in_use = keep, in_use
         self.root = checkpoints_dir(dump_dir)
         self.final = self.root / str(step)
         self.tmp: Optional[Path] = None
@@ -615,7 +625,7 @@ class PendingSave:
                            f"dump_dir at a filesystem with room), then run the same command to "
                            f"resume.") from None
         if rank == 0:
-            _prune(self.root, self.keep)
+            _prune(self.root, self.keep, self.in_use)
             logger.info("saved checkpoint %s", final)
         _barrier(world_size)
         return final
@@ -658,13 +668,12 @@ def _first_error(error: Optional[BaseException], world_size: int) -> Optional[Ba
     return error
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Rank 0, after a save: delete the checkpoints older than the newest `keep` intact ones. One
-    damaged since resume (sizes against its manifest: nothing read) is moved aside, uncounted."""
+def _prune(root: Path, keep: int, in_use: Optional[InUse] = None) -> None:
+    """Rank 0, after a save: delete the checkpoints older than the newest `keep` intact ones,
+    except those `in_use`. One damaged since resume (sizes against its manifest: nothing read)
+    is moved aside, uncounted."""
     if keep <= 0:
         return
-    from lingua.eval_jobs import pending_marker
-
     intact = []
     for ckpt in _step_dirs(root):
         problem = verify(ckpt, checksums=False)
@@ -673,13 +682,8 @@ def _prune(root: Path, keep: int) -> None:
         else:
             logger.warning("damaged checkpoint %s: %s; %s", ckpt, problem, _set_aside(ckpt))
     for old in intact[:-keep]:
-        # An evaluation job (eval.mode=async) has not read this checkpoint yet: it removes the
-        # marker once its results are written (or it gave up), and a later save prunes the
-        # checkpoint then. A job that never runs (cancelled while queued, lost) leaves its
-        # checkpoint on disk: the safe side; delete evals/<step>/pending to let it go.
-        if pending_marker(root.parent, int(old.name)).exists():
-            continue
-        shutil.rmtree(old, ignore_errors=True)
+        if in_use is None or not in_use(int(old.name)):   # in use: a later save prunes it
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: int) -> dict:

@@ -13,6 +13,7 @@ and wrong types are refused by OmegaConf while composing.
 
 import dataclasses
 import difflib
+import importlib
 import os
 import sys
 import types
@@ -332,3 +333,21 @@ def check_positive(obj: Any, prefix: str, names: Sequence[str]) -> None:
         value = getattr(obj, name)
         key = f"{prefix}.{name}" if prefix else name
         require(value > 0, f"{key}={value} must be positive. Set {key} to a value above 0.")
+
+
+def import_app(module: str):
+    # A console script does not put the checkout on sys.path; a forked app (apps/myarch) may not
+    # be installed: look where stool is run from, then in the checkout lingua comes from.
+    for path in (str(REPO_ROOT), os.getcwd()):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    try:
+        app = importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        raise ConfigError(f"Cannot import the app module {module!r} ({err}). Give a train "
+                          f"module as for `python -m`, e.g. `stool apps.llama.train ...`, from "
+                          f"the repository root.") from None
+    if not (hasattr(app, "load_config") and hasattr(app, "main")):
+        raise ConfigError(f"{module} is not a lingua train module: it needs load_config(argv) "
+                          f"and main(argv) (see apps/llama/train.py). Give e.g. apps.llama.train.")
+    return app

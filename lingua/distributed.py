@@ -8,6 +8,7 @@ the rest of the code asks it for the sub-meshes it needs (data loading over dp, 
 dp_replicate x dp_shard).
 """
 
+import contextlib
 import datetime
 import logging
 import os
@@ -495,3 +496,19 @@ def apply_compile(layers: nn.ModuleDict, backend: str = "inductor") -> None:
         block.compile(backend=backend)
     logger.info("compiled %d transformer blocks with torch.compile (backend %s)", len(layers),
                 backend)
+
+
+@contextlib.contextmanager
+def job_view(world_size: int, device: str):
+    """Validate as the job will see things: its world size and device, not this login node's."""
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", JOB_DEVICE_VAR)}
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ[JOB_DEVICE_VAR] = device
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -4,8 +4,8 @@ training never waits for it.
     python -m apps.llama.train eval.mode=async eval.tasks=[hellaswag] eval.every=1000 \\
         checkpoint.every=1000 eval.slurm.gpus_per_node=8 eval.slurm.partition=learn
 
-Right after the checkpoint of an evaluation step is saved, rank 0 calls `submit`: one sbatch
-through stool's submitit path (`lingua.stool.make_executor`, the `eval.slurm.*` resources), and
+Right after the checkpoint of an evaluation step is saved, rank 0 calls `submit`: one sbatch through
+the submitit path stool uses (`lingua.slurm.make_executor`, the `eval.slurm.*` resources), and
 training goes on. The job runs `python -m apps.<app>.eval <checkpoint> eval.mode=inline ...` (the
 command a person would run, lingua/eval_cli.py) with FSDP over all its tasks, from the run's code
 snapshot `<dump_dir>/code` when stool made one, else from this checkout. It writes into the run
@@ -50,9 +50,9 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
-from lingua import stool
+from lingua import slurm
 from lingua.errors import ConfigError
 
 logger = logging.getLogger("eval")
@@ -79,10 +79,18 @@ def pending_marker(dump_dir, step: int) -> Path:
     return step_dir(dump_dir, step) / PENDING
 
 
-def job_slurm_args(s: stool.SlurmArgs) -> stool.SlurmArgs:
+def checkpoint_in_use(dump_dir) -> Callable[[int], bool]:
+    """For checkpoint pruning: a step whose evaluation job has not read its checkpoint yet. The
+    job removes its marker once its results are written (or it gave up), and a later save prunes
+    the checkpoint then; a job that never runs (cancelled while queued, lost) leaves it on disk,
+    the safe side: delete evals/<step>/pending to let it go."""
+    return lambda step: pending_marker(dump_dir, step).exists()
+
+
+def job_slurm_args(s: slurm.SlurmArgs) -> slurm.SlurmArgs:
     """eval.slurm with the values left at 0 filled in as stool fills slurm.* (one task per GPU)."""
     filled = replace(s, dry_run=False)
-    for fill in stool.slurm_defaults(s):
+    for fill in slurm.slurm_defaults(s):
         key, value = fill.split("=", 1)
         setattr(filled, key.split(".", 1)[1], int(value))
     return filled
@@ -124,7 +132,7 @@ def check_async(args) -> None:
                           f"eval.mode=inline.")
     s = job_slurm_args(args.eval.slurm)
     try:
-        stool.validate_slurm_args(s)
+        slurm.validate_slurm_args(s)
     except ConfigError as err:
         raise _eval_slurm_error(err) from None
     if shutil.which("sbatch") is None:
@@ -134,7 +142,7 @@ def check_async(args) -> None:
                           "evaluate on the training ranks with eval.mode=inline.")
     if os.environ.get("RANK", "0") == "0":  # every rank validates; one asking sinfo is enough
         try:  # the partition exists and one of its nodes can hold the job, as stool checks
-            stool.check_resources(s)
+            slurm.check_resources(s)
         except ConfigError as err:
             raise _eval_slurm_error(err) from None
 
@@ -195,7 +203,7 @@ def submit(args, app_package: str, step: int, ckpt_dir) -> Optional[str]:
         folder.mkdir(parents=True, exist_ok=True)
         # Before sbatch: a job that starts at once must find the marker to remove.
         marker.touch()
-        executor = stool.make_executor(s, folder, code_dir(dump_dir),
+        executor = slurm.make_executor(s, folder, code_dir(dump_dir),
                                        f"{s.job_name or dump_dir.name + '-eval'}-{step}")
         setup = list(executor.parameters.get("setup", []))
         executor.update_parameters(setup=setup + ["unset " + " ".join(LAUNCHER_VARS)])

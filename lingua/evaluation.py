@@ -8,7 +8,7 @@ import torch
 
 from lingua.distributed import DistEnv, all_reduce_sum
 from lingua.errors import ConfigError
-from lingua.stool import SlurmArgs
+from lingua.slurm import SlurmArgs
 from lingua.tensor_parallel import token_loss_sum  # noqa: F401  (the loss every caller uses)
 
 EVAL_MODES = ("inline", "async")

@@ -84,7 +84,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lingua import config, data, distributed, metrics, pipeline, trainer
+from lingua.distributed import DistEnv
 from lingua.errors import ConfigError
+from lingua.tokenizer import TokenizerArgs
+from lingua.transformer import ffn_hidden_dim
 
 GIB = 2 ** 30
 # Memory per GPU (GiB) when --gpu-mem-gib is not given: the 80 GB parts and the larger ones.
@@ -166,7 +170,6 @@ class Plan:
 
 
 def _shape(a) -> dict:
-    from lingua.transformer import ffn_hidden_dim
 
     ffn = ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier)
     expert = getattr(a, "expert_hidden_dim", 0) or ffn
@@ -242,7 +245,6 @@ def output_activation_bytes(model_args, e: int, tp: int, loss_parallel: bool,
 def chunks_in_flight(schedule: str, pp: int, virtual: int, n_mb: int, pp_rank: int) -> float:
     """Micro-batches whose activations a pipeline rank holds at once, in units of its stages'
     average (one unit = all its layers for one micro-batch when it holds one stage)."""
-    from lingua import pipeline
 
     if pp == 1:
         return 1.0
@@ -357,8 +359,6 @@ def _fsdp_bytes(parts, e: int, reshard_after_forward: bool) -> int:
 
 def _build_parts(args, app, dims, rank: int, world_size: int):
     """This rank's parallelised model parts on meta, and its stage ids: the trainer's own build."""
-    from lingua import distributed, trainer
-    from lingua.distributed import DistEnv
 
     # Same shards, without what needs a GPU or changes no shape: compile, async TP's symmetric
     # memory, CPU offload's pinned host copies.
@@ -452,10 +452,8 @@ def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
               device_type: str):
     """(app module, validated args, world size): composed and checked as the job will be, but
     for the corpus and tokenizer files (data_warnings)."""
-    from lingua import trainer
-    from lingua.stool import import_app, job_view
 
-    app = import_app(app_module)
+    app = config.import_app(app_module)
     if not hasattr(app, "APP"):
         raise ConfigError(f"{app_module} has no APP (a lingua.trainer.App): the planner builds "
                           f"the model and its parallel plan from it, as the trainer does.")
@@ -463,7 +461,7 @@ def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
     world = world_size or job_world_size(raw.slurm)
     if world < 1:
         raise ConfigError(f"The world size must be at least 1, got {world}.")
-    with job_view(world, device_type):
+    with distributed.job_view(world, device_type):
         trainer.validate(raw, app.APP, data_files=False)
     return app, raw, world
 
@@ -471,8 +469,6 @@ def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
 def data_warnings(args) -> List[str]:
     """What a job would refuse to start without and a plan does without: the corpus (data.root,
     its val/) and the tokenizer file, each problem once."""
-    from lingua import data, trainer
-    from lingua.tokenizer import TokenizerArgs
 
     found, corpus = [], args.data
     try:
@@ -490,7 +486,6 @@ def data_warnings(args) -> List[str]:
 
 
 def _flops_per_token(args, app) -> float:
-    from lingua import metrics
 
     if app.APP.flops_per_token is not None:
         return app.APP.flops_per_token(args)
@@ -504,7 +499,6 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
          device_type: str = "cuda", gpu: str = "H100", gpu_mem_gib: Optional[float] = None,
          mfu: float = DEFAULT_MFU, suggest: bool = True) -> Plan:
     """Build the run at its world size on the fake process group and account each rank."""
-    from lingua import distributed, metrics, pipeline
 
     if gpu not in GPU_MEMORY_GIB:
         raise ConfigError(f"--gpu {gpu}: known GPUs are {', '.join(GPU_MEMORY_GIB)}.")

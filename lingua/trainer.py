@@ -35,6 +35,7 @@ from lingua import (
     distributed,
     downstream,
     errors,
+    eval_jobs,
     evaluation,
     metrics,
     optim,
@@ -56,8 +57,8 @@ from lingua.metrics import LoggingArgs
 from lingua.optim import OptimArgs
 from lingua.probe import Probe, ProbeArgs
 from lingua.profiling import ProfilingArgs
+from lingua.slurm import SlurmArgs
 from lingua.spikes import Spike, SpikeMonitor
-from lingua.stool import SlurmArgs
 from lingua.tensor_parallel import check_async_tp, loss_parallel_context
 from lingua.tokenizer import build_tokenizer
 from lingua.transformer import check_attn_backend
@@ -161,8 +162,6 @@ def validate(args, app: App, data_files: bool = True) -> None:
         if args.eval.mode == "inline":
             downstream.check_layout(args.distributed, "eval.tasks with eval.mode=inline")
         else:
-            from lingua import eval_jobs
-
             eval_jobs.check_async(args)
     probe_module.validate_args(args.probe)
     profiling.validate_args(args.profiling, args.steps)
@@ -678,13 +677,15 @@ class Run:
                        "scheduler": self.optimizers.scheduler_state(),
                        "nonfinite_steps": self.nonfinite_steps, "batches_consumed": batches,
                        "spikes": self.spikes.state_dict()}
+        in_use = eval_jobs.checkpoint_in_use(self.dump_dir)
         if args.checkpoint.async_save and not wait:
             self.pending_save = checkpoint.save_async(
                 self.dump_dir, self.step, self.parts, self.optimizers.optimizers, train_state,
-                config_yaml, env.rank, env.world_size, args.checkpoint.keep, env.device)
+                config_yaml, env.rank, env.world_size, args.checkpoint.keep, in_use, env.device)
             return
         checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
-                        train_state, config_yaml, env.rank, env.world_size, args.checkpoint.keep)
+                        train_state, config_yaml, env.rank, env.world_size, args.checkpoint.keep,
+                        in_use)
 
     def _finish_save(self, block: bool) -> None:
         """checkpoint.async_save: make the checkpoint being written visible once every rank's
@@ -702,8 +703,6 @@ class Run:
         args, env = self.args, self.env
         if args.eval.tasks and args.eval.mode == "async" and self.evaluates_at(step) \
                 and env.is_main:   # a job evaluates the checkpoint; training goes on
-            from lingua import eval_jobs
-
             eval_jobs.submit(args, self.app.model_class.__module__.rsplit(".", 1)[0], step,
                              checkpoint.checkpoints_dir(self.dump_dir) / str(step))
 

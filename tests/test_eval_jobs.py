@@ -391,12 +391,13 @@ def test_pruning_keeps_checkpoints_with_a_pending_evaluation(tmp_path):
     marker.parent.mkdir(parents=True)
     marker.touch()
     (tmp_path / "evals" / "3").mkdir()      # results written, marker gone
-    checkpoint._prune(root, keep=1)
+    in_use = eval_jobs.checkpoint_in_use(tmp_path)
+    checkpoint._prune(root, keep=1, in_use=in_use)
     assert sorted(p.name for p in root.iterdir()) == ["2", "4", "5.tmp-abcd"]
     marker.unlink()
-    checkpoint._prune(root, keep=1)
+    checkpoint._prune(root, keep=1, in_use=in_use)
     assert sorted(p.name for p in root.iterdir()) == ["4", "5.tmp-abcd"]
-    checkpoint._prune(root, keep=0)         # keep all
+    checkpoint._prune(root, keep=0, in_use=in_use)         # keep all
     assert sorted(p.name for p in root.iterdir()) == ["4", "5.tmp-abcd"]
 
 

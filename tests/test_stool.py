@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from lingua import distributed, stool
+from lingua import distributed, slurm, stool
 from lingua.errors import ConfigError
 from tests.conftest import REPO, free_port, read_metrics, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
@@ -96,12 +96,12 @@ def test_a_gpu_job_gets_one_task_per_gpu_and_cpus_for_each(corpus, tmp_path):
     assert proc.returncode == 0, proc.stderr
     sbatch = _sbatch_lines(proc.stdout)
     assert (sbatch["nodes"], sbatch["gpus-per-node"], sbatch["ntasks-per-node"],
-            sbatch["cpus-per-task"]) == ("2", "8", "8", str(stool.GPU_JOB_CPUS)), proc.stdout
-    srun_cpus = f"export SRUN_CPUS_PER_TASK=${{SLURM_CPUS_PER_TASK:-{stool.GPU_JOB_CPUS}}}"
+            sbatch["cpus-per-task"]) == ("2", "8", "8", str(slurm.GPU_JOB_CPUS)), proc.stdout
+    srun_cpus = f"export SRUN_CPUS_PER_TASK=${{SLURM_CPUS_PER_TASK:-{slurm.GPU_JOB_CPUS}}}"
     assert srun_cpus in proc.stdout
     # The values stool picked reach the job with the other overrides (and its config.yaml).
     [would_run] = [line for line in proc.stdout.splitlines() if line.startswith("# would run:")]
-    assert would_run.endswith(f"slurm.tasks_per_node=8 slurm.cpus_per_task={stool.GPU_JOB_CPUS}")
+    assert would_run.endswith(f"slurm.tasks_per_node=8 slurm.cpus_per_task={slurm.GPU_JOB_CPUS}")
     # The layout is checked for the 16 processes the defaults give, not for 2 x 1.
     proc = run_stool("apps.llama.train", *args, "distributed.dp_shard=2", "slurm.nodes=2",
                      "slurm.gpus_per_node=8", "slurm.dry_run=true")
@@ -113,7 +113,7 @@ def _script(overrides: list, tmp_path: Path) -> str:
     from apps.llama import train
 
     [sub] = stool.plan(train, overrides, multirun=False)
-    executor = stool.make_executor(sub.args.slurm, tmp_path / "slurm", tmp_path / "code", "t")
+    executor = slurm.make_executor(sub.args.slurm, tmp_path / "slurm", tmp_path / "code", "t")
     return stool.batch_script(executor, 1)
 
 
@@ -196,7 +196,7 @@ def test_bad_slurm_values_are_named(override, message):
 
     args = train.load_config(["slurm.time=10", "slurm.tasks_per_node=4", override], check=False)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
-        stool.validate_slurm_args(args.slurm)
+        slurm.validate_slurm_args(args.slurm)
 
 
 @pytest.mark.parametrize("gres, gpus", [
@@ -205,11 +205,11 @@ def test_bad_slurm_values_are_named(override, message):
     ("nvme:2", 0), ("gpu", 1), ("gpu:tesla", 1), ("gpu:h100:eight", None), ("gpu:1K", 1024),
 ])
 def test_sinfo_gres_strings_are_read_defensively(gres, gpus):
-    assert stool.parse_gpus(gres) == gpus
+    assert slurm.parse_gpus(gres) == gpus
 
 
 def test_sinfo_node_lines_are_read_defensively():
-    nodes = stool.parse_sinfo_nodes(
+    nodes = slurm.parse_sinfo_nodes(
         "n1|gpu*|224|2000000|gpu:h100:8(S:0-1)\n"
         "n2|gpu*|64+|257000+|gpu:h100:x:y\n"     # unknown values: never a reason to refuse
         "sinfo: some site notice\n\n"
@@ -217,18 +217,18 @@ def test_sinfo_node_lines_are_read_defensively():
     assert [(n.name, n.partition, n.cpus, n.mem_mb, n.gpus) for n in nodes] == [
         ("n1", "gpu*", 224, 2000000, 8), ("n2", "gpu*", None, None, None),
         ("n3", "cpu", None, 1, 0)]
-    assert [stool.mem_request_mb(m) for m in ("64G", "500", "1T", "512K", "0", None)] == [
+    assert [slurm.mem_request_mb(m) for m in ("64G", "500", "1T", "512K", "0", None)] == [
         65536, 500, 1024 ** 2, 1, None, None]
 
 
-def _slurm(**values) -> "stool.SlurmArgs":
-    return stool.SlurmArgs(**{"tasks_per_node": 1, **values})
+def _slurm(**values) -> "slurm.SlurmArgs":
+    return slurm.SlurmArgs(**{"tasks_per_node": 1, **values})
 
 
 def test_a_job_no_node_can_hold_is_refused_with_what_the_nodes_have():
-    nodes = stool.parse_sinfo_nodes("n1|debug*|2|7000|(null)\n")
+    nodes = slurm.parse_sinfo_nodes("n1|debug*|2|7000|(null)\n")
     with pytest.raises(ConfigError) as err:
-        stool.check_resources(_slurm(tasks_per_node=3), nodes=nodes)
+        slurm.check_resources(_slurm(tasks_per_node=3), nodes=nodes)
     assert ("slurm.tasks_per_node=3 asks for 3 CPUs a node (one a task), but the nodes of "
             "partition 'debug' have at most 2 CPUs") in str(err.value)
     assert "PartitionConfig" in str(err.value) and "\n" not in str(err.value)
@@ -242,38 +242,38 @@ def test_a_job_no_node_can_hold_is_refused_with_what_the_nodes_have():
         (_slurm(gpus_per_node=1), "slurm.gpus_per_node=1 asks for 1 GPU a node, but the nodes "
                                   "of partition 'debug' have at most 0 GPUs"),
     ]
-    for slurm, message in cases:
+    for settings, message in cases:
         with pytest.raises(ConfigError, match=re.escape(message)):
-            stool.check_resources(slurm, nodes=nodes)
+            slurm.check_resources(settings, nodes=nodes)
     for fits in (_slurm(tasks_per_node=2), _slurm(mem="7000"), _slurm(mem="0"), _slurm()):
-        assert stool.check_resources(fits, nodes=nodes)
+        assert slurm.check_resources(fits, nodes=nodes)
 
 
 def test_resources_are_checked_per_partition_and_node():
-    nodes = stool.parse_sinfo_nodes(FAKE_SINFO + "big|cpu|256|64000|(null)\n")
+    nodes = slurm.parse_sinfo_nodes(FAKE_SINFO + "big|cpu|256|64000|(null)\n")
     # Enough CPUs on one cpu node and enough memory on others, but not both on two of them.
     with pytest.raises(ConfigError, match=re.escape(
             "slurm.nodes=2 asks for 2 nodes that each hold the job's share (slurm.tasks_per_node"
             "=128 asks for 128 CPUs a node (one a task), slurm.mem=100G asks for 102400 MB a "
             "node), but only 0 of the 3 nodes of partition 'cpu' do")):
-        stool.check_resources(_slurm(partition="cpu", nodes=2, tasks_per_node=128, mem="100G"),
+        slurm.check_resources(_slurm(partition="cpu", nodes=2, tasks_per_node=128, mem="100G"),
                               nodes=nodes)
-    assert stool.check_resources(_slurm(partition="cpu", tasks_per_node=256), nodes=nodes)
+    assert slurm.check_resources(_slurm(partition="cpu", tasks_per_node=256), nodes=nodes)
     # 257000+ is "at least": a request above it is left to Slurm, not refused, on that node.
-    assert stool.check_resources(_slurm(partition="cpu", mem="300000"), nodes=nodes)
+    assert slurm.check_resources(_slurm(partition="cpu", mem="300000"), nodes=nodes)
     with pytest.raises(ConfigError, match="but only 1 of the 3 nodes of partition 'cpu' do"):
-        stool.check_resources(_slurm(partition="cpu", nodes=2, mem="300000"), nodes=nodes)
+        slurm.check_resources(_slurm(partition="cpu", nodes=2, mem="300000"), nodes=nodes)
     # No partition: the default one (gpu*); several: one that holds the job is enough.
-    assert stool.check_resources(_slurm(nodes=2, gpus_per_node=8, tasks_per_node=8), nodes=nodes)
+    assert slurm.check_resources(_slurm(nodes=2, gpus_per_node=8, tasks_per_node=8), nodes=nodes)
     with pytest.raises(ConfigError, match="partition 'gpu' have at most 224 CPUs"):
-        stool.check_resources(_slurm(tasks_per_node=256), nodes=nodes)
-    assert stool.check_resources(_slurm(partition="gpu,cpu", tasks_per_node=256), nodes=nodes)
+        slurm.check_resources(_slurm(tasks_per_node=256), nodes=nodes)
+    assert slurm.check_resources(_slurm(partition="gpu,cpu", tasks_per_node=256), nodes=nodes)
     with pytest.raises(ConfigError, match="slurm.partition='gpu,nope' does not exist"):
-        stool.check_resources(_slurm(partition="gpu,nope"), nodes=nodes)
+        slurm.check_resources(_slurm(partition="gpu,nope"), nodes=nodes)
     # Values stool picked itself are named, so the user knows which keys to set.
     with pytest.raises(ConfigError, match=re.escape(
             "stool chose slurm.tasks_per_node=8, slurm.cpus_per_task=32 itself")):
-        stool.check_resources(_slurm(gpus_per_node=8, tasks_per_node=8, cpus_per_task=32),
+        slurm.check_resources(_slurm(gpus_per_node=8, tasks_per_node=8, cpus_per_task=32),
                               ["slurm.tasks_per_node=8", "slurm.cpus_per_task=32"], nodes=nodes)
 
 
