@@ -8,7 +8,7 @@ which names what is missing):
 - `forward(tokens, doc_ids=None, cache=None, positions=None)`: tokens [b, s] -> logits
   [b, s, vocab]. A pipeline stage without `tok_embeddings` takes hidden states [b, s, dim]
   instead, and one without `output` returns hidden states. doc_ids [b, s] keep attention inside
-  documents; `cache` is for decoding (apps/llama/generate.py); `positions` [s] are the tokens'
+  documents; `cache` is for decoding (lingua/generation.py); `positions` [s] are the tokens'
   positions in the whole sequence when they are not 0..s-1 (a context-parallel shard).
 - `layers`, an nn.ModuleDict keyed "0".."n-1": pipeline parallelism deletes the entries a stage
   does not hold, and sets the modules named in `first_stage_modules` (`tok_embeddings`) and

@@ -9,10 +9,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
-from apps.llama.generate import generate, sample_next
 from apps.llama.model import LlamaArgs, Transformer
 from lingua import checkpoint
 from lingua.errors import ConfigError
+from lingua.generation import generate, sample_next
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32,
