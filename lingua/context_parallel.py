@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingua.errors import ConfigError
-from lingua.transformer import CoreAttention
+from lingua.transformer import CoreAttention, repeat_kv
 
 logger = logging.getLogger(__name__)
 
@@ -169,23 +169,18 @@ class AllGatherKVAttention(nn.Module):
     group and returned to the rank that owns that position. Works on gloo and NCCL.
     """
 
-    def __init__(self, ctx: CPContext, n_rep: int = 1):
+    def __init__(self, ctx: CPContext):
         super().__init__()
         self.ctx = ctx
-        self.n_rep = n_rep  # query heads per key/value head (grouped-query attention)
 
     def forward(self, q, k, v, mask=None, decoding: bool = False):  # never decoding under CP
         # `mask` is ignored: the model built it for the local shard as if it were a whole
         # sequence (local positions 0..s_local-1), which is wrong here; the context's mask relates
         # each local query's global position (and document) to every key of the full sequence.
         ctx = self.ctx.require()
-        if self.n_rep > 1:
-            # The model repeated K/V heads (repeat_interleave) before calling us; gather only the
-            # distinct heads, n_rep times less traffic, and repeat after the gather.
-            k, v = k[:, :, ::self.n_rep], v[:, :, ::self.n_rep]
+        # K/V come with their own (grouped-query) heads: gather those, repeat after the gather.
         k, v = self._gather(torch.stack([k, v]), ctx)              # one collective for both
-        if self.n_rep > 1:
-            k, v = k.repeat_interleave(self.n_rep, dim=2), v.repeat_interleave(self.n_rep, dim=2)
+        k, v = repeat_kv(k, v, q.shape[2])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask.to(q.device))
         return out.transpose(1, 2)
@@ -211,6 +206,7 @@ class RingAttention(nn.Module):
 
     def forward(self, q, k, v, mask=None, decoding: bool = False):  # never decoding under CP
         self.ctx.require()  # outside the context sdpa would silently attend within the shard only
+        k, v = repeat_kv(k, v, q.shape[2])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # Looked up at call time on purpose: torch's CP context replaces
         # F.scaled_dot_product_attention.
@@ -220,14 +216,6 @@ class RingAttention(nn.Module):
 
 # ---------------------------------------------------------------------------------------------
 # Applying CP to a model and running a micro-batch
-
-
-def _n_rep(model: nn.Module) -> int:
-    args = getattr(model, "args", None)
-    n_heads = getattr(args, "n_heads", None)
-    if not n_heads:
-        return 1  # unknown head layout: gather the repeated K/V as they are (correct, more traffic)
-    return n_heads // (getattr(args, "n_kv_heads", None) or n_heads)
 
 
 def _fill_positions(module, args, kwargs):
@@ -251,12 +239,11 @@ def apply_cp(model: nn.Module, cp_mesh, backend: str = "allgather",
         from torch.distributed.tensor.experimental._attention import set_rotate_method
 
         set_rotate_method(rotate_method)
-    n_rep = _n_rep(model)
     replaced = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, CoreAttention):
-                new = (AllGatherKVAttention(ctx, n_rep) if backend == "allgather"
+                new = (AllGatherKVAttention(ctx) if backend == "allgather"
                        else RingAttention(ctx))
                 setattr(module, child_name, new)
                 replaced.append(f"{name}.{child_name}" if name else child_name)

@@ -264,7 +264,7 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int) ->
     taken as plain causal. Returns (sums [3], maxes [1]):
     sums = entropy total, log(keys seen) total, number of (query, head) rows."""
     b, s, h, d = q.shape
-    # sdpa's own GQA (lingua.transformer.grouped_kv_ok): repeat here, not there.
+    # CoreAttention's inputs keep their grouped-query k heads: repeat them for the summary.
     if k.shape[2] != h:
         from lingua.transformer import repeat_kv
 

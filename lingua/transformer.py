@@ -440,8 +440,10 @@ class CoreAttention(nn.Module):
     through this module (one contract of apps' model files, checked at start by
     lingua.decoder.check_model_contract). Context parallelism finds it by type and replaces it
     with a version that sees every rank's keys and values; the probe hooks it for attention
-    statistics. Its inputs are q, k, v [b, s, heads, head_dim] after RoPE, with k/v repeated to
-    the query heads (repeat_kv) unless `grouped_kv_ok`, and the mask the decoder shell built.
+    statistics. Its inputs are q [b, s, h, head_dim] and k, v [b, s, h_kv, head_dim] after RoPE
+    (h_kv divides h: grouped-query attention), and the mask the decoder shell built. It hands
+    k/v grouped to the kernel where the kernel groups heads itself (`grouped_kv_ok`), and
+    repeats them to the query heads otherwise (repeat_kv), so an app's attention never does.
 
     With a KV cache (decoding) it runs sdpa with the cache's offset-causal mask on any backend.
     """
@@ -455,11 +457,13 @@ class CoreAttention(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]).transpose(1, 2)
+        if k.shape[2] != q.shape[2] and not grouped_kv_ok(self, q, mask):
+            k, v = repeat_kv(k, v, q.shape[2])
         return attention(q, k, v, self.backend, mask)
 
 
 def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:
-    """Whether an attention block may pass `core` k/v with fewer heads than q: sdpa groups them
+    """Whether `core` may hand the kernel k/v with fewer heads than q: sdpa groups them
     itself (enable_gqa), without repeat_kv's copy and its backward (see BENCHMARKS.md, "Where a
     LLaMA training step's time goes on CPU"). Only for a CoreAttention on the plain sdpa call
     (the other backends, and a module that replaces it under context parallelism, take k/v

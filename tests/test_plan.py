@@ -325,10 +325,10 @@ def test_activation_formula_matches_what_blocks_keep(case, ac):
 def test_activation_formula_with_kv_repeated_as_on_gpu(monkeypatch, ac):
     """On CUDA k/v are repeated to all heads before attention (grouped_kv_ok is CPU-only): the
     formula the planner uses for GPUs (grouped_kv=False) is checked by forcing that path here."""
-    import apps.llama.model as llama_model
+    from lingua import transformer
     from lingua.distributed import apply_ac
 
-    monkeypatch.setattr(llama_model, "grouped_kv_ok", lambda *a, **k: False)
+    monkeypatch.setattr(transformer, "grouped_kv_ok", lambda *a, **k: False)
     model, args = small_model("llama", torch.bfloat16)
     apply_ac(model.layers, ac)
     tokens = (2, 64)

@@ -24,8 +24,6 @@ from lingua.transformer import (
     TransformerArgs,
     apply_rope,
     ffn_hidden_dim,
-    grouped_kv_ok,
-    repeat_kv,
     validate_transformer_args,
 )
 
@@ -61,8 +59,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(cache_key, k, v)
-        if not grouped_kv_ok(self.core, q, mask):   # the plain sdpa call groups k/v heads itself
-            k, v = repeat_kv(k, v, q.shape[2])
         out = self.core(q, k, v, mask, decoding=cache is not None)
         return self.wo(out.reshape(b, s, -1))
 

@@ -36,7 +36,6 @@ from lingua.transformer import (
     TransformerArgs,
     apply_rope,
     ffn_hidden_dim,
-    repeat_kv,
     validate_transformer_args,
 )
 
@@ -80,7 +79,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(cache_key, k, v)
-        k, v = repeat_kv(k, v, q.shape[2])
         out = self.core(q, k, v, mask, decoding=cache is not None)
         return self.wo(out.reshape(b, s, -1))
 

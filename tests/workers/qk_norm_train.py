@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 from apps.llama import model, parallelize, train
 from apps.llama.model import Attention
 from lingua import trainer
-from lingua.transformer import RMSNorm, apply_rope, repeat_kv
+from lingua.transformer import RMSNorm, apply_rope
 
 PLAN_VAR = "LINGUA_TEST_QK_PLAN"
 
@@ -35,7 +35,6 @@ class QKNormAttention(Attention):
         k = self.k_norm(self.wk(x).view(b, s, -1, self.head_dim))
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k, v = repeat_kv(k, v, q.shape[2])
         return self.wo(self.core(q, k, v, mask).reshape(b, s, -1))
 
 
