@@ -147,3 +147,11 @@ def _root_log_handlers_do_not_leak():
     for handler in list(root.handlers):
         if type(handler) is logging.StreamHandler and handler not in before:
             root.removeHandler(handler)
+
+
+def pytest_collection_modifyitems(items):
+    # The quick tier (`bash setup/test.sh -m "not slow"`) leaves out every test that starts
+    # several processes or a Slurm job, besides those marked slow by hand (over ~3 s alone).
+    for item in items:
+        if any(item.get_closest_marker(m) for m in ("distributed", "slurm", "gpu")):
+            item.add_marker(pytest.mark.slow)

@@ -154,6 +154,7 @@ def sync_reference(corpus, tmp_path_factory):
     return dump
 
 
+@pytest.mark.slow
 def test_the_write_overlaps_the_next_steps_and_equals_a_synchronous_save(
         corpus, tmp_path, monkeypatch, sync_reference, capfd):
     dump = tmp_path / "async"

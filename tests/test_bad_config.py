@@ -141,6 +141,7 @@ def test_at_least_25_bad_inputs_are_covered():
     assert len({case.name for case in CASES}) == len(CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_bad_input_is_refused_before_any_work(corpus, tmp_path, case):
     if case.needs_slurm:
@@ -158,6 +159,7 @@ def test_bad_input_is_refused_before_any_work(corpus, tmp_path, case):
     assert files_under(tmp_path) == before, f"{case.name}: files were written"
 
 
+@pytest.mark.slow
 def test_a_dump_dir_holding_another_model_is_refused_and_left_alone(corpus, tmp_path):
     dump = tmp_path / "run"
     run_python("apps.llama.train", tiny_args(corpus, dump, steps=1))

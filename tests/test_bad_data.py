@@ -434,6 +434,7 @@ def bad_jsonl_runs(tmp_path_factory):
     return first_file, bad_at, runs
 
 
+@pytest.mark.slow
 def test_train_on_jsonl_with_every_kind_of_bad_line(bad_jsonl_runs):
     first_file, bad_at, [(proc, rows), _] = bad_jsonl_runs
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]

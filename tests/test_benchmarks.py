@@ -40,6 +40,7 @@ def test_the_reported_ratio_is_the_median_of_the_rounds_not_the_better_of_two():
     assert llama_cpu.median([1.264, 0.942, 1.034]) == 1.034
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
                     reason="the benchmark runs its two sides at once, one core each")
 def test_llama_cpu_benchmark_runs_end_to_end(tmp_path):
@@ -136,6 +137,7 @@ print(faults() - before, resource.getpagesize())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
     """A block freed and allocated again, as every step's logits and activations are, comes back
@@ -156,6 +158,7 @@ def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
     assert faults("tuned")[0] < pages_per_round * 0.02
 
 
+@pytest.mark.slow
 def test_loss_cpu_benchmark_runs_and_checks_the_loss_it_times():
     """benchmarks/loss_cpu.py: the three losses side by side; it asserts lingua's compiled loss
     equals eager F.cross_entropy (value and gradient) before timing anything."""

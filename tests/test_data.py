@@ -170,6 +170,7 @@ def test_step_batches_depend_only_on_seed_and_layout(fmt, small, tmp_path):
         assert not all(torch.equal(x[0], y[0]) for x, y in zip(other, ref))
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_in_two_processes(corpus, tmp_path):
     """Two runs of `python -m apps.llama.train` with the same seed and layout, fp32 on CPU: the
     same losses, bit for bit. (The same for a jsonl run, on a corpus full of bad lines, in
@@ -581,6 +582,7 @@ def test_prepare_jsonl_errors(tmp_path, prepare_data, capsys):
     assert "none.jsonl" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_embedded_corpus_is_deterministic(corpus, tmp_path, prepare_data, capsys):
     out = tmp_path / "again"
     assert prepare_data.main(["embedded", "--out", str(out)]) == 0

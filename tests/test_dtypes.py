@@ -87,6 +87,7 @@ def forward_ops(record: dict, key: str = "ops") -> list:
             if phase in ("train_step", "validation") and not backward]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALL)
 def test_bf16_matmul_inputs_in_every_block(launch, name):
     """Every matmul of the blocks and the output projection gets bf16 inputs, in training and in
@@ -173,6 +174,7 @@ def test_pipeline_alone_reduces_no_gradients(launch):
         assert not backward_reductions(record), backward_reductions(record)
 
 
+@pytest.mark.slow
 def test_fp32_run_computes_in_fp32(launch):
     """The counter-check: the same recorder sees fp32 inputs when fp32 is asked for."""
     (record,) = launch("one", "fp32")

@@ -310,6 +310,7 @@ def test_a_refused_submission_is_a_warning_and_training_finishes(corpus, tmp_pat
 # Without a cluster
 
 
+@pytest.mark.slow
 def test_without_slurm_the_submission_is_a_warning_and_training_finishes(corpus, tmp_path):
     dump = tmp_path / "noslurm"
     empty = tmp_path / "bin"
@@ -358,6 +359,7 @@ def test_check_async_needs_sbatch_and_accepts_saved_steps(corpus, tmp_path, monk
         eval_jobs.check_async(args)
 
 
+@pytest.mark.slow
 def test_the_trainer_refuses_async_steps_without_checkpoints(corpus, tmp_path):
     proc = train(async_args(corpus, tmp_path / "bad", "eval.every=3"), check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]

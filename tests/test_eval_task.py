@@ -94,6 +94,7 @@ def test_task_loads_offline(offline, task_manager):
     assert len({d["id"] for d in DOCS}) == len(DOCS)
 
 
+@pytest.mark.slow
 def test_true_continuation_follows_the_context(corpus_texts):
     val, train = corpus_texts
     for docs, texts in ((TEST, val), (FEWSHOT, train)):

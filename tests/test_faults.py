@@ -49,6 +49,7 @@ def flip_a_byte(path: Path) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated_shard", "flipped_byte_in_shard", "no_metadata",
                                     "no_manifest", "no_train_state"])
 def test_resume_skips_a_damaged_checkpoint_for_the_one_before(corpus, tmp_path, reference, damage):
@@ -70,6 +71,7 @@ def test_resume_skips_a_damaged_checkpoint_for_the_one_before(corpus, tmp_path, 
     assert_equivalent(dump, reference, rtol=0)
 
 
+@pytest.mark.slow
 def test_an_explicitly_requested_damaged_checkpoint_is_an_error(corpus, tmp_path):
     _, newer = two_checkpoints(corpus, tmp_path / "run")
     flip_a_byte(newer / "__0_0.distcp")
@@ -89,6 +91,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a
                                                           "read-only filesystem")
 
 
+@pytest.mark.slow
 @needs_root
 @pytest.mark.parametrize("fault", ["full", "read_only"])
 def test_a_failed_save_is_reported_and_keeps_the_previous_checkpoint(corpus, tmp_path, fault):

@@ -48,6 +48,7 @@ def test_the_preset_prepares_its_corpus_only_where_it_says(tmp_path):
     assert not (tmp_path / "nonexistent").exists()
 
 
+@pytest.mark.slow
 def test_a_missing_data_root_stops_the_command_before_anything_is_made(tmp_path):
     missing, dump = tmp_path / "nonexistent" / "data", tmp_path / "run"
     # The debug preset (data.prepare_embedded: true) with a tiny model and one step: before the
@@ -142,6 +143,7 @@ def interrupted_run(corpus, tmp_path_factory):
     return dump, proc.returncode, stdout, stderr, read_rows(dump)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_at_the_next_step_says_where_and_the_same_command_resumes(
         corpus, interrupted_run):
     dump, code, stdout, stderr, rows = interrupted_run
@@ -199,6 +201,7 @@ trainer.exit_cli(lambda: train.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_with_one_line(corpus, tmp_path):
     dump, out = tmp_path / "run", tmp_path / "out"
     proc = _start([sys.executable, "-c", SLOW_SAVE, *tiny_args(corpus, dump, steps=STEPS)], out)
@@ -216,6 +219,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(corpus, tmp_path):
     assert _checkpoints(dump) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_corpus_is_prepared_is_one_line_and_leaves_nothing(corpus, tmp_path):
     root, dump, out = tmp_path / "fresh" / "embedded", tmp_path / "run", tmp_path / "out"
     args = [f"data.root={root}", "data.prepare_embedded=true", f"dump_dir={dump}",
@@ -234,6 +238,7 @@ def test_ctrl_c_while_the_corpus_is_prepared_is_one_line_and_leaves_nothing(corp
     assert not root.exists() and not list(root.parent.glob(".*")) and not dump.exists()
 
 
+@pytest.mark.slow
 def test_the_quickstart_says_where_an_interrupted_run_is(corpus, tmp_path):
     """Ctrl-C in a terminal goes to the whole foreground process group: bash and python. The
     script goes on once python has saved and stopped, and says where the run is."""

@@ -150,6 +150,7 @@ def test_recipe_changes_only_the_fork(fork):
     assert "self.q_norm = RMSNorm" in (root / "apps/myarch/model.py").read_text()
 
 
+@pytest.mark.slow
 def test_fork_trains_its_new_weights(fork, reference):
     rows = read_rows(reference)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -221,6 +222,7 @@ print(type(theirs).__name__, diff)
 """
 
 
+@pytest.mark.slow
 def test_export_maps_the_new_weights(fork, reference, tmp_path):
     out = tmp_path / "hf"
     proc = run_in(fork[0], ["export", str(final_checkpoint(reference, STEPS)), str(out)],
@@ -243,6 +245,7 @@ def test_export_maps_the_new_weights(fork, reference, tmp_path):
     assert arch == "Qwen3ForCausalLM" and float(diff) < 1e-4, proc.stdout
 
 
+@pytest.mark.slow
 def test_export_without_the_hf_hunk_refuses_naming_the_weight(fork, reference, tmp_path):
     root = apply_recipe(copy_repo(tmp_path / "fork"),
                         diff_without(readme_recipe()[1], "apps/myarch/hf.py"))

@@ -97,6 +97,7 @@ def test_bad_requests():
         generate(model, [], 5)
 
 
+@pytest.mark.slow
 def test_cli_end_to_end(tmp_path):
     import lingua.tokenizer as tok_mod
     model = tiny_model()

@@ -142,6 +142,7 @@ def test_load_errors_name_the_file(tmp_path):
         load_hf(tmp_path)
 
 
+@pytest.mark.slow
 def test_export_cli_from_training_checkpoint(tmp_path):
     args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32,
                      max_seq_len=64, init_std=0.2, tie_embeddings=False)

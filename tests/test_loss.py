@@ -38,6 +38,7 @@ def _leaf_copies(output):
     return (tuple(leaves) if isinstance(output, tuple) else leaves[0]), leaves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", ["llama", "moe", "mtp"])
 def test_compiled_loss_matches_the_eager_one_in_one_graph(app):
     import torch._dynamo
@@ -82,6 +83,7 @@ def _saved_bytes(fn, logits, labels) -> int:
     return saved_tensor_bytes(lambda: fn(logits, labels).loss_sum.backward())
 
 
+@pytest.mark.slow
 def test_compiled_cross_entropy_keeps_bf16_logits_not_fp32_log_probabilities():
     """What for_training's compile is for: eager cross-entropy of bf16 logits keeps the fp32
     log-probabilities (4 bytes per logit) for backward; compiled it keeps at most the bf16 logits

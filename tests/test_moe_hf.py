@@ -263,6 +263,7 @@ def test_load_errors_name_the_setting(tmp_path):
         load_hf(tmp_path)
 
 
+@pytest.mark.slow
 def test_export_cli_from_training_checkpoint(tmp_path):
     """Our own model (DeepSeek-style: sigmoid, biased selection, shared expert, a dense first layer)
     -> DCP checkpoint -> CLI -> Glm4MoeForCausalLM with the same logits."""

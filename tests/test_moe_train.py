@@ -92,6 +92,7 @@ def test_moe_pipeline_matches_one_process(corpus, tmp_path):
     assert_equivalent(two, one, prefixes=ROUTING)  # both stages' layers, on rank 0
 
 
+@pytest.mark.slow
 def test_compiled_moe_gives_the_same_losses_and_routing(corpus, tmp_path, reference):
     """distributed.compile=true with fp32 grouped experts (torch.compile's rule for _grouped_mm
     takes bf16 only, so those calls run outside the graph) trains as the eager run does."""
@@ -164,6 +165,7 @@ def test_tensor_parallel_dense_parts_match_one_process(corpus, tmp_path, referen
     assert_equivalent(dump, reference, prefixes=ROUTING)
 
 
+@pytest.mark.slow
 def test_bf16_trainer_pads_expert_groups_and_trains_as_the_expert_loop(corpus, tmp_path,
                                                                        monkeypatch):
     """The CPU bf16 expert padding (lingua/moe.py CPU_GROUP_ROWS) reached through the trainer,

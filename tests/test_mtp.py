@@ -127,6 +127,7 @@ def test_resume_is_exact(corpus, tmp_path, reference, capfd):
     assert_equivalent(dump, reference, rtol=0, prefixes={"mtp/": 0})
 
 
+@pytest.mark.slow
 def test_generate_and_export_use_the_main_model(reference, tmp_path):
     ckpt = reference / "checkpoints" / str(STEPS)
     out = run_python("apps.mtp.generate", [str(ckpt), "--prompt", "Once", "--max-new-tokens", "5"])

@@ -269,6 +269,7 @@ def test_orthogonalising_each_shard_alone_is_caught(corpus, tmp_path, reference)
         assert_equivalent(dump, reference)
 
 
+@pytest.mark.slow
 def test_resume_in_one_process_is_bit_exact(corpus, tmp_path, capfd):
     from apps.llama import train
 

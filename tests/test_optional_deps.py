@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO, read_metrics, tiny_args
 
 OPTIONAL = ("lm_eval", "wandb", "submitit")
@@ -27,6 +29,7 @@ runpy.run_module("apps.llama.train", run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.slow
 def test_the_debug_preset_trains_without_lm_eval_wandb_and_submitit(corpus, tmp_path):
     dump, attempts = tmp_path / "run", tmp_path / "import_attempts.txt"
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -106,6 +106,7 @@ def test_llama_70b_on_256_gpus_with_tp8(data, tmp_path):
     assert p.fits and p.busiest.total < H100
 
 
+@pytest.mark.slow
 def test_llama_70b_pipelined_on_256_gpus(data, tmp_path):
     """The README's alternative for slow networks: pp=4 tp=8 dp_shard=8, interleaved with two
     virtual stages: rank 0 holds stages 0 and 4 (layers 0-9, 40-49) and the embedding, the last
@@ -159,6 +160,7 @@ def test_deepseek_16b_on_64_gpus_with_ep8(data, tmp_path):
     assert p.fits and p.busiest.total < H100
 
 
+@pytest.mark.slow
 def test_the_70b_preset_without_tp_does_not_fit_and_the_fix_is_named(data, tmp_path):
     """The preset with distributed.tp=1 (no tp, no ac): 145 GiB of activations and gathered
     blocks on each of 256 GPUs. The search re-plans ac=op (still too large) and names ac=full."""

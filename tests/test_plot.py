@@ -45,6 +45,7 @@ def check_png(path: Path) -> None:
     assert len(colours) > 2
 
 
+@pytest.mark.slow
 def test_cli_compares_two_runs(tmp_path):
     a = write_run(tmp_path / "a" / "run", val_every=5)
     b = write_run(tmp_path / "b" / "run", offset=0.3, drop=("mfu",))
@@ -203,6 +204,7 @@ def test_mfu_is_never_drawn_above_100_percent(tmp_path):
     plt.close("all")
 
 
+@pytest.mark.slow
 def test_plot_a_real_training_run(corpus, tmp_path):
     run = tmp_path / "run"
     run_python("apps.llama.train", tiny_args(corpus, run, steps=3))
@@ -306,6 +308,7 @@ def test_downstream_figure_panels_lines_and_percent(tmp_path):
     assert plot.downstream_figure({"plain": runs["plain"]}) is None
 
 
+@pytest.mark.slow
 def test_cli_writes_downstream_png_beside_compare(tmp_path):
     base, fork, plain = downstream_runs(tmp_path)
     proc = run_python("lingua.plot", [str(base), str(fork), str(plain),

@@ -244,6 +244,7 @@ def run_probe(corpus, dump, *extra, steps=4):
     return [json.loads(x) for x in (dump / "probe" / "probe.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_run_records_every_kind_and_the_reader_and_plots_work(corpus, tmp_path):
     dump = tmp_path / "run"
     lines = run_probe(corpus, dump)
@@ -447,6 +448,7 @@ def test_selection_of_modules_and_tensors(corpus, tmp_path):
     assert all(set(v) == {"rms", "abs_max"} for v in lines[0]["stats"].values())
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_does_not_count_twice(corpus, tmp_path):
     plain = run_probe(corpus, tmp_path / "plain", steps=2)[0]["stats"]
     ac = run_probe(corpus, tmp_path / "ac", "distributed.ac=full", steps=2)[0]["stats"]
@@ -458,6 +460,7 @@ def test_activation_checkpointing_does_not_count_twice(corpus, tmp_path):
                 assert ac[key][stat] == pytest.approx(plain[key][stat], rel=1e-6), (key, stat)
 
 
+@pytest.mark.slow
 def test_alerts_are_logged_counted_and_written(corpus, tmp_path):
     dump = tmp_path / "alerts"
     proc = run_python("apps.llama.train", tiny_args(corpus, dump, "probe.every=2",
@@ -478,6 +481,7 @@ def test_jump_alert_against_the_running_median():
     assert len(alerts) == 1 and "layers.0/output rms=5" in alerts[0] and "step 5" in alerts[0]
 
 
+@pytest.mark.slow
 def test_probe_summaries_and_plots_reach_wandb_offline(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     dump = tmp_path / "wb"
@@ -540,6 +544,7 @@ def test_parallel_layouts_record_the_numbers_of_one_process(corpus, tmp_path, np
     assert_equivalent(dump, single)  # and the run itself computed what one process does
 
 
+@pytest.mark.slow
 def test_moe_router_load_and_entropy_are_recorded(corpus, tmp_path):
     from tests.test_moe_train import moe_args
 

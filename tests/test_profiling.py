@@ -21,6 +21,7 @@ def trace_names(path) -> set:
     return {event.get("name") for event in trace["traceEvents"]}
 
 
+@pytest.mark.slow
 def test_one_process_run_writes_a_chrome_trace_and_a_summary(corpus, tmp_path):
     dump = tmp_path / "run"
     proc = run_python("apps.llama.train", tiny_args(corpus, dump, *WINDOW, steps=5))

@@ -183,6 +183,7 @@ def test_bad_spike_settings_are_refused(corpus, tmp_path, override, message):
 
 # -- each policy in one process ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_log_warns_and_marks_off_does_nothing_both_apply_the_update(corpus, tmp_path, capfd):
     """log: a warning, loss_spike at the spike's step and the next step probed in full beside
     the regular probe steps (probe.every=4), which lingua.probe's plot draws; off: no spike keys.

@@ -53,6 +53,7 @@ def run_stool(*args, env_extra=None):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_batch_script_and_writes_nothing(corpus, tmp_path):
     dump = tmp_path / "dry"
     proc = run_stool("apps.llama.train", *tiny_args(corpus, dump, "distributed.dp_shard=4"),
@@ -87,6 +88,7 @@ def _sbatch_lines(script: str) -> dict:
                 if line.startswith("#SBATCH --") and "=" in line)
 
 
+@pytest.mark.slow
 def test_a_gpu_job_gets_one_task_per_gpu_and_cpus_for_each(corpus, tmp_path):
     """slurm.gpus_per_node=8 alone: 8 tasks a node (not 1 with 7 GPUs idle), validated as a world
     of nodes x 8, and 8 CPUs a task (not the cluster default, often 1)."""
@@ -140,6 +142,7 @@ def test_given_slurm_values_win_and_a_cpu_job_keeps_one_task(corpus, tmp_path):
                            "slurm.gpus_per_node=2"], multirun=False)
 
 
+@pytest.mark.slow
 def test_without_slurm_a_dry_run_works_and_a_submission_is_a_clear_error(corpus, tmp_path):
     """A laptop or a login node without Slurm's commands: the dry run still prints the script
     (submitit's executor refuses to start without srun), a real submission names the problem."""
@@ -162,6 +165,7 @@ def test_without_slurm_a_dry_run_works_and_a_submission_is_a_clear_error(corpus,
     assert not dump.exists()
 
 
+@pytest.mark.slow
 def test_bad_config_fails_before_anything_is_queued(corpus, tmp_path):
     dump = tmp_path / "bad"
     proc = run_stool("apps.llama.train", *tiny_args(corpus, dump), "optim.lrr=1")
@@ -277,6 +281,7 @@ def test_resources_are_checked_per_partition_and_node():
                               ["slurm.tasks_per_node=8", "slurm.cpus_per_task=32"], nodes=nodes)
 
 
+@pytest.mark.slow
 def test_a_dry_run_checks_resources_where_sinfo_answers(corpus, tmp_path, fake_bin):
     args = [*tiny_args(corpus, tmp_path / "big"), "slurm.partition=cpu", "slurm.dry_run=true"]
     proc = run_stool("apps.llama.train", *args, "slurm.tasks_per_node=65")
@@ -340,6 +345,7 @@ def test_path_overrides_survive_hydra_and_the_shell(path):
     assert words == ["x", override], typed
 
 
+@pytest.mark.slow
 def test_gpu_job_is_validated_for_cuda_on_a_cpu_login_node(corpus, tmp_path):
     # nccl is refused for a CPU job, accepted for a job that asks for GPUs.
     args = tiny_args(corpus, tmp_path / "gpu", "distributed.backend=nccl", "distributed.dp_shard=8")
@@ -351,6 +357,7 @@ def test_gpu_job_is_validated_for_cuda_on_a_cpu_login_node(corpus, tmp_path):
     assert "#SBATCH --gpus-per-node=8" in proc.stdout
 
 
+@pytest.mark.slow
 def test_sweep_plan_names_one_dump_dir_per_combination(corpus, tmp_path):
     from apps.llama import train
 
@@ -452,6 +459,7 @@ def test_rank_variables_come_from_a_slurm_step(monkeypatch):
     assert distributed.world_size_from_env() == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank, returned, exit_code", [
     ("0", 3, 3),   # rank 0 reports the stop (and requeues first)
     ("1", 3, 0),   # the others leave quietly: under srun --kill-on-bad-exit their 3 would end
@@ -525,6 +533,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(corpus, tmp_path
     assert_equivalent(dump, ref, rtol=0)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_with_the_stopped_code(corpus, tmp_path):
     dump = tmp_path / "term"
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -58,6 +58,7 @@ def test_resume_is_bit_exact(corpus, tmp_path, capfd):
     assert_equivalent(dump, uninterrupted, rtol=0)  # bit-identical, final weights included
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_with_the_same_losses(corpus, tmp_path):
     """kill -9 mid-run, run the same command again: it resumes from the newest checkpoint and
     ends as an uninterrupted run does."""
@@ -86,6 +87,7 @@ def test_killed_run_resumes_with_the_same_losses(corpus, tmp_path):
     assert_equivalent(dump, reference, rtol=0)
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_mid_write_takes_the_last_complete_checkpoint(corpus, tmp_path):
     dump = tmp_path / "run"
     args = tiny_args(corpus, dump, "checkpoint.every=2", "checkpoint.keep=0", steps=6)
@@ -190,6 +192,7 @@ def test_activation_checkpointing_gives_the_same_losses(corpus, tmp_path, ac):
     assert_equivalent(dump, plain)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_and_loss_give_the_same_losses(corpus, tmp_path, monkeypatch):
     from lingua import loss as loss_module
 

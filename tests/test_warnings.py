@@ -5,6 +5,7 @@ from root mesh will be deprecated" at each sub-mesh lookup."""
 import re
 import warnings
 
+import pytest
 import torch
 
 from lingua import distributed
@@ -27,6 +28,7 @@ def save_then_resume(launch, corpus, dump, *extra) -> str:
     return first.stderr + again.stderr
 
 
+@pytest.mark.slow
 def test_one_process_save_and_resume_print_no_torch_warning(corpus, tmp_path):
     stderr = save_then_resume(lambda args: run_python("apps.llama.train", args), corpus,
                               tmp_path / "run")
@@ -34,6 +36,7 @@ def test_one_process_save_and_resume_print_no_torch_warning(corpus, tmp_path):
     assert not TORCH_WARNING.search(stderr), stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_fsdp_run_with_probe_and_resume_prints_no_torch_warning(corpus, tmp_path):
     # dp_shard=2 looks up "dp", "dp_shard_cp" (FSDP) and "dp_cp" (probe) sub-meshes on each rank.
     stderr = save_then_resume(
