@@ -1,5 +1,5 @@
-"""Step time around a checkpoint save: synchronous (lingua.checkpoint.save) vs
-checkpoint.async_save (lingua.checkpoint.save_async), on the benchmark model.
+"""Step time around a checkpoint save: synchronous (lingua.train.checkpoint.save) vs
+checkpoint.async_save (lingua.train.checkpoint.save_async), on the benchmark model.
 
     python benchmarks/checkpoint_async.py [--dtype bf16|fp32] [--after 4] [--rounds 3] [--dir DIR]
                                           [--threads N]
@@ -32,7 +32,8 @@ import torch
 from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks/checkpoint_async.py
 
 from apps.llama.model import LlamaArgs, Transformer
-from lingua import checkpoint, metrics, optim
+from lingua.observe import metrics
+from lingua.train import checkpoint, optim
 
 MODES = ("sync", "async", "none")
 

@@ -14,8 +14,8 @@ ours/HF-compiled.
 
 Ours: the real entry point, `python -m apps.llama.train` (`apps.moe.train` for MoE shapes), with
 distributed.model_dtype=bf16 (fp32 weights and optimizer state, autocast to bf16: what one
-process does, lingua.trainer.mixed_precision) and distributed.compile=true (each block compiled;
-`--ours eager` or `--ours-eager` without). The app's debug preset gives everything but the
+process does, lingua.train.trainer.mixed_precision) and distributed.compile=true (each block
+compiled; `--ours eager` or `--ours-eager` without). The app's debug preset gives everything but the
 shape: its logging (logging.every=10, a metrics.jsonl row every 10 steps; the warm-up and
 measured step counts are rounded up to multiples of it), its optimizer defaults (fused AdamW,
 clip 1.0, cosine schedule), loss-spike logging; no validation, no checkpoint. Data: the embedded
@@ -54,11 +54,12 @@ swaps a non-bf16 grouped_mm for its own per-expert loop) and, where transformers
 measured uncompiled only: its loop depends on the routing (which experts got tokens, how many),
 so compiling it measures recompilation, not training.
 
-MFU of every side: the FLOPs per token the trainer itself uses (lingua.metrics.flops_per_token,
-apps.moe.model.flops_per_token for MoE: 6 x active matmul parameters + attention) x tokens/s,
-over (a) the data-sheet bf16 peak (lingua.metrics.peak_flops) and (b) a bf16 8192^3 matmul peak
-measured at the start (benchmarks/llama_gpu.py's measured_matmul_peak). Peak memory:
-torch.cuda.max_memory_allocated of each process (ours logs it as peak_mem_gib).
+MFU of every side: the FLOPs per token the trainer itself uses
+(lingua.observe.metrics.flops_per_token, apps.moe.model.flops_per_token for MoE: 6 x active matmul
+parameters + attention) x tokens/s, over (a) the data-sheet bf16 peak
+(lingua.observe.metrics.peak_flops) and (b) a bf16 8192^3 matmul peak measured at the start
+(benchmarks/llama_gpu.py's measured_matmul_peak). Peak memory: torch.cuda.max_memory_allocated of
+each process (ours logs it as peak_mem_gib).
 
 The whole run keeps within --time-limit seconds (default 540, under a 10-minute job): round 1 of
 every shape comes before round 2, and a side that would start too late is skipped and said so.
@@ -159,8 +160,8 @@ def our_model(shape: Shape):
 
 
 def flops_per_token(shape: Shape) -> float:
-    """The FLOPs per token the trainer uses for its MFU (lingua.trainer.Run._flops_per_token:
-    apps.moe's over active parameters, lingua.metrics' for LLaMA)."""
+    """The FLOPs per token the trainer uses for its MFU (lingua.train.trainer.Run._flops_per_token:
+    apps.moe's over active parameters, lingua.observe.metrics' for LLaMA)."""
     import torch
 
     args = model_args(shape)
@@ -168,7 +169,7 @@ def flops_per_token(shape: Shape) -> float:
         from apps.moe.model import flops_per_token as moe_flops
 
         return moe_flops(args, shape.seq_len)
-    from lingua.metrics import flops_per_token as dense_flops
+    from lingua.observe.metrics import flops_per_token as dense_flops
 
     with torch.device("meta"):
         model = our_model(shape)
@@ -215,7 +216,7 @@ def hf_side(shape: Shape, mode: str, experts: str, device: str, warmup: int, ste
     tokens/s over the `steps` after the warm-up."""
     import torch
 
-    from lingua.metrics import peak_memory_gib
+    from lingua.observe.metrics import peak_memory_gib
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -283,7 +284,7 @@ def env_side(device: str) -> dict:
     import torch
     import transformers
 
-    from lingua.metrics import measure_cpu_peak, peak_flops
+    from lingua.observe.metrics import measure_cpu_peak, peak_flops
 
     dev = torch.device(device)
     info = {"python": platform.python_version(), "torch": torch.__version__,
@@ -307,7 +308,7 @@ def env_side(device: str) -> dict:
                     threads=torch.get_num_threads(),
                     datasheet_peak=peak_flops(dev, "fp32"),   # on CPU: measured (1024^3)
                     measured_peak=measure_cpu_peak(torch.float32),
-                    measured_peak_what="fp32 1024^3 matmul (lingua.metrics.measure_cpu_peak)")
+                    measured_peak_what="fp32 1024^3 matmul (metrics.measure_cpu_peak)")
     return info
 
 
@@ -411,7 +412,7 @@ def child_env(device: str) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline",
                PYTHONPATH=os.pathsep.join(
                    [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    from lingua.distributed import JOB_DEVICE_VAR
+    from lingua.parallel.distributed import JOB_DEVICE_VAR
 
     if device == "cpu":
         env[JOB_DEVICE_VAR] = "cpu"
@@ -563,7 +564,7 @@ def table(results: dict) -> str:
     device = env.get("gpu") or env.get("cpu")
     head = (f"{device}: torch {env.get('torch')}, CUDA {env.get('cuda')}, transformers "
             f"{env.get('transformers')}, Python {env.get('python')}; {env.get('dtype')}; peaks "
-            f"{_flops(env.get('datasheet_peak'))} (lingua.metrics.peak_flops) and "
+            f"{_flops(env.get('datasheet_peak'))} (lingua.observe.metrics.peak_flops) and "
             f"{_flops(env.get('measured_peak'))} ({env.get('measured_peak_what')})")
     return "\n".join([head] + lines)
 

@@ -19,7 +19,7 @@ threads): where other work on the machine takes turns on our two cores, wall-clo
 one side can drop by half while it waits, but its CPU time per step moves far less; on an idle
 machine the two ratios agree.
 
-Our trainer tunes glibc's malloc on CPU (lingua.trainer.keep_freed_memory: freed blocks are
+Our trainer tunes glibc's malloc on CPU (lingua.train.trainer.keep_freed_memory: freed blocks are
 kept for reuse, not unmapped and faulted in again); HF's process runs with glibc's default, what
 an HF user gets, unless `--hf-malloc-like-ours` gives it the same setting (what the setting
 alone is worth).
@@ -155,7 +155,7 @@ def dtypes_for_this_cpu(asked) -> tuple:
     """(--dtypes as a list, whether bf16 is emulated here): by default fp32, and bf16 too where the
     CPU has bf16 instructions; exits when bf16 is asked for where it is emulated (30-100x slower
     than fp32: it would measure the emulation)."""
-    from lingua import metrics
+    from lingua.observe import metrics
 
     emulated = metrics.cpu_bf16_emulated()
     dtypes = (asked or ("fp32" if emulated else "fp32,bf16")).split(",")

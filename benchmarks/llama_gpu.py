@@ -72,7 +72,7 @@ def main():
 
 
 def _datasheet_peak() -> float:
-    from lingua.metrics import peak_flops
+    from lingua.observe.metrics import peak_flops
 
     return peak_flops(torch.device("cuda", 0), "bf16")
 

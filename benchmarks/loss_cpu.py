@@ -1,7 +1,7 @@
 """The training loss alone on CPU: next-token cross-entropy of [tokens, vocab] logits, forward and
 backward, eager F.cross_entropy (what HF's loss and our eager trainer run) vs the same compiled by
 torch.compile vs lingua's compiled loss (token_loss_sum under torch.compile: the written-out
-cross-entropy of lingua.tensor_parallel).
+cross-entropy of lingua.parallel.tensor_parallel).
 
     python benchmarks/loss_cpu.py [--tokens 2048] [--vocab 32000] [--dtypes fp32,bf16] [--repeats 7]
 
@@ -9,7 +9,7 @@ One torch thread; the three alternate call by call in one process (machine drift
 prints each one's median forward and backward time and the ratio of the baselines' forward +
 backward over lingua's, with the CPU model and flags. The logits are fresh each call, as a
 training step's are (their gradient is a new buffer each time too), and malloc is tuned as the
-trainer tunes it on CPU (lingua.trainer.keep_freed_memory), so that those buffers are reused,
+trainer tunes it on CPU (lingua.train.trainer.keep_freed_memory), so that those buffers are reused,
 not faulted in afresh each call (`--glibc-default-malloc` to time with the faults).
 """
 
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llama_cpu import cpu_description, dtypes_for_this_cpu  # noqa: E402
 
-from lingua.tensor_parallel import token_loss_sum  # noqa: E402
-from lingua.trainer import keep_freed_memory  # noqa: E402
+from lingua.model.loss import token_loss_sum  # noqa: E402
+from lingua.train.trainer import keep_freed_memory  # noqa: E402
 
 
 def f_cross_entropy(logits, labels):

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llama_cpu import cpu_description  # noqa: E402
 
-from lingua.moe import MoE  # noqa: E402
+from lingua.model.moe import MoE  # noqa: E402
 
 
 def time_layers(layers: dict, x: torch.Tensor, dtype: str, steps: int, warmup: int) -> dict:

@@ -21,7 +21,7 @@ by side and each pinned to its own core with one torch thread (the cores swap ev
         stopped; its tokens/s are over its steps whose midpoints fall inside our measured
         window (between our log lines that open and close it).
 
-Our trainer tunes glibc's malloc on CPU (lingua.trainer.keep_freed_memory: freed blocks are
+Our trainer tunes glibc's malloc on CPU (lingua.train.trainer.keep_freed_memory: freed blocks are
 kept for reuse, not unmapped and faulted in again); HF's process runs with glibc's default, what
 an HF user gets, unless `--hf-malloc-like-ours` gives it the same setting (what the setting
 alone is worth).
@@ -255,7 +255,7 @@ def bench(cli) -> dict:
     cores = two_cores()
     workdir = Path(cli.workdir or tempfile.mkdtemp(prefix="moe_trainer_vs_hf_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    from lingua.metrics import cpu_bf16_emulated
+    from lingua.observe.metrics import cpu_bf16_emulated
 
     print(f"CPU: {cpu_description()}; bf16 {'EMULATED' if cpu_bf16_emulated() else 'native'}")
     import torch

@@ -25,7 +25,7 @@ Hugging Face: `python benchmarks/trainer_vs_hf.py hf ...` (a subprocess) doing w
     adamw_torch_fused, on torch >= 2.8) with our hyper-parameters and weight-decay groups
     (matrices decay; norm gains do not); a LambdaLR schedule step; zero_grad(set_to_none=True);
   * bf16: autocast(cpu, bf16) around forward and loss with fp32 weights, gradients and optimizer
-    state, which is what our trainer does in one process (lingua.trainer.mixed_precision);
+    state, which is what our trainer does in one process (lingua.train.trainer.mixed_precision);
   * data: random byte tokens from a pool made before the loop (ours reads its memory-mapped
     corpus inside the step, and pays for it).
 """
@@ -64,7 +64,7 @@ def vocab_size(shape: dict) -> int:
 
 
 def n_params(shape: dict) -> int:
-    from lingua.transformer import ffn_hidden_dim
+    from lingua.model.transformer import ffn_hidden_dim
 
     d, layers = shape["dim"], shape["n_layers"]
     kv_dim = d // shape["n_heads"] * shape["n_kv_heads"]
@@ -95,14 +95,15 @@ def pinned_env() -> dict:
 
 
 # Set for the HF process by `--hf-malloc-like-ours`: HF's loop tunes glibc's malloc as our
-# trainer does on CPU (lingua.trainer.keep_freed_memory), to show what that setting alone is worth.
+# trainer does on CPU (lingua.train.trainer.keep_freed_memory), to show what that setting alone is
+# worth.
 HF_MALLOC_VAR = "BENCH_HF_KEEP_FREED_MEMORY"
 
 
 def hf_malloc_like_ours() -> None:
     """In the HF process: our trainer's malloc tuning, when the benchmark asked for it."""
     if os.environ.get(HF_MALLOC_VAR) == "1":
-        from lingua.trainer import keep_freed_memory
+        from lingua.train.trainer import keep_freed_memory
 
         if not keep_freed_memory():
             sys.exit("--hf-malloc-like-ours: this C library has no mallopt, or malloc's knobs are "
@@ -122,7 +123,7 @@ def pinned(core: int):
 def hf_model(shape: dict, seq_len: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lingua.transformer import ffn_hidden_dim
+    from lingua.model.transformer import ffn_hidden_dim
 
     cfg = LlamaConfig(hidden_size=shape["dim"], num_hidden_layers=shape["n_layers"],
                       num_attention_heads=shape["n_heads"], num_key_value_heads=shape["n_kv_heads"],

@@ -1,6 +1,6 @@
 """Make the lingua_continuation downstream task's data from the embedded corpus.
 
-    python setup/make_eval_task.py            write lingua/eval_tasks/lingua_continuation/data.jsonl
+    python setup/make_eval_task.py            write lingua/eval/tasks/lingua_continuation/data.jsonl
     python setup/make_eval_task.py --check    exit 1 if data.jsonl is not what this would write
 
 Each doc is a passage and four continuations, one of them true: {"id", "split", "context",
@@ -29,9 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lingua.data import build_embedded_corpus, stdlib_docstrings  # noqa: E402
+from lingua.train.data import build_embedded_corpus, stdlib_docstrings  # noqa: E402
 
-TASK_DIR = Path(__file__).resolve().parent.parent / "lingua" / "eval_tasks" / "lingua_continuation"
+REPO = Path(__file__).resolve().parent.parent
+TASK_DIR = REPO / "lingua" / "eval" / "tasks" / "lingua_continuation"
 SEED = 0
 N_TEST, N_FEWSHOT, N_CHOICES = 200, 5, 4
 CONTEXT_CHARS = (150, 250)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lingua.data import (  # noqa: E402
+from lingua.errors import ConfigError  # noqa: E402
+from lingua.train.data import (  # noqa: E402
     VAL_DIR,
     BadLine,
     MalformedCounter,
@@ -30,8 +31,7 @@ from lingua.data import (  # noqa: E402
     read_meta,
     write_memmap_corpus,
 )
-from lingua.errors import ConfigError  # noqa: E402
-from lingua.tokenizer import TokenizerArgs, build_tokenizer  # noqa: E402
+from lingua.train.tokenizer import TokenizerArgs, build_tokenizer  # noqa: E402
 
 HF_DATASETS = {
     "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "text"),

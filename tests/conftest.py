@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingua.distributed import JOB_DEVICE_VAR
+from lingua.parallel.distributed import JOB_DEVICE_VAR
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    from lingua.data import ensure_embedded_corpus
+    from lingua.train.data import ensure_embedded_corpus
 
     root = tmp_path_factory.mktemp("corpus") / "embedded"
     ensure_embedded_corpus(str(root))

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from apps.llama.model import LlamaArgs, Transformer
-from lingua.context_parallel import apply_cp, cp_batch
-from lingua.distributed import apply_ac, exit_process
+from lingua.parallel.context_parallel import apply_cp, cp_batch
+from lingua.parallel.distributed import apply_ac, exit_process
 
 BATCH, SEQ = 2, 32
 

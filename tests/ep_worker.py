@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lingua.distributed import exit_process
-from lingua.expert_parallel import apply_ep, ep_meshes
-from lingua.moe import MoE
+from lingua.model.moe import MoE
+from lingua.parallel.distributed import exit_process
+from lingua.parallel.expert_parallel import apply_ep, ep_meshes
 
 DIM, HIDDEN, E, TOP_K = 32, 48, 8, 2
 

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from apps.llama.model import LlamaArgs, Transformer
-from lingua.distributed import exit_process
-from lingua.evaluation import token_loss_sum
-from lingua.pipeline import (
+from lingua.model.loss import token_loss_sum
+from lingua.model.transformer import inferring_shapes
+from lingua.parallel.distributed import exit_process
+from lingua.parallel.pipeline import (
     build_schedule,
-    inferring_shapes,
     split_model,
     stage_ids_of_rank,
     stage_layer_ids,

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from apps.llama import train
-from lingua import checkpoint
 from lingua.errors import ConfigError, RunError
+from lingua.train import checkpoint
 from tests.conftest import run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -377,7 +377,7 @@ def test_a_write_failing_on_one_rank_stops_every_rank(corpus, tmp_path, two_rank
 
 if __name__ == "__main__":
     # One rank of `python -m apps.llama.train` with the writer hook LINGUA_TEST_WRITER describes.
-    from lingua import trainer
+    from lingua.train import trainer
 
     install_writer_hook(json.loads(os.environ[HOOK_VAR]))
     trainer.exit_cli(lambda: train.main(sys.argv[1:]))

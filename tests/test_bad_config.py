@@ -95,10 +95,11 @@ CASES = [
          base(f"checkpoint.init_from={TMP}/no_hf_model"), {}, "no_hf_model"),
     # stool checks a partition against `sinfo`: without a Slurm there is nothing to check it
     # against (stool says that sbatch is missing instead), so this case needs one.
-    Case("stool_unknown_partition", "lingua.stool",
+    Case("stool_unknown_partition", "lingua.launch.stool",
          ["apps.llama.train", *base(), "slurm.partition=no_such_partition"], {},
          "slurm.partition", needs_slurm=True),
-    Case("stool_bad_mem", "lingua.stool", ["apps.llama.train", *base(), "slurm.mem=lots"], {},
+    Case("stool_bad_mem", "lingua.launch.stool",
+         ["apps.llama.train", *base(), "slurm.mem=lots"], {},
          "slurm.mem"),
 ]
 
@@ -173,13 +174,15 @@ def test_a_dump_dir_holding_another_model_is_refused_and_left_alone(corpus, tmp_
 
 
 @pytest.mark.parametrize("module,under", [("apps.llama.train", False),
-                                          ("apps.llama.train", True), ("lingua.stool", False)])
+                                          ("apps.llama.train", True),
+                                          ("lingua.launch.stool", False)])
 def test_a_dump_dir_that_is_a_file_or_under_one_is_refused(corpus, tmp_path, module, under):
     afile = tmp_path / "afile"
     afile.write_text("not a run")
     dump = afile / "sub" if under else afile
     args = tiny_args(corpus, dump)
-    proc = run_case(module, ["apps.llama.train", *args] if module == "lingua.stool" else args, {})
+    stool = module == "lingua.launch.stool"
+    proc = run_case(module, ["apps.llama.train", *args] if stool else args, {})
     check_refused(proc, f"dump_dir={dump} lies under {afile}, which is a file" if under
                   else f"dump_dir={dump} is a file")
     assert files_under(tmp_path) == ["afile"] and afile.read_text() == "not a run"

@@ -63,7 +63,7 @@ def test_bf16_is_refused_where_the_cpu_only_emulates_it(monkeypatch, script):
     the fix; where it is native they accept it."""
     import importlib
 
-    from lingua import metrics
+    from lingua.observe import metrics
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     bench = importlib.import_module(script)

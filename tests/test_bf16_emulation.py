@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from apps.llama import train
-from lingua import metrics
+from lingua.observe import metrics
 from tests.conftest import read_metrics, tiny_args
 
 AVX2_ONLY = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx fma avx2".split())
@@ -83,7 +83,7 @@ def test_a_null_mfu_is_formatted_and_written_as_null():
 
 
 def test_plots_skip_a_null_mfu():
-    from lingua.plot import series
+    from lingua.observe.plot import series
 
     rows = [{"step": 1, "mfu": None}, {"step": 2, "mfu": 0.25}]
     assert series(rows, "mfu", 100.0) == ([2], [25.0])

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lingua.context_parallel import shard_positions, shard_sequence, validate_cp
 from lingua.errors import ConfigError
+from lingua.parallel.context_parallel import shard_positions, shard_sequence, validate_cp
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
-"""The CUDA-only parts of lingua/distributed.py, checked on CPU where their logic allows: the
-process group's backend string (CPU offload needs a CPU backend beside NCCL), which GPU a process
-takes, and the offload path on 2 gloo ranks with a fake CUDA half. What only a GPU can check is
-listed in the GPU runbook (tests/test_gpu.py)."""
+"""The CUDA-only parts of lingua/parallel/distributed.py, checked on CPU where their logic allows:
+the process group's backend string (CPU offload needs a CPU backend beside NCCL), which GPU a
+process takes, and the offload path on 2 gloo ranks with a fake CUDA half. What only a GPU can check
+is listed in the GPU runbook (tests/test_gpu.py)."""
 
 import json
 from pathlib import Path
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lingua import distributed
-from lingua.distributed import DistributedArgs, param_device, process_group_backend
 from lingua.errors import ConfigError
+from lingua.parallel import distributed
+from lingua.parallel.distributed import DistributedArgs, param_device, process_group_backend
 from tests.conftest import run_torchrun
 
 
@@ -115,7 +115,7 @@ def test_cpu_offload_path_on_a_two_backend_group(tmp_path):
 def test_an_untested_torch_is_named_at_start_and_the_tested_one_is_not():
     """Three pipeline schedules fail under torch 2.11: a run on another torch than the pin says
     so once, at start; the pin and the check name one version."""
-    from lingua.trainer import TESTED_TORCH, torch_version_warning
+    from lingua.train.trainer import TESTED_TORCH, torch_version_warning
 
     pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert f'"torch=={TESTED_TORCH}.0"' in pyproject

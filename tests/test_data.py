@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from lingua.data import (
+from lingua.errors import ConfigError
+from lingua.train.data import (
     DataArgs,
     JsonlLoader,
     JsonlSource,
@@ -24,8 +25,7 @@ from lingua.data import (
     validate_data_args,
     write_memmap_corpus,
 )
-from lingua.errors import ConfigError
-from lingua.tokenizer import ByteTokenizer, TokenizerArgs
+from lingua.train.tokenizer import ByteTokenizer, TokenizerArgs
 from tests.conftest import load_prepare_data, read_metrics, run_python, tiny_args
 
 BOS, EOS = 256, 257
@@ -299,7 +299,7 @@ def write_ranks(path, merges):
 
 
 def test_validate_same_kind_other_vocabulary(tmp_path):
-    from lingua.tokenizer import build_tokenizer
+    from lingua.train.tokenizer import build_tokenizer
 
     used = TokenizerArgs("tiktoken", str(write_ranks(tmp_path / "a.tiktoken", [b"th", b"the"])))
     root = tmp_path / "corpus"
@@ -601,7 +601,7 @@ def test_embedded_corpus_is_deterministic(corpus, tmp_path, prepare_data, capsys
 
 
 def test_ensure_embedded_corpus_loses_a_race_cleanly(tmp_path, monkeypatch):
-    import lingua.data as data
+    import lingua.train.data as data
 
     root = tmp_path / "data" / "embedded"
 

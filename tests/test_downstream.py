@@ -1,4 +1,5 @@
-"""Downstream evaluation through lm-evaluation-harness (lingua/downstream.py, lingua/eval_cli.py).
+"""Downstream evaluation through lm-evaluation-harness (lingua/eval/downstream.py,
+lingua/eval/eval_cli.py).
 
 References: lm-eval's own HFLM on our Hugging Face export (per-example log-likelihoods and greedy
 generations, and the accuracies), the model's own cross-entropy for rolling log-likelihoods, and
@@ -178,7 +179,7 @@ def test_matches_lm_eval_hflm_on_our_export(trained, one_process, tmp_path):
     out = tmp_path / "hf"
     run_python("apps.llama.hf", ["export", str(trained / "checkpoints" / "20"), str(out)])
     assert (out / "tokenizer.json").is_file()
-    manager = TaskManager(include_path=[str(Path("lingua/eval_tasks").resolve()), str(TEST_TASKS)])
+    manager = TaskManager(include_path=[str(Path("lingua/eval/tasks").resolve()), str(TEST_TASKS)])
     for add_bos, tasks in ((True, ["lingua_continuation", "lingua_continuation_generate"]),
                            (False, ["lingua_continuation_rolling"])):
         hf = HFLM(pretrained=str(out), device="cpu", dtype="float32", batch_size=5,
@@ -345,7 +346,7 @@ def test_tokenizer_without_bos_is_refused(trained, tmp_path):
 
 
 def test_flat_metrics_names():
-    from lingua.downstream import flat_metrics
+    from lingua.eval.downstream import flat_metrics
 
     got = flat_metrics({"results": {"gsm8k": {"alias": "gsm8k", "exact_match,strict-match": 0.5,
                                               "exact_match_stderr,strict-match": 0.1,

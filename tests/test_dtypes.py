@@ -8,7 +8,7 @@ optimizer state. Each layout is launched once (module-scoped) and shared by the 
 
 How bf16 comes about: FSDP2's MixedPrecisionPolicy casts the parameters where FSDP is applied
 (data- or context-parallel ranks: fsdp, cp, ep here), autocast does it everywhere else (one
-process, tp, pp, tp x pp; lingua.trainer.mixed_precision). Before autocast covered those
+process, tp, pp, tp x pp; lingua.train.trainer.mixed_precision). Before autocast covered those
 multi-process layouts (and the pipeline schedule), tp, pp and tp x pp computed in fp32.
 """
 
@@ -37,7 +37,7 @@ LAYOUTS = {
 FSDP_LAYOUTS = {"fsdp", "ep", "cp"}  # dp_shard x cp > 1: FSDP2 shards, casts and reduces
 TP_LAYOUTS = {"tp", "tp_pp"}
 
-# The MoE router's gate is computed in fp32 on purpose, autocast or not (lingua/moe.py Router:
+# The MoE router's gate is computed in fp32 on purpose, autocast or not (lingua/model/moe.py Router:
 # routing decisions flip on small logit differences; tests/test_moe.py
 # test_router_gate_runs_in_fp32_under_autocast). It calls F.linear itself, so its matmul is
 # attributed to the router module. The only matmul in the blocks allowed, and required, in fp32.

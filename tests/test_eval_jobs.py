@@ -1,5 +1,5 @@
-"""eval.mode=async (lingua/eval_jobs.py): a Slurm job per evaluated checkpoint, against the real
-local Slurm of `bash setup/slurm_local.sh start` (tests marked slurm; skipped with the reason
+"""eval.mode=async (lingua/eval/eval_jobs.py): a Slurm job per evaluated checkpoint, against the
+real local Slurm of `bash setup/slurm_local.sh start` (tests marked slurm; skipped with the reason
 where it cannot run, failing where setup/test.sh started it). The checks of the config, of the
 retry decision, of pruning and of a submission without Slurm need no cluster.
 """
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from lingua import checkpoint, eval_jobs
 from lingua.errors import ConfigError
+from lingua.eval import eval_jobs
+from lingua.train import checkpoint
 from tests.conftest import REPO, read_metrics, run_python, slurm_is_up, tiny_args
 
 NO_SLURM = slurm_is_up()
@@ -49,9 +50,9 @@ def train(args, check=True, bypass_check=False, env_extra=None) -> subprocess.Co
     env = dict(os.environ, PYTHONPATH=str(REPO), **OFFLINE, **(env_extra or {}))
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    code = ("from lingua import eval_jobs; "
+    code = ("from lingua.eval import eval_jobs; "
             + ("eval_jobs.check_async = lambda args: None; " if bypass_check else "")
-            + "from apps.llama import train; from lingua import trainer; "
+            + "from apps.llama import train; from lingua.train import trainer; "
             "trainer.exit_cli(train.main)")
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)

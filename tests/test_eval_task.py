@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from lingua.eval_tasks import SHIPPED_TASKS, TASKS_DIR
+from lingua.eval.tasks import SHIPPED_TASKS, TASKS_DIR
 
 from .conftest import load_setup_script
 

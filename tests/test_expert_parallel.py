@@ -1,4 +1,5 @@
-"""Expert parallelism (lingua/expert_parallel.py) against a single process with the full experts.
+"""Expert parallelism (lingua/parallel/expert_parallel.py) against a single process with the full
+experts.
 
 Multi-process runs launch tests/ep_worker.py under torchrun on gloo: pure EP with ep = 2 and 4
 (each rank its own, uneven number of tokens, as data parallel), and ep = 2 inside dp_shard = 4 with
@@ -16,8 +17,8 @@ import pytest
 import torch
 
 from lingua.errors import ConfigError
-from lingua.expert_parallel import _regroup, is_grouped_experts, validate_ep
-from lingua.moe import MoE
+from lingua.model.moe import MoE
+from lingua.parallel.expert_parallel import _regroup, is_grouped_experts, validate_ep
 from tests.conftest import REPO, free_port
 
 TOL = 1e-5  # fp32, relative L2 error

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from apps.llama import train
-from lingua import checkpoint
 from lingua.errors import RunError
+from lingua.train import checkpoint
 from tests.conftest import REPO, free_port, read_metrics, run_python, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -166,7 +166,7 @@ def test_two_ranks_that_cannot_write_both_stop_without_hanging(corpus, tmp_path)
 
 def poison_step(monkeypatch, bad_step: int, value: float):
     """Make the loss of one step NaN/Inf (or scaled), as a bad batch or an overflow would."""
-    from lingua import trainer
+    from lingua.train import trainer
 
     real = trainer.forward_loss
     calls = {"n": 0}

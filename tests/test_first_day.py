@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from apps.llama import train
-from lingua import errors, metrics
+from lingua import errors
 from lingua.errors import ConfigError
+from lingua.observe import metrics
 from tests.conftest import REPO, TINY_MODEL, free_port, run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -189,7 +190,7 @@ def test_the_step_line_shows_progress_and_time_left(interrupted_run):
 # A trainer whose checkpoint saves take seconds, so that a second Ctrl-C lands while it stops.
 SLOW_SAVE = """
 import sys, time
-from lingua import trainer
+from lingua.train import trainer
 from apps.llama import train
 
 save = trainer.Run._save

@@ -182,8 +182,8 @@ def diff_part(diff: str, path: str) -> str:
 
 @pytest.mark.distributed
 def test_tp_without_the_plan_hunk_is_refused_naming_its_lines(corpus, tmp_path):
-    """lingua/coverage.py asks, at start, for exactly the lines the README's parallelize.py hunk
-    adds."""
+    """lingua/parallel/coverage.py asks, at start, for exactly the lines the README's parallelize.py
+    hunk adds."""
     diff = readme_recipe()[1]
     hunk = diff_part(diff, "apps/myarch/parallelize.py").splitlines()
     added = [line[1:].strip().rstrip(",") for line in hunk

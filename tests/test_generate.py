@@ -10,9 +10,9 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from apps.llama.model import LlamaArgs, Transformer
-from lingua import checkpoint
 from lingua.errors import ConfigError
-from lingua.generation import generate, sample_next
+from lingua.eval.generation import generate, sample_next
+from lingua.train import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32,
@@ -99,7 +99,7 @@ def test_bad_requests():
 
 @pytest.mark.slow
 def test_cli_end_to_end(tmp_path):
-    import lingua.tokenizer as tok_mod
+    import lingua.train.tokenizer as tok_mod
     model = tiny_model()
     ckpt = tmp_path / "checkpoints" / "5"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt))
@@ -133,7 +133,7 @@ def test_cli_end_to_end(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # What the commands take: a run directory (its newest complete checkpoint) or a checkpoint; a
 # missing step or a directory that is neither is one paragraph naming what exists (exit 2).
-# The resolver is lingua.checkpoint.resolve, shared with `python -m apps.<app>.eval`.
+# The resolver is lingua.train.checkpoint.resolve, shared with `python -m apps.<app>.eval`.
 
 COMMANDS = ["apps.llama.generate", "apps.mtp.generate", "apps.llama.hf", "apps.mtp.hf"]
 
@@ -199,7 +199,7 @@ def test_generate_takes_a_run_directory_or_a_checkpoint(app, runs, tmp_path, cap
         code, out, err = _run(f"apps.{app}.generate", target, tmp_path, capsys)
         assert code == 0, err
         outputs[target] = out
-    from lingua.tokenizer import TokenizerArgs, build_tokenizer
+    from lingua.train.tokenizer import TokenizerArgs, build_tokenizer
 
     tok = build_tokenizer(TokenizerArgs(kind="bytes"))
     ids = greedy_by_full_forward(models[10], tok.encode("Hello", add_bos=True, add_eos=False), 8)

@@ -62,7 +62,8 @@ def test_cpu_offload_gradient_norm_on_an_nccl_group_of_one_gpu():
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from apps.llama.model import LlamaArgs, Transformer
-    from lingua import distributed, optim
+    from lingua.parallel import distributed
+    from lingua.train import optim
 
     args = distributed.DistributedArgs(cpu_offload=True, backend="nccl")
     backend = distributed.process_group_backend(args, "cuda")
@@ -92,7 +93,7 @@ def test_cpu_offload_gradient_norm_on_an_nccl_group_of_one_gpu():
 @two_gpus
 def test_fsdp_on_two_gpus_matches_one_gpu(corpus, tmp_path):
     """A fresh init draws every tensor whole from its own seeded stream on the device and keeps
-    the local slice (lingua/weights.py), so two GPUs start from one GPU's weights."""
+    the local slice (lingua/model/weights.py), so two GPUs start from one GPU's weights."""
     one = tmp_path / "one"
     train.main(tiny_args(corpus, one, "data.batch_size=8", steps=5))
     two = tmp_path / "two"
@@ -115,7 +116,7 @@ def test_cpu_offload_on_two_gpus_matches_no_offload(corpus, tmp_path):
 def test_resume_on_nccl_skips_a_checkpoint_damaged_in_rank_1s_share(corpus, tmp_path):
     import json
 
-    from lingua import checkpoint
+    from lingua.train import checkpoint
 
     dump = tmp_path / "run"
     layout = ["distributed.dp_shard=2", "checkpoint.every=2", "checkpoint.keep=0"]

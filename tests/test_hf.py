@@ -14,8 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from apps.llama.hf import args_from_hf_config, load_hf, save_hf
 from apps.llama.model import LlamaArgs, Transformer
-from lingua import checkpoint
 from lingua.errors import ConfigError
+from lingua.train import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -189,7 +189,7 @@ def test_fork_export_problems_warn_at_start_and_refuse(
     with caplog.at_level(logging.WARNING):
         args = train.load_config(tiny_args(corpus, tmp_path / "run"))
     def said():
-        return [r.getMessage() for r in caplog.records if r.name == "lingua.hf"]
+        return [r.getMessage() for r in caplog.records if r.name == "lingua.train.hf"]
 
     assert llama_hf.export_problems(args.model) == [] and not said()
     reason = "model.qk_norm=true (LlamaForCausalLM has no QK-norm): train without it"
@@ -236,7 +236,7 @@ class QKNormTransformer(Transformer):
 
     def __init__(self, args):
         super().__init__(args)
-        from lingua.transformer import RMSNorm
+        from lingua.model.transformer import RMSNorm
         for blk in self.layers.values():
             blk.attention.q_norm = RMSNorm(args.dim // args.n_heads)
             blk.attention.k_norm = RMSNorm(args.dim // args.n_heads)

@@ -1,4 +1,4 @@
-"""A model's first weights (lingua/weights.py, trainer.build_model_parts): where they live and
+"""A model's first weights (lingua/model/weights.py, trainer.build_model_parts): where they live and
 what they are.
 
 - Every layout builds on the meta device, shards, then materialises on env.device: nothing is
@@ -20,8 +20,11 @@ from torch import nn
 
 from apps.llama import train
 from apps.llama.model import LlamaArgs, Transformer
-from lingua import config, distributed, pipeline, trainer, weights
+from lingua import config
 from lingua.errors import RunError
+from lingua.model import weights
+from lingua.parallel import distributed, pipeline
+from lingua.train import trainer
 from tests.conftest import read_metrics, run_python, run_torchrun, tiny_args
 
 ARGS = LlamaArgs(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=16)
@@ -207,7 +210,8 @@ def hf_dir(corpus, tmp_path_factory):
 def hf_loss(corpus, hf_dir, tmp_path_factory):
     """The exported model's loss on the first global batch (8 sequences), loaded independently."""
     from apps.llama.hf import load_hf
-    from lingua import data, evaluation
+    from lingua.eval import evaluation
+    from lingua.train import data
 
     cfg = config.load("llama", train.TrainArgs, tiny_args(corpus, tmp_path_factory.mktemp("ref")))
     model, _ = load_hf(str(hf_dir))

@@ -1,4 +1,4 @@
-"""The loss as training calls it (lingua.loss.for_training): compiled under
+"""The loss as training calls it (lingua.model.loss.for_training): compiled under
 distributed.compile=true, with the same values and gradients as the eager loss for every app, and
 the memory the compiled cross-entropy is for (it keeps the logits in their own dtype, not fp32
 log-probabilities)."""
@@ -6,7 +6,7 @@ log-probabilities)."""
 import pytest
 import torch
 
-from lingua import loss as loss_module
+from lingua.model import loss as loss_module
 from tests.conftest import saved_tensor_bytes
 
 VOCAB = 1000
@@ -115,7 +115,7 @@ def test_compiled_token_loss_sum_is_cross_entropy_with_its_gradient(dtype, devic
     import torch._dynamo
     from torch._inductor.compile_fx import compile_fx
 
-    from lingua import tensor_parallel
+
 
     torch._dynamo.reset()
     try:
@@ -124,7 +124,7 @@ def test_compiled_token_loss_sum_is_cross_entropy_with_its_gradient(dtype, devic
         logits[0, 0, 7] = 60.0                     # a row whose softmax is ~1 at its target
         labels = torch.randint(0, VOCAB, (2, 24), generator=gen)
         labels[0, 0] = 7
-        labels[1, 5:9] = tensor_parallel.IGNORE_INDEX
+        labels[1, 5:9] = loss_module.IGNORE_INDEX
         logits[1, 5, 0] = float("-inf")            # ignored rows: a masked column, a NaN
         logits[1, 6, 3] = float("nan")
         logits, labels = logits.to(device), labels.to(device)
@@ -137,7 +137,7 @@ def test_compiled_token_loss_sum_is_cross_entropy_with_its_gradient(dtype, devic
             graphs.append(gm)
             return compile_fx(gm, example_inputs)
 
-        got = torch.compile(tensor_parallel.token_loss_sum,
+        got = torch.compile(loss_module.token_loss_sum,
                             backend=inductor_recording)(compiled_in, labels)
         calls = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
         assert "autograd_function_apply" in calls, calls  # ours, not F.cross_entropy traced

@@ -2,8 +2,8 @@ import json
 
 import torch
 
-from lingua import metrics
-from lingua.metrics import LoggingArgs
+from lingua.observe import metrics
+from lingua.observe.metrics import LoggingArgs
 
 
 def test_flops_per_token_counts_linears_and_attention():

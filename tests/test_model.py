@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from apps.llama.model import LlamaArgs, Transformer, validate_model_args
 from lingua.errors import ConfigError
-from lingua.transformer import (
+from lingua.model.transformer import (
     attention,
     check_attn_backend,
     ffn_hidden_dim,
@@ -250,9 +250,9 @@ def test_ffn_hidden_dim_matches_meta_llama_sizes():
 
 
 def test_model_contract_names_what_a_fork_broke():
-    """lingua.decoder.check_model_contract, run by the trainer on the meta model at start."""
+    """lingua.model.decoder.check_model_contract, run by the trainer on the meta model at start."""
     from apps.llama.model import LlamaArgs, Transformer
-    from lingua.decoder import check_model_contract
+    from lingua.model.decoder import check_model_contract
 
     args = LlamaArgs(dim=32, n_layers=2, n_heads=4, vocab_size=40, multiple_of=16, max_seq_len=16)
     with torch.device("meta"):
@@ -273,5 +273,5 @@ def test_model_contract_names_what_a_fork_broke():
     renamed.layers["1"].attention.core = torch.nn.Identity()
     check_model_contract(renamed, "apps/fork/model.py")       # fine without CP
     with pytest.raises(ConfigError, match=r"layer 1 .*does not attend through "
-                                          r"lingua.transformer.CoreAttention"):
+                                          r"lingua.model.transformer.CoreAttention"):
         check_model_contract(renamed, "apps/fork/model.py", context_parallel=True)

@@ -1,4 +1,5 @@
-"""MoE layer (lingua/moe.py) and MoE model (apps/moe/model.py) against hand-written references."""
+"""MoE layer (lingua/model/moe.py) and MoE model (apps/moe/model.py) against hand-written
+references."""
 
 import copy
 import math
@@ -10,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from apps.moe.model import MoEArgs, Transformer, flops_per_token, validate_moe_args
 from lingua.errors import ConfigError
-from lingua.moe import (
+from lingua.model.moe import (
     GroupedExperts,
     MoE,
     Router,
@@ -62,7 +63,7 @@ def test_grouped_matches_loop_including_empty_experts_and_stride0_grad(counts, d
 
 
 def test_pad_groups_puts_each_expert_at_a_multiple_with_zero_rows_between():
-    from lingua.moe import _pad_groups
+    from lingua.model.moe import _pad_groups
 
     counts = torch.tensor([5, 0, 16, 17, 1])
     x = torch.arange(1, 40, dtype=torch.float32).unsqueeze(1).repeat(1, 8)   # no zero rows
@@ -82,7 +83,7 @@ def test_cpu_half_experts_pad_their_groups_and_equal_the_loop(monkeypatch, dtype
     """On CPU in bf16 and fp16 each expert's rows are padded to a multiple of CPU_GROUP_ROWS
     before torch._grouped_mm (oneDNN builds a kernel per shape it meets): the group sizes the
     GEMMs see are multiples, and the outputs and every gradient equal the per-expert loop's."""
-    import lingua.moe as moe_module
+    import lingua.model.moe as moe_module
 
     seen = []
     grouped_mm = torch._grouped_mm
@@ -108,7 +109,7 @@ def test_cpu_half_experts_pad_their_groups_and_equal_the_loop(monkeypatch, dtype
 
 
 def test_experts_are_not_padded_in_fp32_off_cpu_or_where_padding_would_add_over_10_percent():
-    from lingua.moe import _cpu_group_rows
+    from lingua.model.moe import _cpu_group_rows
 
     assert _cpu_group_rows(torch.empty(4096, 8), 8) == 0                          # fp32: MKL
     assert _cpu_group_rows(torch.empty(4096, 8, dtype=torch.bfloat16), 8) == 16
@@ -120,7 +121,7 @@ def test_experts_are_not_padded_in_fp32_off_cpu_or_where_padding_would_add_over_
 def test_padded_experts_keep_no_second_copy_of_their_rows_for_backward(monkeypatch):
     """What the padded path keeps for backward beyond the unpadded one: its padding rows and the
     row index, not another copy of the tokens' rows (torch's index_copy would keep its source)."""
-    import lingua.moe as moe_module
+    import lingua.model.moe as moe_module
 
     def saved_bytes(padded):
         ex = _experts("grouped", n=8, dim=64, hidden=64, dtype=torch.bfloat16)
@@ -237,7 +238,7 @@ def test_moe_layer_pads_under_bf16_autocast_and_compiles_once_for_any_routing(mo
     dynamo and AOTAutograd as inductor gets them, without inductor's compile time."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    import lingua.moe as moe_module
+    import lingua.model.moe as moe_module
 
     batches = [torch.randn(2, 160, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     weight = torch.linspace(-1, 1, 16)
@@ -534,14 +535,14 @@ def test_shape_inference_forward_is_left_out_of_routing_and_bias_counts():
     m = _moe()
     m.train()
     x = torch.randn(8, 16)
-    from lingua import pipeline
+    from lingua.model import transformer
 
     reset_routing([m])
-    pipeline._set_inferring(True)    # what lingua.pipeline.Pipeline marks that forward with
+    transformer.set_inferring_shapes(True)  # as lingua.parallel.pipeline.Pipeline marks it
     try:
         m(torch.full((8, 16), 1e3))  # stands for the inference forward's arbitrary values
     finally:
-        pipeline._set_inferring(False)
+        transformer.set_inferring_shapes(False)
     assert m.routing is None and m.step_counts is None
     m(x)
     once = m.routing.clone()

@@ -1,5 +1,5 @@
-"""The MoE layer's dispatch and combine (lingua/moe.py: the token gather and the slot gather with
-their own backwards) against a per-token reference written with plain autograd: outputs and the
+"""The MoE layer's dispatch and combine (lingua/model/moe.py: the token gather and the slot gather
+with their own backwards) against a per-token reference written with plain autograd: outputs and the
 gradients of the input, the router and the experts, dropless and with capacity drops, in fp32 and
 under bf16 autocast."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lingua.moe import MoE
+from lingua.model.moe import MoE
 
 
 def _moe(**kw):

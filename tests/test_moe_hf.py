@@ -25,8 +25,8 @@ from transformers import (
 
 from apps.moe.hf import args_from_hf_config, load_hf, save_hf
 from apps.moe.model import MoEArgs, Transformer
-from lingua import checkpoint
 from lingua.errors import ConfigError
+from lingua.train import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -391,7 +391,7 @@ def debug_run(corpus, tmp_path_factory):
 
 def test_debug_preset_exports_with_the_same_logits(debug_run, tmp_path, capsys):
     from apps.moe.hf import export_problems, main
-    from lingua.checkpoint import load_model_state, read_run_config
+    from lingua.train.checkpoint import load_model_state, read_run_config
 
     ckpt = debug_run / "checkpoints" / "2"
     args = MoEArgs(**OmegaConf.to_container(read_run_config(ckpt).model, resolve=True))
@@ -429,9 +429,9 @@ def test_unexportable_options_warn_at_start_and_export_refuses(
     with caplog.at_level(logging.WARNING):
         train.load_config(_preset_args(corpus, tmp_path / "plain"))
         # the preset as shipped exports
-        assert not [r for r in caplog.records if r.name == "lingua.hf"]
+        assert not [r for r in caplog.records if r.name == "lingua.train.hf"]
         args = train.load_config(_preset_args(corpus, tmp_path / "bad", *bad))
-    warned = [r.getMessage() for r in caplog.records if r.name == "lingua.hf"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "lingua.train.hf"]
     reasons = moe_hf.export_problems(args.model)
     assert len(reasons) == 2 and "route_scale=2.0" in reasons[0]
     assert "bias_update_rate=0.01" in reasons[1]

@@ -3,8 +3,8 @@
 import pytest
 
 from apps.moe import train
-from lingua import checkpoint
 from lingua.errors import ConfigError
+from lingua.train import checkpoint
 from tests.conftest import read_metrics, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -168,7 +168,7 @@ def test_tensor_parallel_dense_parts_match_one_process(corpus, tmp_path, referen
 @pytest.mark.slow
 def test_bf16_trainer_pads_expert_groups_and_trains_as_the_expert_loop(corpus, tmp_path,
                                                                        monkeypatch):
-    """The CPU bf16 expert padding (lingua/moe.py CPU_GROUP_ROWS) reached through the trainer,
+    """The CPU bf16 expert padding (lingua/model/moe.py CPU_GROUP_ROWS) reached through the trainer,
     not only through the layer: distributed.model_dtype=bf16 on one process (autocast), with
     8 x 64 tokens x top-2 = 1024 expert rows on 4 experts, enough for the padding to apply (it
     is skipped where it would add over 10% of the rows). Every MoE layer pads at every step, and
@@ -177,7 +177,7 @@ def test_bf16_trainer_pads_expert_groups_and_trains_as_the_expert_loop(corpus, t
     The final parameters are what catch a wrong padding here: handing each token another
     token's expert output (y[:n] for y[rows]) moved this tiny model's losses by under 1e-4, its
     expert weights' checksums by 4-105%."""
-    import lingua.moe as moe_module
+    import lingua.model.moe as moe_module
 
     args = ["data.batch_size=8", "distributed.model_dtype=bf16"]
     padded_counts, pad = [], moe_module._pad_groups

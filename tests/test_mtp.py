@@ -140,12 +140,12 @@ def test_generate_and_export_use_the_main_model(reference, tmp_path):
 
 
 def test_probe_sees_the_mtp_modules(corpus, tmp_path):
-    """The probe finds the MTP blocks' attention (lingua.transformer.CoreAttention) and their
-    projections like the main model's, with no MTP-specific code in lingua/probe.py."""
-    from lingua import probe
+    """The probe finds the MTP blocks' attention (lingua.model.transformer.CoreAttention) and their
+    projections like the main model's, with no MTP-specific code in lingua/observe/probe.py."""
+    from lingua.observe import probe_report
 
     dump = tmp_path / "probed"
     train.main(tiny_args(corpus, dump, "probe.every=2", "data.batch_size=4", steps=2))
-    modules = set(probe.read(dump)["module"])
+    modules = set(probe_report.read(dump)["module"])
     want = {"mtp.0.proj", "mtp.0.block.attention.core", "layers.1.attention.core"}
     assert want <= modules, sorted(modules)[:40]

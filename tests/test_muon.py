@@ -1,9 +1,9 @@
-"""optim.name=muon (lingua/muon.py): Muon for the blocks' matrices, AdamW for the rest.
+"""optim.name=muon (lingua/train/muon.py): Muon for the blocks' matrices, AdamW for the rest.
 
 One process: which parameters go to which kind; the optimizer equals torch.optim.Muon (Muon's
 parameters) + torch.optim.AdamW (the rest) bit for bit, step for step, with weight decay and the
 lr schedule; each MoE expert is one torch Muon matrix; state_dict/load continues exactly; bad
-settings are refused. Sharded (gloo): lingua.muon.orthogonalize on uneven and stacked shards
+settings are refused. Sharded (gloo): lingua.train.muon.orthogonalize on uneven and stacked shards
 against the whole matrix; FSDP2, TP, FSDP2 x TP, HSDP and MoE with EP (alone and inside FSDP)
 against the one-process run through tests/equivalence.py, in fp32 Newton-Schulz at the usual
 1e-5 and in bf16 (the default) within BF16_RTOL; resume, exact in one process and from dp_shard=2
@@ -21,10 +21,10 @@ from functools import partial
 import pytest
 import torch
 
-from lingua import optim
 from lingua.errors import ConfigError
-from lingua.muon import MuonAdamW, split_params
-from lingua.optim import OptimArgs, lr_factor
+from lingua.train import optim
+from lingua.train.muon import MuonAdamW, split_params
+from lingua.train.optim import OptimArgs, lr_factor
 from tests.conftest import run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -134,7 +134,7 @@ def test_one_process_equals_torch_muon_plus_adamw(adjust, nesterov, fused):
 def test_each_expert_matrix_is_one_torch_muon_matrix():
     """Stacked experts [E, in, out]: each expert is orthogonalised on its own, with the lr
     adjusted for its (out, in) shape, as torch.optim.Muon updates the 2-D matrix W_e^T."""
-    from lingua.moe import GroupedExperts
+    from lingua.model.moe import GroupedExperts
 
     torch.manual_seed(0)
     experts = GroupedExperts(3, 16, 24, impl="loop")
@@ -163,7 +163,7 @@ def test_each_expert_matrix_is_one_torch_muon_matrix():
 
 
 def test_fp32_newton_schulz_is_torchs_iteration_in_fp32():
-    from lingua.muon import NS_COEFFICIENTS, newton_schulz
+    from lingua.train.muon import NS_COEFFICIENTS, newton_schulz
 
     gen = torch.Generator().manual_seed(0)
     for shape in ((32, 48), (48, 32)):
@@ -337,9 +337,9 @@ def test_moe_with_expert_parallel_matches_one_process(corpus, tmp_path, moe_refe
 
 @pytest.mark.distributed
 def test_orthogonalize_on_uneven_and_stacked_shards(tmp_path):
-    """lingua.muon.orthogonalize on 2 gloo ranks, against NS of the whole matrix sliced to this
-    rank's shard, bit for bit: shards of uneven size (5 rows over 2 ranks), Shard(1), a count of
-    matrices that is not a multiple of the ranks, and stacked experts split inside (Shard(1)) or
+    """lingua.train.muon.orthogonalize on 2 gloo ranks, against NS of the whole matrix sliced to
+    this rank's shard, bit for bit: shards of uneven size (5 rows over 2 ranks), Shard(1), a count
+    of matrices that is not a multiple of the ranks, and stacked experts split inside (Shard(1)) or
     only along the expert dim (orthogonalised where they are)."""
     import json
 
@@ -363,7 +363,7 @@ def _orthogonalize_worker(out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lingua.muon import NS_COEFFICIENTS, _ns_each, newton_schulz, orthogonalize
+    from lingua.train.muon import NS_COEFFICIENTS, _ns_each, newton_schulz, orthogonalize
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
@@ -390,7 +390,7 @@ def _orthogonalize_worker(out: str) -> None:
 def _mutant_main(argv: list) -> int:
     """The llama trainer with each rank orthogonalising only its own shard of a sharded matrix."""
     from apps.llama import train
-    from lingua import muon
+    from lingua.train import muon
 
     def local_only(local_stack, mesh, placements, shape, ns):
         return muon._ns_each(local_stack, ns)
@@ -404,6 +404,6 @@ if __name__ == "__main__":
         _orthogonalize_worker(sys.argv[2])
     else:
         assert sys.argv[1] == MUTANT, sys.argv
-        from lingua import trainer
+        from lingua.train import trainer
 
         trainer.exit_cli(lambda: _mutant_main(sys.argv[2:]))

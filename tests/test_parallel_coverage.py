@@ -1,11 +1,11 @@
-"""lingua.coverage: a parameter that the app's parallel plan leaves out of a gradient reduction
-(tp, cp, dp, ep) is refused at start, on every rank, naming it and the plan line to add.
+"""lingua.parallel.coverage: a parameter that the app's parallel plan leaves out of a gradient
+reduction (tp, cp, dp, ep) is refused at start, on every rank, naming it and the plan line to add.
 
 The bug it prevents: a fork of apps/llama with QK-norm (tests/workers/qk_norm_train.py) trained
 under tp=2 with its q_norm / k_norm weights outside the TP plan; their gradients were per-rank
 partial sums never reduced over tp, and the ranks' copies drifted apart without a word.
 
-Unit tests build the real apps on meta on torch's fake process group through lingua.plan's
+Unit tests build the real apps on meta on torch's fake process group through lingua.launch.plan's
 helpers (which run the same check as the trainer); distributed ones run real ranks with gloo.
 """
 
@@ -20,9 +20,9 @@ from apps.llama import model as llama_model
 from apps.llama import parallelize as llama_parallelize
 from apps.llama.model import Attention
 from apps.moe.parallelize import parallelize_moe
-from lingua import plan as planner
-from lingua.distributed import parallel_dims
 from lingua.errors import ConfigError
+from lingua.launch import plan as planner
+from lingua.parallel.distributed import parallel_dims
 from tests.conftest import TINY_MODEL, run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent
 from tests.workers.qk_norm_train import PLAN_VAR, QKNormAttention, with_qk_norm_plan
@@ -130,13 +130,14 @@ def test_parameter_held_by_a_planned_module_is_refused(data, tmp_path, monkeypat
 
 
 def test_model_without_fsdp_under_cp_is_refused(data, tmp_path):
-    from lingua.context_parallel import apply_cp
+    from lingua.parallel.context_parallel import apply_cp
 
     def cp_only(part, env, args):   # a plan that forgot apply_fsdp
         return apply_cp(part, env.mesh["cp"], args.cp_backend)
 
     with pytest.raises(ConfigError, match=r"tok_embeddings\.weight \(not reduced over cp=2\).*"
-                                          r"must end with lingua\.distributed\.apply_fsdp"):
+                                          r"must end with "
+                                          r"lingua\.parallel\.distributed\.apply_fsdp"):
         build(data, tmp_path, "apps.llama.train", 2, "distributed.cp=2", parallelize=cp_only)
 
 
@@ -145,7 +146,7 @@ def test_experts_outside_expert_parallel_are_refused(data, tmp_path):
         return parallelize_moe(part, env, dataclasses.replace(args, ep=1))
 
     with pytest.raises(ConfigError, match=r"layers\.1\.moe\.experts\.w1 \(not reduced over ep=2\)"
-                                          r".*lingua\.expert_parallel\.apply_ep"):
+                                          r".*lingua\.parallel\.expert_parallel\.apply_ep"):
         build(data, tmp_path, "apps.moe.train", 2, "distributed.ep=2", "model.n_experts=4",
               parallelize=without_ep)
 
@@ -153,7 +154,7 @@ def test_experts_outside_expert_parallel_are_refused(data, tmp_path):
 def test_ep_with_no_expert_parallel_parameter_at_all_is_refused(data, tmp_path, monkeypatch):
     """Experts that are not GroupedExperts-like escape the per-module rule; then no parameter is
     on the ep mesh, which is refused too."""
-    from lingua import coverage
+    from lingua.parallel import coverage
 
     def without_ep(part, env, args):
         return parallelize_moe(part, env, dataclasses.replace(args, ep=1))

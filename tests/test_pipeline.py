@@ -1,5 +1,5 @@
-"""Pipeline parallelism (lingua/pipeline.py): stage splits, validation, and every torch schedule on
-2 gloo CPU ranks compared with the same batch in one process."""
+"""Pipeline parallelism (lingua/parallel/pipeline.py): stage splits, validation, and every torch
+schedule on 2 gloo CPU ranks compared with the same batch in one process."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import torch
 
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.errors import ConfigError
-from lingua.pipeline import (
+from lingua.parallel.pipeline import (
     _torch_schedules,
     schedule_name,
     split_model,

@@ -1,6 +1,6 @@
-"""lingua.plan: every shipped preset built at the scale it is planned for on torch's fake process
-group (one process, no GPU), its per-rank parameter bytes checked against a hand computation from
-the model's shapes and shardings, and checked to fit an 80 GiB H100; the activation formula
+"""lingua.launch.plan: every shipped preset built at the scale it is planned for on torch's fake
+process group (one process, no GPU), its per-rank parameter bytes checked against a hand computation
+from the model's shapes and shardings, and checked to fit an 80 GiB H100; the activation formula
 checked against the live tensors of real blocks on CPU; the CLI, the stool hook and the
 "cheapest change that fits" search.
 
@@ -19,8 +19,8 @@ import weakref
 import pytest
 import torch
 
-from lingua import plan as planner
 from lingua.errors import ConfigError
+from lingua.launch import plan as planner
 
 GIB = 2 ** 30
 H100 = 80 * GIB
@@ -304,7 +304,7 @@ MOE_SHAPES = dict(n_experts=8, top_k=2, n_shared_experts=1, expert_hidden_dim=64
 @pytest.mark.parametrize("case", ["llama-bf16", "llama-fp32", "llama-autocast", "moe-bf16",
                                   "moe-noshared-fp32", "moe-autocast"])
 def test_activation_formula_matches_what_blocks_keep(case, ac):
-    from lingua.distributed import apply_ac
+    from lingua.parallel.distributed import apply_ac
 
     app, kind = case.split("-", 1)
     extra = {}
@@ -317,7 +317,7 @@ def test_activation_formula_matches_what_blocks_keep(case, ac):
     x = torch.randn(*tokens, args.dim, dtype=dtype, requires_grad=True)
     measured = per_layer_bytes_per_token(model, x, tokens, autocast=kind == "autocast")
     e = 4 if kind == "fp32" or kind == "noshared-fp32" else 2
-    # On CPU k/v reach sdpa with their own heads (lingua.transformer.grouped_kv_ok).
+    # On CPU k/v reach sdpa with their own heads (lingua.model.transformer.grouped_kv_ok).
     predicted = planner.block_activation_bytes(args, app == "moe", ac, e,
                                                fp32_residual=kind == "autocast", grouped_kv=True)
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
@@ -327,8 +327,8 @@ def test_activation_formula_matches_what_blocks_keep(case, ac):
 def test_activation_formula_with_kv_repeated_as_on_gpu(monkeypatch, ac):
     """On CUDA k/v are repeated to all heads before attention (grouped_kv_ok is CPU-only): the
     formula the planner uses for GPUs (grouped_kv=False) is checked by forcing that path here."""
-    from lingua import transformer
-    from lingua.distributed import apply_ac
+    from lingua.model import transformer
+    from lingua.parallel.distributed import apply_ac
 
     monkeypatch.setattr(transformer, "grouped_kv_ok", lambda *a, **k: False)
     model, args = small_model("llama", torch.bfloat16)
@@ -352,8 +352,8 @@ def test_activation_formula_under_tensor_parallel(app, ac):
     all-gathered full-sequence inputs."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from lingua import distributed
-    from lingua.distributed import DistEnv, DistributedArgs
+    from lingua.parallel import distributed
+    from lingua.parallel.distributed import DistEnv, DistributedArgs
 
     extra = MOE_SHAPES if app == "moe" else {}
     model, args = small_model(app, torch.bfloat16, **extra)
@@ -423,7 +423,7 @@ def test_data_warnings_name_each_missing_piece(data, tmp_path):
 
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_stool_still_refuses_a_job_without_its_data(tmp_path, dry_run):
-    from lingua import stool
+    from lingua.launch import stool
 
     dump = tmp_path / "run"
     with pytest.raises(ConfigError, match="data.root is not set"):

@@ -6,8 +6,8 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
-from lingua import plot
 from lingua.errors import ConfigError
+from lingua.observe import plot
 
 from .conftest import run_python, tiny_args
 

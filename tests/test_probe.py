@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from apps.llama import train
-from lingua import probe
+from lingua.observe import probe, probe_report
 from tests.conftest import REPO, read_metrics, run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent
 
@@ -94,7 +94,7 @@ def test_attention_statistics_match_a_direct_softmax():
 
 def test_attention_statistics_read_grouped_kv_heads_like_repeated_ones():
     # On CPU sdpa gets k with its own (fewer) heads; the probe must see what repeat_kv would give.
-    from lingua.transformer import repeat_kv
+    from lingua.model.transformer import repeat_kv
 
     torch.manual_seed(3)
     q, k = torch.randn(2, 12, 6, 8), torch.randn(2, 12, 2, 8)
@@ -108,7 +108,7 @@ def test_a_hook_on_attention_changes_nothing_the_step_computes():
     """The probe hooks CoreAttention; the step it watches must compute bit for bit like an
     unwatched one (the spike tests compare runs exactly), including sdpa's grouped k/v path."""
     from apps.llama.model import LlamaArgs, Transformer
-    from lingua.transformer import CoreAttention
+    from lingua.model.transformer import CoreAttention
 
     args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
     torch.manual_seed(0)
@@ -147,7 +147,7 @@ def test_router_load_and_entropy():
 
 def test_hooks_exist_only_during_a_probe_step(corpus, tmp_path):
     from apps.llama.model import Transformer
-    from lingua.distributed import DistributedArgs, init
+    from lingua.parallel.distributed import DistributedArgs, init
 
     cfg = train.load_config(tiny_args(corpus, tmp_path / "hooks"))
     model = Transformer(cfg.model)
@@ -177,7 +177,7 @@ def test_a_training_run_records_the_tensors_it_names(corpus, tmp_path, monkeypat
     the micro-batches of a step up), and a parameter and its gradient as clipping receives them
     (the probe records them after backward, before clipping). A hook on the wrong module or
     tensor, or at the wrong step, gives other numbers."""
-    from lingua import optim, trainer
+    from lingua.train import optim, trainer
 
     block, param = "layers.1", "layers.0.feed_forward.w1.weight"
     probed_step = 2
@@ -261,7 +261,7 @@ def test_a_run_records_every_kind_and_the_reader_and_plots_work(corpus, tmp_path
                           "outlier_frac", "q0.5", "q0.99"}
     assert 0 < stats["layers.1.attention.core/attention"]["entropy_frac"] <= 1
 
-    df = probe.read(dump)
+    df = probe_report.read(dump)
     assert list(df.columns) == ["step", "module", "tensor", "stat", "value"]
     value = df[(df.step == 2) & (df.module == "layers.0") & (df.tensor == "output") &
                (df.stat == "rms")].value.item()
@@ -310,7 +310,7 @@ def fork_probe_run(dump):
 @pytest.fixture
 def figures(monkeypatch):
     """{file name: the matplotlib figure} of what probe.plot draws, instead of PNGs."""
-    import lingua.plot
+    import lingua.observe.plot
 
     drawn = {}
 
@@ -318,7 +318,7 @@ def figures(monkeypatch):
         drawn[Path(path).name] = fig
         return Path(path)
 
-    monkeypatch.setattr(lingua.plot, "save_figure", keep)
+    monkeypatch.setattr(lingua.observe.plot, "save_figure", keep)
     yield drawn
     import matplotlib.pyplot as plt
 
@@ -326,7 +326,7 @@ def figures(monkeypatch):
 
 
 def test_probe_plots_label_every_axis_and_mark_the_probe_steps(tmp_path, figures):
-    probe.plot(fork_probe_run(tmp_path / "run"), stats=("rms",))
+    probe_report.plot(fork_probe_run(tmp_path / "run"), stats=("rms",))
     assert set(figures) == {"heatmap_rms.png", "lines_rms.png", "attention.png", "loss.png"}
     heatmap = figures["heatmap_rms.png"]
     panels = [ax for ax in heatmap.axes if ax.get_title()]
@@ -367,7 +367,7 @@ def outlier_probe_run(dump):
 
 
 def test_probe_figures_name_the_run_and_heatmaps_clip_an_outlier(tmp_path, figures):
-    probe.plot(outlier_probe_run(tmp_path / "qk_norm_seed3"), stats=("rms",))
+    probe_report.plot(outlier_probe_run(tmp_path / "qk_norm_seed3"), stats=("rms",))
     assert set(figures) == {"heatmap_rms.png", "lines_rms.png", "loss.png"}
     for name, fig in figures.items():   # pasted into a report, each still names its run
         assert fig.get_suptitle().startswith("qk_norm_seed3: "), name
@@ -384,7 +384,8 @@ def test_probe_figures_name_the_run_and_heatmaps_clip_an_outlier(tmp_path, figur
 
 def test_modules_option_draws_the_chosen_modules(tmp_path, figures):
     dump = fork_probe_run(tmp_path / "run")
-    probe.plot(dump, stats=("rms", "abs_max"), modules=["layers.*.attention.q_norm", "output"])
+    probe_report.plot(dump, stats=("rms", "abs_max"),
+                      modules=["layers.*.attention.q_norm", "output"])
     output_ax, weight_ax = figures["lines_rms.png"].axes
     assert output_ax.get_title() == "rms of output, one line per module"
     assert [line.get_label() for line in output_ax.get_lines()] == \
@@ -408,15 +409,14 @@ def test_default_stats_are_those_the_run_recorded(tmp_path, figures):
         line["stats"] = {k: ({"rms": v["rms"]} if "rms" in v else v)
                          for k, v in line["stats"].items()}
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    probe.plot(dump)
+    probe_report.plot(dump)
     assert {"heatmap_rms.png", "lines_rms.png"} <= set(figures)
     assert not any("abs_max" in name or "kurtosis" in name for name in figures)
     with pytest.raises(ValueError, match="abs_max not recorded"):
-        probe.plot(dump, stats=("abs_max",))
+        probe_report.plot(dump, stats=("abs_max",))
 
 
 def test_cli_refuses_unknown_stats_and_modules_naming_the_known_ones(tmp_path, capsys):
-    from lingua import probe_report
 
     dump = fork_probe_run(tmp_path / "run")
     out = tmp_path / "plots"
@@ -473,7 +473,7 @@ def test_alerts_are_logged_counted_and_written(corpus, tmp_path):
 
 
 def test_jump_alert_against_the_running_median():
-    from lingua.distributed import DistributedArgs, init
+    from lingua.parallel.distributed import DistributedArgs, init
 
     p = probe.Probe(probe.ProbeArgs(alert_jump=3.0), [], init(DistributedArgs()), "/nonexistent")
     for step, value in enumerate([1.0, 1.1, 0.9, 1.0, 5.0], 1):
@@ -528,7 +528,7 @@ def _compare(got: dict, want: dict) -> None:
 ])
 def test_parallel_layouts_record_the_numbers_of_one_process(corpus, tmp_path, nproc, layout, batch):
     # Both steps: a pipeline's first step too, whose extra shape-inference forwards (torch's)
-    # the probe leaves out (lingua.pipeline.inferring_shapes).
+    # the probe leaves out (lingua.model.transformer.inferring_shapes).
     single = tmp_path / "single"
     run_python("apps.llama.train", tiny_args(corpus, single, "probe.every=1", "data.batch_size=8",
                                              steps=2))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from apps.llama import train
-from lingua import metrics, profiling
 from lingua.errors import ConfigError
+from lingua.observe import metrics, profiling
 from tests.conftest import read_metrics, run_python, run_torchrun, tiny_args
 
 # Steps 1..5; the profiler starts at step 2, waits 1, warms up 1 and records steps 4 and 5.

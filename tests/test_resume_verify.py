@@ -8,7 +8,7 @@ import os
 import pytest
 
 from apps.llama import train
-from lingua import checkpoint
+from lingua.train import checkpoint
 from tests.conftest import run_torchrun, tiny_args
 
 
@@ -135,9 +135,9 @@ def test_two_ranks_skip_a_checkpoint_only_rank_1_finds_damaged(tmp_path):
     assert (sorted(n for n in read if n.startswith("2/"))
             == sorted(f"2/{n}" for n in manifest_of(older)))
     assert f"4/{damaged}" in results[1]["read"] and f"4/{damaged}" not in results[0]["read"]
-    assert (f"[rank0] lingua.checkpoint: skipping damaged checkpoint {newer}: {newer / damaged} is "
-            f"damaged") in proc.stdout, proc.stdout[-3000:]
-    assert "[rank1] lingua.checkpoint: skipping" not in proc.stdout   # said once, by rank 0
+    assert (f"[rank0] lingua.train.checkpoint: skipping damaged checkpoint {newer}: "
+            f"{newer / damaged} is damaged") in proc.stdout, proc.stdout[-3000:]
+    assert "[rank1] lingua.train.checkpoint: skipping" not in proc.stdout   # said once, by rank 0
     # Moved aside once, by rank 0, after rank 1 had read its damaged share (it named the damage).
     assert sorted(p.name for p in older.parent.iterdir()) == ["2", "4.damaged"]
 

@@ -36,7 +36,7 @@ def stool(*args: str, env_extra=None, check: bool = True) -> subprocess.Complete
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "lingua.stool", *args], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "lingua.launch.stool", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     if check and proc.returncode != 0:
         raise AssertionError(f"stool failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -337,7 +337,7 @@ def test_a_job_no_node_can_hold_is_refused_before_anything_is_written(corpus, tm
     assert squeue.stdout.strip() == "" and not dump.exists()
     # The same check in-process against this cluster's sinfo (no stool start-up per case).
     from lingua.errors import ConfigError
-    from lingua.slurm import SlurmArgs, check_resources
+    from lingua.train.slurm import SlurmArgs, check_resources
 
     for args, message in [
         (SlurmArgs(nodes=2, tasks_per_node=1),

@@ -13,7 +13,7 @@ from tests.conftest import REPO
 # then runs a stool job whose app exits with 40 + the signal it recorded (REQUEUE is 2).
 JOB = """
 import os, signal, sys
-from lingua import stool
+from lingua.launch import stool
 
 class SignalOnTorchImport:
     def find_spec(self, name, path=None, target=None):
@@ -28,7 +28,7 @@ stool.TrainJob("fake_app", [])()
 
 def test_a_time_limit_warning_during_start_up_is_recorded_not_fatal(tmp_path):
     (tmp_path / "fake_app.py").write_text(
-        "from lingua import preemption\n\n"
+        "from lingua.train import preemption\n\n"
         "def main(argv):\n    return 40 + preemption.SIGNALS.received\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID", "SLURM_STEP_NUM_TASKS"):

@@ -1,5 +1,5 @@
-"""Loss spikes (optim.spike=off|log|skip|rollback, lingua/spikes.py): a spike is injected into a
-chosen data batch (its loss, and so its gradients, multiplied: tests/workers/spike_train.py) and
+"""Loss spikes (optim.spike=off|log|skip|rollback, lingua/train/spikes.py): a spike is injected into
+a chosen data batch (its loss, and so its gradients, multiplied: tests/workers/spike_train.py) and
 each policy is checked against a run that reaches the same outcome another way:
   off and log apply the update (the same weights as each other), skip equals
   optim.nonfinite=skip on a NaN at the same steps, rollback equals a run told from the start to
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from apps.llama import train
-from lingua import spikes
 from lingua.errors import ConfigError, RunError
-from lingua.optim import OptimArgs
-from lingua.spikes import SpikeMonitor
+from lingua.train import spikes
+from lingua.train.optim import OptimArgs
+from lingua.train.spikes import SpikeMonitor
 from tests.conftest import run_torchrun, tiny_args
 from tests.equivalence import (
     assert_equivalent,
@@ -186,8 +186,8 @@ def test_bad_spike_settings_are_refused(corpus, tmp_path, override, message):
 @pytest.mark.slow
 def test_log_warns_and_marks_off_does_nothing_both_apply_the_update(corpus, tmp_path, capfd):
     """log: a warning, loss_spike at the spike's step and the next step probed in full beside
-    the regular probe steps (probe.every=4), which lingua.probe's plot draws; off: no spike keys.
-    Both apply the spike's update: the same losses and weights."""
+    the regular probe steps (probe.every=4), which lingua.observe.probe's plot draws; off: no spike
+    keys. Both apply the spike's update: the same losses and weights."""
     log, off = tmp_path / "log", tmp_path / "off"
     train_with_spikes(spike_args(corpus, log, "log", "probe.every=4"), {8: 10.0})
     train_with_spikes(spike_args(corpus, off, "off"), {8: 10.0})
@@ -200,7 +200,7 @@ def test_log_warns_and_marks_off_does_nothing_both_apply_the_update(corpus, tmp_
     assert "loss_spike" not in rows_by_step(off)[8]
     assert_equivalent(log, off, rtol=0)
     assert probe_steps(log) == [4, 8, 9, 12]
-    from lingua.probe_report import plot
+    from lingua.observe.probe_report import plot
 
     assert plot(log)   # irregular probe steps draw
 

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from lingua import distributed, slurm, stool
 from lingua.errors import ConfigError
+from lingua.launch import stool
+from lingua.parallel import distributed
+from lingua.train import slurm
 from tests.conftest import REPO, free_port, read_metrics, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -49,7 +51,7 @@ def _fake_cluster(fake_bin, monkeypatch):
 def run_stool(*args, env_extra=None):
     env = dict(os.environ, **(env_extra or {}))
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "lingua.stool", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "lingua.launch.stool", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -418,7 +420,7 @@ def test_code_snapshot_holds_the_tracked_code(tmp_path):
     dest = tmp_path / "code"
     n = stool.snapshot_code(dest)
     assert n > 20
-    for rel in ("lingua/stool.py", "apps/llama/train.py", "configs/llama/debug.yaml",
+    for rel in ("lingua/launch/stool.py", "apps/llama/train.py", "configs/llama/debug.yaml",
                 "pyproject.toml"):
         assert (dest / rel).read_bytes() == (REPO / rel).read_bytes()
     assert not (dest / ".venv").exists() and not list(dest.rglob("__pycache__"))
@@ -470,7 +472,7 @@ def test_rank_variables_come_from_a_slurm_step(monkeypatch):
 def test_a_stool_job_exits_with_rank_zero_code_after_a_clean_stop(tmp_path, rank, returned,
                                                                    exit_code):
     (tmp_path / "fake_app.py").write_text(f"def main(argv):\n    return {returned}\n")
-    code = ("import sys; from lingua import stool; "
+    code = ("import sys; from lingua.launch import stool; "
             "stool.TrainJob('fake_app', [])(); sys.exit(99)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), RANK=rank,
                WORLD_SIZE="2")

@@ -1,4 +1,4 @@
-"""Tensor + sequence parallelism (lingua/tensor_parallel.py, lingua/tp_plan.py,
+"""Tensor + sequence parallelism (lingua/parallel/tensor_parallel.py, lingua/parallel/tp_plan.py,
 apps/llama/parallelize.py).
 
 Unit: validate_tp / check_async_tp messages. Distributed: this file is also the worker script,
@@ -26,13 +26,13 @@ sys.path.insert(0, str(REPO))
 from apps.llama.model import LlamaArgs, Transformer  # noqa: E402
 from apps.llama.parallelize import tp_plans as decoder_tp_plans  # noqa: E402
 from apps.llama.parallelize import validate_tp  # noqa: E402
-from lingua.distributed import exit_process  # noqa: E402
 from lingua.errors import ConfigError  # noqa: E402
-from lingua.tensor_parallel import (  # noqa: E402
+from lingua.model.loss import token_loss_sum  # noqa: E402
+from lingua.parallel.distributed import exit_process  # noqa: E402
+from lingua.parallel.tensor_parallel import (  # noqa: E402
     apply_tp,
     check_async_tp,
     loss_parallel_context,
-    token_loss_sum,
 )
 
 # Tolerances (fp32, CPU). Loss and logits: relative error of the whole tensor (norm of the
@@ -243,7 +243,7 @@ def _tp_model(args, tp_mesh, loss_parallel):
 
 
 def _split(model: Transformer, n_first: int):
-    """Two pipeline-stage-like parts of one model (what lingua.pipeline.split_model produces)."""
+    """Two pipeline-stage-like parts of one model (what pipeline.split_model produces)."""
     a, b = copy.deepcopy(model), copy.deepcopy(model)
     for key in list(a.layers):
         del (a.layers if int(key) >= n_first else b.layers)[key]

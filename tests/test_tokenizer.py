@@ -10,7 +10,12 @@ import json
 import pytest
 
 from lingua.errors import ConfigError
-from lingua.tokenizer import ByteTokenizer, TokenizerArgs, build_tokenizer, check_tokenizer_args
+from lingua.train.tokenizer import (
+    ByteTokenizer,
+    TokenizerArgs,
+    build_tokenizer,
+    check_tokenizer_args,
+)
 
 TEXTS = ["the quick brown fox jumps over the lazy dog",
          "hello world, this is a test of the tokenizer",

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from apps.llama import train
-from lingua import checkpoint, metrics
 from lingua.errors import ConfigError
+from lingua.observe import metrics
+from lingua.train import checkpoint
 from tests.conftest import REPO, read_metrics, run_python, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -163,7 +164,8 @@ def test_wandb_offline_run_and_no_secret_on_disk(corpus, tmp_path, monkeypatch):
 
 def test_init_from_a_hugging_face_directory_starts_from_its_weights(corpus, tmp_path):
     from apps.llama.hf import export, load_hf
-    from lingua import data, evaluation
+    from lingua.eval import evaluation
+    from lingua.train import data
 
     first = tmp_path / "first"
     train.main(tiny_args(corpus, first, steps=3))
@@ -194,7 +196,7 @@ def test_activation_checkpointing_gives_the_same_losses(corpus, tmp_path, ac):
 
 @pytest.mark.slow
 def test_compiled_blocks_and_loss_give_the_same_losses(corpus, tmp_path, monkeypatch):
-    from lingua import loss as loss_module
+    from lingua.model import loss as loss_module
 
     plain = tmp_path / "plain"
     train.main(tiny_args(corpus, plain, steps=2))
@@ -218,7 +220,7 @@ def test_apply_ac_wraps_the_chosen_blocks_and_keeps_parameter_names():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from apps.llama.model import LlamaArgs, Transformer
-    from lingua.distributed import apply_ac
+    from lingua.parallel.distributed import apply_ac
 
     model = Transformer(LlamaArgs(dim=32, n_layers=4, n_heads=4, multiple_of=16, max_seq_len=16))
     names = list(model.state_dict())
@@ -235,7 +237,7 @@ def test_full_collection_frees_a_cycle_that_young_collections_keep():
     import gc
     import weakref
 
-    from lingua.trainer import collect_garbage
+    from lingua.train.trainer import collect_garbage
 
     class Node:
         pass
@@ -264,7 +266,7 @@ def test_an_in_process_run_gives_automatic_gc_back(corpus, tmp_path, monkeypatch
     in-process (tests, notebooks) must leave the collector as it found it, also after a crash."""
     import gc
 
-    from lingua import trainer
+    from lingua.train import trainer
 
     seen = []
     original = trainer.Run.train_step

@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 
-from lingua import distributed
-from lingua import plan as planner
-from lingua.distributed import DistributedArgs
+from lingua.launch import plan as planner
+from lingua.parallel import distributed
+from lingua.parallel.distributed import DistributedArgs
 from tests.conftest import run_python, run_torchrun, tiny_args
 
 DCP_SINGLE = "assuming the intent is to"
@@ -49,7 +49,7 @@ def test_fsdp_run_with_probe_and_resume_prints_no_torch_warning(corpus, tmp_path
 def test_every_sub_mesh_is_looked_up_without_the_deprecation_warning():
     """HSDP x cp at world size 8 on the fake process group: each name the code asks for, the
     flattened ones, a 2-D mix (FSDP's HSDP mesh) and the expert-parallel split."""
-    from lingua.expert_parallel import ep_meshes
+    from lingua.parallel.expert_parallel import ep_meshes
 
     args = DistributedArgs(dp_replicate=2, dp_shard=2, cp=2)
     with planner.fake_process_group(5, 8):

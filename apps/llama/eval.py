@@ -3,11 +3,12 @@
     python -m apps.llama.eval CHECKPOINT eval.tasks=[lingua_continuation]
 
 where CHECKPOINT is a dump_dir or a dump_dir/checkpoints/STEP; also under torchrun with any
-layout the checkpoint reshards to (lingua/eval_cli.py says how).
+layout the checkpoint reshards to (lingua/eval/eval_cli.py says how).
 """
 
 from apps.llama.train import APP, TrainArgs
-from lingua import eval_cli, trainer
+from lingua.eval import eval_cli
+from lingua.train import trainer
 
 
 def main(argv=None) -> int:

@@ -1,8 +1,9 @@
 """Hugging Face interop: LlamaForCausalLM directories (config.json + safetensors) <-> Transformer.
 
-Our RoPE rotates the two halves of each head (lingua/transformer.py), exactly as Hugging Face's
-`rotate_half` does, so q/k projection rows are copied as they are. (Meta's original checkpoints
-use interleaved pairs; converting those needs the row permutation HF's own converter applies.)
+Our RoPE rotates the two halves of each head (lingua/model/transformer.py), exactly as Hugging
+Face's `rotate_half` does, so q/k projection rows are copied as they are. (Meta's original
+checkpoints use interleaved pairs; converting those needs the row permutation HF's own converter
+applies.)
 
 CLI: python -m apps.llama.hf export <run_dir or checkpoint_dir> <out_dir> [--dtype bf16|fp32]
 (a run directory: its newest complete checkpoint). `export_problems(model_args)` says from the
@@ -19,11 +20,11 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from apps.llama.model import LlamaArgs, Transformer
-from lingua import hf as lingua_hf
-from lingua.checkpoint import resolve
 from lingua.errors import ConfigError
-from lingua.hf import ffn_recipe, read_weights, rope_args
-from lingua.transformer import ffn_hidden_dim
+from lingua.model.transformer import ffn_hidden_dim
+from lingua.train import hf as lingua_hf
+from lingua.train.checkpoint import resolve
+from lingua.train.hf import ffn_recipe, read_weights, rope_args
 
 
 def key_map(args: LlamaArgs) -> Dict[str, str]:
@@ -211,7 +212,7 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
 
 def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> None:
     """A training checkpoint (a run directory: its newest complete one) -> a HF directory."""
-    from lingua.checkpoint import load_model_state, read_run_config
+    from lingua.train.checkpoint import load_model_state, read_run_config
 
     ckpt_dir = resolve(ckpt_dir)
     model_cfg = OmegaConf.to_container(read_run_config(ckpt_dir).model, resolve=True)

@@ -1,13 +1,14 @@
 """The LLaMA model: every block of its architecture, built from lingua's small pieces (RMSNorm,
-RoPE, the CoreAttention kernel call, SwiGLU) inside lingua's decoder shell (lingua/decoder.py:
+RoPE, the CoreAttention kernel call, SwiGLU) inside lingua's decoder shell (lingua/model/decoder.py:
 embeddings, RoPE tables, mask, layer loop, output). A plain nn.Module with no distributed code:
 apps/llama/parallelize.py shards it from outside, by these module names.
 
-What a fork of this file keeps (the contract of lingua/decoder.py, checked at start with an error
-naming what is missing): subclass `Decoder` (or keep its forward(tokens, doc_ids=None, cache=None,
-positions=None), `layers` ModuleDict keyed "0".."n-1", `tok_embeddings` / `norm` / `output` and
-`init_weights(buffer_device=None)`); each layer's `init_weights(std, out_std)`; attention through
-`lingua.transformer.CoreAttention`. Everything else (new weights, other blocks) is the fork's.
+What a fork of this file keeps (the contract of lingua/model/decoder.py, checked at start with an
+error naming what is missing): subclass `Decoder` (or keep its forward(tokens, doc_ids=None,
+cache=None, positions=None), `layers` ModuleDict keyed "0".."n-1", `tok_embeddings` / `norm` /
+`output` and `init_weights(buffer_device=None)`); each layer's `init_weights(std, out_std)`;
+attention through `lingua.model.transformer.CoreAttention`. Everything else (new weights, other
+blocks) is the fork's.
 """
 
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ from typing import Optional
 
 from torch import nn
 
-from lingua.decoder import Decoder
-from lingua.transformer import (
+from lingua.model.decoder import Decoder
+from lingua.model.transformer import (
     CoreAttention,
     FeedForward,
     KVCache,
@@ -30,7 +31,7 @@ from lingua.transformer import (
 
 @dataclass
 class LlamaArgs(TransformerArgs):
-    """LLaMA needs nothing beyond the shared decoder shape (lingua.transformer.TransformerArgs)."""
+    """LLaMA needs nothing beyond the shared decoder shape (transformer.TransformerArgs)."""
 
 
 def validate_model_args(args: LlamaArgs) -> None:

@@ -4,8 +4,9 @@
 The model file knows nothing of this; a fork that adds or renames weights changes the plans here
 (which modules are FSDP units, how each block's layers are tensor-parallel) and keeps the rest.
 A parameter a plan leaves out of a layout's gradient reductions is refused at start with the plan
-line to add (lingua/coverage.py). Order matters and follows torchtitan: tensor parallel, context
-parallel, activation checkpointing, compile, then FSDP (which must see the final module structure).
+line to add (lingua/parallel/coverage.py). Order matters and follows torchtitan: tensor parallel,
+context parallel, activation checkpointing, compile, then FSDP (which must see the final module
+structure).
 """
 
 from torch import nn
@@ -17,11 +18,17 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lingua.context_parallel import apply_cp
-from lingua.distributed import DistEnv, DistributedArgs, apply_ac, apply_compile, apply_fsdp
 from lingua.errors import ConfigError
-from lingua.tensor_parallel import apply_tp
-from lingua.tp_plan import decoder_root_plan, validate_decoder_tp
+from lingua.parallel.context_parallel import apply_cp
+from lingua.parallel.distributed import (
+    DistEnv,
+    DistributedArgs,
+    apply_ac,
+    apply_compile,
+    apply_fsdp,
+)
+from lingua.parallel.tensor_parallel import apply_tp
+from lingua.parallel.tp_plan import decoder_root_plan, validate_decoder_tp
 
 
 def validate_tp(model_args, tp: int, seq_len: int | None = None) -> None:
@@ -81,8 +88,8 @@ def feed_forward_tp_plan() -> dict:
 
 
 def tp_plans(model: nn.Module, loss_parallel: bool) -> tuple[dict, dict]:
-    """(root_plan, block_plan) for lingua.tensor_parallel.apply_tp; `model` is the Transformer
-    or one pipeline part of it."""
+    """(root_plan, block_plan) for lingua.parallel.tensor_parallel.apply_tp; `model` is the
+    Transformer or one pipeline part of it."""
     block_plan = {**attention_tp_plan(), **feed_forward_tp_plan()}
     return decoder_root_plan(model, loss_parallel), block_plan
 

@@ -1,9 +1,9 @@
 """Train a LLaMA: `python -m apps.llama.train [config=PRESET] [key=value ...]`.
 
 Several processes: `torchrun --nproc-per-node N -m apps.llama.train distributed.dp_shard=N ...`.
-Reads top to bottom: the config schema, its checks, the App (what lingua/trainer.py needs to
+Reads top to bottom: the config schema, its checks, the App (what lingua/train/trainer.py needs to
 know about this model), main. The run itself (processes, model, optimizer, data and resume,
-loop) is lingua.trainer.run, the same for every app; this file says what is LLaMA's.
+loop) is lingua.train.trainer.run, the same for every app; this file says what is LLaMA's.
 """
 
 from dataclasses import dataclass, field
@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from apps.llama.hf import export_problems, load_hf
 from apps.llama.model import LlamaArgs, Transformer, validate_model_args
 from apps.llama.parallelize import parallelize_llama, uses_loss_parallel, validate_tp
-from lingua import config, trainer
-from lingua import hf as lingua_hf
+from lingua import config
+from lingua.train import hf as lingua_hf
+from lingua.train import trainer
 
 
 @dataclass
@@ -46,7 +47,7 @@ def load_config(argv=None, check: bool = True) -> TrainArgs:
 
 
 def main(argv=None) -> int:
-    """The config, then lingua.trainer.run: processes, model, optimizer, data, resume, loop."""
+    """The config, then trainer.run: processes, model, optimizer, data, resume, loop."""
     return trainer.run(load_config(argv), APP)
 
 

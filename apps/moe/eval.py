@@ -2,11 +2,12 @@
 
     python -m apps.moe.eval <dump_dir or dump_dir/checkpoints/STEP> eval.tasks=[lingua_continuation]
 
-also under torchrun with any layout the checkpoint reshards to (lingua/eval_cli.py says how).
+also under torchrun with any layout the checkpoint reshards to (lingua/eval/eval_cli.py says how).
 """
 
 from apps.moe.train import APP, TrainArgs
-from lingua import eval_cli, trainer
+from lingua.eval import eval_cli
+from lingua.train import trainer
 
 
 def main(argv=None) -> int:

@@ -45,11 +45,11 @@ from safetensors.torch import save_file
 
 from apps.llama.hf import key_map, llama_hf_config
 from apps.moe.model import MoEArgs, Transformer, expert_hidden
-from lingua import hf as lingua_hf
-from lingua.checkpoint import resolve
 from lingua.errors import ConfigError
-from lingua.hf import ffn_recipe, read_weights, rope_args
-from lingua.transformer import ffn_hidden_dim
+from lingua.model.transformer import ffn_hidden_dim
+from lingua.train import hf as lingua_hf
+from lingua.train.checkpoint import resolve
+from lingua.train.hf import ffn_recipe, read_weights, rope_args
 
 # MoEArgs fields that only matter for training; recorded so that load_hf gives back the same args.
 TRAINING_FIELDS = ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "expert_impl")
@@ -590,7 +590,7 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
 def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> str:
     """A training checkpoint (DCP + config.yaml; a run directory: its newest complete one) -> a
     Hugging Face directory; returns its architecture."""
-    from lingua.checkpoint import load_model_state, read_run_config
+    from lingua.train.checkpoint import load_model_state, read_run_config
 
     ckpt_dir = resolve(ckpt_dir)
     section = read_run_config(ckpt_dir).model

@@ -1,5 +1,5 @@
-"""The MoE decoder: apps/llama's attention with mixture-of-experts FFNs (lingua.moe.MoE), in
-lingua's decoder shell (lingua/decoder.py, whose contract this keeps).
+"""The MoE decoder: apps/llama's attention with mixture-of-experts FFNs (lingua.model.moe.MoE), in
+lingua's decoder shell (lingua/model/decoder.py, whose contract this keeps).
 
 The first `n_dense_layers` blocks keep a dense SwiGLU `feed_forward`; the others have a `moe`.
 The attention block is LLaMA's (apps/llama/model.py), and so are its tensor-parallel lines
@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from apps.llama.model import Attention
-from lingua.decoder import Decoder
 from lingua.errors import ConfigError
-from lingua.moe import (
+from lingua.model.decoder import Decoder
+from lingua.model.moe import (
     EXPERT_IMPLS,
     SCORE_FUNCS,
     MoE,
@@ -23,7 +23,7 @@ from lingua.moe import (
     balance_loss_sum,
     check_grouped_alignment,
 )
-from lingua.transformer import (
+from lingua.model.transformer import (
     FeedForward,
     KVCache,
     RMSNorm,
@@ -162,7 +162,7 @@ class Transformer(Decoder):
 
 def flops_per_token(args: MoEArgs, seq_len: int) -> float:
     """Training FLOPs per token counting active parameters only (see
-    lingua.moe.active_params_per_token): 6 per active matmul parameter plus attention's
+    lingua.model.moe.active_params_per_token): 6 per active matmul parameter plus attention's
     12 * n_layers * dim * seq_len."""
     with torch.device("meta"):
         model = Transformer(args)

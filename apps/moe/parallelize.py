@@ -8,25 +8,31 @@ splits them, across the data-parallel ranks, at the cost of one all-to-all inste
 collectives in every expert matmul. The MoE input is all-gathered over the sequence, every tp rank
 computes the same routing and experts (so their gradients are complete and identical, and need no
 tp reduction), and the output is cut back into this rank's sequence shard. That is what
-lingua.tensor_parallel.ReplicatedCompute declares, so the trainer's coverage check
-(lingua.coverage) knows these plain parameters are meant to stay plain under tp.
+lingua.parallel.tensor_parallel.ReplicatedCompute declares, so the trainer's coverage check
+(lingua.parallel.coverage) knows these plain parameters are meant to stay plain under tp.
 """
 
 from torch import nn
 
 from apps.llama.parallelize import attention_tp_plan, feed_forward_tp_plan, uses_loss_parallel
-from lingua.context_parallel import apply_cp
-from lingua.distributed import DistEnv, DistributedArgs, apply_ac, apply_compile, apply_fsdp
-from lingua.expert_parallel import apply_ep, apply_global_counts, ep_meshes
-from lingua.moe import moe_layers
-from lingua.tensor_parallel import ReplicatedCompute, apply_tp
-from lingua.tp_plan import decoder_root_plan
+from lingua.model.moe import moe_layers
+from lingua.parallel.context_parallel import apply_cp
+from lingua.parallel.distributed import (
+    DistEnv,
+    DistributedArgs,
+    apply_ac,
+    apply_compile,
+    apply_fsdp,
+)
+from lingua.parallel.expert_parallel import apply_ep, apply_global_counts, ep_meshes
+from lingua.parallel.tensor_parallel import ReplicatedCompute, apply_tp
+from lingua.parallel.tp_plan import decoder_root_plan
 
 __all__ = ["parallelize_moe", "tp_plans", "uses_loss_parallel"]
 
 
 def tp_plans(model: nn.Module, loss_parallel: bool) -> tuple:
-    """(root_plan, dense_block_plan, moe_block_plan) for lingua.tensor_parallel.apply_tp."""
+    """(root_plan, dense_block_plan, moe_block_plan) for tensor_parallel.apply_tp."""
     attention = attention_tp_plan()
     # ReplicatedCompute: Shard(1) in -> whole sequence, Replicate -> Shard(1) out.
     moe = {**attention, "ffn_norm": feed_forward_tp_plan()["ffn_norm"], "moe": ReplicatedCompute()}

@@ -1,6 +1,6 @@
 """Train a mixture-of-experts LLaMA: `python -m apps.moe.train [config=PRESET] [key=value ...]`.
 
-The same loop as apps/llama (lingua/trainer.py); what is MoE's: the model, its checks, FLOPs
+The same loop as apps/llama (lingua/train/trainer.py); what is MoE's: the model, its checks, FLOPs
 counted over active parameters only, balancing over the global batch (router token counts summed
 over the data- and context-parallel ranks), the aux-loss-free bias update after each step, and
 per-layer routing metrics.
@@ -13,11 +13,13 @@ from apps.moe.hf import export_problems, load_hf
 from apps.moe.model import MoEArgs, Transformer, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
-from lingua import config, distributed, trainer
-from lingua import hf as lingua_hf
-from lingua.expert_parallel import validate_ep
-from lingua.loss import LossOutput, cross_entropy
-from lingua.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
+from lingua import config
+from lingua.model.loss import LossOutput, cross_entropy
+from lingua.model.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
+from lingua.parallel import distributed
+from lingua.parallel.expert_parallel import validate_ep
+from lingua.train import hf as lingua_hf
+from lingua.train import trainer
 
 
 @dataclass
@@ -53,7 +55,8 @@ def start_step(parts) -> None:
 
 def step_metrics(parts, env) -> dict:
     """Routing health of each MoE layer over the whole step: every micro-batch, the global batch
-    and every pipeline stage (lingua.moe.routing_metrics); tensor-parallel ranks hold copies."""
+    and every pipeline stage (lingua.model.moe.routing_metrics); tensor-parallel ranks hold
+    copies."""
     args = parts[0].args
     layers = {int(name): block.moe for part in parts for name, block in part.layers.items()
               if getattr(block, "moe", None) is not None}
@@ -94,7 +97,7 @@ def load_config(argv=None, check: bool = True) -> TrainArgs:
 
 
 def main(argv=None) -> int:
-    """The config, then lingua.trainer.run: processes, model, optimizer, data, resume, loop."""
+    """The config, then trainer.run: processes, model, optimizer, data, resume, loop."""
     return trainer.run(load_config(argv), APP)
 
 

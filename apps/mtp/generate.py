@@ -2,11 +2,11 @@
 
     python -m apps.mtp.generate RUN_DIR_OR_CHECKPOINT --prompt "Once upon" [--max-new-tokens 64]
 
-lingua/generation.py is the command; this file names the app's model.
+lingua/eval/generation.py is the command; this file names the app's model.
 """
 
 from apps.mtp.model import MTPArgs, Transformer
-from lingua import generation
+from lingua.eval import generation
 
 
 def load_model(target: str, device: str = "cpu"):

@@ -13,11 +13,12 @@ One difference from DeepSeek-V3: the MTP modules embed t_{i+k} with an embedding
 own (`mtp_embeddings`) instead of the input one, so that everything they use sits on the last
 pipeline stage beside the head they share (the input embedding lives on the first).
 
-What a fork of this file keeps (the contract of lingua/decoder.py, checked at start with an error
-naming what is missing): subclass `Decoder` (or keep its forward(tokens, doc_ids=None, cache=None,
-positions=None), `layers` ModuleDict keyed "0".."n-1", `tok_embeddings` / `norm` / `output` and
-`init_weights(buffer_device=None)`); each layer's `init_weights(std, out_std)`; attention through
-`lingua.transformer.CoreAttention`. Everything else (new weights, other blocks) is the fork's.
+What a fork of this file keeps (the contract of lingua/model/decoder.py, checked at start with an
+error naming what is missing): subclass `Decoder` (or keep its forward(tokens, doc_ids=None,
+cache=None, positions=None), `layers` ModuleDict keyed "0".."n-1", `tok_embeddings` / `norm` /
+`output` and `init_weights(buffer_device=None)`); each layer's `init_weights(std, out_std)`;
+attention through `lingua.model.transformer.CoreAttention`. Everything else (new weights, other
+blocks) is the fork's.
 """
 
 from dataclasses import dataclass
@@ -26,9 +27,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lingua.decoder import Decoder
 from lingua.errors import ConfigError
-from lingua.transformer import (
+from lingua.model.decoder import Decoder
+from lingua.model.transformer import (
     CoreAttention,
     FeedForward,
     KVCache,

@@ -2,10 +2,10 @@
 `python -m apps.mtp.train [config=PRESET] [key=value ...]`.
 
 Several processes: `torchrun --nproc-per-node N -m apps.mtp.train distributed.dp_shard=N ...`.
-Reads top to bottom: the config schema, its checks, the App (what lingua/trainer.py needs to
+Reads top to bottom: the config schema, its checks, the App (what lingua/train/trainer.py needs to
 know about this model), main. The run itself (processes, model, optimizer, data and resume,
-loop) is lingua.trainer.run, the same for every app; this file says what is MTP's: the loss
-(through the trainer's loss seam, lingua/loss.py) and the shifted tokens it needs.
+loop) is lingua.train.trainer.run, the same for every app; this file says what is MTP's: the loss
+(through the trainer's loss seam, lingua/model/loss.py) and the shifted tokens it needs.
 """
 
 from dataclasses import dataclass, field
@@ -15,10 +15,10 @@ import torch
 from apps.mtp.hf import export_problems, load_hf
 from apps.mtp.model import MTPArgs, Transformer, validate_model_args
 from apps.mtp.parallelize import parallelize_mtp, uses_loss_parallel, validate_tp
-from lingua import config, trainer
-from lingua import hf as lingua_hf
-from lingua.loss import LossOutput
-from lingua.tensor_parallel import IGNORE_INDEX, token_loss_sum
+from lingua import config
+from lingua.model.loss import IGNORE_INDEX, LossOutput, token_loss_sum
+from lingua.train import hf as lingua_hf
+from lingua.train import trainer
 
 
 @dataclass
@@ -84,7 +84,7 @@ def load_config(argv=None, check: bool = True) -> TrainArgs:
 
 
 def main(argv=None) -> int:
-    """The config, then lingua.trainer.run with the App of its model args."""
+    """The config, then lingua.train.trainer.run with the App of its model args."""
     args = load_config(argv)
     return trainer.run(args, make_app(args.model))
 

@@ -1,3 +1,3 @@
 """Test tasks read the shipped task's docs."""
 
-from lingua.eval_tasks.lingua_continuation.utils import load  # noqa: F401
+from lingua.eval.tasks.lingua_continuation.utils import load  # noqa: F401

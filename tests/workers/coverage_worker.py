@@ -1,7 +1,7 @@
 """Two ranks (torchrun, gloo, tp=2) whose model parts differ, as two pipeline stages' would: on
 rank 0 the TP plan leaves `1.weight` a plain tensor, on rank 1 it covers everything. Each rank
-runs lingua.coverage's check and writes what it raised (or "passed") to <out>/rank<r>.txt; both
-must refuse, naming rank 0's parameter. For tests/test_parallel_coverage.py."""
+runs lingua.parallel.coverage's check and writes what it raised (or "passed") to <out>/rank<r>.txt;
+both must refuse, naming rank 0's parameter. For tests/test_parallel_coverage.py."""
 
 import sys
 from pathlib import Path
@@ -9,11 +9,11 @@ from pathlib import Path
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
 
-from lingua import distributed
-from lingua.coverage import check_parallel_coverage
-from lingua.distributed import DistributedArgs
 from lingua.errors import ConfigError
-from lingua.transformer import RMSNorm
+from lingua.model.transformer import RMSNorm
+from lingua.parallel import distributed
+from lingua.parallel.coverage import check_parallel_coverage
+from lingua.parallel.distributed import DistributedArgs
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

@@ -2,7 +2,7 @@
 
 `python -m tests.workers.dtype_worker OUT_DIR APP [train overrides]`, in one process or under
 torchrun. APP is `llama` or `moe`: the worker runs `apps.<APP>.train.main(overrides)` unchanged,
-having wrapped `lingua.trainer.Run.train`, `Run.train_step` and `Run.validation_loss` (class
+having wrapped `lingua.train.trainer.Run.train`, `Run.train_step` and `Run.validation_loss` (class
 attributes, in this process only), and each rank writes OUT_DIR/rank<r>.json with:
 
   ops          matmul-family ops (mm, addmm, bmm, baddbmm, _grouped_mm, linear, matmul and the
@@ -12,7 +12,8 @@ attributes, in this process only), and each rank writes OUT_DIR/rank<r>.json wit
                innermost module whose forward was running ("<none>" outside any forward); dtypes
                those of the op's floating tensor arguments (DTensors too, by their .dtype).
   rope         the same rows for aten.mul run directly by an attention module (`*.attention`):
-               in Attention.forward those are RoPE's rotations (lingua.transformer.apply_rope).
+               in Attention.forward those are RoPE's rotations
+               (lingua.model.transformer.apply_rope).
   collectives  the same rows for c10d and functional-collective ops: FSDP's all-gathers and
                reduce-scatters, the pipeline's sends, explicit redistributions (TP's hooks, CP).
                Not seen: collectives DTensor runs inside one of its ops (an implicit
@@ -44,7 +45,8 @@ from torch.optim.optimizer import (
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lingua import distributed, trainer
+from lingua.parallel import distributed
+from lingua.train import trainer
 
 MATMULS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm",
            "aten.linear", "aten.matmul", "aten.scaled_dot_product_attention"}

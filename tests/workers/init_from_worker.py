@@ -18,7 +18,9 @@ import time
 
 import torch
 
-from lingua import config, distributed, trainer
+from lingua import config
+from lingua.parallel import distributed
+from lingua.train import trainer
 
 
 def status() -> dict:

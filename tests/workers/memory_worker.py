@@ -9,7 +9,9 @@ import sys
 import torch
 
 from apps.llama import train
-from lingua import config, distributed, optim, trainer
+from lingua import config
+from lingua.parallel import distributed
+from lingua.train import optim, trainer
 
 
 def local_bytes(tensors) -> int:

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from apps.llama import train
-from lingua import checkpoint, optim, trainer
+from lingua.train import checkpoint, optim, trainer
 
 MUTATION_VAR = "LINGUA_TEST_MUTATION"
 

@@ -23,8 +23,9 @@ import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
 from torch import nn
 
-from lingua import checkpoint, distributed, optim
-from lingua.probe import Probe, summarize
+from lingua.observe.probe import Probe, summarize
+from lingua.parallel import distributed
+from lingua.train import checkpoint, optim
 
 MESH_GROUPS = distributed.MESH_DIMS + ("dp", "dp_shard_cp", "dp_cp")
 

@@ -17,8 +17,8 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from apps.llama import model, parallelize, train
 from apps.llama.model import Attention
-from lingua import trainer
-from lingua.transformer import RMSNorm, apply_rope
+from lingua.model.transformer import RMSNorm, apply_rope
+from lingua.train import trainer
 
 PLAN_VAR = "LINGUA_TEST_QK_PLAN"
 

@@ -25,7 +25,7 @@ import sys
 import torch
 
 from apps.llama import train
-from lingua import optim, trainer
+from lingua.train import optim, trainer
 
 SPIKES_VAR = "LINGUA_TEST_SPIKES"
 ROWS_VAR = "LINGUA_TEST_SPIKE_ROWS"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lingua import checkpoint, distributed
+from lingua.parallel import distributed
+from lingua.train import checkpoint
 
 
 def main(dump_dir: Path, out_dir: Path) -> None:

@@ -1,0 +1,703 @@
+"""Plan a run before submitting it: per-rank memory, FLOPs and time, and whether it fits.
+
+    python -m lingua.plan apps.llama.train config=llama_8b slurm.nodes=8 slurm.gpus_per_node=8
+    python -m lingua.plan apps.moe.train config=deepseek_16b ... --world-size 64 --mfu 0.3
+
+The config is composed as the job's (the app's `load_config`) and validated for the job's world
+size and device (lingua.train.trainer.validate), but without the data: whether a run fits is asked
+before the corpus is downloaded, so a missing data.root, tokenizer file or val/ directory is a
+`warning:` line (stool refuses them before submitting) and the vocabulary is model.vocab_size. Then,
+in this one process and without a GPU, the real model is built on the meta device and parallelised
+with the app's own plan (`APP.parallelize`: TP, CP, EP, activation checkpointing, FSDP;
+`pipeline.split_model` for each pipeline rank's stages) on torch's fake process group at the job's
+world size. What a rank holds is read off the local shards of its parameters (DTensor `to_local()`
+shapes), never computed from a formula: a sharding plan that leaves a layer replicated shows up
+here as memory. compile, async_tp and cpu_offload are left out of the build (they change no shard).
+Each pipeline rank is built (the first rank of each pipeline stage, which holds the largest FSDP /
+TP shard of uneven splits: torch gives the first ranks the larger chunks); expert parallelism gives
+every rank the same number of experts. The busiest rank decides.
+
+Memory of a rank, in bytes (what is counted, and what is assumed):
+  parameters   local shards, as stored: fp32 master weights (model_dtype bf16 or fp32), plus the
+               buffers (RoPE tables, expert bias);
+  gradients    the same shapes and dtype as the parameters (FSDP reduces in fp32 into fp32
+               sharded gradients);
+  optimizer    AdamW: two moments of each local parameter in its dtype (8 bytes per fp32 param);
+  FSDP buffers compute-dtype copies gathered by FSDP (sizes read from the shards times the FSDP
+               degree): the root unit (embeddings, final norm, output; kept gathered for the
+               whole step, reshard_after_forward=False) and two blocks in flight (the one computing
+               and the one prefetched; every block with reshard_after_forward=false), plus the
+               unsharded gradients of the root and of one block in compute dtype and that block's
+               fp32 reduce-scatter input;
+  autocast     bf16 layouts without FSDP (one process, tp only, pp only, tp x pp) compute through
+               autocast, whose bf16 copy of every matmul weight is kept for backward;
+  activations  the estimate below, for the micro-batches in flight on this rank;
+and the rank fits when the sum is at most 90% of the GPU's memory (the rest is the CUDA context,
+NCCL's buffers and the caching allocator's fragmentation). With distributed.cpu_offload the
+parameters, gradients and optimizer state live in host memory and are listed, not counted.
+
+Activations (`block_activation_bytes`): bytes kept per token and per block between forward and
+backward, counted from what lingua.model.transformer's blocks and lingua.model.moe's MoE layer save
+(the Megatron-style per-layer accounting of Korthikanti et al. 2022, redone for this code: RMSNorm
+in fp32 with its written-out backward, GQA attention whose keys and values are repeated to all
+heads before flash attention on GPU (on CPU sdpa groups them itself: `grouped_kv`, which the
+tests measure), SwiGLU, torch's TP + sequence parallel, and the op-level checkpointing policy of
+lingua.parallel.distributed). tests/test_plan.py measures the live tensors of real blocks on CPU
+(dense and MoE, bf16, fp32 and autocast, every ac mode, tp 1 and 2) and checks this formula against
+them. Assumptions: a flash/memory-efficient attention kernel (no seq x seq matrix, as on GPU),
+MoE routing balanced across experts and EP ranks (an overloaded EP rank receives more rows), no
+CPU expert padding (bf16 / fp16 MoE on CPU pads each expert's rows to a multiple of
+lingua.model.moe.CPU_GROUP_ROWS: at most 10% more expert rows kept; the plan is for GPUs), no
+torch.compile fusion (compile only lowers it, the loss's fp32 logits included, which compiled
+runs do not keep: see BENCHMARKS.md, "MFU and memory of llama_1b on one H100"); context
+parallelism adds the all-gathered keys and values of the whole sequence (not measured). Under
+autocast the residual stream is fp32 and each matmul keeps its own bf16 copy of its input (wq,
+wk, wv: three). Per rank: the layers it holds x the micro-batches in flight (1 without
+pipelining; with pp: GPipe all, 1F1B pp - pp_rank, interleaved (v-1) x pp + 2 (pp - 1 - pp_rank)
++ 1 chunks as in torch's schedule) + one block recomputed in backward (ac != none) + the last
+stage's output: the gathered input of the output projection, the bf16 logits, their fp32 copy
+and fp32 log-probs (vocabulary / tp with loss parallel). With tp > 1, torch's TP keeps the
+all-gathered (full-sequence) inputs of attention and FFN, and ac=op also keeps the
+full-sequence partial sums of wo and w2 (op keeps every matmul's output): so under tp, ac=op can
+keep MORE than ac=none, and ac=full is the one that shrinks activations.
+
+FLOPs per token are the app's (`APP.flops_per_token`, else lingua.observe.metrics.flops_per_token,
+the numbers MFU is logged with); tokens/s = MFU x peak / FLOPs per token, with the dense bf16 (or
+fp32) peak of lingua.observe.metrics.GPU_PEAK_FLOPS. The MFU is an assumption (--mfu, default 40%),
+not a measurement: pipeline bubbles and communication are in it.
+
+When the run does not fit, the planner re-plans the cheapest changes in order (ac=op, ac=full,
+a larger tp inside a node up to 8 with each ac, then 2x / 4x / 8x the nodes with each ac) and
+names the first that fits.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lingua import config
+from lingua.errors import ConfigError
+from lingua.model.transformer import ffn_hidden_dim
+from lingua.observe import metrics
+from lingua.parallel import distributed, pipeline
+from lingua.parallel.distributed import DistEnv
+from lingua.train import data, trainer
+from lingua.train.tokenizer import TokenizerArgs
+
+GIB = 2 ** 30
+# Memory per GPU (GiB) when --gpu-mem-gib is not given: the 80 GB parts and the larger ones.
+GPU_MEMORY_GIB = {"H100": 80.0, "H200": 141.0, "A100": 80.0, "B200": 180.0}
+USABLE_FRACTION = 0.9   # of the GPU's memory; the rest: CUDA context, NCCL, fragmentation
+DEFAULT_MFU = 0.4
+
+
+@dataclass
+class RankPlan:
+    """What one rank holds, in bytes (see the module docstring for what each term counts)."""
+    rank: int
+    pp_rank: int
+    stages: List[int]
+    layers: List[int]
+    n_params: int            # local elements of its parameters
+    params: int
+    grads: int
+    optim: int
+    buffers: int
+    fsdp: int
+    autocast: int
+    activations: int
+    offloaded: int = 0       # params + grads + optimizer state in host memory (cpu_offload)
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optim + self.buffers + self.fsdp + self.autocast
+                + self.activations)
+
+
+@dataclass
+class Plan:
+    module: str
+    overrides: List[str]
+    args: object
+    world_size: int
+    dims: object
+    device_type: str
+    gpu: str
+    gpu_mem_gib: float
+    mfu: float
+    ranks: List[RankPlan]
+    n_params: int             # the whole model's parameters
+    flops_per_token: float
+    peak_flops: float
+    tokens_per_step: int
+    microbatch: int           # sequences per micro-batch
+    in_flight: List[float]    # micro-batches (pipeline chunks) in flight per pipeline rank
+    notes: List[str] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)   # data a job needs and this plan does not
+    suggestion: Optional[str] = None    # the cheapest change that fits, when this does not
+    tried: List[str] = field(default_factory=list)
+
+    @property
+    def busiest(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.total)
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu_mem_gib * GIB * USABLE_FRACTION
+
+    @property
+    def fits(self) -> bool:
+        return self.busiest.total <= self.usable_bytes
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.mfu * self.peak_flops / self.flops_per_token
+
+    @property
+    def days(self) -> float:
+        return self.args.steps * self.tokens_per_step / (self.tokens_per_s_per_gpu *
+                                                          self.world_size) / 86400
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def _shape(a) -> dict:
+
+    ffn = ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier)
+    expert = getattr(a, "expert_hidden_dim", 0) or ffn
+    n_kv = a.n_kv_heads or a.n_heads
+    return dict(h=a.dim, nh=a.n_heads, hk=a.dim // a.n_heads * n_kv, f=ffn, he=expert,
+                hs=expert * getattr(a, "n_shared_experts", 0), E=getattr(a, "n_experts", 0),
+                k=getattr(a, "top_k", 0))
+
+
+def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
+                           fp32_residual: bool = False, grouped_kv: bool = False) -> float:
+    """Bytes one block keeps per token of the sequence for its backward (see the module
+    docstring). e: bytes of the compute dtype (2 bf16, 4 fp32); ac: none | op | full (layer is
+    per block: none or full). fp32_residual: autocast (bf16 layouts without FSDP), where the
+    residual stream and the norms stay fp32 and every matmul casts its own bf16 copy of its
+    input (wq, wk and wv three, w1 and w3 two). grouped_kv: k/v reach attention with their own
+    heads (sdpa's GQA, taken on CPU only: lingua.model.transformer.grouped_kv_ok); on GPU they are
+    repeated to all heads first."""
+    s = _shape(model_args)
+    h, nh, hk, f = s["h"], s["nh"], s["hk"], s["f"]
+    t = tp
+    gathered = t > 1   # TP + SP: attention / FFN / MoE inputs are all-gathered full sequences
+    r = 4 if fp32_residual else e                           # residual stream, norm outputs
+    attn_in, ffn_in = (3, 2) if fp32_residual else (1, 1)   # kept copies of those inputs
+    if ac == "full":
+        return r * h / t                                    # the block's input
+    norm = _norm_bytes(h, r, t)
+    if ac == "none":
+        # norms; attention input(s); q, k, v (repeated to all heads unless grouped), output,
+        # logsumexp
+        kv = 2 * hk if grouped_kv else 2 * h
+        out = 2 * norm / t + attn_in * e * h + (e * (2 * h + kv) + 4 * nh) / t
+        if not moe:
+            return out + ffn_in * e * h + 4 * e * f / t     # FFN input(s); w1, silu, w3, product
+        k, he, hs = s["k"], s["he"], s["hs"]
+        # the router's fp32 input; per routed slot: gathered row, w1, silu, w3, product, and
+        # the expert output gathered back to slot order (the combine's bmm input); router
+        # scores / indices; shared experts (with their input).
+        out += 4 * h + k * (2 * e * h + 4 * e * he) + 4 * s["E"] + 28 * k
+        return out + (ffn_in * e * h + 4 * e * hs if hs else 0)
+    if ac != "op":
+        raise ValueError(f"ac={ac!r}: use none, op or full (layer is a mix of none and full)")
+    # op: the input, and every matmul / attention / all-gather output (_SAVE_OPS of
+    # lingua.parallel.distributed): q, k, v, attention output and logsumexp, wo's output (under tp a
+    # full-sequence partial sum before its reduce-scatter), the all-gathered inputs.
+    out = r * h / t + e * (2 * h + 2 * hk) / t + 4 * nh / t + e * h + (r * h if gathered else 0)
+    if not moe:
+        return out + 2 * e * f / t + e * h + (r * h if gathered else 0)   # w1 w3; w2; FFN in
+    hs = s["hs"]
+    # router gate; the combine's bmm output (a matmul's, so kept; full sequence under tp, like
+    # the MoE input); shared w1 w3 w2
+    out += 4 * s["E"] + e * h + (2 * e * hs + e * h if hs else 0)
+    return out + (r * h if gathered else 0)                 # all-gathered MoE input
+
+
+def _norm_bytes(h: int, r: int, tp: int) -> int:
+    """What an RMSNorm keeps per token: its fp32 normalised input and rsqrt (the eager
+    written-out backward of lingua.model.transformer.RMSNorm); under tp (sequence-parallel DTensors,
+    which take torch's composite ops one by one) also its normalised output before the weight."""
+    return 4 * h + 4 + (r * h if tp > 1 else 0)
+
+
+def output_activation_bytes(model_args, e: int, tp: int, loss_parallel: bool,
+                            fp32_residual: bool = False) -> float:
+    """Bytes per token at the last stage's end: final norm, the output projection's (gathered)
+    input, bf16 logits, their fp32 copy and the fp32 log-probabilities of the cross-entropy."""
+    h, vocab = model_args.dim, model_args.vocab_size
+    norm = _norm_bytes(h, 4 if fp32_residual else e, tp)
+    v_local = vocab / tp if loss_parallel else vocab
+    return norm / tp + e * h + (e + 8) * v_local
+
+
+def chunks_in_flight(schedule: str, pp: int, virtual: int, n_mb: int, pp_rank: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at once, in units of its stages'
+    average (one unit = all its layers for one micro-batch when it holds one stage)."""
+
+    if pp == 1:
+        return 1.0
+    name = pipeline.schedule_name(schedule)
+    style = pipeline.SCHEDULE_STYLES[name]
+    if name == "GPipe":
+        return float(n_mb)
+    if name == "LoopedBFS":
+        return float(n_mb)               # every micro-batch of every stage before a backward
+    if style == "single":                # 1F1B
+        return float(min(n_mb, pp - pp_rank))
+    # Interleaved / zero-bubble: torch's warmup forwards ((v - 1) pp + 2 (pp - 1 - rank)) plus
+    # the one the steady state adds, in chunks; a chunk is 1/virtual of the rank's layers.
+    chunks = min(n_mb * virtual, (virtual - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+    return chunks / virtual
+
+
+# ---------------------------------------------------------------------------------------------
+# Building on the fake process group
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """torch's fake backend: every collective returns at once, nothing is sent; enough for
+    DeviceMesh, parallelize_module and fully_shard on meta tensors in one process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("lingua.launch.plan builds on its own fake process group, but this "
+                           "process already has one: run the planner in a process of its own.")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The apply_* functions log each step at INFO; a plan builds many ranks."""
+    before = logging.root.manager.disable
+    logging.disable(max(before, logging.INFO))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(before)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _gathered_numel(p: torch.Tensor) -> int:
+    """Elements of a parameter once FSDP has all-gathered it: its local shard times the degree
+    of every sharded mesh dimension that is not tp or ep (those stay sharded in compute)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return p.numel()
+    try:  # FSDP over a TP or EP shard of the same dim: not a Shard subclass in torch 2.13
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        _StridedShard = ()
+    factor = 1
+    names = p.device_mesh.mesh_dim_names or ()
+    for i, placement in enumerate(p.placements):
+        name = names[i] if i < len(names) else ""
+        sharded = placement.is_shard() or isinstance(placement, _StridedShard)
+        if sharded and name not in ("tp", "ep"):
+            factor *= p.device_mesh.size(i)
+    return p.to_local().numel() * factor
+
+
+def _unit_params(unit: nn.Module) -> list:
+    """The parameters one FSDP unit gathers: its own, not those of FSDP units inside it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+
+    def walk(module, top):
+        if not top and isinstance(module, FSDPModule):
+            return
+        out.extend(module.parameters(recurse=False))
+        for child in module.children():
+            walk(child, False)
+
+    walk(unit, True)
+    return out
+
+
+def _fsdp_bytes(parts, e: int, reshard_after_forward: bool) -> int:
+    from torch.distributed.fsdp import FSDPModule
+
+    root, blocks = 0, []
+    for part in parts:
+        if not isinstance(part, FSDPModule):
+            continue
+        root += sum(_gathered_numel(p) for p in _unit_params(part))
+        for block in part.layers.values():
+            units = [m for m in block.modules() if isinstance(m, FSDPModule)]
+            blocks.append(sum(_gathered_numel(p) for u in units for p in _unit_params(u)))
+    if not blocks and not root:
+        return 0
+    largest = max(blocks, default=0)
+    in_flight = 2 * largest if reshard_after_forward else sum(blocks)
+    return e * (root + in_flight) + e * (root + largest) + 4 * largest
+
+
+def _build_parts(args, app, dims, rank: int, world_size: int):
+    """This rank's parallelised model parts on meta, and its stage ids: the trainer's own build."""
+
+    # Same shards, without what needs a GPU or changes no shape: compile, async TP's symmetric
+    # memory, CPU offload's pinned host copies.
+    build_args = dataclasses.replace(args, distributed=dataclasses.replace(
+        args.distributed, compile=False, async_tp=False, cpu_offload=False))
+    mesh = distributed.build_mesh(dims, "cpu") if world_size > 1 else None
+    env = DistEnv(rank=rank, local_rank=0, world_size=world_size, device=torch.device("cpu"),
+                  dims=dims, mesh=mesh)
+    return trainer.parallelized_parts_on_meta(build_args, env, app)
+
+
+def _is_moe_block(block) -> bool:
+    return getattr(block, "moe", None) is not None
+
+
+def _rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int) -> tuple:
+    """(RankPlan, micro-batches in flight) of one rank, built on the fake process group."""
+    world = dims.world_size
+    group = fake_process_group(rank, world) if world > 1 else contextlib.nullcontext()
+    with _quiet(), group:
+        parts, stage_ids = _build_parts(args, app, dims, rank, world)
+        return _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch)
+
+
+def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch) -> tuple:
+    from torch.distributed.fsdp import FSDPModule
+
+    d, m = args.distributed, args.model
+    params = [p for part in parts for p in part.parameters()]
+    locals_ = [_local(p) for p in params]
+    n_local = sum(t.numel() for t in locals_)
+    param_bytes = sum(t.numel() * t.element_size() for t in locals_)
+    buffer_bytes = sum(_local(b).numel() * _local(b).element_size()
+                       for part in parts for b in part.buffers())
+    e = 2 if d.model_dtype == "bf16" else 4
+    fsdp_applied = all(isinstance(p, FSDPModule) for p in parts)
+    fsdp = _fsdp_bytes(parts, e, d.reshard_after_forward) if fsdp_applied else 0
+    autocast = 0
+    fp32_residual = d.model_dtype == "bf16" and not fsdp_applied
+    if fp32_residual:   # autocast's bf16 copy of each matmul weight, kept for backward
+        autocast = sum(2 * t.numel() for p, t in zip(params, locals_) if t.dim() >= 2)
+        if not getattr(m, "tie_embeddings", False):   # a lookup, not a matmul: no copy
+            autocast -= sum(2 * _local(part.tok_embeddings.weight).numel() for part in parts
+                            if getattr(part, "tok_embeddings", None) is not None)
+    # Activations: the layers of each stage this rank holds.
+    pp_rank = rank // (dims.world_size // dims.pp)
+    tokens = microbatch * args.data.seq_len / dims.cp
+    per_mb, worst_block, layer_ids = 0.0, 0.0, []
+    for part in parts:
+        for name, block in part.layers.items():
+            layer_ids.append(int(name))
+            moe = _is_moe_block(block)
+            mode = d.ac
+            if mode == "layer":
+                mode = "none" if int(name) % d.ac_every else "full"
+            per_mb += block_activation_bytes(m, moe, mode, e, dims.tp, fp32_residual)
+            worst_block = max(worst_block, block_activation_bytes(m, moe, "none", e, dims.tp,
+                                                                  fp32_residual))
+            if dims.cp > 1 and mode != "full":   # all-gathered keys and values of the sequence
+                per_mb += 2 * e * _shape(m)["hk"] / dims.tp * dims.cp
+    flight = chunks_in_flight(d.pp_schedule, dims.pp, d.pp_virtual_stages, n_mb, pp_rank)
+    act = per_mb * flight
+    if d.ac != "none":
+        act += worst_block                    # one block recomputed in backward
+    if any(getattr(part, "output", None) is not None or
+           (getattr(m, "tie_embeddings", False) and getattr(part, "norm", None) is not None)
+           for part in parts):
+        act += output_activation_bytes(m, e, dims.tp, app.loss_parallel(d), fp32_residual)
+    activations = int(act * tokens)
+    grads, optim = param_bytes, 2 * param_bytes
+    offloaded = 0
+    if d.cpu_offload:
+        offloaded, param_bytes, grads, optim = param_bytes + grads + optim, 0, 0, 0
+    return RankPlan(rank=rank, pp_rank=pp_rank, stages=list(stage_ids), layers=layer_ids,
+                    n_params=n_local, params=param_bytes, grads=grads, optim=optim,
+                    buffers=buffer_bytes, fsdp=fsdp, autocast=autocast, activations=activations,
+                    offloaded=offloaded), flight
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+
+def job_world_size(slurm) -> int:
+    """The processes a stool job starts: nodes x tasks per node (0 tasks: one per GPU)."""
+    tasks = slurm.tasks_per_node or max(slurm.gpus_per_node, 1)
+    return slurm.nodes * tasks
+
+
+def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
+              device_type: str):
+    """(app module, validated args, world size): composed and checked as the job will be, but
+    for the corpus and tokenizer files (data_warnings)."""
+
+    app = config.import_app(app_module)
+    if not hasattr(app, "APP"):
+        raise ConfigError(f"{app_module} has no APP (a lingua.train.trainer.App): the planner "
+                          f"builds the model and its parallel plan from it, as the trainer does.")
+    raw = app.load_config(list(overrides), check=False)
+    world = world_size or job_world_size(raw.slurm)
+    if world < 1:
+        raise ConfigError(f"The world size must be at least 1, got {world}.")
+    with distributed.job_view(world, device_type):
+        trainer.validate(raw, app.APP, data_files=False)
+    return app, raw, world
+
+
+def data_warnings(args) -> List[str]:
+    """What a job would refuse to start without and a plan does without: the corpus (data.root,
+    its val/) and the tokenizer file, each problem once."""
+
+    found, corpus = [], args.data
+    try:
+        trainer.check_vocab(args)
+    except ConfigError as err:
+        found.append(str(err))
+        if corpus.format == "jsonl":   # its checks need no tokenizer: a missing val/ shows too
+            corpus = dataclasses.replace(corpus, tokenizer=TokenizerArgs())
+    try:
+        data.validate_data_args(corpus)
+    except ConfigError as err:
+        if str(err) not in found:   # the same missing tokenizer file
+            found.insert(0, str(err))
+    return found
+
+
+def _flops_per_token(args, app) -> float:
+
+    if app.APP.flops_per_token is not None:
+        return app.APP.flops_per_token(args)
+    m = args.model
+    with torch.device("meta"):
+        return metrics.flops_per_token(app.APP.model_class(m), m.n_layers, m.dim,
+                                       args.data.seq_len, m.tie_embeddings)
+
+
+def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None,
+         device_type: str = "cuda", gpu: str = "H100", gpu_mem_gib: Optional[float] = None,
+         mfu: float = DEFAULT_MFU, suggest: bool = True) -> Plan:
+    """Build the run at its world size on the fake process group and account each rank."""
+
+    if gpu not in GPU_MEMORY_GIB:
+        raise ConfigError(f"--gpu {gpu}: known GPUs are {', '.join(GPU_MEMORY_GIB)}.")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu {mfu}: give a fraction between 0 and 1, e.g. 0.4.")
+    gpu_mem_gib = gpu_mem_gib or GPU_MEMORY_GIB[gpu]
+    overrides = list(overrides)
+    app, args, world = load_args(app_module, overrides, world_size, device_type)
+    d = args.distributed
+    dims = distributed.parallel_dims(d, world)
+    n_mb, microbatch = 1, args.data.batch_size
+    if dims.pp > 1:
+        n_mb = d.pp_microbatches or pipeline.default_microbatches(d.pp, d.pp_virtual_stages)
+        microbatch = args.data.batch_size // n_mb
+    ranks, flights = [], []
+    per_stage = world // dims.pp
+    for pp_rank in range(dims.pp):   # the first rank of each stage holds the largest shards
+        rank_plan, flight = _rank_plan(args, app.APP, dims, pp_rank * per_stage, n_mb,
+                                       microbatch)
+        ranks.append(rank_plan)
+        flights.append(flight)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in app.APP.model_class(args.model).parameters())
+    dtype = "bf16" if d.model_dtype == "bf16" else "fp32"
+    result = Plan(module=app_module, overrides=overrides, args=args, world_size=world, dims=dims,
+                  device_type=device_type, gpu=gpu, gpu_mem_gib=gpu_mem_gib, mfu=mfu, ranks=ranks,
+                  n_params=n_params, flops_per_token=_flops_per_token(args, app),
+                  peak_flops=metrics.GPU_PEAK_FLOPS[dtype][gpu],
+                  tokens_per_step=args.data.batch_size * dims.dp * args.data.grad_accum
+                  * args.data.seq_len, microbatch=microbatch, in_flight=flights)
+    if suggest:   # the candidates of _cheapest_fix change the layout only, not the data
+        result.warnings = data_warnings(args)
+    if device_type != "cuda":
+        result.notes.append(f"planned for {device_type}: the memory limit is the GPU's "
+                            f"({gpu}, {gpu_mem_gib:g} GiB) all the same")
+    if suggest and not result.fits:
+        result.suggestion, result.tried = _cheapest_fix(result, gpu, gpu_mem_gib, mfu,
+                                                        device_type)
+    return result
+
+
+def _candidates(p: Plan) -> list:
+    """(overrides to add, world size) in the order of cost: recompute, then tp inside a node,
+    then more nodes."""
+    d, slurm = p.args.distributed, p.args.slurm
+    acs = list(dict.fromkeys([d.ac, "op", "full"]))
+
+    def with_ac(extra, ac):
+        return extra + ([] if ac == d.ac else [f"distributed.ac={ac}"])
+
+    out = [([f"distributed.ac={ac}"], p.world_size) for ac in acs
+           if ac != d.ac and d.ac != "full"]
+    per_node = slurm.tasks_per_node or max(slurm.gpus_per_node, 1)
+    node_limit = per_node if slurm.gpus_per_node else 8
+    for tp in (2, 4, 8):
+        if tp > d.tp and tp <= node_limit:
+            out += [(with_ac([f"distributed.tp={tp}"], ac), p.world_size) for ac in acs]
+    for factor in (2, 4, 8):
+        world = p.world_size * factor
+        nodes = [f"slurm.nodes={slurm.nodes * factor}"] if p.world_size == job_world_size(slurm) \
+            else []
+        out += [(with_ac(nodes, ac), world) for ac in acs]
+    return out
+
+
+def _cheapest_fix(p: Plan, gpu, gpu_mem_gib, mfu, device_type) -> tuple:
+    tried = []
+    for extra, world in _candidates(p):
+        label = " ".join(extra + ([f"--world-size {world}"] if world != p.world_size and not
+                                  any(x.startswith("slurm.nodes") for x in extra) else []))
+        try:
+            candidate = plan(p.module, p.overrides + extra, world, device_type, gpu, gpu_mem_gib,
+                             mfu, suggest=False)
+        except ConfigError:
+            continue
+        tried.append(f"{label} ({candidate.busiest.total / GIB:.1f} GiB)")
+        if candidate.fits:
+            return f"{label} ({candidate.busiest.total / GIB:.1f} GiB)", tried
+    return None, tried
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def _in(unit: int):
+    return lambda n: f"{n / unit:.1f}"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_plan(p: Plan) -> str:
+    a, d, dims = p.args, p.args.distributed, p.dims
+    e_name = "bf16" if d.model_dtype == "bf16" else "fp32"
+    lines = [f"plan: {p.module} {' '.join(p.overrides)}".rstrip()]
+    lines.append(f"  {p.world_size} ranks: dp_replicate={dims.dp_replicate} "
+                 f"dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} pp={dims.pp}"
+                 + (f" ep={d.ep}" if d.ep > 1 else "")
+                 + f", ac={d.ac}, {e_name} compute, micro-batch {p.microbatch} x "
+                 f"{a.data.seq_len} tokens" + (f" ({p.in_flight[0]:g} in flight on pp rank 0,"
+                                               f" {d.pp_schedule})" if dims.pp > 1 else ""))
+    lines.append(f"  model: {_count(p.n_params)} parameters, {p.flops_per_token:.3g} FLOPs/token")
+    shown = p.ranks if len(p.ranks) <= 8 else [p.ranks[0], p.busiest, p.ranks[-1]]
+    shown = list({r.rank: r for r in shown}.values())
+    heads = [f"rank {r.rank}" + (f" (pp {r.pp_rank})" if dims.pp > 1 else "") for r in shown]
+    width = max(10, *(len(h) for h in heads))
+    rows = [("parameters (fp32 shards + buffers)" if e_name == "bf16" else "parameters (+ buffers)",
+             lambda r: r.params + r.buffers),
+            ("gradients", lambda r: r.grads),
+            ("AdamW moments (2 x fp32)", lambda r: r.optim)]
+    if any(r.fsdp for r in shown):
+        rows.append((f"FSDP gathered ({e_name} root + 2 blocks)", lambda r: r.fsdp))
+    if any(r.autocast for r in shown):
+        rows.append(("autocast bf16 weight copies", lambda r: r.autocast))
+    rows.append((f"activations (ac={d.ac})", lambda r: r.activations))
+    rows.append(("total", lambda r: r.total))
+    label_w = max(len(r[0]) for r in rows) + 2
+    unit, fmt = ("GiB", _in(GIB)) if p.busiest.total >= GIB else ("MiB", _in(2 ** 20))
+    lines.append(f"  {unit + ' per rank':<{label_w}}" + "".join(f"{h:>{width + 2}}" for h in heads))
+    for label, get in rows:
+        lines.append(f"  {label:<{label_w}}" + "".join(f"{fmt(get(r)):>{width + 2}}"
+                                                      for r in shown))
+    if any(r.offloaded for r in shown):
+        lines.append(f"  (in host memory, cpu_offload: {fmt(p.busiest.offloaded)} {unit} a rank)")
+    b = p.busiest
+    verdict = "fits" if p.fits else "does not fit"
+    lines.append(f"{verdict}: {fmt(b.total)} {unit} on rank {b.rank} of {_gib(p.usable_bytes)} GiB "
+                 f"usable ({USABLE_FRACTION:.0%} of {p.gpu_mem_gib:g} GiB, {p.gpu})")
+    if not p.fits:
+        if p.suggestion:
+            lines.append(f"  cheapest change that fits: {p.suggestion}")
+        else:
+            lines.append("  no change tried fits (ac=op/full, tp up to 8 in a node, up to 8x the "
+                         "nodes): lower data.batch_size or data.seq_len, or add pp")
+    tps = p.tokens_per_s_per_gpu
+    total_tokens = a.steps * p.tokens_per_step
+    lines.append(f"at {p.mfu:.0%} MFU ({p.gpu} {e_name} peak {p.peak_flops / 1e12:.0f} TFLOP/s): "
+                 f"{tps:,.0f} tokens/s a GPU, {_count(tps * p.world_size)} tokens/s; "
+                 f"{_count(p.tokens_per_step)} tokens a step, {a.steps} steps = "
+                 f"{_count(total_tokens)} tokens in {p.days:.1f} days")
+    lines.append("  (shards read from the model built on the fake process group; activations "
+                 "estimated per block, see lingua/launch/plan.py)")
+    lines += [f"  note: {n}" for n in p.notes]
+    if p.warnings:   # planned all the same: the model's size does not depend on the data
+        lines += [f"warning: {w}" for w in p.warnings]
+        lines.append(f"  (planned without them, with model.vocab_size={a.model.vocab_size}; "
+                     f"the job and stool refuse to start until they are fixed)")
+    return "\n".join(lines)
+
+
+def report_text(app_module: str, overrides: list, world_size: int, device_type: str = "cuda",
+                gpu: str = "H100", gpu_mem_gib: Optional[float] = None,
+                mfu: float = DEFAULT_MFU) -> str:
+    """The text `python -m lingua.plan` prints, for stool's dry run."""
+    return format_plan(plan(app_module, list(overrides), world_size, device_type, gpu,
+                            gpu_mem_gib, mfu))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lingua.plan",
+        description="Per-rank memory, FLOPs and time of a run at its world size, built on the "
+                    "fake process group (no GPU needed). Exit code 0: fits, 1: does not fit, "
+                    "2: bad config.")
+    parser.add_argument("module", help="the app's train module, e.g. apps.llama.train")
+    parser.add_argument("overrides", nargs="*", help="config overrides as for the train module")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes (default: slurm.nodes x slurm.tasks_per_node, or one "
+                             "per GPU from slurm.gpus_per_node)")
+    parser.add_argument("--gpu", default="H100", choices=sorted(GPU_MEMORY_GIB),
+                        help="peak FLOP/s and default memory (default H100)")
+    parser.add_argument("--gpu-mem-gib", type=float, default=None,
+                        help="memory per GPU in GiB (default: the GPU's, 80 for H100)")
+    parser.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                        help="assumed model FLOPs utilisation for the time estimate (0.4)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="the job's device, for validation (default cuda)")
+    ns = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    try:
+        result = plan(ns.module, ns.overrides, ns.world_size, ns.device, ns.gpu, ns.gpu_mem_gib,
+                      ns.mfu)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_plan(result))
+    return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

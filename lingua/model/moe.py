@@ -1,0 +1,476 @@
+"""Mixture-of-experts layer: router, grouped experts, load-balancing losses. No distributed code.
+
+Data flow of `MoE.forward` (x [..., dim] flattened to T tokens):
+  router -> top-k experts and combine weights per token -> stable sort of the T*k assignments by
+  expert -> optional capacity dropping -> `experts(x_sorted, counts)` -> unsort -> weighted sum over
+  the k slots -> plus shared experts.
+`experts` is the swap point for expert parallelism: a module with the same
+`forward(x_sorted [n, dim] grouped by expert in expert order, counts [n_experts]) -> [n, dim]`
+may replace it (it would all-to-all the rows to the ranks that hold the experts and back).
+
+Load balancing over the GLOBAL batch:
+  * `moe.count_reducer(t) -> Tensor`: returns the sum of `t` over the ranks that hold distinct
+    tokens of the same micro-batch (data- and context-parallel ranks), i.e. an all-reduce(SUM); it
+    may reduce in place but must return the result. Default: identity (one process); the MoE
+    app's parallel plan sets it (lingua.parallel.expert_parallel.apply_global_counts). Called once
+    per MoE layer per training forward when aux_loss_coef or z_loss_coef > 0 (also when activation
+    checkpointing recomputes the forward: every rank does so alike), and once per step by
+    update_expert_bias. Never called in eval mode.
+  * The balancing losses are SUMS over this rank's tokens, like the cross-entropy the trainer
+    sums; the trainer divides both by the global batch's token count (lingua/model/loss.py). With
+    f_e = reduced_count_e / sum(reduced_counts) (no gradient):
+      aux_sum = aux_loss_coef * n_experts * sum_e f_e * (sum over this rank's tokens of the
+                normalised scores_e)
+      z_sum   = z_loss_coef * (sum over this rank's tokens of logsumexp(logits)^2)
+    A training forward leaves `moe.balance_loss` = aux_sum + z_sum (with its graph; None when both
+    coefficients are 0); the model returns their total beside its output and the app's loss adds
+    it (apps/moe). Summed over ranks and micro-batches and divided by the global token count,
+    this is the loss of the global batch computed in one process. The per-rank sums are in
+    `stats`; the logged routing metrics (`routing_metrics`) are per token, over the step's
+    micro-batches, the ranks and the pipeline stages.
+  * `update_expert_bias(layers, rate)` after each optimizer step (DeepSeek-V3 aux-loss-free
+    balancing) reduces the step's accumulated counts with the layers' `count_reducer`.
+"""
+
+import math
+from typing import Callable, Dict, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lingua.errors import ConfigError
+from lingua.model.transformer import FeedForward, inferring_shapes
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+EXPERT_IMPLS = ("grouped", "loop")
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: torch._grouped_mm's backward
+    rejects stride-0 gradients (e.g. from `y.sum().backward()`)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
+
+
+@torch.compiler.disable
+def _grouped_mm_eager(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """_grouped_mm outside torch.compile's graph: the compiler's shape rule for _grouped_mm
+    accepts only bf16 (torch 2.13), while the eager kernel also runs fp32 (the CPU and debug
+    configs). Costs a graph break per call, in fp32 only."""
+    return _grouped_mm(x, w, offs)
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows[i] = src[index[i]] for a permutation `index`, whose backward is the gather through
+    the inverse permutation (torch's index_select backward zero-fills and scatter-adds instead:
+    two more passes, and atomics on GPU)."""
+
+    @staticmethod
+    def forward(ctx, src, index, inverse):
+        ctx.save_for_backward(inverse)
+        return src.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _Dispatch(torch.autograd.Function):
+    """x [T, dim] -> x[slot // top_k for slot in order]: each token's row once per expert it is
+    routed to. Backward gathers the rows' gradients back into slot order (through `inverse`:
+    slot -> row, n_rows for a dropped slot) and sums each token's top_k slots: no zero-fill and
+    accumulate-scatter (index_put), deterministic on GPU."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse, top_k):
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        if inverse.numel() > grad.shape[0]:  # dropped slots read an appended zero row
+            grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
+        slots = grad.index_select(0, inverse)
+        return slots.view(-1, ctx.top_k, grad.shape[1]).sum(1), None, None, None
+
+
+# oneDNN, which runs bf16 / fp16 matmuls on CPU, builds (JIT-compiles) and caches a kernel for
+# every matmul shape it meets, and torch._grouped_mm on CPU runs one matmul per expert: as the
+# tokens an expert gets change every step, so do the shapes: a bf16 MoE step on CPU spends a
+# large share of its time building kernels, and the cached ones grow the process steadily (see
+# BENCHMARKS.md, "MoE trainer vs Hugging Face Mixtral", "Then: freed memory kept, the loss's
+# backward rewritten, experts padded"). So on CPU in those dtypes each expert's rows are padded
+# with zero rows to a multiple of CPU_GROUP_ROWS: 16x fewer shapes, which the cache keeps once
+# seen. The buffer has CPU_GROUP_ROWS - 1 more rows per expert than there are tokens (the last
+# expert's group takes what its padding leaves, so every row is in a group and computed): skipped
+# where that is over 10% of the rows (few tokens, many experts). Not on GPU: its grouped GEMM is
+# one kernel for any split.
+CPU_GROUP_ROWS = 16
+
+
+def _cpu_group_rows(x: torch.Tensor, n_experts: int) -> int:
+    """The multiple to pad each expert's rows to (0: none): CPU bf16/fp16 only, see above."""
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    if n_experts * (CPU_GROUP_ROWS - 1) > 0.1 * x.shape[0]:
+        return 0
+    return CPU_GROUP_ROWS
+
+
+class _ScatterRows(torch.autograd.Function):
+    """out = zeros(n_out, dim) with out[rows[i]] = x[i]; backward gathers the rows back. Keeps
+    only `rows` for backward (torch's index_copy keeps its whole source: one more copy of the
+    expert rows per layer until backward)."""
+
+    @staticmethod
+    def forward(ctx, x, rows, n_out):
+        ctx.save_for_backward(rows)
+        return x.new_zeros(n_out, x.shape[1]).index_copy_(0, rows, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad.index_select(0, rows), None, None
+
+
+def _pad_groups(x: torch.Tensor, counts: torch.Tensor, multiple: int):
+    """Expert-sorted rows x [n, dim] with counts[e] rows per expert -> (padded_x, rows, offs):
+    expert e's rows start at a multiple of `multiple`, zero rows fill each group up to the next
+    start, x[i] is padded_x[rows[i]], and offs are torch._grouped_mm's int32 group end offsets.
+    padded_x has a fixed n + n_experts * (multiple - 1) rows (a shape that does not depend on
+    the routing, for torch.compile); the last expert's group runs to its end, so no row is left
+    outside a group (torch._grouped_mm leaves such rows of its outputs unwritten)."""
+    n, n_experts = x.shape[0], counts.numel()
+    n_out = n + n_experts * (multiple - 1)
+    padded = (counts + multiple - 1) // multiple * multiple
+    ends = padded.cumsum(0)
+    shift = (ends - padded) - (counts.cumsum(0) - counts)   # padded start - packed start
+    expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts,
+                                     output_size=n)
+    rows = torch.arange(n, device=x.device) + shift[expert]
+    ends[-1] = n_out
+    return _ScatterRows.apply(x, rows, n_out), rows, ends.to(torch.int32)
+
+
+def check_grouped_alignment(dim: int, hidden: int) -> None:
+    """torch._grouped_mm needs every row stride to be a multiple of 16 bytes (8 bf16 values)."""
+    if dim % 8 or hidden % 8:
+        raise ConfigError(
+            f"model.expert_impl=grouped needs dim={dim} and the expert hidden size={hidden} to be "
+            "multiples of 8: torch._grouped_mm requires 16-byte aligned rows. Pick multiples of 8 "
+            "(model.expert_hidden_dim) or use model.expert_impl=loop."
+        )
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU FFNs with stacked weights: y_e = (silu(x W1_e) * (x W3_e)) W2_e.
+
+    impl "grouped": one torch._grouped_mm per weight over all experts; "loop": one matmul per expert
+    (the reference). torch._grouped_mm constraints handled here: int32 offsets, both operands of one
+    dtype (autocast does not cover it, so we cast to the autocast dtype ourselves), 16-byte aligned
+    rows (checked at construction), no stride-0 incoming gradient (made contiguous), no empty
+    input (the loop handles it). Experts with zero tokens are fine (equal consecutive offsets).
+    On CPU in bf16/fp16 each expert's rows are padded to a multiple of CPU_GROUP_ROWS first.
+    """
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, impl: str = "grouped"):
+        super().__init__()
+        if impl not in EXPERT_IMPLS:
+            raise ConfigError(f"model.expert_impl={impl!r} is not one of "
+                              f"{', '.join(EXPERT_IMPLS)}.")
+        if impl == "grouped":
+            check_grouped_alignment(dim, hidden)
+        self.impl = impl
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # grouped_mm needs one dtype for both operands and autocast does not cover it: use the
+        # autocast dtype when on, else the weights' (bf16 under FSDP mixed precision).
+        dtype = self.w1.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        x, w1, w3, w2 = (t.to(dtype) for t in (x, self.w1, self.w3, self.w2))
+        if self.impl == "loop" or x.shape[0] == 0:
+            # No rows (e.g. an expert-parallel rank that received none): grouped_mm's backward
+            # rejects the [0, n] gradient, so the loop yields the (zero) gradients instead.
+            return self._loop(x, counts, w1, w3, w2)
+        group_rows = _cpu_group_rows(x, counts.numel())
+        if group_rows:   # CPU bf16/fp16: padded groups, few GEMM shapes (see CPU_GROUP_ROWS)
+            x, rows, offs = _pad_groups(x, counts, group_rows)
+        else:
+            offs = counts.cumsum(0).to(torch.int32)
+        eager = torch.compiler.is_compiling() and x.dtype != torch.bfloat16
+        mm = _grouped_mm_eager if eager else _grouped_mm
+        h = F.silu(mm(x, w1, offs)) * mm(x, w3, offs)
+        y = mm(h, w2, offs)
+        return y.index_select(0, rows) if group_rows else y
+
+    @staticmethod
+    def _loop(x, counts, w1, w3, w2) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(torch.split(x, counts.tolist())):
+            outs.append((F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e])
+        return torch.cat(outs)
+
+
+class Router(nn.Module):
+    """Scores every expert, picks top_k per token. The gate runs in fp32 even under bf16 autocast:
+    routing decisions flip on small logit differences. `expert_bias` only changes which experts are
+    chosen (DeepSeek-V3); the combine weights are the unbiased scores of the chosen experts."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str = "softmax",
+                 norm_topk: bool = False, route_scale: float = 1.0):
+        super().__init__()
+        if score_func not in SCORE_FUNCS:
+            raise ConfigError(f"model.score_func={score_func!r} is not one of "
+                              f"{', '.join(SCORE_FUNCS)}.")
+        self.top_k, self.score_func = top_k, score_func
+        self.norm_topk, self.route_scale = norm_topk, route_scale
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=True)
+
+    def forward(self, x: torch.Tensor):
+        """x [T, dim] -> (weights [T, k] fp32, experts [T, k] long, scores [T, E] fp32,
+        logits [T, E] fp32)."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        _, experts = torch.topk(scores.detach() + self.expert_bias.float(), self.top_k, dim=-1)
+        weights = scores.gather(-1, experts)
+        if self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, experts, scores, logits
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, n_shared_experts: int = 0,
+                 score_func: str = "softmax", norm_topk: bool = False, route_scale: float = 1.0,
+                 capacity_factor: float = 0.0, expert_impl: str = "grouped",
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ConfigError(f"model.top_k={top_k} must be between 1 and "
+                              f"model.n_experts={n_experts}.")
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.router = Router(dim, n_experts, top_k, score_func, norm_topk, route_scale)
+        self.experts = GroupedExperts(n_experts, dim, hidden, expert_impl)
+        self.shared_experts = (FeedForward(dim, hidden * n_shared_experts)
+                               if n_shared_experts > 0 else None)
+        # Router counts summed over the ranks holding distinct tokens (see the module docstring).
+        self.count_reducer: Callable[[torch.Tensor], torch.Tensor] = _identity
+        # The last training forward's balancing losses, summed over its tokens (with their graph).
+        self.balance_loss: Optional[torch.Tensor] = None
+        # Local assignment counts accumulated over the training forwards of one optimizer step,
+        # for update_expert_bias (not a buffer: it is not part of a checkpoint).
+        self.step_counts: Optional[torch.Tensor] = None
+        # This forward's local statistics (tests read them), and the sums over the training
+        # forwards since reset_routing() that routing_metrics() turns into logged values.
+        self.stats: Dict[str, torch.Tensor] = {}
+        self.routing: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts, scores, logits = self.router(x)
+        n_assign = experts.numel()
+        flat = experts.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        # Token-major within an expert: earlier tokens first.
+        order = torch.argsort(flat, stable=True)
+        kept = counts
+        if self.capacity_factor > 0:
+            cap = math.ceil(self.capacity_factor * x.shape[0] * self.top_k / self.n_experts)
+            start = counts.cumsum(0) - counts
+            rank_in_expert = torch.arange(n_assign, device=x.device) - start[flat[order]]
+            order = order[rank_in_expert < cap]
+            kept = counts.clamp(max=cap)
+        # slot -> row of the expert-sorted rows (n_kept for a dropped slot)
+        inverse = torch.full((n_assign,), order.numel(), dtype=order.dtype, device=x.device)
+        inverse.index_copy_(0, order, torch.arange(order.numel(), device=x.device))
+        # Under autocast the experts compute in its dtype: cast the T rows once, not the T*k
+        # gathered ones (a bf16 gather also moves half the bytes).
+        device_type = x.device.type
+        xe = (x.to(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type)
+              else x)
+        y = self.experts(_Dispatch.apply(xe, order, inverse, self.top_k), kept)
+        out = self._combine(y, order, inverse, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        self._balance(counts, scores, logits, n_assign - order.numel())
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _combine(self, y, order, inverse, weights) -> torch.Tensor:
+        """Expert outputs y [n, dim] (row i is slot order[i] = t * top_k + j) -> sum over j of
+        weights[t, j] * (slot (t, j)'s row), [T, dim] in y's dtype; dropped slots count as zero.
+
+        The rows go back into slot order by a gather through the inverse permutation (whose
+        backward is a gather through `order`; with drops, a scatter into zeros, whose backward
+        is the same gather), then each token's k slots are weighted and summed in one batched
+        [1, k] x [k, dim] product. Deterministic on GPU (no index_add), and on CPU fewer passes
+        over the [T*k, dim] rows than scatter, fp32 copy, product and sum."""
+        n_slots, dim = weights.numel(), y.shape[-1]
+        if order.numel() == n_slots:
+            slots = _GatherRows.apply(y, inverse, order)
+        else:
+            slots = y.new_zeros(n_slots, dim).index_copy(0, order, y)
+        slots = slots.view(-1, self.top_k, dim)
+        # In y's dtype: under bf16 autocast an fp32 copy of the [T*k, dim] rows (and the cast of
+        # their gradient back) cost more than the expert GEMMs of small experts. bmm accumulates
+        # in fp32 either way; the weights (and their gradient, for the router) are rounded to
+        # bf16 like any autocast matmul's operands, the routing itself stays fp32.
+        return torch.bmm(weights.unsqueeze(1).to(y.dtype), slots).squeeze(1)
+
+    def _probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """Per-token distributions over experts: sigmoid scores are normalised to sum to 1."""
+        if self.router.score_func == "softmax":
+            return scores
+        return scores / scores.sum(-1, keepdim=True)
+
+    def _balance(self, counts, scores, logits, n_dropped: int) -> None:
+        """Record statistics, accumulate counts for the bias update, compute the balancing
+        losses."""
+        counts_f = counts.float()
+        # Forwards re-run inside backward (activation checkpointing) are not counted again, nor
+        # the shape-inference forward of a process's first pipeline step (on copies of the first
+        # micro-batch or, on later stages, on uninitialised tensors).
+        counted = (self.training and torch._C._current_graph_task_id() == -1
+                   and not inferring_shapes())
+        if counted:
+            self.step_counts = (counts_f.detach() if self.step_counts is None
+                                else self.step_counts + counts_f.detach())
+        aux = z = torch.zeros((), device=counts.device)
+        self.balance_loss = None
+        # Training only: evaluation and generation must not call the trainer's collective hooks.
+        if self.training and (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
+            global_counts = self.count_reducer(counts_f.detach().clone())
+            f = global_counts / global_counts.sum()
+            aux = self.aux_loss_coef * self.n_experts * (f * self._probs(scores).sum(0)).sum()
+            z = self.z_loss_coef * torch.logsumexp(logits, -1).pow(2).sum()
+            self.balance_loss = aux + z
+        with torch.no_grad():
+            p = self._probs(scores)
+            entropy = -(p * p.clamp_min(1e-20).log()).sum(-1)
+            n_slots = scores.shape[0] * self.top_k
+            self.stats = {
+                "tokens_per_expert": counts_f.detach(),
+                "dropped_fraction": torch.tensor(n_dropped / max(n_slots, 1)),
+                "router_entropy": entropy.mean(),
+                "aux_loss": aux.detach(),  # summed over this rank's tokens
+                "z_loss": z.detach(),
+            }
+            if counted:
+                sums = torch.stack([counts_f.new_tensor(float(n_dropped)),
+                                    counts_f.new_tensor(float(n_slots)), entropy.sum().float(),
+                                    counts_f.new_tensor(float(scores.shape[0])),
+                                    aux.detach().float(), z.detach().float()])
+                row = torch.cat([counts_f.detach(), sums])
+                self.routing = row if self.routing is None else self.routing + row
+
+
+@torch.no_grad()
+def update_expert_bias(moe_layers: Iterable[MoE], rate: float) -> None:
+    """DeepSeek-V3 aux-loss-free balancing, after each optimizer step: for each layer,
+    bias_e += rate * sign(mean_e(count) - count_e) on the step's globally reduced counts
+    (underloaded experts become more likely to be chosen); then the counts restart from zero.
+    All layers' counts go through one `count_reducer` call (the first layer's) to save collectives.
+    """
+    layers = [m for m in moe_layers if m.step_counts is not None]
+    if not layers:
+        return
+    counts = layers[0].count_reducer(torch.stack([m.step_counts for m in layers]))
+    for m, c in zip(layers, counts):
+        m.router.expert_bias.add_(rate * torch.sign(c.mean() - c).to(m.router.expert_bias.dtype))
+        m.step_counts = None
+
+
+def moe_layers(model: nn.Module):
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def balance_loss_sum(layers: Iterable[MoE], device) -> torch.Tensor:
+    """The last training forward's balancing losses of `layers`, summed ([1]; zeros if none).
+    Each layer lets go of its own (a tensor with a graph: the module stays copyable)."""
+    total = torch.zeros(1, device=device)
+    for m in layers:
+        if m.balance_loss is not None:
+            total = total + m.balance_loss
+            m.balance_loss = None
+    return total
+
+
+# A layer's routing sums (MoE.routing) after its n_experts token counts, in this order.
+ROUTING_SUMS = ("dropped", "slots", "entropy", "tokens", "aux_loss", "z_loss")
+
+
+def reset_routing(layers: Iterable[MoE]) -> None:
+    """Start new routing sums (the trainer calls it before each step's forward passes)."""
+    for m in layers:
+        m.routing = None
+
+
+@torch.no_grad()
+def routing_metrics(layers: Dict[int, MoE], n_layers: int, n_experts: int,
+                    reduce: Callable[[torch.Tensor], torch.Tensor],
+                    device: torch.device) -> Dict[str, float]:
+    """Routing health per MoE layer from the sums since reset_routing, as "<layer>/<name>".
+
+    `layers` maps a layer's index in the whole model to this rank's MoE module. Every rank builds
+    the same [n_layers, n_experts + 6] table (zero rows for layers it does not hold) and `reduce`
+    sums it over the ranks holding different tokens and different pipeline stages, so a value
+    covers the step's global batch and every stage, not one rank's last micro-batch. Collective:
+    every rank calls it, holding MoE layers or not.
+      imbalance         max / mean of the tokens routed to each expert (1 = perfectly balanced)
+      dropped_fraction  routed slots dropped by capacity / all routed slots
+      router_entropy    mean over tokens of the entropy of the router's distribution (nats)
+      aux_loss, z_loss  the balancing losses added to the step's loss, per token
+    """
+    table = torch.zeros(n_layers, n_experts + len(ROUTING_SUMS), device=device)
+    for index, layer in layers.items():
+        if layer.routing is not None:
+            table[index] = layer.routing.to(device)
+    table = reduce(table).cpu()
+    out = {}
+    for index in range(n_layers):
+        counts = table[index, :n_experts]
+        sums = dict(zip(ROUTING_SUMS, table[index, n_experts:].tolist()))
+        if sums["tokens"] == 0:  # a dense layer, or no training forward since the reset
+            continue
+        out[f"{index}/imbalance"] = (counts.max() / counts.mean().clamp_min(1e-9)).item()
+        out[f"{index}/dropped_fraction"] = sums["dropped"] / max(sums["slots"], 1.0)
+        out[f"{index}/router_entropy"] = sums["entropy"] / sums["tokens"]
+        out[f"{index}/aux_loss"] = sums["aux_loss"] / sums["tokens"]   # per token, as the loss
+        out[f"{index}/z_loss"] = sums["z_loss"] / sums["tokens"]
+    return out
+
+
+def active_params_per_token(model: nn.Module) -> float:
+    """Matmul parameters one token goes through, for FLOPs/MFU: every nn.Linear (attention, dense
+    FFNs, router gates, shared experts, output) plus top_k / n_experts of each layer's routed
+    experts. The embedding lookup is not a matmul and is excluded (as lingua.observe.metrics does);
+    a tied output matrix is not an nn.Linear, so callers add it."""
+    total = float(sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)))
+    for m in moe_layers(model):
+        routed = sum(p.numel() for p in m.experts.parameters())
+        total += routed * m.top_k / m.n_experts
+    return total

@@ -1,0 +1,642 @@
+"""Activation, weight and gradient statistics during training: `probe.every=N`.
+
+Every N steps the probe records, for each selected module, statistics of its input and output,
+of its weights and of their gradients; the attention's max logit and entropy on a sample of
+queries; and MoE router load and entropy. One JSON line per probe step goes to
+`dump_dir/probe/probe.jsonl` (schema below); `python -m lingua.probe plot <dump_dir>` draws them.
+
+This module is the collection during training: ProbeArgs, the reducible summaries (moments,
+histogram, attention, router), and `Probe` (hooks, reduction over ranks, alerts, wandb). Reading
+and plotting the file (`read`, `plot`, the command line) live in `lingua/observe/probe_report.py`;
+`read` and `plot` are re-exported here, and `python -m lingua.probe` runs its command line.
+
+Cost. Hooks exist only during a probe step's forward/backward: with the probe off, or between
+probe steps, the model has no hooks at all. A probe step costs about one more forward.
+
+Correct under every parallel layout. A rank sees a shard (FSDP, TP) or its own tokens (DP, CP) or
+some layers (PP) of each tensor; what is recorded is a statistic of the whole logical tensor over
+the global batch, the number one process would compute. Each rank reduces its local tensor to a
+fixed-size vector of sums (count, sum, sum of squares/cubes/fourth powers, zeros, a histogram on a
+fixed log-scale grid) and extremes (max, -min); vectors are then summed (maxed) over the ranks
+that hold distinct parts of the tensor: the moments are reduced, never the tensors. Which ranks
+hold distinct parts: for weights and gradients (DTensors) their placements say so; activations are
+distinct over data-parallel and cp ranks, and over tp ranks either sharded or identical copies,
+told apart by comparing the vectors across tp (identical copies give identical vectors). Pipeline
+stages send their layers' results to rank 0, which writes.
+
+Quantiles and the fraction beyond 6 standard deviations come from the histogram: 64 bins per
+decade of |x| from 1e-8 to 1e8 (each bin 3.7% wide, log-interpolated), the same bins on every
+rank, so they are layout-independent and accurate to about 2% of the value.
+
+Schema of a line of probe.jsonl:
+    {"step": int, "alerts": [str, ...],
+     "stats": {"<module>/<tensor>": {"<stat>": float, ...}, ...}}
+<tensor> is input, output, a parameter's name (`layers.0.attention.wq/weight`), its gradient
+(`layers.0.attention.wq/weight.grad`), attention (stats `max_logit`, `entropy`, `entropy_frac` =
+entropy / log(keys seen)) or router (`load_min`, `load_max`, `load_cv` = std/mean of the tokens
+each expert got, `entropy` of the routing scores). Activation/weight stats: count, mean, std,
+rms, min, max, abs_max, kurtosis (Pearson: 3 for a normal distribution), zero_frac, outlier_frac
+(beyond 6 std of the mean), nonfinite (NaN/Inf count, excluded from the rest), q<quantile> (e.g.
+q0.99).
+"""
+
+import fnmatch
+import json
+import logging
+import math
+import statistics
+import weakref
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lingua.errors import ConfigError
+from lingua.model.transformer import inferring_shapes
+from lingua.observe.probe_report import plot
+
+logger = logging.getLogger(__name__)
+
+ALL_STATS = ("count", "mean", "std", "rms", "min", "max", "abs_max", "kurtosis", "zero_frac",
+             "outlier_frac", "nonfinite", "quantiles")
+TENSOR_KINDS = ("input", "output", "weight", "grad", "attention", "router")
+
+
+@dataclass
+class ProbeArgs:
+    every: int = 0                  # probe every N steps (0: off, and no hooks at all)
+    # fnmatch patterns over module names, e.g. "layers.*.attention.w?" or "*feed_forward*"
+    modules: List[str] = field(default_factory=lambda: ["*"])
+    tensors: List[str] = field(default_factory=lambda: list(TENSOR_KINDS))
+    stats: List[str] = field(default_factory=lambda: list(ALL_STATS))
+    quantiles: List[float] = field(default_factory=lambda: [0.001, 0.01, 0.5, 0.99, 0.999])
+    attention_queries: int = 16     # queries per sequence for attention max logit / entropy
+    # Alerts (logged with module and step, counted in metrics as probe_alerts, sent to wandb):
+    alert_abs_max: float = 0.0      # an abs_max above this (0: off)
+    alert_jump: float = 0.0         # a stat above alert_jump x its running median (0: off)
+    alert_stats: List[str] = field(default_factory=lambda: ["abs_max", "rms"])
+    alert_window: int = 20          # probe steps in the running median
+
+
+def validate_args(args: ProbeArgs) -> None:
+    if args.every < 0:
+        raise ConfigError(f"probe.every={args.every} must be 0 (off) or a number of steps.")
+    unknown = [k for k in args.tensors if k not in TENSOR_KINDS]
+    if unknown:
+        raise ConfigError(f"probe.tensors has unknown entries {unknown}: choose from "
+                          f"{', '.join(TENSOR_KINDS)}.")
+    unknown = [s for s in list(args.stats) + list(args.alert_stats)
+               if s not in ALL_STATS and s not in ("max_logit", "entropy", "load_cv")]
+    if unknown:
+        raise ConfigError(f"probe.stats / probe.alert_stats have unknown entries {unknown}: "
+                          f"choose from {', '.join(ALL_STATS)}.")
+    if any(not 0 < q < 1 for q in args.quantiles):
+        raise ConfigError(f"probe.quantiles={list(args.quantiles)} must lie strictly between 0 "
+                          f"and 1, e.g. [0.01,0.5,0.99].")
+    if args.attention_queries < 1:
+        raise ConfigError(f"probe.attention_queries={args.attention_queries} must be at least 1.")
+    if args.alert_abs_max < 0 or args.alert_jump < 0 or args.alert_window < 1:
+        raise ConfigError("probe.alert_abs_max and probe.alert_jump must be >= 0 (0 is off) and "
+                          "probe.alert_window >= 1.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reducible summaries of a tensor
+
+BINS_PER_DECADE = 64
+LOG10_LO, LOG10_HI = -8, 8
+N_MAG = BINS_PER_DECADE * (LOG10_HI - LOG10_LO)          # bins per sign
+N_HIST = 2 * N_MAG + 1                                    # negatives, zero, positives
+# sum vector: count, sum, sumsq, sum3, sum4, zeros, nonfinite, histogram
+N_SUM = 7 + N_HIST
+# max vector: max, -min
+N_MAX = 2
+
+
+def summarize(x: torch.Tensor) -> tuple:
+    """(sums [N_SUM], maxes [N_MAX]) of a local tensor, float64, on its device.
+
+    Elementwise work is float32 with float64 accumulation (a probe step should cost about one
+    forward); values above 1e8 switch the higher powers to float64, where float32 would overflow.
+    """
+    x = x.detach().reshape(-1)
+    x = x.float() if x.dtype != torch.float64 else x
+    finite = torch.isfinite(x)
+    nonfinite = x.numel() - int(finite.sum()) if x.numel() else 0
+    if nonfinite:
+        x = x[finite]
+    sums = torch.zeros(N_SUM, dtype=torch.float64, device=x.device)
+    maxes = torch.full((N_MAX,), -math.inf, dtype=torch.float64, device=x.device)
+    if x.numel():
+        maxes[0] = x.max()
+        maxes[1] = -x.min()
+        if float(maxes.max()) > 1e8:
+            x = x.double()
+        x2 = x * x
+        sums[0] = x.numel()
+        sums[1] = x.sum(dtype=torch.float64)
+        sums[2] = x2.sum(dtype=torch.float64)
+        sums[3] = (x2 * x).sum(dtype=torch.float64)
+        sums[4] = (x2 * x2).sum(dtype=torch.float64)
+        sums[5] = (x == 0).sum()
+        sums[7:] = torch.bincount(histogram_bins(x), minlength=N_HIST).double()
+    sums[6] = nonfinite
+    return sums, maxes
+
+
+def histogram_bins(x: torch.Tensor) -> torch.Tensor:
+    """Bin index of each (finite) value: N_MAG + 1 + k for positives, N_MAG - 1 - k for
+    negatives, N_MAG for zero, with k the log-magnitude bin (clamped to the grid)."""
+    mag = torch.log10(x.abs()).sub_(LOG10_LO).mul_(BINS_PER_DECADE).floor_()
+    mag = mag.clamp_(0, N_MAG - 1).to(torch.int32)
+    index = torch.where(x >= 0, mag + (N_MAG + 1), (N_MAG - 1) - mag)
+    index[x == 0] = N_MAG
+    return index
+
+
+def _bin_edges() -> torch.Tensor:
+    """Lower edge (in value) of each of the N_HIST bins, and upper edges, ascending in value."""
+    k = torch.arange(N_MAG, dtype=torch.float64)
+    lo_mag = 10 ** (LOG10_LO + k / BINS_PER_DECADE)
+    hi_mag = 10 ** (LOG10_LO + (k + 1) / BINS_PER_DECADE)
+    lower = torch.cat([-hi_mag.flip(0), torch.zeros(1, dtype=torch.float64), lo_mag])
+    upper = torch.cat([-lo_mag.flip(0), torch.zeros(1, dtype=torch.float64), hi_mag])
+    return lower, upper
+
+
+LOWER, UPPER = _bin_edges()
+
+
+def finish(sums: torch.Tensor, maxes: torch.Tensor, wanted, quantiles) -> dict:
+    """Statistics of the whole tensor from its reduced vectors."""
+    sums, maxes = sums.double().cpu(), maxes.double().cpu()
+    n = float(sums[0])
+    out = {}
+    if "count" in wanted:
+        out["count"] = n
+    if "nonfinite" in wanted:
+        out["nonfinite"] = float(sums[6])
+    if n == 0:
+        return out
+    mean = float(sums[1]) / n
+    ex2 = float(sums[2]) / n
+    var = max(ex2 - mean * mean, 0.0)
+    std = math.sqrt(var)
+    vmax, vmin = float(maxes[0]), -float(maxes[1])
+    values = {"mean": mean, "std": std, "rms": math.sqrt(ex2), "min": vmin, "max": vmax,
+              "abs_max": max(abs(vmin), abs(vmax)), "zero_frac": float(sums[5]) / n}
+    if var > 0:
+        # Fourth central moment from raw moments: E[(x-m)^4] = E4 - 4 m E3 + 6 m^2 E2 - 3 m^4.
+        ex3, ex4 = float(sums[3]) / n, float(sums[4]) / n
+        m4 = ex4 - 4 * mean * ex3 + 6 * mean * mean * ex2 - 3 * mean ** 4
+        values["kurtosis"] = max(m4, 0.0) / (var * var)
+    else:
+        values["kurtosis"] = float("nan")
+    hist = sums[7:]
+    if "outlier_frac" in wanted:
+        values["outlier_frac"] = _mass_outside(hist, mean - 6 * std, mean + 6 * std) / n
+    for key, value in values.items():
+        if key in wanted:
+            out[key] = value
+    if "quantiles" in wanted:
+        for q in quantiles:
+            out[f"q{q:g}"] = _quantile(hist, n, q, vmin, vmax)
+    return out
+
+
+def _fraction_below(lower: torch.Tensor, upper: torch.Tensor, edge: float) -> torch.Tensor:
+    """Share of each bin [lower, upper) below `edge`, values spread log-uniformly in magnitude
+    within a bin (the zero bin is a point)."""
+    tiny = 1e-300
+    pos = (edge.__float__() > 0)
+    if pos:   # only positive bins can be cut by a positive edge
+        frac = ((math.log(max(edge, tiny)) - lower.clamp_min(tiny).log()) /
+                (upper.clamp_min(tiny).log() - lower.clamp_min(tiny).log()))
+    else:     # negative bins: magnitudes run from -upper (small) to -lower (large)
+        frac = 1 - ((math.log(max(-edge, tiny)) - (-upper).clamp_min(tiny).log()) /
+                    ((-lower).clamp_min(tiny).log() - (-upper).clamp_min(tiny).log()))
+    frac = torch.nan_to_num(frac, nan=0.0).clamp(0, 1)
+    frac = torch.where(upper <= edge, torch.ones_like(frac), frac)
+    return torch.where(lower >= edge, torch.zeros_like(frac), frac)
+
+
+def _mass_outside(hist: torch.Tensor, lo: float, hi: float) -> float:
+    """Values below lo or above hi (both estimated within the bins they cut)."""
+    below = (hist * _fraction_below(LOWER, UPPER, lo)).sum()
+    above = (hist * (1 - _fraction_below(LOWER, UPPER, hi))).sum()
+    return float(below + above)
+
+
+def _quantile(hist: torch.Tensor, n: float, q: float, vmin: float, vmax: float) -> float:
+    target = q * n
+    cum = torch.cumsum(hist, 0)
+    i = int(torch.searchsorted(cum, torch.tensor(target, dtype=torch.float64))
+            .clamp(max=N_HIST - 1))
+    before = float(cum[i - 1]) if i > 0 else 0.0
+    inside = float(hist[i])
+    frac = 0.5 if inside == 0 else min(max((target - before) / inside, 0.0), 1.0)
+    lower, upper = max(float(LOWER[i]), vmin), min(float(UPPER[i]), vmax)
+    if i == N_MAG or lower >= upper:
+        return lower if i != N_MAG else 0.0
+    if lower > 0:  # log-interpolate within the bin
+        return math.exp(math.log(lower) + frac * (math.log(upper) - math.log(lower)))
+    if upper < 0:
+        return -math.exp(math.log(-lower) + frac * (math.log(-upper) - math.log(-lower)))
+    return lower + frac * (upper - lower)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention and router summaries
+
+def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int) -> tuple:
+    """Max logit and entropy for `n_queries` evenly spaced query positions of every sequence
+    and head. q [b, s, h, d], k [b, s, h_kv, d] (h_kv divides h: grouped-query attention, where
+    kv head j serves query heads j*h/h_kv .. (j+1)*h/h_kv - 1); causal, or `mask` a boolean
+    [s, s] / [b, 1, s, s] tensor (True = may attend); other mask objects (flex, xformers) are
+    taken as plain causal. Returns (sums [3], maxes [1]):
+    sums = entropy total, log(keys seen) total, number of (query, head) rows."""
+    b, s, h, d = q.shape
+    # CoreAttention's inputs keep their grouped-query k heads: repeat them for the summary.
+    if k.shape[2] != h:
+        from lingua.model.transformer import repeat_kv
+
+        k, _ = repeat_kv(k, k, h)
+    idx = torch.linspace(s - 1, 0, min(n_queries, s), device=q.device).round().long().unique()
+    qs = q.detach()[:, idx].float()                                        # [b, n, h, d]
+    logits = torch.einsum("bnhd,bshd->bhns", qs, k.detach().float()) / math.sqrt(d)
+    allowed = torch.arange(s, device=q.device)[None, :] <= idx[:, None]   # [n, s] causal
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        m = mask if mask.dim() == 4 else mask[None, None]
+        allowed = allowed[None, None] & m[:, :, idx, :]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = logits.softmax(-1)
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)             # [b, h, n]
+    seen = allowed.sum(-1).double().expand_as(entropy)                   # keys each row sees
+    sums = torch.stack([entropy.double().sum(), seen.clamp_min(1).log().sum(),
+                        torch.tensor(float(entropy.numel()), dtype=torch.float64,
+                                     device=q.device)])
+    maxes = logits.masked_fill(~allowed, float("-inf")).amax().double().reshape(1)
+    return sums, maxes
+
+
+def router_summary(scores: torch.Tensor, experts: torch.Tensor) -> tuple:
+    """Tokens per expert and routing entropy: sums [E + 2] (counts, entropy total, tokens)."""
+    n_experts = scores.shape[-1]
+    counts = torch.bincount(experts.reshape(-1), minlength=n_experts).double()
+    p = scores.detach().float()
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
+    extra = torch.stack([entropy.double().sum(),
+                         torch.tensor(float(entropy.numel()), dtype=torch.float64,
+                                      device=scores.device)]).to(counts.device)
+    return torch.cat([counts, extra]), torch.zeros(0, dtype=torch.float64, device=counts.device)
+
+
+def finish_attention(sums, maxes) -> dict:
+    rows = float(sums[2])
+    if rows == 0:
+        return {}
+    return {"max_logit": float(maxes[0]), "entropy": float(sums[0]) / rows,
+            "entropy_frac": float(sums[0]) / max(float(sums[1]), 1e-30)}
+
+
+def finish_router(sums, maxes) -> dict:
+    counts = sums[:-2].double()
+    total = float(counts.sum())
+    if total == 0:
+        return {}
+    load = counts / total * len(counts)   # 1.0 = perfectly balanced
+    return {"load_min": float(load.min()), "load_max": float(load.max()),
+            "load_cv": float(counts.std(unbiased=False) / counts.mean()),
+            "entropy": float(sums[-2]) / max(float(sums[-1]), 1.0)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks and reduction
+
+
+WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module")
+
+
+def clean_name(name: str) -> str:
+    """A module's name without wrapper segments (activation checkpointing, compile), so every
+    layout names it alike."""
+    return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
+
+
+def _skip_call(module_inputs) -> bool:
+    """Forward calls whose activations must not be recorded: activation checkpointing re-runs
+    forwards during backward (already recorded in the real forward), and pipeline stages infer
+    shapes on their first step (lingua.model.transformer.inferring_shapes; meta tensors in older
+    torch)."""
+    if torch._C._current_graph_task_id() != -1 or inferring_shapes():
+        return True
+    first = _first_tensor(module_inputs)
+    return first is not None and first.device.type == "meta"
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t.to_local()
+    return t
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            if isinstance(item, torch.Tensor) and item.is_floating_point():
+                return item
+    return None
+
+
+def _is_core_attention(module) -> bool:
+    from lingua.model.transformer import CoreAttention
+
+    return isinstance(module, CoreAttention)
+
+
+def _is_router(module) -> bool:
+    from lingua.model.moe import Router
+
+    return isinstance(module, Router)
+
+
+class Probe:
+    """Records one training step's statistics when `active(step)`; see the module docstring."""
+
+    def __init__(self, args: ProbeArgs, parts: List[nn.Module], env, dump_dir,
+                 resumed_step: int = 0):
+        self.args, self.parts, self.env = args, parts, env
+        self.dir = Path(dump_dir) / "probe"
+        self.path = self.dir / "probe.jsonl"
+        self.handles = []
+        self.seen = {}                     # id(tensor) -> (weakref, sums, maxes), one step
+        self.acc: Dict[str, list] = {}     # key -> [sums, maxes, kind]
+        self.history: Dict[str, deque] = defaultdict(lambda: deque(maxlen=args.alert_window))
+        self.last_alerts: List[str] = []
+        self.warned_cp = False
+        if env.is_main and args.every:
+            from lingua.observe.metrics import drop_rows_after
+
+            self.dir.mkdir(parents=True, exist_ok=True)
+            drop_rows_after(self.path, resumed_step)
+
+    def active(self, step: int) -> bool:
+        return bool(self.args.every) and step % self.args.every == 0
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _selected(self, name: str) -> bool:
+        return bool(name) and any(fnmatch.fnmatchcase(name, p) for p in self.args.modules)
+
+    def _add(self, key: str, kind: str, sums: torch.Tensor, maxes: torch.Tensor) -> None:
+        if key in self.acc:
+            entry = self.acc[key]
+            entry[0] += sums
+            entry[1] = torch.maximum(entry[1], maxes)
+        else:
+            self.acc[key] = [sums, maxes, kind]
+
+    def start(self) -> None:
+        """Attach hooks for this step's forward passes (every micro-batch adds up)."""
+        kinds = set(self.args.tensors)
+        seen = set()  # a wrapper (activation checkpointing, compile) and its module share a name
+        for part in self.parts:
+            for raw_name, module in part.named_modules():
+                name = clean_name(raw_name)
+                if isinstance(module, (nn.ModuleDict, nn.ModuleList)) or not self._selected(name):
+                    continue
+                if name in seen:
+                    continue
+                seen.add(name)
+                if _is_core_attention(module):
+                    if "attention" in kinds:
+                        self.handles.append(module.register_forward_hook(self._attention_hook(name)))
+                    continue
+                if type(module).__name__ in ("AllGatherKVAttention", "RingAttention"):
+                    if "attention" in kinds and not self.warned_cp and self.env.is_main:
+                        logger.info("probe: attention max logit / entropy are not recorded under "
+                                    "context parallelism (each rank sees part of the keys)")
+                        self.warned_cp = True
+                    continue
+                if _is_router(module):
+                    if "router" in kinds:
+                        self.handles.append(module.register_forward_hook(self._router_hook(name)))
+                    continue
+                if kinds & {"input", "output"}:
+                    self.handles.append(module.register_forward_hook(self._activation_hook(name)))
+
+    def _activation_hook(self, name):
+        want_in, want_out = "input" in self.args.tensors, "output" in self.args.tensors
+
+        def hook(module, inputs, output):
+            if _skip_call(inputs):
+                return
+            with torch.no_grad():
+                if want_in:
+                    x = _first_tensor(inputs)
+                    if x is not None and x.is_floating_point():
+                        self._add(f"{name}/input", "act", *self._summarize_once(x))
+                if want_out:
+                    y = _first_tensor(output)
+                    if y is not None and y.is_floating_point():
+                        self._add(f"{name}/output", "act", *self._summarize_once(y))
+        return hook
+
+    def _summarize_once(self, x: torch.Tensor) -> tuple:
+        """summarize(), computed once per tensor object: one module's output is often the next
+        one's input (wq, wk and wv share theirs), which would otherwise be summarized again."""
+        cached = self.seen.get(id(x))
+        if cached is not None and cached[0]() is x:
+            return cached[1].clone(), cached[2].clone()
+        sums, maxes = summarize(_local(x))
+        self.seen[id(x)] = (weakref.ref(x), sums, maxes)
+        return sums.clone(), maxes.clone()
+
+    def _attention_hook(self, name):
+        def hook(module, inputs, output):
+            if _skip_call(inputs) or len(inputs) < 2:
+                return
+            mask = inputs[3] if len(inputs) > 3 else None
+            with torch.no_grad():
+                sums, maxes = attention_summary(_local(inputs[0]), _local(inputs[1]), mask,
+                                                self.args.attention_queries)
+            self._add(f"{name}/attention", "attention", sums, maxes)
+        return hook
+
+    def _router_hook(self, name):
+        def hook(module, inputs, output):
+            if _skip_call(inputs):
+                return
+            with torch.no_grad():
+                weights, experts, scores, logits = output
+                sums, maxes = router_summary(_local(scores), _local(experts))
+            self._add(f"{name}/router", "router", sums, maxes)
+        return hook
+
+    def stop(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.seen = {}
+
+    # -- weights and gradients -----------------------------------------------------------------
+
+    def _record_params(self) -> None:
+        """Weights and gradients (after backward, before the optimizer step)."""
+        kinds = set(self.args.tensors) & {"weight", "grad"}
+        if not kinds:
+            return
+        for part in self.parts:
+            for raw_name, param in part.named_parameters():
+                name = clean_name(raw_name)
+                module_name, _, pname = name.rpartition(".")
+                if not self._selected(module_name or name):
+                    continue
+                for kind in sorted(kinds):
+                    tensor = param if kind == "weight" else param.grad
+                    if tensor is None:
+                        continue
+                    key = f"{module_name}/{pname}" + (".grad" if kind == "grad" else "")
+                    sums, maxes = self._param_summary(tensor.detach())
+                    self.acc[key] = [sums, maxes, "param"]
+
+    @staticmethod
+    def _param_summary(tensor) -> tuple:
+        """Full-tensor sums of a parameter or gradient, whatever its placements: the shards' sums
+        are added over the mesh dimensions it is sharded on (replicated ones hold copies)."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        if not isinstance(tensor, DTensor):
+            return summarize(tensor)
+        if any(isinstance(p, Partial) for p in tensor.placements):
+            tensor = tensor.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
+                                                     for p in tensor.placements])
+        sums, maxes = summarize(tensor.to_local())
+        mesh = tensor.device_mesh
+        for dim, placement in enumerate(tensor.placements):
+            # Anything but a copy is a piece: Shard, and FSDP x TP's _StridedShard (not a Shard
+            # subclass).
+            if not isinstance(placement, Replicate) and mesh.size(dim) > 1:
+                group = mesh.get_group(dim)
+                dist.all_reduce(sums, group=group)
+                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        return sums, maxes
+
+    # -- reduction and output ----------------------------------------------------------------
+
+    def _reduce_activations(self, keys: List[str]) -> None:
+        """Sum the activation/attention/router vectors over the ranks that hold distinct data."""
+        env = self.env
+        if env.world_size == 1 or not keys:
+            return
+        sums = torch.cat([self.acc[k][0] for k in keys])
+        maxes = torch.cat([self.acc[k][1] for k in keys])
+        sizes = [self.acc[k][0].numel() for k in keys]
+        if env.size("tp") > 1:
+            # Identical vectors on every tp rank = a replicated tensor: count it once.
+            group = env.mesh["tp"].get_group()
+            hi, lo = sums.clone(), sums.clone()
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            replicated = torch.cat([torch.full((n,), bool(torch.equal(high, low)))
+                                    for n, high, low in zip(sizes, hi.split(sizes),
+                                                            lo.split(sizes))])
+            summed = sums.clone()
+            dist.all_reduce(summed, group=group)
+            sums = torch.where(replicated.to(sums.device), sums, summed)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        if env.size("dp_cp") > 1:
+            group = env.mesh["dp_cp"].get_group()
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        for key, s, m in zip(keys, sums.split(sizes), maxes.split([self.acc[k][1].numel()
+                                                                  for k in keys])):
+            self.acc[key][0], self.acc[key][1] = s, m
+
+    def finish_step(self, step: int, wandb_run=None) -> int:
+        """Reduce, write the line (rank 0), check alerts, send a summary to wandb if it is on.
+        Returns the number of alerts (for metrics' probe_alerts)."""
+        self._record_params()
+        act_keys = sorted(k for k, v in self.acc.items() if v[2] != "param")
+        self._reduce_activations(act_keys)
+        stats = {}
+        wanted = set(self.args.stats)
+        for key, (sums, maxes, kind) in self.acc.items():
+            if kind == "attention":
+                stats[key] = finish_attention(sums.cpu(), maxes.cpu())
+            elif kind == "router":
+                stats[key] = finish_router(sums.cpu(), maxes.cpu())
+            else:
+                stats[key] = finish(sums, maxes, wanted, self.args.quantiles)
+        self.acc = {}
+        if self.env.dims.pp > 1:  # each stage has its own layers: merge them on rank 0
+            gathered = [None] * self.env.world_size if self.env.is_main else None
+            dist.gather_object(stats, gathered, dst=0)
+            if self.env.is_main:
+                merged = {}
+                for part in gathered:
+                    for key, value in part.items():
+                        merged.setdefault(key, value)
+                stats = merged
+        alerts = self._alerts(step, stats) if self.env.is_main else []
+        if self.env.is_main:
+            line = {"step": step, "alerts": alerts, "stats": dict(sorted(stats.items()))}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line, allow_nan=True) + "\n")
+        self.last_stats = stats
+        if wandb_run is not None and self.env.is_main:
+            wandb_run.log(self.wandb_summary(), step=step)
+        return len(alerts)
+
+    def _alerts(self, step: int, stats: dict) -> List[str]:
+        a = self.args
+        alerts = []
+        for key, values in stats.items():
+            for stat in a.alert_stats:
+                value = values.get(stat)
+                if value is None or not math.isfinite(value):
+                    continue
+                if a.alert_abs_max and stat == "abs_max" and value > a.alert_abs_max:
+                    alerts.append(f"step {step}: {key} abs_max={value:.4g} above "
+                                  f"probe.alert_abs_max={a.alert_abs_max:g}")
+                history = self.history[f"{key}:{stat}"]
+                if a.alert_jump and len(history) >= 3:
+                    median = statistics.median(history)
+                    if median > 0 and value > a.alert_jump * median:
+                        alerts.append(f"step {step}: {key} {stat}={value:.4g} is "
+                                      f"{value / median:.1f}x its running median {median:.4g}")
+                history.append(value)
+        for alert in alerts:
+            logger.warning("probe alert: %s", alert)
+        return alerts
+
+    def wandb_summary(self) -> dict:
+        """A few scalars per recorded tensor for wandb (the full table is in probe.jsonl)."""
+        out = {}
+        for key, values in getattr(self, "last_stats", {}).items():
+            for stat in ("abs_max", "rms", "kurtosis", "max_logit", "entropy", "load_cv"):
+                if stat in values and values[stat] is not None and math.isfinite(values[stat]):
+                    out[f"probe/{key}/{stat}"] = values[stat]
+        return out
+
+
+    def log_plots(self, wandb_run) -> None:
+        """At the end of a run: the probe's plots as wandb images (they also stay on disk)."""
+        try:
+            paths = plot(self.dir.parent)
+        except Exception as err:  # a plotting problem must not fail a finished run
+            logger.warning("probe: could not draw the plots for wandb: %s", err)
+            return
+        import wandb
+
+        wandb_run.log({f"probe_plots/{p.stem}": wandb.Image(str(p)) for p in paths})
+

@@ -1,0 +1,310 @@
+"""Context parallelism (CP): each rank of the cp group holds a slice of every sequence.
+
+Two backends, chosen by `distributed.cp_backend`:
+- "allgather" (default, CPU and CUDA): as in the Llama 3 paper, every rank all-gathers the keys and
+  values of the whole sequence and computes attention for its own queries against all of them.
+  With grouped-query attention K/V are small, so the gather is cheap next to the attention itself;
+  any mask works, including documents (`model.attn_mask=block_causal`).
+- "ring" (CUDA only): torch's `context_parallel` ring attention, which passes K/V shards around
+  the ring and overlaps that with compute. It supports plain causal attention only (see
+  `validate_cp`), and torch has no CPU sharding rule for it.
+
+Load balancing: with a causal mask the late positions attend to many more keys than early ones,
+so the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r (a head and a
+tail): every rank then does the same amount of attention work. torch's ring attention uses the
+same layout, so both backends shard tokens the same way.
+
+API (the order of application is TP -> CP -> activation checkpointing -> compile -> FSDP):
+
+    validate_cp(seq_len, cp, tp, backend, device_type, doc_masking)   # at config time
+    model = apply_cp(model, mesh["cp"], backend)                       # once per model part
+    for micro-batch:                                                   # every rank of the cp group
+        with cp_batch(model_parts, tokens, labels, doc_ids) as b:      # loads the same full batch
+            logits = model(b.tokens, positions=b.positions)            # local shard [bsz, S/cp, V]
+            loss = cross_entropy_sum(logits, b.labels) / global_tokens
+            loss.backward()                                            # backward INSIDE the block
+
+Forward and backward must both run inside `cp_batch`: activation checkpointing recomputes
+attention in backward (it needs the batch's positions and mask again), and ring attention's
+backward is dispatched by torch's CP context. Gradients come out as this rank's share: sum them
+over the cp group (FSDP over dp_shard x cp with divide factor 1 does it) to get the gradient of
+the full sequence. `apply_cp` also fills `positions` in when a model part is called without them
+(a pipeline stage after the first), from the active `cp_batch`.
+"""
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lingua.errors import ConfigError
+from lingua.model.transformer import CoreAttention, repeat_kv
+
+logger = logging.getLogger(__name__)
+
+CP_BACKENDS = ("allgather", "ring")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding the sequence
+
+
+def shard_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
+    """Global positions held by `cp_rank`, in local order: chunk r then chunk 2*cp-1-r of 2*cp."""
+    if seq_len % (2 * cp_size):
+        raise ConfigError(f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp_size}; "
+                          "pick data.seq_len as a multiple of it.")
+    chunk = seq_len // (2 * cp_size)
+    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    tail_start = (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([head, torch.arange(tail_start, tail_start + chunk, device=device)])
+
+
+def shard_sequence(t: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
+    """The part of `t` (sequence along `dim`) that `cp_rank` holds."""
+    return t.index_select(dim, shard_positions(t.shape[dim], cp_rank, cp_size, t.device))
+
+
+def validate_cp(seq_len: int, cp: int, tp: int = 1, backend: str = "allgather",
+                device_type: Optional[str] = None, doc_masking: bool = False) -> None:
+    """Raise ConfigError for a context-parallel setup that cannot run; call before any work."""
+    if backend not in CP_BACKENDS:
+        raise ConfigError(f"distributed.cp_backend={backend!r} is not one of "
+                          f"{', '.join(CP_BACKENDS)}.")
+    if cp <= 1:
+        return
+    if seq_len % (2 * cp * tp):
+        step = 2 * cp * tp
+        raise ConfigError(
+            f"data.seq_len={seq_len} is not divisible by 2 x cp x tp = 2 x {cp} x {tp} = {step}: "
+            "context parallelism cuts each sequence into 2*cp load-balanced chunks and sequence "
+            f"parallelism splits each rank's part again by tp. Use a multiple of {step}, e.g. "
+            f"data.seq_len={max(step, seq_len // step * step)}, or change distributed.cp."
+        )
+    if backend != "ring":
+        return
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type != "cuda":
+        raise ConfigError(
+            f"distributed.cp_backend=ring needs CUDA, but this run is on {device_type!r}: torch's "
+            "ring attention has no CPU kernel sharding rule. Use distributed.cp_backend=allgather."
+        )
+    if doc_masking:
+        # torch's ring SDPA dispatches only flash / memory-efficient attention with is_causal and
+        # raises "attn_bias is not supported yet" for any explicit mask (torch 2.13,
+        # distributed/tensor/experimental/_context_parallel/_attention.py).
+        raise ConfigError(
+            "model.attn_mask=block_causal with distributed.cp_backend=ring: torch's ring attention "
+            "supports only plain causal attention, not document masks. Use "
+            "distributed.cp_backend=allgather (any mask) or model.attn_mask=causal."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-micro-batch context shared by every layer
+
+
+class CPContext:
+    """What the CP attention modules of one model part need for the current micro-batch.
+
+    `cp_batch` sets it before the forward and clears it after the backward; every layer reads the
+    same positions and mask, so the mask is built once per micro-batch, not once per layer.
+    """
+
+    def __init__(self, mesh, backend: str):
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.backend = backend
+        self.rank = mesh.get_local_rank()
+        self.size = mesh.size()
+        self.positions: Optional[torch.Tensor] = None   # [s_local] global positions of local tokens
+        self.gather_order: Optional[torch.Tensor] = None  # puts all-gathered K/V in position order
+        self.mask: Optional[torch.Tensor] = None        # [b or 1, 1, s_local, S] bool
+
+    @property
+    def active(self) -> bool:
+        return self.positions is not None
+
+    def set(self, positions: torch.Tensor, seq_len: int, doc_ids: Optional[torch.Tensor]) -> None:
+        self.positions = positions
+        if self.backend == "ring":
+            return  # torch's ring attention masks causally by itself
+        device = positions.device
+        # all_gather concatenates the ranks' shards in rank order.
+        gathered = torch.cat([shard_positions(seq_len, r, self.size, device)
+                              for r in range(self.size)])
+        self.gather_order = torch.argsort(gathered)
+        keys = torch.arange(seq_len, device=device)
+        mask = (positions[:, None] >= keys[None, :])[None]            # causal by global position
+        if doc_ids is not None:
+            same_doc = doc_ids[:, positions][:, :, None] == doc_ids[:, None, :]
+            mask = mask & same_doc
+        self.mask = mask[:, None]
+
+    def clear(self) -> None:
+        self.positions = self.gather_order = self.mask = None
+
+    def require(self) -> "CPContext":
+        if not self.active:
+            raise RuntimeError(
+                "context-parallel attention was called outside `cp_batch`: wrap the forward and "
+                "the backward of each micro-batch in "
+                "`with lingua.parallel.context_parallel.cp_batch(...)`."
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention modules
+
+
+class AllGatherKVAttention(nn.Module):
+    """Attention of the local queries against the keys/values of the whole sequence.
+
+    K/V are all-gathered with a functional collective whose autograd backward is a sum
+    reduce-scatter: the gradient each rank computes for every key/value is summed over the cp
+    group and returned to the rank that owns that position. Works on gloo and NCCL.
+    """
+
+    def __init__(self, ctx: CPContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def forward(self, q, k, v, mask=None, decoding: bool = False):  # never decoding under CP
+        # `mask` is ignored: the model built it for the local shard as if it were a whole
+        # sequence (local positions 0..s_local-1), which is wrong here; the context's mask relates
+        # each local query's global position (and document) to every key of the full sequence.
+        ctx = self.ctx.require()
+        # K/V come with their own (grouped-query) heads: gather those, repeat after the gather.
+        k, v = self._gather(torch.stack([k, v]), ctx)              # one collective for both
+        k, v = repeat_kv(k, v, q.shape[2])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask.to(q.device))
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def _gather(kv: torch.Tensor, ctx: CPContext):
+        """kv [2, b, s_local, h, d] -> k, v [b, S, h, d] in global position order."""
+        from torch.distributed._functional_collectives import all_gather_single
+
+        seq_first = kv.movedim(2, 0).contiguous()                 # gather along dim 0
+        full = all_gather_single(seq_first, 0, ctx.group)
+        full = full.index_select(0, ctx.gather_order)
+        return full.movedim(0, 2).unbind(0)
+
+
+class RingAttention(nn.Module):
+    """Plain causal sdpa on the local shard; torch's `context_parallel` (entered by `cp_batch`)
+    patches sdpa into ring attention over the cp group (CUDA flash / efficient kernels only)."""
+
+    def __init__(self, ctx: CPContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def forward(self, q, k, v, mask=None, decoding: bool = False):  # never decoding under CP
+        self.ctx.require()  # outside the context sdpa would silently attend within the shard only
+        k, v = repeat_kv(k, v, q.shape[2])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        # Looked up at call time on purpose: torch's CP context replaces
+        # F.scaled_dot_product_attention.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying CP to a model and running a micro-batch
+
+
+def _fill_positions(module, args, kwargs):
+    ctx = module.cp_context
+    if ctx.active and kwargs.get("positions") is None and len(args) < 4:
+        kwargs["positions"] = ctx.positions
+    return args, kwargs
+
+
+def apply_cp(model: nn.Module, cp_mesh, backend: str = "allgather",
+             rotate_method: str = "allgather") -> nn.Module:
+    """Replace every CoreAttention in `model` by the context-parallel version; in place.
+
+    `rotate_method` ("allgather" | "alltoall") is how torch's ring backend exchanges K/V shards.
+    """
+    if backend not in CP_BACKENDS:
+        raise ConfigError(f"distributed.cp_backend={backend!r} is not one of "
+                          f"{', '.join(CP_BACKENDS)}.")
+    ctx = CPContext(cp_mesh, backend)
+    if backend == "ring":
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+        set_rotate_method(rotate_method)
+    replaced = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, CoreAttention):
+                new = (AllGatherKVAttention(ctx) if backend == "allgather"
+                       else RingAttention(ctx))
+                setattr(module, child_name, new)
+                replaced.append(f"{name}.{child_name}" if name else child_name)
+    if not replaced:
+        raise ValueError("apply_cp found no lingua.model.transformer.CoreAttention module to "
+                         "replace.")
+    model.cp_context = ctx
+    model.register_forward_pre_hook(_fill_positions, with_kwargs=True)
+    logger.info("applied context parallelism (%s, cp=%d%s) to %d attention modules: %s", backend,
+                ctx.size, f", rotate={rotate_method}" if backend == "ring" else "", len(replaced),
+                ", ".join(replaced))
+    return model
+
+
+@dataclass
+class CPBatch:
+    tokens: torch.Tensor       # [b, S/cp] this rank's tokens (or hidden states [b, S/cp, dim])
+    labels: Optional[torch.Tensor]
+    positions: torch.Tensor    # [S/cp] their global positions
+
+
+def _contexts(models) -> list:
+    models = [models] if isinstance(models, nn.Module) else list(models)
+    contexts = [m.cp_context for m in models if hasattr(m, "cp_context")]
+    if not contexts:
+        raise ValueError("cp_batch: no model part has context parallelism applied (call apply_cp "
+                         "first).")
+    return contexts
+
+
+@contextlib.contextmanager
+def cp_batch(models: Union[nn.Module, Iterable[nn.Module]], tokens: torch.Tensor,
+             labels: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None):
+    """Shard one micro-batch (the full [b, S] batch, identical on every cp rank) for this rank and
+    set the attention context of `models` (a model or its pipeline parts); yields a CPBatch.
+    Run the forward and the backward inside the `with` block."""
+    contexts = _contexts(models)
+    ctx = contexts[0]
+    seq_len = tokens.shape[1]
+    model_args = getattr(models if isinstance(models, nn.Module) else None, "args", None)
+    max_len = getattr(model_args, "max_seq_len", None)
+    if max_len is not None and seq_len > max_len:
+        raise ConfigError(f"sequence of {seq_len} tokens exceeds model.max_seq_len={max_len}; "
+                          "raise model.max_seq_len.")
+    if ctx.backend == "ring" and doc_ids is not None:
+        validate_cp(seq_len, ctx.size, backend="ring", device_type=tokens.device.type,
+                    doc_masking=True)
+    with contextlib.ExitStack() as stack:
+        if ctx.backend == "ring":
+            from torch.distributed.tensor.experimental import context_parallel
+
+            # torch shards this buffer with its own load balancer (the same head-tail layout as
+            # ours); using what it returns keeps tokens and its ring schedule consistent.
+            positions = torch.arange(seq_len, device=tokens.device)
+            stack.enter_context(context_parallel(ctx.mesh, buffers=[positions], buffer_seq_dims=[0],
+                                                 no_restore_buffers={positions}))
+        else:
+            positions = shard_positions(seq_len, ctx.rank, ctx.size, tokens.device)
+        for c in contexts:
+            c.set(positions, seq_len, doc_ids)
+        stack.callback(lambda: [c.clear() for c in contexts])
+        local_labels = None if labels is None else labels.index_select(1, positions)
+        yield CPBatch(tokens.index_select(1, positions), local_labels, positions)

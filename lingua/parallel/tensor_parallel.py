@@ -1,0 +1,136 @@
+"""Tensor (+ sequence) parallelism and loss parallelism, driven by plans the app supplies.
+
+Generic: nothing here knows about LLaMA. An app gives two plans of torch ParallelStyles (see
+`torch.distributed.tensor.parallel`): one keyed by FQNs under the model root (embeddings, final
+norm, output projection) and one keyed by FQNs under a transformer block, applied to every block.
+
+Loss parallel: when the output projection leaves the logits sharded over the vocabulary (a
+`Shard(-1)` DTensor), the cross-entropy runs on the shards (torch's `loss_parallel` all-reduces
+the per-token max / sum-exp / target logit over the tp group) instead of all-gathering
+[batch, seq, vocab] logits on every rank. `token_loss_sum` works on both plain and sharded
+logits; forward AND backward must run inside `loss_parallel_context(True)`.
+"""
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+from lingua.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def check_async_tp(enabled: bool, device_type: str, compile: bool) -> None:
+    """Raise ConfigError unless async TP can take effect: it needs CUDA and torch.compile.
+
+    Async TP is an inductor pass that splits the TP all-gather / reduce-scatter into chunks over
+    symmetric memory (CUDA only) and overlaps them with the matmuls; eager mode never sees it.
+    """
+    if not enabled:
+        return
+    if device_type != "cuda":
+        raise ConfigError(
+            f"distributed.async_tp=true needs CUDA, but this run is on {device_type!r}: async "
+            "tensor parallelism overlaps communication through CUDA symmetric memory, which CPU "
+            "(gloo) has no equivalent of. Remove distributed.async_tp (plain TP works on CPU).")
+    if not compile:
+        raise ConfigError(
+            "distributed.async_tp=true needs distributed.compile=true: async tensor parallelism is "
+            "a torch.compile (inductor) pass that rewrites the compiled blocks, so without compile "
+            "it would silently do nothing. Set distributed.compile=true or remove "
+            "distributed.async_tp.")
+
+
+def _enable_async_tp(tp_mesh) -> None:
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    # The inductor pass ("micro-pipeline TP") fuses all-gather + matmul and matmul +
+    # reduce-scatter into chunked, overlapped kernels; it needs the group's symmetric memory.
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def _check_plan(module: nn.Module, plan: dict, where: str) -> None:
+    """Fail on a plan key that names no submodule: torch only warns and skips it, which would
+    leave that layer silently replicated (and wrong next to its sharded neighbours)."""
+    for fqn in plan:
+        if fqn == "":
+            continue
+        try:
+            sub = module.get_submodule(fqn)
+        except AttributeError:
+            sub = None
+        if sub is None:
+            raise ValueError(f"tensor-parallel plan key {fqn!r} names no submodule of the {where} "
+                             f"({type(module).__name__}); fix the app's TP plan.")
+
+
+def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, blocks,
+             async_tp: bool = False) -> nn.Module:
+    """Shard `model` over the 1-D `tp_mesh` in place: `root_plan` on the model, `block_plan` on
+    each module of `blocks`. Parameters become DTensors; their FQNs do not change."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tp needs a 1-D mesh (e.g. mesh['tp']), got {tp_mesh.ndim} dims")
+    blocks = list(blocks)
+    if async_tp:
+        check_async_tp(True, tp_mesh.device_type, compile=True)  # the caller checked compile
+    _check_plan(model, root_plan, "model")
+    for block in blocks:
+        _check_plan(block, block_plan, "block")
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_plan)
+    parallelize_module(model, tp_mesh, root_plan)
+    if async_tp:
+        _enable_async_tp(tp_mesh)
+    logger.info("applied tensor parallel over %d ranks: root %s; %d blocks %s; async TP %s",
+                tp_mesh.size(), _describe(root_plan), len(blocks), _describe(block_plan),
+                "on (takes effect under torch.compile)" if async_tp else "off")
+    return model
+
+
+REPLICATED_MARK = "_lingua_replicated_over_tp"
+
+
+class ReplicatedCompute(PrepareModuleInputOutput):
+    """A ParallelStyle for a module that every tp rank runs whole, on the all-gathered input:
+    inputs sharded as `input_layouts` arrive as full plain tensors, the module's parameters stay
+    plain tensors (every tp rank holds and updates the same copy), and its output, the same on
+    every tp rank, is cut back to `output_layouts` (a DTensor).
+
+    Why those parameters need no tp reduction: every rank sees the same full input and (through
+    the output's redistribution backward) the same full output gradient, so each rank's gradient
+    is already the complete one. lingua.parallel.coverage accepts plain parameters under tp only
+    inside a module planned with this style (apps/moe runs its MoE layers this way)."""
+
+    def __init__(self, input_layouts=(Shard(1),), output_layouts=(Shard(1),)):
+        super().__init__(
+            input_layouts=input_layouts,
+            desired_input_layouts=tuple(None if p is None else Replicate() for p in input_layouts),
+            use_local_input=True, output_layouts=tuple(Replicate() for _ in output_layouts),
+            desired_output_layouts=output_layouts, use_local_output=False)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        setattr(module, REPLICATED_MARK, True)
+        return super()._apply(module, device_mesh)
+
+
+def _describe(plan: dict) -> str:
+    return "{" + ", ".join(f"{k or '<root>'}: {type(v).__name__}" for k, v in plan.items()) + "}"
+
+
+def loss_parallel_context(enabled: bool):
+    """torch's loss_parallel() when enabled (the loss's forward and backward both go inside),
+    else a no-op context."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+

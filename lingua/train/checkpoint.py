@@ -1,0 +1,737 @@
+"""Distributed checkpoints (DCP) that are either complete or invisible, and resume from the newest.
+
+Layout of one checkpoint, `<dump_dir>/checkpoints/<step>/`:
+  - DCP files of {"model": ..., "optim": ...} (full parameter names, so any parallel layout can
+    load them: DCP reshards on load),
+  - `train_state_rank<r>.pt`: step, data-loader state, scheduler and RNG of rank r (plain tensors
+    and numbers, loaded with weights_only=True),
+  - `config.yaml`: the run's resolved config, so a checkpoint is self-describing (export, generate).
+  - `manifest.json`: size and CRC-32 of every other file, written last.
+Everything is written into `<step>.tmp-<nonce>/` and renamed to `<step>/` by rank 0 after all ranks
+finished writing; a rename is atomic, so a crash mid-write leaves only a `.tmp` directory, which
+resume ignores. A step directory can still be damaged later (a truncated copy, a lost or corrupted
+shard, a disk error): before resuming, the ranks check it against its manifest together, each
+reading its share of the files (`newest_verified`), and automatic resume skips a damaged
+checkpoint (with a warning naming the file) for the one before it and moves it aside to
+`<step>.damaged/`, so that `keep` counts intact checkpoints only; a checkpoint asked for by name
+(export, generate) that fails `verify()` is an error.
+
+With checkpoint.async_save a periodic save (`save_async`) only copies the state to CPU memory at
+its step; a background thread writes the same files into the same `.tmp-` directory while training
+goes on, and the manifest and rename happen at a later step boundary where every rank's write is
+done (`PendingSave.finish`), so the guarantee is the same: complete or invisible, and a write that
+failed on any rank stops every rank with the previous checkpoint still the newest.
+"""
+
+import io
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+import zlib
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from lingua.errors import ConfigError, RunError
+
+logger = logging.getLogger(__name__)
+# Whether the checkpoint of a step must outlive pruning (the trainer's: an evaluation job that has
+# not read it yet, lingua.eval.eval_jobs.checkpoint_in_use).
+InUse = Callable[[int], bool]
+
+STEP_DIR = re.compile(r"^\d+$")
+
+
+@dataclass
+class CheckpointArgs:
+    every: int = 0                  # save every N steps (0: only at the end of training)
+    keep: int = 3                   # keep the newest N checkpoints (0: keep all)
+    save_final: bool = True         # also save after the last step
+    # A Hugging Face directory to initialise weights from (fine-tuning).
+    init_from: Optional[str] = None
+    # Write periodic checkpoints while the next steps run (not `async`, a Python keyword): only
+    # the copy to CPU memory holds up training. See `save_async`.
+    async_save: bool = False
+
+
+def validate_args(args: CheckpointArgs) -> None:
+    if args.every < 0:
+        raise ConfigError(f"checkpoint.every={args.every} must be 0 (only at the end) or positive.")
+    if args.keep < 0:
+        raise ConfigError(f"checkpoint.keep={args.keep} must be 0 (keep all) or positive.")
+    if args.init_from is not None and not Path(args.init_from).is_dir():
+        raise ConfigError(f"checkpoint.init_from={args.init_from} is not a directory. Give a "
+                          f"Hugging Face model directory (config.json + *.safetensors).")
+
+
+def checkpoints_dir(dump_dir) -> Path:
+    return Path(dump_dir) / "checkpoints"
+
+
+def list_complete(dump_dir) -> list:
+    """Complete checkpoints, oldest first (only renamed step directories holding DCP metadata)."""
+    root = checkpoints_dir(dump_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)
+             and (p / ".metadata").is_file()]
+    return sorted(found, key=lambda p: int(p.name))
+
+
+MANIFEST = "manifest.json"
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _describe(paths) -> dict:
+    return {p.name: {"size": p.stat().st_size, "crc32": _crc32(p)} for p in paths}
+
+
+def write_manifest(ckpt_dir) -> None:
+    """Describe every file of a checkpoint directory made outside `save` (a conversion from
+    another format, a test): `verify` and resume then accept it."""
+    ckpt_dir = Path(ckpt_dir)
+    files = _describe(sorted(p for p in ckpt_dir.iterdir() if p.is_file() and p.name != MANIFEST))
+    (ckpt_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def _read_manifest(ckpt_dir: Path):
+    """(the manifest's {name: {"size", "crc32"}}, None), or (None, what is wrong with it)."""
+    manifest_path = ckpt_dir / MANIFEST
+    if not manifest_path.is_file():
+        return None, (f"{manifest_path} is missing (the checkpoint was not finished, or was "
+                      f"copied partly)")
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+        if not all(isinstance(f["size"], int) and isinstance(f["crc32"], str)
+                   for f in files.values()):
+            raise ValueError("an entry lacks an integer size or a crc32")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return None, f"{manifest_path} is unreadable ({err})"
+    return files, None
+
+
+def _size_problem(ckpt_dir: Path, files: dict) -> Optional[str]:
+    for name, want in sorted(files.items()):
+        path = ckpt_dir / name
+        try:
+            size = path.stat().st_size if path.is_file() else None
+        except OSError as err:
+            return f"{path} cannot be read ({err})"
+        if size is None:
+            return f"{path} is missing"
+        if size != want["size"]:
+            return f"{path} has {size} bytes, the manifest says {want['size']} (truncated?)"
+    return None
+
+
+def _crc_problem(ckpt_dir: Path, files: dict, names) -> Optional[str]:
+    for name in names:
+        try:
+            crc = _crc32(ckpt_dir / name)
+        except OSError as err:  # a disk error is damage too, and must not leave peers waiting
+            return f"{ckpt_dir / name} cannot be read ({err})"
+        if crc != files[name]["crc32"]:
+            return f"{ckpt_dir / name} is damaged (its CRC-32 differs from the manifest's)"
+    return None
+
+
+def _check(ckpt_dir, crc_names) -> Optional[str]:
+    """The manifest, every file's size, then the CRC-32 of the files crc_names(manifest) picks."""
+    ckpt_dir = Path(ckpt_dir)
+    files, problem = _read_manifest(ckpt_dir)
+    if problem is None:
+        problem = _size_problem(ckpt_dir, files)
+    if problem is None:
+        problem = _crc_problem(ckpt_dir, files, crc_names(files))
+    return problem
+
+
+def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
+    """None if the checkpoint is intact, else what is wrong with it (one sentence).
+    Sizes are always checked; `checksums` also reads every file (as loading it would)."""
+    return _check(ckpt_dir, lambda files: sorted(files) if checksums else [])
+
+
+def crc_share(files: dict, rank: int, world_size: int) -> list:
+    """The names of the manifest's files whose CRC-32 `rank` checks when `world_size` ranks
+    verify a checkpoint together: largest first, each to the rank with the fewest bytes so far
+    (ties to the lower rank). Every file goes to exactly one rank, no rank reads more than
+    1/world_size of the bytes plus one file, and it depends only on the manifest, so it works
+    whatever the world size was when the checkpoint was saved."""
+    import heapq
+
+    loads = [(0, r) for r in range(world_size)]
+    mine = []
+    for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
+        load, r = heapq.heappop(loads)
+        if r == rank:
+            mine.append(name)
+        heapq.heappush(loads, (load + files[name]["size"], r))
+    return sorted(mine)
+
+
+def verify_share(ckpt_dir, rank: int, world_size: int) -> Optional[str]:
+    """`verify` split over ranks: the sizes of every file (cheap) and the CRC-32 of this rank's
+    share of the files (`crc_share`). None where this rank found nothing wrong."""
+    return _check(ckpt_dir, lambda files: crc_share(files, rank, world_size))
+
+
+def _step_dirs(root: Path) -> list:
+    """Renamed step directories, oldest first (unfinished `.tmp-` ones are not candidates)."""
+    return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
+                  key=lambda p: int(p.name)) if root.is_dir() else []
+
+
+def newest(dump_dir, warn: bool = True) -> Optional[Path]:
+    """The newest checkpoint whose files have the manifest's sizes (no checksums: a quick look,
+    e.g. before any process group; resume reads every byte through `newest_verified`); damaged
+    newer ones (a missing .metadata included) are skipped, with a warning if `warn`. Unfinished
+    `.tmp-` directories are not candidates."""
+    for ckpt in reversed(_step_dirs(checkpoints_dir(dump_dir))):
+        problem = verify(ckpt, checksums=False)
+        if problem is None:
+            return ckpt
+        if warn:
+            logger.warning("skipping damaged checkpoint %s: %s; trying the one before", ckpt,
+                           problem)
+    return None
+
+
+def _set_aside(ckpt: Path) -> str:
+    """Rename a damaged checkpoint to `<step>.damaged` (`.damaged-2`, ... if taken): only digit
+    names are checkpoints, so nothing lists it and `keep` no longer counts it. What was done."""
+    target, n = ckpt.with_name(f"{ckpt.name}.damaged"), 1
+    while target.exists():
+        n += 1
+        target = ckpt.with_name(f"{ckpt.name}.damaged-{n}")
+    try:
+        os.rename(ckpt, target)
+    except OSError as err:
+        return f"could not move it aside ({err}), delete it by hand"
+    return f"moved it to {target} (delete that to free its space)"
+
+
+def _all_gather(obj) -> list:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None,
+                    set_aside: bool = False) -> Optional[Path]:
+    """The newest checkpoint that passes every rank's `verify_share` (so, all together, a full
+    `verify` with checksums), the same on every rank; None if there is none.
+
+    Collective when world_size > 1: every rank calls it. `gather(obj)` returns every rank's obj
+    in rank order (default: all_gather_object over the default group). Each rank reads only its
+    share of the files, so the ranks wait in the agreement for about 1/world_size of the time one
+    rank would need to read a whole checkpoint (a 70B model with its Adam state is ~850 GB).
+    Damaged checkpoints are skipped, newest first, with a warning (from rank 0) naming what each
+    rank found; with `set_aside` (resume), rank 0 also moves each to `<step>.damaged/`, once the
+    agreement says no rank reads it any more, so a later save's pruning does not count it."""
+    if gather is None:
+        gather = _all_gather if world_size > 1 else (lambda obj: [obj])
+    root = checkpoints_dir(dump_dir)
+    # Rank 0's candidates, so every rank takes the same number of steps in the agreement below
+    # (a rank that cannot see one of them reports it as damaged: its manifest is missing).
+    names = gather([p.name for p in _step_dirs(root)])[0]
+    for name in reversed(names):
+        ckpt = root / name
+        problems = [p for p in gather(verify_share(ckpt, rank, world_size)) if p is not None]
+        if not problems:
+            return ckpt
+        if rank == 0:
+            done = f"; {_set_aside(ckpt)}" if set_aside else ""
+            logger.warning("skipping damaged checkpoint %s: %s%s; trying the one before", ckpt,
+                           "; ".join(dict.fromkeys(problems)), done)
+    return None
+
+
+def require_intact(ckpt_dir) -> None:
+    """For a checkpoint asked for by name: a damaged one is an error, not a silent fallback."""
+    problem = verify(ckpt_dir)
+    if problem is not None:
+        raise ConfigError(f"Checkpoint {ckpt_dir} is damaged: {problem}. Use another checkpoint "
+                          f"of the run (ls {Path(ckpt_dir).parent}), or copy this one again "
+                          f"from where it was written.")
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    # DCP's metadata or our manifest. A damaged checkpoint is still one: loading it names the
+    # damage.
+    return (path / ".metadata").is_file() or (path / MANIFEST).is_file()
+
+
+def _no_step_error(path: Path) -> ConfigError:
+    have = [p.name for p in list_complete(path.parent.parent)]
+    return ConfigError(f"no checkpoint {path.name} in {path.parent}; the run has: "
+                       f"{', '.join(have) or 'none'}. Give one of those, or the run directory "
+                       f"{path.parent.parent} for its newest complete checkpoint.")
+
+
+def resolve(target, in_run: bool = False) -> Path:
+    """The checkpoint directory a command line means (generate, export, eval): a run directory
+    (dump_dir, or its checkpoints/ folder) means its newest complete checkpoint, as resume picks
+    it; a checkpoint directory means itself. `in_run`: the checkpoint must sit in its run, as
+    <dump_dir>/checkpoints/<step> (eval writes results beside the run's metrics). ConfigError
+    saying what exists instead."""
+    path = Path(target)
+    in_checkpoints = path.parent.name == "checkpoints" and STEP_DIR.match(path.name)
+    if not path.exists():
+        if in_checkpoints and path.parent.parent.is_dir():
+            raise _no_step_error(path)
+        raise ConfigError(f"{target} does not exist: give a run directory (dump_dir) or one of "
+                          f"its checkpoints, <dump_dir>/checkpoints/<step>.")
+    if path.is_dir() and (_holds_checkpoint(path) or in_checkpoints):
+        if in_run and not in_checkpoints:
+            raise ConfigError(f"{target} is a checkpoint outside a run directory: results are "
+                              f"written beside the run's metrics, so give the checkpoint inside "
+                              f"its run directory (<dump_dir>/checkpoints/<step>).")
+        return path
+    if path.name == "checkpoints" and path.is_dir():
+        path = path.parent
+    if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
+        ckpt = newest(path)
+        if ckpt is None:
+            raise ConfigError(f"{target} has no complete checkpoint (no {path}/checkpoints/<step> "
+                              f"with its files): train it with checkpoint.every set, or give "
+                              f"another run directory.")
+        return ckpt
+    raise ConfigError(f"{target} is neither a run directory (dump_dir, holding config.yaml and "
+                      f"checkpoints/) nor a checkpoint (<dump_dir>/checkpoints/<step>, holding "
+                      f"config.yaml, manifest.json and the DCP files). Give the dump_dir of a "
+                      f"training run, or one of its checkpoints.")
+
+
+def read_run_config(ckpt_dir) -> DictConfig:
+    path = Path(ckpt_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: {ckpt_dir} is not a checkpoint written by this "
+                          f"project (each checkpoint directory holds its run's config.yaml). Give "
+                          f"a directory like <dump_dir>/checkpoints/<step>.")
+    return OmegaConf.load(path)
+
+
+# DCP warns at every save and load of a one-process run that it "assumes the intent is to
+# save/load in a single process", even when no_dist=True says exactly that (torch 2.13's
+# state_dict_saver.save / state_dict_loader.load warn whenever no_dist). That intent is ours, so
+# this one message is ignored, only from DCP's modules. A filter, not catch_warnings: dcp.async_save
+# calls save in its own thread. Installed before each call because pytest resets the filters
+# between tests (filterwarnings drops an identical filter before inserting it: no growth).
+SINGLE_PROCESS_DCP_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
+                              r"assuming the intent is to (save|load) in a single process")
+
+
+def _quiet_single_process_dcp() -> None:
+    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_DCP_WARNING, category=UserWarning,
+                            module=r"torch\.distributed\.checkpoint")
+
+
+def _dcp_load(state: dict, ckpt_dir: Path) -> None:
+    _quiet_single_process_dcp()
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as err:  # DCP wraps mismatches in a CheckpointException
+        err = _root_cause(err)
+        raise ConfigError(f"Could not load checkpoint {ckpt_dir}: {str(err).strip()[:2000]}\n"
+                          f"The checkpoint does not match the model being built (different "
+                          f"model config?) or is damaged. Use a matching config, or another "
+                          f"dump_dir.") from None
+
+
+def load_model_state(ckpt_dir, model: nn.Module) -> None:
+    """Load the 'model' entry into a plain model, e.g. for export or generation."""
+    require_intact(ckpt_dir)
+    state = {"model": model.state_dict()}
+    _dcp_load(state, Path(ckpt_dir))
+    model.load_state_dict(state["model"])
+
+
+def check_resume_compatible(dump_dir, run_config: dict, keys=("model",)) -> Optional[Path]:
+    """Before any work: refuse a dump_dir whose newest checkpoint was made with other values of
+    `keys` (dotted config keys or whole sections, e.g. the model). Quiet about damaged ones: resume
+    warns about those, once."""
+    ckpt = newest(dump_dir, warn=False)
+    if ckpt is None:
+        return None
+    saved = OmegaConf.create(OmegaConf.to_container(read_run_config(ckpt), resolve=True))
+    now = OmegaConf.create(run_config)
+    differing = []
+    for key in keys:
+        old, new = OmegaConf.select(saved, key), OmegaConf.select(now, key)
+        if isinstance(old, DictConfig) or isinstance(new, DictConfig):
+            old = OmegaConf.to_container(old) if isinstance(old, DictConfig) else {}
+            new = OmegaConf.to_container(new) if isinstance(new, DictConfig) else {}
+            differing += [(f"{key}.{k}", old.get(k), new.get(k))
+                          for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        elif old != new:
+            differing.append((key, old, new))
+    if differing:
+        details = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, a, b in differing[:8])
+        raise ConfigError(
+            f"dump_dir={dump_dir} holds a checkpoint ({ckpt}) of a different model or data stream "
+            f"({details}). Resuming would mix two runs. Use another dump_dir for this run, or the "
+            f"same settings to resume that one. Nothing was changed on disk.")
+    return ckpt
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(state["python"]), None))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# Optimizer state keyed by parameter name ("state.layers.3.attention.wq.weight.exp_avg"), so the
+# state of several model parts merges into one dict and loads into any other layout.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _part_states(parts: list, optimizers: list) -> list:
+    return [(get_model_state_dict(part), get_optimizer_state_dict(part, optimizer, options=_FLAT))
+            for part, optimizer in zip(parts, optimizers)]
+
+
+def _merged(part_states: list) -> dict:
+    state = {"model": {}, "optim": {}}
+    for model, optim in part_states:
+        state["model"].update(model)
+        state["optim"].update(optim)
+    return state
+
+
+def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
+         config_yaml: str, rank: int, world_size: int, keep: int,
+         in_use: Optional[InUse] = None) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory. Afterwards the
+    checkpoints older than the newest `keep` intact ones are deleted, except those `in_use`
+    (a step -> bool the caller gives, e.g. a checkpoint a pending evaluation job will read).
+
+    If any rank cannot write (a full disk, a read-only or vanished directory), every rank raises
+    RunError after the half-written directory is removed; older checkpoints are untouched.
+    """
+    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use)
+    error = ckpt.open()
+    if error is None:
+        _quiet_single_process_dcp()
+        try:
+            dcp.save(_merged(_part_states(parts, optimizers)), checkpoint_id=str(ckpt.tmp),
+                     no_dist=world_size == 1)
+        except (Exception, CheckpointException) as err:
+            # DCP raises the same CheckpointException (a BaseException) on every rank.
+            error = _root_cause(err)
+    described = {}
+    if error is None:
+        try:
+            described = ckpt.write_own()
+        except OSError as err:
+            error = err
+    return ckpt.close(error, described)
+
+
+def save_async(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
+               config_yaml: str, rank: int, world_size: int, keep: int,
+               in_use: Optional[InUse] = None,
+               device: torch.device = torch.device("cpu")) -> "PendingSave":
+    """Collective: `save` whose files are written while training goes on (checkpoint.async_save).
+
+    Before it returns, the model and optimizer state are copied to CPU memory (DCP's stager: a
+    new CPU storage for every tensor, so later optimizer steps do not reach the copy) and this
+    rank's train state (step, data position, scheduler, RNG) is captured; a background thread
+    then writes the DCP shards and this rank's train state into `<step>.tmp-<nonce>/` and
+    checksums them. Nothing is visible until `finish` (called by every rank at the same step
+    boundaries) writes the manifest and renames the directory, as `save` does. The caller
+    finishes one save before starting the next, so at most one copy of the state is held.
+
+    `device`: where the step-boundary agreement's flag lives (the default process group's
+    device: the GPU under NCCL). DCP's own collectives run in the background thread on a gloo
+    group of their own, so they never interleave with the training loop's collectives.
+    """
+    group = _async_group() if world_size > 1 else None
+    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use,
+                       device)
+    error = ckpt.open()
+    if error is None:
+        _quiet_single_process_dcp()
+        try:
+            started = time.perf_counter()
+            upload = dcp.async_save(_merged(_part_states(parts, optimizers)),
+                                    checkpoint_id=str(ckpt.tmp), process_group=group,
+                                    no_dist=world_size == 1)
+            # A Future here; an AsyncSaveResponse only with a stager that copies in the background.
+            ckpt.start(getattr(upload, "upload_completion", upload))
+            if rank == 0:
+                logger.info("checkpoint %s: state copied to CPU memory in %.2f s, written while "
+                            "training goes on", ckpt.final, time.perf_counter() - started)
+        except (Exception, CheckpointException) as err:
+            error = _root_cause(err)
+        # Every rank is writing, or none goes on (a rank that could not copy its state would
+        # leave the others' writers waiting for it).
+        error = _first_error(error, world_size)
+    if error is not None:
+        ckpt.close(error, {})   # raises RunError
+    return ckpt
+
+
+class PendingSave:
+    """One checkpoint from its `<step>.tmp-<nonce>/` directory to `<step>/`, shared by `save` and
+    `save_async`: `open` makes the directory, the DCP shards and `write_own` fill it (in the
+    calling thread, or in the background after `start`), and `close` makes it visible or
+    removes it. A pending asynchronous save is finished with `finish`."""
+
+    def __init__(self, dump_dir, step: int, train_state: dict, config_yaml: str, rank: int,
+                 world_size: int, keep: int, in_use: Optional[InUse] = None,
+                 device: torch.device = torch.device("cpu")):
+        self.dump_dir, self.step, self.config_yaml = dump_dir, step, config_yaml
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.keep, self.in_use = keep, in_use
+        self.root = checkpoints_dir(dump_dir)
+        self.final = self.root / str(step)
+        self.tmp: Optional[Path] = None
+        # Serialized now: the train state of this step, whenever the files are written.
+        buffer = io.BytesIO()
+        torch.save(dict(train_state, rng=_rng_state(), world_size=world_size), buffer)
+        self.own_state = buffer.getvalue()
+        self.writing: Optional[futures.Future] = None   # the background write (save_async)
+
+    def open(self) -> Optional[BaseException]:
+        """Collective: the tmp directory, made by rank 0; every rank's view of any failure."""
+        # All ranks must write into the same tmp dir: rank 0 picks the nonce.
+        nonce = [os.urandom(4).hex()]
+        if self.world_size > 1:
+            dist.broadcast_object_list(nonce, src=0)
+        self.tmp = self.root / f"{self.step}.tmp-{nonce[0]}"
+        error = None
+        try:
+            if self.rank == 0:
+                self.tmp.mkdir(parents=True, exist_ok=False)
+        except OSError as err:
+            error = err
+        return _first_error(error, self.world_size)
+
+    def write_own(self) -> dict:
+        """This rank's train state file; then the description (size, CRC-32) of every file this
+        rank wrote (its DCP shards and train state), for the manifest."""
+        (self.tmp / f"train_state_rank{self.rank}.pt").write_bytes(self.own_state)
+        mine = [p for p in self.tmp.iterdir()
+                if p.name.startswith((f"__{self.rank}_", f"train_state_rank{self.rank}."))]
+        return _describe(mine)
+
+    def start(self, upload: futures.Future) -> None:
+        """Write in the background: DCP's upload, then this rank's train state and checksums
+        (reading the shards back for the CRC-32 is not left to the training loop either)."""
+        def write():
+            upload.result()   # raises what the DCP write raised
+            return self.write_own()
+
+        executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lingua-checkpoint")
+        self.writing = executor.submit(write)
+        executor.shutdown(wait=False)   # the thread ends after this one job
+
+    def finish(self, block: bool) -> Optional[Path]:
+        """Collective while the write is pending: every rank calls it at the same step
+        boundaries. Without `block`, it returns None unless every rank's write is done (one
+        all-reduce of a flag); then, or after waiting (`block`), it makes the checkpoint visible
+        as `save` does and returns its directory, or raises RunError on every rank if any rank's
+        write failed (the tmp directory removed; the previous checkpoint stays the newest)."""
+        if self.writing is None:
+            return self.final
+        if block:
+            futures.wait([self.writing])
+        elif not self._everyone_done():
+            return None
+        writing, self.writing = self.writing, None
+        error = writing.exception()
+        if error is not None:
+            return self.close(_root_cause(error), {})
+        return self.close(None, writing.result())
+
+    def _everyone_done(self) -> bool:
+        done = self.writing.done()
+        if self.world_size == 1:
+            return done
+        pending = torch.tensor([0.0 if done else 1.0], device=self.device)
+        dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+        return pending.item() == 0.0
+
+    def close(self, error: Optional[BaseException], described: dict) -> Path:
+        """Collective: with no error on any rank, rank 0 writes config.yaml and the manifest and
+        renames the directory to `<step>/`, then prunes to `keep`; else every rank raises
+        RunError after the directory is removed."""
+        rank, world_size, tmp, final = self.rank, self.world_size, self.tmp, self.final
+        error = _first_error(error, world_size)
+        if error is None:
+            gathered = [described]
+            if world_size > 1:
+                gathered = [None] * world_size
+                dist.all_gather_object(gathered, described)
+            if rank == 0:
+                try:
+                    (tmp / "config.yaml").write_text(self.config_yaml)
+                    files = {}
+                    for part in gathered:
+                        files.update(part)
+                    files.update(_describe([tmp / ".metadata", tmp / "config.yaml"]))
+                    (tmp / MANIFEST).write_text(json.dumps({"step": self.step, "files": files},
+                                                           indent=1))
+                    if final.exists():  # a checkpoint of the same step from an earlier attempt
+                        shutil.rmtree(final)
+                    os.rename(tmp, final)
+                except OSError as err:
+                    error = err
+            error = _first_error(error, world_size)
+        if error is not None:
+            if rank == 0 and tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = newest(self.dump_dir)
+            kept = (f"the previous checkpoint {previous} is intact" if previous
+                    else "no earlier checkpoint exists")
+            raise RunError(f"Could not write checkpoint {final}: {error}. Nothing of it was kept; "
+                           f"{kept}. Free disk space (or make {self.root} writable, or point "
+                           f"dump_dir at a filesystem with room), then run the same command to "
+                           f"resume.") from None
+        if rank == 0:
+            _prune(self.root, self.keep, self.in_use)
+            logger.info("saved checkpoint %s", final)
+        _barrier(world_size)
+        return final
+
+
+# DCP's collectives of a background write get a gloo group of their own: on the default group they
+# would interleave with the training loop's collectives in an order that differs between ranks
+# (a hang or mixed-up data on gloo and NCCL alike), and dcp.async_save needs a CPU backend, which
+# an NCCL-only default group lacks. Made once per default group (every rank, at the first
+# asynchronous save); only one background write uses it at a time.
+_ASYNC_GROUP: list = [None, None]   # [default group it belongs to, the gloo group]
+
+
+def _async_group():
+    world = dist.group.WORLD
+    if _ASYNC_GROUP[0] is not world:
+        _ASYNC_GROUP[:] = [world, dist.new_group(backend="gloo")]
+    return _ASYNC_GROUP[1]
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """DCP's CheckpointException holds each failed rank's exception (and a traceback per rank in
+    its text): keep the first underlying one, which says what went wrong (e.g. ENOSPC)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))   # (exception, traceback summary)
+        return first[0] if isinstance(first, tuple) else first
+    return err
+
+
+def _first_error(error: Optional[BaseException], world_size: int) -> Optional[BaseException]:
+    """Make every rank see a failure on any rank (so none waits forever in a later collective)."""
+    if world_size == 1:
+        return error
+    flags = [None] * world_size
+    dist.all_gather_object(flags, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [f"rank {r}: {msg}" for r, msg in enumerate(flags) if msg is not None]
+    if error is None and failed:
+        return OSError("; ".join(failed))
+    return error
+
+
+def _prune(root: Path, keep: int, in_use: Optional[InUse] = None) -> None:
+    """Rank 0, after a save: delete the checkpoints older than the newest `keep` intact ones,
+    except those `in_use`. One damaged since resume (sizes against its manifest: nothing read)
+    is moved aside, uncounted."""
+    if keep <= 0:
+        return
+    intact = []
+    for ckpt in _step_dirs(root):
+        problem = verify(ckpt, checksums=False)
+        if problem is None:
+            intact.append(ckpt)
+        else:
+            logger.warning("damaged checkpoint %s: %s; %s", ckpt, problem, _set_aside(ckpt))
+    for old in intact[:-keep]:
+        if in_use is None or not in_use(int(old.name)):   # in use: a later save prunes it
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: int) -> dict:
+    """Collective: restore model parts, optimizers and RNG; return this rank's train state.
+    DCP reshards: the checkpoint may come from any other parallel layout."""
+    part_states = _part_states(parts, optimizers)
+    state = _merged(part_states)
+    _dcp_load(state, ckpt_dir)  # in place; non-tensor entries are replaced in `state`
+    for part, optimizer, (own_model, own_optim) in zip(parts, optimizers, part_states):
+        set_model_state_dict(part, {k: state["model"][k] for k in own_model})
+        set_optimizer_state_dict(part, optimizer, {k: state["optim"][k] for k in own_optim},
+                                 options=_FLAT)
+    train_state = torch.load(ckpt_dir / "train_state_rank0.pt", weights_only=True)
+    same_layout = train_state["world_size"] == world_size
+    # On another layout the per-rank files do not line up with the ranks: keep rank 0's, which
+    # holds everything a global-index loader needs (the data loader refuses it if it cannot).
+    own = ckpt_dir / f"train_state_rank{rank}.pt"
+    if rank != 0 and same_layout and own.is_file():
+        train_state = torch.load(own, weights_only=True)
+    if same_layout:
+        _set_rng_state(train_state["rng"])
+    logger.info("resumed from %s (step %d)", ckpt_dir, train_state["step"])
+    return train_state
+
+
+def verified(ckpt_dir, rank: int = 0, world_size: int = 1) -> None:
+    """Collective when world_size > 1: raise ConfigError on every rank unless the checkpoint
+    passes every rank's `verify_share` (together, a full `verify` with checksums)."""
+    problem = verify_share(ckpt_dir, rank, world_size)
+    problems = _all_gather(problem) if world_size > 1 else [problem]
+    problems = [p for p in problems if p is not None]
+    if problems:
+        raise ConfigError(f"Checkpoint {ckpt_dir} is damaged: "
+                          f"{'; '.join(dict.fromkeys(problems))}. "
+                          f"Use another checkpoint of the run (ls {Path(ckpt_dir).parent}), or "
+                          f"copy this one again from where it was written.")
+
+
+def load_model(ckpt_dir: Path, parts: list) -> None:
+    """Collective: the checkpoint's weights into model parts sharded for any layout (DCP
+    reshards), without the optimizer state; for evaluation jobs."""
+    own = [get_model_state_dict(part) for part in parts]
+    state = {"model": {k: v for part_state in own for k, v in part_state.items()}}
+    _dcp_load(state, Path(ckpt_dir))
+    for part, part_state in zip(parts, own):
+        set_model_state_dict(part, {k: state["model"][k] for k in part_state})
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()

@@ -1,0 +1,313 @@
+"""Hugging Face interop machinery shared by the apps: reading safetensors files and config fields
+(RoPE, SwiGLU width), and the checks that nothing is dropped. What names map to what is each
+app's own: its hf.py (apps/llama/hf.py for LlamaForCausalLM, apps/moe/hf.py for Mixtral,
+Qwen2-MoE and GLM-4.5 MoE) holds its key map and config.
+
+Nothing is dropped silently in either direction. The app's key map is the source of truth: on
+export every tensor of the model's state dict must be mapped or be on the app's NOT_EXPORTED list
+(`check_export`), on import every tensor in the safetensors files must be consumed by the map or
+be on its NOT_IMPORTED list (`check_import`). Both lists map a regular expression (matched against
+the whole name) to the reason the tensor may be left out, so a fork that adds a weight (QK-norm,
+biases) is told which file to edit instead of getting a Hugging Face model without it.
+"""
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from lingua.errors import ConfigError
+from lingua.model.transformer import ffn_hidden_dim
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def rope_args(cfg: dict, config_path: Path) -> dict:
+    # transformers < 5 writes rope_theta + rope_scaling; 5.x writes rope_parameters (with the
+    # theta inside).
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return {"rope_theta": float(theta), "rope_scaling": False}
+    if kind != "llama3":
+        raise ConfigError(f"{config_path}: rope type {kind!r} is not supported; this model "
+                          "implements plain RoPE and Llama 3.1 ('llama3') scaling only.")
+    return {
+        "rope_theta": float(theta), "rope_scaling": True,
+        "rope_scale_factor": float(params["factor"]),
+        "rope_low_freq_factor": float(params["low_freq_factor"]),
+        "rope_high_freq_factor": float(params["high_freq_factor"]),
+        "rope_original_max_seq_len": int(params["original_max_position_embeddings"]),
+    }
+
+
+def ffn_recipe(dim: int, hidden: int, hint: Optional[dict] = None) -> Tuple[int, Optional[float]]:
+    """(multiple_of, ffn_dim_multiplier) giving SwiGLU width `hidden` under Meta's recipe.
+
+    Prefer the values our own export recorded (`hint`), then those Meta's configs use (our default
+    256; Llama 3's 1024 with 1.3; Llama 3.2's 256 with 1.5), so the args read back equal the ones
+    the model was trained with; otherwise multiple_of = hidden rounds any smaller width up to
+    exactly `hidden`.
+    """
+    recorded = []
+    if isinstance(hint, dict):
+        recorded = [(hint.get("multiple_of"), hint.get("ffn_dim_multiplier"))]
+    known = [(256, None), (1024, None), (1024, 1.3), (256, 1.5), (256, 1.3), (4096, 1.3)]
+    for multiple_of, mult in recorded + known:
+        valid = isinstance(multiple_of, int) and multiple_of > 0
+        if valid and ffn_hidden_dim(dim, multiple_of, mult) == hidden:
+            return multiple_of, mult
+    base = int(2 * 4 * dim / 3)
+    return hidden, (None if hidden >= base else hidden / base)
+
+
+def _weight_files(path: Path) -> List[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"No weights in {path}: expected model.safetensors (or shards listed in "
+                          "model.safetensors.index.json). Only safetensors files are read.")
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(
+                f"{f} is listed in {index} but missing; copy the complete model directory."
+            )
+    return files
+
+
+def tensor_names(path: Path) -> Dict[str, Path]:
+    """Every tensor name in the directory's safetensors files -> its file, from the headers alone
+    (no tensor data is read), so a refusal costs nothing however large the checkpoint."""
+    names = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as handle:
+            names.update((k, f) for k in handle.keys())
+    return names
+
+
+def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, Path]]:
+    """All tensors of the directory, and the file each came from (for error messages)."""
+    tensors, origin = {}, {}
+    for f in _weight_files(path):
+        for k, t in load_file(str(f)).items():  # safetensors holds raw tensors only: no pickle
+            tensors[k], origin[k] = t, f
+    return tensors, origin
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing dropped silently
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _listed(names: Iterable[str], limit: int = 10) -> str:
+    names = sorted(names, key=_natural)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _allowed(name: str, allow_list: Dict[str, str]) -> bool:
+    return any(re.fullmatch(pattern, name) for pattern in allow_list)
+
+
+def app_file(module_file: str) -> str:
+    """An app's hf.py as the user would open it: relative to the repository when it lies inside
+    (apps/<app>/hf.py, a fork's own name included), else as given."""
+    f = Path(module_file).resolve()
+    try:
+        return str(f.relative_to(Path(__file__).resolve().parents[2]))
+    except ValueError:
+        return str(f)
+
+
+def check_export(state_keys: Iterable[str], exported: Iterable[str], not_exported: Dict[str, str],
+                 where: str, out_dir) -> None:
+    """Refuse (before anything is written) a model with a state-dict tensor the export would leave
+    out: neither mapped (`exported`) nor on the app's NOT_EXPORTED list. `where` names the map:
+    "key_map in apps/llama/hf.py"."""
+    exported = set(exported)
+    unmapped = [k for k in state_keys if k not in exported and not _allowed(k, not_exported)]
+    if unmapped:
+        raise ConfigError(
+            f"save_hf: {len(unmapped)} tensor(s) of the model have no Hugging Face name, so the "
+            f"export would silently lack them: {_listed(unmapped)}. Map each one to its Hugging "
+            f"Face name in {where} (load_hf reads the same map back), or, for a buffer that is "
+            "derived or runtime state with no Hugging Face equivalent, add a pattern for it with "
+            f"the reason to NOT_EXPORTED in that file. Nothing was written to {out_dir}.")
+
+
+def check_filled(state_keys: Iterable[str], filled: Iterable[str], where: str, path) -> None:
+    """Refuse a model with a state-dict tensor the import gives no value (a fork's new weight)."""
+    filled = set(filled)
+    empty = [k for k in state_keys if k not in filled]
+    if empty:
+        raise ConfigError(
+            f"load_hf: {len(empty)} tensor(s) of the model get no value from {path}: "
+            f"{_listed(empty)}. Map each one to its Hugging Face name in {where}, or, if a Hugging "
+            "Face model of this architecture has no such weight, this directory cannot initialise "
+            "the model.")
+
+
+def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: Dict[str, str],
+                 where: str, path) -> None:
+    """Refuse a directory whose safetensors files hold a tensor the import would drop: neither
+    consumed by the app's map nor on its NOT_IMPORTED list. `names`: tensor_names(path)."""
+    consumed = set(consumed)
+    dropped = [k for k in names if k not in consumed and not _allowed(k, not_imported)]
+    if dropped:
+        files = sorted({names[k].name for k in dropped})
+        raise ConfigError(
+            f"{path}: {len(dropped)} tensor(s) in {', '.join(files)} have no place in the model, "
+            f"so loading would silently drop them: {_listed(dropped)}. Either config.json "
+            "describes fewer layers or experts than the files hold, or the checkpoint has weights "
+            "this architecture lacks (biases, extra norms?): use an app whose model has them, or "
+            f"add them to the model and map them in {where}; a tensor that is derived and "
+            "recomputed on load can go on NOT_IMPORTED in that file with the reason.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exportable at all? Each app's hf.py says, from the model args alone, why its export would refuse
+# a run (`export_problems(model_args) -> list of reasons`); training warns at start, the export
+# command refuses with the same reasons before reading any weights.
+
+
+def warn_unexportable(problems: List[str], command: str) -> None:
+    """One warning line (rank 0) at the start of a run whose checkpoints `command` will refuse:
+    better learned before training than after."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before any process group
+    if problems and int(rank) == 0:
+        logging.getLogger(__name__).warning(
+            "warning: %s export will refuse this run's checkpoints: %s. Training goes on; change "
+            "those options now if you need a Hugging Face model.", command, "; ".join(problems))
+
+
+def refuse_unexportable(problems: List[str], command: str, ckpt_dir) -> None:
+    if problems:
+        raise ConfigError(f"{command} export: {ckpt_dir} cannot be written as a Hugging Face "
+                          f"model: {'; '.join(problems)}.")
+
+
+def export_cli(argv, prog: str, description: str, export) -> None:
+    """`<prog> export <checkpoint_dir> <out_dir> [--dtype]`, one command line for every app's hf.py:
+    `export(ckpt_dir, out_dir, dtype)` is the app's own. A bad input prints an `error:` line and
+    exits with status 2."""
+    import argparse
+    import sys
+
+    from lingua.train.checkpoint import resolve
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("export", help="write a training checkpoint as a Hugging Face directory")
+    p.add_argument("checkpoint_dir", help="a run directory (its newest complete checkpoint) or "
+                                          "<dump_dir>/checkpoints/<step>")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: as trained (fp32)")
+    ns = parser.parse_args(argv)
+    try:
+        ckpt = resolve(ns.checkpoint_dir)
+        export(ckpt, ns.out_dir, DTYPES.get(ns.dtype))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(wrote(ckpt, ns.out_dir))
+
+
+def wrote(ckpt_dir, out_dir) -> str:
+    """The line an export command prints, with the architecture read back from the config.json it
+    wrote: a fork that renames the architecture (Qwen3ForCausalLM, ...) is reported as written."""
+    try:
+        archs = json.loads((Path(out_dir) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError):
+        archs = None
+    arch = ", ".join(archs) if archs else "a model (config.json names no architecture)"
+    return f"wrote {arch} from {ckpt_dir}: {out_dir}/config.json and {out_dir}/model.safetensors"
+
+
+def byte_tokenizer_json():
+    """A `tokenizers` Tokenizer that gives exactly lingua's byte tokenizer's ids (byte b -> id b,
+    BOS 256 as `<s>`, EOS 257 as `</s>`; encoding with special tokens prepends BOS), so Hugging
+    Face tools (transformers, lm-eval's HFLM) read an export of a byte-level model as we do."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    # ByteLevel maps each byte to a printable character; a BPE without merges then gives one
+    # token per byte, with the byte's value as its id.
+    alphabet = ByteLevel.alphabet()
+    byte_char = {b: c for b, c in _bytes_to_unicode().items()}
+    assert set(byte_char.values()) == set(alphabet)
+    vocab = {byte_char[b]: b for b in range(256)}
+    tok = HFTok(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 256)])
+    return tok
+
+
+def _bytes_to_unicode() -> Dict[int, str]:
+    # GPT-2's printable stand-ins for bytes, the mapping `tokenizers`' ByteLevel uses.
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(keep, chars)}
+
+
+def write_tokenizer(run_config, out_dir) -> Optional[str]:
+    """Tokenizer files (of a run config's data.tokenizer) beside an export, so
+    `AutoTokenizer.from_pretrained(out_dir)` (and lm-eval's HFLM on the directory) encodes as
+    training did: the byte tokenizer as an equivalent tokenizer.json, an HF tokenizer.json as it
+    is. Returns what was written, or None with a warning for kinds transformers cannot read as
+    they are (tiktoken, sentencepiece: give the HF tools the tokenizer you trained with)."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from lingua.train.tokenizer import TokenizerArgs
+
+    section = OmegaConf.select(run_config, "data.tokenizer") or {}
+    tokenizer_args = TokenizerArgs(
+        **OmegaConf.to_container(OmegaConf.create(section), resolve=True)
+    )
+    out = Path(out_dir)
+    kind = tokenizer_args.kind
+    if kind == "bytes":
+        byte_tokenizer_json().save(str(out / "tokenizer.json"))
+        bos, eos = "<s>", "</s>"
+    elif kind == "hf":
+        src = Path(tokenizer_args.path)
+        shutil.copyfile(src, out / "tokenizer.json")
+        from lingua.train.tokenizer import HFTokenizer
+
+        tok = HFTokenizer(str(src))
+        bos, eos = tok.model.id_to_token(tok.bos_id), tok.model.id_to_token(tok.eos_id)
+    else:
+        logging.getLogger(__name__).warning(
+            "the export has no tokenizer files: transformers cannot read a %s tokenizer as it "
+            "is; pass yours to the Hugging Face tools", kind)
+        return None
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "clean_up_tokenization_spaces": False, "model_max_length": 1_000_000_000}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return "tokenizer.json and tokenizer_config.json"

@@ -1,0 +1,280 @@
+"""Muon for the transformer blocks' matrices, AdamW for everything else, in one optimizer that
+works on plain tensors (one process) and on DTensors sharded by FSDP2, TP and EP.
+
+What each parameter gets (`split_params`): Muon takes every parameter of two or more dimensions
+(attention and FFN projections, the MoE router's gate, MoE experts' stacked [E, in, out] weights:
+one matrix per expert) except the embeddings (`nn.Embedding`) and the output projection (the
+model's `output`); AdamW takes those and the vectors (norm gains, biases), with lingua.train.optim's
+weight-decay groups.
+
+The update is torch.optim.Muon's (torch/optim/_muon.py, the single-process reference; the
+Newton-Schulz iteration is torch's own function), for every parameter:
+    B <- momentum * B + (1 - momentum) * G             (B: the momentum buffer, sharded like G)
+    U <- G + momentum * (B - G) if nesterov else B       (lerp, as torch writes it)
+    O <- NS(U)        (5 quintic Newton-Schulz steps, bf16 by default, on the WHOLE matrix)
+    W <- W * (1 - lr * weight_decay) - adjust(lr, shape) * O
+adjust is torch's: "original" lr * sqrt(max(1, out/in)) (Keller Jordan; use a Muon lr of about
+0.02), "match_rms_adamw" lr * 0.2 * sqrt(max(out, in)) (Moonshot; AdamW's lr and weight decay
+carry over). An expert's matrix is stored [in, out] (y = x @ W_e), so its (out, in) is read
+transposed; NS itself does not care (NS(M^T) = NS(M)^T).
+
+Sharding. Only NS needs the whole matrix: momentum, weight decay and the update are elementwise
+and run on each rank's shard, so the momentum buffer is a DTensor placed like the parameter (DCP
+saves and reshards it like AdamW's moments: resume is exact on any layout). For NS each matrix is
+orthogonalised ONCE, on one rank of its mesh, and the result sent back in shards:
+  * matrices of one shape and placement (e.g. every layer's wq) are taken N at a time (N = the
+    ranks that shard them: dp_shard, tp, dp_shard x tp, ...) and stacked along a new dim 0;
+  * the stack is redistributed from the parameters' placements (shifted by the new dim) to dim 0
+    sharded over those ranks: each receives one whole matrix (an all-to-all on NCCL;
+    torch's DTensor falls back to all-gather + chunk on CPU/gloo);
+  * each rank runs NS on its matrix, and the results are redistributed back to the
+    parameters' placements.
+Matrices a rank already holds whole are orthogonalised where they are, with no communication:
+plain tensors (one process, MoE experts under tp alone, which every tp rank computes), replicated
+ones, and expert weights split only along the expert dim (EP, and FSDP over the experts).
+Cost, against the simplest scheme (all-gather every matrix, orthogonalise it on every rank):
+NS work per rank drops from all of the model's matrices to 1/N of them, and per chunk of N
+matrices of M elements a rank sends and receives about 2 M elements (all-to-all there and back)
+instead of receiving (N-1) M (all-gather); both directions travel in NS's dtype, bf16 by
+default (NS casts its input first, so casting before the gather changes nothing). The price: a
+stacked copy (one matrix per rank per chunk) and a pair of collectives per chunk. On CPU/gloo
+DTensor has no all-to-all and all-gathers instead: correct, not cheaper in traffic. Mesh dims
+that replicate (HSDP's dp_replicate) take no part: each replica orthogonalises the same
+matrices, so no NS traffic crosses replicas (the slow links HSDP keeps to one all-reduce).
+"""
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+# torch's own Newton-Schulz and lr adjustment (torch is pinned): the single-process reference,
+# torch.optim.Muon, runs exactly these.
+from torch.optim._muon import (
+    DEFAULT_A,
+    DEFAULT_B,
+    DEFAULT_C,
+    EPS,
+    _adjust_lr,
+    _zeropower_via_newtonschulz,
+)
+
+NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float,
+                  dtype: str) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation of one matrix. bf16 is torch's own function (the
+    reference). fp32 is the same iteration in fp32: on CPUs without avx512_bf16/amx bf16 is
+    emulated and ~100x slower, and in fp32 a sharded run equals one process to ~1e-7 instead of
+    ~1e-5 (bf16 rounds a gradient that differs in its last fp32 bit to a different bf16 value)."""
+    if dtype == "bf16":
+        return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
+    a, b, c = coefficients
+    x = update.float()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def split_params(model: nn.Module) -> tuple[list, list]:
+    """([(name, param)] for Muon, [(name, param)] for AdamW) of a model (or one pipeline part).
+    Muon: parameters of 2+ dimensions, except nn.Embedding weights and the `output` projection."""
+    output = getattr(model, "output", None)
+    muon, adamw, seen = [], [], set()
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            full = f"{module_name}.{name}" if module_name else name
+            hidden = (param.ndim >= 2 and not isinstance(module, nn.Embedding)
+                      and module is not output)
+            (muon if hidden else adamw).append((full, param))
+    return muon, adamw
+
+
+def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
+    """(out, in) of the matrix (or of each expert's matrix) Muon updates, for the lr adjustment:
+    nn.Linear stores [out, in]; stacked experts store [E, in, out]."""
+    if param.ndim == 2:
+        return param.shape[0], param.shape[1]
+    if param.ndim == 3:
+        return param.shape[2], param.shape[1]
+    raise ValueError(f"Muon updates matrices and stacked [experts, in, out] matrices, not a "
+                     f"{param.ndim}-d tensor of shape {tuple(param.shape)}")
+
+
+class MuonAdamW(torch.optim.AdamW):
+    """One torch optimizer holding AdamW parameter groups (torch's AdamW step, fused where asked)
+    and Muon groups (`group["muon"] = True`). One optimizer, so the lr schedule (LambdaLR) scales
+    every group and DCP saves and loads the state of both kinds by parameter name."""
+
+    def __init__(self, adamw_groups: list, muon_groups: list, *, lr: float, betas, eps: float,
+                 fused, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+                 adjust_lr_fn: str = "match_rms_adamw", ns_dtype: str = "bf16"):
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: use one of {ADJUST_LR_FNS}")
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype={ns_dtype!r}: use one of {tuple(NS_DTYPES)}")
+        if not 0 < ns_steps < 100:  # torch's Newton-Schulz refuses 100 or more
+            raise ValueError(f"ns_steps={ns_steps} must lie in [1, 99]")
+        groups = [dict(g, muon=False) for g in adamw_groups]
+        for g in muon_groups:
+            for p in g["params"]:
+                matrix_shape(p)  # refuses what is not a matrix or a stack of them
+            groups.append(dict(g, muon=True, momentum=momentum, nesterov=nesterov,
+                               ns_steps=ns_steps, ns_coefficients=NS_COEFFICIENTS, ns_eps=EPS,
+                               adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype))
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+
+    def __setstate__(self, state):
+        # Adam's __setstate__ (run by load_state_dict) converts every state's "step" to a
+        # tensor; Muon's state is a momentum buffer alone: show it the AdamW groups only.
+        groups = state["param_groups"]
+        super().__setstate__(dict(state, param_groups=[g for g in groups if not g.get("muon")]))
+        self.param_groups = groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = self.param_groups
+        # AdamW's step walks self.param_groups: let it see (and update) its own groups only.
+        self.param_groups = [g for g in groups if not g["muon"]]
+        try:
+            super().step()
+        finally:
+            self.param_groups = groups
+        for group in groups:
+            if group["muon"]:
+                self._muon_step(group)
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        momentum, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        lr = lr.item() if torch.is_tensor(lr) else lr
+        updates = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(
+                    p.grad, memory_format=torch.preserve_format)
+            buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
+            buf.lerp_(grad, 1 - momentum)
+            updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+
+        def ns(matrix):
+            return newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"],
+                                 group["ns_eps"], group["ns_dtype"])
+
+        dtype = NS_DTYPES[group["ns_dtype"]]
+        for p, ortho in zip(params, orthogonalize(params, updates, ns, dtype)):
+            local = _local(p)
+            local.mul_(1 - lr * wd)
+            local.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], matrix_shape(p)))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # Under no_grad to_local() is the DTensor's own storage: in-place ops update the shard.
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def orthogonalize(params: list, updates: list, ns, dtype=torch.bfloat16) -> list:
+    """This rank's part (local shard) of ns(whole update) for each parameter; updates are local
+    shards placed like their parameters, sent in `dtype`, the dtype ns computes in. Collective
+    over each sharded parameter's mesh: every rank of it must call this with the same
+    parameters in the same order."""
+    out = [None] * len(params)
+    buckets = {}
+    for i, (p, u) in enumerate(zip(params, updates)):
+        if not isinstance(p, DTensor) or _holds_whole_matrices(p):
+            out[i] = _ns_each(u, ns)
+        elif p.ndim == 3:   # a stack of experts sharded inside its matrices: the stack is given
+            out[i] = _ns_on_owners(u.to(dtype), p.device_mesh, p.placements, tuple(p.shape), ns)
+        else:
+            key = (p.device_mesh, tuple(p.placements), tuple(p.shape))
+            buckets.setdefault(key, []).append(i)
+    for (mesh, placements, shape), indices in buckets.items():
+        n = math.prod(size for size, pl in zip(mesh.shape, placements)
+                      if not isinstance(pl, Replicate))
+        for start in range(0, len(indices), n):
+            chunk = indices[start:start + n]
+            # In NS's dtype before sending: NS casts its input first, so the result is the same.
+            stack = torch.stack([updates[i].to(dtype) for i in chunk])
+            done = _ns_on_owners(stack, mesh, [_shifted(pl) for pl in placements],
+                                 (len(chunk), *shape), ns)
+            for j, i in enumerate(chunk):
+                out[i] = done[j]
+    return out
+
+
+def _holds_whole_matrices(p: DTensor) -> bool:
+    """Every rank holds whole matrices: nothing is split but (for stacked experts) the expert
+    dim. Decided from the placements, so every rank of the mesh decides alike."""
+    for size, pl in zip(p.device_mesh.shape, p.placements):
+        if size == 1 or isinstance(pl, Replicate):
+            continue
+        if p.ndim == 3 and isinstance(pl, (Shard, _StridedShard)) and pl.dim == 0:
+            continue
+        return False
+    return True
+
+
+def _ns_each(u: torch.Tensor, ns) -> torch.Tensor:
+    """NS of a matrix, or of each matrix of a stack [k, m, n] (k may be 0)."""
+    if u.ndim == 2:
+        return ns(u)
+    if u.shape[0] == 0:
+        return u
+    return torch.stack([ns(m) for m in u])
+
+
+def _shifted(pl):
+    """The placement of a parameter's shard once its matrices are stacked along a new dim 0."""
+    if isinstance(pl, _StridedShard):
+        return _StridedShard(pl.dim + 1, split_factor=pl.split_factor)
+    if isinstance(pl, Shard):
+        return Shard(pl.dim + 1)
+    if isinstance(pl, Replicate):
+        return pl
+    raise ValueError(f"Muon cannot orthogonalise a matrix placed {pl}")
+
+
+def _ns_on_owners(local_stack: torch.Tensor, mesh, placements, shape: tuple, ns) -> torch.Tensor:
+    """local_stack: this rank's shard, placed `placements` on `mesh`, of a stack of matrices
+    `shape` = (k, m, n). Each matrix goes whole to one rank of the mesh dims that shard it (dim 0
+    sharded over them; replicated dims stay replicated), is orthogonalised there, and comes back
+    as this rank's shard of the results."""
+    stride = (shape[1] * shape[2], shape[2], 1)
+    owned = [pl if isinstance(pl, Replicate) else Shard(0) for pl in placements]
+    stack = DTensor.from_local(local_stack, mesh, placements, run_check=False, shape=shape,
+                               stride=stride)
+    mine = stack.redistribute(mesh, owned).to_local()
+    done = DTensor.from_local(_ns_each(mine, ns), mesh, owned, run_check=False, shape=shape,
+                              stride=stride)
+    return done.redistribute(mesh, placements).to_local()
+
+
+def muon_flops(params: list, steps: int = 5) -> float:
+    """FLOPs of one Newton-Schulz pass over these parameters, for cost estimates: per step
+    X X^T (2 m^2 n), B = bA + cA^2 (2 m^3) and B X (2 m^2 n), with m <= n."""
+    total = 0.0
+    for p in params:
+        out_dim, in_dim = matrix_shape(p)
+        m, n = min(out_dim, in_dim), max(out_dim, in_dim)
+        count = p.shape[0] if p.ndim == 3 else 1
+        total += count * steps * (4 * m * m * n + 2 * m ** 3)
+    return total

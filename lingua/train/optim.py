@@ -1,0 +1,262 @@
+"""The optimizer (AdamW, or Muon for the blocks' matrices with AdamW for the rest:
+lingua/train/muon.py) with weight-decay groups, and the learning-rate schedules researchers usually
+compare."""
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lingua.errors import ConfigError
+
+SCHEDULES = ("constant", "linear", "cosine", "wsd")
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclass
+class OptimArgs:
+    # adamw, or muon: Muon for the transformer blocks' matrices (attention, FFN, router, each
+    # MoE expert), AdamW (lr, beta1, beta2, eps, weight decay below) for embeddings, the output
+    # projection, norms and biases. Sharded under FSDP2, TP and EP (lingua/train/muon.py).
+    name: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip: float = 1.0               # max global grad norm, once per optimizer step; <= 0 disables
+    scheduler: str = "cosine"       # constant | linear | cosine | wsd (warmup-stable-decay)
+    warmup: int = 100               # linear warmup steps (all schedules)
+    lr_min_ratio: float = 0.1       # final lr / peak lr for linear, cosine and wsd
+    decay_fraction: float = 0.2     # wsd: the last fraction of steps decays linearly
+    fused: bool = True              # fused AdamW kernel where the device has one
+    # A NaN/Inf gradient norm: "skip" the update (counted in metrics as nonfinite_steps; the lr
+    # schedule and data move on) or "stop" after saving the state from before that step.
+    nonfinite: str = "stop"
+    # Muon (optim.name=muon), as torch.optim.Muon names them; weight_decay and the schedule
+    # apply to Muon's groups too. muon_lr: Muon's peak lr, null = optim.lr, which suits the
+    # default match_rms_adamw (the update scaled to AdamW's RMS, so AdamW's lr carries over);
+    # with muon_adjust_lr_fn=original use a Muon lr of about 0.02.
+    muon_lr: Optional[float] = None
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5          # Newton-Schulz iterations
+    muon_adjust_lr_fn: str = "match_rms_adamw"   # match_rms_adamw | original
+    # Newton-Schulz in bf16 (torch.optim.Muon's) or fp32 (for CPUs that emulate bf16; and a
+    # sharded run then equals one process to fp32 rounding, as the layout tests check).
+    muon_ns_dtype: str = "bf16"
+    # Loss spikes (lingua/train/spikes.py; README "Loss spikes"): off | log (warn, mark loss_spike
+    # in metrics) | skip (no update at the spiking step) | rollback (reload the newest checkpoint
+    # and skip the data batches around the spike, PaLM's recipe).
+    spike: str = "log"
+    spike_on: str = "loss"          # loss | grad_norm | both: what is judged
+    spike_rule: str = "median"      # median: above spike_factor x the running median;
+                                    # sigma: above the mean + spike_sigmas std of the window
+    spike_factor: float = 2.0
+    spike_sigmas: float = 6.0
+    spike_window: int = 50          # accepted steps in the running statistics; none judged
+                                    # before the window is full
+    spike_warmup: int = 0           # and none judged in the first N steps
+    spike_skip_before: int = 0      # rollback: data batches skipped before the spiking one
+    spike_skip_after: int = 0       # and after it (0, 0: the spiking batch alone)
+    spike_max_rollbacks: int = 3    # rollbacks to one checkpoint before the run stops
+    spike_max_skips: int = 10       # skip: spike steps in a row before the run stops
+
+
+def validate_args(args: OptimArgs, steps: int) -> None:
+    if args.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={args.name!r} is unknown: use adamw, or muon (Muon for the "
+                          f"transformer blocks' matrices, AdamW for the rest).")
+    validate_muon_args(args)
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ConfigError(f"optim.lr={args.lr} must be a positive finite number, e.g. "
+                          f"optim.lr=3e-4.")
+    if args.scheduler not in SCHEDULES:
+        raise ConfigError(f"optim.scheduler={args.scheduler!r} is unknown: use one of "
+                          f"{', '.join(SCHEDULES)}.")
+    if args.warmup < 0:
+        raise ConfigError(f"optim.warmup={args.warmup} must be 0 or more steps.")
+    if args.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={args.weight_decay} must be 0 or more.")
+    if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
+        raise ConfigError(f"optim.beta1={args.beta1} and optim.beta2={args.beta2} must lie in "
+                          f"[0, 1).")
+    if not 0 <= args.lr_min_ratio <= 1:
+        raise ConfigError(f"optim.lr_min_ratio={args.lr_min_ratio} must lie in [0, 1].")
+    if not 0 < args.decay_fraction <= 1:
+        raise ConfigError(f"optim.decay_fraction={args.decay_fraction} must lie in (0, 1].")
+    if args.nonfinite not in ("skip", "stop"):
+        raise ConfigError(f"optim.nonfinite={args.nonfinite!r}: use skip (drop a step whose "
+                          f"gradients are NaN/Inf and go on) or stop (save and stop).")
+    choices = {"spike": ("off", "log", "skip", "rollback"),
+               "spike_on": ("loss", "grad_norm", "both"), "spike_rule": ("median", "sigma")}
+    for key, allowed in choices.items():
+        if getattr(args, key) not in allowed:
+            raise ConfigError(f"optim.{key}={getattr(args, key)!r} is unknown: use one of "
+                              f"{' | '.join(allowed)} (README, \"Loss spikes\").")
+    if not (args.spike_factor > 1 and math.isfinite(args.spike_factor)):
+        raise ConfigError(f"optim.spike_factor={args.spike_factor} must be above 1 (a spike is a "
+                          f"value above spike_factor x the running median), e.g. 2.0.")
+    if not (args.spike_sigmas > 0 and math.isfinite(args.spike_sigmas)):
+        raise ConfigError(f"optim.spike_sigmas={args.spike_sigmas} must be positive, e.g. 6.0.")
+    if args.spike_window < 2:
+        raise ConfigError(f"optim.spike_window={args.spike_window} must be at least 2 steps "
+                          f"(a median or a standard deviation needs several values), e.g. 50.")
+    for key in ("spike_warmup", "spike_skip_before", "spike_skip_after"):
+        if getattr(args, key) < 0:
+            raise ConfigError(f"optim.{key}={getattr(args, key)} must be 0 or more.")
+    for key in ("spike_max_rollbacks", "spike_max_skips"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"optim.{key}={getattr(args, key)} must be at least 1.")
+
+
+def validate_muon_args(args: OptimArgs) -> None:
+    from lingua.train.muon import ADJUST_LR_FNS, NS_DTYPES
+
+    if args.muon_lr is not None and not (args.muon_lr > 0 and math.isfinite(args.muon_lr)):
+        raise ConfigError(f"optim.muon_lr={args.muon_lr} must be a positive finite number (e.g. "
+                          f"optim.muon_lr=0.02 with optim.muon_adjust_lr_fn=original), or null "
+                          f"to use optim.lr.")
+    if not 0 <= args.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum={args.muon_momentum} must lie in [0, 1), e.g. "
+                          f"optim.muon_momentum=0.95.")
+    if not 1 <= args.muon_ns_steps <= 99:
+        raise ConfigError(f"optim.muon_ns_steps={args.muon_ns_steps} must lie in [1, 99] "
+                          f"(Newton-Schulz iterations; 5 is the usual).")
+    if args.muon_adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ConfigError(f"optim.muon_adjust_lr_fn={args.muon_adjust_lr_fn!r} is unknown: use "
+                          f"match_rms_adamw (Muon's update at AdamW's RMS: optim.lr carries "
+                          f"over) or original (Keller Jordan's sqrt(max(1, out/in)) scaling: set "
+                          f"optim.muon_lr to about 0.02).")
+    if args.muon_ns_dtype not in NS_DTYPES:
+        raise ConfigError(f"optim.muon_ns_dtype={args.muon_ns_dtype!r} is unknown: use bf16 "
+                          f"(torch.optim.Muon's) or fp32 (for a CPU without avx512_bf16/amx).")
+
+
+def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
+    """Multiplier of the peak lr before optimizer step `step` (0-based)."""
+    if step < args.warmup:
+        return (step + 1) / (args.warmup + 1)
+    if args.scheduler == "constant":
+        return 1.0
+    lo = args.lr_min_ratio
+    if args.scheduler == "wsd":
+        decay_steps = max(1, int(round(args.decay_fraction * total_steps)))
+        decay_start = max(args.warmup, total_steps - decay_steps)
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+        return 1.0 - (1.0 - lo) * progress
+    progress = min(1.0, (step - args.warmup) / max(1, total_steps - args.warmup))
+    if args.scheduler == "linear":
+        return 1.0 - (1.0 - lo) * progress
+    return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model, weight_decay: float) -> list:
+    """Decay matrices (linears, embeddings); leave vectors (norm gains, biases) undecayed.
+    Parameters sharded over different meshes (or not sharded, like MoE experts under tensor
+    parallelism) go into separate groups: a fused optimizer kernel takes one kind per call.
+    `model`: a module, or a list of its parameters."""
+    groups = {}
+    for param in (model.parameters() if isinstance(model, nn.Module) else model):
+        if param.requires_grad:
+            decay = param.ndim >= 2
+            mesh = getattr(param, "device_mesh", None)
+            key = (decay, None if mesh is None else mesh.mesh_dim_names)
+            groups.setdefault(key, {"params": [], "weight_decay": weight_decay if decay else 0.0})
+            groups[key]["params"].append(param)
+    return sorted(groups.values(), key=lambda g: -g["weight_decay"])
+
+
+def build_optimizer(part: nn.Module, args: OptimArgs, fused: bool) -> torch.optim.Optimizer:
+    """The optimizer of one model part: AdamW, or MuonAdamW (one torch optimizer holding Muon's
+    and AdamW's groups, so the schedule scales both and DCP saves both by parameter name)."""
+    if args.name == "adamw":
+        return torch.optim.AdamW(param_groups(part, args.weight_decay), lr=args.lr,
+                                 betas=(args.beta1, args.beta2), eps=args.eps, fused=fused)
+    from lingua.train.muon import MuonAdamW, split_params
+
+    muon, adamw = split_params(part)
+    muon_lr = args.lr if args.muon_lr is None else args.muon_lr
+    # One Muon group per mesh, like the AdamW groups (param_groups): weight decay on all.
+    muon_groups = [dict(g, lr=muon_lr)
+                   for g in param_groups([p for _, p in muon], args.weight_decay)]
+    return MuonAdamW(param_groups([p for _, p in adamw], args.weight_decay), muon_groups,
+                     lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps, fused=fused,
+                     momentum=args.muon_momentum, nesterov=args.muon_nesterov,
+                     ns_steps=args.muon_ns_steps, adjust_lr_fn=args.muon_adjust_lr_fn,
+                     ns_dtype=args.muon_ns_dtype)
+
+
+class Optimizers:
+    """The optimizer (optim.name) + lr schedule for each model part (a pipeline rank may hold
+    several stages), stepped together: one optimizer per part keeps each part's state keyed by
+    its own parameter names."""
+
+    def __init__(self, parts: list, args: OptimArgs, total_steps: int, device: torch.device):
+        # The fused kernel exists for CUDA and CPU in this torch.
+        fused = args.fused and device.type in ("cuda", "cpu")
+        self.optimizers = [build_optimizer(part, args, fused) for part in parts]
+        schedule = partial(lr_factor, args=args, total_steps=total_steps)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.optimizers]
+
+    @property
+    def lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    def step(self) -> None:
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def skip(self) -> None:
+        """A step without an update (non-finite gradients): the lr schedule still advances, so
+        the step count, the schedule and the data stay in line."""
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def scheduler_state(self) -> dict:
+        # Only the position: the lr follows from it, and the number of parameter groups (which
+        # torch's scheduler state also records) depends on the parallel layout.
+        return {"last_epoch": self.schedulers[0].last_epoch}
+
+    def load_scheduler_state(self, state: dict) -> None:
+        for scheduler in self.schedulers:
+            scheduler.last_epoch = state["last_epoch"]
+            lrs = [base * fn(scheduler.last_epoch)
+                   for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            scheduler._last_lr = lrs
+
+
+def clip_grad_norm(parts: list, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Global gradient norm over every shard and pipeline stage, clipped once per optimizer step
+    when max_norm > 0. Returns the norm before clipping."""
+    params = [p for part in parts for p in part.parameters() if p.grad is not None]
+    # Gradients sharded over different meshes (expert-parallel experts vs the rest) cannot share
+    # one foreach kernel: take each group's norm, then combine the squares.
+    groups = {}
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "device_mesh") else None
+        groups.setdefault(key, []).append(p)
+    squared = (torch.zeros((), dtype=torch.float32, device=params[0].grad.device) if params
+               else torch.zeros(()))
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        if hasattr(norm, "full_tensor"):  # a partial DTensor: reduce over its mesh
+            norm = norm.full_tensor()
+        squared = squared + norm.float().pow(2)
+    if pp_group is not None:  # each pipeline stage holds different parameters: add the squares
+        torch.distributed.all_reduce(squared, group=pp_group)
+    norm = squared.sqrt()
+    if max_norm > 0:
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+    return norm

@@ -1,0 +1,168 @@
+"""Stop a run cleanly on a signal: every rank saves a checkpoint at the next step boundary, then,
+on Slurm's time-limit warning, the job requeues itself.
+
+Slurm sends SIGUSR2 `slurm.signal_delay_s` seconds before the time limit (stool asks for it with
+`--signal=USR2@N`) and SIGTERM on preemption, `scontrol requeue` and `scancel`. A handler can run
+in the middle of a step, even inside a collective, so it only records the signal; the loop looks at
+it between steps. The ranks agree with one all-reduce (a signal reaches them at slightly different
+moments), save one complete checkpoint together, and stop. submitit's own USR2 handler cannot be
+used for this: it calls `checkpoint()` on rank 0 alone, and a sharded (FSDP/DCP) save needs every
+rank; ours replaces it once the trainer starts.
+
+After the save:
+  - SIGUSR2 (time limit): rank 0 requeues the job (`scontrol requeue`, as submitit would) while
+    `slurm.max_requeues` allows; the requeued job resumes from this checkpoint.
+  - SIGTERM: nothing more. Slurm requeues a preempted or `scontrol requeue`d job itself, and a
+    cancelled job should end; either way the work so far is on disk.
+
+Ctrl-C (SIGINT) is treated like SIGTERM once the training loop runs (`catch_interrupts`): the
+run saves at the next step boundary and stops with one line saying where and how to resume.
+torchrun starts its workers in sessions of their own, so a terminal's Ctrl-C reaches torchrun
+alone, which sends each worker one SIGINT; on a second Ctrl-C it sends them SIGTERM. So a
+second interrupt (SIGINT, or any signal after a SIGINT) stops at once, without saving: one line,
+exit code 130. Before the loop, SIGINT keeps Python's KeyboardInterrupt, which the entry point
+(lingua.train.trainer.exit_cli) turns into one line: nothing is lost there, and waiting for a first
+step to save it would make Ctrl-C during a long model build or data preparation feel ignored.
+"""
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Callable, Optional
+
+# torch is imported where used: stool's job listens for signals before it imports torch (seconds
+# of start-up, during which Slurm's time-limit warning may already arrive).
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+NONE, STOP, REQUEUE = 0, 1, 2   # ordered: when ranks disagree the larger (requeue) wins
+
+# The exit code of a run the user interrupted (Ctrl-C), saved or not: a shell's 128 + SIGINT.
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+# The exit code of a job a signal (time limit, preemption, scancel) stopped early, after saving:
+# not 0, because the work is not finished; Slurm requeues or cancels the job.
+EXIT_STOPPED = 3
+
+
+def is_rank0() -> bool:
+    """Whether this process prints for the job (from the launcher's variables: a handler may run
+    before any process group exists)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class StopSignals:
+    """Records SIGUSR2 / SIGTERM from `listen()`, and SIGINT from `catch_interrupts()`, until
+    `stop_listening()` (old handlers return)."""
+
+    def __init__(self):
+        self.received = NONE
+        self.interrupted = False        # a SIGINT is among the signals received
+        self._previous = {}
+        self._stop_now_line: Optional[Callable[[], str]] = None
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.received != NONE and (signum == signal.SIGINT or self.interrupted):
+            self._stop_now()
+        self.received = max(self.received, REQUEUE if signum == signal.SIGUSR2 else STOP)
+        self.interrupted = self.interrupted or signum == signal.SIGINT
+        if not is_rank0():   # every rank got it (torchrun, Slurm): one line for the job
+            return
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        again = " (Ctrl-C again: stop now, without saving)" if self.interrupted else ""
+        # logging is not safe inside a signal handler; a plain write is.
+        os.write(2, f"lingua: got {what}; saving a checkpoint after this step, then stopping"
+                    f"{again}\n".encode())
+
+    def _stop_now(self) -> None:
+        """A second interrupt: leave at once. A checkpoint being written stays invisible (they
+        are complete or absent), so the newest one on disk is intact."""
+        if is_rank0():
+            try:
+                line = self._stop_now_line() if self._stop_now_line else ""
+            except Exception:   # saying where the run is must not keep it from stopping
+                line = ""
+            line = line or "run the same command again to resume from the newest checkpoint"
+            os.write(2, f"\nlingua: interrupted again: stopped at once without saving; "
+                        f"{line}\n".encode())
+        os._exit(EXIT_INTERRUPTED)
+
+    def listen(self) -> "StopSignals":
+        if not self._previous:  # idempotent: stool's job listens early, the trainer again
+            self.received, self.interrupted = NONE, False
+            for signum in (signal.SIGUSR2, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def catch_interrupts(self, stop_now_line: Callable[[], str]) -> "StopSignals":
+        """From here (the training loop) SIGINT saves and stops like SIGTERM; `stop_now_line()`
+        says where the run is if a second one stops it without saving."""
+        self.listen()
+        self._stop_now_line = stop_now_line
+        if signal.SIGINT not in self._previous:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
+        return self
+
+    def stop_listening(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+        self._stop_now_line = None
+
+    def agreed(self, world_size: int, device: "torch.device") -> int:
+        """What every rank should do now (NONE, STOP or REQUEUE): the strongest signal any got."""
+        if world_size == 1:
+            return self.received
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(self.received)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+# One per process: signals are process-wide. Listening starts as early as possible (stool's job
+# does it before importing the app) so a signal during start-up is not lost.
+SIGNALS = StopSignals()
+
+
+def resume_command() -> str:
+    """The command that resumes this run, as its launcher was given it: `python -m <app> ...`,
+    `torchrun --nproc-per-node N -m <app> ...` (one node), else "the same command"."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is None or not hasattr(main, "load_config"):   # not `python -m apps.<app>.train`
+        return "the same command"
+    tail = shlex.join(["-m", spec.name, *sys.argv[1:]])
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return f"python {tail}"
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return f"the same torchrun command on every node (torchrun ... {tail})"
+    return f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', '1')} {tail}"
+
+
+def requeues_so_far() -> int:
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
+def requeue_job(max_requeues: int) -> bool:
+    """Requeue this Slurm job if the budget allows (call on one rank). Returns whether it did."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        logger.warning("time-limit signal outside Slurm: checkpoint saved; run the same command "
+                       "again to resume")
+        return False
+    done = requeues_so_far()
+    if done >= max_requeues:
+        logger.warning("job %s was requeued %d times already (slurm.max_requeues=%d): not "
+                       "requeueing. The checkpoint is saved; submit the same command again to go "
+                       "on, with a larger slurm.max_requeues or slurm.time if needed.",
+                       job_id, done, max_requeues)
+        return False
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+    logger.info("requeued job %s (requeue %d of at most %d)", job_id, done + 1, max_requeues)
+    return True

@@ -1,0 +1,273 @@
+"""Loss spikes: `optim.spike=off|log|skip|rollback` and the running statistics that find them.
+
+A step is a spike when its loss (or its gradient norm, or either: `optim.spike_on`) is above a
+threshold computed from the values of the steps before it (`optim.spike_rule`):
+  median  above spike_factor x the median of the last spike_window accepted values
+  sigma   above the mean + spike_sigmas standard deviations of the last spike_window values
+No step is judged before the window is full nor within the first spike_warmup steps (early
+losses fall too fast for any running statistic to mean much). A non-finite loss with a finite
+gradient norm is a spike too (a non-finite gradient norm is optim.nonfinite's business).
+
+What each policy does with a spike at step k:
+  off       nothing: no statistics, no extra reduction, no spike keys in metrics.jsonl
+  log       a warning, `loss_spike: 1` in the next metrics row; the update is applied
+  skip      the update is not applied (the lr schedule and the data move on, as with
+            optim.nonfinite=skip); counted as spike_skipped_steps
+  rollback  PaLM's recipe: every rank reloads the newest intact checkpoint and the data batches
+            b_k - spike_skip_before .. b_k + spike_skip_after (b_k: the batch step k trained on,
+            counted in next_step() calls) are read and thrown away when the run reaches them
+For log and skip the step after the spike is probed in full; for rollback the spiking batch is
+run again with the probe on before the reload (lingua/train/trainer.py).
+
+Every rank decides alone but on the same numbers: the trainer all-reduces the step's (loss sum,
+token count, gradient norm) once, so every rank has the same values and the same windows, and
+so takes the same decision; no rank's view wins over another's. The windows and counts are
+part of the checkpoint's train state, so a resumed run decides as the uninterrupted one would.
+
+Rollbacks are recorded in `<dump_dir>/spikes.jsonl` (one JSON line each, written by rank 0
+before the reload) and in the train state of later checkpoints; a run reads both back when it
+starts, so a crash between a rollback and the next checkpoint does not forget the skipped range.
+A line added to spikes.jsonl by hand ({"skip": [first, last]} with 1-based batch numbers) makes
+a run skip those batches too.
+"""
+
+import json
+import logging
+import math
+import os
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+from lingua.errors import RunError
+
+logger = logging.getLogger("train")
+
+POLICIES = ("off", "log", "skip", "rollback")
+RULES = ("median", "sigma")
+WATCHED = ("loss", "grad_norm", "both")
+RECORDS = "spikes.jsonl"
+
+
+@dataclass
+class Spike:
+    step: int
+    on: str             # "loss" or "grad_norm"
+    value: float
+    threshold: float
+    why: str            # how the threshold was made, for messages
+
+
+def watched(args) -> tuple:
+    return ("loss", "grad_norm") if args.spike_on == "both" else (args.spike_on,)
+
+
+class SpikeMonitor:
+    """The running statistics, the counts and the rollback records of one run (its `args` are
+    the run's OptimArgs). Deterministic: the same values in the same order give the same
+    decisions, which is what keeps the ranks, and a resumed run, in agreement."""
+
+    def __init__(self, args, verbose: bool = True):
+        self.args, self.verbose = args, verbose   # verbose: this rank logs (rank 0)
+        self.windows = {name: deque(maxlen=args.spike_window) for name in watched(args)}
+        self.spike_steps = 0      # spikes found on the kept trajectory (log and skip)
+        self.skipped_steps = 0    # updates not applied because of a spike
+        self.in_a_row = 0         # consecutive skipped spike steps (optim.spike_max_skips)
+        self.rollbacks: List[dict] = []   # one record per rollback (what spikes.jsonl holds)
+        # Saved with the rest, so that a resumed run does what the uninterrupted one would:
+        self.since_row = False    # a spike since the last metrics row (its loss_spike)
+        self.probe_next = False   # probe the next step in full (log, skip: the step after one)
+
+    @property
+    def on(self) -> bool:
+        return self.args.spike != "off"
+
+    # -- deciding --------------------------------------------------------------------------------
+
+    def threshold(self, name: str) -> Optional[tuple]:
+        """(threshold, how it was made) from the window of `name`; None until the window is full."""
+        window, a = self.windows[name], self.args
+        if len(window) < window.maxlen:
+            return None
+        if a.spike_rule == "median":
+            median = statistics.median(window)
+            return a.spike_factor * median, (f"{a.spike_factor:g} x the median {median:.4g} of "
+                                             f"the last {len(window)} steps")
+        mean, std = statistics.fmean(window), statistics.stdev(window)
+        return mean + a.spike_sigmas * std, (f"the mean {mean:.4g} + {a.spike_sigmas:g} standard "
+                                             f"deviations ({std:.4g}) of the last {len(window)} "
+                                             f"steps")
+
+    def check(self, step: int, values: dict) -> Optional[Spike]:
+        """The spike of `step` (1-based) given its {"loss": .., "grad_norm": ..}, or None.
+        Changes nothing: the caller then calls accept() or skipped()."""
+        if not self.on or step <= self.args.spike_warmup:
+            return None
+        for name in self.windows:
+            made = self.threshold(name)
+            if made is None:
+                continue
+            value = values[name]
+            if not math.isfinite(value) or value > made[0]:
+                return Spike(step, name, value, made[0], made[1])
+        return None
+
+    def accept(self, values: dict) -> None:
+        """The step's update was applied: its values join the windows. Under `log` a spike's
+        values join too (the model did train on that batch, and a loss that moved to a new level
+        must become the new normal, not warn forever); under skip and rollback a spike never
+        reaches here, so it cannot raise the threshold that judges the steps after it."""
+        self.in_a_row = 0
+        for name, window in self.windows.items():
+            if math.isfinite(values[name]):
+                window.append(values[name])
+
+    def logged(self, spike: Spike) -> None:
+        self.spike_steps += 1
+        if self.verbose:
+            logger.warning("%s spike at step %d: %.4g is above the threshold %.4g (%s); the "
+                           "update was applied (optim.spike=log). probe.jsonl holds the next "
+                           "step, probed in full: it shows which module moved.", spike.on,
+                           spike.step, spike.value, spike.threshold, spike.why)
+
+    def skipped(self, spike: Spike, reason: str = "optim.spike=skip") -> None:
+        """The spike's update was not applied; stop the run when that happened more than
+        optim.spike_max_skips times in a row (the values sit at a new level: skipping forever
+        would freeze the weights, and the run would end without having trained)."""
+        self.spike_steps += 1
+        self.skipped_steps += 1
+        self.in_a_row += 1
+        if self.verbose:
+            logger.warning("%s spike at step %d: %.4g is above the threshold %.4g (%s); the "
+                           "update was skipped (%s), %d spike steps skipped so far", spike.on,
+                           spike.step, spike.value, spike.threshold, spike.why, reason,
+                           self.skipped_steps)
+        if self.in_a_row > self.args.spike_max_skips:
+            raise RunError(
+                f"Steps {spike.step - self.in_a_row + 1}..{spike.step}: {self.in_a_row} spike "
+                f"steps in a row had their update skipped (optim.spike_max_skips="
+                f"{self.args.spike_max_skips}); the {spike.on} ({spike.value:.4g} at step "
+                f"{spike.step}, threshold {spike.threshold:.4g}) has moved to a new level, and "
+                f"skipping more updates would only freeze the weights. Look at the last rows of "
+                f"metrics.jsonl and at probe.jsonl (the step after a spike is probed); then "
+                f"train through it (optim.spike=log), raise optim.spike_factor or "
+                f"optim.spike_sigmas, or go back before it with optim.spike=rollback, and run "
+                f"the same command to resume from the newest checkpoint.")
+
+    # -- rollback records ---------------------------------------------------------------------
+
+    def record_rollback(self, spike: Spike, batch: int, checkpoint_step: int,
+                        checkpoint_dir: str) -> dict:
+        """The record of a rollback from `spike` (found on data batch `batch`) to a checkpoint;
+        raises RunError when the run already went back to that checkpoint spike_max_rollbacks
+        times (a spike that comes back on every replay is not one bad batch)."""
+        a = self.args
+        before = sum(1 for r in self.rollbacks if r.get("checkpoint") == checkpoint_step)
+        if before >= a.spike_max_rollbacks:
+            raise RunError(
+                f"Step {spike.step}: {spike.on} {spike.value:.4g} is above the threshold "
+                f"{spike.threshold:.4g} ({spike.why}) again, after {before} rollbacks to "
+                f"checkpoint {checkpoint_dir} (optim.spike_max_rollbacks="
+                f"{a.spike_max_rollbacks}; {RECORDS} in the run directory lists them): the "
+                f"spike is not caused by a few bad batches. Look at probe.jsonl (the spiking "
+                f"batch was probed) and metrics.jsonl; then lower optim.lr, raise optim.warmup "
+                f"or optim.clip, skip a wider range (optim.spike_skip_before / "
+                f"optim.spike_skip_after), or raise optim.spike_max_rollbacks, and run the same "
+                f"command to resume from that checkpoint.")
+        record = {"step": spike.step, "on": spike.on, "value": spike.value,
+                  "threshold": spike.threshold, "rule": a.spike_rule, "why": spike.why,
+                  "batch": batch, "checkpoint": checkpoint_step, "checkpoint_dir": checkpoint_dir,
+                  "skip": [max(1, batch - a.spike_skip_before), batch + a.spike_skip_after]}
+        self.rollbacks.append(record)
+        return record
+
+    def skips_batch(self, batch: int) -> Optional[dict]:
+        """The rollback record whose range holds data batch `batch` (1-based), if any."""
+        for record in self.rollbacks:
+            first, last = record["skip"]
+            if first <= batch <= last:
+                return record
+        return None
+
+    def merge_records(self, records: list) -> None:
+        """Add rollback records read back (spikes.jsonl, a checkpoint), each once."""
+        known = {_key(r) for r in self.rollbacks}
+        for record in records:
+            if _key(record) not in known:
+                self.rollbacks.append(record)
+                known.add(_key(record))
+
+    # -- checkpoint ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        # Plain lists, numbers and strings: train states are loaded with weights_only=True.
+        return {"windows": {name: list(w) for name, w in self.windows.items()},
+                "spike_steps": self.spike_steps, "skipped_steps": self.skipped_steps,
+                "in_a_row": self.in_a_row, "rollbacks": [dict(r) for r in self.rollbacks],
+                "since_row": self.since_row, "probe_next": self.probe_next}
+
+    def load_state_dict(self, state: dict, keep_records: bool = False) -> None:
+        """Restore what a checkpoint saved. A window of another length (spike_window changed)
+        keeps the newest values. `keep_records`: a rollback keeps the records it knows (they
+        include the one it is making), adding the checkpoint's."""
+        for name, window in self.windows.items():
+            window.clear()
+            window.extend(state.get("windows", {}).get(name, []))
+        self.spike_steps = state.get("spike_steps", 0)
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.in_a_row = state.get("in_a_row", 0)
+        self.since_row = state.get("since_row", False)
+        self.probe_next = state.get("probe_next", False)
+        if not keep_records:
+            self.rollbacks = []
+        self.merge_records(state.get("rollbacks", []))
+
+    def metrics(self, skipped_batches: int) -> dict:
+        # A range written into spikes.jsonl by hand (no checkpoint) skips batches but is no
+        # rollback.
+        return {"spike_steps": self.spike_steps, "spike_skipped_steps": self.skipped_steps,
+                "rollbacks": sum(1 for r in self.rollbacks if "checkpoint" in r),
+                "skipped_batches": skipped_batches}
+
+
+def _key(record: dict) -> tuple:
+    return record.get("step"), record.get("batch"), tuple(record["skip"])
+
+
+def records_path(dump_dir) -> Path:
+    return Path(dump_dir) / RECORDS
+
+
+def read_records(dump_dir) -> list:
+    """The rollback records of spikes.jsonl (none if it does not exist). A line that cannot be
+    read is an error: silently dropping it would train on batches a rollback meant to skip."""
+    path = records_path(dump_dir)
+    if not path.is_file():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            first, last = (int(x) for x in record["skip"])
+        except (ValueError, KeyError, TypeError):
+            raise RunError(f"{path}, line {number} is not a rollback record ({line[:200]!r}): "
+                           f"each line is a JSON object with \"skip\": [first batch, last batch]. "
+                           f"Repair or remove that line, then run the same command "
+                           f"again.") from None
+        record["skip"] = [first, last]
+        records.append(record)
+    return records
+
+
+def append_record(dump_dir, record: dict) -> None:
+    """One line in spikes.jsonl, on disk before the rollback goes on (fsync): a crash right after
+    must not lose the range."""
+    with open(records_path(dump_dir), "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
