@@ -33,7 +33,7 @@ from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks
 
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.observe import metrics
-from lingua.train import checkpoint, optim
+from lingua.train import checkpoint, checkpoint_integrity, optim
 
 MODES = ("sync", "async", "none")
 
@@ -92,7 +92,8 @@ def window(trainer: Trainer, mode: str, after: int, dump_dir: Path) -> dict:
     waited = time.perf_counter() - t0
     total = time.perf_counter() - start
     if mode != "none":
-        assert checkpoint.verify(dump_dir / "checkpoints" / str(trainer.step_count - after)) is None
+        saved = dump_dir / "checkpoints" / str(trainer.step_count - after)
+        assert checkpoint_integrity.verify(saved) is None
     return {"save_step": save_step, "later": sum(later) / len(later), "waited": waited,
             "total": total, "finished_after": finished_after}
 

@@ -14,7 +14,7 @@ ours/HF-compiled.
 
 Ours: the real entry point, `python -m apps.llama.train` (`apps.moe.train` for MoE shapes), with
 distributed.model_dtype=bf16 (fp32 weights and optimizer state, autocast to bf16: what one
-process does, lingua.train.trainer.mixed_precision) and distributed.compile=true (each block
+process does, lingua.train.build.mixed_precision) and distributed.compile=true (each block
 compiled; `--ours eager` or `--ours-eager` without). The app's debug preset gives everything but the
 shape: its logging (logging.every=10, a metrics.jsonl row every 10 steps; the warm-up and
 measured step counts are rounded up to multiples of it), its optimizer defaults (fused AdamW,
@@ -160,7 +160,7 @@ def our_model(shape: Shape):
 
 
 def flops_per_token(shape: Shape) -> float:
-    """The FLOPs per token the trainer uses for its MFU (lingua.train.trainer.Run._flops_per_token:
+    """The FLOPs per token the trainer uses for its MFU (lingua.train.loop.Run._flops_per_token:
     apps.moe's over active parameters, lingua.observe.metrics' for LLaMA)."""
     import torch
 

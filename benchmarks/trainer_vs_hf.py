@@ -25,7 +25,7 @@ Hugging Face: `python benchmarks/trainer_vs_hf.py hf ...` (a subprocess) doing w
     adamw_torch_fused, on torch >= 2.8) with our hyper-parameters and weight-decay groups
     (matrices decay; norm gains do not); a LambdaLR schedule step; zero_grad(set_to_none=True);
   * bf16: autocast(cpu, bf16) around forward and loss with fp32 weights, gradients and optimizer
-    state, which is what our trainer does in one process (lingua.train.trainer.mixed_precision);
+    state, which is what our trainer does in one process (lingua.train.build.mixed_precision);
   * data: random byte tokens from a pool made before the loop (ours reads its memory-mapped
     corpus inside the step, and pays for it).
 """
@@ -95,7 +95,7 @@ def pinned_env() -> dict:
 
 
 # Set for the HF process by `--hf-malloc-like-ours`: HF's loop tunes glibc's malloc as our
-# trainer does on CPU (lingua.train.trainer.keep_freed_memory), to show what that setting alone is
+# trainer does on CPU (lingua.train.memory.keep_freed_memory), to show what that setting alone is
 # worth.
 HF_MALLOC_VAR = "BENCH_HF_KEEP_FREED_MEMORY"
 
@@ -103,7 +103,7 @@ HF_MALLOC_VAR = "BENCH_HF_KEEP_FREED_MEMORY"
 def hf_malloc_like_ours() -> None:
     """In the HF process: our trainer's malloc tuning, when the benchmark asked for it."""
     if os.environ.get(HF_MALLOC_VAR) == "1":
-        from lingua.train.trainer import keep_freed_memory
+        from lingua.train.memory import keep_freed_memory
 
         if not keep_freed_memory():
             sys.exit("--hf-malloc-like-ours: this C library has no mallopt, or malloc's knobs are "

@@ -22,15 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lingua.errors import ConfigError  # noqa: E402
-from lingua.train.data import (  # noqa: E402
-    VAL_DIR,
-    BadLine,
-    MalformedCounter,
-    _decode_line,
-    ensure_embedded_corpus,
-    read_meta,
-    write_memmap_corpus,
-)
+from lingua.train.data import VAL_DIR, MalformedCounter, ensure_embedded_corpus  # noqa: E402
+from lingua.train.jsonl_lines import BadLine, decode_line  # noqa: E402
+from lingua.train.memmap_corpus import read_meta, write_memmap_corpus  # noqa: E402
 from lingua.train.tokenizer import TokenizerArgs, build_tokenizer  # noqa: E402
 
 HF_DATASETS = {
@@ -46,7 +40,7 @@ def jsonl_texts(files, counter: MalformedCounter):
                 if not raw.strip():  # blank lines are formatting, not documents
                     continue
                 try:
-                    yield _decode_line(raw)
+                    yield decode_line(raw)
                 except BadLine as err:
                     counter.skip(path, line_no, err)
 

@@ -24,7 +24,7 @@ case "$status" in
     echo "   generate: $py -m apps.llama.generate $(q "$RUN_DIR") --prompt 'def '"
     echo "   evaluate: $py -m apps.llama.eval $(q "$RUN_DIR") 'eval.tasks=[lingua_continuation]'"
     echo "   (or \`source $(q "$REPO/.venv/bin/activate")\` once in a shell, then plain \`python\`)" ;;
-  3|130)   # stopped early by a signal (lingua.train.trainer.EXIT_STOPPED) or by Ctrl-C
+  3|130)   # stopped early by a signal (lingua.train.preemption.EXIT_STOPPED) or by Ctrl-C
     echo ">> stopped before the end: run directory $RUN_DIR, newest checkpoint:" \
          "$([ -n "$newest" ] && echo "$DUMP_DIR/checkpoints/$newest" || echo "none yet")"
     echo "   to go on from there, run the same command again: $again" ;;

@@ -20,16 +20,14 @@ import torch
 
 from lingua.errors import ConfigError
 from lingua.train.data import (
-    SKIP_REASONS,
-    BadLine,
     DataArgs,
     JsonlLoader,
     MemmapLoader,
-    _decode_line,
     check_jsonl_lines,
     validate_data_args,
-    write_memmap_corpus,
 )
+from lingua.train.jsonl_lines import SKIP_REASONS, BadLine, decode_line
+from lingua.train.memmap_corpus import write_memmap_corpus
 from lingua.train.tokenizer import ByteTokenizer, TokenizerArgs
 from tests.conftest import REPO, load_prepare_data, read_metrics, run_python, tiny_args
 from tests.test_data import assert_steps_equal, global_step, jargs, raw_tokens, stream_docs
@@ -60,13 +58,13 @@ def test_decode_line_names_the_reason():
     for reason, lines in BAD.items():
         for raw in lines:
             with pytest.raises(BadLine) as err:
-                _decode_line(raw)
+                decode_line(raw)
             assert err.value.reason == reason, raw[:40]
-    assert _decode_line(good("ünï €")) == "ünï €"
-    assert _decode_line(b'{"text": "\\ud83d\\ude00"}\r\n') == "\U0001F600"  # a valid pair
-    assert _decode_line(b'\xef\xbb\xbf{"text": "after a byte-order mark"}') == \
+    assert decode_line(good("ünï €")) == "ünï €"
+    assert decode_line(b'{"text": "\\ud83d\\ude00"}\r\n') == "\U0001F600"  # a valid pair
+    assert decode_line(b'\xef\xbb\xbf{"text": "after a byte-order mark"}') == \
         "after a byte-order mark"
-    assert _decode_line(b'{"text": "   "}') == "   "  # whitespace is text
+    assert decode_line(b'{"text": "   "}') == "   "  # whitespace is text
 
 
 @pytest.fixture

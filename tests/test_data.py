@@ -17,14 +17,14 @@ from lingua.errors import ConfigError
 from lingua.train.data import (
     DataArgs,
     JsonlLoader,
-    JsonlSource,
     MalformedCounter,
     MemmapLoader,
     build_train_loader,
     build_val_batches,
     validate_data_args,
-    write_memmap_corpus,
 )
+from lingua.train.jsonl_lines import JsonlSource
+from lingua.train.memmap_corpus import write_memmap_corpus
 from lingua.train.tokenizer import ByteTokenizer, TokenizerArgs
 from tests.conftest import load_prepare_data, read_metrics, run_python, tiny_args
 

@@ -8,7 +8,7 @@ optimizer state. Each layout is launched once (module-scoped) and shared by the 
 
 How bf16 comes about: FSDP2's MixedPrecisionPolicy casts the parameters where FSDP is applied
 (data- or context-parallel ranks: fsdp, cp, ep here), autocast does it everywhere else (one
-process, tp, pp, tp x pp; lingua.train.trainer.mixed_precision). Before autocast covered those
+process, tp, pp, tp x pp; lingua.train.build.mixed_precision). Before autocast covered those
 multi-process layouts (and the pipeline schedule), tp, pp and tp x pp computed in fp32.
 """
 

@@ -18,7 +18,7 @@ import pytest
 
 from lingua.errors import ConfigError
 from lingua.eval import eval_jobs
-from lingua.train import checkpoint
+from lingua.train import checkpoint, checkpoint_integrity
 from tests.conftest import REPO, read_metrics, run_python, slurm_is_up, tiny_args
 
 NO_SLURM = slurm_is_up()
@@ -52,8 +52,8 @@ def train(args, check=True, bypass_check=False, env_extra=None) -> subprocess.Co
         env.pop(key, None)
     code = ("from lingua.eval import eval_jobs; "
             + ("eval_jobs.check_async = lambda args: None; " if bypass_check else "")
-            + "from apps.llama import train; from lingua.train import trainer; "
-            "trainer.exit_cli(train.main)")
+            + "from apps.llama import train; from lingua.launch import run; "
+            "run.exit_cli(train.main)")
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)
     if check and proc.returncode != 0:
@@ -388,19 +388,20 @@ def test_pruning_keeps_checkpoints_with_a_pending_evaluation(tmp_path):
     root = checkpoint.checkpoints_dir(tmp_path)
     for step in (1, 2, 3, 4):
         (root / str(step)).mkdir(parents=True)
-        checkpoint.write_manifest(root / str(step))   # intact (no manifest: damaged, set aside)
+        # intact (no manifest: damaged, set aside)
+        checkpoint_integrity.write_manifest(root / str(step))
     (root / "5.tmp-abcd").mkdir()
     marker = eval_jobs.pending_marker(tmp_path, 2)
     marker.parent.mkdir(parents=True)
     marker.touch()
     (tmp_path / "evals" / "3").mkdir()      # results written, marker gone
     in_use = eval_jobs.checkpoint_in_use(tmp_path)
-    checkpoint._prune(root, keep=1, in_use=in_use)
+    checkpoint_integrity.prune(root, keep=1, in_use=in_use)
     assert sorted(p.name for p in root.iterdir()) == ["2", "4", "5.tmp-abcd"]
     marker.unlink()
-    checkpoint._prune(root, keep=1, in_use=in_use)
+    checkpoint_integrity.prune(root, keep=1, in_use=in_use)
     assert sorted(p.name for p in root.iterdir()) == ["4", "5.tmp-abcd"]
-    checkpoint._prune(root, keep=0, in_use=in_use)         # keep all
+    checkpoint_integrity.prune(root, keep=0, in_use=in_use)         # keep all
     assert sorted(p.name for p in root.iterdir()) == ["4", "5.tmp-abcd"]
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from apps.llama import train
 from lingua.errors import RunError
-from lingua.train import checkpoint
+from lingua.train import checkpoint, checkpoint_integrity
 from tests.conftest import REPO, free_port, read_metrics, run_python, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -58,9 +58,10 @@ def test_resume_skips_a_damaged_checkpoint_for_the_one_before(corpus, tmp_path, 
     {"truncated_shard": lambda: truncate(newer / "__0_0.distcp"),
      "flipped_byte_in_shard": lambda: flip_a_byte(newer / "__0_0.distcp"),
      "no_metadata": lambda: (newer / ".metadata").unlink(),
-     "no_manifest": lambda: (newer / checkpoint.MANIFEST).unlink(),
+     "no_manifest": lambda: (newer / checkpoint_integrity.MANIFEST).unlink(),
      "no_train_state": lambda: (newer / "train_state_rank0.pt").unlink()}[damage]()
-    assert checkpoint.verify(newer) is not None and checkpoint.verify(older) is None
+    assert checkpoint_integrity.verify(newer) is not None
+    assert checkpoint_integrity.verify(older) is None
 
     first = read_rows(dump)
     proc = run_python("apps.llama.train", tiny_args(corpus, dump, "checkpoint.every=2",
@@ -103,7 +104,7 @@ def test_a_failed_save_is_reported_and_keeps_the_previous_checkpoint(corpus, tmp
     try:
         run_python("apps.llama.train", tiny_args(corpus, dump, "checkpoint.every=2", steps=2))
         first = ckpts / "2"
-        assert checkpoint.verify(first) is None
+        assert checkpoint_integrity.verify(first) is None
         if fault == "full":
             free = os.statvfs(ckpts).f_bavail * os.statvfs(ckpts).f_frsize
             (ckpts / "filler").write_bytes(b"\0" * (free - 64 * 1024))
@@ -114,7 +115,7 @@ def test_a_failed_save_is_reported_and_keeps_the_previous_checkpoint(corpus, tmp
         assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert "Could not write checkpoint" in proc.stderr and "Traceback" not in proc.stderr
         assert f"the previous checkpoint {first} is intact" in proc.stderr
-        assert checkpoint.verify(first) is None  # untouched, still loadable
+        assert checkpoint_integrity.verify(first) is None  # untouched, still loadable
         assert [p.name for p in ckpts.iterdir() if ".tmp-" in p.name] == []
         if fault == "full":
             (ckpts / "filler").unlink()
@@ -159,16 +160,16 @@ def test_two_ranks_that_cannot_write_both_stop_without_hanging(corpus, tmp_path)
                    if line.startswith("error: Could not write checkpoint")]
         assert 1 <= len(printed) <= 2, out[-3000:]
         assert "traceback : error: Could not write checkpoint" in out.split("Root Cause")[-1]
-        assert checkpoint.verify(ckpts / "2") is None
+        assert checkpoint_integrity.verify(ckpts / "2") is None
     finally:
         subprocess.run(["umount", "-l", str(ckpts)])
 
 
 def poison_step(monkeypatch, bad_step: int, value: float):
     """Make the loss of one step NaN/Inf (or scaled), as a bad batch or an overflow would."""
-    from lingua.train import trainer
+    from lingua.train import microbatch
 
-    real = trainer.forward_loss
+    real = microbatch.forward_loss
     calls = {"n": 0}
 
     def forward_loss(*args, **kwargs):
@@ -178,7 +179,7 @@ def poison_step(monkeypatch, bad_step: int, value: float):
             out.loss_sum = out.loss_sum * value
         return out
 
-    monkeypatch.setattr(trainer, "forward_loss", forward_loss)
+    monkeypatch.setattr(microbatch, "forward_loss", forward_loss)
 
 
 def test_nonfinite_skip_drops_the_step_and_counts_it(corpus, tmp_path, monkeypatch, reference):
@@ -189,7 +190,8 @@ def test_nonfinite_skip_drops_the_step_and_counts_it(corpus, tmp_path, monkeypat
     assert [rows[s]["nonfinite_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]
     assert rows[2]["loss"] == losses(reference)[2]
     assert all(math.isfinite(rows[s]["loss"]) for s in (4, 5, 6))  # the weights stayed finite
-    assert math.isnan(rows[3]["loss"]) and checkpoint.verify(dump / "checkpoints" / "6") is None
+    assert math.isnan(rows[3]["loss"])
+    assert checkpoint_integrity.verify(dump / "checkpoints" / "6") is None
 
 
 def test_nonfinite_stop_saves_the_state_before_the_step_and_resumes(corpus, tmp_path, monkeypatch,
@@ -199,7 +201,7 @@ def test_nonfinite_stop_saves_the_state_before_the_step_and_resumes(corpus, tmp_
     with pytest.raises(RunError,
                        match=r"Step 4: the gradient norm is (nan|inf).*state after step 3"):
         train.main(tiny_args(corpus, dump, steps=6))
-    assert checkpoint.verify(dump / "checkpoints" / "3") is None
+    assert checkpoint_integrity.verify(dump / "checkpoints" / "3") is None
     monkeypatch.undo()
     first = read_rows(dump)
     assert [r["step"] for r in first] == [1, 2, 3]  # the bad step was not logged

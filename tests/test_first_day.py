@@ -190,15 +190,16 @@ def test_the_step_line_shows_progress_and_time_left(interrupted_run):
 # A trainer whose checkpoint saves take seconds, so that a second Ctrl-C lands while it stops.
 SLOW_SAVE = """
 import sys, time
-from lingua.train import trainer
+from lingua.launch import run
+from lingua.train import loop
 from apps.llama import train
 
-save = trainer.Run._save
+save = loop.Run._save
 def slow_save(self, *args, **kwargs):
     time.sleep(30)
     return save(self, *args, **kwargs)
-trainer.Run._save = slow_save
-trainer.exit_cli(lambda: train.main(sys.argv[1:]))
+loop.Run._save = slow_save
+run.exit_cli(lambda: train.main(sys.argv[1:]))
 """
 
 

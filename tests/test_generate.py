@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.errors import ConfigError
 from lingua.eval.generation import generate, sample_next
-from lingua.train import checkpoint
+from lingua.train import checkpoint_integrity
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32,
@@ -106,7 +106,7 @@ def test_cli_end_to_end(tmp_path):
     cfg = {"model": asdict(ARGS), "data": {"tokenizer": {"kind": "bytes", "path": None}}}
     OmegaConf.save(OmegaConf.create(cfg), ckpt / "config.yaml")
     # What save() adds: export/generate refuse a checkpoint without one.
-    checkpoint.write_manifest(ckpt)
+    checkpoint_integrity.write_manifest(ckpt)
     prompts = ["Hello", "Once upon a time", "abc"]
     (tmp_path / "prompts.txt").write_text("Once upon a time\n\nabc\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -160,7 +160,7 @@ def _make_run(root: Path, app: str) -> dict:
         ckpt = root / "checkpoints" / str(step)
         dcp.save({"model": models[step].state_dict()}, checkpoint_id=str(ckpt))
         OmegaConf.save(cfg, ckpt / "config.yaml")
-        checkpoint.write_manifest(ckpt)
+        checkpoint_integrity.write_manifest(ckpt)
     (root / "checkpoints" / "15").mkdir()
     (root / "checkpoints" / "20.tmp-abc").mkdir()
     return models

@@ -116,14 +116,14 @@ def test_cpu_offload_on_two_gpus_matches_no_offload(corpus, tmp_path):
 def test_resume_on_nccl_skips_a_checkpoint_damaged_in_rank_1s_share(corpus, tmp_path):
     import json
 
-    from lingua.train import checkpoint
+    from lingua.train import checkpoint_integrity
 
     dump = tmp_path / "run"
     layout = ["distributed.dp_shard=2", "checkpoint.every=2", "checkpoint.keep=0"]
     run_torchrun(2, "apps.llama.train", tiny_args(corpus, dump, *layout, steps=4))
     newer = dump / "checkpoints" / "4"
-    files = json.loads((newer / checkpoint.MANIFEST).read_text())["files"]
-    victim = newer / checkpoint.crc_share(files, 1, 2)[0]
+    files = json.loads((newer / checkpoint_integrity.MANIFEST).read_text())["files"]
+    victim = newer / checkpoint_integrity.crc_share(files, 1, 2)[0]
     with open(victim, "r+b") as f:   # same size, one byte changed: only its CRC shows it
         f.seek(victim.stat().st_size // 2)
         byte = f.read(1)

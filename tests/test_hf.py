@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from apps.llama.hf import args_from_hf_config, load_hf, save_hf
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.errors import ConfigError
-from lingua.train import checkpoint
+from lingua.train import checkpoint_integrity
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -153,7 +153,7 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     run_config = {"model": asdict(args), "data": {"tokenizer": {"kind": "bytes"}}}
     OmegaConf.save(OmegaConf.create(run_config), ckpt / "config.yaml")
     # what save() adds: export/generate refuse a checkpoint without one
-    checkpoint.write_manifest(ckpt)
+    checkpoint_integrity.write_manifest(ckpt)
     out = tmp_path / "hf"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "apps.llama.hf", "export", str(ckpt), str(out)],
@@ -201,7 +201,7 @@ def test_fork_export_problems_warn_at_start_and_refuse(
     ckpt = tmp_path / "checkpoints" / "10"
     dcp.save({"model": Transformer(SMALL).state_dict()}, checkpoint_id=str(ckpt))
     OmegaConf.save(OmegaConf.create({"model": asdict(SMALL)}), ckpt / "config.yaml")
-    checkpoint.write_manifest(ckpt)
+    checkpoint_integrity.write_manifest(ckpt)
     with pytest.raises(SystemExit) as e:
         llama_hf.main(["export", str(ckpt), str(tmp_path / "hf")])
     err = capsys.readouterr().err
@@ -275,7 +275,7 @@ def test_export_cli_refuses_unmapped_weights(tmp_path, monkeypatch, capsys):
     ckpt = tmp_path / "checkpoints" / "10"
     dcp.save({"model": QKNormTransformer(SMALL).state_dict()}, checkpoint_id=str(ckpt))
     OmegaConf.save(OmegaConf.create({"model": asdict(SMALL)}), ckpt / "config.yaml")
-    checkpoint.write_manifest(ckpt)
+    checkpoint_integrity.write_manifest(ckpt)
     out = tmp_path / "hf"
     with pytest.raises(SystemExit) as e:
         llama_hf.main(["export", str(ckpt), str(out)])

@@ -1,4 +1,4 @@
-"""A model's first weights (lingua/model/weights.py, trainer.build_model_parts): where they live and
+"""A model's first weights (lingua/model/weights.py, build.build_model_parts): where they live and
 what they are.
 
 - Every layout builds on the meta device, shards, then materialises on env.device: nothing is
@@ -24,7 +24,7 @@ from lingua import config
 from lingua.errors import RunError
 from lingua.model import weights
 from lingua.parallel import distributed, pipeline
-from lingua.train import trainer
+from lingua.train import build
 from tests.conftest import read_metrics, run_python, run_torchrun, tiny_args
 
 ARGS = LlamaArgs(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=16)
@@ -157,9 +157,9 @@ def test_build_puts_every_tensor_on_the_run_device(corpus, tmp_path, hf_dir, ini
     extra = [f"checkpoint.init_from={hf_dir}"] if init_from else []
     args = config.load("llama", train.TrainArgs, tiny_args(corpus, tmp_path / "run", *extra),
                        train.validate)
-    parts, _ = trainer.build_model_parts(args, single_process_env(args, "meta"), train.APP)
+    parts, _ = build.build_model_parts(args, single_process_env(args, "meta"), train.APP)
     assert {t.device.type for part in parts for t in tensors_of(part)} == {"meta"}
-    parts, _ = trainer.build_model_parts(args, single_process_env(args, "cpu"), train.APP)
+    parts, _ = build.build_model_parts(args, single_process_env(args, "cpu"), train.APP)
     assert {t.device.type for part in parts for t in tensors_of(part)} == {"cpu"}
 
 

@@ -26,7 +26,7 @@ from transformers import (
 from apps.moe.hf import args_from_hf_config, load_hf, save_hf
 from apps.moe.model import MoEArgs, Transformer
 from lingua.errors import ConfigError
-from lingua.train import checkpoint
+from lingua.train import checkpoint_integrity
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -279,7 +279,8 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     ckpt = tmp_path / "checkpoints" / "10"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt))
     OmegaConf.save(OmegaConf.create({"model": asdict(args)}), ckpt / "config.yaml")
-    checkpoint.write_manifest(ckpt)  # what save() adds: export refuses a checkpoint without one
+    # what save() adds: export refuses a checkpoint without one
+    checkpoint_integrity.write_manifest(ckpt)
     out = tmp_path / "hf"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "apps.moe.hf", "export", str(ckpt), str(out)],
@@ -445,7 +446,7 @@ def test_unexportable_options_warn_at_start_and_export_refuses(
     cfg = OmegaConf.load(ckpt / "config.yaml")
     cfg.model.route_scale, cfg.model.bias_update_rate = 2.0, 0.01
     OmegaConf.save(cfg, ckpt / "config.yaml")
-    checkpoint.write_manifest(ckpt)
+    checkpoint_integrity.write_manifest(ckpt)
     with pytest.raises(SystemExit) as e:
         moe_hf.main(["export", str(run), str(tmp_path / "hf")])
     err = capsys.readouterr().err

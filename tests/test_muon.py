@@ -404,6 +404,6 @@ if __name__ == "__main__":
         _orthogonalize_worker(sys.argv[2])
     else:
         assert sys.argv[1] == MUTANT, sys.argv
-        from lingua.train import trainer
+        from lingua.launch import run
 
-        trainer.exit_cli(lambda: _mutant_main(sys.argv[2:]))
+        run.exit_cli(lambda: _mutant_main(sys.argv[2:]))

@@ -5,8 +5,9 @@ The bug it prevents: a fork of apps/llama with QK-norm (tests/workers/qk_norm_tr
 under tp=2 with its q_norm / k_norm weights outside the TP plan; their gradients were per-rank
 partial sums never reduced over tp, and the ranks' copies drifted apart without a word.
 
-Unit tests build the real apps on meta on torch's fake process group through lingua.launch.plan's
-helpers (which run the same check as the trainer); distributed ones run real ranks with gloo.
+Unit tests build the real apps on meta on torch's fake process group through the planner's
+helpers (lingua.launch.plan, plan_memory: they run the same check as the trainer); distributed
+ones run real ranks with gloo.
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ from apps.llama.model import Attention
 from apps.moe.parallelize import parallelize_moe
 from lingua.errors import ConfigError
 from lingua.launch import plan as planner
+from lingua.launch import plan_memory
 from lingua.parallel.distributed import parallel_dims
 from tests.conftest import TINY_MODEL, run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent
@@ -51,8 +53,8 @@ def build(data, tmp_path, app_module: str, world: int, *overrides, parallelize=N
     app_desc = app.APP if parallelize is None else dataclasses.replace(app.APP,
                                                                        parallelize=parallelize)
     dims = parallel_dims(args.distributed, world)
-    with planner._quiet(), planner.fake_process_group(0, world):
-        parts, _ = planner._build_parts(args, app_desc, dims, 0, world)
+    with plan_memory._quiet(), plan_memory.fake_process_group(0, world):
+        parts, _ = plan_memory._build_parts(args, app_desc, dims, 0, world)
     return parts
 
 

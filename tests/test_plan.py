@@ -21,6 +21,7 @@ import torch
 
 from lingua.errors import ConfigError
 from lingua.launch import plan as planner
+from lingua.launch import plan_activations, plan_memory
 
 GIB = 2 ** 30
 H100 = 80 * GIB
@@ -318,7 +319,7 @@ def test_activation_formula_matches_what_blocks_keep(case, ac):
     measured = per_layer_bytes_per_token(model, x, tokens, autocast=kind == "autocast")
     e = 4 if kind == "fp32" or kind == "noshared-fp32" else 2
     # On CPU k/v reach sdpa with their own heads (lingua.model.transformer.grouped_kv_ok).
-    predicted = planner.block_activation_bytes(args, app == "moe", ac, e,
+    predicted = plan_activations.block_activation_bytes(args, app == "moe", ac, e,
                                                fp32_residual=kind == "autocast", grouped_kv=True)
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
 
@@ -336,10 +337,10 @@ def test_activation_formula_with_kv_repeated_as_on_gpu(monkeypatch, ac):
     tokens = (2, 64)
     x = torch.randn(*tokens, args.dim, dtype=torch.bfloat16, requires_grad=True)
     measured = per_layer_bytes_per_token(model, x, tokens)
-    predicted = planner.block_activation_bytes(args, False, ac, 2, grouped_kv=False)
+    predicted = plan_activations.block_activation_bytes(args, False, ac, 2, grouped_kv=False)
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
     if ac == "none":   # the repeated k/v are what differs: 2 x (h - hk) x 2 bytes a token
-        grouped = planner.block_activation_bytes(args, False, ac, 2, grouped_kv=True)
+        grouped = plan_activations.block_activation_bytes(args, False, ac, 2, grouped_kv=True)
         assert predicted - grouped == 2 * 2 * (args.dim
                                                - args.dim // args.n_heads * args.n_kv_heads)
 
@@ -358,7 +359,7 @@ def test_activation_formula_under_tensor_parallel(app, ac):
     extra = MOE_SHAPES if app == "moe" else {}
     model, args = small_model(app, torch.bfloat16, **extra)
     d = DistributedArgs(tp=2, dp_shard=1, ac=ac, loss_parallel=False)
-    with planner.fake_process_group(0, 2):
+    with plan_memory.fake_process_group(0, 2):
         dims = distributed.parallel_dims(d, 2)
         env = DistEnv(0, 0, 2, torch.device("cpu"), dims, distributed.build_mesh(dims, "cpu"))
         parallelize = __import__(f"apps.{app}.parallelize", fromlist=["x"])
@@ -367,17 +368,18 @@ def test_activation_formula_under_tensor_parallel(app, ac):
         local = torch.randn(2, 32, args.dim, dtype=torch.bfloat16, requires_grad=True)
         x = DTensor.from_local(local, env.mesh["tp"], (Shard(1),), run_check=False)
         measured = per_layer_bytes_per_token(model, x, tokens)
-    predicted = planner.block_activation_bytes(args, app == "moe", ac, 2, tp=2, grouped_kv=True)
+    predicted = plan_activations.block_activation_bytes(args, app == "moe", ac, 2, tp=2,
+                                                        grouped_kv=True)
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
 
 
 def test_pipeline_micro_batches_in_flight():
     # 1F1B: pp - rank; GPipe: all; interleaved (torch): (v-1) pp + 2 (pp-1-rank) + 1 chunks.
-    assert [planner.chunks_in_flight("1F1B", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
-    assert planner.chunks_in_flight("GPipe", 4, 1, 8, 3) == 8
-    assert planner.chunks_in_flight("Interleaved1F1B", 4, 2, 8, 0) == (4 + 6 + 1) / 2
-    assert planner.chunks_in_flight("Interleaved1F1B", 4, 2, 8, 3) == (4 + 0 + 1) / 2
-    assert planner.chunks_in_flight("1F1B", 1, 1, 1, 0) == 1
+    assert [plan_activations.chunks_in_flight("1F1B", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert plan_activations.chunks_in_flight("GPipe", 4, 1, 8, 3) == 8
+    assert plan_activations.chunks_in_flight("Interleaved1F1B", 4, 2, 8, 0) == (4 + 6 + 1) / 2
+    assert plan_activations.chunks_in_flight("Interleaved1F1B", 4, 2, 8, 3) == (4 + 0 + 1) / 2
+    assert plan_activations.chunks_in_flight("1F1B", 1, 1, 1, 0) == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from apps.llama import train
-from lingua.observe import probe, probe_report
+from lingua.observe import probe, probe_report, probe_stats
 from tests.conftest import REPO, read_metrics, run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent
 
@@ -44,7 +44,7 @@ def test_statistics_match_direct_computation(name):
          "sparse": lambda: torch.randn(50_000) * (torch.rand(50_000) > 0.7),
          "with_nan": lambda: torch.cat([torch.randn(10_000), torch.tensor([math.nan, math.inf])]),
          }[name]()
-    got = probe.finish(*probe.summarize(x), set(probe.ALL_STATS), QUANTILES)
+    got = probe_stats.finish(*probe_stats.summarize(x), set(probe.ALL_STATS), QUANTILES)
     want = direct_stats(x)
     for key in ("count", "nonfinite", "min", "max", "abs_max"):
         assert got[key] == want[key], key
@@ -60,11 +60,11 @@ def test_statistics_match_direct_computation(name):
 def test_sums_of_shards_give_the_statistics_of_the_whole():
     torch.manual_seed(1)
     x = torch.randn(30_000) * torch.linspace(0.1, 5, 30_000)
-    parts = [probe.summarize(chunk) for chunk in x.split([7_000, 13_000, 10_000])]
+    parts = [probe_stats.summarize(chunk) for chunk in x.split([7_000, 13_000, 10_000])]
     sums = sum(p[0] for p in parts)
     maxes = torch.stack([p[1] for p in parts]).amax(0)
-    whole = probe.finish(*probe.summarize(x), set(probe.ALL_STATS), QUANTILES)
-    assert (probe.finish(sums, maxes, set(probe.ALL_STATS), QUANTILES)
+    whole = probe_stats.finish(*probe_stats.summarize(x), set(probe.ALL_STATS), QUANTILES)
+    assert (probe_stats.finish(sums, maxes, set(probe.ALL_STATS), QUANTILES)
             == pytest.approx(whole, rel=1e-12))
 
 
@@ -76,8 +76,8 @@ def test_attention_statistics_match_a_direct_softmax():
     mask = (torch.ones(s, s, dtype=torch.bool).tril()
             & (doc[:, :, None] == doc[:, None, :]))[:, None]
     for m in (None, mask):
-        sums, maxes = probe.attention_summary(q, k, m, n_queries=s)
-        got = probe.finish_attention(sums, maxes)
+        sums, maxes = probe_stats.attention_summary(q, k, m, n_queries=s)
+        got = probe_stats.finish_attention(sums, maxes)
         logits = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
         allowed = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
         if m is not None:
@@ -98,9 +98,10 @@ def test_attention_statistics_read_grouped_kv_heads_like_repeated_ones():
 
     torch.manual_seed(3)
     q, k = torch.randn(2, 12, 6, 8), torch.randn(2, 12, 2, 8)
-    grouped = probe.finish_attention(*probe.attention_summary(q, k, None, n_queries=12))
-    repeated = probe.finish_attention(*probe.attention_summary(q, repeat_kv(k, k, 6)[0], None,
-                                                               n_queries=12))
+    grouped = probe_stats.finish_attention(*probe_stats.attention_summary(q, k, None,
+                                                                          n_queries=12))
+    repeated = probe_stats.finish_attention(*probe_stats.attention_summary(
+        q, repeat_kv(k, k, 6)[0], None, n_queries=12))
     assert grouped == repeated
 
 
@@ -137,7 +138,7 @@ def test_a_hook_on_attention_changes_nothing_the_step_computes():
 def test_router_load_and_entropy():
     scores = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
     experts = torch.tensor([[0, 1], [1, 2], [0, 1]])
-    got = probe.finish_router(*probe.router_summary(scores, experts))
+    got = probe_stats.finish_router(*probe_stats.router_summary(scores, experts))
     counts = torch.tensor([2.0, 3.0, 1.0, 0.0])
     assert got["load_max"] == pytest.approx(3 / 6 * 4) and got["load_min"] == 0.0
     assert got["load_cv"] == pytest.approx((counts.std(unbiased=False) / counts.mean()).item())
@@ -177,7 +178,8 @@ def test_a_training_run_records_the_tensors_it_names(corpus, tmp_path, monkeypat
     the micro-batches of a step up), and a parameter and its gradient as clipping receives them
     (the probe records them after backward, before clipping). A hook on the wrong module or
     tensor, or at the wrong step, gives other numbers."""
-    from lingua.train import optim, trainer
+    from lingua.launch import run
+    from lingua.train import optim
 
     block, param = "layers.1", "layers.0.feed_forward.w1.weight"
     probed_step = 2
@@ -190,7 +192,7 @@ def test_a_training_run_records_the_tensors_it_names(corpus, tmp_path, monkeypat
             acts["input"].setdefault(step, []).append(inputs[0].detach().clone())
             acts["output"].setdefault(step, []).append(output.detach().clone())
 
-    build_model_parts = trainer.build_model_parts
+    build_model_parts = run.build_model_parts
 
     def build_and_hook(*a, **k):
         parts, stage_ids = build_model_parts(*a, **k)
@@ -206,7 +208,7 @@ def test_a_training_run_records_the_tensors_it_names(corpus, tmp_path, monkeypat
         params[len(params) + 1] = (weight, grad, p.grad.detach().clone())
         return norm
 
-    monkeypatch.setattr(trainer, "build_model_parts", build_and_hook)
+    monkeypatch.setattr(run, "build_model_parts", build_and_hook)
     monkeypatch.setattr(optim, "clip_grad_norm", copy_then_clip)
     dump = tmp_path / "direct"
     # Two micro-batches a step, and clipping on, so that the aggregation over micro-batches and

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from apps.llama import train
-from lingua.train import checkpoint
+from lingua.train import checkpoint, checkpoint_integrity
 from tests.conftest import run_torchrun, tiny_args
 
 
@@ -21,7 +21,7 @@ def fake_checkpoint(dump, step: int, saved_ranks: int = 2):
     for r in range(saved_ranks):
         (ckpt / f"__{r}_0.distcp").write_bytes(os.urandom(4000 + 1000 * r))
         (ckpt / f"train_state_rank{r}.pt").write_bytes(os.urandom(200))
-    checkpoint.write_manifest(ckpt)
+    checkpoint_integrity.write_manifest(ckpt)
     return ckpt
 
 
@@ -32,7 +32,7 @@ def flip_a_byte(path) -> None:
 
 
 def manifest_of(ckpt) -> dict:
-    return json.loads((ckpt / checkpoint.MANIFEST).read_text())["files"]
+    return json.loads((ckpt / checkpoint_integrity.MANIFEST).read_text())["files"]
 
 
 @pytest.mark.parametrize("saved_ranks", [1, 3, 4, 8])
@@ -40,7 +40,7 @@ def test_the_checksum_shares_cover_every_file_exactly_once(tmp_path, saved_ranks
     files = manifest_of(fake_checkpoint(tmp_path, 1, saved_ranks))
     total, largest = sum(f["size"] for f in files.values()), max(f["size"] for f in files.values())
     for world_size in range(1, 6):
-        shares = [checkpoint.crc_share(files, r, world_size) for r in range(world_size)]
+        shares = [checkpoint_integrity.crc_share(files, r, world_size) for r in range(world_size)]
         names = [name for share in shares for name in share]
         assert sorted(names) == sorted(files), (world_size, shares)
         # Balanced by bytes: no rank reads more than its part plus one file.
@@ -53,10 +53,10 @@ def test_each_damaged_file_is_found_by_exactly_one_rank(tmp_path):
     files = manifest_of(ckpt)
     for name in sorted(files):
         flip_a_byte(ckpt / name)
-        found = [r for r in range(3) if checkpoint.verify_share(ckpt, r, 3) is not None]
-        owner = [r for r in range(3) if name in checkpoint.crc_share(files, r, 3)]
+        found = [r for r in range(3) if checkpoint_integrity.verify_share(ckpt, r, 3) is not None]
+        owner = [r for r in range(3) if name in checkpoint_integrity.crc_share(files, r, 3)]
         assert found == owner and len(owner) == 1, name
-        assert name in checkpoint.verify_share(ckpt, owner[0], 3)
+        assert name in checkpoint_integrity.verify_share(ckpt, owner[0], 3)
         flip_a_byte(ckpt / name)  # back
 
 
@@ -64,9 +64,11 @@ def test_sizes_are_checked_by_every_rank(tmp_path):
     ckpt = fake_checkpoint(tmp_path, 4)
     with open(ckpt / "__1_0.distcp", "r+b") as f:
         f.truncate(10)
-    assert all("__1_0.distcp has 10 bytes" in checkpoint.verify_share(ckpt, r, 3) for r in range(3))
-    (ckpt / checkpoint.MANIFEST).unlink()
-    assert all("manifest.json is missing" in checkpoint.verify_share(ckpt, r, 3) for r in range(3))
+    assert all("__1_0.distcp has 10 bytes" in checkpoint_integrity.verify_share(ckpt, r, 3)
+               for r in range(3))
+    (ckpt / checkpoint_integrity.MANIFEST).unlink()
+    assert all("manifest.json is missing" in checkpoint_integrity.verify_share(ckpt, r, 3)
+               for r in range(3))
 
 
 def test_a_read_error_is_damage_not_a_crash(tmp_path, monkeypatch):
@@ -76,9 +78,9 @@ def test_a_read_error_is_damage_not_a_crash(tmp_path, monkeypatch):
     def failing(path):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(checkpoint, "_crc32", failing)
-    assert "cannot be read" in checkpoint.verify_share(ckpt, 0, 1)
-    assert "cannot be read" in checkpoint.verify(ckpt)
+    monkeypatch.setattr(checkpoint_integrity, "crc32", failing)
+    assert "cannot be read" in checkpoint_integrity.verify_share(ckpt, 0, 1)
+    assert "cannot be read" in checkpoint_integrity.verify(ckpt)
 
 
 def test_one_process_walks_back_to_the_newest_intact_checkpoint(tmp_path, caplog):
@@ -106,7 +108,7 @@ def test_pruning_counts_intact_checkpoints_only(tmp_path, caplog):
     (root / "4.damaged").mkdir()
     with open(root / "4" / "__0_0.distcp", "r+b") as f:
         f.truncate(10)
-    checkpoint._prune(root, keep=2)
+    checkpoint_integrity.prune(root, keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["2", "4.damaged", "4.damaged-2", "6"]
     assert f"damaged checkpoint {root / '4'}: {root / '4' / '__0_0.distcp'} has 10" in caplog.text
     assert [p.name for p in checkpoint.list_complete(tmp_path)] == ["2", "6"]
@@ -119,11 +121,11 @@ def test_two_ranks_skip_a_checkpoint_only_rank_1_finds_damaged(tmp_path):
     older = fake_checkpoint(dump, 2)
     newer = fake_checkpoint(dump, 4)
     files = manifest_of(newer)
-    damaged = checkpoint.crc_share(files, 1, 2)[0]
+    damaged = checkpoint_integrity.crc_share(files, 1, 2)[0]
     flip_a_byte(newer / damaged)
     # Rank 0's own share is intact: only the agreement makes it skip the checkpoint.
-    assert checkpoint.verify_share(newer, 0, 2) is None
-    assert checkpoint.verify_share(newer, 1, 2) is not None
+    assert checkpoint_integrity.verify_share(newer, 0, 2) is None
+    assert checkpoint_integrity.verify_share(newer, 1, 2) is not None
 
     proc = run_torchrun(2, "tests.workers.verify_worker", [str(dump), str(out)], timeout=120)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -149,7 +151,7 @@ def test_more_ranks_than_the_save_had_and_no_intact_checkpoint(tmp_path):
     dump, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
     only = fake_checkpoint(dump, 2, saved_ranks=2)
-    damaged = checkpoint.crc_share(manifest_of(only), 2, 3)[0]
+    damaged = checkpoint_integrity.crc_share(manifest_of(only), 2, 3)[0]
     flip_a_byte(only / damaged)
     run_torchrun(3, "tests.workers.verify_worker", [str(dump), str(out)], timeout=120)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]

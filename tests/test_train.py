@@ -237,7 +237,7 @@ def test_full_collection_frees_a_cycle_that_young_collections_keep():
     import gc
     import weakref
 
-    from lingua.train.trainer import collect_garbage
+    from lingua.train.memory import collect_garbage
 
     class Node:
         pass
@@ -266,10 +266,10 @@ def test_an_in_process_run_gives_automatic_gc_back(corpus, tmp_path, monkeypatch
     in-process (tests, notebooks) must leave the collector as it found it, also after a crash."""
     import gc
 
-    from lingua.train import trainer
+    from lingua.train import loop
 
     seen = []
-    original = trainer.Run.train_step
+    original = loop.Run.train_step
 
     def train_step(self, micro_batches):
         seen.append(gc.isenabled())
@@ -277,7 +277,7 @@ def test_an_in_process_run_gives_automatic_gc_back(corpus, tmp_path, monkeypatch
             raise RuntimeError("a step that fails")
         return original(self, micro_batches)
 
-    monkeypatch.setattr(trainer.Run, "train_step", train_step)
+    monkeypatch.setattr(loop.Run, "train_step", train_step)
     was_enabled = gc.isenabled()
     gc.enable()
     try:

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from lingua.launch import plan as planner
+from lingua.launch import plan_memory
 from lingua.parallel import distributed
 from lingua.parallel.distributed import DistributedArgs
 from tests.conftest import run_python, run_torchrun, tiny_args
@@ -52,7 +52,7 @@ def test_every_sub_mesh_is_looked_up_without_the_deprecation_warning():
     from lingua.parallel.expert_parallel import ep_meshes
 
     args = DistributedArgs(dp_replicate=2, dp_shard=2, cp=2)
-    with planner.fake_process_group(5, 8):
+    with plan_memory.fake_process_group(5, 8):
         dims = distributed.parallel_dims(args, 8)
         with warnings.catch_warnings():
             warnings.simplefilter("error")   # any warning fails the test

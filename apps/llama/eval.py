@@ -1,14 +1,9 @@
-"""Evaluate a checkpoint of this app on downstream tasks (lm-evaluation-harness):
-
-    python -m apps.llama.eval CHECKPOINT eval.tasks=[lingua_continuation]
-
-where CHECKPOINT is a dump_dir or a dump_dir/checkpoints/STEP; also under torchrun with any
-layout the checkpoint reshards to (lingua/eval/eval_cli.py says how).
-"""
+"""Evaluate a checkpoint (a dump_dir or dump_dir/checkpoints/STEP) on downstream tasks, also under
+torchrun: `python -m apps.llama.eval CHECKPOINT eval.tasks=[lingua_continuation]` (see eval_cli)."""
 
 from apps.llama.train import APP, TrainArgs
 from lingua.eval import eval_cli
-from lingua.train import trainer
+from lingua.launch import run
 
 
 def main(argv=None) -> int:
@@ -16,4 +11,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    trainer.exit_cli(main)
+    run.exit_cli(main)

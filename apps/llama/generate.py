@@ -1,9 +1,5 @@
-"""Generate text with a checkpoint of this app (greedy, temperature, top-k, top-p):
-
-    python -m apps.llama.generate RUN_DIR_OR_CHECKPOINT --prompt "Once upon" [--max-new-tokens 64]
-
-lingua/eval/generation.py is the command; this file names the app's model.
-"""
+"""Generate text with a checkpoint (lingua/eval/generation.py is the command): `python -m
+apps.llama.generate RUN_DIR_OR_CHECKPOINT --prompt "Once upon" [--max-new-tokens 64]`."""
 
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.eval import generation

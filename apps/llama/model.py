@@ -1,18 +1,9 @@
-"""The LLaMA model: every block of its architecture, built from lingua's small pieces (RMSNorm,
-RoPE, the CoreAttention kernel call, SwiGLU) inside lingua's decoder shell (lingua/model/decoder.py:
-embeddings, RoPE tables, mask, layer loop, output). A plain nn.Module with no distributed code:
-apps/llama/parallelize.py shards it from outside, by these module names.
-
-What a fork of this file keeps (the contract of lingua/model/decoder.py, checked at start with an
-error naming what is missing): subclass `Decoder` (or keep its forward(tokens, doc_ids=None,
-cache=None, positions=None), `layers` ModuleDict keyed "0".."n-1", `tok_embeddings` / `norm` /
-`output` and `init_weights(buffer_device=None)`); each layer's `init_weights(std, out_std)`;
-attention through `lingua.model.transformer.CoreAttention`. Everything else (new weights, other
-blocks) is the fork's.
-"""
+"""The LLaMA model: its blocks (attention, SwiGLU) inside lingua's decoder shell. A plain nn.Module
+with no distributed code: apps/llama/parallelize.py shards it from outside, by these module names.
+A fork keeps the contract in lingua/model/decoder.py's docstring (checked at start, naming what
+is missing): subclass Decoder, give layers `init_weights(std, out_std)`, attend by CoreAttention."""
 
 from dataclasses import dataclass
-from typing import Optional
 
 from torch import nn
 
@@ -35,7 +26,7 @@ class LlamaArgs(TransformerArgs):
 
 
 def validate_model_args(args: LlamaArgs) -> None:
-    validate_transformer_args(args)
+    validate_transformer_args(args)   # a fork's new model options are checked here
 
 
 class Attention(nn.Module):
@@ -51,7 +42,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
-    def forward(self, x, rope, mask=None, cache: Optional[KVCache] = None, cache_key: str = ""):
+    def forward(self, x, rope, mask=None, cache: KVCache | None = None, cache_key: str = ""):
         # Head counts come from the tensors: under tensor parallelism this rank holds some heads.
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -75,12 +66,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, rope, mask=None, cache: Optional[KVCache] = None):
-        # Only x is positional: the tensor-parallel plan lays out the first input and passes the
-        # keyword ones (plain tensors and objects every rank holds whole) through.
-        # layer_id is read only when decoding: torch.compile guards on the integer attributes it
-        # reads, so reading it in training would compile every block separately (and blocks past
-        # dynamo's recompile limit, 8, would silently run eager) instead of once for all.
+    def forward(self, x, rope, mask=None, cache: KVCache | None = None):
+        # Only x is positional: the TP plan lays out the first input. layer_id is read only when
+        # decoding: compile guards on it, compiling each block apart (past 8, silently eager).
         cache_key = "" if cache is None else str(self.layer_id)
         x = x + self.attention(self.attention_norm(x), rope=rope, mask=mask, cache=cache,
                                cache_key=cache_key)
@@ -90,8 +78,7 @@ class TransformerBlock(nn.Module):
         attn, ffn = self.attention, self.feed_forward
         for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
             nn.init.normal_(lin.weight, std=std)
-        # Residual-branch outputs start smaller so the residual stream's variance does not grow
-        # with depth.
+        # Residual-branch outputs start smaller: the residual stream's variance stays flat in depth.
         for lin in (self.attention.wo, self.feed_forward.w2):
             nn.init.normal_(lin.weight, std=out_std)
         self.attention_norm.reset_parameters()
@@ -99,11 +86,7 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(Decoder):
-    """LLaMA: lingua's decoder shell around TransformerBlocks."""
-
-    def __init__(self, args: LlamaArgs):
-        validate_model_args(args)
-        super().__init__(args)
+    """LLaMA: lingua's decoder shell (which checks its args) around TransformerBlocks."""
 
     def make_layer(self, layer_id: int, args: LlamaArgs) -> nn.Module:
         return TransformerBlock(layer_id, args)

@@ -1,9 +1,9 @@
 """Train a LLaMA: `python -m apps.llama.train [config=PRESET] [key=value ...]`.
 
 Several processes: `torchrun --nproc-per-node N -m apps.llama.train distributed.dp_shard=N ...`.
-Reads top to bottom: the config schema, its checks, the App (what lingua/train/trainer.py needs to
-know about this model), main. The run itself (processes, model, optimizer, data and resume,
-loop) is lingua.train.trainer.run, the same for every app; this file says what is LLaMA's.
+Reads top to bottom: the config schema, its checks, the App (what lingua/train/app.py says the
+trainer needs to know about a model), main. The run itself (processes, model, optimizer, data and
+resume, loop) is lingua.launch.run.run, the same for every app; this file says what is LLaMA's.
 """
 
 from dataclasses import dataclass, field
@@ -12,12 +12,13 @@ from apps.llama.hf import export_problems, load_hf
 from apps.llama.model import LlamaArgs, Transformer, validate_model_args
 from apps.llama.parallelize import parallelize_llama, uses_loss_parallel, validate_tp
 from lingua import config
+from lingua.launch import run
 from lingua.train import hf as lingua_hf
-from lingua.train import trainer
+from lingua.train.app import App
 
 
 @dataclass
-class TrainArgs(trainer.BaseTrainArgs):
+class TrainArgs(run.BaseTrainArgs):
     model: LlamaArgs = field(default_factory=LlamaArgs)
 
 
@@ -31,12 +32,12 @@ def validate_llama(args: TrainArgs) -> None:
                                              f"experts to shard. Remove distributed.ep.")
 
 
-APP = trainer.App(model_class=Transformer, parallelize=parallelize_llama,
-                  validate_model=validate_llama, loss_parallel=uses_loss_parallel, load_hf=load_hf)
+APP = App(model_class=Transformer, parallelize=parallelize_llama,
+          validate_model=validate_llama, loss_parallel=uses_loss_parallel, load_hf=load_hf)
 
 
 def validate(args: TrainArgs) -> None:
-    trainer.validate(args, APP)
+    run.validate(args, APP)
     # Said now (one line), not after training: the run's checkpoints will not export to HF.
     lingua_hf.warn_unexportable(export_problems(args.model), "python -m apps.llama.hf")
 
@@ -47,9 +48,9 @@ def load_config(argv=None, check: bool = True) -> TrainArgs:
 
 
 def main(argv=None) -> int:
-    """The config, then trainer.run: processes, model, optimizer, data, resume, loop."""
-    return trainer.run(load_config(argv), APP)
+    """The config, then run.run: processes, model, optimizer, data, resume, loop."""
+    return run.run(load_config(argv), APP)
 
 
 if __name__ == "__main__":
-    trainer.exit_cli(main)
+    run.exit_cli(main)

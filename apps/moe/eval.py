@@ -7,7 +7,7 @@ also under torchrun with any layout the checkpoint reshards to (lingua/eval/eval
 
 from apps.moe.train import APP, TrainArgs
 from lingua.eval import eval_cli
-from lingua.train import trainer
+from lingua.launch import run
 
 
 def main(argv=None) -> int:
@@ -15,4 +15,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    trainer.exit_cli(main)
+    run.exit_cli(main)

@@ -26,30 +26,26 @@ Three Hugging Face architectures, chosen from the model args on export and from 
 
 Hugging Face models route every token (dropless): a model trained with capacity_factor > 0 is
 exported as is and reads back with capacity_factor=0, which is what the HF model computes.
-Attention, embeddings, norms and the safetensors reading are apps/llama/hf.py's.
+The plumbing (checks that nothing is dropped, reading and writing the files, the export command)
+is lingua/train/hf.py's; this file holds what is MoE's.
 
 CLI: python -m apps.moe.hf export <run_dir or checkpoint_dir> <out_dir> [--dtype bf16|fp32]
 (a run directory: its newest complete checkpoint). `export_problems(model_args)` says from the
 args alone why the export would refuse a model; apps/moe/train.py warns with it at start.
 """
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from omegaconf import OmegaConf
-from safetensors.torch import save_file
 
-from apps.llama.hf import key_map, llama_hf_config
 from apps.moe.model import MoEArgs, Transformer, expert_hidden
 from lingua.errors import ConfigError
 from lingua.model.transformer import ffn_hidden_dim
 from lingua.train import hf as lingua_hf
-from lingua.train.checkpoint import resolve
-from lingua.train.hf import ffn_recipe, read_weights, rope_args
+from lingua.train.hf import TIED_NOT_IMPORTED, ffn_recipe, read_weights
 
 # MoEArgs fields that only matter for training; recorded so that load_hf gives back the same args.
 TRAINING_FIELDS = ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "expert_impl")
@@ -93,12 +89,6 @@ NOT_IMPORTED: Dict[str, str] = {
         "RoPE inverse frequencies, recomputed from the config's rope settings",
     r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq":
         "the same, stored per layer by older transformers",
-}
-# With tie_word_embeddings transformers itself ignores a stored lm_head and ties it to the
-# embedding.
-TIED_NOT_IMPORTED = {
-    r"lm_head\.weight":
-        "a copy of embed_tokens that transformers also replaces by the tied embedding",
 }
 
 
@@ -167,14 +157,29 @@ def _moe_keys(args: MoEArgs, kind: str, i: int) -> Dict[str, str]:
     return names
 
 
+# Our module -> its HF name in every decoder layer, and in the dense ones'.
+ATTENTION_KEYS = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+    "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+DENSE_FFN_KEYS = {"feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+                  "feed_forward.w2": "mlp.down_proj"}
+
+
 def _plain_keys(args: MoEArgs, kind: str) -> Dict[str, str]:
-    """Our key -> HF key for every tensor copied as it is: apps.llama's map (embeddings, attention,
-    norms, dense FFNs) without the FFNs of MoE layers, plus routers and shared experts."""
-    names = key_map(args)
-    for i in range(args.n_dense_layers, args.n_layers):
-        for w in ("w1", "w2", "w3"):
-            del names[f"layers.{i}.feed_forward.{w}.weight"]
-        names.update(_moe_keys(args, kind, i))
+    """Our key -> HF key for every tensor copied as it is: embeddings, attention, norms, the dense
+    layers' FFNs, routers and shared experts."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight",
+             "norm.weight": "model.norm.weight"}
+    if not args.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    for i in range(args.n_layers):
+        dense = i < args.n_dense_layers
+        for ours, theirs in {**ATTENTION_KEYS, **(DENSE_FFN_KEYS if dense else {})}.items():
+            names[f"layers.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+        if not dense:
+            names.update(_moe_keys(args, kind, i))
     return names
 
 
@@ -185,8 +190,8 @@ def _expert_keys(args: MoEArgs, i: int) -> list:
 
 def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
     kind = layout_for(args)
-    cfg = llama_hf_config(args, dtype)  # shape, attention, RoPE, norms, vocabulary: as Llama's
-    del cfg["mlp_bias"]
+    # shape, attention, RoPE, norms, vocabulary: as Llama's
+    cfg = {**lingua_hf.decoder_config(args, dtype), "attention_bias": False}
     moe = {
         "architectures": [LAYOUTS[kind].arch],
         "model_type": kind,
@@ -283,34 +288,17 @@ def save_hf(
         keep_fp32 = k.endswith("e_score_correction_bias")  # HF keeps it fp32: it decides routing
         target = torch.float32 if keep_fp32 else (dtype or t.dtype)
         tensors[k] = t.to(target).cpu().contiguous()
-    directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = hf_config(model_args, tensors["model.embed_tokens.weight"].dtype)
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    lingua_hf.write_hf(path, tensors,
+                       hf_config(model_args, tensors["model.embed_tokens.weight"].dtype))
 
 
 # ---------------------------------------------------------------------------------------------
 # Import
 
 
-def _read_config(config_path: Path) -> dict:
-    try:
-        return json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"Cannot read {config_path}: {e}. A Hugging Face model directory needs a "
-                          "valid config.json.") from None
-
-
 def _unsupported(cfg: dict, kind: str) -> list:
     """Settings of the HF config that would make its model compute something ours does not."""
-    dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    bad = []
-    if cfg.get("hidden_act", "silu") != "silu":
-        bad.append(f"hidden_act={cfg['hidden_act']} (our experts use SiLU)")
-    if cfg.get("head_dim") not in (None, dim // n_heads):
-        bad.append(f"head_dim={cfg['head_dim']} != "
-                   f"hidden_size/num_attention_heads={dim // n_heads}")
+    bad = lingua_hf.decoder_problems(cfg)
     if kind == "mixtral":
         window = cfg.get("sliding_window")
         if window is not None and window < cfg.get("max_position_embeddings", 0):
@@ -406,7 +394,7 @@ def args_from_hf_config(config_path: Path) -> MoEArgs:
 def _args_and_kind(config_path: Path) -> Tuple[MoEArgs, str]:
     """(MoEArgs, the config's model_type): the type decides the weight names, and a Qwen2-MoE
     directory whose args Mixtral could also express still has Qwen2-MoE's names."""
-    cfg = _read_config(config_path)
+    cfg = lingua_hf.read_config(config_path)
     kind = cfg.get("model_type")
     if kind not in LAYOUTS:
         raise ConfigError(f"{config_path}: model_type {kind!r} is not supported by apps.moe, "
@@ -417,16 +405,8 @@ def _args_and_kind(config_path: Path) -> Tuple[MoEArgs, str]:
         bad = _unsupported(cfg, kind)
         if bad:
             raise ConfigError(f"{config_path}: {'; '.join(bad)}: not supported by apps.moe.")
-        fields = dict(
-            dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-            n_heads=cfg["num_attention_heads"],
-            n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            vocab_size=cfg["vocab_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            max_seq_len=cfg.get("max_position_embeddings", 4096),
-            init_std=cfg.get("initializer_range", 0.02),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            **rope_args(cfg, config_path), **_ffn_fields(cfg, kind), **_moe_fields(cfg, kind),
-        )
+        fields = dict(**lingua_hf.decoder_args(cfg, config_path), **_ffn_fields(cfg, kind),
+                      **_moe_fields(cfg, kind))
     except KeyError as e:
         raise ConfigError(
             f"{config_path} lacks {e}; it is not a complete {LAYOUTS[kind].arch} config."
@@ -515,12 +495,6 @@ def _ungate_shared(
             tensors[down] = _fetch(tensors, down, path) * QWEN_GATE  # exact: a power of two
 
 
-def _init_rope(model: Transformer) -> None:
-    """The RoPE tables (non-persistent buffers, still on meta); init_weights would also re-draw the
-    weights just loaded."""
-    model.init_rope("cpu")
-
-
 def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transformer, MoEArgs]:
     """Read a MixtralForCausalLM, Qwen2MoeForCausalLM or Glm4MoeForCausalLM directory into
     (Transformer on CPU, MoEArgs). dtype None keeps the file's; the routers' expert_bias stays
@@ -579,7 +553,7 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
         fp32 = key.endswith("expert_bias")  # routing decisions flip on small differences
         state[key] = t.to(torch.float32 if fp32 else (dtype or t.dtype)).contiguous()
     model.load_state_dict(state, strict=True, assign=True)
-    _init_rope(model)
+    model.init_rope("cpu")  # non-persistent, still on meta; init_weights would redraw the weights
     return model, args
 
 
@@ -588,34 +562,16 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
 
 
 def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> str:
-    """A training checkpoint (DCP + config.yaml; a run directory: its newest complete one) -> a
-    Hugging Face directory; returns its architecture."""
-    from lingua.train.checkpoint import load_model_state, read_run_config
-
-    ckpt_dir = resolve(ckpt_dir)
-    section = read_run_config(ckpt_dir).model
-    try:
-        args = MoEArgs(**OmegaConf.to_container(section, resolve=True))
-    except TypeError as e:
-        raise ConfigError(f"{ckpt_dir}/config.yaml: its model section does not fit MoEArgs "
-                          f"({e}); export it with the app that trained it.") from None
-    args.attn_backend = "sdpa"  # never runs attention here; xformers would refuse on CPU
-    # Refused before any weight is read.
-    lingua_hf.refuse_unexportable(export_problems(args), "python -m apps.moe.hf", ckpt_dir)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights("cpu")  # fills non-persistent buffers; the checkpoint overwrites the rest
-    with warnings.catch_warnings():  # a single-process load is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_model_state(ckpt_dir, model)
-    save_hf(model, args, out_dir, dtype)
-    lingua_hf.write_tokenizer(read_run_config(ckpt_dir), out_dir)  # HF tools encode as we did
+    """A training checkpoint (a run directory: its newest complete one) -> a Hugging Face
+    directory; returns its architecture."""
+    args = lingua_hf.export(ckpt_dir, out_dir, dtype, model_class=Transformer, args_class=MoEArgs,
+                            export_problems=export_problems, save_hf=save_hf,
+                            command=lingua_hf.command(__file__))
     return LAYOUTS[layout_for(args)].arch
 
 
 def main(argv=None) -> None:
-    lingua_hf.export_cli(argv, "python -m apps.moe.hf", __doc__.split("\n")[0], export)
+    lingua_hf.export_cli(argv, lingua_hf.command(__file__), __doc__.split("\n")[0], export)
 
 
 if __name__ == "__main__":

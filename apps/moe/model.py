@@ -1,9 +1,9 @@
-"""The MoE decoder: apps/llama's attention with mixture-of-experts FFNs (lingua.model.moe.MoE), in
+"""The MoE decoder: LLaMA's attention with mixture-of-experts FFNs (lingua.model.moe.MoE), in
 lingua's decoder shell (lingua/model/decoder.py, whose contract this keeps).
 
 The first `n_dense_layers` blocks keep a dense SwiGLU `feed_forward`; the others have a `moe`.
-The attention block is LLaMA's (apps/llama/model.py), and so are its tensor-parallel lines
-(apps/moe/parallelize.py) and Hugging Face names (apps/moe/hf.py): this app builds on apps/llama.
+The attention was forked from apps/llama/model.py (an app imports nothing from another app), and
+apps/moe/parallelize.py and apps/moe/hf.py shard and name it as apps/llama's do.
 """
 
 from dataclasses import dataclass
@@ -12,7 +12,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from apps.llama.model import Attention
 from lingua.errors import ConfigError
 from lingua.model.decoder import Decoder
 from lingua.model.moe import (
@@ -24,10 +23,12 @@ from lingua.model.moe import (
     check_grouped_alignment,
 )
 from lingua.model.transformer import (
+    CoreAttention,
     FeedForward,
     KVCache,
     RMSNorm,
     TransformerArgs,
+    apply_rope,
     ffn_hidden_dim,
     validate_transformer_args,
 )
@@ -81,6 +82,32 @@ def validate_moe_args(args: MoEArgs) -> None:
             raise ConfigError(f"model.{name}={getattr(args, name)} must be >= 0 (0 turns it off).")
     if args.expert_impl == "grouped":
         check_grouped_alignment(args.dim, expert_hidden(args))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE, under the names (wq/wk/wv/wo) apps/moe/hf.py maps and
+    apps/moe/parallelize.py shards by head."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, backend: str = "sdpa"):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.core = CoreAttention(backend)
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x, rope, mask=None, cache: Optional[KVCache] = None, cache_key: str = ""):
+        # Head counts come from the tensors: under tensor parallelism this rank holds some heads.
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.update(cache_key, k, v)
+        out = self.core(q, k, v, mask, decoding=cache is not None)
+        return self.wo(out.reshape(b, s, -1))
 
 
 class MoEBlock(nn.Module):

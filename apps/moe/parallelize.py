@@ -1,8 +1,10 @@
-"""How the MoE model is parallelized: the same order and generic functions as apps/llama, with
-the experts inside each block's FSDP unit.
+"""How the MoE model is parallelized: tensor and expert parallelism here, then
+lingua.parallel.parallelize's generic rest (context parallel, AC, compile, FSDP) as for apps/llama
+(this file's tensor-parallel lines were forked from apps/llama/parallelize.py), with the experts
+inside each block's FSDP unit.
 
 Tensor parallelism: LLaMA's plan for the embeddings, norms, output, attention and the dense
-layers (apps/llama/parallelize.py); each MoE layer sees the whole sequence and runs unsharded on
+layers; each MoE layer sees the whole sequence and runs unsharded on
 every tp rank. Why not shard the experts over tp: expert parallelism (distributed.ep) already
 splits them, across the data-parallel ranks, at the cost of one all-to-all instead of tp's
 collectives in every expert matmul. The MoE input is all-gathered over the sequence, every tp rank
@@ -13,30 +15,53 @@ lingua.parallel.tensor_parallel.ReplicatedCompute declares, so the trainer's cov
 """
 
 from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from apps.llama.parallelize import attention_tp_plan, feed_forward_tp_plan, uses_loss_parallel
+from lingua.errors import ConfigError
 from lingua.model.moe import moe_layers
-from lingua.parallel.context_parallel import apply_cp
-from lingua.parallel.distributed import (
-    DistEnv,
-    DistributedArgs,
-    apply_ac,
-    apply_compile,
-    apply_fsdp,
-)
+from lingua.parallel.distributed import DistEnv, DistributedArgs
 from lingua.parallel.expert_parallel import apply_ep, apply_global_counts, ep_meshes
+from lingua.parallel.parallelize import apply_cp_ac_compile_fsdp, uses_loss_parallel
 from lingua.parallel.tensor_parallel import ReplicatedCompute, apply_tp
-from lingua.parallel.tp_plan import decoder_root_plan
+from lingua.parallel.tp_plan import decoder_root_plan, gathered_input, validate_decoder_tp
 
-__all__ = ["parallelize_moe", "tp_plans", "uses_loss_parallel"]
+__all__ = ["parallelize_moe", "tp_plans", "uses_loss_parallel", "validate_tp"]
+
+
+def validate_tp(model_args, tp: int, seq_len: int | None = None) -> None:
+    """Before any process group: the decoder shell's checks and this plan's (whole attention heads
+    per rank); raises ConfigError naming the fix."""
+    n_heads, n_kv = model_args.n_heads, model_args.n_kv_heads or model_args.n_heads
+    for key, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv)):
+        if tp > 1 and heads % tp:
+            raise ConfigError(
+                f"model.{key}={heads} is not divisible by distributed.tp={tp}: tensor parallelism "
+                f"gives each rank whole attention heads (n_heads={n_heads}, n_kv_heads={n_kv}). "
+                f"Use a tp that divides both, or change model.{key}.")
+    validate_decoder_tp(model_args, tp, seq_len)
+
+
+def block_plan(is_moe: bool) -> dict:
+    """A block's TP plan: sequence-parallel norms, attention sharded by head (q/k/v column-wise,
+    wo row-wise back to Shard(1)); then the dense SwiGLU sharded alike, or the MoE replicated."""
+    plan = {
+        "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+        "attention": gathered_input(),
+        **{f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    if is_moe:
+        # ReplicatedCompute: Shard(1) in -> whole sequence, Replicate -> Shard(1) out.
+        return {**plan, "moe": ReplicatedCompute()}
+    return {**plan, "feed_forward": gathered_input(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
 
 
 def tp_plans(model: nn.Module, loss_parallel: bool) -> tuple:
     """(root_plan, dense_block_plan, moe_block_plan) for tensor_parallel.apply_tp."""
-    attention = attention_tp_plan()
-    # ReplicatedCompute: Shard(1) in -> whole sequence, Replicate -> Shard(1) out.
-    moe = {**attention, "ffn_norm": feed_forward_tp_plan()["ffn_norm"], "moe": ReplicatedCompute()}
-    return decoder_root_plan(model, loss_parallel), {**attention, **feed_forward_tp_plan()}, moe
+    return decoder_root_plan(model, loss_parallel), block_plan(False), block_plan(True)
 
 
 def parallelize_moe(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn.Module:
@@ -54,10 +79,4 @@ def parallelize_moe(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn
         ep_mesh, expert_fsdp_mesh = ep_meshes(env.mesh, args.ep)
         apply_ep(model, ep_mesh)
         expert_units = [(moe.experts, expert_fsdp_mesh) for moe in moe_layers(model)]
-    if args.cp > 1:
-        apply_cp(model, env.mesh["cp"], args.cp_backend)
-    apply_ac(model.layers, args.ac, args.ac_every)
-    if args.compile:
-        apply_compile(model.layers, args.compile_backend)
-    apply_fsdp(model, list(model.layers.values()), env, args, expert_units)
-    return model
+    return apply_cp_ac_compile_fsdp(model, env, args, expert_units=expert_units)

@@ -1,6 +1,6 @@
 """Train a mixture-of-experts LLaMA: `python -m apps.moe.train [config=PRESET] [key=value ...]`.
 
-The same loop as apps/llama (lingua/train/trainer.py); what is MoE's: the model, its checks, FLOPs
+The same loop as apps/llama (lingua/train/loop.py); what is MoE's: the model, its checks, FLOPs
 counted over active parameters only, balancing over the global batch (router token counts summed
 over the data- and context-parallel ranks), the aux-loss-free bias update after each step, and
 per-layer routing metrics.
@@ -8,22 +8,22 @@ per-layer routing metrics.
 
 from dataclasses import dataclass, field
 
-from apps.llama.parallelize import validate_tp
 from apps.moe.hf import export_problems, load_hf
 from apps.moe.model import MoEArgs, Transformer, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
-from apps.moe.parallelize import parallelize_moe, uses_loss_parallel
+from apps.moe.parallelize import parallelize_moe, uses_loss_parallel, validate_tp
 from lingua import config
+from lingua.launch import run
 from lingua.model.loss import LossOutput, cross_entropy
 from lingua.model.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
 from lingua.parallel import distributed
 from lingua.parallel.expert_parallel import validate_ep
 from lingua.train import hf as lingua_hf
-from lingua.train import trainer
+from lingua.train.app import App
 
 
 @dataclass
-class TrainArgs(trainer.BaseTrainArgs):
+class TrainArgs(run.BaseTrainArgs):
     model: MoEArgs = field(default_factory=MoEArgs)
 
 
@@ -79,14 +79,14 @@ def loss(output, target) -> LossOutput:
     return LossOutput(ce.loss_sum + balance_loss.sum(), ce.tokens, logged_sum=ce.loss_sum)
 
 
-APP = trainer.App(model_class=Transformer, parallelize=parallelize_moe,
-                  validate_model=validate_moe, loss_parallel=uses_loss_parallel, load_hf=load_hf,
-                  flops_per_token=flops_per_token, after_step=after_step, start_step=start_step,
-                  step_metrics=step_metrics, loss=loss)
+APP = App(model_class=Transformer, parallelize=parallelize_moe,
+          validate_model=validate_moe, loss_parallel=uses_loss_parallel, load_hf=load_hf,
+          flops_per_token=flops_per_token, after_step=after_step, start_step=start_step,
+          step_metrics=step_metrics, loss=loss)
 
 
 def validate(args: TrainArgs) -> None:
-    trainer.validate(args, APP)
+    run.validate(args, APP)
     # Said now (one line), not after training: the run's checkpoints will not export to HF.
     lingua_hf.warn_unexportable(export_problems(args.model), "python -m apps.moe.hf")
 
@@ -97,9 +97,9 @@ def load_config(argv=None, check: bool = True) -> TrainArgs:
 
 
 def main(argv=None) -> int:
-    """The config, then trainer.run: processes, model, optimizer, data, resume, loop."""
-    return trainer.run(load_config(argv), APP)
+    """The config, then run.run: processes, model, optimizer, data, resume, loop."""
+    return run.run(load_config(argv), APP)
 
 
 if __name__ == "__main__":
-    trainer.exit_cli(main)
+    run.exit_cli(main)

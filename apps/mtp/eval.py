@@ -8,7 +8,7 @@ layout the checkpoint reshards to (lingua/eval/eval_cli.py says how).
 
 from apps.mtp.train import APP, TrainArgs
 from lingua.eval import eval_cli
-from lingua.train import trainer
+from lingua.launch import run
 
 
 def main(argv=None) -> int:
@@ -16,4 +16,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    trainer.exit_cli(main)
+    run.exit_cli(main)

@@ -2,10 +2,10 @@
 `python -m apps.mtp.train [config=PRESET] [key=value ...]`.
 
 Several processes: `torchrun --nproc-per-node N -m apps.mtp.train distributed.dp_shard=N ...`.
-Reads top to bottom: the config schema, its checks, the App (what lingua/train/trainer.py needs to
-know about this model), main. The run itself (processes, model, optimizer, data and resume,
-loop) is lingua.train.trainer.run, the same for every app; this file says what is MTP's: the loss
-(through the trainer's loss seam, lingua/model/loss.py) and the shifted tokens it needs.
+Reads top to bottom: the config schema, its checks, the App (what lingua/train/app.py says the
+trainer needs to know about a model), main. The run itself (processes, model, optimizer, data and
+resume, loop) is lingua.launch.run.run, the same for every app; this file says what is MTP's: the
+loss (through the trainer's loss seam, lingua/model/loss.py) and the shifted tokens it needs.
 """
 
 from dataclasses import dataclass, field
@@ -16,13 +16,14 @@ from apps.mtp.hf import export_problems, load_hf
 from apps.mtp.model import MTPArgs, Transformer, validate_model_args
 from apps.mtp.parallelize import parallelize_mtp, uses_loss_parallel, validate_tp
 from lingua import config
+from lingua.launch import run
 from lingua.model.loss import IGNORE_INDEX, LossOutput, token_loss_sum
 from lingua.train import hf as lingua_hf
-from lingua.train import trainer
+from lingua.train.app import App
 
 
 @dataclass
-class TrainArgs(trainer.BaseTrainArgs):
+class TrainArgs(run.BaseTrainArgs):
     model: MTPArgs = field(default_factory=MTPArgs)
 
 
@@ -61,8 +62,8 @@ def mtp_loss(output: torch.Tensor, target: torch.Tensor, weight: float) -> LossO
     return LossOutput(total, counts[0], metrics, logged_sum=terms[0])
 
 
-def make_app(model_args: MTPArgs) -> trainer.App:
-    return trainer.App(
+def make_app(model_args: MTPArgs) -> App:
+    return App(
         model_class=Transformer, parallelize=parallelize_mtp, validate_model=validate_mtp,
         loss_parallel=uses_loss_parallel, load_hf=load_hf,
         batch_inputs=lambda tokens, labels: batch_inputs(tokens, labels, model_args.mtp_depth),
@@ -73,7 +74,7 @@ APP = make_app(MTPArgs())   # the defaults; main() makes the run's from its mode
 
 
 def validate(args: TrainArgs) -> None:
-    trainer.validate(args, make_app(args.model))
+    run.validate(args, make_app(args.model))
     # Said now (one line), not after training: the run's checkpoints will not export to HF.
     lingua_hf.warn_unexportable(export_problems(args.model), "python -m apps.mtp.hf")
 
@@ -84,10 +85,10 @@ def load_config(argv=None, check: bool = True) -> TrainArgs:
 
 
 def main(argv=None) -> int:
-    """The config, then lingua.train.trainer.run with the App of its model args."""
+    """The config, then lingua.launch.run.run with the App of its model args."""
     args = load_config(argv)
-    return trainer.run(args, make_app(args.model))
+    return run.run(args, make_app(args.model))
 
 
 if __name__ == "__main__":
-    trainer.exit_cli(main)
+    run.exit_cli(main)

@@ -23,7 +23,7 @@ HFLM on our Hugging Face export.
 Results go to <dump_dir>/evals/<step>/results.json (with eval.log_samples, each example's
 requests and responses to samples/<task>.jsonl beside it; each task of a step is computed once: a
 later evaluation of that step adds the tasks it lacks) and as eval/<task>/<metric> values in
-metrics.jsonl and wandb (lingua/train/trainer.py inline, lingua/eval/eval_cli.py otherwise). With a
+metrics.jsonl and wandb (DownstreamHook inline, lingua/eval/eval_cli.py otherwise). With a
 `Progress` on stderr (the evaluation command's, unless logging.quiet), rank 0 says how far each
 request type is: tasks, requests done out of all, time left.
 Pipeline and context parallelism are not supported here: an evaluation job reshards the
@@ -42,9 +42,12 @@ from typing import Callable, Dict, List, Optional, TextIO
 import torch
 
 from lingua.errors import ConfigError
-from lingua.eval.evaluation import EvalArgs
+from lingua.eval.evaluation import EvalArgs, evaluates_at
 from lingua.observe.metrics import format_duration
 from lingua.parallel.distributed import DistEnv
+from lingua.train.build import mixed_precision
+from lingua.train.hooks import Hook
+from lingua.train.tokenizer import build_tokenizer
 
 logger = logging.getLogger("eval")
 
@@ -277,3 +280,38 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
     if samples is not None:   # rank 0 writes them; no need to send them around
         results["samples"] = samples
     return results
+
+
+class DownstreamHook(Hook):
+    """eval.tasks with eval.mode=inline: the tasks on the training ranks at evaluation steps,
+    as eval/<task>/<metric> values in the step's row. Tasks the step already has results for
+    (a resumed run going over the step again) are read back, not run again."""
+
+    def __init__(self):
+        self.tokenizer = None     # built for the first evaluation
+
+    def metrics(self, run, row: dict) -> None:
+        e = run.args.eval
+        if e.tasks and e.mode == "inline" and evaluates_at(run.args, run.step):
+            row.update(self.downstream_metrics(run))
+
+    def downstream_metrics(self, run) -> dict:
+        args, env = run.args, run.env
+        # Every rank must run the same tasks: rank 0 reads what is already there.
+        todo = [missing_tasks(run.dump_dir, run.step, args.eval.tasks)]
+        if env.world_size > 1:
+            torch.distributed.broadcast_object_list(todo, src=0)
+        todo = todo[0]
+        if todo:
+            if self.tokenizer is None:
+                self.tokenizer = build_tokenizer(args.data.tokenizer)
+            results = evaluate_tasks(
+                run.parts[0], self.tokenizer, env, args.eval, args.model.max_seq_len, todo,
+                autocast=lambda: mixed_precision(args, env, run.parts))
+            if env.is_main:
+                write_results(run.dump_dir, run.step, results,
+                              {"inline": True, "layout": str(env.dims), "limit": args.eval.limit,
+                               "num_fewshot": args.eval.num_fewshot})
+        if not env.is_main:
+            return {}
+        return flat_metrics(read_results(run.dump_dir, run.step), args.eval.tasks)

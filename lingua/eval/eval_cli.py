@@ -113,11 +113,11 @@ def evaluate_checkpoint(app, schema, argv: Optional[Sequence[str]] = None) -> in
     progress.say(f"loading the model from {ckpt}")
     model = build_model(app, args, env, ckpt)
     args.eval.tasks = todo
-    from lingua.train import trainer
+    from lingua.train import build
 
     results = downstream.evaluate_tasks(
         model, tokenizer, env, args.eval, args.model.max_seq_len, todo,
-        autocast=lambda: trainer.mixed_precision(args, env, [model]), progress=progress)
+        autocast=lambda: build.mixed_precision(args, env, [model]), progress=progress)
     if env.is_main:
         record(dump_dir, step, results, args, ckpt, env, todo)
     distributed.destroy()
@@ -135,9 +135,9 @@ def progress_stream(quiet: bool):
 
 def build_model(app, args, env, ckpt: Path):
     """The whole model sharded for this layout, with the checkpoint's weights."""
-    from lingua.train import trainer
+    from lingua.train import build
 
-    parts, _ = trainer.parallelized_parts_on_meta(args, env, app)
+    parts, _ = build.parallelized_parts_on_meta(args, env, app)
     param_device = distributed.param_device(args.distributed, env.device)
     for part in parts:
         weights.materialize(part, env.device, args.seed, param_device)

@@ -53,7 +53,9 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 from lingua.errors import ConfigError
-from lingua.train import slurm
+from lingua.eval.evaluation import evaluates_at
+from lingua.train import checkpoint, slurm
+from lingua.train.hooks import Hook
 
 logger = logging.getLogger("eval")
 
@@ -103,7 +105,7 @@ def _eval_slurm_error(err: ConfigError) -> ConfigError:
 
 def evaluated_steps_are_saved(args) -> Optional[str]:
     """None when every evaluation step saves a checkpoint (the trainer's rules in
-    Run.evaluates_at and Run._save_or_stop), else what is wrong and how to fix it."""
+    evaluation.evaluates_at and Run.save_if_due), else what is wrong and how to fix it."""
     e, c = args.eval, args.checkpoint
     if e.every:
         if not c.every:
@@ -330,3 +332,22 @@ class EvalJob:
         print(f"eval job: requeued job {job_id} (requeue {restarts + 1} of at most "
               f"{self.max_requeues}); it evaluates step {self.step} again", flush=True)
         return True
+
+
+class AsyncEvalHook(Hook):
+    """eval.mode=async in the loop: a complete checkpoint of an evaluation step gets its job,
+    and pruning (checkpoint.keep) leaves a checkpoint alone while its job has not read it."""
+
+    def __init__(self, args, app_package: str):
+        self.args, self.app_package = args, app_package
+        self.in_use = checkpoint_in_use(args.dump_dir)
+
+    def keeps_checkpoint(self, step: int) -> bool:
+        return self.in_use(step)
+
+    def after_save(self, run, step: int) -> None:
+        e = self.args.eval
+        if e.tasks and e.mode == "async" and evaluates_at(self.args, step) and run.env.is_main:
+            # a job evaluates the checkpoint; training goes on
+            submit(self.args, self.app_package, step,
+                   checkpoint.checkpoints_dir(run.dump_dir) / str(step))

@@ -1,4 +1,5 @@
-"""Validation loss and perplexity on a fixed held-out set, the same for every parallel layout."""
+"""Validation loss and perplexity on a fixed held-out set, the same for every parallel layout;
+in the training loop, ValidationHook adds them to the rows of evaluation steps."""
 
 import math
 from dataclasses import dataclass, field
@@ -9,6 +10,10 @@ import torch
 from lingua.errors import ConfigError
 from lingua.model.loss import token_loss_sum  # noqa: F401  (the loss every caller uses)
 from lingua.parallel.distributed import DistEnv, all_reduce_sum
+from lingua.parallel.tensor_parallel import loss_parallel_context
+from lingua.train.build import mixed_precision
+from lingua.train.hooks import Hook
+from lingua.train.microbatch import MicroBatch, sequence_shard
 from lingua.train.slurm import SlurmArgs
 
 EVAL_MODES = ("inline", "async")
@@ -74,3 +79,38 @@ def evaluate(parts, batches, env: DistEnv, batch_loss) -> dict:
         part.train(mode)
     loss = (loss_sum / tokens).item()
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+
+
+def evaluates_at(args, step: int) -> bool:
+    """Validation (and downstream tasks) after this step? `args`: the run's whole config."""
+    e = args.eval
+    return bool((e.every and step % e.every == 0) or (step == args.steps and e.at_end))
+
+
+def eval_loss_sum(model, mb: MicroBatch) -> torch.Tensor:
+    """Validation: the next-token cross-entropy of the model's output on the tokens alone
+    (sequence_shard without an app: the target is the labels)."""
+    return token_loss_sum(model(mb.tokens, doc_ids=mb.doc_ids, positions=mb.positions),
+                          mb.target)
+
+
+class ValidationHook(Hook):
+    """val_loss / val_ppl in the rows of evaluation steps (eval.every, the end)."""
+
+    def metrics(self, run, row: dict) -> None:
+        if evaluates_at(run.args, run.step):
+            row.update(self.validation_loss(run))
+
+    def validation_loss(self, run) -> dict:
+        args, env = run.args, run.env
+
+        def batch_loss(batch):
+            with sequence_shard(run.parts, batch, args, env) as mb:
+                with mixed_precision(args, env, run.parts):
+                    if run.pipe is not None:
+                        return run.pipe.eval_loss(mb.tokens, mb.target, mb.doc_ids,
+                                                  loss_fn=token_loss_sum)
+                    return eval_loss_sum(run.parts[0], mb)
+
+        with loss_parallel_context(run.loss_parallel):
+            return evaluate(run.parts, run.val_batches, env, batch_loss)

@@ -4,7 +4,7 @@
     python -m lingua.plan apps.moe.train config=deepseek_16b ... --world-size 64 --mfu 0.3
 
 The config is composed as the job's (the app's `load_config`) and validated for the job's world
-size and device (lingua.train.trainer.validate), but without the data: whether a run fits is asked
+size and device (lingua.launch.run.validate), but without the data: whether a run fits is asked
 before the corpus is downloaded, so a missing data.root, tokenizer file or val/ directory is a
 `warning:` line (stool refuses them before submitting) and the vocabulary is model.vocab_size. Then,
 in this one process and without a GPU, the real model is built on the meta device and parallelised
@@ -36,7 +36,7 @@ and the rank fits when the sum is at most 90% of the GPU's memory (the rest is t
 NCCL's buffers and the caching allocator's fragmentation). With distributed.cpu_offload the
 parameters, gradients and optimizer state live in host memory and are listed, not counted.
 
-Activations (`block_activation_bytes`): bytes kept per token and per block between forward and
+Activations (lingua.launch.plan_activations): bytes kept per token and per block between forward and
 backward, counted from what lingua.model.transformer's blocks and lingua.model.moe's MoE layer save
 (the Megatron-style per-layer accounting of Korthikanti et al. 2022, redone for this code: RMSNorm
 in fp32 with its written-out backward, GQA attention whose keys and values are repeated to all
@@ -72,25 +72,21 @@ names the first that fits.
 """
 
 import argparse
-import contextlib
 import dataclasses
-import logging
 import sys
-import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from lingua import config
 from lingua.errors import ConfigError
-from lingua.model.transformer import ffn_hidden_dim
+from lingua.launch import run
+from lingua.launch.plan_memory import RankPlan, rank_plan
 from lingua.observe import metrics
 from lingua.parallel import distributed, pipeline
-from lingua.parallel.distributed import DistEnv
-from lingua.train import data, trainer
+from lingua.train import app as app_checks
+from lingua.train import data
 from lingua.train.tokenizer import TokenizerArgs
 
 GIB = 2 ** 30
@@ -98,29 +94,6 @@ GIB = 2 ** 30
 GPU_MEMORY_GIB = {"H100": 80.0, "H200": 141.0, "A100": 80.0, "B200": 180.0}
 USABLE_FRACTION = 0.9   # of the GPU's memory; the rest: CUDA context, NCCL, fragmentation
 DEFAULT_MFU = 0.4
-
-
-@dataclass
-class RankPlan:
-    """What one rank holds, in bytes (see the module docstring for what each term counts)."""
-    rank: int
-    pp_rank: int
-    stages: List[int]
-    layers: List[int]
-    n_params: int            # local elements of its parameters
-    params: int
-    grads: int
-    optim: int
-    buffers: int
-    fsdp: int
-    autocast: int
-    activations: int
-    offloaded: int = 0       # params + grads + optimizer state in host memory (cpu_offload)
-
-    @property
-    def total(self) -> int:
-        return (self.params + self.grads + self.optim + self.buffers + self.fsdp + self.autocast
-                + self.activations)
 
 
 @dataclass
@@ -169,279 +142,6 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------------------------
-# Activations
-
-
-def _shape(a) -> dict:
-
-    ffn = ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier)
-    expert = getattr(a, "expert_hidden_dim", 0) or ffn
-    n_kv = a.n_kv_heads or a.n_heads
-    return dict(h=a.dim, nh=a.n_heads, hk=a.dim // a.n_heads * n_kv, f=ffn, he=expert,
-                hs=expert * getattr(a, "n_shared_experts", 0), E=getattr(a, "n_experts", 0),
-                k=getattr(a, "top_k", 0))
-
-
-def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
-                           fp32_residual: bool = False, grouped_kv: bool = False) -> float:
-    """Bytes one block keeps per token of the sequence for its backward (see the module
-    docstring). e: bytes of the compute dtype (2 bf16, 4 fp32); ac: none | op | full (layer is
-    per block: none or full). fp32_residual: autocast (bf16 layouts without FSDP), where the
-    residual stream and the norms stay fp32 and every matmul casts its own bf16 copy of its
-    input (wq, wk and wv three, w1 and w3 two). grouped_kv: k/v reach attention with their own
-    heads (sdpa's GQA, taken on CPU only: lingua.model.transformer.grouped_kv_ok); on GPU they are
-    repeated to all heads first."""
-    s = _shape(model_args)
-    h, nh, hk, f = s["h"], s["nh"], s["hk"], s["f"]
-    t = tp
-    gathered = t > 1   # TP + SP: attention / FFN / MoE inputs are all-gathered full sequences
-    r = 4 if fp32_residual else e                           # residual stream, norm outputs
-    attn_in, ffn_in = (3, 2) if fp32_residual else (1, 1)   # kept copies of those inputs
-    if ac == "full":
-        return r * h / t                                    # the block's input
-    norm = _norm_bytes(h, r, t)
-    if ac == "none":
-        # norms; attention input(s); q, k, v (repeated to all heads unless grouped), output,
-        # logsumexp
-        kv = 2 * hk if grouped_kv else 2 * h
-        out = 2 * norm / t + attn_in * e * h + (e * (2 * h + kv) + 4 * nh) / t
-        if not moe:
-            return out + ffn_in * e * h + 4 * e * f / t     # FFN input(s); w1, silu, w3, product
-        k, he, hs = s["k"], s["he"], s["hs"]
-        # the router's fp32 input; per routed slot: gathered row, w1, silu, w3, product, and
-        # the expert output gathered back to slot order (the combine's bmm input); router
-        # scores / indices; shared experts (with their input).
-        out += 4 * h + k * (2 * e * h + 4 * e * he) + 4 * s["E"] + 28 * k
-        return out + (ffn_in * e * h + 4 * e * hs if hs else 0)
-    if ac != "op":
-        raise ValueError(f"ac={ac!r}: use none, op or full (layer is a mix of none and full)")
-    # op: the input, and every matmul / attention / all-gather output (_SAVE_OPS of
-    # lingua.parallel.distributed): q, k, v, attention output and logsumexp, wo's output (under tp a
-    # full-sequence partial sum before its reduce-scatter), the all-gathered inputs.
-    out = r * h / t + e * (2 * h + 2 * hk) / t + 4 * nh / t + e * h + (r * h if gathered else 0)
-    if not moe:
-        return out + 2 * e * f / t + e * h + (r * h if gathered else 0)   # w1 w3; w2; FFN in
-    hs = s["hs"]
-    # router gate; the combine's bmm output (a matmul's, so kept; full sequence under tp, like
-    # the MoE input); shared w1 w3 w2
-    out += 4 * s["E"] + e * h + (2 * e * hs + e * h if hs else 0)
-    return out + (r * h if gathered else 0)                 # all-gathered MoE input
-
-
-def _norm_bytes(h: int, r: int, tp: int) -> int:
-    """What an RMSNorm keeps per token: its fp32 normalised input and rsqrt (the eager
-    written-out backward of lingua.model.transformer.RMSNorm); under tp (sequence-parallel DTensors,
-    which take torch's composite ops one by one) also its normalised output before the weight."""
-    return 4 * h + 4 + (r * h if tp > 1 else 0)
-
-
-def output_activation_bytes(model_args, e: int, tp: int, loss_parallel: bool,
-                            fp32_residual: bool = False) -> float:
-    """Bytes per token at the last stage's end: final norm, the output projection's (gathered)
-    input, bf16 logits, their fp32 copy and the fp32 log-probabilities of the cross-entropy."""
-    h, vocab = model_args.dim, model_args.vocab_size
-    norm = _norm_bytes(h, 4 if fp32_residual else e, tp)
-    v_local = vocab / tp if loss_parallel else vocab
-    return norm / tp + e * h + (e + 8) * v_local
-
-
-def chunks_in_flight(schedule: str, pp: int, virtual: int, n_mb: int, pp_rank: int) -> float:
-    """Micro-batches whose activations a pipeline rank holds at once, in units of its stages'
-    average (one unit = all its layers for one micro-batch when it holds one stage)."""
-
-    if pp == 1:
-        return 1.0
-    name = pipeline.schedule_name(schedule)
-    style = pipeline.SCHEDULE_STYLES[name]
-    if name == "GPipe":
-        return float(n_mb)
-    if name == "LoopedBFS":
-        return float(n_mb)               # every micro-batch of every stage before a backward
-    if style == "single":                # 1F1B
-        return float(min(n_mb, pp - pp_rank))
-    # Interleaved / zero-bubble: torch's warmup forwards ((v - 1) pp + 2 (pp - 1 - rank)) plus
-    # the one the steady state adds, in chunks; a chunk is 1/virtual of the rank's layers.
-    chunks = min(n_mb * virtual, (virtual - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
-    return chunks / virtual
-
-
-# ---------------------------------------------------------------------------------------------
-# Building on the fake process group
-
-
-@contextlib.contextmanager
-def fake_process_group(rank: int, world_size: int):
-    """torch's fake backend: every collective returns at once, nothing is sent; enough for
-    DeviceMesh, parallelize_module and fully_shard on meta tensors in one process."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("lingua.launch.plan builds on its own fake process group, but this "
-                           "process already has one: run the planner in a process of its own.")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _quiet():
-    """The apply_* functions log each step at INFO; a plan builds many ranks."""
-    before = logging.root.manager.disable
-    logging.disable(max(before, logging.INFO))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(before)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _gathered_numel(p: torch.Tensor) -> int:
-    """Elements of a parameter once FSDP has all-gathered it: its local shard times the degree
-    of every sharded mesh dimension that is not tp or ep (those stay sharded in compute)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(p, DTensor):
-        return p.numel()
-    try:  # FSDP over a TP or EP shard of the same dim: not a Shard subclass in torch 2.13
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:
-        _StridedShard = ()
-    factor = 1
-    names = p.device_mesh.mesh_dim_names or ()
-    for i, placement in enumerate(p.placements):
-        name = names[i] if i < len(names) else ""
-        sharded = placement.is_shard() or isinstance(placement, _StridedShard)
-        if sharded and name not in ("tp", "ep"):
-            factor *= p.device_mesh.size(i)
-    return p.to_local().numel() * factor
-
-
-def _unit_params(unit: nn.Module) -> list:
-    """The parameters one FSDP unit gathers: its own, not those of FSDP units inside it."""
-    from torch.distributed.fsdp import FSDPModule
-
-    out = []
-
-    def walk(module, top):
-        if not top and isinstance(module, FSDPModule):
-            return
-        out.extend(module.parameters(recurse=False))
-        for child in module.children():
-            walk(child, False)
-
-    walk(unit, True)
-    return out
-
-
-def _fsdp_bytes(parts, e: int, reshard_after_forward: bool) -> int:
-    from torch.distributed.fsdp import FSDPModule
-
-    root, blocks = 0, []
-    for part in parts:
-        if not isinstance(part, FSDPModule):
-            continue
-        root += sum(_gathered_numel(p) for p in _unit_params(part))
-        for block in part.layers.values():
-            units = [m for m in block.modules() if isinstance(m, FSDPModule)]
-            blocks.append(sum(_gathered_numel(p) for u in units for p in _unit_params(u)))
-    if not blocks and not root:
-        return 0
-    largest = max(blocks, default=0)
-    in_flight = 2 * largest if reshard_after_forward else sum(blocks)
-    return e * (root + in_flight) + e * (root + largest) + 4 * largest
-
-
-def _build_parts(args, app, dims, rank: int, world_size: int):
-    """This rank's parallelised model parts on meta, and its stage ids: the trainer's own build."""
-
-    # Same shards, without what needs a GPU or changes no shape: compile, async TP's symmetric
-    # memory, CPU offload's pinned host copies.
-    build_args = dataclasses.replace(args, distributed=dataclasses.replace(
-        args.distributed, compile=False, async_tp=False, cpu_offload=False))
-    mesh = distributed.build_mesh(dims, "cpu") if world_size > 1 else None
-    env = DistEnv(rank=rank, local_rank=0, world_size=world_size, device=torch.device("cpu"),
-                  dims=dims, mesh=mesh)
-    return trainer.parallelized_parts_on_meta(build_args, env, app)
-
-
-def _is_moe_block(block) -> bool:
-    return getattr(block, "moe", None) is not None
-
-
-def _rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int) -> tuple:
-    """(RankPlan, micro-batches in flight) of one rank, built on the fake process group."""
-    world = dims.world_size
-    group = fake_process_group(rank, world) if world > 1 else contextlib.nullcontext()
-    with _quiet(), group:
-        parts, stage_ids = _build_parts(args, app, dims, rank, world)
-        return _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch)
-
-
-def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch) -> tuple:
-    from torch.distributed.fsdp import FSDPModule
-
-    d, m = args.distributed, args.model
-    params = [p for part in parts for p in part.parameters()]
-    locals_ = [_local(p) for p in params]
-    n_local = sum(t.numel() for t in locals_)
-    param_bytes = sum(t.numel() * t.element_size() for t in locals_)
-    buffer_bytes = sum(_local(b).numel() * _local(b).element_size()
-                       for part in parts for b in part.buffers())
-    e = 2 if d.model_dtype == "bf16" else 4
-    fsdp_applied = all(isinstance(p, FSDPModule) for p in parts)
-    fsdp = _fsdp_bytes(parts, e, d.reshard_after_forward) if fsdp_applied else 0
-    autocast = 0
-    fp32_residual = d.model_dtype == "bf16" and not fsdp_applied
-    if fp32_residual:   # autocast's bf16 copy of each matmul weight, kept for backward
-        autocast = sum(2 * t.numel() for p, t in zip(params, locals_) if t.dim() >= 2)
-        if not getattr(m, "tie_embeddings", False):   # a lookup, not a matmul: no copy
-            autocast -= sum(2 * _local(part.tok_embeddings.weight).numel() for part in parts
-                            if getattr(part, "tok_embeddings", None) is not None)
-    # Activations: the layers of each stage this rank holds.
-    pp_rank = rank // (dims.world_size // dims.pp)
-    tokens = microbatch * args.data.seq_len / dims.cp
-    per_mb, worst_block, layer_ids = 0.0, 0.0, []
-    for part in parts:
-        for name, block in part.layers.items():
-            layer_ids.append(int(name))
-            moe = _is_moe_block(block)
-            mode = d.ac
-            if mode == "layer":
-                mode = "none" if int(name) % d.ac_every else "full"
-            per_mb += block_activation_bytes(m, moe, mode, e, dims.tp, fp32_residual)
-            worst_block = max(worst_block, block_activation_bytes(m, moe, "none", e, dims.tp,
-                                                                  fp32_residual))
-            if dims.cp > 1 and mode != "full":   # all-gathered keys and values of the sequence
-                per_mb += 2 * e * _shape(m)["hk"] / dims.tp * dims.cp
-    flight = chunks_in_flight(d.pp_schedule, dims.pp, d.pp_virtual_stages, n_mb, pp_rank)
-    act = per_mb * flight
-    if d.ac != "none":
-        act += worst_block                    # one block recomputed in backward
-    if any(getattr(part, "output", None) is not None or
-           (getattr(m, "tie_embeddings", False) and getattr(part, "norm", None) is not None)
-           for part in parts):
-        act += output_activation_bytes(m, e, dims.tp, app.loss_parallel(d), fp32_residual)
-    activations = int(act * tokens)
-    grads, optim = param_bytes, 2 * param_bytes
-    offloaded = 0
-    if d.cpu_offload:
-        offloaded, param_bytes, grads, optim = param_bytes + grads + optim, 0, 0, 0
-    return RankPlan(rank=rank, pp_rank=pp_rank, stages=list(stage_ids), layers=layer_ids,
-                    n_params=n_local, params=param_bytes, grads=grads, optim=optim,
-                    buffers=buffer_bytes, fsdp=fsdp, autocast=autocast, activations=activations,
-                    offloaded=offloaded), flight
-
-
-# ---------------------------------------------------------------------------------------------
 # Planning
 
 
@@ -458,14 +158,14 @@ def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
 
     app = config.import_app(app_module)
     if not hasattr(app, "APP"):
-        raise ConfigError(f"{app_module} has no APP (a lingua.train.trainer.App): the planner "
+        raise ConfigError(f"{app_module} has no APP (a lingua.train.app.App): the planner "
                           f"builds the model and its parallel plan from it, as the trainer does.")
     raw = app.load_config(list(overrides), check=False)
     world = world_size or job_world_size(raw.slurm)
     if world < 1:
         raise ConfigError(f"The world size must be at least 1, got {world}.")
     with distributed.job_view(world, device_type):
-        trainer.validate(raw, app.APP, data_files=False)
+        run.validate(raw, app.APP, data_files=False)
     return app, raw, world
 
 
@@ -475,7 +175,7 @@ def data_warnings(args) -> List[str]:
 
     found, corpus = [], args.data
     try:
-        trainer.check_vocab(args)
+        app_checks.check_vocab(args)
     except ConfigError as err:
         found.append(str(err))
         if corpus.format == "jsonl":   # its checks need no tokenizer: a missing val/ shows too
@@ -519,9 +219,8 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
     ranks, flights = [], []
     per_stage = world // dims.pp
     for pp_rank in range(dims.pp):   # the first rank of each stage holds the largest shards
-        rank_plan, flight = _rank_plan(args, app.APP, dims, pp_rank * per_stage, n_mb,
-                                       microbatch)
-        ranks.append(rank_plan)
+        one, flight = rank_plan(args, app.APP, dims, pp_rank * per_stage, n_mb, microbatch)
+        ranks.append(one)
         flights.append(flight)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in app.APP.model_class(args.model).parameters())

@@ -1,6 +1,6 @@
 """The loss seam: how an app turns its model's output into the loss the trainer minimises.
 
-An app gives the trainer (lingua.train.trainer.App):
+An app gives the trainer (lingua.train.app.App):
   loss(output, target) -> LossOutput      default `cross_entropy`: next-token cross-entropy
   batch_inputs(tokens, labels) -> (model_kwargs, target)
                                           default: ({}, labels); what else the model's forward
@@ -55,9 +55,8 @@ class _CompiledCrossEntropySum(torch.autograd.Function):
     from F.cross_entropy, the backward builds the one-hot target by comparing an int64 column
     index with each row's label at every logit, and sums that one-hot again in a pass of its own;
     here the gradient is softmax * g in one pass over the logits and the target's entry, computed
-    in fp32 from its own logit, is written over it: [2048, 32000] logits, one thread, backward
-    81.5 -> 44.5 ms in fp32 and 102.3 -> 55.5 ms in bf16 (benchmarks/loss_cpu.py; BENCHMARKS.md,
-    "Then: page faults, and the loss's backward"). It keeps what the compiled F.cross_entropy
+    in fp32 from its own logit, is written over it (measured by benchmarks/loss_cpu.py, recorded
+    in BENCHMARKS.md). It keeps what the compiled F.cross_entropy
     keeps: the logits in their own dtype and one logsumexp per row. Only ever called while
     compiling (token_loss_sum)."""
 

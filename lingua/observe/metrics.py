@@ -54,7 +54,7 @@ class LoggingArgs:
     quiet: bool = False             # no progress lines on stderr (python -m apps.<app>.eval)
     # Moved to optim.spike_factor / optim.spike_window. Kept so that the config.yaml every run
     # directory holds (these keys, null) still loads for resume, eval and export; setting either
-    # is a config error naming the new key (lingua.train.trainer.validate).
+    # is a config error naming the new key (lingua.launch.run.validate).
     spike_factor: Optional[float] = None
     spike_window: Optional[int] = None
 

@@ -1,6 +1,7 @@
 """Where a step's time goes: per-phase timings for metrics.jsonl, and a torch.profiler window.
 
-Two tools, both driven by the shared training loop (lingua/train/trainer.py):
+Two tools, both driven by the shared training loop (lingua/train/loop.py; the window through
+lingua/train/profiling.py's hook):
 - `PhaseTimer` splits every step into forward / backward / optimizer (`fwd_s`, `bwd_s`,
   `optim_s` in metrics.jsonl, beside `data_s` and `step_s`) and labels the phases with
   `record_function`, so any profiler trace (ours, Nsight, Kineto) shows them.

@@ -1,6 +1,7 @@
 """Tensor + sequence parallelism for lingua's decoder shell (lingua/model/decoder.py): the plan of
-its own modules (embeddings, final norm, output, pipeline-stage boundaries) and the checks that do
-not depend on an app's blocks. Each app writes its blocks' plan against its own module names in its
+its own modules (embeddings, final norm, output, pipeline-stage boundaries), the checks that do
+not depend on an app's blocks, and the pieces block plans share (whole heads per rank, a block
+half's gathered input). Each app writes its blocks' plan against its own module names in its
 parallelize.py (apps/llama/parallelize.py: attention and SwiGLU), in the same style:
 Megatron-style TP with sequence parallelism.
 
@@ -21,7 +22,12 @@ the local shard.
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lingua.errors import ConfigError
@@ -44,6 +50,36 @@ def validate_decoder_tp(model_args, tp: int, seq_len: int | None = None) -> None
             f"data.seq_len={seq_len} is not divisible by distributed.tp={tp}: sequence parallelism "
             f"splits every sequence into tp equal parts. Use a multiple of {tp}, e.g. "
             f"data.seq_len={seq_len - seq_len % tp or tp}.")
+
+
+def validate_whole_heads(model_args, tp: int, seq_len: int | None = None) -> None:
+    """validate_decoder_tp plus the check of a plan that shards attention by head (q/k/v
+    column-wise): every rank holds whole query and key/value heads."""
+    if tp <= 1:
+        validate_decoder_tp(model_args, tp, seq_len)
+        return
+    n_heads = model_args.n_heads
+    n_kv = model_args.n_kv_heads or n_heads
+    if n_heads % tp:
+        raise ConfigError(
+            f"model.n_heads={n_heads} is not divisible by distributed.tp={tp}: tensor parallelism "
+            f"gives each rank whole attention heads. Use a tp that divides {n_heads}, or change "
+            "model.n_heads.")
+    if n_kv % tp:
+        raise ConfigError(
+            f"model.n_kv_heads={n_kv} is not divisible by distributed.tp={tp}: each rank holds "
+            f"n_kv_heads / tp key/value heads (grouped-query attention). Use a tp that divides "
+            f"{n_kv}, or raise model.n_kv_heads to a multiple of {tp} that divides "
+            f"model.n_heads={n_heads}.")
+    validate_decoder_tp(model_args, tp, seq_len)
+
+
+def gathered_input() -> PrepareModuleInput:
+    """A block half's input (attention, feed-forward): this rank's Shard(1) sequence shard of the
+    residual stream, all-gathered to the whole sequence as a plain tensor. Only the first
+    positional input is laid out; keyword ones (rope, mask, cache) every rank holds whole."""
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                              use_local_output=True)
 
 
 def _local_first_output(module, args, out):

@@ -15,6 +15,7 @@ reading its share of the files (`newest_verified`), and automatic resume skips a
 checkpoint (with a warning naming the file) for the one before it and moves it aside to
 `<step>.damaged/`, so that `keep` counts intact checkpoints only; a checkpoint asked for by name
 (export, generate) that fails `verify()` is an error.
+The manifest, the checks against it, setting aside and pruning are in checkpoint_integrity.py.
 
 With checkpoint.async_save a periodic save (`save_async`) only copies the state to CPU memory at
 its step; a background thread writes the same files into the same `.tmp-` directory while training
@@ -28,15 +29,13 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 import warnings
-import zlib
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -53,13 +52,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lingua.errors import ConfigError, RunError
+from lingua.train.checkpoint_integrity import (
+    MANIFEST,
+    STEP_DIR,
+    InUse,
+    describe,
+    move_aside,
+    prune,
+    require_intact,
+    step_dirs,
+    verify,
+    verify_share,
+)
 
 logger = logging.getLogger(__name__)
-# Whether the checkpoint of a step must outlive pruning (the trainer's: an evaluation job that has
-# not read it yet, lingua.eval.eval_jobs.checkpoint_in_use).
-InUse = Callable[[int], bool]
-
-STEP_DIR = re.compile(r"^\d+$")
 
 
 @dataclass
@@ -98,123 +104,13 @@ def list_complete(dump_dir) -> list:
     return sorted(found, key=lambda p: int(p.name))
 
 
-MANIFEST = "manifest.json"
-
-
-def _crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
-def _describe(paths) -> dict:
-    return {p.name: {"size": p.stat().st_size, "crc32": _crc32(p)} for p in paths}
-
-
-def write_manifest(ckpt_dir) -> None:
-    """Describe every file of a checkpoint directory made outside `save` (a conversion from
-    another format, a test): `verify` and resume then accept it."""
-    ckpt_dir = Path(ckpt_dir)
-    files = _describe(sorted(p for p in ckpt_dir.iterdir() if p.is_file() and p.name != MANIFEST))
-    (ckpt_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
-
-
-def _read_manifest(ckpt_dir: Path):
-    """(the manifest's {name: {"size", "crc32"}}, None), or (None, what is wrong with it)."""
-    manifest_path = ckpt_dir / MANIFEST
-    if not manifest_path.is_file():
-        return None, (f"{manifest_path} is missing (the checkpoint was not finished, or was "
-                      f"copied partly)")
-    try:
-        files = json.loads(manifest_path.read_text())["files"]
-        if not all(isinstance(f["size"], int) and isinstance(f["crc32"], str)
-                   for f in files.values()):
-            raise ValueError("an entry lacks an integer size or a crc32")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        return None, f"{manifest_path} is unreadable ({err})"
-    return files, None
-
-
-def _size_problem(ckpt_dir: Path, files: dict) -> Optional[str]:
-    for name, want in sorted(files.items()):
-        path = ckpt_dir / name
-        try:
-            size = path.stat().st_size if path.is_file() else None
-        except OSError as err:
-            return f"{path} cannot be read ({err})"
-        if size is None:
-            return f"{path} is missing"
-        if size != want["size"]:
-            return f"{path} has {size} bytes, the manifest says {want['size']} (truncated?)"
-    return None
-
-
-def _crc_problem(ckpt_dir: Path, files: dict, names) -> Optional[str]:
-    for name in names:
-        try:
-            crc = _crc32(ckpt_dir / name)
-        except OSError as err:  # a disk error is damage too, and must not leave peers waiting
-            return f"{ckpt_dir / name} cannot be read ({err})"
-        if crc != files[name]["crc32"]:
-            return f"{ckpt_dir / name} is damaged (its CRC-32 differs from the manifest's)"
-    return None
-
-
-def _check(ckpt_dir, crc_names) -> Optional[str]:
-    """The manifest, every file's size, then the CRC-32 of the files crc_names(manifest) picks."""
-    ckpt_dir = Path(ckpt_dir)
-    files, problem = _read_manifest(ckpt_dir)
-    if problem is None:
-        problem = _size_problem(ckpt_dir, files)
-    if problem is None:
-        problem = _crc_problem(ckpt_dir, files, crc_names(files))
-    return problem
-
-
-def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
-    """None if the checkpoint is intact, else what is wrong with it (one sentence).
-    Sizes are always checked; `checksums` also reads every file (as loading it would)."""
-    return _check(ckpt_dir, lambda files: sorted(files) if checksums else [])
-
-
-def crc_share(files: dict, rank: int, world_size: int) -> list:
-    """The names of the manifest's files whose CRC-32 `rank` checks when `world_size` ranks
-    verify a checkpoint together: largest first, each to the rank with the fewest bytes so far
-    (ties to the lower rank). Every file goes to exactly one rank, no rank reads more than
-    1/world_size of the bytes plus one file, and it depends only on the manifest, so it works
-    whatever the world size was when the checkpoint was saved."""
-    import heapq
-
-    loads = [(0, r) for r in range(world_size)]
-    mine = []
-    for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
-        load, r = heapq.heappop(loads)
-        if r == rank:
-            mine.append(name)
-        heapq.heappush(loads, (load + files[name]["size"], r))
-    return sorted(mine)
-
-
-def verify_share(ckpt_dir, rank: int, world_size: int) -> Optional[str]:
-    """`verify` split over ranks: the sizes of every file (cheap) and the CRC-32 of this rank's
-    share of the files (`crc_share`). None where this rank found nothing wrong."""
-    return _check(ckpt_dir, lambda files: crc_share(files, rank, world_size))
-
-
-def _step_dirs(root: Path) -> list:
-    """Renamed step directories, oldest first (unfinished `.tmp-` ones are not candidates)."""
-    return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
-                  key=lambda p: int(p.name)) if root.is_dir() else []
-
 
 def newest(dump_dir, warn: bool = True) -> Optional[Path]:
     """The newest checkpoint whose files have the manifest's sizes (no checksums: a quick look,
     e.g. before any process group; resume reads every byte through `newest_verified`); damaged
     newer ones (a missing .metadata included) are skipped, with a warning if `warn`. Unfinished
     `.tmp-` directories are not candidates."""
-    for ckpt in reversed(_step_dirs(checkpoints_dir(dump_dir))):
+    for ckpt in reversed(step_dirs(checkpoints_dir(dump_dir))):
         problem = verify(ckpt, checksums=False)
         if problem is None:
             return ckpt
@@ -222,20 +118,6 @@ def newest(dump_dir, warn: bool = True) -> Optional[Path]:
             logger.warning("skipping damaged checkpoint %s: %s; trying the one before", ckpt,
                            problem)
     return None
-
-
-def _set_aside(ckpt: Path) -> str:
-    """Rename a damaged checkpoint to `<step>.damaged` (`.damaged-2`, ... if taken): only digit
-    names are checkpoints, so nothing lists it and `keep` no longer counts it. What was done."""
-    target, n = ckpt.with_name(f"{ckpt.name}.damaged"), 1
-    while target.exists():
-        n += 1
-        target = ckpt.with_name(f"{ckpt.name}.damaged-{n}")
-    try:
-        os.rename(ckpt, target)
-    except OSError as err:
-        return f"could not move it aside ({err}), delete it by hand"
-    return f"moved it to {target} (delete that to free its space)"
 
 
 def _all_gather(obj) -> list:
@@ -261,26 +143,17 @@ def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None,
     root = checkpoints_dir(dump_dir)
     # Rank 0's candidates, so every rank takes the same number of steps in the agreement below
     # (a rank that cannot see one of them reports it as damaged: its manifest is missing).
-    names = gather([p.name for p in _step_dirs(root)])[0]
+    names = gather([p.name for p in step_dirs(root)])[0]
     for name in reversed(names):
         ckpt = root / name
         problems = [p for p in gather(verify_share(ckpt, rank, world_size)) if p is not None]
         if not problems:
             return ckpt
         if rank == 0:
-            done = f"; {_set_aside(ckpt)}" if set_aside else ""
+            done = f"; {move_aside(ckpt)}" if set_aside else ""
             logger.warning("skipping damaged checkpoint %s: %s%s; trying the one before", ckpt,
                            "; ".join(dict.fromkeys(problems)), done)
     return None
-
-
-def require_intact(ckpt_dir) -> None:
-    """For a checkpoint asked for by name: a damaged one is an error, not a silent fallback."""
-    problem = verify(ckpt_dir)
-    if problem is not None:
-        raise ConfigError(f"Checkpoint {ckpt_dir} is damaged: {problem}. Use another checkpoint "
-                          f"of the run (ls {Path(ckpt_dir).parent}), or copy this one again "
-                          f"from where it was written.")
 
 
 def _holds_checkpoint(path: Path) -> bool:
@@ -549,7 +422,7 @@ class PendingSave:
         (self.tmp / f"train_state_rank{self.rank}.pt").write_bytes(self.own_state)
         mine = [p for p in self.tmp.iterdir()
                 if p.name.startswith((f"__{self.rank}_", f"train_state_rank{self.rank}."))]
-        return _describe(mine)
+        return describe(mine)
 
     def start(self, upload: futures.Future) -> None:
         """Write in the background: DCP's upload, then this rank's train state and checksums
@@ -605,7 +478,7 @@ class PendingSave:
                     files = {}
                     for part in gathered:
                         files.update(part)
-                    files.update(_describe([tmp / ".metadata", tmp / "config.yaml"]))
+                    files.update(describe([tmp / ".metadata", tmp / "config.yaml"]))
                     (tmp / MANIFEST).write_text(json.dumps({"step": self.step, "files": files},
                                                            indent=1))
                     if final.exists():  # a checkpoint of the same step from an earlier attempt
@@ -625,7 +498,7 @@ class PendingSave:
                            f"dump_dir at a filesystem with room), then run the same command to "
                            f"resume.") from None
         if rank == 0:
-            _prune(self.root, self.keep, self.in_use)
+            prune(self.root, self.keep, self.in_use)
             logger.info("saved checkpoint %s", final)
         _barrier(world_size)
         return final
@@ -666,24 +539,6 @@ def _first_error(error: Optional[BaseException], world_size: int) -> Optional[Ba
     if error is None and failed:
         return OSError("; ".join(failed))
     return error
-
-
-def _prune(root: Path, keep: int, in_use: Optional[InUse] = None) -> None:
-    """Rank 0, after a save: delete the checkpoints older than the newest `keep` intact ones,
-    except those `in_use`. One damaged since resume (sizes against its manifest: nothing read)
-    is moved aside, uncounted."""
-    if keep <= 0:
-        return
-    intact = []
-    for ckpt in _step_dirs(root):
-        problem = verify(ckpt, checksums=False)
-        if problem is None:
-            intact.append(ckpt)
-        else:
-            logger.warning("damaged checkpoint %s: %s; %s", ckpt, problem, _set_aside(ckpt))
-    for old in intact[:-keep]:
-        if in_use is None or not in_use(int(old.name)):   # in use: a later save prunes it
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: int) -> dict:

@@ -1,7 +1,9 @@
-"""Hugging Face interop machinery shared by the apps: reading safetensors files and config fields
-(RoPE, SwiGLU width), and the checks that nothing is dropped. What names map to what is each
+"""Hugging Face interop machinery shared by the apps: save_hf, load_hf, export and the export
+command, reading and writing safetensors directories and the decoder's config fields (shape,
+RoPE, SwiGLU width), and the checks that nothing is dropped. What names map to what is each
 app's own: its hf.py (apps/llama/hf.py for LlamaForCausalLM, apps/moe/hf.py for Mixtral,
-Qwen2-MoE and GLM-4.5 MoE) holds its key map and config.
+Qwen2-MoE and GLM-4.5 MoE) holds its key map and config mapping and passes them to these
+functions.
 
 Nothing is dropped silently in either direction. The app's key map is the source of truth: on
 export every tensor of the model's state dict must be mapped or be on the app's NOT_EXPORTED list
@@ -16,7 +18,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -200,6 +202,188 @@ def refuse_unexportable(problems: List[str], command: str, ckpt_dir) -> None:
                           f"model: {'; '.join(problems)}.")
 
 
+# ---------------------------------------------------------------------------------------------
+# The skeleton of every app's hf.py: the app passes its own names (key map, NOT_EXPORTED /
+# NOT_IMPORTED, config mapping, model and args classes) and keeps nothing else.
+
+# With tie_word_embeddings transformers itself ignores a stored lm_head and ties it to the
+# embedding.
+TIED_NOT_IMPORTED = {
+    r"lm_head\.weight":
+        "a copy of embed_tokens that transformers also replaces by the tied embedding",
+}
+
+
+def command(module_file: str) -> str:
+    """The command of an app's hf.py (`python -m apps.llama.hf` for apps/llama/hf.py)."""
+    return "python -m " + app_file(module_file).removesuffix(".py").replace(os.sep, ".")
+
+
+def decoder_config(args, dtype: torch.dtype) -> dict:
+    """config.json fields of lingua's decoder shape (TransformerArgs) and of the weights' dtype,
+    under the names the Llama family of Hugging Face configs shares; an app's mapping adds its
+    architecture's own."""
+    rope_scaling = None
+    if args.rope_scaling:
+        rope_scaling = {
+            "rope_type": "llama3", "factor": args.rope_scale_factor,
+            "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_seq_len,
+        }
+    return {
+        "hidden_size": args.dim,
+        "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads or args.n_heads,
+        "head_dim": args.dim // args.n_heads,
+        "vocab_size": args.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "initializer_range": args.init_std,
+        # HF needs only intermediate_size; these let load_hf give back the same args.
+        "lingua_ffn": {
+            "multiple_of": args.multiple_of,
+            "ffn_dim_multiplier": args.ffn_dim_multiplier,
+        },
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def read_config(config_path: Path) -> dict:
+    try:
+        return json.loads(Path(config_path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"Cannot read {config_path}: {e}. A Hugging Face model directory needs a "
+                          "valid config.json.") from None
+
+
+def decoder_problems(cfg: dict) -> List[str]:
+    """What in a config makes its model compute something lingua's decoder shape does not."""
+    dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    bad = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        bad.append(f"hidden_act={cfg['hidden_act']}")
+    if cfg.get("head_dim") not in (None, dim // n_heads):
+        bad.append(f"head_dim={cfg['head_dim']} != hidden_size/num_attention_heads")
+    return bad
+
+
+def decoder_args(cfg: dict, config_path: Path) -> dict:
+    """TransformerArgs fields from a config (the FFN's widths aside: they are the app's); a
+    missing key raises KeyError, which the app's reader turns into "not a <arch> config"."""
+    return dict(
+        dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+        n_heads=cfg["num_attention_heads"],
+        n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        vocab_size=cfg["vocab_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_seq_len=cfg.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        init_std=cfg.get("initializer_range", 0.02), **rope_args(cfg, config_path),
+    )
+
+
+def write_hf(path, tensors: Dict[str, torch.Tensor], config: dict) -> None:
+    """`path/config.json` and `path/model.safetensors`."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_hf(model, model_args, path, dtype: Optional[torch.dtype], *, key_map: Callable,
+            hf_config: Callable, not_exported: Dict[str, str], where: str) -> None:
+    """Write the model as a Hugging Face directory: each state-dict tensor under its name in
+    `key_map(model_args)`, config.json from `hf_config(model_args, dtype)`. `where` names the map
+    in refusals ("key_map in apps/llama/hf.py")."""
+    state = model.state_dict()
+    names = key_map(model_args)
+    missing = sorted(set(names) - set(state))
+    if missing:
+        raise ConfigError(f"save_hf: the model has no {missing[:4]}; it does not match model_args "
+                          "(a pipeline stage or a different architecture?). Export a whole model.")
+    check_export(state, names, not_exported, where, path)
+    tensors = {}
+    for ours, theirs in names.items():
+        t = state[ours].detach()
+        tensors[theirs] = (t if dtype is None else t.to(dtype)).cpu().contiguous()
+    write_hf(path, tensors, hf_config(model_args, next(iter(tensors.values())).dtype))
+
+
+def load_hf(path, dtype: Optional[torch.dtype], *, model_class, args_from_hf_config: Callable,
+            key_map: Callable, not_imported: Dict[str, str], where: str):
+    """(model on CPU, args) from a Hugging Face directory: args from `args_from_hf_config(path to
+    config.json)`, each tensor from its name in `key_map(args)`. dtype None keeps the file's."""
+    path = Path(path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(
+            f"{config_path} is missing: {path} is not a Hugging Face model directory."
+        )
+    args = args_from_hf_config(config_path)
+    names = key_map(args)
+    ignored = {**not_imported, **(TIED_NOT_IMPORTED if args.tie_embeddings else {})}
+    check_import(tensor_names(path), names.values(), ignored, where, path)
+    with torch.device("meta"):
+        model = model_class(args)
+    expected = model.state_dict()
+    check_filled(expected, names, where, path)
+    tensors, origin = read_weights(path)
+    state = {}
+    for ours, theirs in names.items():
+        if theirs not in tensors:
+            raise ConfigError(f"{path}: weight {theirs} is missing from the safetensors files; the "
+                              f"directory does not match its config.json.")
+        t = tensors[theirs]
+        if t.shape != expected[ours].shape:
+            raise ConfigError(f"{origin[theirs]}: {theirs} has shape {tuple(t.shape)} but "
+                              f"config.json implies {tuple(expected[ours].shape)}.")
+        state[ours] = t if dtype is None else t.to(dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_rope("cpu")  # non-persistent, still on meta; init_weights would redraw the weights
+    return model, args
+
+
+def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args_class,
+           export_problems: Callable, save_hf: Callable, command: str):
+    """A training checkpoint (a run directory: its newest complete one) -> a Hugging Face
+    directory, through the app's `save_hf`, with the tokenizer files beside it; returns the model
+    args. Refused, before any weight is read, for what `export_problems(args)` names."""
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    from lingua.train.checkpoint import load_model_state, read_run_config, resolve
+
+    ckpt_dir = resolve(ckpt_dir)
+    run_config = read_run_config(ckpt_dir)
+    try:
+        args = args_class(**OmegaConf.to_container(run_config.model, resolve=True))
+    except TypeError as e:
+        raise ConfigError(f"{ckpt_dir}/config.yaml: its model section does not fit "
+                          f"{args_class.__name__} ({e}); export it with the app that trained "
+                          "it.") from None
+    args.attn_backend = "sdpa"  # the export never runs attention; xformers would refuse on CPU
+    refuse_unexportable(export_problems(args), command, ckpt_dir)
+    with torch.device("meta"):
+        model = model_class(args)
+    model.to_empty(device="cpu")
+    model.init_rope("cpu")
+    with warnings.catch_warnings():  # a single-process load is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_model_state(ckpt_dir, model)
+    save_hf(model, args, out_dir, dtype)
+    write_tokenizer(run_config, out_dir)  # HF tools encode as we did
+    return args
+
+
 def export_cli(argv, prog: str, description: str, export) -> None:
     """`<prog> export <checkpoint_dir> <out_dir> [--dtype]`, one command line for every app's hf.py:
     `export(ckpt_dir, out_dir, dtype)` is the app's own. A bad input prints an `error:` line and
@@ -311,3 +495,57 @@ def write_tokenizer(run_config, out_dir) -> Optional[str]:
               "clean_up_tokenization_spaces": False, "model_max_length": 1_000_000_000}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return "tokenizer.json and tokenizer_config.json"
+
+
+# Training from a Hugging Face checkpoint (checkpoint.init_from): the trainer's side of it.
+
+def load_init_from(args, app, env):
+    """Rank 0's state of the Hugging Face model in checkpoint.init_from (None on other ranks),
+    after every rank checked that it is the model of model.*.
+
+    Only rank 0 reads the directory, in the files' dtype: safetensors maps the files into memory,
+    so a tensor is read from disk when it is sent (lingua.model.weights.load_full_state), and no
+    rank holds a second copy of the model.
+    """
+    from lingua import config
+    from lingua.errors import RunError
+    from lingua.model import weights
+
+    path = args.checkpoint.init_from
+    hf_model, outcome = None, None
+    if env.rank == 0:
+        try:
+            hf_model, outcome = _read_hf(app, path)
+        except Exception as err:  # every rank must stop, not wait for weights that never come
+            outcome = err
+    if env.world_size > 1:
+        shared = outcome if not isinstance(outcome, BaseException) else (
+            type(outcome).__name__, str(outcome), isinstance(outcome, ConfigError))
+        shared = weights.broadcast_object(shared)
+        if env.rank == 0 and isinstance(outcome, BaseException):
+            raise outcome
+        if isinstance(shared, tuple):
+            kind, message, is_config = shared
+            raise (ConfigError if is_config else RunError)(
+                message if is_config else f"rank 0 could not read {path}: {kind}: {message}")
+        outcome = shared
+    elif isinstance(outcome, BaseException):
+        raise outcome
+    hf_args = outcome
+    # Only what fixes the weights' shapes and meaning must agree; backends, masks and init
+    # settings are the run's own choice.
+    runtime = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
+    ours, theirs = config.to_dict(args.model), config.to_dict(hf_args)
+    differing = {k: (ours[k], theirs.get(k)) for k in ours
+                 if k not in runtime and ours[k] != theirs.get(k)}
+    config.require(not differing,
+                   f"checkpoint.init_from={args.checkpoint.init_from} holds a model that differs "
+                   f"from model.* in (ours, theirs): {differing}. Set those model.* keys to "
+                   f"the checkpoint's values.")
+    return hf_model.state_dict() if hf_model is not None else None
+
+
+def _read_hf(app, path):
+    """(model, model args) from the app's load_hf in the files' dtype: no conversion, so the
+    tensors stay memory-mapped."""
+    return app.load_hf(path, dtype=None)

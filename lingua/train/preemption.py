@@ -7,7 +7,7 @@ in the middle of a step, even inside a collective, so it only records the signal
 it between steps. The ranks agree with one all-reduce (a signal reaches them at slightly different
 moments), save one complete checkpoint together, and stop. submitit's own USR2 handler cannot be
 used for this: it calls `checkpoint()` on rank 0 alone, and a sharded (FSDP/DCP) save needs every
-rank; ours replaces it once the trainer starts.
+rank; ours replaces it once the trainer starts. In the loop: StopHook, below.
 
 After the save:
   - SIGUSR2 (time limit): rank 0 requeues the job (`scontrol requeue`, as submitit would) while
@@ -21,7 +21,7 @@ torchrun starts its workers in sessions of their own, so a terminal's Ctrl-C rea
 alone, which sends each worker one SIGINT; on a second Ctrl-C it sends them SIGTERM. So a
 second interrupt (SIGINT, or any signal after a SIGINT) stops at once, without saving: one line,
 exit code 130. Before the loop, SIGINT keeps Python's KeyboardInterrupt, which the entry point
-(lingua.train.trainer.exit_cli) turns into one line: nothing is lost there, and waiting for a first
+(lingua.launch.run.exit_cli) turns into one line: nothing is lost there, and waiting for a first
 step to save it would make Ctrl-C during a long model build or data preparation feel ignored.
 """
 
@@ -33,12 +33,15 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Callable, Optional
 
+from lingua.train.hooks import Hook
+
 # torch is imported where used: stool's job listens for signals before it imports torch (seconds
 # of start-up, during which Slurm's time-limit warning may already arrive).
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+train_logger = logging.getLogger("train")   # the loop's lines
 
 NONE, STOP, REQUEUE = 0, 1, 2   # ordered: when ranks disagree the larger (requeue) wins
 
@@ -166,3 +169,31 @@ def requeue_job(max_requeues: int) -> bool:
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
     logger.info("requeued job %s (requeue %d of at most %d)", job_id, done + 1, max_requeues)
     return True
+
+
+class StopHook(Hook):
+    """Signals in the loop: Ctrl-C caught once the loop runs, and at each step boundary the
+    ranks agree on a signal; then the run saves (unless this step's checkpoint is written
+    already), says where it is and how to go on, requeues the Slurm job when asked, and stops."""
+
+    def __init__(self, max_requeues: int):
+        self.max_requeues = max_requeues
+        self.signals = SIGNALS
+
+    def start(self, run) -> None:
+        self.signals = SIGNALS.catch_interrupts(run.where_to_resume)
+
+    def should_stop(self, run) -> bool:
+        action = self.signals.agreed(run.env.world_size, run.env.device)
+        if action == NONE or run.step == run.args.steps:
+            return False
+        run.save_now()   # stop with the checkpoint written
+        if run.env.is_main:   # one line for the job: where the run is and how to go on
+            how = "interrupted (Ctrl-C)" if self.signals.interrupted else "stopped by a signal"
+            train_logger.warning("%s after step %d; %s", how, run.step, run.where_to_resume())
+            if action == REQUEUE:
+                requeue_job(self.max_requeues)
+        return True
+
+    def close(self, run) -> None:
+        SIGNALS.stop_listening()

@@ -17,7 +17,8 @@ What each policy does with a spike at step k:
             b_k - spike_skip_before .. b_k + spike_skip_after (b_k: the batch step k trained on,
             counted in next_step() calls) are read and thrown away when the run reaches them
 For log and skip the step after the spike is probed in full; for rollback the spiking batch is
-run again with the probe on before the reload (lingua/train/trainer.py).
+run again with the probe on before the reload (SpikeHook, below; the probe is
+lingua/train/probing.py's).
 
 Every rank decides alone but on the same numbers: the trainer all-reduces the step's (loss sum,
 token count, gradient norm) once, so every rank has the same values and the same windows, and
@@ -41,7 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
+import torch
+
 from lingua.errors import RunError
+from lingua.train import checkpoint
+from lingua.train.hooks import ROLLBACK, SKIP, UPDATE, Hook
 
 logger = logging.getLogger("train")
 
@@ -271,3 +276,145 @@ def append_record(dump_dir, record: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
 
+
+class SpikeHook(Hook):
+    """optim.spike in the loop: judge each step (decide), skip or roll back, skip the batches of
+    a rollback's range (skip_batch), probe at a spike (through `probe`, the run's ProbeHook),
+    the spike fields of metrics rows, and the "spikes" key of the checkpoint's train state.
+    Always in the hook list: a range written into spikes.jsonl by hand is skipped with
+    optim.spike=off too."""
+
+    def __init__(self, args, env, probe):
+        self.monitor = SpikeMonitor(args.optim, env.is_main)
+        self.policy, self.env, self.probe = args.optim.spike, env, probe
+        self.values: Optional[dict] = None    # the step's values, accepted after its update
+        self.spike: Optional[Spike] = None    # the spike the step rolls back from
+        self.keep_records = False             # a rollback's reload keeps the records it knows
+
+    def resumed(self, run) -> None:
+        """Rank 0 reads spikes.jsonl and tells the others (or its error: none may wait alone)."""
+        outcome = [None]
+        if self.env.is_main:
+            try:
+                outcome = [read_records(run.dump_dir)]
+            except RunError as err:
+                outcome = [str(err)]
+        if self.env.world_size > 1:
+            torch.distributed.broadcast_object_list(outcome, src=0)
+        if isinstance(outcome[0], str):
+            raise RunError(outcome[0])
+        self.monitor.merge_records(outcome[0])
+
+    def skip_batch(self, run, batch: int) -> bool:
+        record = self.monitor.skips_batch(batch)
+        if record is not None and self.env.is_main:
+            logger.info("data batch %d skipped (range %d..%d, from the loss spike at step %s)",
+                        batch, *record["skip"], record.get("step", "?"))
+        return record is not None
+
+    def before_forward(self, run, step: int) -> None:
+        # log, skip: the step after a spike is probed in full, whatever probe.every says.
+        if self.monitor.probe_next:
+            self.monitor.probe_next = False
+            self.probe.probe_in_full(run)
+
+    def decide(self, run, step: int, grad_norm) -> str:
+        monitor = self.monitor
+        self.values = _spike_values(run, grad_norm) if monitor.on else None
+        spike = None if self.values is None else monitor.check(step, self.values)
+        if spike is None:
+            return UPDATE
+        monitor.since_row = True
+        if self.policy == "rollback":
+            self.spike = spike
+            return ROLLBACK
+        monitor.probe_next = True
+        if self.policy == "skip":
+            monitor.skipped(spike)
+            return SKIP
+        monitor.logged(spike)
+        return UPDATE
+
+    def after_update(self, run, step: int) -> None:
+        if self.values is not None:
+            self.monitor.accept(self.values)
+
+    def roll_back(self, run, step: int, micro_batches) -> bool:
+        """optim.spike=rollback at the spiking step: record the data batches to skip (in
+        spikes.jsonl first, so that a crash cannot lose them), run the spiking batch again with
+        the probe on, and reload the newest intact checkpoint on every rank, as resume does.
+        Returns False, having skipped the update instead, when no checkpoint from before the
+        spike exists yet: stopping a run in its first checkpoint.every steps for a spike would
+        cost more than the spike, and skipping is the closest thing that needs no checkpoint."""
+        env, spike, monitor = self.env, self.spike, self.monitor
+        for optimizer in run.optimizers.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        run.finish_save(block=True)   # the checkpoint being written is the newest one
+        target = checkpoint.newest_verified(run.dump_dir, env.rank, env.world_size,
+                                            set_aside=True)
+        if target is None or int(target.name) >= spike.step:
+            run.optimizers.skip()
+            monitor.probe_next = True
+            monitor.skipped(spike, "optim.spike=rollback, but no checkpoint was saved before it "
+                                   "yet")
+            return False
+        back_to = int(target.name)
+        record = monitor.record_rollback(spike, run.batches_consumed, back_to, str(target))
+        if env.is_main:
+            append_record(run.dump_dir, record)
+            logger.warning("%s spike at step %d: %.4g is above the threshold %.4g (%s); rolling "
+                           "back to %s and skipping data batches %d..%d (rollback %d, recorded "
+                           "in %s)", spike.on, spike.step, spike.value, spike.threshold,
+                           spike.why, target, *record["skip"], len(monitor.rollbacks),
+                           records_path(run.dump_dir))
+        self.probe.probe_batch(run, spike.step, micro_batches, back_to)
+        self._reload(run, target)
+        return True
+
+    def _reload(self, run, target) -> None:
+        state = checkpoint.load(target, run.parts, run.optimizers.optimizers, self.env.rank,
+                                self.env.world_size)
+        self.keep_records = True
+        try:
+            run.restore_train_state(state)
+        finally:
+            self.keep_records = False
+        run.step = state["step"]
+        self.monitor.since_row = True  # the next row (the checkpoint's next step) says so
+        run.log.rewind(run.step)   # steps after the checkpoint run again: their rows go
+        run.window.reset()
+
+    def metrics(self, run, row: dict) -> None:
+        monitor = self.monitor
+        if monitor.on or monitor.rollbacks:
+            # loss_spike: a spike since the previous row (whatever was done about it)
+            row["loss_spike"], monitor.since_row = int(monitor.since_row), False
+            row.update(monitor.metrics(skipped_batches=run.batches_consumed - run.step))
+
+    def state_dict(self) -> dict:
+        return {"spikes": self.monitor.state_dict()}
+
+    def load_state_dict(self, train_state: dict) -> None:
+        self.monitor.load_state_dict(train_state.get("spikes", {}), self.keep_records)
+
+
+def _spike_values(run, grad_norm: torch.Tensor) -> dict:
+    """The step's loss over the global batch and its gradient norm, the same numbers on every
+    rank: one all-reduce of (loss sum, token count, norm) per step.
+
+    Over all ranks, not only those holding distinct losses (data/context-parallel ranks, the
+    last pipeline stage): tensor-parallel peers hold copies of the same (sum, count) and earlier
+    stages add zeros, so sum / count is the global mean either way, and one collective on the
+    default group costs less than one per mesh dimension. The norm is global already; summing it
+    and dividing by the world size leaves no rank its own copy to decide on. Every rank then
+    updates the same windows and takes the same decision."""
+    packed = torch.zeros(3, dtype=torch.float64, device=run.env.device)
+    pair = run.step_loss.sums.get("loss")
+    if pair is not None:
+        packed[:2] = pair
+    packed[2] = grad_norm.detach().double()
+    if run.env.world_size > 1:
+        torch.distributed.all_reduce(packed)
+    total, count, norm = packed.tolist()
+    return {"loss": total / count if count else math.nan,
+            "grad_norm": norm / run.env.world_size}

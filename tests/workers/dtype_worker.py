@@ -2,8 +2,9 @@
 
 `python -m tests.workers.dtype_worker OUT_DIR APP [train overrides]`, in one process or under
 torchrun. APP is `llama` or `moe`: the worker runs `apps.<APP>.train.main(overrides)` unchanged,
-having wrapped `lingua.train.trainer.Run.train`, `Run.train_step` and `Run.validation_loss` (class
-attributes, in this process only), and each rank writes OUT_DIR/rank<r>.json with:
+having wrapped `lingua.train.loop.Run.train`, `Run.train_step` and
+`lingua.eval.evaluation.ValidationHook.validation_loss` (class attributes, in this process only),
+and each rank writes OUT_DIR/rank<r>.json with:
 
   ops          matmul-family ops (mm, addmm, bmm, baddbmm, _grouped_mm, linear, matmul and the
                scaled-dot-product attention ops), as rows [phase, backward, module, op, dtypes,
@@ -45,8 +46,9 @@ from torch.optim.optimizer import (
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lingua.eval import evaluation
 from lingua.parallel import distributed
-from lingua.train import trainer
+from lingua.train import loop
 
 MATMULS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm",
            "aten.linear", "aten.matmul", "aten.scaled_dot_product_attention"}
@@ -134,8 +136,9 @@ class Recorder(TorchDispatchMode):
 
 def instrument(rec: Recorder) -> None:
     """Wrap the real trainer's Run methods (class attributes, this process only)."""
-    run = trainer.Run
-    run_train, run_step, run_val = run.train, run.train_step, run.validation_loss
+    run = loop.Run
+    run_train, run_step = run.train, run.train_step
+    run_val = evaluation.ValidationHook.validation_loss
 
     def train(self):
         rec.names = {id(m): n or "<root>" for part in self.parts for n, m in part.named_modules()}
@@ -162,9 +165,9 @@ def instrument(rec: Recorder) -> None:
                 rec.phase = before
         return wrapper
 
-    trainer.Run.train = train
-    trainer.Run.train_step = phased(run_step, "train_step")
-    trainer.Run.validation_loss = phased(run_val, "validation")
+    loop.Run.train = train
+    loop.Run.train_step = phased(run_step, "train_step")
+    evaluation.ValidationHook.validation_loss = phased(run_val, "validation")
 
 
 def main(out_dir: str, app: str, argv: list) -> int:

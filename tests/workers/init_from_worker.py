@@ -20,7 +20,7 @@ import torch
 
 from lingua import config
 from lingua.parallel import distributed
-from lingua.train import trainer
+from lingua.train import build
 
 
 def status() -> dict:
@@ -64,7 +64,7 @@ def main(out_path, app_name, argv):
     before = status()
     sampler = AnonPeak()
     sampler.start()
-    parts, _ = trainer.build_model_parts(args, env, train.APP)
+    parts, _ = build.build_model_parts(args, env, train.APP)
     sampler.stop.set()
     sampler.join()
     after = status()

@@ -11,7 +11,7 @@ import torch
 from apps.llama import train
 from lingua import config
 from lingua.parallel import distributed
-from lingua.train import optim, trainer
+from lingua.train import build, loop, optim
 
 
 def local_bytes(tensors) -> int:
@@ -25,10 +25,10 @@ def local_bytes(tensors) -> int:
 def main(out_path, argv):
     args = config.load("llama", train.TrainArgs, argv, train.validate)
     env = distributed.init(args.distributed)
-    parts, stage_ids = trainer.build_model_parts(args, env, train.APP)
+    parts, stage_ids = build.build_model_parts(args, env, train.APP)
     model = parts[0]
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
-    run = trainer.Run(args, env, train.APP, parts, stage_ids, optimizers)
+    run = loop.Run(args, env, train.APP, parts, stage_ids, optimizers)
     run.train_step(run.train_loader.next_step())
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     optimizers.optimizers[0].step()

@@ -12,7 +12,8 @@ import sys
 import torch
 
 from apps.llama import train
-from lingua.train import checkpoint, optim, trainer
+from lingua.launch import run
+from lingua.train import checkpoint, loop, microbatch, optim
 
 MUTATION_VAR = "LINGUA_TEST_MUTATION"
 
@@ -32,7 +33,7 @@ class _ScaleGradient(torch.autograd.Function):
 
 def _scale_gradients(factor: float, only_rank=None) -> None:
     """Scale this rank's gradients before FSDP reduces them (the loss stays as logged)."""
-    real = trainer.forward_loss
+    real = microbatch.forward_loss
     rank = int(os.environ.get("RANK", "0"))
 
     def forward_loss(*args, **kwargs):
@@ -41,7 +42,7 @@ def _scale_gradients(factor: float, only_rank=None) -> None:
             out.loss_sum = _ScaleGradient.apply(out.loss_sum, factor)
         return out
 
-    trainer.forward_loss = forward_loss
+    microbatch.forward_loss = forward_loss
 
 
 def _drop_last_update_on_rank1() -> None:
@@ -75,7 +76,7 @@ def _resume_without_model() -> None:
 def _resume_from_scratch() -> None:
     """The checkpoint is silently ignored: the run starts again at step 0 (the metrics file is
     rewritten with the same losses, CPU runs being deterministic)."""
-    trainer.Run._load_newest = lambda self: 0
+    loop.Run._load_newest = lambda self: 0
 
 
 MUTATIONS = {
@@ -91,4 +92,4 @@ if __name__ == "__main__":
     name = os.environ.get(MUTATION_VAR, "")
     if name:
         MUTATIONS[name]()
-    trainer.exit_cli(lambda: train.main(sys.argv[1:]))
+    run.exit_cli(lambda: train.main(sys.argv[1:]))

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
 from torch import nn
 
-from lingua.observe.probe import Probe, summarize
+from lingua.observe.probe import Probe
+from lingua.observe.probe_stats import summarize
 from lingua.parallel import distributed
 from lingua.train import checkpoint, optim
 

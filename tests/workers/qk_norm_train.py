@@ -17,8 +17,8 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from apps.llama import model, parallelize, train
 from apps.llama.model import Attention
+from lingua.launch import run
 from lingua.model.transformer import RMSNorm, apply_rope
-from lingua.train import trainer
 
 PLAN_VAR = "LINGUA_TEST_QK_PLAN"
 
@@ -66,4 +66,4 @@ if __name__ == "__main__":
     fork_model()
     if os.environ.get(PLAN_VAR) == "1":
         parallelize.tp_plans = with_qk_norm_plan(parallelize.tp_plans)
-    trainer.exit_cli(lambda: train.main(sys.argv[1:]))
+    run.exit_cli(lambda: train.main(sys.argv[1:]))

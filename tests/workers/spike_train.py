@@ -25,7 +25,8 @@ import sys
 import torch
 
 from apps.llama import train
-from lingua.train import optim, trainer
+from lingua.launch import run
+from lingua.train import loop, optim
 
 SPIKES_VAR = "LINGUA_TEST_SPIKES"
 ROWS_VAR = "LINGUA_TEST_SPIKE_ROWS"
@@ -44,7 +45,7 @@ def inject(set_attr, batches: dict, app=None, rows=None, ranks=None) -> None:
     ranks. `set_attr`: setattr, or monkeypatch.setattr in a test (undone after it)."""
     app = app or train.APP
     current = {"batch": 0}
-    real_step, real_loss = trainer.Run.train_step, app.loss
+    real_step, real_loss = loop.Run.train_step, app.loss
     if ranks is not None and int(os.environ.get("RANK", "0")) not in ranks:
         return
 
@@ -70,7 +71,7 @@ def inject(set_attr, batches: dict, app=None, rows=None, ranks=None) -> None:
                 out.logged_sum = out.logged_sum * factor
         return out
 
-    set_attr(trainer.Run, "train_step", train_step)
+    set_attr(loop.Run, "train_step", train_step)
     set_attr(app, "loss", loss)
 
 
@@ -89,4 +90,4 @@ if __name__ == "__main__":
                ranks={int(r) for r in ranks.split(",")} if ranks else None)
     if os.environ.get(MUTATION_VAR) == "rank1_decides_alone":
         _rank1_decides_alone()
-    trainer.exit_cli(lambda: train.main(sys.argv[1:]))
+    run.exit_cli(lambda: train.main(sys.argv[1:]))

@@ -1,0 +1,99 @@
+"""The planner's activation estimate (see lingua.launch.plan): the bytes a block and the last
+stage's output keep per token for backward, and the micro-batches a pipeline rank holds at once."""
+
+from lingua.model.transformer import ffn_hidden_dim
+from lingua.parallel import pipeline
+
+
+def block_shape(a) -> dict:
+    """The sizes the count uses, from the model args: h, heads, k/v width, FFN and expert widths,
+    experts and top-k."""
+    ffn = ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier)
+    expert = getattr(a, "expert_hidden_dim", 0) or ffn
+    n_kv = a.n_kv_heads or a.n_heads
+    return dict(h=a.dim, nh=a.n_heads, hk=a.dim // a.n_heads * n_kv, f=ffn, he=expert,
+                hs=expert * getattr(a, "n_shared_experts", 0), E=getattr(a, "n_experts", 0),
+                k=getattr(a, "top_k", 0))
+
+
+def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
+                           fp32_residual: bool = False, grouped_kv: bool = False) -> float:
+    """Bytes one block keeps per token of the sequence for its backward (see the module
+    docstring). e: bytes of the compute dtype (2 bf16, 4 fp32); ac: none | op | full (layer is
+    per block: none or full). fp32_residual: autocast (bf16 layouts without FSDP), where the
+    residual stream and the norms stay fp32 and every matmul casts its own bf16 copy of its
+    input (wq, wk and wv three, w1 and w3 two). grouped_kv: k/v reach attention with their own
+    heads (sdpa's GQA, taken on CPU only: lingua.model.transformer.grouped_kv_ok); on GPU they are
+    repeated to all heads first."""
+    s = block_shape(model_args)
+    h, nh, hk, f = s["h"], s["nh"], s["hk"], s["f"]
+    t = tp
+    gathered = t > 1   # TP + SP: attention / FFN / MoE inputs are all-gathered full sequences
+    r = 4 if fp32_residual else e                           # residual stream, norm outputs
+    attn_in, ffn_in = (3, 2) if fp32_residual else (1, 1)   # kept copies of those inputs
+    if ac == "full":
+        return r * h / t                                    # the block's input
+    norm = _norm_bytes(h, r, t)
+    if ac == "none":
+        # norms; attention input(s); q, k, v (repeated to all heads unless grouped), output,
+        # logsumexp
+        kv = 2 * hk if grouped_kv else 2 * h
+        out = 2 * norm / t + attn_in * e * h + (e * (2 * h + kv) + 4 * nh) / t
+        if not moe:
+            return out + ffn_in * e * h + 4 * e * f / t     # FFN input(s); w1, silu, w3, product
+        k, he, hs = s["k"], s["he"], s["hs"]
+        # the router's fp32 input; per routed slot: gathered row, w1, silu, w3, product, and
+        # the expert output gathered back to slot order (the combine's bmm input); router
+        # scores / indices; shared experts (with their input).
+        out += 4 * h + k * (2 * e * h + 4 * e * he) + 4 * s["E"] + 28 * k
+        return out + (ffn_in * e * h + 4 * e * hs if hs else 0)
+    if ac != "op":
+        raise ValueError(f"ac={ac!r}: use none, op or full (layer is a mix of none and full)")
+    # op: the input, and every matmul / attention / all-gather output (_SAVE_OPS of
+    # lingua.parallel.distributed): q, k, v, attention output and logsumexp, wo's output (under tp a
+    # full-sequence partial sum before its reduce-scatter), the all-gathered inputs.
+    out = r * h / t + e * (2 * h + 2 * hk) / t + 4 * nh / t + e * h + (r * h if gathered else 0)
+    if not moe:
+        return out + 2 * e * f / t + e * h + (r * h if gathered else 0)   # w1 w3; w2; FFN in
+    hs = s["hs"]
+    # router gate; the combine's bmm output (a matmul's, so kept; full sequence under tp, like
+    # the MoE input); shared w1 w3 w2
+    out += 4 * s["E"] + e * h + (2 * e * hs + e * h if hs else 0)
+    return out + (r * h if gathered else 0)                 # all-gathered MoE input
+
+
+def _norm_bytes(h: int, r: int, tp: int) -> int:
+    """What an RMSNorm keeps per token: its fp32 normalised input and rsqrt (the eager
+    written-out backward of lingua.model.transformer.RMSNorm); under tp (sequence-parallel DTensors,
+    which take torch's composite ops one by one) also its normalised output before the weight."""
+    return 4 * h + 4 + (r * h if tp > 1 else 0)
+
+
+def output_activation_bytes(model_args, e: int, tp: int, loss_parallel: bool,
+                            fp32_residual: bool = False) -> float:
+    """Bytes per token at the last stage's end: final norm, the output projection's (gathered)
+    input, bf16 logits, their fp32 copy and the fp32 log-probabilities of the cross-entropy."""
+    h, vocab = model_args.dim, model_args.vocab_size
+    norm = _norm_bytes(h, 4 if fp32_residual else e, tp)
+    v_local = vocab / tp if loss_parallel else vocab
+    return norm / tp + e * h + (e + 8) * v_local
+
+
+def chunks_in_flight(schedule: str, pp: int, virtual: int, n_mb: int, pp_rank: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at once, in units of its stages'
+    average (one unit = all its layers for one micro-batch when it holds one stage)."""
+
+    if pp == 1:
+        return 1.0
+    name = pipeline.schedule_name(schedule)
+    style = pipeline.SCHEDULE_STYLES[name]
+    if name == "GPipe":
+        return float(n_mb)
+    if name == "LoopedBFS":
+        return float(n_mb)               # every micro-batch of every stage before a backward
+    if style == "single":                # 1F1B
+        return float(min(n_mb, pp - pp_rank))
+    # Interleaved / zero-bubble: torch's warmup forwards ((v - 1) pp + 2 (pp - 1 - rank)) plus
+    # the one the steady state adds, in chunks; a chunk is 1/virtual of the rank's layers.
+    chunks = min(n_mb * virtual, (virtual - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+    return chunks / virtual

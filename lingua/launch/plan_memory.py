@@ -1,0 +1,218 @@
+"""What one rank of a planned run holds (see lingua.launch.plan): the run built on torch's fake
+process group at its world size, its local shards read off, and the activation estimate added."""
+
+import contextlib
+import dataclasses
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lingua.launch.plan_activations import (
+    block_activation_bytes,
+    block_shape,
+    chunks_in_flight,
+    output_activation_bytes,
+)
+from lingua.parallel import distributed
+from lingua.parallel.distributed import DistEnv
+from lingua.train import build
+
+
+@dataclass
+class RankPlan:
+    """What one rank holds, in bytes (lingua.launch.plan's docstring says what each counts)."""
+    rank: int
+    pp_rank: int
+    stages: List[int]
+    layers: List[int]
+    n_params: int            # local elements of its parameters
+    params: int
+    grads: int
+    optim: int
+    buffers: int
+    fsdp: int
+    autocast: int
+    activations: int
+    offloaded: int = 0       # params + grads + optimizer state in host memory (cpu_offload)
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optim + self.buffers + self.fsdp + self.autocast
+                + self.activations)
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """torch's fake backend: every collective returns at once, nothing is sent; enough for
+    DeviceMesh, parallelize_module and fully_shard on meta tensors in one process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("lingua.launch.plan builds on its own fake process group, but this "
+                           "process already has one: run the planner in a process of its own.")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The apply_* functions log each step at INFO; a plan builds many ranks."""
+    before = logging.root.manager.disable
+    logging.disable(max(before, logging.INFO))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(before)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _gathered_numel(p: torch.Tensor) -> int:
+    """Elements of a parameter once FSDP has all-gathered it: its local shard times the degree
+    of every sharded mesh dimension that is not tp or ep (those stay sharded in compute)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return p.numel()
+    try:  # FSDP over a TP or EP shard of the same dim: not a Shard subclass in torch 2.13
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        _StridedShard = ()
+    factor = 1
+    names = p.device_mesh.mesh_dim_names or ()
+    for i, placement in enumerate(p.placements):
+        name = names[i] if i < len(names) else ""
+        sharded = placement.is_shard() or isinstance(placement, _StridedShard)
+        if sharded and name not in ("tp", "ep"):
+            factor *= p.device_mesh.size(i)
+    return p.to_local().numel() * factor
+
+
+def _unit_params(unit: nn.Module) -> list:
+    """The parameters one FSDP unit gathers: its own, not those of FSDP units inside it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+
+    def walk(module, top):
+        if not top and isinstance(module, FSDPModule):
+            return
+        out.extend(module.parameters(recurse=False))
+        for child in module.children():
+            walk(child, False)
+
+    walk(unit, True)
+    return out
+
+
+def _fsdp_bytes(parts, e: int, reshard_after_forward: bool) -> int:
+    from torch.distributed.fsdp import FSDPModule
+
+    root, blocks = 0, []
+    for part in parts:
+        if not isinstance(part, FSDPModule):
+            continue
+        root += sum(_gathered_numel(p) for p in _unit_params(part))
+        for block in part.layers.values():
+            units = [m for m in block.modules() if isinstance(m, FSDPModule)]
+            blocks.append(sum(_gathered_numel(p) for u in units for p in _unit_params(u)))
+    if not blocks and not root:
+        return 0
+    largest = max(blocks, default=0)
+    in_flight = 2 * largest if reshard_after_forward else sum(blocks)
+    return e * (root + in_flight) + e * (root + largest) + 4 * largest
+
+
+def _build_parts(args, app, dims, rank: int, world_size: int):
+    """This rank's parallelised model parts on meta, and its stage ids: the trainer's own build."""
+
+    # Same shards, without what needs a GPU or changes no shape: compile, async TP's symmetric
+    # memory, CPU offload's pinned host copies.
+    build_args = dataclasses.replace(args, distributed=dataclasses.replace(
+        args.distributed, compile=False, async_tp=False, cpu_offload=False))
+    mesh = distributed.build_mesh(dims, "cpu") if world_size > 1 else None
+    env = DistEnv(rank=rank, local_rank=0, world_size=world_size, device=torch.device("cpu"),
+                  dims=dims, mesh=mesh)
+    return build.parallelized_parts_on_meta(build_args, env, app)
+
+
+def _is_moe_block(block) -> bool:
+    return getattr(block, "moe", None) is not None
+
+
+def rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int) -> tuple:
+    """(RankPlan, micro-batches in flight) of one rank, built on the fake process group."""
+    world = dims.world_size
+    group = fake_process_group(rank, world) if world > 1 else contextlib.nullcontext()
+    with _quiet(), group:
+        parts, stage_ids = _build_parts(args, app, dims, rank, world)
+        return _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch)
+
+
+def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch) -> tuple:
+    from torch.distributed.fsdp import FSDPModule
+
+    d, m = args.distributed, args.model
+    params = [p for part in parts for p in part.parameters()]
+    locals_ = [_local(p) for p in params]
+    n_local = sum(t.numel() for t in locals_)
+    param_bytes = sum(t.numel() * t.element_size() for t in locals_)
+    buffer_bytes = sum(_local(b).numel() * _local(b).element_size()
+                       for part in parts for b in part.buffers())
+    e = 2 if d.model_dtype == "bf16" else 4
+    fsdp_applied = all(isinstance(p, FSDPModule) for p in parts)
+    fsdp = _fsdp_bytes(parts, e, d.reshard_after_forward) if fsdp_applied else 0
+    autocast = 0
+    fp32_residual = d.model_dtype == "bf16" and not fsdp_applied
+    if fp32_residual:   # autocast's bf16 copy of each matmul weight, kept for backward
+        autocast = sum(2 * t.numel() for p, t in zip(params, locals_) if t.dim() >= 2)
+        if not getattr(m, "tie_embeddings", False):   # a lookup, not a matmul: no copy
+            autocast -= sum(2 * _local(part.tok_embeddings.weight).numel() for part in parts
+                            if getattr(part, "tok_embeddings", None) is not None)
+    # Activations: the layers of each stage this rank holds.
+    pp_rank = rank // (dims.world_size // dims.pp)
+    tokens = microbatch * args.data.seq_len / dims.cp
+    per_mb, worst_block, layer_ids = 0.0, 0.0, []
+    for part in parts:
+        for name, block in part.layers.items():
+            layer_ids.append(int(name))
+            moe = _is_moe_block(block)
+            mode = d.ac
+            if mode == "layer":
+                mode = "none" if int(name) % d.ac_every else "full"
+            per_mb += block_activation_bytes(m, moe, mode, e, dims.tp, fp32_residual)
+            worst_block = max(worst_block, block_activation_bytes(m, moe, "none", e, dims.tp,
+                                                                  fp32_residual))
+            if dims.cp > 1 and mode != "full":   # all-gathered keys and values of the sequence
+                per_mb += 2 * e * block_shape(m)["hk"] / dims.tp * dims.cp
+    flight = chunks_in_flight(d.pp_schedule, dims.pp, d.pp_virtual_stages, n_mb, pp_rank)
+    act = per_mb * flight
+    if d.ac != "none":
+        act += worst_block                    # one block recomputed in backward
+    if any(getattr(part, "output", None) is not None or
+           (getattr(m, "tie_embeddings", False) and getattr(part, "norm", None) is not None)
+           for part in parts):
+        act += output_activation_bytes(m, e, dims.tp, app.loss_parallel(d), fp32_residual)
+    activations = int(act * tokens)
+    grads, optim = param_bytes, 2 * param_bytes
+    offloaded = 0
+    if d.cpu_offload:
+        offloaded, param_bytes, grads, optim = param_bytes + grads + optim, 0, 0, 0
+    return RankPlan(rank=rank, pp_rank=pp_rank, stages=list(stage_ids), layers=layer_ids,
+                    n_params=n_local, params=param_bytes, grads=grads, optim=optim,
+                    buffers=buffer_bytes, fsdp=fsdp, autocast=autocast, activations=activations,
+                    offloaded=offloaded), flight

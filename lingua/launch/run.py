@@ -1,0 +1,215 @@
+"""A whole training run, composed: the config schema every app's TrainArgs extends
+(BaseTrainArgs), its checks before any work (validate), the hooks around the loop, and `run`,
+which reads top to bottom like a script:
+    env = distributed.init(args.distributed)      # process group and mesh
+    start_process(args, env)                      # logging, malloc, signals, corpus on first use
+    parts, stage_ids = build_model_parts(args, env, app)
+    optimizers = optim.Optimizers(parts, ...)
+    training = Run(args, env, app, parts, stage_ids, optimizers, hooks(...))
+    training.resume()                             # newest intact checkpoint, if any
+    training.train()                              # the loop (lingua/train/loop.py)
+What differs between apps (the model class, its parallelization plan, its checks, its loss and
+extra inputs (lingua/model/loss.py), extra metrics or a per-step update such as MoE's expert bias)
+comes in through `App` (lingua/train/app.py), so a fork copies only what it changes and fixes to
+the loop reach every app. It lives at the top layer because the schema and the hooks include
+evaluation's (lingua.eval).
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from lingua import config, errors
+from lingua.errors import ConfigError, RunError
+from lingua.eval import downstream, eval_jobs, evaluation
+from lingua.eval.evaluation import EvalArgs
+from lingua.model.transformer import check_attn_backend
+from lingua.observe import probe as probe_module
+from lingua.observe import profiling
+from lingua.observe.metrics import LoggingArgs
+from lingua.observe.probe import ProbeArgs
+from lingua.observe.profiling import ProfilingArgs
+from lingua.parallel import distributed, pipeline
+from lingua.parallel.context_parallel import validate_cp
+from lingua.parallel.distributed import DistEnv, DistributedArgs
+from lingua.parallel.tensor_parallel import check_async_tp
+from lingua.train import checkpoint, data, optim, preemption
+from lingua.train.app import App, check_vocab, device_type
+from lingua.train.build import build_model_parts
+from lingua.train.checkpoint import CheckpointArgs
+from lingua.train.data import DataArgs
+from lingua.train.hooks import Hooks
+from lingua.train.loop import Run
+from lingua.train.memory import GarbageCollection, release_freed_memory
+from lingua.train.optim import OptimArgs
+from lingua.train.preemption import StopHook
+from lingua.train.probing import ProbeHook
+from lingua.train.process import start_process, write_config
+from lingua.train.profiling import ProfilerHook
+from lingua.train.slurm import SlurmArgs
+from lingua.train.spikes import SpikeHook
+
+
+@dataclass
+class BaseTrainArgs:
+    """Everything but the model; an app's TrainArgs adds `model` with its own model args."""
+    dump_dir: str = "runs/debug"
+    steps: int = 100
+    seed: int = 42
+    # Automatic GC is off (its pauses land at random steps, and on one rank they stall all);
+    # the young generations are collected every gc_every steps, all of them every gc_full_every
+    # (a cycle that outlived two young collections is only freed by a full one). 0: never.
+    gc_every: int = 50
+    gc_full_every: int = 1000
+    data: DataArgs = field(default_factory=DataArgs)
+    optim: OptimArgs = field(default_factory=OptimArgs)
+    distributed: DistributedArgs = field(default_factory=DistributedArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    logging: LoggingArgs = field(default_factory=LoggingArgs)
+    slurm: SlurmArgs = field(default_factory=SlurmArgs)    # read by stool; max_requeues by the job
+    probe: ProbeArgs = field(default_factory=ProbeArgs)
+    profiling: ProfilingArgs = field(default_factory=ProfilingArgs)
+
+
+def validate(args, app: App, data_files: bool = True) -> None:
+    """Every check that needs no process group, device or write: runs before any work starts.
+    data_files=False leaves out the corpus and tokenizer files (lingua.launch.plan plans without
+    them and warns of them)."""
+    config.check_positive(args, "", ["steps"])
+    config.check_dump_dir(args.dump_dir)
+    for key in ("gc_every", "gc_full_every"):
+        config.require(getattr(args, key) >= 0, f"{key}={getattr(args, key)} must be 0 (never) "
+                       f"or a number of steps.")
+    app.validate_model(args)
+    check_attn_backend(args.model.attn_backend, device_type())
+    data.validate_data_args(args.data, files=data_files)
+    if data_files:
+        check_vocab(args)
+    config.require(args.data.seq_len <= args.model.max_seq_len,
+                   f"data.seq_len={args.data.seq_len} is longer than model.max_seq_len="
+                   f"{args.model.max_seq_len}. Raise model.max_seq_len or shorten data.seq_len.")
+    optim.validate_args(args.optim, args.steps)
+    config.check_positive(args.logging, "logging", ["every"])
+    for key in ("spike_factor", "spike_window"):   # moved: name the new key
+        old = getattr(args.logging, key)
+        config.require(old is None,
+                       f"logging.{key} was moved to optim.{key} (with optim.spike=off|log|skip|"
+                       f"rollback saying what a spike does: README, \"Loss spikes\"). Write "
+                       + ("optim.spike=off" if key == "spike_factor" and old == 0 else
+                          f"optim.{key}={old}") + " instead.")
+    config.require(args.optim.spike != "rollback" or args.checkpoint.every > 0,
+                   "optim.spike=rollback goes back to the newest checkpoint, but with "
+                   "checkpoint.every=0 none is saved before the end. Set checkpoint.every=N (a "
+                   "rollback replays up to N steps), or use optim.spike=skip.")
+    distributed.validate_args(args.distributed)
+    d = args.distributed
+    if data_files:   # jsonl: a usable line for every data-parallel rank (reads a few lines)
+        data.check_jsonl_lines(args.data, distributed.parallel_dims(
+            d, distributed.world_size_from_env()).dp)
+    pipeline.validate_pp(args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
+                         d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings,
+                         d.pp_split)
+    validate_cp(args.data.seq_len, d.cp, d.tp, d.cp_backend, device_type(),
+                args.model.attn_mask == "block_causal")
+    check_async_tp(d.async_tp, device_type(), d.compile)
+    checkpoint.validate_args(args.checkpoint)
+    evaluation.validate_args(args.eval)
+    if args.eval.tasks:   # downstream tasks: known names; a layout or Slurm they can run on
+        downstream.check_task_names(args.eval.tasks, args.eval.include_path)
+        if args.eval.mode == "inline":
+            downstream.check_layout(args.distributed, "eval.tasks with eval.mode=inline")
+        else:
+            eval_jobs.check_async(args)
+    probe_module.validate_args(args.probe)
+    profiling.validate_args(args.profiling, args.steps)
+    # Resuming is only exact with the same model and the same data stream.
+    checkpoint.check_resume_compatible(args.dump_dir, config.to_dict(args),
+                                       ("model", "seed", "data.format", "data.seq_len"))
+
+
+def hooks(args, env: DistEnv, app: App) -> Hooks:
+    """What runs around the loop, in the order each step calls it (lingua/train/hooks.py)."""
+    probe = ProbeHook(args, spikes_on=args.optim.spike != "off")
+    return Hooks([
+        GarbageCollection(args.gc_every, args.gc_full_every),
+        StopHook(args.slurm.max_requeues),
+        SpikeHook(args, env, probe),
+        ProfilerHook(args),
+        probe,
+        evaluation.ValidationHook(),
+        downstream.DownstreamHook(),
+        eval_jobs.AsyncEvalHook(args, app.model_class.__module__.rsplit(".", 1)[0]),
+    ])
+
+
+def run(args, app: App) -> int:
+    """Train `app` with checked `args` from start (or the newest checkpoint) to args.steps:
+    0 when done, EXIT_STOPPED (3) when a signal stopped it after saving (EXIT_INTERRUPTED, 130,
+    when that signal was a Ctrl-C; both in lingua.train.preemption). Every app's main calls it, so
+    the flow is written once (the module docstring)."""
+    env = distributed.init(args.distributed)
+    start_process(args, env)
+    if args.eval.tasks and args.eval.mode == "inline":
+        # A task whose data cannot be read stops us here.
+        downstream.load_tasks(args.eval.tasks, args.eval.include_path)
+    write_config(args, env)
+    parts, stage_ids = build_model_parts(args, env, app)
+    optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
+    training = Run(args, env, app, parts, stage_ids, optimizers, hooks(args, env, app))
+    training.resume()                 # from the newest intact checkpoint of dump_dir, if any
+    if env.device.type == "cpu":
+        release_freed_memory()        # setup's transient copies (see keep_freed_memory)
+    completed = training.train()
+    if not completed:
+        # Stopped by a signal, everything saved: every rank leaves from here together, so that
+        # under srun rank 0 (the one that exits non-zero, see lingua.launch.stool) can leave last.
+        distributed.barrier(env)
+    distributed.destroy()
+    if completed:
+        return 0
+    return (preemption.EXIT_INTERRUPTED if preemption.SIGNALS.interrupted
+            else preemption.EXIT_STOPPED)
+
+
+def exit_cli(main: Callable) -> None:
+    """Run an app's main() as a command: a ConfigError prints its paragraph and exits 2, a
+    RunError exits 1; both without a traceback, printed once for the job and handed to torchrun
+    as the failure it reports (lingua.errors.report). A Ctrl-C outside the training loop (which
+    saves and stops by itself) is one line and exit code 130. A run that ended (finished,
+    stopped or failed with a RunError) leaves through distributed.exit_process."""
+    import signal
+    import sys
+
+    def report(err):
+        # torchrun stops the other workers with SIGTERM as soon as one exits: a rank that is
+        # saying why it failed finishes saying it (milliseconds), then leaves by itself.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        errors.report(f"error: {err}")
+
+    try:
+        code = main()
+    except ConfigError as err:
+        report(err)
+        # Most config errors come before any process group; a plan refused after it started
+        # (lingua.parallel.coverage) leaves gloo threads that can abort a normal interpreter exit.
+        if torch.distributed.is_initialized():
+            distributed.exit_process(2)
+        sys.exit(2)
+    except RunError as err:
+        report(err)
+        code = 1
+    except KeyboardInterrupt:
+        # Config, model build, data preparation, resume: nothing is half-written (checkpoints
+        # are complete or invisible), so there is nothing to save and nothing to clean up.
+        if preemption.is_rank0():
+            print(f"\nlingua: interrupted (Ctrl-C) outside the training loop; nothing more was "
+                  f"saved. To go on, run again: {preemption.resume_command()}", file=sys.stderr,
+                  flush=True)
+        code = preemption.EXIT_INTERRUPTED
+    except Exception as err:
+        errors.record_crash(err)   # torchrun's summary shows this traceback, not a link
+        raise
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # leaving now: a late Ctrl-C is no traceback
+    distributed.exit_process(code)

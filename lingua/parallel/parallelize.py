@@ -1,0 +1,55 @@
+"""The generic half of an app's parallelize.py: torchtitan's order of applying the parallelisms to a
+decoder (tensor, context, activation checkpointing, compile, then FSDP). The app supplies its
+plans: the tensor-parallel plan of its blocks and which modules are FSDP units.
+"""
+
+from typing import Callable
+
+from torch import nn
+
+from lingua.parallel.context_parallel import apply_cp
+from lingua.parallel.distributed import (
+    DistEnv,
+    DistributedArgs,
+    apply_ac,
+    apply_compile,
+    apply_fsdp,
+)
+from lingua.parallel.tensor_parallel import apply_tp
+
+
+def uses_loss_parallel(args: DistributedArgs) -> bool:
+    # Vocabulary-sharded logits are DTensors; pipeline stages pass plain tensors, so with pp > 1
+    # the last stage gathers the logits instead.
+    return args.loss_parallel and args.tp > 1 and args.pp == 1
+
+
+def parallelize_decoder(model: nn.Module, env: DistEnv, args: DistributedArgs,
+                        tp_plans: Callable, tp_blocks=None, extra_fsdp_units=()) -> nn.Module:
+    """Parallelize `model` (the decoder, or one pipeline part of it) in place, in torchtitan's
+    order. `tp_plans(model, loss_parallel)` -> (root_plan, block_plan) is the app's, called only
+    under tp: the block plan goes to each of `tp_blocks` (default: the transformer blocks). The
+    FSDP units are the transformer blocks and `extra_fsdp_units`."""
+    if args.tp > 1:
+        root_plan, block_plan = tp_plans(model, uses_loss_parallel(args))
+        blocks = model.layers.values() if tp_blocks is None else tp_blocks
+        apply_tp(model, env.mesh["tp"], root_plan, block_plan, blocks, args.async_tp)
+    return apply_cp_ac_compile_fsdp(model, env, args, extra_fsdp_units)
+
+
+def apply_cp_ac_compile_fsdp(model: nn.Module, env: DistEnv, args: DistributedArgs,
+                             extra_fsdp_units=(), expert_units=()) -> nn.Module:
+    """Everything after tensor (and expert) parallelism, in order: context parallelism,
+    activation checkpointing and compile of the blocks, then FSDP, which must see the final
+    module structure. One FSDP unit per transformer block (its parameters are gathered just
+    before it runs) and per module of `extra_fsdp_units`; `expert_units` are apply_fsdp's
+    (module, mesh) pairs sharded over their own mesh first."""
+    if args.cp > 1:
+        apply_cp(model, env.mesh["cp"], args.cp_backend)
+    apply_ac(model.layers, args.ac, args.ac_every)
+    if args.compile:
+        apply_compile(model.layers, args.compile_backend)
+    # Read after apply_ac, which replaces each block in model.layers by its checkpoint wrapper.
+    units = [*model.layers.values(), *extra_fsdp_units]
+    apply_fsdp(model, units, env, args, expert_units)
+    return model

@@ -1,0 +1,43 @@
+"""What an app tells the shared trainer about its model (`App`), and the checks that need it."""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from lingua import config
+from lingua.model import loss as loss_module
+from lingua.parallel import distributed
+from lingua.train.tokenizer import build_tokenizer
+
+
+@dataclass
+class App:
+    """What an app tells the shared trainer about its model."""
+    model_class: Callable                         # model_class(args.model), on any device
+    parallelize: Callable                         # (part, env, distributed args) -> part
+    validate_model: Callable                      # (train args) -> None, raises ConfigError
+    loss_parallel: Callable                       # (distributed args) -> bool
+    load_hf: Optional[Callable] = None            # (path, dtype) -> (model, model args);
+                                                  # dtype None keeps the files' dtype
+    flops_per_token: Optional[Callable] = None    # (train args) -> float; default: 6N + attention
+    after_step: Optional[Callable] = None         # (parts, env) after each optimizer step
+    start_step: Optional[Callable] = None         # (parts) before each step's forwards
+    step_metrics: Optional[Callable] = None       # (parts, env) -> dict of extra logged values;
+                                                  # every rank calls it on logging steps
+    # The loss seam (lingua/model/loss.py): how the model's output becomes the summed loss, and what
+    # else the forward and the loss take, made from the whole batch before any sharding.
+    loss: Callable = loss_module.cross_entropy    # (output, target) -> LossOutput
+    # (tokens, labels) -> (kwargs, target)
+    batch_inputs: Callable = loss_module.default_batch_inputs
+
+
+def device_type() -> str:
+    return distributed.job_device_type()
+
+
+def check_vocab(args) -> None:
+    """The tokenizer file loads, and the model's vocabulary holds its tokens."""
+    vocab = build_tokenizer(args.data.tokenizer).vocab_size
+    config.require(vocab <= args.model.vocab_size,
+                   f"The tokenizer ({args.data.tokenizer.kind}) has {vocab} tokens but "
+                   f"model.vocab_size={args.model.vocab_size}. Set model.vocab_size={vocab} or "
+                   f"more.")

@@ -1,0 +1,87 @@
+"""This rank's model: built on the meta device, split into pipeline stages, parallelized by the
+app's plan, then given storage and weights (fresh from the seed, or checkpoint.init_from); and the
+autocast that distributed.model_dtype=bf16 needs where nothing else casts."""
+
+import contextlib
+import logging
+
+import torch
+
+from lingua.model import decoder, weights
+from lingua.parallel import coverage, distributed, pipeline
+from lingua.parallel.distributed import DistEnv
+from lingua.train import hf
+from lingua.train.app import App
+
+logger = logging.getLogger("train")
+
+
+def build_model_parts(args, env: DistEnv, app: App) -> tuple:
+    """The parts of the model this rank holds (one, or its pipeline stages), parallelized and
+    with weights: from a Hugging Face directory or freshly initialised from the seed.
+
+    The same path on every device and layout: the model is built on the meta device, split into
+    this rank's pipeline stages and sharded, and only then gets storage on env.device (so no
+    rank ever holds the whole model) and its weights. A fresh init draws each tensor whole from
+    its own stream seeded by (seed, name) and keeps this rank's slice (lingua.model.weights): every
+    layout starts from the same weights as one process, and no two layers start alike.
+    """
+    torch.manual_seed(args.seed)
+    hf_state = hf.load_init_from(args, app, env) if args.checkpoint.init_from else None
+    parts, stage_ids = parallelized_parts_on_meta(args, env, app)
+    param_device = distributed.param_device(args.distributed, env.device)
+    for part in parts:
+        weights.materialize(part, env.device, args.seed, param_device)
+    if args.checkpoint.init_from:
+        weights.load_full_state(parts, hf_state, env.device)
+        del hf_state
+    weights.check_placement(parts, env.device, param_device)
+    n_params = sum(p.numel() for part in parts for p in part.parameters())
+    # The device is named so a launch that gave tasks the wrong GPU (or none) shows at once.
+    logger.info("model: %.2fM parameters on this rank's %d part(s), on %s (%s compute)",
+                n_params / 1e6, len(parts), env.device, args.distributed.model_dtype)
+    return parts, stage_ids
+
+
+def parallelized_parts_on_meta(args, env: DistEnv, app: App) -> tuple:
+    """(parts, stage ids): this rank's pipeline stages of the model built on the meta device,
+    parallelized by the app's plan and checked for parameters the plan leaves out of a gradient
+    reduction; no storage yet. The trainer and the planner (lingua.launch.plan) both build this
+    way."""
+    with torch.device("meta"):
+        model = app.model_class(args.model)
+    # What the loop, pipeline and context parallelism rely on (lingua/model/decoder.py), named if
+    # missing.
+    decoder.check_model_contract(model, app.model_class.__module__.replace(".", "/") + ".py",
+                                 context_parallel=args.distributed.cp > 1)
+    stage_ids, parts = [0], [model]
+    if env.dims.pp > 1:
+        d = args.distributed
+        stage_ids = pipeline.stage_ids_of_rank(env.local_rank_in("pp"), d.pp, d.pp_virtual_stages,
+                                               d.pp_schedule)
+        n_stages = d.pp * d.pp_virtual_stages
+        layers = pipeline.stage_layer_ids(args.model.n_layers, n_stages, d.pp_split)
+        parts = [pipeline.split_model(model, layers[s], s == 0, s == n_stages - 1)
+                 for s in stage_ids]
+        del model
+    parts = [app.parallelize(part, env, args.distributed) for part in parts]
+    # A parameter the app's plan left out of a reduction would train silently wrong: refuse.
+    coverage.check_parallel_coverage(parts, env, args.distributed.ep)
+    return parts, stage_ids
+
+
+def mixed_precision(args, env: DistEnv, parts: list):
+    """Where distributed.model_dtype=bf16 needs autocast: bf16 compute, fp32 master weights.
+
+    FSDP2, where the app applied it (data- or context-parallel ranks: apply_fsdp), already casts
+    the parameters to bf16 for compute and reduces gradients in fp32 (its MixedPrecisionPolicy).
+    Every other layout (one process, tp only, pp only, tp x pp) has nothing that casts, and would
+    silently compute in fp32: autocast casts the matmuls' inputs there (FSDP layouts keep their
+    all-bf16 compute; autocast keeps the residual stream and norms in fp32). Parameters,
+    gradients and optimizer state stay fp32 either way (tests/test_dtypes.py checks every layout).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if args.distributed.model_dtype != "bf16" or all(isinstance(p, FSDPModule) for p in parts):
+        return contextlib.nullcontext()
+    return torch.autocast(env.device.type, dtype=torch.bfloat16)

@@ -1,0 +1,291 @@
+"""The training loop: `train_loop(run)` is one step after another, read top to bottom; `Run` is
+the state it moves (model parts, optimizers, data, pipeline, metrics log, step).
+
+What happens around a step (loss-spike skips and rollbacks, probing, validation and downstream
+evaluation, profiling windows, preemption and time limits, garbage collection) is no branch of
+the loop: each is a Hook (lingua/train/hooks.py) in the run's hook list, called at the step's
+fixed points, owning its state and its keys of the checkpoint's train state. lingua.launch.run
+builds that list and calls Run.train.
+"""
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from lingua import config
+from lingua.errors import RunError
+from lingua.model import loss as loss_module
+from lingua.model.transformer import inferring_shapes
+from lingua.observe import metrics, profiling
+from lingua.parallel import distributed, pipeline
+from lingua.parallel.distributed import DistEnv
+from lingua.parallel.tensor_parallel import loss_parallel_context
+from lingua.train import checkpoint, data, microbatch, optim
+from lingua.train.app import App
+from lingua.train.build import mixed_precision
+from lingua.train.hooks import ROLLBACK, SKIP, UPDATE, Hooks
+from lingua.train.microbatch import StepLoss, sequence_shard
+from lingua.train.saving import Saving
+
+logger = logging.getLogger("train")
+
+
+def train_loop(run: "Run") -> bool:
+    """Train from run.step to args.steps; False when a hook stopped the run early (saved)."""
+    hooks, steps = run.hooks, run.args.steps
+    run.open()
+    hooks.start(run)
+    while run.step < steps:
+        step = run.step + 1
+        hooks.before_step(run, step)
+        data_before = run.data_position_to_undo()
+        run.phases.start_step(timed=run.logs_at(step))
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("data"):
+            micro_batches = run.next_batches()
+        t_data = time.perf_counter() - t0
+
+        hooks.before_forward(run, step)
+        run.start_app_step()
+        run.step_loss = StepLoss(run.env.device)   # this step's losses only
+        run.train_step(micro_batches)              # forward and backward (or the pipeline)
+        hooks.after_backward(run, step)
+
+        grad_norm, lr, decision = run.clip_and_update(step, data_before)
+        if decision == ROLLBACK and hooks.roll_back(run, step, micro_batches):
+            hooks.end_step(run, step)
+            continue   # from the checkpoint's step, with the spike's batches to be skipped
+        run.step = step
+        hooks.after_step(run, step)
+        run.window.add(time.perf_counter() - t0, t_data, run.global_tokens,
+                       run.phases.step_seconds())
+        hooks.end_step(run, step)
+
+        if run.logs_at(step):
+            run.log_row(grad_norm, lr)             # hooks add their fields (validation, ...)
+        run.save_if_due()
+        if hooks.should_stop(run):                 # a signal: saved, stop
+            break
+    hooks.end(run)
+    run.close()
+    return run.step == steps
+
+
+class Run(Saving):
+    """One training run's state: model parts, optimizers, data, pipeline, logging, position."""
+
+    def __init__(self, args, env: DistEnv, app: App, parts: list, stage_ids: list,
+                 optimizers: optim.Optimizers, hooks: Hooks = None):
+        self.args, self.env, self.app = args, env, app
+        self.parts, self.optimizers = parts, optimizers
+        self.hooks = hooks if hooks is not None else Hooks()
+        self.dump_dir = Path(args.dump_dir)
+        self.loss_parallel = app.loss_parallel(args.distributed)
+        d = args.distributed
+        self.loss = loss_module.for_training(app.loss, d.compile, d.compile_backend,
+                                             self.loss_parallel)
+        self.train_loader = data.build_train_loader(args.data, env.dp_rank, env.dp_size, args.seed)
+        self.val_batches = data.build_val_batches(args.data, env.dp_rank, env.dp_size)
+        self.global_batch = args.data.batch_size * env.dp_size * args.data.grad_accum
+        self.global_tokens = self.global_batch * args.data.seq_len
+        self.pipe = self._build_pipeline(stage_ids)
+        self.phases = profiling.PhaseTimer(env.device)   # fwd_s, bwd_s, optim_s in metrics
+        self.step_loss = StepLoss(env.device)   # the current step's losses (train_step)
+        self.nonfinite_steps = 0  # steps skipped for NaN/Inf gradients (optim.nonfinite=skip)
+        # next_step() calls so far, the data batches skipped by rollbacks included: a rollback's
+        # skip range is in these numbers, the same on every layout (the global batch of a call
+        # does not depend on it), while the jsonl loader has no global index of its own.
+        self.batches_consumed = 0
+        self.step = 0             # steps done; resume() moves it to the newest checkpoint's
+        self.pending_save: Optional[checkpoint.PendingSave] = None  # checkpoint.async_save's write
+        self.saved_now = False    # this step's checkpoint was saved (save_if_due)
+
+    def _build_pipeline(self, stage_ids):
+        d = self.args.distributed
+        if d.pp == 1:
+            return None
+
+        def loss_fn(output, target):  # called by the schedule on the last stage, per micro-batch
+            if inferring_shapes():   # torch's extra first call, on empty tensors: eager,
+                return self.app.loss(output, target).loss_sum / self.global_tokens  # no compile
+            out = self.loss(output, target)
+            self.step_loss.add(out)
+            return out.loss_sum / self.global_tokens
+
+        n_microbatches = (d.pp_microbatches
+                          or pipeline.default_microbatches(d.pp, d.pp_virtual_stages))
+        return pipeline.build_schedule(self.parts, stage_ids, d.pp * d.pp_virtual_stages,
+                                       self.env.mesh["pp"], self.env.device, d.pp_schedule,
+                                       n_microbatches, loss_fn)
+
+    def train(self) -> bool:
+        """Train up to args.steps; False when a signal stopped it early (after saving). Every
+        hook's close() runs however the loop ends (an exception included)."""
+        try:
+            return train_loop(self)
+        finally:
+            self.hooks.close(self)
+
+    def train_step(self, micro_batches) -> None:
+        """Forward/backward over this rank's micro-batches; their losses add up in
+        self.step_loss. Each micro-batch's summed loss is divided by the global batch's token
+        count (and gradients are summed over ranks), so the gradient is that of the mean loss
+        over the global batch, whatever the layout."""
+        args, env = self.args, self.env
+        with loss_parallel_context(self.loss_parallel):
+            for batch in micro_batches:
+                with sequence_shard(self.parts, batch, args, env, self.app) as mb:
+                    if self.pipe is not None:
+                        # The schedule interleaves micro-batches' forwards and backwards (and
+                        # the stages' sends), so only their sum can be timed: fwd_bwd_s.
+                        # For the same reason autocast (where needed) covers the backwards too.
+                        # Harmless: backward ops run in the dtypes their forwards saved (checked
+                        # on the LLaMA model: the same gradients, bit for bit, as outside it).
+                        # The schedule calls the app's loss (loss_fn above) on the last stage.
+                        with self.phases.phase("fwd_bwd"), mixed_precision(args, env, self.parts):
+                            self.pipe.step(mb.tokens, mb.target, mb.doc_ids, mb.model_kwargs)
+                        continue
+                    with self.phases.phase("fwd"), mixed_precision(args, env, self.parts):
+                        out = microbatch.forward_loss(self.loss, self.parts[0], mb)
+                    with self.phases.phase("bwd"):
+                        (out.loss_sum / self.global_tokens).backward()
+                    self.step_loss.add(out)
+
+    def start_app_step(self) -> None:
+        if self.app.start_step is not None:
+            self.app.start_step(self.parts)
+
+    def next_batches(self) -> list:
+        """This step's micro-batches: the next data batch no hook said to skip. A skipped batch
+        is read and thrown away, so the loader's position stays its own business."""
+        while True:
+            micro_batches = self.train_loader.next_step()
+            self.batches_consumed += 1
+            if not self.hooks.skip_batch(self, self.batches_consumed):
+                return micro_batches
+
+    def data_position_to_undo(self) -> Optional[tuple]:
+        """Where the data stood before this step, when a step may have to be undone (non-finite
+        gradients with optim.nonfinite=stop save it as if it never ran)."""
+        if self.args.optim.nonfinite != "stop":
+            return None
+        return self.train_loader.state_dict(), self.batches_consumed
+
+    def clip_and_update(self, step: int, data_before) -> tuple:
+        """Clip, then update, unless the gradient norm is not finite (optim.nonfinite: skip, or
+        stop) or a hook decides otherwise (SKIP; ROLLBACK: nothing applied, the hook's roll_back
+        follows). Returns (pre-clip gradient norm, the step's learning rate, the decision)."""
+        with self.phases.phase("optim"):
+            grad_norm = optim.clip_grad_norm(self.parts, self.args.optim.clip, self.pp_group)
+            lr = self.optimizers.lr
+            if not bool(torch.isfinite(grad_norm)):  # the norm is global: every rank agrees
+                self._skip_nonfinite(grad_norm, data_before)
+                return grad_norm, lr, SKIP
+            decision = self.hooks.decide(self, step, grad_norm)
+            if decision == SKIP:
+                self.optimizers.skip()
+            elif decision == UPDATE:
+                self.optimizers.step()
+                if self.app.after_step is not None:
+                    self.app.after_step(self.parts, self.env)
+                self.hooks.after_update(self, step)
+        return grad_norm, lr, decision
+
+    def _skip_nonfinite(self, grad_norm, data_before) -> None:
+        if self.args.optim.nonfinite != "skip":
+            self._stop_on_nonfinite(grad_norm, data_before)
+        self.optimizers.skip()
+        self.nonfinite_steps += 1
+        if self.env.is_main:
+            logger.warning("step %d: gradient norm is %s; update skipped "
+                           "(optim.nonfinite=skip), %d such steps so far",
+                           self.step + 1, grad_norm.item(), self.nonfinite_steps)
+
+    def _stop_on_nonfinite(self, grad_norm, data_before: tuple) -> None:
+        """optim.nonfinite=stop: nothing was updated yet, so the weights and optimizer state are
+        those after the previous step; save them with the data position before this step (the
+        same state a checkpoint at the previous step holds) and stop."""
+        for optimizer in self.optimizers.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        saved = "nothing was saved (no step had run)"
+        if self.step > 0:
+            self._save(self.config_yaml, before=data_before)
+            saved = (f"the state after step {self.step} is saved in "
+                     f"{checkpoint.newest(self.dump_dir)}")
+        raise RunError(
+            f"Step {self.step + 1}: the gradient norm is {grad_norm.item()} (NaN or Inf), so the "
+            f"update was not applied and the run stopped (optim.nonfinite=stop); {saved}. Look "
+            f"at the last rows of metrics.jsonl and, with probe.every=1 from a resumed run, at "
+            f"which module's activations blew up; then lower optim.lr, raise optim.warmup, train "
+            f"in fp32 (distributed.model_dtype=fp32), or set optim.nonfinite=skip to drop such "
+            f"steps, and run the same command to resume.")
+
+    def logs_at(self, step: int) -> bool:
+        return step % self.args.logging.every == 0 or step == self.args.steps
+
+    def open(self) -> None:
+        """What the loop keeps between steps: metrics log, timers, the run's FLOPs and peak."""
+        args, env = self.args, self.env
+        self.flops_per_token = self._flops_per_token()
+        # Measured now, once for the run, on this model's shapes (or the GPU's data sheet):
+        # every row's MFU is divided by it. Rank 0 writes peak.json.
+        self.peak = metrics.run_peak(env.device, args.distributed.model_dtype, self.parts,
+                                     args.data.batch_size * args.data.seq_len, self.step,
+                                     self.dump_dir if env.is_main else None)
+        logger.info("training steps %d -> %d, global batch %d x %d tokens", self.step, args.steps,
+                    self.global_batch, args.data.seq_len)
+        self.log = metrics.MetricLogger(self.dump_dir, args.logging, config.to_dict(args),
+                                        env.is_main, self.step)
+        self.config_yaml = config.to_yaml(args)
+        self.window = metrics.Window()
+        self.pp_group = env.mesh["pp"].get_group() if env.dims.pp > 1 else None
+
+    def close(self) -> None:
+        self.log.close()
+        if self.env.is_main and self.step == self.args.steps:
+            logger.info("done: run directory %s (config.yaml, metrics.jsonl, checkpoints/)",
+                        self.dump_dir.resolve())
+
+    def _flops_per_token(self) -> float:
+        if self.app.flops_per_token is not None:
+            return self.app.flops_per_token(self.args)
+        m = self.args.model
+        with torch.device("meta"):  # FLOPs of the whole model, whatever this rank holds
+            return metrics.flops_per_token(self.app.model_class(m), m.n_layers, m.dim,
+                                           self.args.data.seq_len, m.tie_embeddings)
+
+    def log_row(self, grad_norm, lr) -> None:
+        """The metrics.jsonl row of this step (every rank joins its collectives)."""
+        env, window = self.env, self.window
+        tokens_per_s = window.tokens_per_s()
+        losses = self.step_loss.reduced(env, self.pipe is None or self.pipe.has_last)
+        row = {"step": self.step, "loss": losses.pop("loss"), "lr": lr,
+               "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
+               **metrics.mfu_fields(self.flops_per_token * tokens_per_s / env.world_size,
+                                    self.peak),
+               "data_s": window.data_s(), "step_s": window.step_s(),
+               **window.phase_s(), "peak_mem_gib": metrics.peak_memory_gib(env.device),
+               "nonfinite_steps": self.nonfinite_steps, **self._skipped_data(),
+               "eta_s": window.eta_s(self.args.steps - self.step)}
+        row.update(losses)    # the app's loss metrics (LossOutput.metrics)
+        if self.app.step_metrics is not None:
+            row.update(self.app.step_metrics(self.parts, env))
+        self.hooks.metrics(self, row)
+        window.reset()
+        self.log.log(row)
+        if env.is_main:
+            logger.info(metrics.format_line(row, self.args.steps))
+
+    def _skipped_data(self) -> dict:
+        """Bad data lines skipped so far, in total and by reason, summed over the data-parallel
+        ranks (each reads its own lines; cp/tp/pp peers read the same ones)."""
+        reasons = self.train_loader.skipped_by_reason
+        counts = torch.tensor([float(self.train_loader.skipped_lines),
+                               *map(float, reasons.values())],
+                              dtype=torch.float64, device=self.env.device)
+        counts = distributed.all_reduce_sum(counts, self.env, dims=("dp",))
+        return {"skipped_lines": int(counts[0]),
+                **{f"skipped_{reason}": int(n) for reason, n in zip(reasons, counts[1:].tolist())}}

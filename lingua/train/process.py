@@ -1,0 +1,56 @@
+"""A training process's start before the loop: logging, the torch version check, malloc tuning on
+CPU, signal listening, the embedded corpus on first use, and the run's config.yaml."""
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from lingua import config
+from lingua.observe import metrics
+from lingua.parallel import distributed
+from lingua.parallel.distributed import DistEnv
+from lingua.train import data, preemption
+from lingua.train.memory import keep_freed_memory, user_malloc_setting
+
+logger = logging.getLogger("train")
+
+TESTED_TORCH = "2.13"   # pyproject.toml's pin: the version the suite runs on
+
+
+def torch_version_warning(version: str) -> Optional[str]:
+    """What to say when the run's torch is not the tested one (None when it is): clusters often
+    carry another build, and torch.distributed's private paths change between versions."""
+    if version.split("+")[0].rsplit(".", 1)[0] == TESTED_TORCH:
+        return None
+    return (f"torch {version} is not the version lingua is tested with ({TESTED_TORCH}.x, "
+            "pyproject.toml). Under torch 2.11 the one-GPU runbook passes, but the "
+            "InterleavedZeroBubble, ZBVZeroBubble and DualPipeV pipeline schedules fail (on gloo; "
+            "NCCL untried). "
+            f"Install torch=={TESTED_TORCH}.0 where you can.")
+
+
+def start_process(args, env: DistEnv) -> None:
+    """Logging, the version warning, malloc on CPU, signals, the embedded corpus on first use."""
+    metrics.setup_logging(env.rank)
+    if env.is_main and (untested := torch_version_warning(torch.__version__)):
+        logger.warning(untested)
+    if env.device.type == "cpu":
+        if (user := user_malloc_setting()) is None:
+            keep_freed_memory()
+        elif env.is_main:
+            logger.info(f"malloc: left as set by {user} (the trainer would keep freed blocks "
+                        "for reuse on CPU; lingua.train.memory.keep_freed_memory)")
+    preemption.SIGNALS.listen()
+    if args.data.prepare_embedded:
+        if env.local_rank == 0:
+            data.ensure_embedded_corpus(args.data.root)
+        distributed.barrier(env)
+
+
+def write_config(args, env: DistEnv) -> None:
+    """The run directory and its resolved config.yaml (rank 0)."""
+    if env.is_main:
+        Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
+        config.dump(args, Path(args.dump_dir) / "config.yaml")

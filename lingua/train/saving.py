@@ -1,0 +1,109 @@
+"""The run's checkpoints: resume from the newest intact one, save when due (periodically, at the
+end, or when a hook stops the run), and the train state beside the weights. Run (lingua/train/
+loop.py) has these methods; the hooks' own train state comes in through Hooks.state_dict."""
+
+import logging
+from typing import Optional
+
+from lingua.train import checkpoint, preemption
+
+logger = logging.getLogger("train")
+
+
+class Saving:
+    """Run's checkpoint methods (a mixin: they use Run's parts, optimizers, data and hooks)."""
+
+    def resume(self) -> int:
+        """Load the newest intact checkpoint of dump_dir, if any (weights, optimizer, data
+        position, scheduler, the hooks' state); returns the step the run continues from (0: a
+        fresh run). Then the hooks' resumed() (the spike hook reads spikes.jsonl back: a
+        rollback made after the newest checkpoint is in no checkpoint's train state)."""
+        self.step = self._load_newest()
+        self.hooks.resumed(self)
+        return self.step
+
+    def _load_newest(self) -> int:
+        # Every rank checks the sizes of all files and the checksums of its share of them, and
+        # the ranks agree, so all resume from the same intact checkpoint without one rank reading
+        # all of it (hundreds of GB) while the others wait under the collective timeout. Damaged
+        # ones are moved aside, so that checkpoint.keep never deletes an intact one for them.
+        resume_from = checkpoint.newest_verified(self.dump_dir, self.env.rank, self.env.world_size,
+                                                 set_aside=True)
+        if resume_from is None:
+            return 0
+        state = checkpoint.load(resume_from, self.parts, self.optimizers.optimizers,
+                                self.env.rank, self.env.world_size)
+        self.restore_train_state(state)
+        return state["step"]
+
+    def restore_train_state(self, state: dict) -> None:
+        self.train_loader.load_state_dict(state["data"])
+        self.optimizers.load_scheduler_state(state["scheduler"])
+        self.nonfinite_steps = state.get("nonfinite_steps", 0)
+        # A checkpoint from before spike handling has neither: no batch had been skipped.
+        self.batches_consumed = state.get("batches_consumed", state["step"])
+        self.hooks.load_state_dict(state)
+
+    def save_if_due(self) -> None:
+        """Checkpoint when due (checkpoint.every, the last step's save_final). With
+        checkpoint.async_save a periodic save is written while the next steps run: a later step
+        boundary finishes it once every rank's write is done, and the next save, the last step
+        and a stop wait for it (the same boundaries on every rank: each check is a collective)."""
+        args = self.args
+        last = self.step == args.steps
+        self.saved_now = bool((args.checkpoint.every and self.step % args.checkpoint.every == 0)
+                              or (last and args.checkpoint.save_final))
+        if self.saved_now:   # the last step's save is written before the run ends
+            self._save(self.config_yaml, wait=last)
+            if self.pending_save is None:
+                self.hooks.after_save(self, self.step)
+        else:       # a save in flight (checkpoint.async_save) is finished once written
+            self.finish_save(block=self.step == args.steps)
+
+    def save_now(self) -> None:
+        """A hook stops the run: the state after this step on disk, written, before it leaves."""
+        if not self.saved_now:
+            self._save(self.config_yaml)
+        self.finish_save(block=True)
+
+    def _save(self, config_yaml: str, before: Optional[tuple] = None, wait: bool = True) -> None:
+        """`before`: (data state, batches consumed) to save instead of the current ones. With
+        checkpoint.async_save and wait=False (a periodic save) only the copy to CPU memory
+        happens now; the files are written while the next steps run, and a later step boundary
+        makes the checkpoint visible (finish_save). A save still being written is finished
+        first, so at most one is in flight."""
+        args, env = self.args, self.env
+        self.finish_save(block=True)
+        data_state, batches = before if before is not None else (
+            self.train_loader.state_dict(), self.batches_consumed)
+        train_state = {"step": self.step, "data": data_state,
+                       "scheduler": self.optimizers.scheduler_state(),
+                       "nonfinite_steps": self.nonfinite_steps, "batches_consumed": batches,
+                       **self.hooks.state_dict()}
+        in_use = self.hooks.keeps_checkpoint
+        if args.checkpoint.async_save and not wait:
+            self.pending_save = checkpoint.save_async(
+                self.dump_dir, self.step, self.parts, self.optimizers.optimizers, train_state,
+                config_yaml, env.rank, env.world_size, args.checkpoint.keep, in_use, env.device)
+            return
+        checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
+                        train_state, config_yaml, env.rank, env.world_size, args.checkpoint.keep,
+                        in_use)
+
+    def finish_save(self, block: bool) -> None:
+        """checkpoint.async_save: make the checkpoint being written visible once every rank's
+        write is done (block: wait for it). Every rank calls this at the same step boundaries
+        (a collective while a save is in flight); a write that failed on any rank raises
+        RunError on every rank, with the previous checkpoint still the newest."""
+        if self.pending_save is None:
+            return
+        if self.pending_save.finish(block) is not None:
+            step, self.pending_save = self.pending_save.step, None
+            self.hooks.after_save(self, step)
+
+    def where_to_resume(self) -> str:
+        newest = checkpoint.newest(self.dump_dir)
+        if newest is None:
+            return (f"no checkpoint saved yet; to start over, run again: "
+                    f"{preemption.resume_command()}")
+        return f"checkpoint {newest} saved; to resume, run again: {preemption.resume_command()}"

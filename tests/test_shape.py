@@ -1,0 +1,47 @@
+"""The core's shape, read with ast: no file under lingua/ over 600 lines, no function under lingua/
+or apps/ over 60 (decorators left out), and the training loop one short function in a short
+module (lingua/train/loop.py: what a researcher reads to understand a step)."""
+
+import ast
+
+from tests.conftest import REPO
+
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 60
+LOOP_MODULE, LOOP_FUNCTION = "lingua/train/loop.py", "train_loop"
+MAX_LOOP_LINES, MAX_LOOP_MODULE_LINES = 120, 400
+
+
+def functions(path):
+    """(name, lines) of every function and method in the file (the def line to its end)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node.end_lineno - node.lineno + 1
+
+
+def test_no_core_file_is_long():
+    long = {str(p.relative_to(REPO)): n for p in sorted((REPO / "lingua").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    assert not long, f"files over {MAX_FILE_LINES} lines (split them by concern): {long}"
+
+
+def test_no_function_is_long():
+    long = [f"{p.relative_to(REPO)}:{name} ({n} lines)"
+            for top in ("lingua", "apps") for p in sorted((REPO / top).rglob("*.py"))
+            for name, n in functions(p) if n > MAX_FUNCTION_LINES]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: " + ", ".join(long)
+
+
+def test_the_training_loop_is_one_short_function():
+    path = REPO / LOOP_MODULE
+    assert len(path.read_text().splitlines()) <= MAX_LOOP_MODULE_LINES
+    sizes = dict(functions(path))
+    assert LOOP_FUNCTION in sizes, f"{LOOP_MODULE} has no {LOOP_FUNCTION}"
+    assert sizes[LOOP_FUNCTION] <= MAX_LOOP_LINES, sizes[LOOP_FUNCTION]
+
+
+def test_the_shape_rules_count_as_documented(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("@decorator\ndef f():\n    return 1\n\n\nclass C:\n    def g(self):\n"
+                      "        pass\n")
+    assert dict(functions(source)) == {"f": 2, "g": 2}
