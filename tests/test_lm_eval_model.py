@@ -1,0 +1,83 @@
+"""LinguaLM (lingua/eval/lm_eval_model.py) on hand-made lm-eval requests, in one process: its
+log-likelihoods against log_softmax of one whole-sequence forward, its greedy generation (with the
+KV cache) against argmax decoding that recomputes the whole prefix each token. Fast: the quick
+tier's in-process check of the module that the downstream tests reach through subprocesses."""
+
+import io
+import math
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+
+from apps.llama.model import LlamaArgs, Transformer
+from lingua.eval.downstream import Progress
+from lingua.eval.evaluation import EvalArgs
+from lingua.eval.lm_eval_model import LinguaLM
+from lingua.parallel.distributed import DistEnv, DistributedArgs, parallel_dims
+from lingua.train.tokenizer import ByteTokenizer
+
+MAX_LEN = 24
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    model = Transformer(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
+                                  vocab_size=ByteTokenizer.vocab_size, max_seq_len=MAX_LEN))
+    model.init_weights()
+    model.eval()
+    env = DistEnv(0, 0, 1, torch.device("cpu"), parallel_dims(DistributedArgs(), 1), None)
+    return LinguaLM(model, ByteTokenizer(), env, EvalArgs(batch_size=2, max_gen_tokens=5),
+                    MAX_LEN, None, Progress(io.StringIO()))
+
+
+def request(kind: str, args: tuple, index: int = 0) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=index,
+                    metadata=("hand_made", index, 1))
+
+
+def reference_loglikelihood(model, ids: list, n_continuation: int) -> tuple:
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids[:-1]])).float(), dim=-1)[0]
+    rows = logprobs[len(ids) - 1 - n_continuation:]
+    target = torch.tensor(ids[-n_continuation:])
+    return (rows.gather(-1, target[:, None]).sum().item(),
+            bool((rows.argmax(-1) == target).all()))
+
+
+def test_loglikelihood_is_the_continuations_log_softmax(lm):
+    pairs = [("The cat", " sat"), ("A", "b"), ("long context", " and more")]
+    got = lm.loglikelihood([request("loglikelihood", pair, i) for i, pair in enumerate(pairs)])
+    for (context, continuation), (logprob, greedy) in zip(pairs, got):
+        ids = lm.tok_encode(context) + lm.tok_encode(continuation, add_special_tokens=False)
+        n = len(lm.tok_encode(continuation, add_special_tokens=False))
+        want, want_greedy = reference_loglikelihood(lm.model, ids, n)
+        assert logprob == pytest.approx(want, rel=1e-5, abs=1e-5) and greedy == want_greedy
+        assert logprob < 0
+
+
+def test_rolling_loglikelihood_sums_windows_over_the_whole_text(lm):
+    short, long = "hello", "x" * (MAX_LEN * 2 + 3)   # the long one spans three windows
+    got = lm.loglikelihood_rolling([request("loglikelihood_rolling", (short,)),
+                                    request("loglikelihood_rolling", (long,), 1)])
+    ids = [lm.tok.bos_id] + lm.tok_encode(short, add_special_tokens=False)
+    want, _ = reference_loglikelihood(lm.model, ids, len(ids) - 1)
+    assert got[0] == pytest.approx(want, rel=1e-5, abs=1e-5)
+    assert math.isfinite(got[1]) and got[1] < got[0]
+
+
+def test_generate_until_is_greedy_decoding_cut_at_the_stop(lm):
+    context = "The cat"
+    ids = lm.tok_encode(context)
+    new = []
+    with torch.no_grad():
+        for _ in range(5):   # max_gen_tokens: whole prefix each token, no cache
+            new.append(int(lm.model(torch.tensor([ids + new]))[0, -1].float().argmax()))
+    want = lm.tok.decode([i for i in new if i != lm.tok.eos_id])
+    got = lm.generate_until([request("generate_until", (context, {"max_gen_toks": 5}))])
+    assert got == [want]
+    stop = want[2:4] if len(want) >= 4 else None
+    if stop:   # a stop sequence cuts the text before it
+        cut = lm.generate_until([request("generate_until", (context, {"until": [stop]}))])
+        assert cut == [want.split(stop, 1)[0]]
