@@ -2,6 +2,8 @@
 apps/llama/eval.py), in process: the quick tier's view of what tests/test_downstream.py runs as
 commands. A checkpoint directory here is only its config.yaml, as checkpoint.save writes it."""
 
+import importlib
+
 import pytest
 
 from apps.llama import eval as llama_eval
@@ -21,10 +23,12 @@ def ckpt(tmp_path):
     return step_dir
 
 
-def test_no_argument_prints_the_usage_and_fails(capsys):
-    assert llama_eval.main([]) == 2
+@pytest.mark.parametrize("app", ["llama", "moe", "mtp"])
+def test_no_argument_prints_the_usage_and_fails(app, capsys):
+    app_eval = importlib.import_module(f"apps.{app}.eval")
+    assert app_eval.main([]) == 2
     assert "eval.tasks=" in capsys.readouterr().out
-    assert llama_eval.main(["--help"]) == 0
+    assert app_eval.main(["--help"]) == 0
 
 
 def test_overrides_change_evaluation_keys_only(ckpt):

@@ -3,6 +3,7 @@ imports an app, every import points down the layers (README "Architecture"), and
 imports itself through others (no circle)."""
 
 import ast
+import importlib
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -111,3 +112,11 @@ def test_no_circle_among_lingua_modules():
 def test_the_circle_finder_finds_one():
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b"}, "b": set()}) == []
+
+
+def test_each_command_alias_runs_its_modules_main():
+    targets = {"lingua.plan": "lingua.launch.plan", "lingua.env": "lingua.launch.env",
+               "lingua.probe": "lingua.observe.probe_report", "lingua.plot": "lingua.observe.plot"}
+    assert set(targets) == COMMANDS
+    for alias, target in targets.items():
+        assert importlib.import_module(alias).main is importlib.import_module(target).main, alias
