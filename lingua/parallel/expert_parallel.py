@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lingua.errors import ConfigError
+from lingua.parallel import groups
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +106,26 @@ def ep_meshes(mesh, ep: int):
     ep_mesh: 1D, the ep contiguous ranks of "dp_shard_cp" (pass it to `apply_ep`).
     expert_fsdp_mesh: the mesh to give `fully_shard` for each MoE's `experts` module:
     ("dp_replicate", "dp_shard_mod_ep") -- 2D (HSDP) when dp_replicate > 1, else 1D
-    "dp_shard_mod_ep". Collective: every rank must call it."""
+    "dp_shard_mod_ep". Collective the first time for a mesh (every rank must call it): the two
+    groups are made once per mesh and ep, and kept on the mesh, so pipeline parts share them."""
+    cache = mesh.__dict__.setdefault("_ep_meshes", {})
+    if ep not in cache:
+        cache[ep] = _split_for_ep(mesh, ep)
+    return cache[ep]
+
+
+def _split_for_ep(mesh, ep: int):
     from torch.distributed.device_mesh import DeviceMesh
 
     d = mesh["dp_shard_cp"].size()
     if d % ep:
         raise ConfigError(f"distributed.ep={ep} does not divide dp_shard x cp = {d}; see "
                           f"validate_ep.")
-    split = mesh["dp_shard_cp"]._unflatten(0, (d // ep, ep), ("dp_shard_mod_ep", "ep"))
+    options = groups.subgroup_options(mesh["dp_shard_cp"].device_type)
+    split = mesh["dp_shard_cp"]._unflatten(
+        0, (d // ep, ep), ("dp_shard_mod_ep", "ep"),
+        backend_override={"dp_shard_mod_ep": groups.override(d // ep, options),
+                          "ep": groups.override(ep, options)})
     fsdp_mesh = split["dp_shard_mod_ep"]
     if mesh["dp_replicate"].size() > 1:
         fsdp_mesh = DeviceMesh._concatenate([mesh["dp_replicate"], fsdp_mesh])

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lingua.errors import ConfigError, RunError
+from lingua.parallel import groups
 from lingua.train.checkpoint_integrity import (
     MANIFEST,
     STEP_DIR,
@@ -508,14 +509,15 @@ class PendingSave:
 # would interleave with the training loop's collectives in an order that differs between ranks
 # (a hang or mixed-up data on gloo and NCCL alike), and dcp.async_save needs a CPU backend, which
 # an NCCL-only default group lacks. Made once per default group (every rank, at the first
-# asynchronous save); only one background write uses it at a time.
+# asynchronous save), with the default group's timeout; only one background write uses it at a
+# time.
 _ASYNC_GROUP: list = [None, None]   # [default group it belongs to, the gloo group]
 
 
 def _async_group():
     world = dist.group.WORLD
     if _ASYNC_GROUP[0] is not world:
-        _ASYNC_GROUP[:] = [world, dist.new_group(backend="gloo")]
+        _ASYNC_GROUP[:] = [world, dist.new_group(backend="gloo", timeout=groups.world_timeout())]
     return _ASYNC_GROUP[1]
 
 
