@@ -301,7 +301,7 @@ def build_mesh(dims: ParallelDims, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     sizes = dict(zip(MESH_DIMS, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)))
-    options = groups.subgroup_options(device_type)
+    options = groups.subgroup_options()
     root = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=MESH_DIMS,
                             backend_override={name: groups.override(size, options)
                                               for name, size in sizes.items()})

@@ -121,7 +121,7 @@ def _split_for_ep(mesh, ep: int):
     if d % ep:
         raise ConfigError(f"distributed.ep={ep} does not divide dp_shard x cp = {d}; see "
                           f"validate_ep.")
-    options = groups.subgroup_options(mesh["dp_shard_cp"].device_type)
+    options = groups.subgroup_options()
     split = mesh["dp_shard_cp"]._unflatten(
         0, (d // ep, ep), ("dp_shard_mod_ep", "ep"),
         backend_override={"dp_shard_mod_ep": groups.override(d // ep, options),

@@ -9,8 +9,11 @@ import torch
 import torch.distributed as dist
 
 
-def _world_backend(device_type: str):
-    return dist.group.WORLD._get_backend(torch.device(device_type))
+def _world_backends() -> dict:
+    """{name: backend} of the default group, e.g. nccl and gloo for "cuda:nccl,cpu:gloo"."""
+    world = dist.group.WORLD
+    backends = (world._get_backend(torch.device(d)) for d in world._device_types)
+    return {backend.name(): backend for backend in backends}
 
 
 def world_timeout() -> Optional[datetime.timedelta]:
@@ -24,22 +27,23 @@ def world_timeout() -> Optional[datetime.timedelta]:
     return None
 
 
-def subgroup_options(device_type: str):
+def subgroup_options():
     """Backend options for a mesh sub-group that carry the default group's timeout.
 
     torch creates sub-groups with timeout=None, i.e. the backend's default (NCCL 10 min, gloo
     30 min), unless the mesh's backend_override passes options: DeviceMesh then hands
     `options._timeout` to split_group / new_group. NCCL's options are the default group's, copied,
     as split_group does when given none; gloo's cannot be copied, and only their timeout is read.
-    None where the backend is neither (fake): torch's own defaults then, as before."""
-    backend = _world_backend(device_type)
-    if backend.name() == "nccl":
-        return copy.deepcopy(backend.options)
-    if backend.name() == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = backend.options._timeout
-        return options
-    return None
+    None where a backend is neither (fake): torch's own defaults then, as before. Sub-groups
+    have the default group's backends, whatever device type the mesh is built for."""
+    backends = _world_backends()
+    if not set(backends) <= {"nccl", "gloo"}:
+        return None
+    if "nccl" in backends:   # one options object serves every backend of a group: gloo's reads
+        return copy.deepcopy(backends["nccl"].options)   # nothing from it but the timeout
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = backends["gloo"].options._timeout
+    return options
 
 
 def override(size: int, options) -> tuple:
