@@ -180,7 +180,7 @@ def test_two_task_job_matches_torchrun_and_keeps_values_and_secrets(corpus, tmp_
     assert "--kill-on-bad-exit=1" in script and "--wckey" not in script, script
     assert "export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}" in script, script
     assert f"from {dump / 'code' / 'apps' / 'llama'}" in out  # ran from the snapshot
-    assert (dump / "code" / "lingua" / "stool.py").is_file()
+    assert (dump / "code" / "lingua" / "launch" / "stool.py").is_file()
     from omegaconf import OmegaConf
     assert OmegaConf.load(dump / "config.yaml").logging.name == name
     assert not list(REPO.glob("PWNED")) and not list(dump.rglob("PWNED"))
