@@ -101,7 +101,7 @@ def _explain_compose_error(err: Exception, overrides: Sequence[str], known: Sequ
         text += "\n" + str(cause).strip()
     first = text.splitlines()[0] if text else type(err).__name__
     hint = ("Check the key's spelling and type against the schema: the dataclasses in "
-            "lingua/*.py and apps/<app>/*.py list every key with its type and default. "
+            "lingua/*/*.py and apps/<app>/*.py list every key with its type and default. "
             "To add a key that is not in the schema, change the dataclass, not the command line.")
     full_key = getattr(cause, "full_key", None) or getattr(err, "full_key", None)
     key_part = f" (key: {full_key})" if full_key else ""
