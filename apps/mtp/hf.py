@@ -63,7 +63,7 @@ def args_from_hf_config(config_path) -> MTPArgs:
         multiple_of, mult = lingua_hf.ffn_recipe(cfg["hidden_size"], cfg["intermediate_size"],
                                                  cfg.get("lingua_ffn"))
         return MTPArgs(**lingua_hf.decoder_args(cfg, config_path), multiple_of=multiple_of,
-                         ffn_dim_multiplier=mult)
+                       ffn_dim_multiplier=mult)
     except KeyError as e:
         raise ConfigError(f"{config_path} lacks {e}; it is not a LlamaForCausalLM config.") \
             from None

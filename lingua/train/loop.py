@@ -212,7 +212,7 @@ class Run(Saving):
             optimizer.zero_grad(set_to_none=True)
         saved = "nothing was saved (no step had run)"
         if self.step > 0:
-            self._save(self.config_yaml, before=data_before)
+            self._save(before=data_before)
             saved = (f"the state after step {self.step} is saved in "
                      f"{checkpoint.newest(self.dump_dir)}")
         raise RunError(

@@ -54,19 +54,19 @@ class Saving:
         self.saved_now = bool((args.checkpoint.every and self.step % args.checkpoint.every == 0)
                               or (last and args.checkpoint.save_final))
         if self.saved_now:   # the last step's save is written before the run ends
-            self._save(self.config_yaml, wait=last)
+            self._save(wait=last)
             if self.pending_save is None:
                 self.hooks.after_save(self, self.step)
         else:       # a save in flight (checkpoint.async_save) is finished once written
-            self.finish_save(block=self.step == args.steps)
+            self.finish_save(block=last)
 
     def save_now(self) -> None:
         """A hook stops the run: the state after this step on disk, written, before it leaves."""
         if not self.saved_now:
-            self._save(self.config_yaml)
+            self._save()
         self.finish_save(block=True)
 
-    def _save(self, config_yaml: str, before: Optional[tuple] = None, wait: bool = True) -> None:
+    def _save(self, before: Optional[tuple] = None, wait: bool = True) -> None:
         """`before`: (data state, batches consumed) to save instead of the current ones. With
         checkpoint.async_save and wait=False (a periodic save) only the copy to CPU memory
         happens now; the files are written while the next steps run, and a later step boundary
@@ -84,11 +84,12 @@ class Saving:
         if args.checkpoint.async_save and not wait:
             self.pending_save = checkpoint.save_async(
                 self.dump_dir, self.step, self.parts, self.optimizers.optimizers, train_state,
-                config_yaml, env.rank, env.world_size, args.checkpoint.keep, in_use, env.device)
+                self.config_yaml, env.rank, env.world_size, args.checkpoint.keep, in_use,
+                env.device)
             return
         checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
-                        train_state, config_yaml, env.rank, env.world_size, args.checkpoint.keep,
-                        in_use)
+                        train_state, self.config_yaml, env.rank, env.world_size,
+                        args.checkpoint.keep, in_use)
 
     def finish_save(self, block: bool) -> None:
         """checkpoint.async_save: make the checkpoint being written visible once every rank's
