@@ -3,13 +3,14 @@
 One process: which parameters go to which kind; the optimizer equals torch.optim.Muon (Muon's
 parameters) + torch.optim.AdamW (the rest) bit for bit, step for step, with weight decay and the
 lr schedule; each MoE expert is one torch Muon matrix; state_dict/load continues exactly; bad
-settings are refused. Sharded (gloo): lingua.train.muon.orthogonalize on uneven and stacked shards
-against the whole matrix; FSDP2, TP, FSDP2 x TP, HSDP and MoE with EP (alone and inside FSDP)
-against the one-process run through tests/equivalence.py, in fp32 Newton-Schulz at the usual
-1e-5 and in bf16 (the default) within BF16_RTOL; resume, exact in one process and from dp_shard=2
-into one process; and a mutant that orthogonalises each rank's shard instead of the whole
-matrix, which the comparison must catch (this file is that mutant's launcher, and the
-orthogonalize test's worker: `python -m tests.test_muon ...`).
+settings are refused. Sharded (gloo): lingua.train.muon.orthogonalize on uneven and stacked
+shards and on FSDP2 x TP's placements against the whole matrix, and the collectives of one step
+under FSDP2 x TP (all-to-alls, no all-gather of whole matrices); FSDP2, TP, FSDP2 x TP, HSDP and
+MoE with EP (alone and inside FSDP) against the one-process run through tests/equivalence.py, in
+fp32 Newton-Schulz at the usual 1e-5 and in bf16 (the default) within BF16_RTOL; resume, exact
+in one process and from dp_shard=2 into one process; and a mutant that orthogonalises each
+rank's shard instead of the whole matrix, which the comparison must catch (this file is that
+mutant's launcher, and the orthogonalize test's worker: `python -m tests.test_muon ...`).
 """
 
 import copy
@@ -335,25 +336,88 @@ def test_moe_with_expert_parallel_matches_one_process(corpus, tmp_path, moe_refe
     assert_equivalent(dump, moe_reference, prefixes={"moe/": 1e-4})
 
 
-@pytest.mark.distributed
-def test_orthogonalize_on_uneven_and_stacked_shards(tmp_path):
-    """lingua.train.muon.orthogonalize on 2 gloo ranks, against NS of the whole matrix sliced to
-    this rank's shard, bit for bit: shards of uneven size (5 rows over 2 ranks), Shard(1), a count
-    of matrices that is not a multiple of the ranks, and stacked experts split inside (Shard(1)) or
-    only along the expert dim (orthogonalised where they are)."""
+@pytest.fixture(scope="module")
+def orthogonalized(tmp_path_factory):
+    """One 4-rank gloo run of the orthogonalize worker, for the two tests below."""
     import json
 
-    out = tmp_path / "out.json"
-    run_torchrun(2, "tests.test_muon", [ORTHOGONALIZE, str(out)])
-    results = json.loads(out.read_text())
-    assert results == {case: True for case in ORTHO_CASES}, results
+    out = tmp_path_factory.mktemp("muon_orthogonalize") / "out.json"
+    run_torchrun(4, "tests.test_muon", [ORTHOGONALIZE, str(out)])
+    return json.loads(out.read_text())
+
+
+@pytest.mark.distributed
+def test_orthogonalize_on_uneven_and_stacked_shards(orthogonalized):
+    """lingua.train.muon.orthogonalize on gloo ranks, against NS of the whole matrix sliced to
+    this rank's shard, bit for bit. On 2 ranks: shards of uneven size (5 rows over 2 ranks),
+    Shard(1), a count of matrices that is not a multiple of the ranks, and stacked experts split
+    inside (Shard(1)) or only along the expert dim (orthogonalised where they are). On
+    dp_shard=2 x tp=2, FSDP2 x TP's placements: colwise (_StridedShard(0), Shard(0)), read as
+    Shard(0) shards of a row-permuted matrix, rowwise (Shard(0), Shard(1)), and colwise rows
+    that do not divide evenly (6 over 4 ranks), which take torch's route."""
+    want = {case: True for case in (*ORTHO_CASES, *MESH_CASES)}
+    assert orthogonalized["equal"] == want, orthogonalized["equal"]
+    assert orthogonalized["strided_read_as_shard"] == {"colwise": True, "colwise_uneven": False}
+
+
+@pytest.mark.distributed
+def test_fsdp_x_tp_muon_step_moves_no_whole_stacks(orthogonalized):
+    """Collectives of one MuonAdamW step (4 matrices of one placement, CommDebugMode), with
+    DTensor's Shard->Shard as an all-to-all as on NCCL: under dp_shard=2 x tp=2 colwise and
+    rowwise weights each take an all-to-all per mesh dim there and back, and no all-gather
+    (through Replicate: whole matrices on every rank); FSDP alone on 4 ranks one each way.
+    Before _StridedShard was read as Shard: colwise 4 all-gathers, rowwise 1 + 3 all-to-alls."""
+    assert orthogonalized["comms"] == {"colwise": {"all_to_all_single": 4},
+                                       "rowwise": {"all_to_all_single": 4},
+                                       "fsdp4": {"all_to_all_single": 2}}, orthogonalized["comms"]
 
 
 ORTHOGONALIZE = "orthogonalize"
-# name: (global shape, placement dim, number of such parameters)
+# name: (global shape, placement dim, number of such parameters), on 2 ranks
 ORTHO_CASES = {"rows_uneven": ((5, 8), 0, 3), "cols": ((8, 12), 1, 2),
                "cols_uneven": ((6, 7), 1, 1), "experts_inside": ((3, 5, 8), 1, 1),
                "experts_whole": ((4, 6, 8), 0, 2)}
+# name: (global shape, tp style, number of such parameters), on dp_shard=2 x tp=2
+MESH_CASES = {"colwise": ((8, 12), "colwise", 3), "rowwise": ((8, 12), "rowwise", 4),
+              "colwise_uneven": ((6, 8), "colwise", 2)}
+
+
+def _fsdp_tp_placements(style: str) -> tuple:
+    """FSDP2's placements of a TP weight on (dp_shard, tp): colwise Shard(0) rows sharded again
+    by FSDP (recorded as _StridedShard), rowwise Shard(1) with FSDP's Shard(0)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if style == "colwise":
+        return (_StridedShard(0, split_factor=2), Shard(0))
+    return (Shard(0), Shard(1))
+
+
+def _all_to_all(local, gather_dim, shard_dim, mesh, mesh_dim):
+    """DTensor's Shard->Shard as on NCCL: gloo has all_to_all_single, DTensor only takes an
+    all-gather on CPU. Shard._to_new_shard_dim pads shard_dim to a multiple of the ranks."""
+    import torch.distributed._functional_collectives as funcol
+
+    pieces = torch.stack([c.contiguous() for c in local.chunk(mesh.size(mesh_dim), shard_dim)])
+    received = funcol.all_to_all_single(pieces, None, None, (mesh, mesh_dim)).wait()
+    return torch.cat(list(received), dim=gather_dim)
+
+
+def _step_comms(mesh, placements) -> dict:
+    """{collective: count} of one MuonAdamW step on 4 (8, 12) matrices placed `placements`."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    torch.manual_seed(1)
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(8, 12), mesh, placements))
+              for _ in range(4)]
+    for p in params:
+        p.grad = distribute_tensor(torch.randn(8, 12), mesh, placements)
+    opt = MuonAdamW([], [{"params": params, "lr": 0.02, "weight_decay": 0.0}], lr=0.02,
+                    betas=(0.9, 0.95), eps=1e-8, fused=False, ns_dtype="fp32")
+    with CommDebugMode() as comm:
+        opt.step()
+    return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
 
 
 def _orthogonalize_worker(out: str) -> None:
@@ -361,29 +425,44 @@ def _orthogonalize_worker(out: str) -> None:
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor, placement_types
 
-    from lingua.train.muon import NS_COEFFICIENTS, _ns_each, newton_schulz, orthogonalize
+    from lingua.train import muon
 
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
 
     def ns(m):
-        return newton_schulz(m, NS_COEFFICIENTS, 5, 1e-7, "bf16")
+        return muon.newton_schulz(m, muon.NS_COEFFICIENTS, 5, 1e-7, "bf16")
 
-    results = {}
-    for case, (shape, dim, count) in ORTHO_CASES.items():
-        torch.manual_seed(0)   # the same full tensors on both ranks
+    def equal(shape, count, mesh, placements):
+        torch.manual_seed(0)   # the same full tensors on every rank
         full = [torch.randn(shape) for _ in range(count)]
-        params = [distribute_tensor(f, mesh, [Shard(dim)]) for f in full]
-        updates = [p.to_local() for p in params]
-        got = orthogonalize(params, updates, ns)
-        want = [distribute_tensor(_ns_each(f, ns).float(), mesh, [Shard(dim)]).to_local()
-                for f in full]
-        results[case] = all(torch.equal(g.float(), w) for g, w in zip(got, want))
+        # src_data_rank=None: each rank splits its own copy (torch scatters only even strides)
+        params = [distribute_tensor(f, mesh, placements, src_data_rank=None) for f in full]
+        got = muon.orthogonalize(params, [p.to_local() for p in params], ns)
+        want = [distribute_tensor(muon._ns_each(f, ns).float(), mesh, placements,
+                                  src_data_rank=None).to_local() for f in full]
+        return all(torch.equal(g.float(), w) for g, w in zip(got, want))
+
+    results = {case: equal(shape, count, mesh["tp"], [Shard(dim)])
+               for case, (shape, dim, count) in ORTHO_CASES.items()}
+    results.update({case: equal(shape, count, mesh, _fsdp_tp_placements(style))
+                    for case, (shape, style, count) in MESH_CASES.items()})
+    stacked = tuple(muon._shifted(pl) for pl in _fsdp_tp_placements("colwise"))
+    read_as_shard = {case: muon._plain_shards((2, 2), stacked, (2, *MESH_CASES[case][0]))
+                     is not None for case in ("colwise", "colwise_uneven")}
+    everywhere = [None] * dist.get_world_size()
+    dist.all_gather_object(everywhere, results)   # the 1-D cases ran on each tp group
+    results = {case: all(r[case] for r in everywhere) for case in results}
+    placement_types.shard_dim_alltoall = _all_to_all
+    comms = {style: _step_comms(mesh, _fsdp_tp_placements(style))
+             for style in ("colwise", "rowwise")}
+    comms["fsdp4"] = _step_comms(init_device_mesh("cpu", (4,)), [Shard(0)])
     if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump(results, f)
+            json.dump({"equal": results, "strided_read_as_shard": read_as_shard,
+                       "comms": comms}, f)
     dist.destroy_process_group()
 
 

@@ -24,9 +24,11 @@ saves and reshards it like AdamW's moments: resume is exact on any layout). For 
 orthogonalised ONCE, on one rank of its mesh, and the result sent back in shards:
   * matrices of one shape and placement (e.g. every layer's wq) are taken N at a time (N = the
     ranks that shard them: dp_shard, tp, dp_shard x tp, ...) and stacked along a new dim 0;
-  * the stack is redistributed from the parameters' placements (shifted by the new dim) to dim 0
-    sharded over those ranks: each receives one whole matrix (an all-to-all on NCCL;
-    torch's DTensor falls back to all-gather + chunk on CPU/gloo);
+  * the stack is redistributed from the parameters' placements (shifted by the new dim) so
+    that each of those ranks holds one whole matrix: one all-to-all per mesh dim that shards
+    them. FSDP2 x TP's _StridedShard (colwise weights) is read as a Shard: a reordering of
+    rows, which NS commutes with. Where its rows do not divide evenly, torch's route through
+    Replicate (all-gathers of whole matrices) is taken instead;
   * each rank runs NS on its matrix, and the results are redistributed back to the
     parameters' placements.
 Matrices a rank already holds whole are orthogonalised where they are, with no communication:
@@ -34,20 +36,24 @@ plain tensors (one process, MoE experts under tp alone, which every tp rank comp
 ones, and expert weights split only along the expert dim (EP, and FSDP over the experts).
 Cost, against the simplest scheme (all-gather every matrix, orthogonalise it on every rank):
 NS work per rank drops from all of the model's matrices to 1/N of them, and per chunk of N
-matrices of M elements a rank sends and receives about 2 M elements (all-to-all there and back)
-instead of receiving (N-1) M (all-gather); both directions travel in NS's dtype, bf16 by
-default (NS casts its input first, so casting before the gather changes nothing). The price: a
-stacked copy (one matrix per rank per chunk) and a pair of collectives per chunk. On CPU/gloo
+matrices of M elements a rank sends and receives about 2 M elements per mesh dim that shards
+them (all-to-all there and back; under dp_shard x tp the tp one stays within a node) instead of
+receiving (N-1) M (all-gather); both directions travel in NS's dtype, bf16 by default (NS casts
+its input first, so casting before the gather changes nothing). The price: a stacked copy (one
+matrix per rank per chunk) and a pair of collectives per chunk and mesh dim. On CPU/gloo
 DTensor has no all-to-all and all-gathers instead: correct, not cheaper in traffic. Mesh dims
 that replicate (HSDP's dp_replicate) take no part: each replica orthogonalises the same
 matrices, so no NS traffic crosses replicas (the slow links HSDP keeps to one all-reduce).
 """
 
+import functools
+import itertools
 import math
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 # torch's own Newton-Schulz and lr adjustment (torch is pinned): the single-process reference,
@@ -255,10 +261,15 @@ def _shifted(pl):
 
 def _ns_on_owners(local_stack: torch.Tensor, mesh, placements, shape: tuple, ns) -> torch.Tensor:
     """local_stack: this rank's shard, placed `placements` on `mesh`, of a stack of matrices
-    `shape` = (k, m, n). Each matrix goes whole to one rank of the mesh dims that shard it (dim 0
-    sharded over them; replicated dims stay replicated), is orthogonalised there, and comes back
-    as this rank's shard of the results."""
-    stride = (shape[1] * shape[2], shape[2], 1)
+    `shape` = (k, m, n). Each matrix goes whole to one rank of the mesh dims that shard it
+    (replicated dims stay replicated), is orthogonalised there, and comes back as this rank's
+    shard of the results."""
+    plain = _plain_shards(tuple(mesh.shape), tuple(placements), tuple(shape))
+    if plain is not None:
+        return _ns_by_all_to_all(local_stack, mesh, plain, shape, ns)
+    # Strided shards of uneven size, or experts split along the stack too: torch's own route
+    # (through Replicate for _StridedShard: all-gathers of whole matrices).
+    stride = _contiguous_stride(shape)
     owned = [pl if isinstance(pl, Replicate) else Shard(0) for pl in placements]
     stack = DTensor.from_local(local_stack, mesh, placements, run_check=False, shape=shape,
                                stride=stride)
@@ -266,6 +277,66 @@ def _ns_on_owners(local_stack: torch.Tensor, mesh, placements, shape: tuple, ns)
     done = DTensor.from_local(_ns_each(mine, ns), mesh, owned, run_check=False, shape=shape,
                               stride=stride)
     return done.redistribute(mesh, placements).to_local()
+
+
+@functools.lru_cache
+def _plain_shards(mesh_shape: tuple, placements: tuple, shape: tuple):
+    """The placements of a stack [k, m, n] with each _StridedShard read as a Shard; None where
+    the stack dim itself is split, or where a Shard would give some rank a shard of another
+    shape. FSDP2 x TP places colwise weights _StridedShard(0) over dp_shard, which torch
+    redistributes only through Replicate. Read as a Shard, a rank's rows are those of the
+    matrix with its row blocks reordered, and NS(P M) = P NS(M) (NS(M P) = NS(M) P): the same
+    rows come back orthogonalised. Checked on every mesh coordinate, so all ranks decide alike."""
+    if any(not isinstance(pl, Replicate) and pl.dim == 0 for pl in placements):
+        return None
+    plain = tuple(Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for pl in placements)
+    if plain != placements:
+        ranges = [range(1) if isinstance(pl, Replicate) else range(size)
+                  for size, pl in zip(mesh_shape, placements)]
+        for coord in itertools.product(*ranges):
+            strided = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord),
+                                                             placements, skip_offset=True)
+            if strided != _compute_local_shape_and_global_offset(
+                    shape, mesh_shape, list(coord), plain, skip_offset=True):
+                return None
+    return plain
+
+
+def _ns_by_all_to_all(local_stack: torch.Tensor, mesh, placements, shape: tuple,
+                      ns) -> torch.Tensor:
+    """_ns_on_owners for Shard and Replicate placements that leave the stack dim whole: one
+    all-to-all per sharding mesh dim there, and one back. The stack, padded with zero
+    matrices to q N (N: the sharding ranks), is viewed [s_1, ..., s_j, q, m, n] with a stack
+    dim per sharding mesh dim; each mesh dim moves its shard from a matrix dim to its own
+    stack dim, innermost first, and back outermost first. (Asked for all mesh dims onto one
+    stack dim at once, torch's planner goes through Replicate where two shard the same dim.)"""
+    dims = [i for i, pl in enumerate(placements) if isinstance(pl, Shard)]
+    sizes = [mesh.size(i) for i in dims]
+    k, n = shape[0], math.prod(sizes)
+    q = -(-k // n)
+    if q * n > k:
+        local_stack = torch.cat([local_stack,
+                                 local_stack.new_zeros(q * n - k, *local_stack.shape[1:])])
+    view = (*sizes, q, *shape[1:])
+    source = [Shard(pl.dim + len(dims)) if isinstance(pl, Shard) else pl for pl in placements]
+    stack = DTensor.from_local(local_stack.reshape(*sizes, q, *local_stack.shape[1:]), mesh,
+                               source, run_check=False, shape=view, stride=_contiguous_stride(view))
+    current = list(source)
+    for j in reversed(range(len(dims))):
+        current[dims[j]] = Shard(j)
+        stack = stack.redistribute(mesh, current)
+    mine = stack.to_local()          # [1, ..., 1, q, m, n]: q whole matrices
+    done = _ns_each(mine.reshape(q, *shape[1:]), ns).view(mine.shape)
+    done = DTensor.from_local(done, mesh, current, run_check=False, shape=view,
+                              stride=_contiguous_stride(view))
+    for i in dims:
+        current[i] = source[i]
+        done = done.redistribute(mesh, current)
+    return done.to_local().reshape(q * n, *local_stack.shape[1:])[:k]
+
+
+def _contiguous_stride(shape: tuple) -> tuple:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
 def muon_flops(params: list, steps: int = 5) -> float:
