@@ -101,7 +101,7 @@ def test_regroup_permutation():
     recv = torch.tensor([[2, 0, 1], [0, 3, 1]])  # [ep=2, local experts=3]
     labels = [(i, expert, n) for i in range(2) for expert in range(3)
               for n in range(int(recv[i, expert]))]
-    perm, inv = _regroup(recv)
+    perm, inv = _regroup(recv, 7)
     regrouped = [labels[j] for j in perm.tolist()]
     assert regrouped == sorted(labels, key=lambda t: (t[1], t[0], t[2]))
     assert [regrouped[j] for j in inv.tolist()] == labels

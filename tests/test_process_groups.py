@@ -11,13 +11,17 @@ from tests.conftest import run_torchrun
 
 pytestmark = pytest.mark.distributed
 
-# Groups each rank joins per layout (4 ranks): one per root mesh dimension, the size-1 ones
-# included (torch's init_device_mesh makes them), but none for a world-wide dimension (the default
-# group) and none for a flattened view whose ranks another group already has. torch's defaults
-# made 8, 8, 6, 7, 6 and 4 (plus 2 EP groups on every ep_meshes call).
-MESH_GROUPS = {"dp_shard2_tp2": 5, "pp2_cp2": 5, "hsdp2x2": 5, "replicate2_cp2": 5,
-               "dp_shard2_cp2": 5, "dp_shard4_ep2": 4, "dp_shard2_tp2_ep2": 5,
-               "replicate2_shard2_ep2": 5}
+# Groups each rank joins per layout (4 ranks): one per distinct way a root mesh dimension or
+# flattened view splits the ranks, the size-1 ones sharing one group of each rank alone, and none
+# for a world-wide dimension (the default group). torch's defaults made 8, 8, 6, 7, 6 and 4 (plus
+# 2 EP groups on every ep_meshes call); one group per dimension (size-1 ones included) made 5, 5,
+# 5, 5, 5 and 4.
+MESH_GROUPS = {"dp_shard2_tp2": 3, "pp2_cp2": 3, "hsdp2x2": 3, "replicate2_cp2": 3,
+               "dp_shard2_cp2": 3, "dp_shard4_ep2": 1, "dp_shard2_tp2_ep2": 3,
+               "replicate2_shard2_ep2": 3}
+# EP's groups: with ep = dp_shard x cp (2 here) "ep" is dp_shard_cp's group and "dp_shard_mod_ep"
+# (size 1) the one each rank holds alone; only dp_shard=4, ep=2 needs two new ones.
+EP_GROUPS = {"dp_shard4_ep2": 2, "dp_shard2_tp2_ep2": 0, "replicate2_shard2_ep2": 0}
 # Layouts with a world-wide dimension or view: on a machine with CUDA, torch gives a gloo mesh a
 # group of its own for it instead of the default one (seen on an H200, torch 2.11): one more.
 WORLD_WIDE = {"hsdp2x2", "replicate2_cp2", "dp_shard2_cp2", "dp_shard4_ep2",
@@ -47,5 +51,7 @@ def test_each_distinct_group_is_made_once(results):
         want = {layout: n + (layout in WORLD_WIDE and torch.cuda.is_available())
                 for layout, n in MESH_GROUPS.items()}
         assert {layout: result[layout]["mesh"] for layout in MESH_GROUPS} == want, rank
-        for layout in ("dp_shard4_ep2", "dp_shard2_tp2_ep2", "replicate2_shard2_ep2"):
-            assert result[layout]["ep"] == 2 and result[layout]["ep_again"] == 0, (rank, layout)
+        for layout in MESH_GROUPS:   # and no two of the mesh's groups have the same ranks
+            assert result[layout]["mesh"] == result[layout]["distinct"], (rank, layout)
+        for layout, n in EP_GROUPS.items():
+            assert result[layout]["ep"] == n and result[layout]["ep_again"] == 0, (rank, layout)

@@ -223,8 +223,11 @@ class GroupedExperts(nn.Module):
 
     @staticmethod
     def _loop(x, counts, w1, w3, w2) -> torch.Tensor:
+        # The reference path reads the counts on the host (a sync), except with no rows at all
+        # (an expert-parallel rank that received none), where they are all zero.
+        sizes = counts.tolist() if x.shape[0] else [0] * counts.numel()
         outs = []
-        for e, rows in enumerate(torch.split(x, counts.tolist())):
+        for e, rows in enumerate(torch.split(x, sizes)):
             outs.append((F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e])
         return torch.cat(outs)
 
@@ -295,14 +298,19 @@ class MoE(nn.Module):
         weights, experts, scores, logits = self.router(x)
         n_assign = experts.numel()
         flat = experts.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.n_experts)
         # Token-major within an expert: earlier tokens first.
         order = torch.argsort(flat, stable=True)
+        sorted_experts = flat[order]
+        # Each expert's first row in the sorted order, and its count: no host sync (bincount's
+        # output size is the max expert, read on the host).
+        start = torch.searchsorted(sorted_experts,
+                                   torch.arange(self.n_experts + 1, device=x.device))
+        counts = start.diff()
         kept = counts
         if self.capacity_factor > 0:
             cap = math.ceil(self.capacity_factor * x.shape[0] * self.top_k / self.n_experts)
-            start = counts.cumsum(0) - counts
-            rank_in_expert = torch.arange(n_assign, device=x.device) - start[flat[order]]
+            rank_in_expert = torch.arange(n_assign, device=x.device) - start[sorted_experts]
+            # A host sync, the only one here: how many rows are kept depends on the routing.
             order = order[rank_in_expert < cap]
             kept = counts.clamp(max=cap)
         # slot -> row of the expert-sorted rows (n_kept for a dropped slot)
@@ -374,15 +382,16 @@ class MoE(nn.Module):
             n_slots = scores.shape[0] * self.top_k
             self.stats = {
                 "tokens_per_expert": counts_f.detach(),
-                "dropped_fraction": torch.tensor(n_dropped / max(n_slots, 1)),
+                "dropped_fraction": counts_f.new_full((), n_dropped / max(n_slots, 1)),
                 "router_entropy": entropy.mean(),
                 "aux_loss": aux.detach(),  # summed over this rank's tokens
                 "z_loss": z.detach(),
             }
             if counted:
-                sums = torch.stack([counts_f.new_tensor(float(n_dropped)),
-                                    counts_f.new_tensor(float(n_slots)), entropy.sum().float(),
-                                    counts_f.new_tensor(float(scores.shape[0])),
+                # new_full fills on the device; new_tensor would copy from the host and wait.
+                sums = torch.stack([counts_f.new_full((), n_dropped),
+                                    counts_f.new_full((), n_slots), entropy.sum().float(),
+                                    counts_f.new_full((), scores.shape[0]),
                                     aux.detach().float(), z.detach().float()])
                 row = torch.cat([counts_f.detach(), sums])
                 self.routing = row if self.routing is None else self.routing + row

@@ -11,7 +11,6 @@ dp_replicate x dp_shard).
 import contextlib
 import datetime
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -295,27 +294,12 @@ def build_mesh(dims: ParallelDims, device_type: str):
       dp          = dp_replicate x dp_shard       ranks that read different batches
       dp_shard_cp = dp_shard x cp                 ranks that shard parameters (FSDP)
       dp_cp       = dp_replicate x dp_shard x cp  ranks whose loss and token counts add up
-    Every group carries the default group's timeout (groups.subgroup_options). A flattened view
-    gets a group of its own only where no other already has its ranks: with tp=2 on 4 ranks all
-    three are dp_shard's group under their own names (groups.alias)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    Every group carries the default group's timeout (groups.subgroup_options), and each distinct
+    set of ranks gets one group (groups._make_groups): the size-1 dimensions share one, and with
+    tp=2 on 4 ranks all three views are dp_shard's group under their own names."""
     sizes = dict(zip(MESH_DIMS, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)))
-    options = groups.subgroup_options()
-    root = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=MESH_DIMS,
-                            backend_override={name: groups.override(size, options)
-                                              for name, size in sizes.items()})
-    flat, made = {}, {}
-    for name, parts in FLATTENED.items():
-        wide = tuple(part for part in parts if sizes[part] > 1)
-        if len(wide) <= 1:   # the ranks of one root dimension (or of none: this rank alone)
-            flat[name] = groups.alias(root[wide[0] if wide else parts[-1]], name)
-        elif wide in made:   # dp_cp with cp=1 is dp
-            flat[name] = groups.alias(made[wide], name)
-        else:
-            size = math.prod(sizes[part] for part in wide)
-            flat[name] = made[wide] = root[wide]._flatten(
-                name, backend_override=groups.override(size, options))
+    root = groups.root_mesh(device_type, sizes)
+    flat = {name: groups.flatten(root, parts, name) for name, parts in FLATTENED.items()}
     return Mesh(root, flat)
 
 

@@ -106,8 +106,9 @@ def ep_meshes(mesh, ep: int):
     ep_mesh: 1D, the ep contiguous ranks of "dp_shard_cp" (pass it to `apply_ep`).
     expert_fsdp_mesh: the mesh to give `fully_shard` for each MoE's `experts` module:
     ("dp_replicate", "dp_shard_mod_ep") -- 2D (HSDP) when dp_replicate > 1, else 1D
-    "dp_shard_mod_ep". Collective the first time for a mesh (every rank must call it): the two
-    groups are made once per mesh and ep, and kept on the mesh, so pipeline parts share them."""
+    "dp_shard_mod_ep". Collective the first time for a mesh (every rank must call it): its groups
+    (none for a dimension whose ranks another group has) are made once per mesh and ep, and kept
+    on the mesh, so pipeline parts share them."""
     cache = mesh.__dict__.setdefault("_ep_meshes", {})
     if ep not in cache:
         cache[ep] = _split_for_ep(mesh, ep)
@@ -121,11 +122,9 @@ def _split_for_ep(mesh, ep: int):
     if d % ep:
         raise ConfigError(f"distributed.ep={ep} does not divide dp_shard x cp = {d}; see "
                           f"validate_ep.")
-    options = groups.subgroup_options()
-    split = mesh["dp_shard_cp"]._unflatten(
-        0, (d // ep, ep), ("dp_shard_mod_ep", "ep"),
-        backend_override={"dp_shard_mod_ep": groups.override(d // ep, options),
-                          "ep": groups.override(ep, options)})
+    # No new group where one has the same ranks: with ep = d, "ep" is dp_shard_cp's group and
+    # "dp_shard_mod_ep" (size 1) the one each rank holds alone.
+    split = groups.unflatten(mesh["dp_shard_cp"], (d // ep, ep), ("dp_shard_mod_ep", "ep"))
     fsdp_mesh = split["dp_shard_mod_ep"]
     if mesh["dp_replicate"].size() > 1:
         fsdp_mesh = DeviceMesh._concatenate([mesh["dp_replicate"], fsdp_mesh])
@@ -215,19 +214,20 @@ def ep_dispatch(x: torch.Tensor, counts: torch.Tensor, compute, ep: int, group) 
     host = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
     send_splits, recv_splits = host[0], host[1]
     x_recv = all_to_all_single_autograd(x.contiguous(), recv_splits, send_splits, group)
-    perm, inv = _regroup(recv_counts)
+    perm, inv = _regroup(recv_counts, sum(recv_splits))
     y_local = compute(x_recv[perm], recv_counts.sum(0))
     return all_to_all_single_autograd(y_local[inv].contiguous(), send_splits, recv_splits, group)
 
 
-def _regroup(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _regroup(recv_counts: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Permutation taking rows ordered by (source rank, local expert) to (local expert, source
-    rank), and its inverse. recv_counts [ep, n_local]."""
+    rank), and its inverse. recv_counts [ep, n_local], summing to n_rows (given from the host:
+    repeat_interleave would otherwise read the sum from the device)."""
     ep, n_local = recv_counts.shape
     device = recv_counts.device
     # Sort key of block (source i, expert l) = l * ep + i; the stable sort keeps row order inside.
     keys = (torch.arange(n_local, device=device) * ep
             + torch.arange(ep, device=device)[:, None]).reshape(-1)
-    row_keys = torch.repeat_interleave(keys, recv_counts.reshape(-1))
+    row_keys = torch.repeat_interleave(keys, recv_counts.reshape(-1), output_size=n_rows)
     perm = torch.argsort(row_keys, stable=True)
     return perm, torch.argsort(perm)

@@ -3,8 +3,9 @@
 `torchrun --nproc-per-node 4 -m tests.workers.groups_worker OUT_DIR TIMEOUT_S`: starts the
 process group through `distributed.init` with distributed.timeout_s=TIMEOUT_S, builds the mesh of
 each layout in LAYOUTS (and ep_meshes where it has ep, twice), the async checkpoint's group, and
-writes OUT_DIR/rank<r>.json: per layout, the groups this rank joined while building it and the
-timeout (seconds) of every group it holds, by name.
+writes OUT_DIR/rank<r>.json: per layout, the groups this rank joined while building it, how many
+distinct ones its named dimensions have, and the timeout (seconds) of every group it holds, by
+name.
 """
 
 import json
@@ -40,6 +41,9 @@ def measure(overrides: dict, ep: int, timeout: int) -> dict:
     mesh = distributed.build_mesh(distributed.parallel_dims(args, 4), "cpu")
     result = {"mesh": groups.created() - before}
     timeouts = {name: timeout_s(mesh[name].get_group()) for name in NAMES}
+    # The groups behind the named dimensions, other than the default one (made before).
+    names = {mesh[name].get_group().group_name for name in NAMES}
+    result["distinct"] = len(names - {distributed.dist.group.WORLD.group_name})
     if ep > 1:
         before = groups.created()
         ep_mesh, fsdp_mesh = ep_meshes(mesh, ep)
