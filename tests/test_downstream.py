@@ -358,6 +358,63 @@ def test_flat_metrics_names():
     assert math.isfinite(got["eval/arc_easy/acc"])
 
 
+MEDIAN_TASK = """task: scale_median
+custom_dataset: !function utils.load
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: label
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: median
+    higher_is_better: true
+"""
+
+
+def test_bootstrapped_stderr_forks_no_pool_and_only_rank_0_computes_it(tmp_path, monkeypatch):
+    """lm-eval bootstraps the stderr of a metric without a formula (a median here, as perplexity
+    or f1) in a pool of cpu_count() processes forked from the evaluating one (a CUDA/NCCL
+    process): never here. Rank 0 computes it in-process with lm-eval's own resamples (the same
+    value the pool gives); the other ranks, whose results rank 0's replace, skip it."""
+    import multiprocessing
+
+    from lm_eval.api import metrics
+
+    from apps.llama.model import LlamaArgs, Transformer
+    from lingua.eval import downstream
+    from lingua.eval.evaluation import EvalArgs
+    from lingua.parallel.distributed import DistEnv, DistributedArgs, parallel_dims
+    from lingua.train.tokenizer import ByteTokenizer
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("lm-eval forked a multiprocessing pool")
+
+    monkeypatch.setattr(multiprocessing, "Pool", no_pool)
+    monkeypatch.delenv("DISABLE_MULTIPROC", raising=False)   # set by the evaluation itself
+    (tmp_path / "scale_median.yaml").write_text(MEDIAN_TASK)
+    shutil.copy(TEST_TASKS / "utils.py", tmp_path / "utils.py")
+    torch.manual_seed(0)
+    model = Transformer(LlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, multiple_of=16,
+                                  vocab_size=ByteTokenizer.vocab_size, max_seq_len=512))
+    model.init_weights()
+    args = EvalArgs(include_path=str(tmp_path), limit=8, batch_size=8, log_samples=True)
+    dims = parallel_dims(DistributedArgs(), 1)
+    got = {}
+    for rank in (0, 1):
+        env = DistEnv(rank, 0, 1, torch.device("cpu"), dims, None)
+        got[rank] = downstream.evaluate_tasks(model, ByteTokenizer(), env, args, 512,
+                                              ["scale_median"])
+    accs = [row["acc"] for row in got[0]["samples"]["scale_median"]]
+    draws = metrics._bootstrap_internal(metrics.median, downstream.BOOTSTRAP_ITERS)((0, accs))
+    stderr = got[0]["results"]["scale_median"]["acc_stderr,none"]
+    assert stderr == metrics.sample_stddev(draws), stderr   # what the pool computes
+    assert got[1]["results"]["scale_median"]["acc_stderr,none"] == "N/A"
+    assert (got[1]["results"]["scale_median"]["acc,none"]
+            == got[0]["results"]["scale_median"]["acc,none"])
+
+
 # -- the GPU runbook (bash setup/test.sh -m gpu) ------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -4,6 +4,7 @@ KV cache) against argmax decoding that recomputes the whole prefix each token. F
 tier's in-process check of the module that the downstream tests reach through subprocesses."""
 
 import io
+import json
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from lingua.eval.evaluation import EvalArgs
 from lingua.eval.lm_eval_model import LinguaLM
 from lingua.parallel.distributed import DistEnv, DistributedArgs, parallel_dims
 from lingua.train.tokenizer import ByteTokenizer
+from tests.conftest import run_torchrun
 
 MAX_LEN = 24
 
@@ -81,3 +83,20 @@ def test_generate_until_is_greedy_decoding_cut_at_the_stop(lm):
     if stop:   # a stop sequence cuts the text before it
         cut = lm.generate_until([request("generate_until", (context, {"until": [stop]}))])
         assert cut == [want.split(stop, 1)[0]]
+
+
+@pytest.mark.distributed
+def test_ranks_with_different_requests_fail_with_the_fix(tmp_path):
+    """A node whose dataset cache holds other data builds other requests: every rank says so (the
+    same paragraph) before the first collective, where it would otherwise hang."""
+    run_torchrun(2, "tests.workers.scale_requests_worker", [str(tmp_path)], timeout=180)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["same"] == ranks[1]["same"] and len(ranks[0]["same"]) == 3
+    for case in ("text", "count", "tasks"):
+        message = ranks[0][case]
+        assert isinstance(message, str) and message == ranks[1][case], (case, ranks)
+        assert message.startswith("The ranks built different lm-eval requests"), message
+        assert "HF_DATASETS_CACHE" in message and "rank 0:" in message and "rank 1:" in message
+    assert "rank 1: 4 loglikelihood requests" in ranks[0]["count"]
+    assert "rank 1: 3 loglikelihood requests" in ranks[0]["tasks"]
+    assert "2 of every type" in ranks[0]["tasks"]

@@ -2,8 +2,12 @@
 alone reading all of it while the others wait under the collective timeout), and all ranks agree
 on the checkpoint they resume from."""
 
+import builtins
+import io
 import json
 import os
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -60,12 +64,19 @@ def test_each_damaged_file_is_found_by_exactly_one_rank(tmp_path):
         flip_a_byte(ckpt / name)  # back
 
 
-def test_sizes_are_checked_by_every_rank(tmp_path):
+def test_sizes_are_checked_by_the_rank_whose_share_the_file_is(tmp_path):
+    """Not by every rank: at 1,000 ranks that is a stat of every file by each (a metadata
+    storm). Together the ranks still check every file's size."""
     ckpt = fake_checkpoint(tmp_path, 4)
+    files = manifest_of(ckpt)
     with open(ckpt / "__1_0.distcp", "r+b") as f:
         f.truncate(10)
-    assert all("__1_0.distcp has 10 bytes" in checkpoint_integrity.verify_share(ckpt, r, 3)
-               for r in range(3))
+    found = [r for r in range(3) if checkpoint_integrity.verify_share(ckpt, r, 3) is not None]
+    assert found == [r for r in range(3)
+                     if "__1_0.distcp" in checkpoint_integrity.crc_share(files, r, 3)]
+    assert "__1_0.distcp has 10 bytes" in checkpoint_integrity.verify_share(ckpt, found[0], 3)
+    (ckpt / "__1_0.distcp").unlink()
+    assert "__1_0.distcp is missing" in checkpoint_integrity.verify_share(ckpt, found[0], 3)
     (ckpt / checkpoint_integrity.MANIFEST).unlink()
     assert all("manifest.json is missing" in checkpoint_integrity.verify_share(ckpt, r, 3)
                for r in range(3))
@@ -137,9 +148,10 @@ def test_two_ranks_skip_a_checkpoint_only_rank_1_finds_damaged(tmp_path):
     assert (sorted(n for n in read if n.startswith("2/"))
             == sorted(f"2/{n}" for n in manifest_of(older)))
     assert f"4/{damaged}" in results[1]["read"] and f"4/{damaged}" not in results[0]["read"]
-    assert (f"[rank0] lingua.train.checkpoint: skipping damaged checkpoint {newer}: "
+    assert (f"[rank0] lingua.train.checkpoint_integrity: skipping damaged checkpoint {newer}: "
             f"{newer / damaged} is damaged") in proc.stdout, proc.stdout[-3000:]
-    assert "[rank1] lingua.train.checkpoint: skipping" not in proc.stdout   # said once, by rank 0
+    # Said once, by rank 0.
+    assert "[rank1] lingua.train.checkpoint_integrity: skipping" not in proc.stdout
     # Moved aside once, by rank 0, after rank 1 had read its damaged share (it named the damage).
     assert sorted(p.name for p in older.parent.iterdir()) == ["2", "4.damaged"]
 
@@ -176,3 +188,105 @@ def test_keep_counts_intact_checkpoints_only(corpus, tmp_path, capfd):
     assert log.count("skipping damaged checkpoint") == 1, log[-3000:]
     assert f"skipping damaged checkpoint {shard.parent}: {shard} has" in log
     assert f"moved it to {shard.parent}.damaged (delete that to free its space)" in log
+
+
+class ThreadRanks:
+    """`world_size` ranks as threads of this process: `gather` is an all-gather over them, and
+    `touched[r]` the paths rank r stat-ed, listed or opened (a thread-local rank says whose)."""
+
+    def __init__(self, world_size: int, monkeypatch):
+        self.world_size, self.slots = world_size, [None] * world_size
+        self.barrier = threading.Barrier(world_size)
+        self.local = threading.local()
+        self.touched = [[] for _ in range(world_size)]
+        for module, name in ((os, "stat"), (os, "listdir"), (os, "scandir"), (io, "open"),
+                             (builtins, "open")):
+            monkeypatch.setattr(module, name, self.recording(getattr(module, name)))
+
+    def recording(self, real):
+        def call(path, *args, **kwargs):
+            rank = getattr(self.local, "rank", None)
+            if rank is not None and isinstance(path, (str, os.PathLike)):
+                self.touched[rank].append(Path(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    def gather(self, obj) -> list:
+        self.slots[self.local.rank] = obj
+        self.barrier.wait()
+        everyone = list(self.slots)
+        self.barrier.wait()   # nobody overwrites a slot before all have read it
+        return everyone
+
+    def run(self, fn) -> list:
+        """fn(rank) on every rank, together; the results in rank order."""
+        results = [None] * self.world_size
+
+        def rank_main(rank):
+            self.local.rank = rank
+            results[rank] = fn(rank)
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(self.world_size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        return results
+
+
+def test_each_rank_touches_only_its_share_of_the_files(tmp_path, monkeypatch):
+    """At resume no rank stats, opens or lists every file (1,000 ranks doing so are a metadata
+    storm): rank 0 lists the candidates and reads their manifests, each rank stats and reads its
+    share of the files; a damaged newer checkpoint is still found, by the rank whose share it is."""
+    older = fake_checkpoint(tmp_path, 2, saved_ranks=8)
+    newer = fake_checkpoint(tmp_path, 4, saved_ranks=8)
+    damaged = checkpoint_integrity.crc_share(manifest_of(newer), 3, 4)[0]
+    flip_a_byte(newer / damaged)
+    ranks = ThreadRanks(4, monkeypatch)
+    chosen = ranks.run(lambda r: checkpoint.newest_verified(tmp_path, r, 4, gather=ranks.gather))
+    assert chosen == [older] * 4
+    root = checkpoint.checkpoints_dir(tmp_path)
+    for r, touched in enumerate(ranks.touched):
+        for ckpt in (older, newer):
+            files = manifest_of(ckpt)
+            mine = {p.name for p in touched if p.parent == ckpt}
+            share = set(checkpoint_integrity.crc_share(files, r, 4))
+            assert mine == share | ({checkpoint_integrity.MANIFEST} if r == 0 else set()), (r, ckpt)
+            assert len(share) <= len(files) // 2
+        listed = [p for p in touched if p == root]
+        assert (len(listed) > 0) == (r == 0), r
+
+
+def test_a_listing_that_fails_on_rank_0_fails_on_every_rank(tmp_path, monkeypatch):
+    """Rank 0 alone lists the checkpoints: its failure must reach the others, not leave them
+    waiting for a list that never comes (4 ranks simulated as threads, as above)."""
+    from lingua.errors import RunError
+
+    def unreadable(root):
+        raise PermissionError(13, "Permission denied", str(root))
+
+    monkeypatch.setattr(checkpoint_integrity, "step_dirs", unreadable)
+    barrier, slots, errors = threading.Barrier(4), [None] * 4, [None] * 4
+
+    def gather_for(rank):
+        def gather(obj):
+            slots[rank] = obj
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+        return gather
+
+    def resume(rank):
+        try:
+            checkpoint.newest_verified(tmp_path, rank, 4, gather=gather_for(rank))
+        except RunError as err:
+            errors[rank] = str(err)
+
+    threads = [threading.Thread(target=resume, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(e is not None and "cannot be listed" in e and "Permission denied" in e
+               for e in errors), errors

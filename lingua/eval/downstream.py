@@ -53,6 +53,7 @@ logger = logging.getLogger("eval")
 
 RESULTS_NAME = "results.json"
 FEWSHOT_SEED = 1234     # lm-eval's default: the same few-shot examples as its CLI picks
+BOOTSTRAP_ITERS = 1000  # resamples for the stderr of metrics without a formula (perplexity, f1...)
 # lm-eval's per-task sections kept in results.json beside "results".
 SECTIONS = ("n-shot", "versions", "higher_is_better", "n-samples")
 
@@ -70,6 +71,10 @@ def quiet_lm_eval() -> None:
     import tqdm
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    # lm-eval's switch for its bootstrapped stderrs, otherwise computed in a pool of cpu_count()
+    # processes forked from this one (CUDA, NCCL and gloo threads: a fork can hang or crash in
+    # them, and on every node it oversubscribes the cores). Same resamples, same values.
+    os.environ["DISABLE_MULTIPROC"] = "1"
     logging.getLogger("lm_eval.api.task").addFilter(_DropRepeatedAdvice())
     # Its progress bars too: lm-eval has no switch for the one of building requests, and
     # TQDM_DISABLE is read when torch imports tqdm, before we could set it. So the name that
@@ -250,11 +255,12 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
         return {}
     was_training = model.training
     model.eval()
-    lm = LinguaLM(model, tokenizer, env, args, max_length, autocast, progress or Progress())
     limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
     # lm-eval's evaluate(), not simple_evaluate(): the latter reseeds the global RNGs (the
     # training run's) and runs pip, conda, git and nvidia-smi for an environment report.
     loaded = task_manager(args.include_path).load(list(names))
+    lm = LinguaLM(model, tokenizer, env, args, max_length, autocast, progress or Progress(),
+                  tasks=loaded["tasks"])
     for task in loaded["tasks"].values():   # few-shot settings as simple_evaluate makes them
         if args.num_fewshot is not None and task.get_config("num_fewshot") != 0:
             task.set_config(key="num_fewshot", value=args.num_fewshot)
@@ -263,8 +269,11 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
     lm.progress.say(f"building the requests of {', '.join(names)}")
     try:
+        # Every rank computes the metrics (lm-eval sees one process each); rank 0's are kept, so
+        # only rank 0 bootstraps stderrs (in this process: quiet_lm_eval).
         results = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit,
-                                     log_samples=args.log_samples, bootstrap_iters=1000)
+                                     log_samples=args.log_samples,
+                                     bootstrap_iters=BOOTSTRAP_ITERS if env.rank == 0 else 0)
     finally:
         model.train(was_training)
     # Every rank computed the same results; rank 0's (their plain sections: the task configs

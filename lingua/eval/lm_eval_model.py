@@ -3,6 +3,7 @@ requests are shared over the ranks). Imported only where an evaluation runs: lm-
 optional dependency, and training never needs it."""
 
 import contextlib
+import hashlib
 import logging
 from typing import Callable, List, Optional, Tuple
 
@@ -17,6 +18,7 @@ from lingua.parallel.distributed import DistEnv
 
 logger = logging.getLogger("eval")
 
+
 def task_label(requests) -> str:
     """The tasks lm-eval's requests come from (it sends all tasks' requests of a type at once)."""
     names = sorted({getattr(req, "task_name", None) or "?" for req in requests})
@@ -24,13 +26,43 @@ def task_label(requests) -> str:
     return ", ".join(names[:3]) + more
 
 
+def request_digest(instances) -> tuple:
+    """(how many, SHA-256 of their contents) of lm-eval requests: what every rank must agree on."""
+    digest, n = hashlib.sha256(), 0
+    for inst in instances:
+        digest.update(repr((inst.task_name, inst.request_type, inst.doc_id, inst.idx,
+                            inst.repeats, inst.arguments)).encode() + b"\0")
+        n += 1
+    return n, digest.hexdigest()
+
+
+def different_requests_error(everyone: list) -> ConfigError:
+    """The same paragraph on every rank: which ranks built which requests, and the fix."""
+    seen = {}
+    for rank, (kind, (n, digest), (total, all_digest)) in enumerate(everyone):
+        seen.setdefault((kind, n, digest[:12], total, all_digest[:12]), []).append(str(rank))
+    found = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(r)}: {n} {kind} requests "
+                      f"(sha256 {digest}), {total} of every type (sha256 {all_digest})"
+                      for (kind, n, digest, total, all_digest), r in seen.items())
+    return ConfigError(
+        f"The ranks built different lm-eval requests for eval.tasks ({found}). Each rank builds "
+        f"every request from the tasks' data as its own node sees it, so a node with another copy "
+        f"of the data (another HF_DATASETS_CACHE or HF_HOME, a dataset changed on the hub since "
+        f"another node cached it, another lm-eval version or task YAML) would score other "
+        f"examples and the ranks would wait for each other forever. Give every node the same "
+        f"data and code: point HF_DATASETS_CACHE (or HF_HOME) at one shared directory, install "
+        f"the same lm-eval version and eval.include_path files everywhere, then run again.")
+
+
 class LinguaLM(TemplateLM):
     """lm-eval's view of our model (module docstring). `model` is the whole (unpipelined) model
     as this rank holds it: a plain module, or sharded by FSDP2 / TP."""
 
     def __init__(self, model, tokenizer, env: DistEnv, args: EvalArgs, max_length: int,
-                 autocast: Callable, progress):
+                 autocast: Callable, progress, tasks: Optional[dict] = None):
         super().__init__()
+        self.tasks = tasks or {}   # lm-eval's task objects: every request they built is checked
+        self._all_requests = None   # their request_digest, once built
         self.model, self.tok, self.env, self.args = model, tokenizer, env, args
         self._max_length = max_length
         self.autocast = autocast
@@ -68,8 +100,25 @@ class LinguaLM(TemplateLM):
         return self.tok.decode(ids)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self._same_on_every_rank("loglikelihood", requests)
         self._tasks = task_label(requests)
         return super().loglikelihood(requests, disable_tqdm=True)   # no bar in a training log
+
+    def _same_on_every_rank(self, kind: str, requests) -> None:
+        """Before the first collective of each request type: every rank built the same requests
+        (these, and all the tasks' of every type), or every rank raises the same ConfigError. A
+        rank with other requests would otherwise take another number of batches, or another
+        request type, and the ranks would hang in mismatched collectives."""
+        if self.env.world_size == 1:
+            return
+        if self._all_requests is None:
+            self._all_requests = request_digest(
+                inst for task in self.tasks.values() for inst in (task.instances or []))
+        mine = (kind, request_digest(requests), self._all_requests)
+        everyone = [None] * self.env.world_size
+        torch.distributed.all_gather_object(everyone, mine)
+        if any(other != mine for other in everyone):
+            raise different_requests_error(everyone)
 
     # -- the model ------------------------------------------------------------------------------
 
@@ -143,6 +192,7 @@ class LinguaLM(TemplateLM):
         conditioned on what precedes it, BOS as the first token's context."""
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+        self._same_on_every_rank("loglikelihood_rolling", requests)
         windows, owner = [], []
         for index, (text,) in enumerate(req.args for req in requests):
             for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
@@ -162,6 +212,7 @@ class LinguaLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> List[str]:
         """Greedy continuations, cut at the first stop sequence (module docstring)."""
+        self._same_on_every_rank("generate_until", requests)
         jobs = []
         for req in requests:
             context, gen_kwargs = req.args

@@ -155,6 +155,7 @@ def run(args, app: App) -> int:
         # A task whose data cannot be read stops us here.
         downstream.load_tasks(args.eval.tasks, args.eval.include_path)
     write_config(args, env)
+    checkpoint.prepare_async_saves(args.checkpoint, env.world_size)   # fails now, not mid-run
     parts, stage_ids = build_model_parts(args, env, app)
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
     training = Run(args, env, app, parts, stage_ids, optimizers, hooks(args, env, app))

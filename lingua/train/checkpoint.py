@@ -15,7 +15,8 @@ reading its share of the files (`newest_verified`), and automatic resume skips a
 checkpoint (with a warning naming the file) for the one before it and moves it aside to
 `<step>.damaged/`, so that `keep` counts intact checkpoints only; a checkpoint asked for by name
 (export, generate) that fails `verify()` is an error.
-The manifest, the checks against it, setting aside and pruning are in checkpoint_integrity.py.
+The manifest, the checks against it, the ranks' agreement at resume, setting aside and pruning
+are in checkpoint_integrity.py.
 
 With checkpoint.async_save a periodic save (`save_async`) only copies the state to CPU memory at
 its step; a background thread writes the same files into the same `.tmp-` directory while training
@@ -53,17 +54,18 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lingua.errors import ConfigError, RunError
 from lingua.parallel import groups
-from lingua.train.checkpoint_integrity import (
+from lingua.train.checkpoint_integrity import (  # noqa: F401 (newest_verified, verified: API)
     MANIFEST,
     STEP_DIR,
     InUse,
+    checkpoints_dir,
     describe,
-    move_aside,
+    newest_verified,
     prune,
     require_intact,
     step_dirs,
+    verified,
     verify,
-    verify_share,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,10 +93,6 @@ def validate_args(args: CheckpointArgs) -> None:
                           f"Hugging Face model directory (config.json + *.safetensors).")
 
 
-def checkpoints_dir(dump_dir) -> Path:
-    return Path(dump_dir) / "checkpoints"
-
-
 def list_complete(dump_dir) -> list:
     """Complete checkpoints, oldest first (only renamed step directories holding DCP metadata)."""
     root = checkpoints_dir(dump_dir)
@@ -118,42 +116,6 @@ def newest(dump_dir, warn: bool = True) -> Optional[Path]:
         if warn:
             logger.warning("skipping damaged checkpoint %s: %s; trying the one before", ckpt,
                            problem)
-    return None
-
-
-def _all_gather(obj) -> list:
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None,
-                    set_aside: bool = False) -> Optional[Path]:
-    """The newest checkpoint that passes every rank's `verify_share` (so, all together, a full
-    `verify` with checksums), the same on every rank; None if there is none.
-
-    Collective when world_size > 1: every rank calls it. `gather(obj)` returns every rank's obj
-    in rank order (default: all_gather_object over the default group). Each rank reads only its
-    share of the files, so the ranks wait in the agreement for about 1/world_size of the time one
-    rank would need to read a whole checkpoint (a 70B model with its Adam state is ~850 GB).
-    Damaged checkpoints are skipped, newest first, with a warning (from rank 0) naming what each
-    rank found; with `set_aside` (resume), rank 0 also moves each to `<step>.damaged/`, once the
-    agreement says no rank reads it any more, so a later save's pruning does not count it."""
-    if gather is None:
-        gather = _all_gather if world_size > 1 else (lambda obj: [obj])
-    root = checkpoints_dir(dump_dir)
-    # Rank 0's candidates, so every rank takes the same number of steps in the agreement below
-    # (a rank that cannot see one of them reports it as damaged: its manifest is missing).
-    names = gather([p.name for p in step_dirs(root)])[0]
-    for name in reversed(names):
-        ckpt = root / name
-        problems = [p for p in gather(verify_share(ckpt, rank, world_size)) if p is not None]
-        if not problems:
-            return ckpt
-        if rank == 0:
-            done = f"; {move_aside(ckpt)}" if set_aside else ""
-            logger.warning("skipping damaged checkpoint %s: %s%s; trying the one before", ckpt,
-                           "; ".join(dict.fromkeys(problems)), done)
     return None
 
 
@@ -436,23 +398,27 @@ class PendingSave:
         self.writing = executor.submit(write)
         executor.shutdown(wait=False)   # the thread ends after this one job
 
-    def finish(self, block: bool) -> Optional[Path]:
+    def finish(self, block: bool, all_written: Optional[bool] = None) -> Optional[Path]:
         """Collective while the write is pending: every rank calls it at the same step
-        boundaries. Without `block`, it returns None unless every rank's write is done (one
-        all-reduce of a flag); then, or after waiting (`block`), it makes the checkpoint visible
-        as `save` does and returns its directory, or raises RunError on every rank if any rank's
-        write failed (the tmp directory removed; the previous checkpoint stays the newest)."""
+        boundaries. Without `block`, it returns None unless every rank's write is done
+        (`all_written`, as the training step's agreement found it; None: one all-reduce of a
+        flag now); then, or after waiting (`block`), it makes the checkpoint visible as `save`
+        does and returns its directory, or raises RunError on every rank if any rank's write
+        failed (the tmp directory removed; the previous checkpoint stays the newest)."""
         if self.writing is None:
             return self.final
         if block:
             futures.wait([self.writing])
-        elif not self._everyone_done():
+        elif not (self._everyone_done() if all_written is None else all_written):
             return None
         writing, self.writing = self.writing, None
         error = writing.exception()
         if error is not None:
             return self.close(_root_cause(error), {})
         return self.close(None, writing.result())
+
+    def written_here(self) -> bool:
+        return self.writing is None or self.writing.done()
 
     def _everyone_done(self) -> bool:
         done = self.writing.done()
@@ -464,8 +430,8 @@ class PendingSave:
 
     def close(self, error: Optional[BaseException], described: dict) -> Path:
         """Collective: with no error on any rank, rank 0 writes config.yaml and the manifest and
-        renames the directory to `<step>/`, then prunes to `keep`; else every rank raises
-        RunError after the directory is removed."""
+        renames the directory to `<step>/`, then, once every rank has passed the closing barrier,
+        prunes to `keep`; else every rank raises RunError after the directory is removed."""
         rank, world_size, tmp, final = self.rank, self.world_size, self.tmp, self.final
         error = _first_error(error, world_size)
         if error is None:
@@ -499,19 +465,36 @@ class PendingSave:
                            f"dump_dir at a filesystem with room), then run the same command to "
                            f"resume.") from None
         if rank == 0:
-            prune(self.root, self.keep, self.in_use)
             logger.info("saved checkpoint %s", final)
         _barrier(world_size)
+        if rank == 0:   # after the barrier: the others go on while an old checkpoint is deleted
+            self._prune()
         return final
+
+    def _prune(self) -> None:
+        """Down to `keep`, never this checkpoint nor those in use. A failure only costs disk
+        space (the next save prunes again): the run goes on."""
+        try:
+            prune(self.root, self.keep, self.in_use, newest=self.final)
+        except Exception as err:   # a vanished directory, a failing in_use, ...
+            logger.warning("could not prune old checkpoints in %s (%s: %s); the next save "
+                           "tries again", self.root, type(err).__name__, err)
 
 
 # DCP's collectives of a background write get a gloo group of their own: on the default group they
 # would interleave with the training loop's collectives in an order that differs between ranks
 # (a hang or mixed-up data on gloo and NCCL alike), and dcp.async_save needs a CPU backend, which
-# an NCCL-only default group lacks. Made once per default group (every rank, at the first
-# asynchronous save), with the default group's timeout; only one background write uses it at a
-# time.
+# an NCCL-only default group lacks. Made once per default group, at start (prepare_async_saves),
+# with the default group's timeout; only one background write uses it at a time.
 _ASYNC_GROUP: list = [None, None]   # [default group it belongs to, the gloo group]
+
+
+def prepare_async_saves(args: CheckpointArgs, world_size: int) -> None:
+    """Collective with checkpoint.async_save on several ranks: every rank calls it before
+    training. Makes the background writes' gloo group now (about world_size - 1 connections per
+    rank), so that a rank that cannot open them fails at start, not at the first save mid-run."""
+    if args.async_save and world_size > 1:
+        _async_group()
 
 
 def _async_group():
@@ -564,19 +547,6 @@ def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: i
         _set_rng_state(train_state["rng"])
     logger.info("resumed from %s (step %d)", ckpt_dir, train_state["step"])
     return train_state
-
-
-def verified(ckpt_dir, rank: int = 0, world_size: int = 1) -> None:
-    """Collective when world_size > 1: raise ConfigError on every rank unless the checkpoint
-    passes every rank's `verify_share` (together, a full `verify` with checksums)."""
-    problem = verify_share(ckpt_dir, rank, world_size)
-    problems = _all_gather(problem) if world_size > 1 else [problem]
-    problems = [p for p in problems if p is not None]
-    if problems:
-        raise ConfigError(f"Checkpoint {ckpt_dir} is damaged: "
-                          f"{'; '.join(dict.fromkeys(problems))}. "
-                          f"Use another checkpoint of the run (ls {Path(ckpt_dir).parent}), or "
-                          f"copy this one again from where it was written.")
 
 
 def load_model(ckpt_dir: Path, parts: list) -> None:

@@ -1,6 +1,7 @@
 """What makes a checkpoint directory intact: its manifest (size and CRC-32 of every file), the
-checks against it (whole, or one rank's share), and what becomes of damaged checkpoints (set aside)
-and of old ones (pruned)."""
+checks against it (whole, or one rank's share), the ranks' agreement on the newest intact one
+(`newest_verified`), and what becomes of damaged checkpoints (set aside) and of old ones
+(pruned)."""
 
 import heapq
 import json
@@ -8,11 +9,14 @@ import logging
 import os
 import re
 import shutil
+import stat
 import zlib
 from pathlib import Path
 from typing import Callable, Optional
 
-from lingua.errors import ConfigError
+import torch.distributed as dist
+
+from lingua.errors import ConfigError, RunError
 
 logger = logging.getLogger(__name__)
 # Whether the checkpoint of a step must outlive pruning (the trainer's: an evaluation job that has
@@ -43,9 +47,9 @@ def write_manifest(ckpt_dir) -> None:
     (ckpt_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
-def _read_manifest(ckpt_dir: Path):
+def read_manifest(ckpt_dir) -> tuple:
     """(the manifest's {name: {"size", "crc32"}}, None), or (None, what is wrong with it)."""
-    manifest_path = ckpt_dir / MANIFEST
+    manifest_path = Path(ckpt_dir) / MANIFEST
     if not manifest_path.is_file():
         return None, (f"{manifest_path} is missing (the checkpoint was not finished, or was "
                       f"copied partly)")
@@ -59,17 +63,20 @@ def _read_manifest(ckpt_dir: Path):
     return files, None
 
 
-def _size_problem(ckpt_dir: Path, files: dict) -> Optional[str]:
-    for name, want in sorted(files.items()):
+def _size_problem(ckpt_dir: Path, files: dict, names) -> Optional[str]:
+    for name in names:
         path = ckpt_dir / name
-        try:
-            size = path.stat().st_size if path.is_file() else None
+        try:   # one stat a file: at resume every rank does this for its share of the files
+            info = path.stat()
+            size = info.st_size if stat.S_ISREG(info.st_mode) else None
+        except FileNotFoundError:
+            size = None
         except OSError as err:
             return f"{path} cannot be read ({err})"
         if size is None:
             return f"{path} is missing"
-        if size != want["size"]:
-            return f"{path} has {size} bytes, the manifest says {want['size']} (truncated?)"
+        if size != files[name]["size"]:
+            return f"{path} has {size} bytes, the manifest says {files[name]['size']} (truncated?)"
     return None
 
 
@@ -84,21 +91,23 @@ def _crc_problem(ckpt_dir: Path, files: dict, names) -> Optional[str]:
     return None
 
 
-def _check(ckpt_dir, crc_names) -> Optional[str]:
-    """The manifest, every file's size, then the CRC-32 of the files crc_names(manifest) picks."""
+def _check(ckpt_dir, pick, checksums: bool, manifest=None) -> Optional[str]:
+    """The manifest (`manifest`: what read_manifest gave another rank; None: read it here), then
+    the size and (`checksums`) the CRC-32 of the files pick(manifest's files) names."""
     ckpt_dir = Path(ckpt_dir)
-    files, problem = _read_manifest(ckpt_dir)
+    files, problem = read_manifest(ckpt_dir) if manifest is None else manifest
     if problem is None:
-        problem = _size_problem(ckpt_dir, files)
-    if problem is None:
-        problem = _crc_problem(ckpt_dir, files, crc_names(files))
+        names = sorted(pick(files))
+        problem = _size_problem(ckpt_dir, files, names)
+        if problem is None and checksums:
+            problem = _crc_problem(ckpt_dir, files, names)
     return problem
 
 
 def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
     """None if the checkpoint is intact, else what is wrong with it (one sentence).
     Sizes are always checked; `checksums` also reads every file (as loading it would)."""
-    return _check(ckpt_dir, lambda files: sorted(files) if checksums else [])
+    return _check(ckpt_dir, lambda files: files, checksums)
 
 
 def crc_share(files: dict, rank: int, world_size: int) -> list:
@@ -117,10 +126,14 @@ def crc_share(files: dict, rank: int, world_size: int) -> list:
     return sorted(mine)
 
 
-def verify_share(ckpt_dir, rank: int, world_size: int) -> Optional[str]:
-    """`verify` split over ranks: the sizes of every file (cheap) and the CRC-32 of this rank's
-    share of the files (`crc_share`). None where this rank found nothing wrong."""
-    return _check(ckpt_dir, lambda files: crc_share(files, rank, world_size))
+def verify_share(ckpt_dir, rank: int, world_size: int, manifest=None) -> Optional[str]:
+    """`verify` split over ranks: the size and CRC-32 of this rank's share of the files
+    (`crc_share`), so that at resume no rank stats or reads every file (at 1,000 ranks, a
+    metadata storm). `manifest`: read_manifest's answer on one rank, sent to all (None: read it
+    here). None where this rank found nothing wrong; together the ranks check every file."""
+    if not Path(ckpt_dir).is_dir():   # a rank with nothing to check must still see it
+        return f"{ckpt_dir} is missing"
+    return _check(ckpt_dir, lambda files: crc_share(files, rank, world_size), True, manifest)
 
 
 def step_dirs(root: Path) -> list:
@@ -152,19 +165,101 @@ def require_intact(ckpt_dir) -> None:
                           f"from where it was written.")
 
 
-def prune(root: Path, keep: int, in_use: Optional[InUse] = None) -> None:
+def prune(root: Path, keep: int, in_use: Optional[InUse] = None,
+          newest: Optional[Path] = None) -> None:
     """Rank 0, after a save: delete the checkpoints older than the newest `keep` intact ones,
     except those `in_use`. One damaged since resume (sizes against its manifest: nothing read)
-    is moved aside, uncounted."""
+    is moved aside, uncounted. `newest`, the checkpoint just written, counts as intact unchecked:
+    a passing stat error must not set aside the one the run resumes from."""
     if keep <= 0:
         return
     intact = []
     for ckpt in step_dirs(root):
-        problem = verify(ckpt, checksums=False)
+        problem = None if ckpt == newest else verify(ckpt, checksums=False)
         if problem is None:
             intact.append(ckpt)
         else:
             logger.warning("damaged checkpoint %s: %s; %s", ckpt, problem, move_aside(ckpt))
     for old in intact[:-keep]:
-        if in_use is None or not in_use(int(old.name)):   # in use: a later save prunes it
+        if old != newest and (in_use is None or not in_use(int(old.name))):   # in use: later
             shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoints_dir(dump_dir) -> Path:
+    return Path(dump_dir) / "checkpoints"
+
+
+def _all_gather(obj) -> list:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _from_rank0(obj):
+    shared = [obj]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None,
+                    set_aside: bool = False) -> Optional[Path]:
+    """The newest checkpoint that passes every rank's `verify_share` (so, all together, a full
+    `verify` with checksums), the same on every rank; None if there is none.
+
+    Collective when world_size > 1: every rank calls it. `gather(obj)` returns every rank's obj
+    in rank order (default: all_gather_object over the default group; rank 0's lists and
+    manifests go out by broadcast_object_list then). Rank 0 alone lists the candidates and reads
+    each manifest, and each rank stats and reads only its share of the files, so that neither
+    the file system's metadata (1,000 ranks each stat-ing every file) nor the agreement (about
+    1/world_size of the time one rank needs to read a whole checkpoint: ~850 GB for a 70B model
+    with its Adam state) grows with the world size.
+    Damaged checkpoints are skipped, newest first, with a warning (from rank 0) naming what each
+    rank found; with `set_aside` (resume), rank 0 also moves each to `<step>.damaged/`, once the
+    agreement says no rank reads it any more, so a later save's pruning does not count it."""
+    if gather is None:
+        gather = _all_gather if world_size > 1 else (lambda obj: [obj])
+
+    def share(obj):   # rank 0's obj, on every rank
+        return _from_rank0(obj) if gather is _all_gather else gather(obj)[0]
+
+    root = checkpoints_dir(dump_dir)
+    # Rank 0's candidates, so every rank takes the same number of steps in the agreement below;
+    # a listing that fails there fails everywhere, instead of leaving the others waiting.
+    names = None
+    if rank == 0:
+        try:
+            names = [p.name for p in step_dirs(root)]
+        except OSError as err:
+            names = f"{root} cannot be listed ({err})"
+    names = share(names)
+    if isinstance(names, str):
+        raise RunError(f"{names}. Check that the run directory is readable from every node "
+                       f"(the same mount, permissions), then run the same command again.")
+    for name in reversed(names):
+        ckpt = root / name
+        manifest = share(read_manifest(ckpt) if rank == 0 else None)
+        problems = [p for p in gather(verify_share(ckpt, rank, world_size, manifest))
+                    if p is not None]
+        if not problems:
+            return ckpt
+        if rank == 0:
+            done = f"; {move_aside(ckpt)}" if set_aside else ""
+            logger.warning("skipping damaged checkpoint %s: %s%s; trying the one before", ckpt,
+                           "; ".join(dict.fromkeys(problems)), done)
+    return None
+
+
+def verified(ckpt_dir, rank: int = 0, world_size: int = 1) -> None:
+    """Collective when world_size > 1: raise ConfigError on every rank unless the checkpoint
+    passes every rank's `verify_share` (together, a full `verify` with checksums)."""
+    if world_size == 1:
+        problems = [verify_share(ckpt_dir, rank, world_size)]
+    else:   # one rank reads the manifest (newest_verified says why)
+        manifest = _from_rank0(read_manifest(ckpt_dir) if rank == 0 else None)
+        problems = _all_gather(verify_share(ckpt_dir, rank, world_size, manifest))
+    problems = [p for p in problems if p is not None]
+    if problems:
+        raise ConfigError(f"Checkpoint {ckpt_dir} is damaged: "
+                          f"{'; '.join(dict.fromkeys(problems))}. "
+                          f"Use another checkpoint of the run (ls {Path(ckpt_dir).parent}), or "
+                          f"copy this one again from where it was written.")
