@@ -8,6 +8,7 @@ What each test would catch:
   -  resume verification split over ranks, on NCCL
   -  LOCAL_RANK beyond the visible devices (Slurm's --gpus-per-task=1)
   -  one GPU trains in bf16 with compile and reports a credible MFU; two GPUs equal one
+  -  a compiled bf16 step of llama and moe waits for the GPU once (the step's agreement)
 """
 
 import os
@@ -19,12 +20,14 @@ import pytest
 import torch
 
 from apps.llama import train
+from lingua.train.hooks import Hook
 from tests.conftest import REPO, read_metrics, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 # On GPUs the reduction order (NCCL, cuBLAS) differs between layouts more than on CPU.
 GPU_RTOL = 1e-4
 
@@ -36,6 +39,61 @@ def test_bf16_compile_on_one_gpu_trains_and_reports_mfu(corpus, tmp_path):
     rows = read_metrics(dump)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
     assert 0 < rows[-1]["mfu"] < 1 and rows[-1]["peak_mem_gib"] > 0
+
+
+class ForbidSyncs(Hook):
+    """From step `after` on, a host sync inside a step (before_step to end_step: the step's
+    data, forwards, backwards, clipping, agreement and update) raises, but the agreement's one
+    read (lingua/train/agreement.read_on_host), which the test allows."""
+
+    def __init__(self, after: int):
+        self.after = after
+
+    def before_step(self, run, step: int) -> None:
+        if step > self.after:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def end_step(self, run, step: int) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+    def close(self, run) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("app", ["llama", "moe"])
+def test_a_compiled_bf16_step_reads_the_gpu_once(corpus, tmp_path, monkeypatch, app):
+    """issue 32: the MoE routing's counts, the loss-spike check, the stop flag and the token
+    counts no longer make a step wait for the GPU; only the step's agreement does, once."""
+    from apps.moe import train as moe_train
+    from lingua.launch import run
+    from lingua.train import agreement
+    from tests.test_moe_train import moe_args
+
+    real_read, real_hooks = agreement.read_on_host, run.hooks
+
+    def allowed_read(packed):
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return real_read(packed)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    def hooks(args, env, app_):
+        made = real_hooks(args, env, app_)
+        made.hooks.append(ForbidSyncs(after=3))   # steps 1-3 compile
+        return made
+
+    monkeypatch.setattr(agreement, "read_on_host", allowed_read)
+    monkeypatch.setattr(run, "hooks", hooks)
+    dump = tmp_path / "run"
+    extra = ["distributed.model_dtype=bf16", "distributed.compile=true", "logging.every=8",
+             "optim.spike=log"]
+    if app == "llama":
+        train.main(tiny_args(corpus, dump, *extra, steps=8))
+    else:
+        moe_train.main(moe_args(corpus, dump, *extra, steps=8))
+    assert [r["step"] for r in read_metrics(dump)] == [8]
 
 
 def test_a_local_rank_beyond_the_visible_gpus_takes_one_of_them(corpus, tmp_path):
@@ -139,3 +197,16 @@ def test_resume_on_nccl_skips_a_checkpoint_damaged_in_rank_1s_share(corpus, tmp_
                                                   steps=6))
     assert_equivalent(dump, reference, rtol=GPU_RTOL)
     shutil.rmtree(dump)
+
+
+@four_gpus
+def test_muon_under_fsdp2_x_tp2_on_nccl_matches_one_gpu(corpus, tmp_path):
+    """Muon's strided shards (FSDP2 over TP's column-parallel weights) orthogonalised through
+    all-to-alls on NCCL, where gloo all-gathers instead (lingua/train/muon.py)."""
+    muon = ["optim.name=muon", "optim.muon_ns_dtype=fp32"]
+    one = tmp_path / "one"
+    train.main(tiny_args(corpus, one, *muon, steps=5))
+    four = tmp_path / "four"
+    run_torchrun(4, "apps.llama.train", tiny_args(corpus, four, *muon, "distributed.dp_shard=2",
+                                                  "distributed.tp=2", steps=5))
+    assert_equivalent(four, one, rtol=GPU_RTOL)

@@ -10,7 +10,11 @@ being run, as metrics.jsonl counts it.
   skip_batch(run, batch)       True throws away the data batch just read (1-based count)
   before_forward(run, step)    the step's micro-batches are read; its forwards come next
   after_backward(run, step)    the gradients are complete, not yet clipped
-  decide(run, step, norm)      after clipping, the norm finite: UPDATE, SKIP or ROLLBACK
+  share(run, step)             {name: number} this rank adds to the step's agreement (one
+                               all-reduce, lingua/train/agreement.py): same names on every rank
+  decide(run, step, agreed)    the norm finite: UPDATE, SKIP or ROLLBACK. `agreed` (also
+                               run.agreed, for every later point) holds the step's loss,
+                               grad_norm and the shares summed over the ranks, host floats
   after_update(run, step)      the optimizer applied the update
   roll_back(run, step, batches)   after a ROLLBACK decision: True when the hook went back to a
                                checkpoint (run.step is then its step), False if it skipped
@@ -20,7 +24,8 @@ being run, as metrics.jsonl counts it.
   keeps_checkpoint(step)       checkpoint.keep must not prune this step's checkpoint yet
   after_save(run, step)        the checkpoint of `step` is complete on disk
   should_stop(run)             after the step's checkpoint: True ends the loop (saving first
-                               through run.save_now); every rank calls it (collectives)
+                               through run.save_now); every rank must answer alike: decide
+                               from run.agreed, not from this rank's own state
   end(run)                     the loop ended (finished or stopped), before the log closes
   close(run)                   always, however the loop ended (reverse order)
   state_dict() / load_state_dict(train_state)   the hook's keys of the checkpoint's train state
@@ -43,7 +48,8 @@ class Hook:
     def skip_batch(self, run, batch: int) -> bool: return False
     def before_forward(self, run, step: int) -> None: ...
     def after_backward(self, run, step: int) -> None: ...
-    def decide(self, run, step: int, grad_norm) -> str: return UPDATE
+    def share(self, run, step: int) -> dict: return {}
+    def decide(self, run, step: int, agreed: dict) -> str: return UPDATE
     def after_update(self, run, step: int) -> None: ...
     def roll_back(self, run, step: int, micro_batches) -> bool: return False
     def after_step(self, run, step: int) -> None: ...
@@ -87,9 +93,12 @@ class Hooks(Hook):
     def skip_batch(self, run, batch: int) -> bool:
         return any(hook.skip_batch(run, batch) for hook in self.hooks)
 
-    def decide(self, run, step: int, grad_norm) -> str:
+    def share(self, run, step: int) -> dict:
+        return {key: value for hook in self.hooks for key, value in hook.share(run, step).items()}
+
+    def decide(self, run, step: int, agreed: dict) -> str:
         # Every hook judges the step (each may hold statistics); the first objection wins.
-        decisions = [hook.decide(run, step, grad_norm) for hook in self.hooks]
+        decisions = [hook.decide(run, step, agreed) for hook in self.hooks]
         return next((d for d in decisions if d != UPDATE), UPDATE)
 
     def roll_back(self, run, step: int, micro_batches) -> bool:
@@ -99,7 +108,7 @@ class Hooks(Hook):
         return any(hook.keeps_checkpoint(step) for hook in self.hooks)
 
     def should_stop(self, run) -> bool:
-        # Not short-circuited: a hook's agreement may be a collective every rank must join.
+        # Not short-circuited: a hook may save or log before it answers.
         return any([hook.should_stop(run) for hook in self.hooks])
 
     def close(self, run) -> None:

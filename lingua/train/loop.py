@@ -9,6 +9,7 @@ builds that list and calls Run.train.
 """
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Optional
@@ -23,7 +24,7 @@ from lingua.observe import metrics, profiling
 from lingua.parallel import distributed, pipeline
 from lingua.parallel.distributed import DistEnv
 from lingua.parallel.tensor_parallel import loss_parallel_context
-from lingua.train import checkpoint, data, microbatch, optim
+from lingua.train import agreement, checkpoint, data, microbatch, optim
 from lingua.train.app import App
 from lingua.train.build import mixed_precision
 from lingua.train.hooks import ROLLBACK, SKIP, UPDATE, Hooks
@@ -102,6 +103,7 @@ class Run(Saving):
         self.step = 0             # steps done; resume() moves it to the newest checkpoint's
         self.pending_save: Optional[checkpoint.PendingSave] = None  # checkpoint.async_save's write
         self.saved_now = False    # this step's checkpoint was saved (save_if_due)
+        self.agreed: dict = {}    # the current step's agreement (lingua/train/agreement.py)
 
     def _build_pipeline(self, stage_ids):
         d = self.args.distributed
@@ -179,12 +181,16 @@ class Run(Saving):
         stop) or a hook decides otherwise (SKIP; ROLLBACK: nothing applied, the hook's roll_back
         follows). Returns (pre-clip gradient norm, the step's learning rate, the decision)."""
         with self.phases.phase("optim"):
-            grad_norm = optim.clip_grad_norm(self.parts, self.args.optim.clip, self.pp_group)
+            norm = optim.clip_grad_norm(self.parts, self.args.optim.clip, self.pp_group)
             lr = self.optimizers.lr
-            if not bool(torch.isfinite(grad_norm)):  # the norm is global: every rank agrees
+            # The step's one collective of decisions and its one host read (agreement.py).
+            self.agreed = agreement.agree(self.env, self.step_loss.sums.get("loss"), norm,
+                                          {**self.save_share(), **self.hooks.share(self, step)})
+            grad_norm = self.agreed["grad_norm"]
+            if not math.isfinite(grad_norm):
                 self._skip_nonfinite(grad_norm, data_before)
                 return grad_norm, lr, SKIP
-            decision = self.hooks.decide(self, step, grad_norm)
+            decision = self.hooks.decide(self, step, self.agreed)
             if decision == SKIP:
                 self.optimizers.skip()
             elif decision == UPDATE:
@@ -202,7 +208,7 @@ class Run(Saving):
         if self.env.is_main:
             logger.warning("step %d: gradient norm is %s; update skipped "
                            "(optim.nonfinite=skip), %d such steps so far",
-                           self.step + 1, grad_norm.item(), self.nonfinite_steps)
+                           self.step + 1, grad_norm, self.nonfinite_steps)
 
     def _stop_on_nonfinite(self, grad_norm, data_before: tuple) -> None:
         """optim.nonfinite=stop: nothing was updated yet, so the weights and optimizer state are
@@ -216,7 +222,7 @@ class Run(Saving):
             saved = (f"the state after step {self.step} is saved in "
                      f"{checkpoint.newest(self.dump_dir)}")
         raise RunError(
-            f"Step {self.step + 1}: the gradient norm is {grad_norm.item()} (NaN or Inf), so the "
+            f"Step {self.step + 1}: the gradient norm is {grad_norm} (NaN or Inf), so the "
             f"update was not applied and the run stopped (optim.nonfinite=stop); {saved}. Look "
             f"at the last rows of metrics.jsonl and, with probe.every=1 from a resumed run, at "
             f"which module's activations blew up; then lower optim.lr, raise optim.warmup, train "
@@ -263,7 +269,7 @@ class Run(Saving):
         tokens_per_s = window.tokens_per_s()
         losses = self.step_loss.reduced(env, self.pipe is None or self.pipe.has_last)
         row = {"step": self.step, "loss": losses.pop("loss"), "lr": lr,
-               "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
+               "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                **metrics.mfu_fields(self.flops_per_token * tokens_per_s / env.world_size,
                                     self.peak),
                "data_s": window.data_s(), "step_s": window.step_s(),

@@ -36,10 +36,10 @@ def sequence_shard(parts, batch, args, env: DistEnv, app: Optional[App] = None):
     from the whole sequence first (a target may look ahead across the cut). With context
     parallelism each rank keeps a head and a tail chunk of the sequence, and the attention
     context (global positions, document ids) is set for the forward and backward inside."""
-    tokens, labels = batch.tokens.to(env.device), batch.labels.to(env.device)
+    tokens, labels = to_device(batch.tokens, env.device), to_device(batch.labels, env.device)
     model_kwargs, target = ({}, labels) if app is None else app.batch_inputs(tokens, labels)
     doc_ids = doc_ids_of(batch, args)
-    doc_ids = None if doc_ids is None else doc_ids.to(env.device)
+    doc_ids = None if doc_ids is None else to_device(doc_ids, env.device)
     if args.distributed.cp == 1:
         yield MicroBatch(tokens, target, doc_ids, None, model_kwargs)
         return
@@ -49,6 +49,14 @@ def sequence_shard(parts, batch, args, env: DistEnv, app: Optional[App] = None):
         # The CP attention masks by document itself, from the full-sequence ids it was given.
         yield MicroBatch(local.tokens, mine(target), None, local.positions,
                          {k: mine(v) for k, v in model_kwargs.items()})
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on the device. To a GPU through pinned memory and without waiting: a copy
+    from pageable memory waits until the GPU has finished everything queued before it."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def forward_loss(loss: Callable, model, mb: MicroBatch) -> "loss_module.LossOutput":
@@ -61,19 +69,21 @@ class StepLoss:
     """The step's loss and the app's loss metrics, summed over micro-batches (detached, fp64)
     until logged: `loss` is the sum of logged_sum (the cross-entropy) over the sum of tokens,
     over every micro-batch and every rank holding distinct tokens (data and context parallel,
-    the last pipeline stage), and so is each metric's sum / count."""
+    the last pipeline stage), and so is each metric's sum / count. A number the loss gave as a
+    host number (a token count, mostly) stays one: copying it to the GPU per micro-batch would
+    wait for the GPU each time."""
 
     def __init__(self, device):
         self.device = device
-        self.sums: dict = {}
+        self.sums: dict = {}   # name -> (sum, count), each a device tensor or a host number
 
     def add(self, out: "loss_module.LossOutput") -> None:
         logged = out.loss_sum if out.logged_sum is None else out.logged_sum
         values = {"loss": (logged, out.tokens), **out.metrics}
-        for name, (total, count) in values.items():
-            pair = torch.stack([torch.as_tensor(total, device=self.device).detach().double(),
-                                torch.as_tensor(count, device=self.device).double()])
-            self.sums[name] = self.sums[name] + pair if name in self.sums else pair
+        for name, pair in values.items():
+            pair = tuple(v.detach().double() if torch.is_tensor(v) else float(v) for v in pair)
+            old = self.sums.get(name)
+            self.sums[name] = pair if old is None else (old[0] + pair[0], old[1] + pair[1])
 
     def reduced(self, env: DistEnv, has_loss: bool) -> dict:
         """{name: sum / count} over the ranks; every rank calls it (collectives)."""
@@ -83,7 +93,9 @@ class StepLoss:
             torch.distributed.all_gather_object(everyone, names if has_loss else None,
                                                 group=env.mesh["pp"].get_group())
             names = next(n for n in everyone if n is not None)
-        zeros = torch.zeros(2, dtype=torch.float64, device=self.device)
-        stacked = torch.stack([self.sums.get(name, zeros) for name in names])
+        stacked = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
+        for i, name in enumerate(names):
+            if name in self.sums:
+                stacked[i, 0], stacked[i, 1] = self.sums[name]
         stacked = distributed.all_reduce_sum(stacked, env)
-        return {name: (total / count).item() for name, (total, count) in zip(names, stacked)}
+        return dict(zip(names, (stacked[:, 0] / stacked[:, 1]).tolist()))

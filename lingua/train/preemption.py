@@ -31,14 +31,11 @@ import shlex
 import signal
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
+# No torch here: stool's job listens for signals before it imports torch (seconds of start-up,
+# during which Slurm's time-limit warning may already arrive).
 from lingua.train.hooks import Hook
-
-# torch is imported where used: stool's job listens for signals before it imports torch (seconds
-# of start-up, during which Slurm's time-limit warning may already arrive).
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 train_logger = logging.getLogger("train")   # the loop's lines
@@ -116,16 +113,18 @@ class StopSignals:
         self._previous = {}
         self._stop_now_line = None
 
-    def agreed(self, world_size: int, device: "torch.device") -> int:
-        """What every rank should do now (NONE, STOP or REQUEUE): the strongest signal any got."""
-        if world_size == 1:
-            return self.received
-        import torch
-        import torch.distributed as dist
+    def share(self) -> dict:
+        """This rank's signal as numbers for the step's agreement (lingua/train/agreement.py)."""
+        return {"ranks_stopping": float(self.received == STOP),
+                "ranks_requeueing": float(self.received == REQUEUE)}
 
-        flag = torch.tensor([float(self.received)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+    @staticmethod
+    def agreed(agreed: dict) -> int:
+        """What every rank should do now (NONE, STOP or REQUEUE): the strongest signal any got,
+        from the sums of every rank's `share`."""
+        if agreed.get("ranks_requeueing"):
+            return REQUEUE
+        return STOP if agreed.get("ranks_stopping") else NONE
 
 
 # One per process: signals are process-wide. Listening starts as early as possible (stool's job
@@ -183,8 +182,14 @@ class StopHook(Hook):
     def start(self, run) -> None:
         self.signals = SIGNALS.catch_interrupts(run.where_to_resume)
 
+    def share(self, run, step: int) -> dict:
+        return self.signals.share()
+
     def should_stop(self, run) -> bool:
-        action = self.signals.agreed(run.env.world_size, run.env.device)
+        # Ranks act on the step's agreement (a signal caught since waits for the next step);
+        # one process needs no agreement and stops on the signal at once.
+        action = (self.signals.received if run.env.world_size == 1
+                  else self.signals.agreed(run.agreed))
         if action == NONE or run.step == run.args.steps:
             return False
         run.save_now()   # stop with the checkpoint written

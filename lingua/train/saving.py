@@ -23,10 +23,11 @@ class Saving:
         return self.step
 
     def _load_newest(self) -> int:
-        # Every rank checks the sizes of all files and the checksums of its share of them, and
-        # the ranks agree, so all resume from the same intact checkpoint without one rank reading
-        # all of it (hundreds of GB) while the others wait under the collective timeout. Damaged
-        # ones are moved aside, so that checkpoint.keep never deletes an intact one for them.
+        # Each rank checks the sizes and checksums of its share of the files (rank 0 alone lists
+        # the checkpoints and reads their manifests), and the ranks agree, so all resume from the
+        # same intact checkpoint without one rank reading all of it (hundreds of GB) while the
+        # others wait under the collective timeout. Damaged ones are moved aside, so that
+        # checkpoint.keep never deletes an intact one for them.
         resume_from = checkpoint.newest_verified(self.dump_dir, self.env.rank, self.env.world_size,
                                                  set_aside=True)
         if resume_from is None:
@@ -91,14 +92,21 @@ class Saving:
                         train_state, self.config_yaml, env.rank, env.world_size,
                         args.checkpoint.keep, in_use)
 
+    def save_share(self) -> dict:
+        """For the step's agreement: whether this rank still writes a checkpoint in the
+        background, so that no extra collective a step asks every rank about it."""
+        pending = self.pending_save
+        return {"ranks_writing": float(pending is not None and not pending.written_here())}
+
     def finish_save(self, block: bool) -> None:
         """checkpoint.async_save: make the checkpoint being written visible once every rank's
-        write is done (block: wait for it). Every rank calls this at the same step boundaries
-        (a collective while a save is in flight); a write that failed on any rank raises
-        RunError on every rank, with the previous checkpoint still the newest."""
+        write is done, as the step's agreement says (block: wait for it). Every rank calls this
+        at the same step boundaries (a collective once the write is done); a write that failed
+        on any rank raises RunError on every rank, with the previous checkpoint the newest."""
         if self.pending_save is None:
             return
-        if self.pending_save.finish(block) is not None:
+        all_written = self.agreed.get("ranks_writing") == 0
+        if self.pending_save.finish(block, all_written) is not None:
             step, self.pending_save = self.pending_save.step, None
             self.hooks.after_save(self, step)
 

@@ -20,9 +20,10 @@ For log and skip the step after the spike is probed in full; for rollback the sp
 run again with the probe on before the reload (SpikeHook, below; the probe is
 lingua/train/probing.py's).
 
-Every rank decides alone but on the same numbers: the trainer all-reduces the step's (loss sum,
-token count, gradient norm) once, so every rank has the same values and the same windows, and
-so takes the same decision; no rank's view wins over another's. The windows and counts are
+Every rank decides alone but on the same numbers: the step's agreement
+(lingua/train/agreement.py) all-reduces its (loss sum, token count, gradient norm) once, so every
+rank has the same values and the same windows, and so takes the same decision; no rank's view
+wins over another's. The windows and counts are
 part of the checkpoint's train state, so a resumed run decides as the uninterrupted one would.
 
 Rollbacks are recorded in `<dump_dir>/spikes.jsonl` (one JSON line each, written by rank 0
@@ -318,9 +319,12 @@ class SpikeHook(Hook):
             self.monitor.probe_next = False
             self.probe.probe_in_full(run)
 
-    def decide(self, run, step: int, grad_norm) -> str:
+    def decide(self, run, step: int, agreed: dict) -> str:
+        # The step's loss over the global batch and its gradient norm, the same on every rank
+        # (the step's agreement): every rank updates the same windows and decides alike.
         monitor = self.monitor
-        self.values = _spike_values(run, grad_norm) if monitor.on else None
+        self.values = ({"loss": agreed["loss"], "grad_norm": agreed["grad_norm"]}
+                       if monitor.on else None)
         spike = None if self.values is None else monitor.check(step, self.values)
         if spike is None:
             return UPDATE
@@ -397,24 +401,3 @@ class SpikeHook(Hook):
     def load_state_dict(self, train_state: dict) -> None:
         self.monitor.load_state_dict(train_state.get("spikes", {}), self.keep_records)
 
-
-def _spike_values(run, grad_norm: torch.Tensor) -> dict:
-    """The step's loss over the global batch and its gradient norm, the same numbers on every
-    rank: one all-reduce of (loss sum, token count, norm) per step.
-
-    Over all ranks, not only those holding distinct losses (data/context-parallel ranks, the
-    last pipeline stage): tensor-parallel peers hold copies of the same (sum, count) and earlier
-    stages add zeros, so sum / count is the global mean either way, and one collective on the
-    default group costs less than one per mesh dimension. The norm is global already; summing it
-    and dividing by the world size leaves no rank its own copy to decide on. Every rank then
-    updates the same windows and takes the same decision."""
-    packed = torch.zeros(3, dtype=torch.float64, device=run.env.device)
-    pair = run.step_loss.sums.get("loss")
-    if pair is not None:
-        packed[:2] = pair
-    packed[2] = grad_norm.detach().double()
-    if run.env.world_size > 1:
-        torch.distributed.all_reduce(packed)
-    total, count, norm = packed.tolist()
-    return {"loss": total / count if count else math.nan,
-            "grad_norm": norm / run.env.world_size}
