@@ -211,6 +211,32 @@ def test_debug_presets_build_at_small_world_sizes(corpus, tmp_path, app, world, 
     assert all(r.activations > 0 and r.n_params > 0 for r in p.ranks)
 
 
+def test_process_groups_and_muon_state_are_the_trainers(corpus, tmp_path):
+    """The plan's group count is what the trainer's mesh makes on gloo (tests/test_process_groups
+    measures it there; + 1: the default group; + 1 for the async checkpoint's), and Muon keeps
+    one momentum buffer for its matrices where AdamW keeps two moments."""
+    from apps.llama.model import Transformer
+    from lingua.train.muon import split_params
+    from tests.test_process_groups import EP_GROUPS, MESH_GROUPS
+
+    base = [f"data.root={corpus}", "data.prepare_embedded=false", f"dump_dir={tmp_path / 'run'}"]
+    p = planner.plan("apps.llama.train", [*base, "distributed.dp_shard=2", "distributed.tp=2",
+                                          "checkpoint.async_save=true"], 4, device_type="cpu")
+    assert p.busiest.process_groups == 1 + MESH_GROUPS["dp_shard2_tp2"] + 1
+    p = planner.plan("apps.moe.train", [*base, "distributed.ep=2"], 4, device_type="cpu")
+    assert p.busiest.process_groups == (1 + MESH_GROUPS["dp_shard4_ep2"]
+                                        + EP_GROUPS["dp_shard4_ep2"])
+    adamw = planner.plan("apps.llama.train", base, 1, device_type="cpu").busiest
+    muon = planner.plan("apps.llama.train", [*base, "optim.name=muon"], 1,
+                        device_type="cpu")
+    with torch.device("meta"):
+        matrices = split_params(Transformer(muon.args.model))[0]
+    assert adamw.optim - muon.busiest.optim == sum(4 * p.numel() for _, p in matrices)
+    largest = max(p.numel() for _, p in matrices)
+    assert muon.busiest.ns_workspace == 6 * largest * 2   # bf16 Newton-Schulz
+    assert "Newton-Schulz" in planner.format_plan(muon)
+
+
 def test_debug_llama_uneven_shards_on_tp2_fsdp2(corpus, tmp_path):
     """The busiest rank holds the larger chunk of an uneven split: the 258-token vocabulary is
     129 rows a tp rank, then 65 and 64 over FSDP; rank 0 has 65."""

@@ -301,6 +301,20 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _beside_the_peak(p: Plan, fmt, unit: str) -> list:
+    """Lines on what the busiest rank needs besides its peak: Muon's workspace (its optimizer
+    step runs once the activations are freed) and its process groups."""
+    b, lines = p.busiest, []
+    if b.ns_workspace:
+        lines.append(f"  (Muon's Newton-Schulz at the optimizer step, once activations are freed: "
+                     f"{fmt(b.ns_workspace)} {unit} a rank)")
+    if p.world_size > 1:
+        lines.append(f"  process groups a rank joins: {b.process_groups}, the default one included "
+                     f"(one NCCL communicator each; a set of ranks that another group or a size-1 "
+                     f"dimension already has gets none of its own)")
+    return lines
+
+
 def format_plan(p: Plan) -> str:
     a, d, dims = p.args, p.args.distributed, p.dims
     e_name = "bf16" if d.model_dtype == "bf16" else "fp32"
@@ -319,7 +333,8 @@ def format_plan(p: Plan) -> str:
     rows = [("parameters (fp32 shards + buffers)" if e_name == "bf16" else "parameters (+ buffers)",
              lambda r: r.params + r.buffers),
             ("gradients", lambda r: r.grads),
-            ("AdamW moments (2 x fp32)", lambda r: r.optim)]
+            ("AdamW moments (2 x fp32)" if a.optim.name != "muon"
+             else "optimizer state (Muon 1x, AdamW 2x)", lambda r: r.optim)]
     if any(r.fsdp for r in shown):
         rows.append((f"FSDP gathered ({e_name} root + 2 blocks)", lambda r: r.fsdp))
     if any(r.autocast for r in shown):
@@ -335,6 +350,7 @@ def format_plan(p: Plan) -> str:
     if any(r.offloaded for r in shown):
         lines.append(f"  (in host memory, cpu_offload: {fmt(p.busiest.offloaded)} {unit} a rank)")
     b = p.busiest
+    lines += _beside_the_peak(p, fmt, unit)
     verdict = "fits" if p.fits else "does not fit"
     lines.append(f"{verdict}: {fmt(b.total)} {unit} on rank {b.rank} of {_gib(p.usable_bytes)} GiB "
                  f"usable ({USABLE_FRACTION:.0%} of {p.gpu_mem_gib:g} GiB, {p.gpu})")

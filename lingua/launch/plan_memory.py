@@ -4,6 +4,7 @@ process group at its world size, its local shards read off, and the activation e
 import contextlib
 import dataclasses
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 from typing import List
@@ -18,7 +19,7 @@ from lingua.launch.plan_activations import (
     chunks_in_flight,
     output_activation_bytes,
 )
-from lingua.parallel import distributed
+from lingua.parallel import distributed, groups
 from lingua.parallel.distributed import DistEnv
 from lingua.train import build
 
@@ -39,6 +40,8 @@ class RankPlan:
     autocast: int
     activations: int
     offloaded: int = 0       # params + grads + optimizer state in host memory (cpu_offload)
+    process_groups: int = 1  # groups it joins, the default one included: a communicator each
+    ns_workspace: int = 0    # Muon's Newton-Schulz at the optimizer step (after activations)
 
     @property
     def total(self) -> int:
@@ -160,7 +163,27 @@ def rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int) -> tuple:
     group = fake_process_group(rank, world) if world > 1 else contextlib.nullcontext()
     with _quiet(), group:
         parts, stage_ids = _build_parts(args, app, dims, rank, world)
-        return _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch)
+        one, flight = _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch)
+        if world > 1:   # the trainer's groups, built by the trainer's own code just now
+            one.process_groups = groups.created() + int(args.checkpoint.async_save)
+        one.optim, one.ns_workspace = _optimizer_bytes(args, parts, one.optim)
+        return one, flight
+
+
+def _optimizer_bytes(args, parts, adamw_bytes: int) -> tuple:
+    """(optimizer state, Muon's Newton-Schulz workspace) in bytes. AdamW keeps two moments a
+    parameter, placed like it; Muon one momentum buffer for its matrices, and orthogonalises one
+    whole matrix at a time on each rank: about 6 of the largest (the stack sent and received,
+    NS's iterate, its Gram matrix and polynomial, the result), in NS's dtype."""
+    if args.optim.name != "muon" or adamw_bytes == 0:   # 0: offloaded to host memory
+        return adamw_bytes, 0
+    from lingua.train.muon import NS_DTYPES, matrix_shape, split_params
+
+    muon = [p for part in parts for _, p in split_params(part)[0]]
+    muon_bytes = sum(_local(p).numel() * _local(p).element_size() for p in muon)
+    largest = max((math.prod(matrix_shape(p)) for p in muon), default=0)
+    ns_bytes = torch.empty((), dtype=NS_DTYPES[args.optim.muon_ns_dtype]).element_size()
+    return adamw_bytes - muon_bytes, 6 * largest * ns_bytes
 
 
 def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch) -> tuple:
