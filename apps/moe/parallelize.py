@@ -22,11 +22,19 @@ from lingua.errors import ConfigError
 from lingua.model.moe import moe_layers
 from lingua.parallel.distributed import DistEnv, DistributedArgs
 from lingua.parallel.expert_parallel import apply_ep, apply_global_counts, ep_meshes
+from lingua.parallel.float8 import default_filter
 from lingua.parallel.parallelize import apply_cp_ac_compile_fsdp, uses_loss_parallel
 from lingua.parallel.tensor_parallel import ReplicatedCompute, apply_tp
 from lingua.parallel.tp_plan import decoder_root_plan, gathered_input, validate_decoder_tp
 
-__all__ = ["parallelize_moe", "tp_plans", "uses_loss_parallel", "validate_tp"]
+__all__ = ["float8_filter", "parallelize_moe", "tp_plans", "uses_loss_parallel", "validate_tp"]
+
+
+def float8_filter(fqn: str, module: nn.Module) -> bool:
+    """distributed.float8's choice of Linears: the default's, less the router's gate (its
+    logits pick the experts; torchtitan keeps it in high precision too). The routed experts
+    are not Linears and stay high precision (lingua.parallel.float8 says so in the log)."""
+    return default_filter(fqn, module) and not fqn.endswith("router.gate")
 
 
 def validate_tp(model_args, tp: int, seq_len: int | None = None) -> None:

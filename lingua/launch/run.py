@@ -39,6 +39,7 @@ from lingua.train.app import App, check_vocab, device_type
 from lingua.train.build import build_model_parts
 from lingua.train.checkpoint import CheckpointArgs
 from lingua.train.data import DataArgs
+from lingua.train.float8_scales import Float8ScalesHook
 from lingua.train.hooks import Hooks
 from lingua.train.loop import Run
 from lingua.train.memory import GarbageCollection, release_freed_memory
@@ -134,6 +135,7 @@ def hooks(args, env: DistEnv, app: App) -> Hooks:
     probe = ProbeHook(args, spikes_on=args.optim.spike != "off")
     return Hooks([
         GarbageCollection(args.gc_every, args.gc_full_every),
+        Float8ScalesHook(args, env),
         StopHook(args.slurm.max_requeues),
         SpikeHook(args, env, probe),
         ProfilerHook(args),

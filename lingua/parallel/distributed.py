@@ -21,6 +21,7 @@ from torch import nn
 
 from lingua.errors import ConfigError
 from lingua.parallel import groups
+from lingua.parallel.float8 import validate_float8
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class DistributedArgs:
     async_tp: bool = False          # overlap TP communication with compute (CUDA + compile)
     loss_parallel: bool = True      # tp > 1 (and pp = 1): cross-entropy on vocab-sharded logits
     model_dtype: str = "fp32"       # fp32 | bf16 compute; master weights and optimizer stay fp32
+    float8: str = "none"            # none | tensorwise | rowwise | rowwise_with_gw_hp (float8.py)
     reshard_after_forward: bool = True   # ZeRO-3 style; False keeps params gathered until backward
     cpu_offload: bool = False       # keep sharded parameters, gradients and optimizer state on CPU
     backend: str = "auto"           # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
@@ -134,6 +136,7 @@ def validate_args(args: DistributedArgs) -> None:
                               f"package, or turn compile off (distributed.compile=false).")
     if args.ac_every < 1:
         raise ConfigError(f"distributed.ac_every={args.ac_every} must be at least 1.")
+    validate_float8(args, job_device_type())
     # World size is known before any process group exists (torchrun sets WORLD_SIZE).
     dims = parallel_dims(args, world_size_from_env())
     if args.cpu_offload and dims.dp_replicate * dims.fsdp == 1:

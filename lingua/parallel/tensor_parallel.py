@@ -20,6 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from lingua.errors import ConfigError
+from lingua.parallel.float8 import float8_tp_plan
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +84,17 @@ def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, block
     _check_plan(model, root_plan, "model")
     for block in blocks:
         _check_plan(block, block_plan, "block")
-    for block in blocks:
-        parallelize_module(block, tp_mesh, block_plan)
+    # torchao's float8 styles where the Linears are float8 (lingua/parallel/float8.py)
+    root_plan = float8_tp_plan(model, root_plan, tp_mesh.device_type)
+    block_plans = [float8_tp_plan(block, block_plan, tp_mesh.device_type) for block in blocks]
+    for block, plan in zip(blocks, block_plans):
+        parallelize_module(block, tp_mesh, plan)
     parallelize_module(model, tp_mesh, root_plan)
     if async_tp:
         _enable_async_tp(tp_mesh)
     logger.info("applied tensor parallel over %d ranks: root %s; %d blocks %s; async TP %s",
-                tp_mesh.size(), _describe(root_plan), len(blocks), _describe(block_plan),
+                tp_mesh.size(), _describe(root_plan), len(blocks),
+                _describe(block_plans[0] if block_plans else block_plan),
                 "on (takes effect under torch.compile)" if async_tp else "off")
     return model
 

@@ -23,6 +23,9 @@ class App:
     start_step: Optional[Callable] = None         # (parts) before each step's forwards
     step_metrics: Optional[Callable] = None       # (parts, env) -> dict of extra logged values;
                                                   # every rank calls it on logging steps
+    # (fqn, module) -> True to train that Linear in float8 (distributed.float8); None:
+    # lingua.parallel.float8.default_filter
+    float8_filter: Optional[Callable] = None
     # The loss seam (lingua/model/loss.py): how the model's output becomes the summed loss, and what
     # else the forward and the loss take, made from the whole batch before any sharding.
     loss: Callable = loss_module.cross_entropy    # (output, target) -> LossOutput

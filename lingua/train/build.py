@@ -8,7 +8,7 @@ import logging
 import torch
 
 from lingua.model import decoder, weights
-from lingua.parallel import coverage, distributed, pipeline
+from lingua.parallel import coverage, distributed, float8, pipeline
 from lingua.parallel.distributed import DistEnv
 from lingua.train import hf
 from lingua.train.app import App
@@ -64,7 +64,12 @@ def parallelized_parts_on_meta(args, env: DistEnv, app: App) -> tuple:
         parts = [pipeline.split_model(model, layers[s], s == 0, s == n_stages - 1)
                  for s in stage_ids]
         del model
-    parts = [app.parallelize(part, env, args.distributed) for part in parts]
+    d = args.distributed
+    for part in parts:   # float8 before any parallelism (lingua/parallel/float8.py)
+        float8.apply_float8(part, d.float8, app.float8_filter or float8.default_filter,
+                            float8.uses_fsdp_float8_all_gather(d, env.dims, env.device.type),
+                            emulate=env.device.type != "cuda")
+    parts = [app.parallelize(part, env, d) for part in parts]
     # A parameter the app's plan left out of a reduction would train silently wrong: refuse.
     coverage.check_parallel_coverage(parts, env, args.distributed.ep)
     return parts, stage_ids
