@@ -1,7 +1,8 @@
 """Tokens/s of our trainer against a Hugging Face training loop on the same model, on one CUDA GPU
 in bf16; also peak memory and MFU of each side.
 
-    python benchmarks/gpu_vs_hf.py [--shapes 125M,1B,moe] [--no-moe] [--rounds 2]
+    python benchmarks/gpu_vs_hf.py [--shapes 8B-wide,1B,moe] [--no-moe] [--rounds 2]
+        [--float8 tensorwise|rowwise]
         [--warmup 10] [--steps 20] [--ours compiled|eager|compiled,eager] [--ours-eager]
         [--hf compiled,eager] [--hf-experts default,eager] [--out results.json]
         [--time-limit 540] [--device cuda|cpu]
@@ -26,6 +27,11 @@ what a real vocabulary's output layer costs). Tokens/s: from metrics.jsonl, over
 the warm-up (each row's step_s is the mean step time of its window); also from the wall-clock time
 between the log lines that open and close the measured window ("wall": the loop's own work
 between steps, logging included).
+
+Shapes: "8B-wide" (the headline: Llama 3 8B's width with 8 of its layers, 2 x 4096 tokens), "1B",
+"moe", "125M", and tiny ones for the CPU tests. `--float8 RECIPE` runs each of our sides a second
+time with distributed.float8=RECIPE, in the same round, and reports float8/bf16 tokens/s; MFU
+stays over the bf16 peak for both (as torchtitan reports it), so float8's MFU can pass bf16's.
 
 Hugging Face: `python benchmarks/gpu_vs_hf.py hf ...`, doing one `transformers.Trainer` step
 with bf16=True: LlamaForCausalLM / MixtralForCausalLM (attn_implementation="sdpa") built from the
@@ -113,6 +119,9 @@ def _as_python(value: str):
 MIXTRAL = {k: _as_python(v) if isinstance(v, str) else v for k, v in MIXTRAL_OVERRIDES.items()}
 
 SHAPES = {
+    # The headline: Llama 3 8B's width (configs/llama/llama_8b.yaml's model) with 8 of its 32
+    # layers, 2.8B parameters, on 2 x 4096 tokens: one GPU's share of an 8B run's matmuls.
+    "8B-wide": Shape("llama", {**_preset_model("llama", "llama_8b"), "n_layers": 8}, 4096, 2),
     # 124.7M parameters (100.1M without the input embedding), GQA 12/4.
     "125M": Shape("llama", dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=32000,
                                 multiple_of=256, max_seq_len=2048), 2048, 8),
@@ -130,7 +139,8 @@ SHAPES = {
                                   multiple_of=32, max_seq_len=64, n_experts=4, top_k=2,
                                   expert_hidden_dim=64, **MIXTRAL), 64, 2),
 }
-DEFAULT_SHAPES = "125M,1B,moe"
+DEFAULT_SHAPES = "8B-wide,1B,moe"
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")   # distributed.float8
 
 # Both sides' optimizer: our OptimArgs' AdamW defaults (a shorter warm-up), which HF's copies.
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP, WARMUP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0, 10
@@ -323,8 +333,8 @@ def _hydra(value) -> str:
 
 
 def ours_overrides(shape: Shape, compile: bool, device: str, steps: int, dump_dir,
-                   data_root) -> list:
-    return [f"dump_dir={dump_dir}", f"steps={steps}",
+                   data_root, float8: str = "none") -> list:
+    return [f"dump_dir={dump_dir}", f"steps={steps}", f"distributed.float8={float8}",
             *(f"model.{k}={_hydra(v)}" for k, v in shape.model.items()),
             f"data.root={data_root}", "data.format=memmap", "data.prepare_embedded=true",
             "data.tokenizer.kind=bytes", "data.tokenizer.path=null",
@@ -390,15 +400,21 @@ def read_ours(dump_dir: Path, shape: Shape, warmup: int, total: int, arrivals: d
 
 @dataclass(frozen=True)
 class Side:
-    name: str       # "ours", "ours_eager", "hf_eager", "hf_compiled", "hf_eager_experts_eager"
+    name: str       # "ours", "ours_eager", "ours_float8", "hf_eager", "hf_compiled", ...
     kind: str       # "ours" | "hf"
     compiled: bool
     experts: str = "default"   # HF MoE only
+    float8: str = "none"       # ours only: distributed.float8
 
 
-def sides_for(shape: Shape, ours: list, hf: list, hf_experts: list) -> list:
-    sides = [Side("ours" if mode == "compiled" else "ours_eager", "ours", mode == "compiled")
-             for mode in ours]
+def sides_for(shape: Shape, ours: list, hf: list, hf_experts: list, float8: str = "none") -> list:
+    """Ours in each mode (and beside each, in float8 with --float8), then HF's sides."""
+    sides = []
+    for mode in ours:
+        name = "ours" if mode == "compiled" else "ours_eager"
+        sides.append(Side(name, "ours", mode == "compiled"))
+        if float8 != "none":
+            sides.append(Side(f"{name}_float8", "ours", mode == "compiled", float8=float8))
     for mode in hf:
         for experts in (hf_experts if shape.app == "moe" else ["default"]):
             if experts == "eager" and mode == "compiled":
@@ -448,7 +464,8 @@ def run_ours(name: str, shape: Shape, side: Side, cli, tag: str, timeout: float)
     total = cli.warmup + cli.steps
     module = f"apps.{shape.app}.train"
     cmd = [sys.executable, "-m", module,
-           *ours_overrides(shape, side.compiled, cli.device, total, dump_dir, cli.data_root)]
+           *ours_overrides(shape, side.compiled, cli.device, total, dump_dir, cli.data_root,
+                           side.float8)]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(cli.device), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
@@ -526,6 +543,11 @@ def summarize(results: dict, env: dict) -> None:
         for ours_name, ours in sides.items():
             if not ours_name.startswith("ours"):
                 continue
+            bf16 = sides.get(ours_name.removesuffix("_float8"))
+            if ours_name.endswith("_float8") and bf16 and bf16["tokens_per_s"] and \
+                    ours["tokens_per_s"]:   # float8 against the same mode's bf16, same run
+                ratios[f"{ours_name}/{ours_name.removesuffix('_float8')}"] = (
+                    ours["tokens_per_s"] / bf16["tokens_per_s"])
             for hf_name, hf in sides.items():
                 if hf_name.startswith("hf") and ours["tokens_per_s"] and hf["tokens_per_s"]:
                     ratios[f"{ours_name}/{hf_name}"] = ours["tokens_per_s"] / hf["tokens_per_s"]
@@ -601,6 +623,7 @@ def bench(cli) -> int:
                "settings": {"shapes": names, "rounds": cli.rounds, "warmup": warmup,
                             "steps": steps, "logging_every": every, "ours": ours_modes,
                             "hf": hf_modes, "hf_experts": hf_experts, "device": cli.device,
+                            "float8": cli.float8,
                             "time_limit_s": cli.time_limit, "workdir": str(cli.workdir)},
                "shapes": {}}
     print(table({"env": env, "shapes": {}}).splitlines()[0], flush=True)
@@ -612,13 +635,13 @@ def bench(cli) -> int:
             "flops_per_token": flops_per_token(shape),
             "sides": {s.name: {"kind": s.kind, "compiled": s.compiled, "experts": s.experts,
                                "runs": []}
-                      for s in sides_for(shape, ours_modes, hf_modes, hf_experts)}}
+                      for s in sides_for(shape, ours_modes, hf_modes, hf_experts, cli.float8)}}
     failures = 0
     last_s = {}
     for r in range(cli.rounds):
         for name in names:
             shape = SHAPES[name]
-            sides = sides_for(shape, ours_modes, hf_modes, hf_experts)
+            sides = sides_for(shape, ours_modes, hf_modes, hf_experts, cli.float8)
             for side in (sides if r % 2 == 0 else sides[::-1]):
                 record = results["shapes"][name]["sides"][side.name]
                 left = deadline - time.monotonic()
@@ -696,6 +719,9 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-experts", default="default,eager",
                         help="HF MoE experts_implementation(s): default (transformers' choice) "
                              "and/or a named one (eager: the per-expert loop; uncompiled only)")
+    parser.add_argument("--float8", choices=FLOAT8_RECIPES, default="none",
+                        help="also run ours with distributed.float8=RECIPE beside each of our "
+                             "sides (MFU stays over the bf16 peak)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=10, help="steps before timing (rounded up "
                         "to a multiple of the trainer's logging.every)")

@@ -1,6 +1,11 @@
 """MFU of the trainer on CUDA: FSDP2 + torch.compile + bf16, against the GPU's measured matmul peak.
 
-    python benchmarks/llama_gpu.py [--gpus N] [--steps 30] [--preset llama_1b] [extra overrides ...]
+    python benchmarks/llama_gpu.py [--gpus N] [--steps 30] [--preset llama_1b]
+        [--float8 tensorwise|rowwise] [extra overrides ...]
+
+The 8B-wide headline shape: `--preset llama_8b model.n_layers=8 data.batch_size=2
+data.seq_len=4096 distributed.ac=none`. With --float8 the same run follows in float8 and the two
+are printed side by side (tokens/s ratio, largest loss gap); MFU is over the bf16 peak for both.
 
 Trains the preset's model shape on the embedded corpus (bytes, so no tokenizer
 file is needed: the vocabulary is resized to the byte tokenizer's) for a few steps with torchrun,
@@ -36,21 +41,15 @@ def measured_matmul_peak(n: int = 8192, iters: int = 20) -> float:
     return 2 * n ** 3 * iters / (start.elapsed_time(end) / 1000)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", type=int, default=torch.cuda.device_count())
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--preset", default="llama_1b")
-    cli, extra = parser.parse_known_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/llama_gpu.py needs CUDA; see benchmarks/llama_cpu.py for the CPU one.")
-    dump = Path(tempfile.mkdtemp(prefix="lingua_gpu_bench_"))
+def train(cli, extra: list, float8: str) -> tuple:
+    """(tokens/s, MFU of the data-sheet bf16 peak) of one torchrun training of the preset."""
+    dump = Path(tempfile.mkdtemp(prefix=f"lingua_gpu_bench_{float8}_"))
     overrides = [f"config={cli.preset}", f"dump_dir={dump}", f"steps={cli.steps}",
                  f"data.root={REPO / 'data' / 'embedded'}", "data.format=memmap",
                  "data.prepare_embedded=true", "data.tokenizer.kind=bytes",
                  "data.tokenizer.path=null", "model.vocab_size=258", "model.tie_embeddings=false",
                  "distributed.compile=true", "distributed.model_dtype=bf16", "checkpoint.every=0",
-                 "checkpoint.save_final=false",
+                 "checkpoint.save_final=false", f"distributed.float8={float8}",
                  "eval.at_end=false", "logging.every=1", "optim.warmup=5", *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cli.gpus}",
            "-m", "apps.llama.train", *overrides]
@@ -62,13 +61,34 @@ def main():
     mfus = [r["mfu"] for r in steady if r["mfu"] is not None]  # null: no credible peak
     if not mfus:
         sys.exit("metrics.jsonl has mfu null on every steady step (the run's log says why).")
-    mfu = sum(mfus) / len(mfus)
+    return tps, sum(mfus) / len(mfus), [r["loss"] for r in rows]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--preset", default="llama_1b")
+    parser.add_argument("--float8", choices=["none", "tensorwise", "rowwise"], default="none",
+                        help="also train with distributed.float8=RECIPE, after the bf16 run")
+    cli, extra = parser.parse_known_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/llama_gpu.py needs CUDA; see benchmarks/llama_cpu.py for the CPU one.")
+    recipes = ["none"] + ([cli.float8] if cli.float8 != "none" else [])
+    runs = {recipe: train(cli, extra, recipe) for recipe in recipes}
     measured = measured_matmul_peak()
-    mfu_measured = mfu * _datasheet_peak() / measured
-    print(f"{torch.cuda.get_device_name()} x {cli.gpus}: {tps:.0f} tokens/s; "
-          f"MFU {100 * mfu:.1f}% of the data-sheet bf16 peak, "
-          f"{100 * mfu_measured:.1f}% of the bf16 matmul peak measured "
-          f"here ({measured / 1e12:.0f} TFLOP/s per GPU)")
+    for recipe, (tps, mfu, _) in runs.items():
+        mfu_measured = mfu * _datasheet_peak() / measured
+        print(f"{torch.cuda.get_device_name()} x {cli.gpus}, "
+              f"{'bf16' if recipe == 'none' else 'float8 ' + recipe}: {tps:.0f} tokens/s; "
+              f"MFU {100 * mfu:.1f}% of the data-sheet bf16 peak, "
+              f"{100 * mfu_measured:.1f}% of the bf16 matmul peak measured "
+              f"here ({measured / 1e12:.0f} TFLOP/s per GPU)")
+    if len(runs) == 2:
+        (base, _, base_loss), (fast, _, fast_loss) = runs["none"], runs[cli.float8]
+        gap = max(abs(a - b) / b for a, b in zip(fast_loss, base_loss))
+        print(f"float8 {cli.float8} / bf16: {fast / base:.3f}x tokens/s; largest relative loss "
+              f"gap over {len(base_loss)} steps {gap:.4f}")
 
 
 def _datasheet_peak() -> float:

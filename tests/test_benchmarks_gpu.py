@@ -40,6 +40,8 @@ def test_hf_side_has_our_shape(name):
             assert cfg.intermediate_size == shape.model["expert_hidden_dim"]
             if impl != "default":
                 assert cfg._experts_implementation == impl
+    if name == "8B-wide":   # Llama 3 8B's width, 8 of its layers
+        assert count == pytest.approx(2.80e9, rel=0.01) and shape.model["dim"] == 4096
     if name == "1B":
         assert count == pytest.approx(1.04e9, rel=0.01)
         assert shape.model["dim"] == 2048 and shape.model["tie_embeddings"] is True
@@ -54,15 +56,25 @@ def test_sides():
     names = [s.name for s in gpu_vs_hf.sides_for(llama, ["compiled", "eager"], ["eager"],
                                                  ["default", "eager"])]
     assert names == ["ours", "ours_eager", "hf_eager"]
+    # --float8: each of ours again in float8, right after its bf16 twin
+    sides = gpu_vs_hf.sides_for(llama, ["compiled", "eager"], ["eager"], ["default"],
+                                "tensorwise")
+    assert [s.name for s in sides] == ["ours", "ours_float8", "ours_eager", "ours_eager_float8",
+                                       "hf_eager"]
+    assert [s.float8 for s in sides] == ["none", "tensorwise", "none", "tensorwise", "none"]
+    assert "distributed.float8=rowwise" in gpu_vs_hf.ours_overrides(
+        llama, True, "cuda", 1, "d", "r", "rowwise")
 
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory, corpus):
-    """One end-to-end run on CPU: the tiny LLaMA and MoE shapes, ours and HF eager, one round."""
+    """One end-to-end run on CPU: the tiny LLaMA and MoE shapes, ours (and ours in float8) and HF
+    eager, one round."""
     work = tmp_path_factory.mktemp("gpu_vs_hf")
     out = work / "results.json"
     cmd = [sys.executable, "benchmarks/gpu_vs_hf.py", "--device", "cpu",
            "--shapes", "tiny,tiny-moe", "--ours-eager", "--hf", "eager", "--rounds", "1",
+           "--float8", "tensorwise",
            "--warmup", "2", "--steps", "2",
            "--workdir", str(work), "--data-root", str(corpus), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
@@ -98,6 +110,13 @@ def test_runs_end_to_end_on_cpu(cpu_run):
         assert not run["trainer_peak_note"]
         assert run["trainer_flops_per_token"] == pytest.approx(shape["flops_per_token"], rel=1e-9)
         assert run["wall_tokens_per_s"] > 0
+    for name in ("tiny", "tiny-moe"):   # --float8: our side again in float8, side by side
+        shape = results["shapes"][name]
+        fast = shape["sides"]["ours_eager_float8"]
+        assert fast["rounds_ok"] == 1 and fast["tokens_per_s"] > 0
+        assert "distributed.float8=tensorwise" in fast["runs"][0]["command"]
+        assert shape["ratios"]["ours_eager_float8/ours_eager"] == pytest.approx(
+            fast["tokens_per_s"] / shape["sides"]["ours_eager"]["tokens_per_s"])
     moe = results["shapes"]["tiny-moe"]["sides"]
     assert moe["hf_eager"]["runs"][0]["experts_implementation"]   # transformers' own choice
     assert moe["hf_eager_experts_eager"]["runs"][0]["experts_implementation"] == "eager"

@@ -237,6 +237,37 @@ def test_process_groups_and_muon_state_are_the_trainers(corpus, tmp_path):
     assert "Newton-Schulz" in planner.format_plan(muon)
 
 
+def test_float8_gathers_fewer_bytes_and_runs_its_matmuls_at_twice_the_rate(corpus, tmp_path):
+    """distributed.float8=tensorwise under FSDP: the converted weights are gathered in float8 (1
+    byte, not 4 in fp32), their casts and scales are counted, and the time estimate runs the
+    converted matmuls (picked as the trainer picks them) at FLOAT8_SPEEDUP x the rate."""
+    from apps.llama.model import Transformer
+    from lingua.parallel import float8
+
+    base = [f"data.root={corpus}", "data.prepare_embedded=false", f"dump_dir={tmp_path / 'run'}",
+            "distributed.dp_shard=2", "distributed.model_dtype=bf16", "distributed.compile=true"]
+    plain = planner.plan("apps.llama.train", base, 2)
+    f8 = planner.plan("apps.llama.train", [*base, "distributed.float8=tensorwise"], 2)
+    rowwise = planner.plan("apps.llama.train", [*base, "distributed.float8=rowwise"], 2)
+    with torch.device("meta"):
+        model = Transformer(f8.args.model)
+    converted = float8.apply_float8(model, "tensorwise")
+    flops = 6.0 * sum(model.get_submodule(n).weight.numel() for n in converted)
+    assert converted and f8.float8_flops_per_token == flops
+    share = flops / f8.flops_per_token
+    assert f8.tokens_per_s_per_gpu == pytest.approx(
+        plain.tokens_per_s_per_gpu / (1 - share + share / planner.FLOAT8_SPEEDUP))
+    # bf16 gathers take 2 bytes an element: float8's 1 halves the converted weights' share.
+    assert f8.busiest.fsdp < plain.busiest.fsdp and f8.busiest.float8 > 0
+    assert rowwise.busiest.fsdp == plain.busiest.fsdp   # rowwise gathers in bf16
+    assert rowwise.busiest.float8 > f8.busiest.float8   # a scale a row and a column
+    assert plain.busiest.float8 == 0
+    assert "float8 casts" in planner.format_plan(f8)
+    with pytest.raises(ConfigError, match="no float8 tensor cores"):
+        planner.plan("apps.llama.train", [*base, "distributed.float8=tensorwise"], 2,
+                     gpu="A100")
+
+
 def test_debug_llama_uneven_shards_on_tp2_fsdp2(corpus, tmp_path):
     """The busiest rank holds the larger chunk of an uneven split: the 258-token vocabulary is
     129 rows a tp rank, then 65 and 64 over FSDP; rank 0 has 65."""

@@ -94,6 +94,10 @@ GIB = 2 ** 30
 GPU_MEMORY_GIB = {"H100": 80.0, "H200": 141.0, "A100": 80.0, "B200": 180.0}
 USABLE_FRACTION = 0.9   # of the GPU's memory; the rest: CUDA context, NCCL, fragmentation
 DEFAULT_MFU = 0.4
+# Dense float8 tensor-core FLOP/s over bf16's on the data sheets (H100/H200 1979 vs 989, B200 4500
+# vs 2250); the A100 has no float8 tensor cores, and torchao's float8 needs compute capability 8.9.
+FLOAT8_SPEEDUP = 2.0
+NO_FLOAT8 = {"A100"}
 
 
 @dataclass
@@ -114,6 +118,7 @@ class Plan:
     tokens_per_step: int
     microbatch: int           # sequences per micro-batch
     in_flight: List[float]    # micro-batches (pipeline chunks) in flight per pipeline rank
+    float8_flops_per_token: float = 0.0   # of flops_per_token: the matmuls float8 converts
     notes: List[str] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)   # data a job needs and this plan does not
     suggestion: Optional[str] = None    # the cheapest change that fits, when this does not
@@ -133,7 +138,10 @@ class Plan:
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
-        return self.mfu * self.peak_flops / self.flops_per_token
+        # MFU is over the bf16 peak (as torchtitan reports it); the converted matmuls run at the
+        # float8 rate, the same fraction of a peak FLOAT8_SPEEDUP times higher.
+        f8 = self.float8_flops_per_token
+        return self.mfu * self.peak_flops / (self.flops_per_token - f8 + f8 / FLOAT8_SPEEDUP)
 
     @property
     def days(self) -> float:
@@ -211,6 +219,10 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
     overrides = list(overrides)
     app, args, world = load_args(app_module, overrides, world_size, device_type)
     d = args.distributed
+    if d.float8 != "none" and gpu in NO_FLOAT8:
+        raise ConfigError(f"distributed.float8={d.float8} on the {gpu}: it has no float8 tensor "
+                          f"cores (torchao's float8 needs an H100 or newer). Plan for --gpu H100, "
+                          f"or set distributed.float8=none.")
     dims = distributed.parallel_dims(d, world)
     n_mb, microbatch = 1, args.data.batch_size
     if dims.pp > 1:
@@ -219,7 +231,8 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
     ranks, flights = [], []
     per_stage = world // dims.pp
     for pp_rank in range(dims.pp):   # the first rank of each stage holds the largest shards
-        one, flight = rank_plan(args, app.APP, dims, pp_rank * per_stage, n_mb, microbatch)
+        one, flight = rank_plan(args, app.APP, dims, pp_rank * per_stage, n_mb, microbatch,
+                                device_type)
         ranks.append(one)
         flights.append(flight)
     with torch.device("meta"):
@@ -230,7 +243,8 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
                   n_params=n_params, flops_per_token=_flops_per_token(args, app),
                   peak_flops=metrics.GPU_PEAK_FLOPS[dtype][gpu],
                   tokens_per_step=args.data.batch_size * dims.dp * args.data.grad_accum
-                  * args.data.seq_len, microbatch=microbatch, in_flight=flights)
+                  * args.data.seq_len, microbatch=microbatch, in_flight=flights,
+                  float8_flops_per_token=float8_flops_per_token(args, app))
     if suggest:   # the candidates of _cheapest_fix change the layout only, not the data
         result.warnings = data_warnings(args)
     if device_type != "cuda":
@@ -240,6 +254,20 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
         result.suggestion, result.tried = _cheapest_fix(result, gpu, gpu_mem_gib, mfu,
                                                         device_type)
     return result
+
+
+def float8_flops_per_token(args, app) -> float:
+    """FLOPs a token of the matmuls distributed.float8 converts: 6 x each converted Linear's
+    weight (its forward and both backward matmuls), picked as the trainer picks them."""
+    if args.distributed.float8 == "none":
+        return 0.0
+    from lingua.parallel import float8
+
+    convert = getattr(app.APP, "float8_filter", None) or float8.default_filter
+    with torch.device("meta"):
+        model = app.APP.model_class(args.model)
+    return 6.0 * sum(m.weight.numel() for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and convert(name, m))
 
 
 def _candidates(p: Plan) -> list:
@@ -315,6 +343,26 @@ def _beside_the_peak(p: Plan, fmt, unit: str) -> list:
     return lines
 
 
+def _memory_rows(p: Plan, shown: list, e_name: str) -> list:
+    """(label, bytes of a RankPlan) for each line of the memory table."""
+    a, d = p.args, p.args.distributed
+    rows = [("parameters (fp32 shards + buffers)" if e_name == "bf16" else "parameters (+ buffers)",
+             lambda r: r.params + r.buffers),
+            ("gradients", lambda r: r.grads),
+            ("AdamW moments (2 x fp32)" if a.optim.name != "muon"
+             else "optimizer state (Muon 1x, AdamW 2x)", lambda r: r.optim)]
+    if any(r.fsdp for r in shown):
+        what = "float8 weights, " if d.float8 == "tensorwise" else ""
+        rows.append((f"FSDP gathered ({what}{e_name} root + 2 blocks)", lambda r: r.fsdp))
+    if any(r.autocast for r in shown):
+        rows.append(("autocast bf16 weight copies", lambda r: r.autocast))
+    if any(r.float8 for r in shown):
+        rows.append(("float8 casts (a block's weights, scales)", lambda r: r.float8))
+    rows.append((f"activations (ac={d.ac})", lambda r: r.activations))
+    rows.append(("total", lambda r: r.total))
+    return rows
+
+
 def format_plan(p: Plan) -> str:
     a, d, dims = p.args, p.args.distributed, p.dims
     e_name = "bf16" if d.model_dtype == "bf16" else "fp32"
@@ -330,17 +378,7 @@ def format_plan(p: Plan) -> str:
     shown = list({r.rank: r for r in shown}.values())
     heads = [f"rank {r.rank}" + (f" (pp {r.pp_rank})" if dims.pp > 1 else "") for r in shown]
     width = max(10, *(len(h) for h in heads))
-    rows = [("parameters (fp32 shards + buffers)" if e_name == "bf16" else "parameters (+ buffers)",
-             lambda r: r.params + r.buffers),
-            ("gradients", lambda r: r.grads),
-            ("AdamW moments (2 x fp32)" if a.optim.name != "muon"
-             else "optimizer state (Muon 1x, AdamW 2x)", lambda r: r.optim)]
-    if any(r.fsdp for r in shown):
-        rows.append((f"FSDP gathered ({e_name} root + 2 blocks)", lambda r: r.fsdp))
-    if any(r.autocast for r in shown):
-        rows.append(("autocast bf16 weight copies", lambda r: r.autocast))
-    rows.append((f"activations (ac={d.ac})", lambda r: r.activations))
-    rows.append(("total", lambda r: r.total))
+    rows = _memory_rows(p, shown, e_name)
     label_w = max(len(r[0]) for r in rows) + 2
     unit, fmt = ("GiB", _in(GIB)) if p.busiest.total >= GIB else ("MiB", _in(2 ** 20))
     lines.append(f"  {unit + ' per rank':<{label_w}}" + "".join(f"{h:>{width + 2}}" for h in heads))
@@ -366,6 +404,10 @@ def format_plan(p: Plan) -> str:
                  f"{tps:,.0f} tokens/s a GPU, {_count(tps * p.world_size)} tokens/s; "
                  f"{_count(p.tokens_per_step)} tokens a step, {a.steps} steps = "
                  f"{_count(total_tokens)} tokens in {p.days:.1f} days")
+    if p.float8_flops_per_token:
+        lines.append(f"  (float8 {d.float8}: {p.float8_flops_per_token / p.flops_per_token:.0%} "
+                     f"of the FLOPs at {FLOAT8_SPEEDUP:g}x the bf16 rate; MFU stays over the "
+                     f"bf16 peak)")
     lines.append("  (shards read from the model built on the fake process group; activations "
                  "estimated per block, see lingua/launch/plan.py)")
     lines += [f"  note: {n}" for n in p.notes]

@@ -19,7 +19,7 @@ from lingua.launch.plan_activations import (
     chunks_in_flight,
     output_activation_bytes,
 )
-from lingua.parallel import distributed, groups
+from lingua.parallel import distributed, float8, groups
 from lingua.parallel.distributed import DistEnv
 from lingua.train import build
 
@@ -42,11 +42,12 @@ class RankPlan:
     offloaded: int = 0       # params + grads + optimizer state in host memory (cpu_offload)
     process_groups: int = 1  # groups it joins, the default one included: a communicator each
     ns_workspace: int = 0    # Muon's Newton-Schulz at the optimizer step (after activations)
+    float8: int = 0          # float8 casts of one block's converted weights, and their scales
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.optim + self.buffers + self.fsdp + self.autocast
-                + self.activations)
+                + self.activations + self.float8)
 
 
 @contextlib.contextmanager
@@ -122,22 +123,57 @@ def _unit_params(unit: nn.Module) -> list:
     return out
 
 
-def _fsdp_bytes(parts, e: int, reshard_after_forward: bool) -> int:
+def _fsdp_bytes(parts, e: int, reshard_after_forward: bool, float8_gathers: bool = False) -> int:
+    """What FSDP's all-gathers hold: the root's weights and two blocks' (one ahead) in the
+    forward, or every block's without resharding; in backward the root's and one block's, and
+    one block's fp32 gradients for its reduce-scatter. A weight gathered in float8
+    (distributed.float8=tensorwise) takes 1 byte an element instead of e."""
     from torch.distributed.fsdp import FSDPModule
+
+    in_float8 = _float8_weights(parts) if float8_gathers else set()
+
+    def gathered(params) -> tuple:   # (elements, bytes)
+        sizes = [(_gathered_numel(p), 1 if id(p) in in_float8 else e) for p in params]
+        return sum(n for n, _ in sizes), sum(n * b for n, b in sizes)
 
     root, blocks = 0, []
     for part in parts:
         if not isinstance(part, FSDPModule):
             continue
-        root += sum(_gathered_numel(p) for p in _unit_params(part))
+        root += gathered(_unit_params(part))[1]
         for block in part.layers.values():
             units = [m for m in block.modules() if isinstance(m, FSDPModule)]
-            blocks.append(sum(_gathered_numel(p) for u in units for p in _unit_params(u)))
+            blocks.append(gathered([p for u in units for p in _unit_params(u)]))
     if not blocks and not root:
         return 0
-    largest = max(blocks, default=0)
-    in_flight = 2 * largest if reshard_after_forward else sum(blocks)
-    return e * (root + in_flight) + e * (root + largest) + 4 * largest
+    largest_numel, largest = max(blocks, default=(0, 0), key=lambda b: b[1])
+    in_flight = 2 * largest if reshard_after_forward else sum(b for _, b in blocks)
+    return (root + in_flight) + (root + largest) + 4 * largest_numel
+
+
+def _float8_cast_bytes(parts) -> int:
+    """The float8 copies torchao makes of one block's converted weights while the block runs
+    (the weight, and its transpose for the input gradient: 1 byte an element each) and their
+    scales (fp32: one a tensor under tensorwise, one a row and one a column under rowwise)."""
+    per_block = [0]
+    for part in parts:
+        for block in getattr(part, "layers", {}).values():
+            total = 0
+            for module in block.modules():
+                if type(module).__name__ == "Float8Linear":
+                    rows, cols = module.out_features, module.in_features   # (whole weight)
+                    scaling = module.config.cast_config_weight.scaling_granularity
+                    scales = (rows + cols) if "AXISWISE" in str(scaling) else 2
+                    total += 2 * _gathered_numel(module.weight) + 4 * scales
+            per_block.append(total)
+    return max(per_block)
+
+
+def _float8_weights(parts) -> set:
+    """ids of the converted weights (torchao's Float8Linear), which FSDP all-gathers in float8
+    under the tensorwise recipe on CUDA."""
+    return {id(module.weight) for part in parts for module in part.modules()
+            if type(module).__name__ == "Float8Linear"}
 
 
 def _build_parts(args, app, dims, rank: int, world_size: int):
@@ -157,7 +193,8 @@ def _is_moe_block(block) -> bool:
     return getattr(block, "moe", None) is not None
 
 
-def rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int) -> tuple:
+def rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int,
+              device_type: str = "cuda") -> tuple:
     """(RankPlan, micro-batches in flight) of one rank, built on the fake process group."""
     world = dims.world_size
     group = fake_process_group(rank, world) if world > 1 else contextlib.nullcontext()
@@ -167,6 +204,11 @@ def rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int) -> tuple:
         if world > 1:   # the trainer's groups, built by the trainer's own code just now
             one.process_groups = groups.created() + int(args.checkpoint.async_save)
         one.optim, one.ns_workspace = _optimizer_bytes(args, parts, one.optim)
+        one.float8 = _float8_cast_bytes(parts)
+        if float8.uses_fsdp_float8_all_gather(args.distributed, dims, device_type):
+            # Built on the CPU, where gloo cannot move float8: count the job's float8 gathers.
+            one.fsdp = _fsdp_bytes(parts, 2 if args.distributed.model_dtype == "bf16" else 4,
+                                   args.distributed.reshard_after_forward, float8_gathers=True)
         return one, flight
 
 
