@@ -185,9 +185,10 @@ def test_the_write_overlaps_the_next_steps_and_equals_a_synchronous_save(
 
 
 def test_finish_waits_for_every_write_and_frees_the_copy(tmp_path, monkeypatch):
-    """PendingSave.finish(block=False) makes nothing visible while the write is running; the
-    copy of the state taken at the save is what is written, and it is freed after the write
-    (with automatic garbage collection off, as in the training loop)."""
+    """PendingSave.finish(block=False) makes nothing visible while the write is running (one
+    process: this rank's write is every rank's); the copy of the state taken at the save is what
+    is written, and it is freed after the write (with automatic garbage collection off, as in
+    the training loop)."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
@@ -220,11 +221,11 @@ def test_finish_waits_for_every_write_and_frees_the_copy(tmp_path, monkeypatch):
         with torch.no_grad():   # the next optimizer step
             for p in model.parameters():
                 p.add_(1.0)
-        assert pending.finish(block=False) is None
+        assert pending.finish(block=False, all_written=pending.written_here()) is None
         assert checkpoint.list_complete(tmp_path) == [] and len(tmp_dirs(tmp_path)) == 1
         go.set()
         deadline = time.time() + 60
-        while pending.finish(block=False) is None:
+        while pending.finish(block=False, all_written=pending.written_here()) is None:
             assert time.time() < deadline, "the write never finished"
             time.sleep(0.01)
         final = tmp_path / "checkpoints" / "1"

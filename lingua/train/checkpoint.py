@@ -301,8 +301,7 @@ def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
 
 def save_async(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
                config_yaml: str, rank: int, world_size: int, keep: int,
-               in_use: Optional[InUse] = None,
-               device: torch.device = torch.device("cpu")) -> "PendingSave":
+               in_use: Optional[InUse] = None) -> "PendingSave":
     """Collective: `save` whose files are written while training goes on (checkpoint.async_save).
 
     Before it returns, the model and optimizer state are copied to CPU memory (DCP's stager: a
@@ -313,13 +312,11 @@ def save_async(dump_dir, step: int, parts: list, optimizers: list, train_state: 
     boundaries) writes the manifest and renames the directory, as `save` does. The caller
     finishes one save before starting the next, so at most one copy of the state is held.
 
-    `device`: where the step-boundary agreement's flag lives (the default process group's
-    device: the GPU under NCCL). DCP's own collectives run in the background thread on a gloo
-    group of their own, so they never interleave with the training loop's collectives.
+    DCP's own collectives run in the background thread on a gloo group of their own, so they
+    never interleave with the training loop's collectives.
     """
     group = _async_group() if world_size > 1 else None
-    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use,
-                       device)
+    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use)
     error = ckpt.open()
     if error is None:
         _quiet_single_process_dcp()
@@ -350,10 +347,9 @@ class PendingSave:
     removes it. A pending asynchronous save is finished with `finish`."""
 
     def __init__(self, dump_dir, step: int, train_state: dict, config_yaml: str, rank: int,
-                 world_size: int, keep: int, in_use: Optional[InUse] = None,
-                 device: torch.device = torch.device("cpu")):
+                 world_size: int, keep: int, in_use: Optional[InUse] = None):
         self.dump_dir, self.step, self.config_yaml = dump_dir, step, config_yaml
-        self.rank, self.world_size, self.device = rank, world_size, device
+        self.rank, self.world_size = rank, world_size
         self.keep, self.in_use = keep, in_use
         self.root = checkpoints_dir(dump_dir)
         self.final = self.root / str(step)
@@ -398,18 +394,18 @@ class PendingSave:
         self.writing = executor.submit(write)
         executor.shutdown(wait=False)   # the thread ends after this one job
 
-    def finish(self, block: bool, all_written: Optional[bool] = None) -> Optional[Path]:
+    def finish(self, block: bool, all_written: bool = False) -> Optional[Path]:
         """Collective while the write is pending: every rank calls it at the same step
         boundaries. Without `block`, it returns None unless every rank's write is done
-        (`all_written`, as the training step's agreement found it; None: one all-reduce of a
-        flag now); then, or after waiting (`block`), it makes the checkpoint visible as `save`
-        does and returns its directory, or raises RunError on every rank if any rank's write
-        failed (the tmp directory removed; the previous checkpoint stays the newest)."""
+        (`all_written`, as the training step's agreement found it); then, or after waiting
+        (`block`), it makes the checkpoint visible as `save` does and returns its directory, or
+        raises RunError on every rank if any rank's write failed (the tmp directory removed; the
+        previous checkpoint stays the newest)."""
         if self.writing is None:
             return self.final
         if block:
             futures.wait([self.writing])
-        elif not (self._everyone_done() if all_written is None else all_written):
+        elif not all_written:
             return None
         writing, self.writing = self.writing, None
         error = writing.exception()
@@ -419,14 +415,6 @@ class PendingSave:
 
     def written_here(self) -> bool:
         return self.writing is None or self.writing.done()
-
-    def _everyone_done(self) -> bool:
-        done = self.writing.done()
-        if self.world_size == 1:
-            return done
-        pending = torch.tensor([0.0 if done else 1.0], device=self.device)
-        dist.all_reduce(pending, op=dist.ReduceOp.MAX)
-        return pending.item() == 0.0
 
     def close(self, error: Optional[BaseException], described: dict) -> Path:
         """Collective: with no error on any rank, rank 0 writes config.yaml and the manifest and

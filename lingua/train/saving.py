@@ -85,8 +85,7 @@ class Saving:
         if args.checkpoint.async_save and not wait:
             self.pending_save = checkpoint.save_async(
                 self.dump_dir, self.step, self.parts, self.optimizers.optimizers, train_state,
-                self.config_yaml, env.rank, env.world_size, args.checkpoint.keep, in_use,
-                env.device)
+                self.config_yaml, env.rank, env.world_size, args.checkpoint.keep, in_use)
             return
         checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
                         train_state, self.config_yaml, env.rank, env.world_size,
