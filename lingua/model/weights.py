@@ -26,7 +26,7 @@ reaches that tracker.
 
 import hashlib
 import logging
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -147,6 +147,10 @@ def materialize(part: nn.Module, device, seed: int, param_device=None) -> nn.Mod
     part.to_empty(device=torch.device(param_device) if param_device is not None else device)
     with torch.no_grad(), PerTensorStreams(part, seed, device):
         part.init_weights(buffer_device=device)
+        # Modules a transform added (LoRA adapters) that the model's init_weights does not know.
+        for module in part.modules():
+            if hasattr(module, "init_adapter"):
+                module.init_adapter()
     return part
 
 
@@ -184,7 +188,8 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device) -> None:
+def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device,
+                    keep: Callable[[str], bool] = lambda name: False) -> None:
     """Fill every rank's parts from rank 0's `state` (the whole model's persistent tensors by
     checkpoint name, on any device and in any dtype: e.g. a Hugging Face model read through
     safetensors' memory map). Other ranks pass None.
@@ -195,7 +200,8 @@ def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device) 
     its shards plus one full tensor. The same thing torch's set_model_state_dict(full_state_dict=
     True, broadcast_from_rank0=True) does, without needing rank 0's state as one dict of tensors
     up front and with a strict check per part (torch's strict check fails on rank 0 when a
-    pipeline part holds a subset of the names).
+    pipeline part holds a subset of the names). Tensors for which keep(name) is true may be
+    absent from `state` and keep their values (LoRA adapters: no pretrained file has them).
     """
     device = torch.device(device)
     world = _world()
@@ -211,7 +217,7 @@ def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device) 
         persistent = set(part.state_dict().keys())  # canonical names: wrappers strip prefixes
         targets.update({k: t for k, t in named_tensors(part).items() if k in persistent})
     shapes = {k: shape for k, shape, _ in specs}
-    missing = sorted(set(targets) - set(shapes))
+    missing = sorted(k for k in set(targets) - set(shapes) if not keep(k))
     wrong = [f"{k} {shapes[k]} vs {tuple(t.shape)}" for k, t in targets.items()
              if k in shapes and tuple(t.shape) != shapes[k]]
     problem = None

@@ -20,7 +20,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from lingua.errors import ConfigError
+from lingua.model.lora import LoRALinear
 from lingua.parallel.float8 import float8_tp_plan
+from lingua.parallel.lora_tp import lora_tp_plan, refusal
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +86,21 @@ def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, block
     _check_plan(model, root_plan, "model")
     for block in blocks:
         _check_plan(block, block_plan, "block")
+    # LoRA layers: adapters laid out like their weight, any other layout refused (lora_tp.py)
+    root_plan, block_plans = lora_tp_plans(model, root_plan, block_plan, blocks)
     # torchao's float8 styles where the Linears are float8 (lingua/parallel/float8.py)
     root_plan = float8_tp_plan(model, root_plan, tp_mesh.device_type)
-    block_plans = [float8_tp_plan(block, block_plan, tp_mesh.device_type) for block in blocks]
+    block_plans = [float8_tp_plan(block, plan, tp_mesh.device_type)
+                   for block, plan in zip(blocks, block_plans)]
+    # torch's SequenceParallel makes its new Parameters trainable: a frozen weight (LoRA's base
+    # model) would train under tp and not in one process. Names do not change, so restore.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     for block, plan in zip(blocks, block_plans):
         parallelize_module(block, tp_mesh, plan)
     parallelize_module(model, tp_mesh, root_plan)
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     if async_tp:
         _enable_async_tp(tp_mesh)
     logger.info("applied tensor parallel over %d ranks: root %s; %d blocks %s; async TP %s",
@@ -123,6 +134,42 @@ class ReplicatedCompute(PrepareModuleInputOutput):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         setattr(module, REPLICATED_MARK, True)
         return super()._apply(module, device_mesh)
+
+
+def check_lora_covered(model: nn.Module, root_plan: dict, block_plan: dict, blocks) -> None:
+    """ConfigError naming a LoRALinear of `model` that neither plan shards: left whole on every
+    tp rank, its trainable adapters would see a sequence- or head-sharded input. A module the
+    plan runs whole on every tp rank (ReplicatedCompute) covers the layers inside it."""
+    covered = set()
+
+    def cover(root: nn.Module, plan: dict) -> None:
+        for fqn, style in plan.items():
+            target = root.get_submodule(fqn)
+            inside = target.modules() if isinstance(style, ReplicatedCompute) else [target]
+            covered.update(id(m) for m in inside)
+
+    cover(model, root_plan)
+    for block in blocks:
+        cover(block, block_plan)
+    left = [name for name, m in model.named_modules()
+            if isinstance(m, LoRALinear) and id(m) not in covered]
+    if left:
+        shown = ", ".join(f"'{n}'" for n in left[:4]) + (f" and {len(left) - 4} more"
+                                                         if len(left) > 4 else "")
+        raise refusal(f"LoRA layer(s) {shown} are in no tensor-parallel plan (the root plan, or "
+                      f"the block plan for a layer inside a block)")
+
+
+def lora_tp_plans(model: nn.Module, root_plan: dict, block_plan: dict, blocks) -> tuple:
+    """(root plan, [each block's plan]) with the LoRA styles swapped in, after refusing a
+    LoRALinear that the plans leave out or shard another way. Needs no process group or
+    storage: an app can call it on the meta model at config time to refuse before any start."""
+    blocks = list(blocks)
+    check_lora_covered(model, root_plan, block_plan, blocks)
+    names = {id(m): name for name, m in model.named_modules()}
+    return lora_tp_plan(model, root_plan), [
+        lora_tp_plan(block, block_plan, f"{names.get(id(block), '<block>')}.")
+        for block in blocks]
 
 
 def _describe(plan: dict) -> str:

@@ -26,6 +26,9 @@ class App:
     # (fqn, module) -> True to train that Linear in float8 (distributed.float8); None:
     # lingua.parallel.float8.default_filter
     float8_filter: Optional[Callable] = None
+    # (model on the meta device, train args) -> None: changes the model in place before the
+    # pipeline split and any parallelism (apps/sft: LoRA adapters, the base frozen)
+    transform_model: Optional[Callable] = None
     # The loss seam (lingua/model/loss.py): how the model's output becomes the summed loss, and what
     # else the forward and the loss take, made from the whole batch before any sharding.
     loss: Callable = loss_module.cross_entropy    # (output, target) -> LossOutput

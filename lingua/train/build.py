@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from lingua.model import decoder, weights
+from lingua.model import decoder, lora, weights
 from lingua.parallel import coverage, distributed, float8, pipeline
 from lingua.parallel.distributed import DistEnv
 from lingua.train import hf
@@ -33,7 +33,7 @@ def build_model_parts(args, env: DistEnv, app: App) -> tuple:
     for part in parts:
         weights.materialize(part, env.device, args.seed, param_device)
     if args.checkpoint.init_from:
-        weights.load_full_state(parts, hf_state, env.device)
+        weights.load_full_state(parts, hf_state, env.device, keep=lora.is_adapter)
         del hf_state
     weights.check_placement(parts, env.device, param_device)
     n_params = sum(p.numel() for part in parts for p in part.parameters())
@@ -50,6 +50,8 @@ def parallelized_parts_on_meta(args, env: DistEnv, app: App) -> tuple:
     way."""
     with torch.device("meta"):
         model = app.model_class(args.model)
+    if app.transform_model is not None:
+        app.transform_model(model, args)
     # What the loop, pipeline and context parallelism rely on (lingua/model/decoder.py), named if
     # missing.
     decoder.check_model_contract(model, app.model_class.__module__.replace(".", "/") + ".py",
