@@ -8,7 +8,7 @@ from typing import List, Optional
 import torch
 
 from lingua.errors import ConfigError
-from lingua.model.loss import token_loss_sum  # noqa: F401  (the loss every caller uses)
+from lingua.model.loss import IGNORE_INDEX, token_loss_sum  # noqa: F401  (callers use it)
 from lingua.parallel.distributed import DistEnv, all_reduce_sum
 from lingua.parallel.tensor_parallel import loss_parallel_context
 from lingua.train.build import mixed_precision
@@ -72,7 +72,7 @@ def evaluate(parts, batches, env: DistEnv, batch_loss) -> dict:
         loss = batch_loss(batch)
         if loss is not None:
             loss_sum += loss.double()
-        tokens += batch.labels.numel()
+        tokens += (batch.labels != IGNORE_INDEX).sum()   # chat data ignores non-answer targets
     all_reduce_sum(loss_sum, env)
     all_reduce_sum(tokens, env, dims=("dp",))
     for part, mode in zip(parts, was_training):

@@ -100,8 +100,9 @@ class LossOutput:
 
 def cross_entropy(output: torch.Tensor, labels: torch.Tensor) -> LossOutput:
     """Summed next-token cross-entropy of logits [b, s, vocab] (vocabulary-sharded under loss
-    parallelism) against labels [b, s]: the default loss of every app."""
-    return LossOutput(token_loss_sum(output, labels), labels.numel())
+    parallelism) against labels [b, s]: the default loss of every app. Labels set to
+    IGNORE_INDEX (chat data's prompts and padding) count for nothing, in the sum and the count."""
+    return LossOutput(token_loss_sum(output, labels), (labels != IGNORE_INDEX).sum())
 
 
 def default_batch_inputs(tokens: torch.Tensor, labels: torch.Tensor) -> tuple:
@@ -121,3 +122,4 @@ def for_training(loss: Callable, compile: bool, backend: str, loss_parallel: boo
     if not compile or loss_parallel:
         return loss
     return torch.compile(loss, backend=backend)
+

@@ -1,4 +1,4 @@
-"""Training data in two formats.
+"""Training data in three formats.
 
 memmap (the default, and the debug presets'): all documents' tokens in one memory-mapped array
 plus document start offsets, written by `setup/prepare_data.py`. Sample i of the endless sample
@@ -25,13 +25,15 @@ meta.json (a truncated or damaged train.bin, a size that is not a whole number o
 broken docs.npy) is refused with a ConfigError naming the file and the command that rebuilds it,
 before any process group or run directory exists.
 
+chat (supervised fine-tuning): conversations in jsonl, rendered with a chat template, trained
+on the assistant's tokens only, in rows that resume on any layout as memmap's do: chat_data.py.
+
 The loaders are single-process by design (no workers, no prefetch): a step's batch is a function
 of the seed, data.seq_len, the global batch and the data-parallel layout alone. The memmap
 corpus on disk (meta.json, its checks, writing one) is in memmap_corpus.py; which jsonl lines are
 usable, and a rank's share of a source's lines, in jsonl_lines.py.
 """
 
-import ast
 import logging
 import os
 import shutil
@@ -44,19 +46,20 @@ import numpy as np
 import torch
 
 from lingua.errors import ConfigError
+from lingua.train.chat_data import ChatArgs, ChatLoader, chat_val_batches, validate_chat_data
+from lingua.train.data_common import VAL_DIR, Batch, stdlib_docstrings  # noqa: F401 (re-exported)
 from lingua.train.jsonl_lines import SKIP_REASONS, BadLine, JsonlSource, decode_line
 from lingua.train.memmap_corpus import TokenWindows, validate_memmap_corpus, write_memmap_corpus
 from lingua.train.tokenizer import TokenizerArgs, build_tokenizer, check_tokenizer_args
 
 logger = logging.getLogger(__name__)
 
-VAL_DIR = "val"
-
 
 @dataclass
 class DataArgs:
     root: str = "data/embedded"     # corpus directory (relative paths resolve against the cwd)
     format: str = "memmap"          # memmap (pre-tokenized, global-index) | jsonl (streaming)
+                                    # | chat (conversations for fine-tuning: chat_data.py)
     seq_len: int = 256
     batch_size: int = 8             # per-rank micro-batch, in sequences
     grad_accum: int = 1
@@ -64,13 +67,7 @@ class DataArgs:
     sources: Dict[str, float] = field(default_factory=dict)  # jsonl: sub-directory -> weight
     prepare_embedded: bool = False  # build the embedded debug corpus in `root` if it is missing
     val_sequences: int = 64         # size of the held-out validation set
-
-
-@dataclass
-class Batch:
-    tokens: torch.Tensor    # [b, seq_len] inputs
-    labels: torch.Tensor    # [b, seq_len] next tokens
-    doc_ids: torch.Tensor   # [b, seq_len] document index of each input token (for masking)
+    chat: ChatArgs = field(default_factory=ChatArgs)  # format=chat only
 
 
 def _rows_to_batch(rows: np.ndarray, docs: np.ndarray) -> Batch:
@@ -254,8 +251,11 @@ class JsonlLoader:
 # entry points
 
 
+FORMATS = ("memmap", "jsonl", "chat")
+
+
 def build_train_loader(args: DataArgs, dp_rank: int, dp_size: int, seed: int):
-    loader = MemmapLoader if args.format == "memmap" else JsonlLoader
+    loader = {"memmap": MemmapLoader, "jsonl": JsonlLoader, "chat": ChatLoader}[args.format]
     return loader(args, dp_rank, dp_size, seed)
 
 
@@ -265,6 +265,8 @@ def build_val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]
     The count is rounded down to a multiple of dp_size so that every rank gets the same number of
     sequences (collectives need the same number of batches everywhere).
     """
+    if args.format == "chat":   # the same rule, over packed or padded conversations
+        return chat_val_batches(args, dp_rank, dp_size)
     n = (args.val_sequences // dp_size) * dp_size
     if n == 0:
         return []
@@ -292,8 +294,8 @@ def validate_data_args(args: DataArgs, files: bool = True) -> None:
     """Cheap checks before any work; raises ConfigError naming the key or file and the fix.
     files=False checks the batch shape only, not the corpus and tokenizer files
     (lingua.launch.plan)."""
-    if args.format not in ("memmap", "jsonl"):
-        raise ConfigError(f"data.format={args.format!r} is unknown: use memmap or jsonl.")
+    if args.format not in FORMATS:
+        raise ConfigError(f"data.format={args.format!r} is unknown: use memmap, jsonl or chat.")
     for key in ("seq_len", "batch_size", "grad_accum"):
         if getattr(args, key) < 1:
             raise ConfigError(f"data.{key}={getattr(args, key)} must be at least 1.")
@@ -319,6 +321,8 @@ def validate_data_args(args: DataArgs, files: bool = True) -> None:
                           f"one{build}), or point data.root at an existing corpus directory.")
     if args.format == "memmap":
         validate_memmap_corpus(args, root)
+    elif args.format == "chat":
+        validate_chat_data(args)
     else:
         _validate_jsonl(args, root)
 
@@ -326,7 +330,9 @@ def validate_data_args(args: DataArgs, files: bool = True) -> None:
 def check_jsonl_lines(args: DataArgs, dp_size: int) -> None:
     """Every data-parallel rank has a usable line in every jsonl source, and validation one in
     val/: read from the start until each has one (a few lines for a sound corpus), so that a
-    corpus of bad lines is refused before any process starts or any file of the run is written."""
+    corpus of bad lines is refused before any process starts or any file of the run is written.
+    (The chat format needs no such check: every rank reads every line, and validate_chat_data
+    has checked them.)"""
     if args.format != "jsonl":
         return
     readers = [(f"source {name} ({d})" if name else f"the corpus in {d}", d, dp_size, "")
@@ -392,33 +398,6 @@ def _validate_jsonl(args: DataArgs, root: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # the embedded debug corpus (written in the memmap format)
-
-
-SKIP_STDLIB_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "turtledemo",
-                    "__pycache__", "lib2to3", "ensurepip"}
-
-
-def stdlib_docstrings(min_chars: int = 200) -> List[str]:
-    """Long docstrings of the Python standard library: English prose on every machine with
-    Python."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    docs = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_STDLIB_DIRS)
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            try:
-                tree = ast.parse(Path(dirpath, name).read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                     ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) >= min_chars:
-                        docs.append(doc)
-    return docs
 
 
 def build_embedded_corpus(out: Path, val_every: int = 50) -> dict:

@@ -92,6 +92,7 @@ class Run(Saving):
         self.val_batches = data.build_val_batches(args.data, env.dp_rank, env.dp_size)
         self.global_batch = args.data.batch_size * env.dp_size * args.data.grad_accum
         self.global_tokens = self.global_batch * args.data.seq_len
+        self.loss_denominator = self.global_tokens   # the step's counted targets (train_step)
         self.pipe = self._build_pipeline(stage_ids)
         self.phases = profiling.PhaseTimer(env.device)   # fwd_s, bwd_s, optim_s in metrics
         self.step_loss = StepLoss(env.device)   # the current step's losses (train_step)
@@ -112,10 +113,10 @@ class Run(Saving):
 
         def loss_fn(output, target):  # called by the schedule on the last stage, per micro-batch
             if inferring_shapes():   # torch's extra first call, on empty tensors: eager,
-                return self.app.loss(output, target).loss_sum / self.global_tokens  # no compile
+                return self.app.loss(output, target).loss_sum / self.loss_denominator  # eager
             out = self.loss(output, target)
             self.step_loss.add(out)
-            return out.loss_sum / self.global_tokens
+            return out.loss_sum / self.loss_denominator
 
         n_microbatches = (d.pp_microbatches
                           or pipeline.default_microbatches(d.pp, d.pp_virtual_stages))
@@ -133,10 +134,12 @@ class Run(Saving):
 
     def train_step(self, micro_batches) -> None:
         """Forward/backward over this rank's micro-batches; their losses add up in
-        self.step_loss. Each micro-batch's summed loss is divided by the global batch's token
-        count (and gradients are summed over ranks), so the gradient is that of the mean loss
-        over the global batch, whatever the layout."""
+        self.step_loss. Each micro-batch's summed loss is divided by the global batch's count of
+        targets (every token, or those the data counts: Batch.step_targets) and gradients are
+        summed over ranks, so the gradient is that of the mean loss over the global batch,
+        whatever the layout."""
         args, env = self.args, self.env
+        self.loss_denominator = micro_batches[0].step_targets or self.global_tokens
         with loss_parallel_context(self.loss_parallel):
             for batch in micro_batches:
                 with sequence_shard(self.parts, batch, args, env, self.app) as mb:
@@ -153,7 +156,7 @@ class Run(Saving):
                     with self.phases.phase("fwd"), mixed_precision(args, env, self.parts):
                         out = microbatch.forward_loss(self.loss, self.parts[0], mb)
                     with self.phases.phase("bwd"):
-                        (out.loss_sum / self.global_tokens).backward()
+                        (out.loss_sum / self.loss_denominator).backward()
                     self.step_loss.add(out)
 
     def start_app_step(self) -> None:
@@ -260,8 +263,11 @@ class Run(Saving):
             return self.app.flops_per_token(self.args)
         m = self.args.model
         with torch.device("meta"):  # FLOPs of the whole model, whatever this rank holds
-            return metrics.flops_per_token(self.app.model_class(m), m.n_layers, m.dim,
-                                           self.args.data.seq_len, m.tie_embeddings)
+            model = self.app.model_class(m)
+            if self.app.transform_model is not None:   # LoRA: which weights are frozen
+                self.app.transform_model(model, self.args)
+            return metrics.flops_per_token(model, m.n_layers, m.dim, self.args.data.seq_len,
+                                           m.tie_embeddings)
 
     def log_row(self, grad_norm, lr) -> None:
         """The metrics.jsonl row of this step (every rank joins its collectives)."""

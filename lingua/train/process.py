@@ -43,7 +43,7 @@ def start_process(args, env: DistEnv) -> None:
             logger.info(f"malloc: left as set by {user} (the trainer would keep freed blocks "
                         "for reuse on CPU; lingua.train.memory.keep_freed_memory)")
     preemption.SIGNALS.listen()
-    if args.data.prepare_embedded:
+    if args.data.prepare_embedded and args.data.format == "memmap":   # chat: apps/sft/prepare.py
         if env.local_rank == 0:
             data.ensure_embedded_corpus(args.data.root)
         distributed.barrier(env)

@@ -1,0 +1,467 @@
+"""Chat data for supervised fine-tuning (`data.format=chat`): conversations in jsonl, rendered
+with a chat template, trained on the tokens the assistant writes and nothing else.
+
+Lines. Each line of `data.root/*.jsonl` (training, files in name order) and of
+`data.root/val/*.jsonl` (validation) is one conversation,
+    {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
+or  {"prompt": "...", "completion": "..."}      (a user message, then the assistant's answer),
+with at least one assistant turn and no empty one. validate_chat_data refuses a line of valid
+JSON that is not such a conversation, naming its file and line, before any work; lines that are
+not valid UTF-8 or JSON are skipped and counted by reason, as in the jsonl format; blank lines
+are formatting.
+
+Templates: lingua/train/chat_template.py (a conversation -> token ids and their targets).
+
+Targets. The tokens the assistant writes count: its content and the token that closes its turn
+(EOS, or the template's end-of-turn token). The others (system, user, headers, padding) get the
+label IGNORE_INDEX, and the loss is the mean over the counted labels of the step's global batch
+(Batch.step_targets). A conversation's first token is never a target, so no label crosses from
+one conversation into the next.
+
+Rows. Every rank reads and tokenizes all training conversations at start (fine-tuning sets are
+small; the template's incremental renders are the cost). One longer than seq_len+1 tokens is cut
+to that length (data.chat.too_long=truncate, counted in `truncated_samples`; one left with no
+target is skipped as too_long) or skipped (skip). Epoch e orders the conversations by a
+permutation seeded by (seed, e). data.chat.pack=true places them greedily, in that order, into
+rows of seq_len+1 tokens (one that does not fit the row's space left starts the next row);
+pack=false puts one a row. The rest of a row is padding (EOS, not counted). doc_ids give each
+conversation of a row, and its padding, an id of its own, so `attn_mask=block_causal` keeps
+attention inside a conversation. The global batch of step k is rows [k*G, (k+1)*G) of the
+endless row stream, G = batch_size x dp_size x grad_accum, and data-parallel rank r takes its
+contiguous slice: the same rows on every layout with the same G, and the loader's whole state is
+the number of rows consumed. Validation packs root/val's conversations in file order.
+
+Skipped lines are counted by every rank (each reads them all) but reported by data-parallel rank
+0 only (the others report zeros), because the trainer sums the counts over ranks.
+"""
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from lingua.errors import ConfigError
+from lingua.model.loss import IGNORE_INDEX
+from lingua.train.chat_template import BUILTIN, ChatTemplate  # noqa: F401  (BUILTIN: callers)
+from lingua.train.data_common import VAL_DIR, Batch, stdlib_docstrings
+from lingua.train.jsonl_lines import BadLine
+from lingua.train.tokenizer import Tokenizer, build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+TOO_LONG = ("truncate", "skip")
+# A line of valid JSON that is not a conversation to train on: validate_chat_data refuses it.
+STRUCTURE_REASONS = ("not_chat", "bad_role", "no_assistant")
+# The keys of a ChatLoader's skipped_by_reason.
+CHAT_SKIP_REASONS = ("invalid_utf8", "invalid_json") + STRUCTURE_REASONS + (
+    "template_error", "too_long")
+LOGGED_SKIPS = 10   # skipped lines logged one by one; the rest summed up once
+
+
+@dataclass
+class ChatArgs:
+    pack: bool = True           # several conversations a row (doc_ids apart) | one a row, padded
+    too_long: str = "truncate"  # a conversation over seq_len+1 tokens: truncate | skip
+    template: Optional[str] = None  # tokenizer_config.json or .jinja; None: see chat_data.py
+
+
+# ------------------------------------------------------------------------------------------------
+# lines
+
+
+def parse_sample(obj) -> List[dict]:
+    """The messages ({"role", "content"}) of one decoded jsonl line; BadLine if it is none."""
+    if not isinstance(obj, dict):
+        raise BadLine("not_chat", f"a JSON {type(obj).__name__}, not an object with \"messages\""
+                                  f" or \"prompt\" and \"completion\"")
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise BadLine("not_chat", '"messages" is not a non-empty list')
+        out = [_message(m, i) for i, m in enumerate(messages)]
+    elif "prompt" in obj or "completion" in obj:
+        prompt, completion = obj.get("prompt"), obj.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise BadLine("not_chat", '"prompt" and "completion" are not both strings')
+        out = [_message({"role": "user", "content": prompt}, 0),
+               _message({"role": "assistant", "content": completion}, 1)]
+    else:
+        raise BadLine("not_chat", 'neither "messages" nor "prompt" and "completion"')
+    answers = [m for m in out if m["role"] == "assistant"]
+    if not answers:
+        raise BadLine("no_assistant", "no assistant turn, so nothing to train on")
+    if not all(m["content"] for m in answers):
+        raise BadLine("no_assistant", "an assistant turn with empty content")
+    return out
+
+
+def _message(m, i: int) -> dict:
+    if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+        raise BadLine("not_chat", f"message {i} is not an object with a string \"content\"")
+    if m.get("role") not in ROLES:
+        raise BadLine("bad_role", f"message {i} has role {m.get('role')!r}, not one of "
+                                  f"{', '.join(ROLES)}")
+    content = m["content"]
+    if not content.isascii():
+        try:  # JSON escapes can encode lone surrogates, which no tokenizer can encode
+            content.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise BadLine("invalid_utf8", f"message {i} not encodable as UTF-8: {err}") from None
+    return {"role": m["role"], "content": content}
+
+
+def _load_json(raw: bytes):
+    try:
+        line = raw.decode("utf-8-sig")  # -sig: a byte-order mark at a file's start is no error
+    except UnicodeDecodeError as err:
+        raise BadLine("invalid_utf8", f"invalid UTF-8: {err}") from None
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
+        raise BadLine("invalid_json", f"invalid JSON: {str(err)[:100]}") from None
+
+
+OnBad = Callable[[Path, int, BadLine], None]
+
+
+def read_conversations(files: List[Path], on_bad: OnBad) -> Iterator[Tuple[Path, int, list]]:
+    """(file, line number, messages) of each usable line; on_bad(file, line, err) for the rest."""
+    for path in files:
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    messages = parse_sample(_load_json(raw))
+                except BadLine as err:
+                    on_bad(path, line_no, err)
+                    continue
+                yield path, line_no, messages
+
+
+class SkipCounter:
+    """Skipped lines by reason; the first LOGGED_SKIPS logged with file and line."""
+
+    def __init__(self, log: bool = True):
+        self.log = log
+        self.by_reason = dict.fromkeys(CHAT_SKIP_REASONS, 0)
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_reason.values())
+
+    def skip(self, path: Path, line_no: int, err: BadLine) -> None:
+        self.by_reason[err.reason] += 1
+        if self.log and self.count <= LOGGED_SKIPS:
+            logger.warning("skipping line %d of %s: %s", line_no, path, err)
+
+
+def train_files(args) -> List[Path]:
+    return sorted(Path(args.root).glob("*.jsonl"))
+
+
+def val_files(args) -> List[Path]:
+    return sorted((Path(args.root) / VAL_DIR).glob("*.jsonl"))
+
+
+# ------------------------------------------------------------------------------------------------
+# conversations -> rows
+
+
+@dataclass
+class Conversations:
+    ids: List[np.ndarray]       # each conversation's tokens (int64), at most seq_len+1
+    counted: List[np.ndarray]   # bool: a target (the first token never is)
+    lengths: np.ndarray         # tokens of each
+    targets: np.ndarray         # counted tokens of each: the labels it gives in a row
+    truncated: int = 0          # conversations cut to seq_len+1 tokens
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def tokenize_conversations(files: List[Path], args, template: ChatTemplate,
+                           tokenizer: Tokenizer, counter: SkipCounter) -> Conversations:
+    row_len, ids_list, counted_list, truncated = args.seq_len + 1, [], [], 0
+    for path, line_no, messages in read_conversations(files, counter.skip):
+        try:
+            ids, counted = template.encode(messages, tokenizer)
+        except BadLine as err:
+            counter.skip(path, line_no, err)
+            continue
+        if ids:
+            counted[0] = False   # nothing before it in its conversation: no label crosses into it
+        if len(ids) > row_len:
+            if args.chat.too_long == "skip" or not any(counted[:row_len]):
+                counter.skip(path, line_no, BadLine(
+                    "too_long", f"{len(ids)} tokens, more than data.seq_len+1={row_len}" +
+                    ("" if args.chat.too_long == "skip" else ", and none of the first are the "
+                     "assistant's")))
+                continue
+            ids, counted, truncated = ids[:row_len], counted[:row_len], truncated + 1
+        ids_list.append(np.asarray(ids, dtype=np.int64))
+        counted_list.append(np.asarray(counted, dtype=bool))
+    return Conversations(ids_list, counted_list,
+                         np.array([len(i) for i in ids_list], dtype=np.int64),
+                         np.array([c.sum() for c in counted_list], dtype=np.int64), truncated)
+
+
+def pack_rows(order: np.ndarray, lengths: np.ndarray, row_len: int, pack: bool) -> List[list]:
+    """Rows as lists of conversation indices: greedily in `order` (packed), or one a row."""
+    if not pack:
+        return [[int(i)] for i in order]
+    rows, row, space = [], [], row_len
+    for i in order:
+        if lengths[i] > space and row:
+            rows.append(row)
+            row, space = [], row_len
+        row.append(int(i))
+        space -= lengths[i]
+    return rows + ([row] if row else [])
+
+
+def rows_to_batch(rows: List[list], convs: Conversations, row_len: int, pad_id: int) -> Batch:
+    tokens = np.full((len(rows), row_len), pad_id, dtype=np.int64)
+    counted = np.zeros((len(rows), row_len), dtype=bool)
+    docs = np.zeros((len(rows), row_len), dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for doc, i in enumerate(row):
+            end = at + convs.lengths[i]
+            tokens[r, at:end], counted[r, at:end], docs[r, at:end] = \
+                convs.ids[i], convs.counted[i], doc
+            at = end
+        docs[r, at:] = len(row)   # padding: a document of its own
+    labels = np.where(counted[:, 1:], tokens[:, 1:], IGNORE_INDEX)
+    return Batch(tokens=torch.from_numpy(tokens[:, :-1]), labels=torch.from_numpy(labels),
+                 doc_ids=torch.from_numpy(docs[:, :-1]))
+
+
+def _load(args, files: List[Path], counter: SkipCounter, what: str):
+    tokenizer = build_tokenizer(args.tokenizer)
+    template = ChatTemplate.from_args(args)
+    convs = tokenize_conversations(files, args, template, tokenizer, counter)
+    if not len(convs):
+        raise ConfigError(f"The {what} data in {args.root} has no usable conversation "
+                          f"({counter.count} line(s) skipped: {_nonzero(counter.by_reason)}). "
+                          f"Fix the lines, or raise data.seq_len if they are too long.")
+    return tokenizer, convs
+
+
+def _nonzero(counts: Dict[str, int]) -> dict:
+    return {k: n for k, n in counts.items() if n}
+
+
+class ChatLoader:
+    def __init__(self, args, dp_rank: int, dp_size: int, seed: int):
+        self.args, self.dp_rank, self.dp_size, self.seed = args, dp_rank, dp_size, seed
+        self.row_len = args.seq_len + 1
+        self.counter = SkipCounter(log=dp_rank == 0)
+        self.tokenizer, self.convs = _load(args, train_files(args), self.counter, "training")
+        self.truncated_samples = self.convs.truncated
+        self.rows_consumed = 0
+        self._epoch_sizes: List[int] = []   # rows in epochs 0, 1, ... as far as the stream went
+        self._epochs: Dict[int, List[list]] = {}   # the rows of the last epochs used
+        if dp_rank == 0:
+            logger.info("chat data: %d conversations (%d truncated to %d tokens, %d lines "
+                        "skipped: %s), %d rows in the first epoch", len(self.convs),
+                        self.truncated_samples, self.row_len, self.counter.count,
+                        _nonzero(self.counter.by_reason), len(self._rows_of_epoch(0)))
+
+    @property
+    def skipped_lines(self) -> int:
+        return self.counter.count if self.dp_rank == 0 else 0
+
+    @property
+    def skipped_by_reason(self) -> Dict[str, int]:
+        return {k: (n if self.dp_rank == 0 else 0) for k, n in self.counter.by_reason.items()}
+
+    def _rows_of_epoch(self, epoch: int) -> List[list]:
+        if epoch not in self._epochs:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.convs))
+            if len(self._epochs) > 1:   # a step spans two epochs at most
+                del self._epochs[min(self._epochs)]
+            self._epochs[epoch] = pack_rows(order, self.convs.lengths, self.row_len,
+                                            self.args.chat.pack)
+        return self._epochs[epoch]
+
+    def row(self, k: int) -> list:
+        """Row k of the endless row stream, as conversation indices."""
+        epoch, start = 0, 0
+        while True:
+            if epoch == len(self._epoch_sizes):
+                self._epoch_sizes.append(len(self._rows_of_epoch(epoch)))
+            if k < start + self._epoch_sizes[epoch]:
+                return self._rows_of_epoch(epoch)[k - start]
+            start, epoch = start + self._epoch_sizes[epoch], epoch + 1
+
+    def next_step(self) -> List[Batch]:
+        a = self.args
+        per_rank = a.batch_size * a.grad_accum
+        first = self.rows_consumed
+        rows = [self.row(k) for k in range(first, first + per_rank * self.dp_size)]
+        self.rows_consumed += len(rows)
+        # Every rank knows the whole global batch's rows, so no collective is needed.
+        step_targets = int(sum(self.convs.targets[i] for row in rows for i in row))
+        mine = rows[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        batches = []
+        for m in range(a.grad_accum):
+            batch = rows_to_batch(mine[m * a.batch_size:(m + 1) * a.batch_size], self.convs,
+                                  self.row_len, self.tokenizer.eos_id)
+            batch.step_targets = step_targets
+            batches.append(batch)
+        return batches
+
+    def state_dict(self) -> dict:
+        c = self.args.chat
+        return {"format": "chat", "rows_consumed": self.rows_consumed,
+                "seq_len": self.args.seq_len, "seed": self.seed, "pack": c.pack,
+                "too_long": c.too_long, "conversations": len(self.convs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        keys = ("format", "seq_len", "seed", "pack", "too_long")
+        if any(state.get(k) != mine[k] for k in keys):
+            saved = ", ".join(f"{k}={state.get(k)}" for k in keys)
+            now = ", ".join(f"{k}={mine[k]}" for k in keys)
+            raise ConfigError(
+                f"The checkpoint's data position was saved with {saved}; this run has {now}. "
+                f"Resume with the same data.format, data.seq_len, seed, data.chat.pack and "
+                f"data.chat.too_long, or start in a new dump_dir.")
+        if state.get("conversations") != len(self.convs) and self.dp_rank == 0:
+            logger.warning("the checkpoint's data position was saved over %s conversations, "
+                           "this run reads %d: the files changed, so the rows resumed from are "
+                           "not those the run would have seen", state.get("conversations"),
+                           len(self.convs))
+        self.rows_consumed = state["rows_consumed"]
+
+
+def chat_val_batches(args, dp_rank: int, dp_size: int) -> List[Batch]:
+    """This rank's share of the first val_sequences rows of root/val's conversations, packed (or
+    padded) in file order; the count rounded down to a multiple of dp_size, as for the other
+    formats, so that every rank gets as many batches."""
+    n = (args.val_sequences // dp_size) * dp_size
+    if n == 0:
+        return []
+    tokenizer, convs = _load(args, val_files(args), SkipCounter(log=dp_rank == 0), "validation")
+    rows = pack_rows(np.arange(len(convs)), convs.lengths, args.seq_len + 1, args.chat.pack)
+    share = min(n, (len(rows) // dp_size) * dp_size) // dp_size
+    mine = rows[dp_rank * share:(dp_rank + 1) * share]
+    return [rows_to_batch(mine[i:i + args.batch_size], convs, args.seq_len + 1, tokenizer.eos_id)
+            for i in range(0, share, args.batch_size)]
+
+
+# ------------------------------------------------------------------------------------------------
+# checks before any work
+
+LINE_FORMAT = ('one conversation a line: {"messages": [{"role": "system"|"user"|"assistant", '
+               '"content": "..."}, ...]} with at least one non-empty assistant turn, or '
+               '{"prompt": "...", "completion": "..."}')
+
+
+def validate_chat_data(args) -> None:
+    """Cheap checks of a chat corpus (every line parsed, one conversation rendered); each
+    failure a ConfigError naming the file (and line) and the fix."""
+    if args.chat.too_long not in TOO_LONG:
+        raise ConfigError(f"data.chat.too_long={args.chat.too_long!r} is unknown: use truncate "
+                          f"(cut a conversation to data.seq_len+1 tokens) or skip.")
+    root = Path(args.root)
+    train = train_files(args)
+    if not train:
+        raise ConfigError(f"data.root={root} holds no *.jsonl file of conversations "
+                          f"(data.format=chat reads {LINE_FORMAT}). Point data.root at their "
+                          f"directory.")
+    val = val_files(args) if args.val_sequences else []
+    if args.val_sequences and not val:
+        raise ConfigError(f"Validation needs held-out conversations: {root / VAL_DIR} holds no "
+                          f"*.jsonl file. Put some there, or set data.val_sequences=0.")
+    template = ChatTemplate.from_args(args)
+    first = _check_lines(train, root)
+    if val:
+        _check_lines(val, root / VAL_DIR)
+    _check_template(args, template, *first)
+
+
+def _check_lines(files: List[Path], where: Path) -> Tuple[Path, int, list]:
+    """The first usable conversation; ConfigError for a line of JSON that is no conversation."""
+    def refuse(path, line_no, err):
+        if err.reason in STRUCTURE_REASONS:
+            raise ConfigError(f"Line {line_no} of {path} is not a conversation to train on: "
+                              f"{err}. data.format=chat reads {LINE_FORMAT}. Fix or remove "
+                              f"the line.")
+        counter.skip(path, line_no, err)
+
+    counter, first = SkipCounter(log=False), None
+    for found in read_conversations(files, refuse):
+        first = first or found
+    if first is None:
+        raise ConfigError(f"{where} has no usable conversation in its {len(files)} *.jsonl "
+                          f"files ({counter.count} lines are not valid UTF-8 or JSON: "
+                          f"{_nonzero(counter.by_reason)}). Fix them: {LINE_FORMAT}.")
+    return first
+
+
+def _check_template(args, template: ChatTemplate, path: Path, line_no: int, messages) -> None:
+    try:
+        _, counted = template.encode(messages, build_tokenizer(args.tokenizer))
+    except BadLine as err:
+        raise ConfigError(f"Line {line_no} of {path}: {err}. Fix the template (data.chat."
+                          f"template) or the line.") from None
+    if not any(counted[1:]):
+        raise ConfigError(f"The chat template {template.source} renders no assistant tokens for "
+                          f"line {line_no} of {path}, so nothing would be trained on. Use a "
+                          f"template that writes each assistant message's content, or unset "
+                          f"data.chat.template for the built-in one.")
+
+
+# ------------------------------------------------------------------------------------------------
+# the debug chat corpus
+
+
+def write_debug_chat(out_dir, n_train: int = 2000, n_val: int = 100) -> Path:
+    """A small chat corpus made from stdlib docstrings (user: the start of one, assistant: how it
+    goes on), as out_dir/train.jsonl and out_dir/val/val.jsonl. Written to a private temporary
+    directory and renamed into place, so processes that race never read half a corpus."""
+    root = Path(out_dir)
+    if (root / "train.jsonl").is_file():
+        return root
+    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        (tmp / VAL_DIR).mkdir(parents=True)
+        docs = stdlib_docstrings()
+        lines = [json.dumps(_debug_conversation(i, docs[i % len(docs)], i // len(docs)))
+                 for i in range(n_train + n_val)]
+        (tmp / VAL_DIR / "val.jsonl").write_text("\n".join(lines[:n_val]) + "\n")
+        (tmp / "train.jsonl").write_text("\n".join(lines[n_val:]) + "\n")
+        os.rename(tmp, root)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (root / "train.jsonl").is_file():
+            raise ConfigError(f"Could not create the debug chat corpus at {root}: the path "
+                              f"exists but holds no train.jsonl. Remove it or choose another "
+                              f"data.root.") from None
+    except BaseException:   # Ctrl-C or a failure while writing: leave nothing half-made behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root
+
+
+def _debug_conversation(i: int, doc: str, pass_no: int) -> dict:
+    text = " ".join(doc.split())
+    start = pass_no * 40 % max(len(text) - 160, 1)   # a later pass over the docs: other windows
+    prompt, answer = text[start:start + 80], text[start + 80:start + 160] or "."
+    if i % 3 == 0:
+        return {"prompt": f"Continue: {prompt}", "completion": answer}
+    messages = [{"role": "user", "content": f"Continue: {prompt}"},
+                {"role": "assistant", "content": answer}]
+    if i % 3 == 2:
+        messages.insert(0, {"role": "system", "content": "You continue Python documentation."})
+    return {"messages": messages}

@@ -1,0 +1,54 @@
+"""What every data format shares: the Batch a loader hands the trainer, the name of the
+validation directory, and the source text of the debug corpora (stdlib docstrings).
+
+A module of its own so that data.py (memmap, jsonl, and the dispatch to every format) and
+chat_data.py (the chat format) both build on it without importing each other.
+"""
+
+import ast
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+VAL_DIR = "val"
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor    # [b, seq_len] inputs
+    labels: torch.Tensor    # [b, seq_len] next tokens
+    doc_ids: torch.Tensor   # [b, seq_len] document index of each input token (for masking)
+    # Labels that count (not IGNORE_INDEX) in the step's whole global batch, the same on every
+    # rank: the loss is their mean. None: every label counts (seq_len x global batch).
+    step_targets: Optional[int] = None
+
+
+SKIP_STDLIB_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "turtledemo",
+                    "__pycache__", "lib2to3", "ensurepip"}
+
+
+def stdlib_docstrings(min_chars: int = 200) -> List[str]:
+    """Long docstrings of the Python standard library: English prose on every machine with
+    Python."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_STDLIB_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            try:
+                tree = ast.parse(Path(dirpath, name).read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                     ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) >= min_chars:
+                        docs.append(doc)
+    return docs
