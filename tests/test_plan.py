@@ -498,3 +498,138 @@ def test_world_size_comes_from_slurm_keys(data, tmp_path):
     with pytest.raises(ConfigError, match="dp_shard"):
         # 70B's tp=8 cannot fill a world of 12
         run_plan("apps.llama.train", "llama_70b", data, tmp_path, 12)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (apps/sft): frozen base weights cost their storage only; FLOPs without their
+# weight-gradient matmuls
+
+
+def _lora_counts(model_args, rank, targets):
+    """(adapter elements, frozen elements) of a LLaMA with LoRA on `targets`, by hand: an
+    adapter on a Linear in -> out is rank x in (A) + out x rank (B); everything else is frozen."""
+    from lingua.model.transformer import ffn_hidden_dim
+
+    h, v = model_args.dim, model_args.vocab_size
+    hk = h // model_args.n_heads * model_args.n_kv_heads
+    f = ffn_hidden_dim(h, model_args.multiple_of, model_args.ffn_dim_multiplier)
+    shapes = {"wq": (h, h), "wk": (h, hk), "wv": (h, hk), "wo": (h, h),
+              "w1": (h, f), "w3": (h, f), "w2": (f, h)}   # (in, out)
+    adapters = model_args.n_layers * sum(rank * (i + o) for t, (i, o) in shapes.items()
+                                         if t in targets)
+    layer = sum(i * o for i, o in shapes.values()) + 2 * h   # matrices, two norms
+    frozen = model_args.n_layers * layer + v * h * (1 if model_args.tie_embeddings else 2) + h
+    return adapters, frozen
+
+
+def test_lora_counts_adapters_in_full_and_the_frozen_base_as_weights_only(tmp_path):
+    """apps/sft's debug model (dim 256, 4 layers, LoRA rank 8 on wq wk wv wo) on 2 FSDP ranks,
+    without its files (the planner warns of them): parameters are every local shard in fp32;
+    gradients and AdamW moments only the adapters'. The same run at lora.rank=0 (no adapters)
+    holds gradient and optimizer bytes for exactly the frozen weights' shards."""
+    base = [f"dump_dir={tmp_path / 'run'}", "checkpoint.init_from=/nonexistent/llama",
+            "data.root=/nonexistent/chat", "distributed.dp_shard=2"]
+    lora = planner.plan("apps.sft.train", base, 2, device_type="cpu")
+    full = planner.plan("apps.sft.train", [*base, "lora.rank=0"], 2, device_type="cpu",
+                        suggest=False)
+    m = lora.args.model
+    adapters, frozen = _lora_counts(m, 8, ["wq", "wk", "wv", "wo"])
+    # dim 256, kv width 128, ffn 768: per layer A 8 x (256 + 256 + 256 + 256), B (256 + 128 +
+    # 128 + 256) x 8
+    assert adapters == 4 * 8 * (4 * 256 + 768) == 57344
+    assert (lora.n_trainable, lora.n_params) == (adapters, adapters + frozen)
+    assert (full.n_trainable, full.n_params) == (frozen, frozen)
+    r, f = lora.busiest, full.busiest
+    # FSDP over 2: every dim 0 here is even (A's 8 rows, B's and the weights' out-features).
+    assert r.n_trainable == adapters // 2 and r.n_params == (adapters + frozen) // 2
+    assert (r.params, r.grads, r.optim) == (4 * r.n_params, 4 * adapters // 2, 8 * adapters // 2)
+    assert f.n_params == f.n_trainable == frozen // 2
+    # Full FT trains the frozen weights and has no adapters: its gradients and moments are the
+    # LoRA run's plus the frozen shards' less the adapters'.
+    assert f.grads == r.grads + 4 * (frozen - adapters) // 2
+    assert f.optim == r.optim + 8 * (frozen - adapters) // 2
+    assert f.params == r.params - 4 * adapters // 2
+    assert r.fsdp < f.fsdp   # no unsharded gradients of frozen weights for the reduce-scatter
+    assert lora.full_finetune_bytes == f.total > r.total
+    text = planner.format_plan(lora)
+    saved = (f.total - r.total) / GIB
+    assert f"LoRA saves {saved:.1f} GiB a rank against full fine-tuning" in text
+    assert "57.34k trainable: LoRA rank 8 on wq, wk, wv, wo" in text
+    assert "gradients (trainable only)" in text
+    assert any("checkpoint.init_from=/nonexistent/llama" in w for w in lora.warnings)
+    assert full.full_finetune_bytes is None and "LoRA saves" not in planner.format_plan(full)
+
+
+def test_flops_of_frozen_weights_leave_out_the_weight_gradient():
+    """6 x trainable + 4 x frozen matmul parameters + attention; all trainable: exactly the
+    6N of before (tests/test_metrics.py's hand count, 787200 for this shape)."""
+    from types import SimpleNamespace
+
+    from apps.llama.model import LlamaArgs, Transformer
+    from apps.sft import train as sft
+    from lingua.model.lora import LoRAArgs, apply_lora
+    from lingua.observe import metrics
+    from lingua.train.loop import Run
+
+    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32)
+    attention = 3 * 2 * (2 * 64 * 64) * 2
+    # wq wo 64x64, wk wv 64x32, w1 w2 w3 64x192 a layer; the output 64 x 258
+    matmul = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192) + 64 * 258
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert metrics.flops_per_token(model, 2, 64, 64) == 6 * matmul + attention == 787200
+    lora = LoRAArgs(rank=4, alpha=8, targets=["wq", "wv"])
+    apply_lora(model, lora)
+    adapters = 2 * 4 * ((64 + 64) + (64 + 32))    # wq: A 4x64, B 64x4; wv: A 4x64, B 32x4
+    assert metrics.flops_per_token(model, 2, 64, 64) == 6 * adapters + 4 * matmul + attention
+    # Every weight frozen but one: only that one adds its weight-gradient matmul.
+    model.output.weight.requires_grad_(True)
+    assert (metrics.flops_per_token(model, 2, 64, 64)
+            == 6 * adapters + 4 * matmul + 2 * 64 * 258 + attention)
+    # The trainer's count (lingua.train.loop.Run) applies the app's transform_model, as the
+    # trainer builds the model: LoRA's frozen base is known to it.
+    train_args = sft.TrainArgs(model=args, lora=lora)
+    train_args.data.seq_len = 64
+    run = SimpleNamespace(app=sft.APP, args=train_args)
+    assert Run._flops_per_token(run) == 6 * adapters + 4 * matmul + attention
+    train_args.lora = LoRAArgs(rank=0)
+    assert Run._flops_per_token(run) == 787200
+
+
+def test_the_8b_lora_preset_fits_one_node_of_8_without_its_files(tmp_path):
+    """configs/sft/llama_8b_lora.yaml planned as shipped, without the Hugging Face download, the
+    tokenizer or the corpus (warned of): it fits 8 x 80 GB, and full fine-tuning of the same run
+    would not leave it the same room."""
+    p = planner.plan("apps.sft.train", ["config=llama_8b_lora", f"dump_dir={tmp_path / 'run'}"])
+    assert (p.dims.dp_shard, p.world_size) == (8, 8)
+    adapters, frozen = _lora_counts(p.args.model, 16, ["wq", "wk", "wv", "wo"])
+    assert adapters == 32 * 16 * (4 * 4096 + 4096 + 2 * 1024 + 4096) == 13_631_488
+    assert frozen == 8_030_261_248 and p.n_params == adapters + frozen
+    r = p.busiest   # every dim 0 divisible by 8: A's 16 rows, the weights' out-features
+    assert (r.grads, r.optim) == (4 * adapters // 8, 8 * adapters // 8)
+    assert r.params == 4 * (adapters + frozen) // 8
+    assert p.fits and r.total < 0.9 * H100
+    assert p.full_finetune_bytes - r.total > 14 * GIB   # full FT's fp32 grads and moments
+    assert any("checkpoint.init_from is not set" in w for w in p.warnings)
+    assert any("data.tokenizer.kind=hf" in w for w in p.warnings)
+
+
+@pytest.mark.parametrize("ac", ["none", "op", "full"])
+@pytest.mark.parametrize("targets", [["wq", "wk", "wv", "wo"], ["wq", "w2"]],
+                         ids=["attention", "wq-w2"])
+def test_lora_activation_formula_matches_what_blocks_keep(ac, targets):
+    """LoRA blocks (fp32) against their live tensors: frozen Linears keep no input for a weight
+    gradient, adapters keep their rank-wide middle (and B's output under ac=op)."""
+    from lingua.model.lora import LoRAArgs, apply_lora
+    from lingua.parallel.distributed import apply_ac
+
+    model, args = small_model("llama", torch.float32)
+    apply_lora(model, LoRAArgs(rank=8, alpha=16, targets=targets))
+    apply_ac(model.layers, ac)
+    tokens = (2, 64)
+    x = torch.randn(*tokens, args.dim, requires_grad=True)
+    measured = per_layer_bytes_per_token(model, x, tokens)
+    block = model.layers["0"]
+    predicted = (plan_activations.block_activation_bytes(args, False, ac, 4, grouped_kv=True)
+                 + plan_activations.lora_activation_bytes(block, args, False, ac, 4))
+    assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)

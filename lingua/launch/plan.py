@@ -21,8 +21,10 @@ Memory of a rank, in bytes (what is counted, and what is assumed):
   parameters   local shards, as stored: fp32 master weights (model_dtype bf16 or fp32), plus the
                buffers (RoPE tables, expert bias);
   gradients    the same shapes and dtype as the parameters (FSDP reduces in fp32 into fp32
-               sharded gradients);
-  optimizer    AdamW: two moments of each local parameter in its dtype (8 bytes per fp32 param);
+               sharded gradients), of the trainable ones: a frozen weight (LoRA's base, apps/sft)
+               is stored and sharded like the rest, with no gradient and no optimizer state;
+  optimizer    AdamW: two moments of each trainable local parameter in its dtype (8 bytes per
+               fp32 param);
   FSDP buffers compute-dtype copies gathered by FSDP (sizes read from the shards times the FSDP
                degree): the root unit (embeddings, final norm, output; kept gathered for the
                whole step, reshard_after_forward=False) and two blocks in flight (the one computing
@@ -59,10 +61,15 @@ stage's output: the gathered input of the output projection, the bf16 logits, th
 and fp32 log-probs (vocabulary / tp with loss parallel). With tp > 1, torch's TP keeps the
 all-gathered (full-sequence) inputs of attention and FFN, and ac=op also keeps the
 full-sequence partial sums of wo and w2 (op keeps every matmul's output): so under tp, ac=op can
-keep MORE than ac=none, and ac=full is the one that shrinks activations.
+keep MORE than ac=none, and ac=full is the one that shrinks activations. Frozen Linears and LoRA
+adapters (plan_activations.lora_activation_bytes, measured on CPU in fp32): a frozen weight keeps
+no input for its gradient, an adapter its rank-wide middle (and, under ac=op, B's output).
+For a LoRA run the plan also prints the busiest rank of the same run at lora.rank=0 (full
+fine-tuning), and checkpoint.init_from need not exist (a warning, as for the data).
 
-FLOPs per token are the app's (`APP.flops_per_token`, else lingua.observe.metrics.flops_per_token,
-the numbers MFU is logged with); tokens/s = MFU x peak / FLOPs per token, with the dense bf16 (or
+FLOPs per token are the app's (`APP.flops_per_token`, else lingua.observe.metrics.flops_per_token
+of the model after APP.transform_model, the numbers MFU is logged with: 4 x a frozen matmul
+parameter, 6 x a trainable one); tokens/s = MFU x peak / FLOPs per token, with the dense bf16 (or
 fp32) peak of lingua.observe.metrics.GPU_PEAK_FLOPS. The MFU is an assumption (--mfu, default 40%),
 not a measurement: pipeline bubbles and communication are in it.
 
@@ -75,6 +82,7 @@ import argparse
 import dataclasses
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 import torch
@@ -82,7 +90,7 @@ import torch
 from lingua import config
 from lingua.errors import ConfigError
 from lingua.launch import run
-from lingua.launch.plan_memory import RankPlan, rank_plan
+from lingua.launch.plan_memory import RankPlan, quiet, rank_plan
 from lingua.observe import metrics
 from lingua.parallel import distributed, pipeline
 from lingua.train import app as app_checks
@@ -113,12 +121,14 @@ class Plan:
     mfu: float
     ranks: List[RankPlan]
     n_params: int             # the whole model's parameters
+    n_trainable: int          # of those, the ones that train (LoRA: the adapters)
     flops_per_token: float
     peak_flops: float
     tokens_per_step: int
     microbatch: int           # sequences per micro-batch
     in_flight: List[float]    # micro-batches (pipeline chunks) in flight per pipeline rank
     float8_flops_per_token: float = 0.0   # of flops_per_token: the matmuls float8 converts
+    full_finetune_bytes: Optional[int] = None   # LoRA: the busiest rank at lora.rank=0
     notes: List[str] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)   # data a job needs and this plan does not
     suggestion: Optional[str] = None    # the cheapest change that fits, when this does not
@@ -172,16 +182,32 @@ def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
     world = world_size or job_world_size(raw.slurm)
     if world < 1:
         raise ConfigError(f"The world size must be at least 1, got {world}.")
+    checked = raw
+    init_from = raw.checkpoint.init_from
+    if init_from is not None and not Path(init_from).is_dir():
+        # The weights to fine-tune from are read by the job, not by the plan (data_warnings).
+        checked = dataclasses.replace(raw, checkpoint=dataclasses.replace(raw.checkpoint,
+                                                                          init_from=None))
     with distributed.job_view(world, device_type):
-        run.validate(raw, app.APP, data_files=False)
+        run.validate(checked, app.APP, data_files=False)
     return app, raw, world
 
 
-def data_warnings(args) -> List[str]:
+def data_warnings(args, app=None) -> List[str]:
     """What a job would refuse to start without and a plan does without: the corpus (data.root,
-    its val/) and the tokenizer file, each problem once."""
+    its val/), the tokenizer file and the checkpoint.init_from directory (the app module's own
+    check_init_from where it has one: apps/sft's), each problem once."""
 
     found, corpus = [], args.data
+    init_from = args.checkpoint.init_from
+    if getattr(app, "check_init_from", None) is not None:
+        try:
+            app.check_init_from(args)
+        except ConfigError as err:
+            found.append(str(err))
+    elif init_from is not None and not Path(init_from).is_dir():
+        found.append(f"checkpoint.init_from={init_from} is not a directory. Give a Hugging Face "
+                     f"model directory (config.json + *.safetensors).")
     try:
         app_checks.check_vocab(args)
     except ConfigError as err:
@@ -196,14 +222,24 @@ def data_warnings(args) -> List[str]:
     return found
 
 
+def model_on_meta(args, app) -> torch.nn.Module:
+    """The whole model on the meta device as the trainer builds it: the app's transform_model
+    applied (apps/sft: LoRA adapters, the base frozen)."""
+    with torch.device("meta"):
+        model = app.APP.model_class(args.model)
+    if app.APP.transform_model is not None:
+        with quiet():
+            app.APP.transform_model(model, args)
+    return model
+
+
 def _flops_per_token(args, app) -> float:
 
     if app.APP.flops_per_token is not None:
         return app.APP.flops_per_token(args)
     m = args.model
-    with torch.device("meta"):
-        return metrics.flops_per_token(app.APP.model_class(m), m.n_layers, m.dim,
-                                       args.data.seq_len, m.tie_embeddings)
+    return metrics.flops_per_token(model_on_meta(args, app), m.n_layers, m.dim,
+                                   args.data.seq_len, m.tie_embeddings)
 
 
 def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None,
@@ -235,18 +271,24 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
                                 device_type)
         ranks.append(one)
         flights.append(flight)
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in app.APP.model_class(args.model).parameters())
+    whole = model_on_meta(args, app)
+    n_params = sum(p.numel() for p in whole.parameters())
+    n_trainable = sum(p.numel() for p in whole.parameters() if p.requires_grad)
     dtype = "bf16" if d.model_dtype == "bf16" else "fp32"
     result = Plan(module=app_module, overrides=overrides, args=args, world_size=world, dims=dims,
                   device_type=device_type, gpu=gpu, gpu_mem_gib=gpu_mem_gib, mfu=mfu, ranks=ranks,
-                  n_params=n_params, flops_per_token=_flops_per_token(args, app),
+                  n_params=n_params, n_trainable=n_trainable,
+                  flops_per_token=_flops_per_token(args, app),
                   peak_flops=metrics.GPU_PEAK_FLOPS[dtype][gpu],
                   tokens_per_step=args.data.batch_size * dims.dp * args.data.grad_accum
                   * args.data.seq_len, microbatch=microbatch, in_flight=flights,
                   float8_flops_per_token=float8_flops_per_token(args, app))
     if suggest:   # the candidates of _cheapest_fix change the layout only, not the data
-        result.warnings = data_warnings(args)
+        result.warnings = data_warnings(args, app)
+    if suggest and lora_rank(args):   # what the adapters save: the same run, every weight trained
+        full = plan(app_module, overrides + ["lora.rank=0"], world, device_type, gpu,
+                    gpu_mem_gib, mfu, suggest=False)
+        result.full_finetune_bytes = full.busiest.total
     if device_type != "cuda":
         result.notes.append(f"planned for {device_type}: the memory limit is the GPU's "
                             f"({gpu}, {gpu_mem_gib:g} GiB) all the same")
@@ -256,18 +298,24 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
     return result
 
 
+def lora_rank(args) -> int:
+    """The run's LoRA rank (apps/sft's lora.rank); 0 for full training or an app without LoRA."""
+    return getattr(getattr(args, "lora", None), "rank", 0) or 0
+
+
 def float8_flops_per_token(args, app) -> float:
     """FLOPs a token of the matmuls distributed.float8 converts: 6 x each converted Linear's
-    weight (its forward and both backward matmuls), picked as the trainer picks them."""
+    weight (its forward and both backward matmuls; 4 x a frozen one's, which has no weight
+    gradient), picked as the trainer picks them."""
     if args.distributed.float8 == "none":
         return 0.0
     from lingua.parallel import float8
 
     convert = getattr(app.APP, "float8_filter", None) or float8.default_filter
-    with torch.device("meta"):
-        model = app.APP.model_class(args.model)
-    return 6.0 * sum(m.weight.numel() for name, m in model.named_modules()
-                     if isinstance(m, torch.nn.Linear) and convert(name, m))
+    model = model_on_meta(args, app)
+    return sum((6.0 if m.weight.requires_grad else 4.0) * m.weight.numel()
+               for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and convert(name, m))
 
 
 def _candidates(p: Plan) -> list:
@@ -346,11 +394,12 @@ def _beside_the_peak(p: Plan, fmt, unit: str) -> list:
 def _memory_rows(p: Plan, shown: list, e_name: str) -> list:
     """(label, bytes of a RankPlan) for each line of the memory table."""
     a, d = p.args, p.args.distributed
+    only = ", trainable only" if p.n_trainable < p.n_params else ""
     rows = [("parameters (fp32 shards + buffers)" if e_name == "bf16" else "parameters (+ buffers)",
              lambda r: r.params + r.buffers),
-            ("gradients", lambda r: r.grads),
-            ("AdamW moments (2 x fp32)" if a.optim.name != "muon"
-             else "optimizer state (Muon 1x, AdamW 2x)", lambda r: r.optim)]
+            ("gradients (trainable only)" if only else "gradients", lambda r: r.grads),
+            (f"AdamW moments (2 x fp32{only})" if a.optim.name != "muon"
+             else f"optimizer state (Muon 1x, AdamW 2x{only})", lambda r: r.optim)]
     if any(r.fsdp for r in shown):
         what = "float8 weights, " if d.float8 == "tensorwise" else ""
         rows.append((f"FSDP gathered ({what}{e_name} root + 2 blocks)", lambda r: r.fsdp))
@@ -363,6 +412,17 @@ def _memory_rows(p: Plan, shown: list, e_name: str) -> list:
     return rows
 
 
+def _model_line(p: Plan) -> str:
+    trained = ""
+    if p.n_trainable < p.n_params:
+        a = p.args
+        lora = (f": LoRA rank {a.lora.rank} on {', '.join(a.lora.targets)}" if lora_rank(a)
+                else "")
+        trained = f" ({_count(p.n_trainable)} trainable{lora}; the rest frozen)"
+    return (f"  model: {_count(p.n_params)} parameters{trained}, "
+            f"{p.flops_per_token:.3g} FLOPs/token")
+
+
 def format_plan(p: Plan) -> str:
     a, d, dims = p.args, p.args.distributed, p.dims
     e_name = "bf16" if d.model_dtype == "bf16" else "fp32"
@@ -373,7 +433,7 @@ def format_plan(p: Plan) -> str:
                  + f", ac={d.ac}, {e_name} compute, micro-batch {p.microbatch} x "
                  f"{a.data.seq_len} tokens" + (f" ({p.in_flight[0]:g} in flight on pp rank 0,"
                                                f" {d.pp_schedule})" if dims.pp > 1 else ""))
-    lines.append(f"  model: {_count(p.n_params)} parameters, {p.flops_per_token:.3g} FLOPs/token")
+    lines.append(_model_line(p))
     shown = p.ranks if len(p.ranks) <= 8 else [p.ranks[0], p.busiest, p.ranks[-1]]
     shown = list({r.rank: r for r in shown}.values())
     heads = [f"rank {r.rank}" + (f" (pp {r.pp_rank})" if dims.pp > 1 else "") for r in shown]
@@ -392,6 +452,10 @@ def format_plan(p: Plan) -> str:
     verdict = "fits" if p.fits else "does not fit"
     lines.append(f"{verdict}: {fmt(b.total)} {unit} on rank {b.rank} of {_gib(p.usable_bytes)} GiB "
                  f"usable ({USABLE_FRACTION:.0%} of {p.gpu_mem_gib:g} GiB, {p.gpu})")
+    if p.full_finetune_bytes is not None:
+        lines.append(f"  LoRA saves {_gib(p.full_finetune_bytes - b.total)} GiB a rank against "
+                     f"full fine-tuning ({_gib(p.full_finetune_bytes)} GiB a rank with "
+                     f"lora.rank=0)")
     if not p.fits:
         if p.suggestion:
             lines.append(f"  cheapest change that fits: {p.suggestion}")

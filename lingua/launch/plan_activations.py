@@ -97,3 +97,42 @@ def chunks_in_flight(schedule: str, pp: int, virtual: int, n_mb: int, pp_rank: i
     # the one the steady state adds, in chunks; a chunk is 1/virtual of the rank's layers.
     chunks = min(n_mb * virtual, (virtual - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
     return chunks / virtual
+
+
+def lora_activation_bytes(block, model_args, moe: bool, ac: str, e: int, tp: int = 1,
+                          fp32_residual: bool = False) -> float:
+    """What a block with frozen Linears or LoRA adapters (lingua.model.lora) keeps per token
+    beyond block_activation_bytes (negative: less). A frozen Linear has no weight gradient, so
+    autograd keeps no input for it: without ac, a frozen FFN drops its input (w1, w3) and w2's
+    (the SwiGLU product), and attention its input when wq, wk and wv are all frozen. An adapter
+    keeps its rank-wide middle (A's output, B's input); under ac=op also B's output (a matmul's:
+    rank + out a token). ac=full keeps the block's input only, as before."""
+    from torch import nn
+
+    from lingua.model.lora import LoRALinear
+
+    if ac == "full":
+        return 0.0
+    linears = {name.rsplit(".", 1)[-1]: m for name, m in block.named_modules()
+               if isinstance(m, nn.Linear)}
+    adapters = [m for m in linears.values() if isinstance(m, LoRALinear)]
+    if ac == "op":
+        return sum(e * (m.rank + m.out_features / tp) for m in adapters)
+    out = float(sum(e * m.rank for m in adapters))
+
+    def frozen(name):   # no weight gradient and no adapter: its input is not kept for it
+        m = linears.get(name)
+        return m is not None and not isinstance(m, LoRALinear) and not m.weight.requires_grad
+
+    s = block_shape(model_args)
+    if all(frozen(n) for n in ("wq", "wk", "wv")):
+        out -= (3 if fp32_residual else 1) * e * s["h"]
+    if not moe:
+        ffn_frozen = [frozen(n) for n in ("w1", "w3")]
+        if all(ffn_frozen):
+            out -= (2 if fp32_residual else 1) * e * s["h"]
+        elif fp32_residual and any(ffn_frozen):   # autocast: one copy of the input each
+            out -= e * s["h"]
+        if frozen("w2"):
+            out -= e * s["f"] / tp
+    return out

@@ -17,6 +17,7 @@ from lingua.launch.plan_activations import (
     block_activation_bytes,
     block_shape,
     chunks_in_flight,
+    lora_activation_bytes,
     output_activation_bytes,
 )
 from lingua.parallel import distributed, float8, groups
@@ -32,6 +33,7 @@ class RankPlan:
     stages: List[int]
     layers: List[int]
     n_params: int            # local elements of its parameters
+    n_trainable: int         # of those, the ones that train (all but LoRA's frozen base)
     params: int
     grads: int
     optim: int
@@ -67,7 +69,7 @@ def fake_process_group(rank: int, world_size: int):
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """The apply_* functions log each step at INFO; a plan builds many ranks."""
     before = logging.root.manager.disable
     logging.disable(max(before, logging.INFO))
@@ -77,6 +79,9 @@ def _quiet():
             yield
     finally:
         logging.disable(before)
+
+
+_quiet = quiet   # tests/test_parallel_coverage.py's name for it
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -132,23 +137,30 @@ def _fsdp_bytes(parts, e: int, reshard_after_forward: bool, float8_gathers: bool
 
     in_float8 = _float8_weights(parts) if float8_gathers else set()
 
-    def gathered(params) -> tuple:   # (elements, bytes)
-        sizes = [(_gathered_numel(p), 1 if id(p) in in_float8 else e) for p in params]
-        return sum(n for n, _ in sizes), sum(n * b for n, b in sizes)
+    def gathered(params) -> tuple:
+        """(bytes gathered, elements and bytes of the unsharded gradients): frozen weights
+        (LoRA's base) are gathered for compute but have no gradient to reduce."""
+        sizes = [(_gathered_numel(p), 1 if id(p) in in_float8 else e, p.requires_grad)
+                 for p in params]
+        return (sum(n * b for n, b, _ in sizes), sum(n for n, _, g in sizes if g),
+                sum(n * e for n, _, g in sizes if g))
 
-    root, blocks = 0, []
+    root, root_grads, blocks = 0, 0, []
     for part in parts:
         if not isinstance(part, FSDPModule):
             continue
-        root += gathered(_unit_params(part))[1]
+        weights, _, grads = gathered(_unit_params(part))
+        root, root_grads = root + weights, root_grads + grads
         for block in part.layers.values():
             units = [m for m in block.modules() if isinstance(m, FSDPModule)]
             blocks.append(gathered([p for u in units for p in _unit_params(u)]))
     if not blocks and not root:
         return 0
-    largest_numel, largest = max(blocks, default=(0, 0), key=lambda b: b[1])
-    in_flight = 2 * largest if reshard_after_forward else sum(b for _, b in blocks)
-    return (root + in_flight) + (root + largest) + 4 * largest_numel
+    largest = max((b for b, _, _ in blocks), default=0)
+    in_flight = 2 * largest if reshard_after_forward else sum(b for b, _, _ in blocks)
+    grad_numel, grad_bytes = max(((n, b) for _, n, b in blocks), default=(0, 0),
+                                 key=lambda nb: nb[1])
+    return (root + in_flight) + (root_grads + grad_bytes) + 4 * grad_numel
 
 
 def _float8_cast_bytes(parts) -> int:
@@ -198,7 +210,7 @@ def rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int,
     """(RankPlan, micro-batches in flight) of one rank, built on the fake process group."""
     world = dims.world_size
     group = fake_process_group(rank, world) if world > 1 else contextlib.nullcontext()
-    with _quiet(), group:
+    with quiet(), group:
         parts, stage_ids = _build_parts(args, app, dims, rank, world)
         one, flight = _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch)
         if world > 1:   # the trainer's groups, built by the trainer's own code just now
@@ -226,6 +238,12 @@ def _optimizer_bytes(args, parts, adamw_bytes: int) -> tuple:
     largest = max((math.prod(matrix_shape(p)) for p in muon), default=0)
     ns_bytes = torch.empty((), dtype=NS_DTYPES[args.optim.muon_ns_dtype]).element_size()
     return adamw_bytes - muon_bytes, 6 * largest * ns_bytes
+
+
+def _block_bytes(block, m, moe: bool, mode: str, e: int, tp: int, fp32_residual: bool) -> float:
+    """Activation bytes a token that one block keeps, its LoRA adapters' included."""
+    return (block_activation_bytes(m, moe, mode, e, tp, fp32_residual)
+            + lora_activation_bytes(block, m, moe, mode, e, tp, fp32_residual))
 
 
 def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch) -> tuple:
@@ -259,9 +277,9 @@ def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch) -> tuple
             mode = d.ac
             if mode == "layer":
                 mode = "none" if int(name) % d.ac_every else "full"
-            per_mb += block_activation_bytes(m, moe, mode, e, dims.tp, fp32_residual)
-            worst_block = max(worst_block, block_activation_bytes(m, moe, "none", e, dims.tp,
-                                                                  fp32_residual))
+            per_mb += _block_bytes(block, m, moe, mode, e, dims.tp, fp32_residual)
+            worst_block = max(worst_block,
+                              _block_bytes(block, m, moe, "none", e, dims.tp, fp32_residual))
             if dims.cp > 1 and mode != "full":   # all-gathered keys and values of the sequence
                 per_mb += 2 * e * block_shape(m)["hk"] / dims.tp * dims.cp
     flight = chunks_in_flight(d.pp_schedule, dims.pp, d.pp_virtual_stages, n_mb, pp_rank)
@@ -273,11 +291,16 @@ def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch) -> tuple
            for part in parts):
         act += output_activation_bytes(m, e, dims.tp, app.loss_parallel(d), fp32_residual)
     activations = int(act * tokens)
-    grads, optim = param_bytes, 2 * param_bytes
+    # Frozen weights (LoRA's base) are stored and sharded like the rest, but have no gradient
+    # and no optimizer state.
+    trainable = [t for p, t in zip(params, locals_) if p.requires_grad]
+    grads = sum(t.numel() * t.element_size() for t in trainable)
+    optim = 2 * grads
     offloaded = 0
     if d.cpu_offload:
         offloaded, param_bytes, grads, optim = param_bytes + grads + optim, 0, 0, 0
     return RankPlan(rank=rank, pp_rank=pp_rank, stages=list(stage_ids), layers=layer_ids,
-                    n_params=n_local, params=param_bytes, grads=grads, optim=optim,
+                    n_params=n_local, n_trainable=sum(t.numel() for t in trainable),
+                    params=param_bytes, grads=grads, optim=optim,
                     buffers=buffer_bytes, fsdp=fsdp, autocast=autocast, activations=activations,
                     offloaded=offloaded), flight

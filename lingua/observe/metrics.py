@@ -1,21 +1,22 @@
 """Training metrics: FLOPs and MFU, memory, and where they go (stdout, metrics.jsonl, wandb).
 
 MFU = model FLOPs per token x tokens/s / peak FLOP/s of the hardware.
-  model FLOPs per token = 6 x N + 12 x n_layers x dim x seq_len
-N counts every parameter that takes part in a matmul (the embedding lookup does not, the output
-projection does, once even when tied); the second term is attention's QK^T and AV (forward and
-backward, PaLM's convention, counted as if not causal); MoE apps count active parameters only
-(apps/moe/model.py: top_k of the routed experts, all shared ones). On a GPU the peak comes from a
-table of dense data-sheet peaks; on CPU (or a GPU missing from it) it is measured once, before the
-loop, on the forward matmul of the model's largest linear over a micro-batch's tokens, in the
-run's dtype: the best of a few short rounds spread over up to a second (other load only ever
+  model FLOPs per token = 6 x N + 4 x N_frozen + 12 x n_layers x dim x seq_len
+N counts every trainable parameter that takes part in a matmul (the embedding lookup does not, the
+output projection does, once even when tied); N_frozen the frozen ones (LoRA's base weights: a
+forward and an input-gradient matmul, no weight gradient); the last term is attention's QK^T and AV
+(forward and backward, PaLM's convention, counted as if not causal); MoE apps count active
+parameters only (apps/moe/model.py: top_k of the routed experts, all shared ones). On a GPU the peak
+comes from a table of dense data-sheet peaks; on CPU (or a GPU missing from it) it is measured once,
+before the loop, on the forward matmul of the model's largest linear over a micro-batch's tokens, in
+the run's dtype: the best of a few short rounds spread over up to a second (other load only ever
 slows a round down). MFU on CPU is then "fraction of what this model's largest matmul reaches on
-this machine". One peak per run: every row's mfu is divided by the same number, so MFU moves
-only with tokens/s. Nothing is cached across runs: a peak measured while the machine was busy
-would make every later run's MFU too high. The peak used goes to dump_dir/peak.json (`Peak`).
-MFU is never above 1: a row above it (the peak is wrong, or the FLOP count) logs mfu as null and
-the ratio under `mfu_above_peak`, with a warning; where no credible peak exists (bf16 on a CPU
-without bf16 instructions, which torch emulates) mfu is null too.
+this machine". One peak per run: every row's mfu is divided by the same number, so MFU moves only
+with tokens/s. Nothing is cached across runs: a peak measured while the machine was busy would make
+every later run's MFU too high. The peak used goes to dump_dir/peak.json (`Peak`). MFU is never
+above 1: a row above it (the peak is wrong, or the FLOP count) logs mfu as null and the ratio under
+`mfu_above_peak`, with a warning; where no credible peak exists (bf16 on a CPU without bf16
+instructions, which torch emulates) mfu is null too.
 """
 
 import collections
@@ -61,10 +62,17 @@ class LoggingArgs:
 
 def flops_per_token(model: nn.Module, n_layers: int, dim: int, seq_len: int,
                     tied_embeddings: bool = False) -> float:
-    n_matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    """6 x trainable + 4 x frozen matmul parameters, plus attention (the module docstring).
+    A frozen weight (requires_grad False: LoRA's base) does its forward and input-gradient
+    matmuls, not the weight-gradient one. The matrices of each nn.Linear count: its weight and
+    any other matrix it holds (lingua.model.lora.LoRALinear's adapters), never its bias."""
+    matrices = [p for m in model.modules() if isinstance(m, nn.Linear)
+                for p in m.parameters(recurse=False) if p.dim() >= 2]
     if tied_embeddings:  # the output matmul reuses the embedding matrix, but still costs FLOPs
-        n_matmul += model.tok_embeddings.weight.numel()
-    return 6.0 * n_matmul + 12.0 * n_layers * dim * seq_len
+        matrices.append(model.tok_embeddings.weight)
+    trainable = sum(p.numel() for p in matrices if p.requires_grad)
+    frozen = sum(p.numel() for p in matrices if not p.requires_grad)
+    return 6.0 * trainable + 4.0 * frozen + 12.0 * n_layers * dim * seq_len
 
 
 # One measured matmul's work is capped so the measurement stays well under a second on a CPU,
