@@ -1,0 +1,368 @@
+"""Export a fine-tuning run for Hugging Face tools.
+
+`python -m apps.sft.hf export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--adapter-only]`
+
+By default the merged model: every LoRA adapter folded into its base weight (W + alpha/rank B A),
+written as a LlamaForCausalLM directory through the key map below, with the tokenizer
+files, the run's chat template (tokenizer_config.json) and its stop tokens (generation_config.json)
+beside it. With --adapter-only, a PEFT LoRA adapter (adapter_config.json +
+adapter_model.safetensors) for the base model the run started from (checkpoint.init_from):
+`PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), out)`.
+
+Its first part is apps/llama/hf.py's LLaMA <-> LlamaForCausalLM map, copied as a fork copies it
+(an app never imports another): our RoPE rotates each head's halves as HF's `rotate_half` does,
+so q/k rows are copied as they are.
+"""
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from apps.sft.model import LlamaArgs, Transformer
+from lingua.errors import ConfigError
+from lingua.model import lora
+from lingua.model.lora import LoRAArgs, LoRALinear
+from lingua.train import hf as lingua_hf
+
+# ---------------------------------------------------------------------------------------------
+# LLaMA's Hugging Face map (apps/llama/hf.py's)
+
+
+def key_map(args: LlamaArgs) -> dict[str, str]:
+    """Our state_dict key -> Hugging Face key, for save_hf and load_hf. A fork that adds a weight
+    maps it here: save_hf refuses an unmapped tensor, load_hf an unconsumed one."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight",
+             "norm.weight": "model.norm.weight"}
+    if not args.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    per_layer = {
+        "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+        "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+        "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+        "feed_forward.w2": "mlp.down_proj",
+        "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    }
+    for i in range(args.n_layers):
+        for ours, theirs in per_layer.items():
+            names[f"layers.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+    return names
+
+
+def llama_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
+    """config.json: the decoder's shape (lingua_hf.decoder_config) as LlamaForCausalLM."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **lingua_hf.decoder_config(args, dtype),
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def args_from_hf_config(config_path) -> LlamaArgs:
+    cfg = lingua_hf.read_config(config_path)
+    try:
+        unsupported = lingua_hf.decoder_problems(cfg)
+        unsupported += [k for k in ("attention_bias", "mlp_bias") if cfg.get(k)]
+        if unsupported:
+            raise ConfigError(f"{config_path}: {', '.join(unsupported)} is not supported by "
+                              f"{__package__}.")
+        multiple_of, mult = lingua_hf.ffn_recipe(cfg["hidden_size"], cfg["intermediate_size"],
+                                                 cfg.get("lingua_ffn"))
+        return LlamaArgs(**lingua_hf.decoder_args(cfg, config_path), multiple_of=multiple_of,
+                         ffn_dim_multiplier=mult)
+    except KeyError as e:
+        raise ConfigError(f"{config_path} lacks {e}; it is not a LlamaForCausalLM config.") \
+            from None
+
+
+# State-dict tensors deliberately not exported: pattern -> why (the RoPE tables are not persistent).
+NOT_EXPORTED: dict[str, str] = {}
+
+# Tensors some HF files carry that load_hf deliberately does not read: pattern -> why.
+NOT_IMPORTED: dict[str, str] = {
+    r"model\.rotary_emb\.inv_freq":
+        "RoPE inverse frequencies, recomputed from rope_theta/rope_scaling",
+    r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq":
+        "the same, stored per layer by older transformers (Llama 2 era Hub files)",
+}
+
+
+def export_problems(model_args: LlamaArgs) -> list[str]:
+    """Why the export would refuse a model with these args, each with its fix (train.py warns at
+    start). None: every LlamaArgs option has its LlamaForCausalLM setting."""
+    return []
+
+
+WHERE = f"key_map in {lingua_hf.app_file(__file__)}"
+
+
+def save_hf(model: Transformer, model_args: LlamaArgs, path, dtype: torch.dtype | None = None):
+    lingua_hf.save_hf(model, model_args, path, dtype, key_map=key_map,
+                      hf_config=llama_hf_config, not_exported=NOT_EXPORTED, where=WHERE)
+
+
+def load_hf(path, dtype: torch.dtype | None = torch.float32):
+    """(Transformer, LlamaArgs) on CPU from a HF directory; dtype None keeps the file's."""
+    return lingua_hf.load_hf(path, dtype, model_class=Transformer,
+                             args_from_hf_config=args_from_hf_config, key_map=key_map,
+                             not_imported=NOT_IMPORTED, where=WHERE)
+
+
+COMMAND = lingua_hf.command(__file__)
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."   # PeftModel wraps the LlamaForCausalLM as base_model.model
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a run
+
+
+def run_lora_args(run_config, ckpt_dir) -> LoRAArgs:
+    """The run's lora section; a run without one was not trained by apps.sft."""
+    section = OmegaConf.select(run_config, "lora")
+    if section is None:
+        raise ConfigError(f"{ckpt_dir}/config.yaml has no lora section: {ckpt_dir} is not a "
+                          f"fine-tuning run of apps.sft. Use the commands of the app that "
+                          f"trained it (python -m apps.llama.hf export, python -m "
+                          f"apps.llama.generate for apps.llama).")
+    try:
+        return LoRAArgs(**OmegaConf.to_container(section, resolve=True))
+    except TypeError as e:
+        raise ConfigError(f"{ckpt_dir}/config.yaml: its lora section does not fit LoRAArgs "
+                          f"({e}); export it with the code that trained it.") from None
+
+
+def model_args(run_config, ckpt_dir) -> LlamaArgs:
+    try:
+        args = LlamaArgs(**OmegaConf.to_container(run_config.model, resolve=True))
+    except (TypeError, AttributeError) as e:
+        raise ConfigError(f"{ckpt_dir}/config.yaml: its model section does not fit LlamaArgs "
+                          f"({e}); export it with the app that trained it.") from None
+    args.attn_backend = "sdpa"   # export and decoding run sdpa; xformers would refuse on CPU
+    return args
+
+
+def build_model(args: LlamaArgs, lora_args: LoRAArgs, device="cpu") -> Transformer:
+    """The run's model (adapters included, as training built it) with empty weights."""
+    with torch.device("meta"):
+        model = Transformer(args)
+        lora.apply_lora(model, lora_args)
+    model.to_empty(device=device)
+    model.init_rope(device)
+    return model
+
+
+def load_run(target, device="cpu"):
+    """(model with the checkpoint's weights, in eval mode, LlamaArgs, LoRAArgs, run config,
+    checkpoint dir) from a run directory (its newest complete checkpoint) or a checkpoint."""
+    from lingua.train.checkpoint import load_model_state, read_run_config, resolve
+
+    ckpt_dir = resolve(target)
+    run_config = read_run_config(ckpt_dir)
+    lora_args = run_lora_args(run_config, ckpt_dir)
+    args = model_args(run_config, ckpt_dir)
+    model = build_model(args, lora_args, device)
+    with warnings.catch_warnings():   # a single-process load is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_model_state(ckpt_dir, model)
+    return model.eval(), args, lora_args, run_config, ckpt_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# The merged model
+
+
+def merged_model(model: Transformer, args: LlamaArgs) -> Transformer:
+    """A plain Transformer (no adapters) computing what `model` does, sharing its other tensors."""
+    with torch.device("meta"):
+        plain = Transformer(args)
+    plain.load_state_dict(lora.merged_state_dict(model), strict=True, assign=True)
+    plain.init_rope(next(model.parameters()).device)
+    return plain.eval()
+
+
+def export_merged(ckpt_dir, out_dir, dtype=None) -> LlamaArgs:
+    """The merged model as a LlamaForCausalLM directory, through lingua_hf.export's flow (the
+    checkpoint loaded into our adapted model, saved by save_hf after the merge)."""
+    from lingua.train.checkpoint import read_run_config
+
+    run_config = read_run_config(ckpt_dir)
+    lora_args = run_lora_args(run_config, ckpt_dir)
+    fields = chat_fields(run_config)
+
+    def adapted(args: LlamaArgs) -> Transformer:   # export builds it on the meta device
+        model = Transformer(args)
+        lora.apply_lora(model, lora_args)
+        return model
+
+    def save_merged(model, args, out, save_dtype):
+        save_hf(merged_model(model, args), args, out, save_dtype)
+
+    args = lingua_hf.export(ckpt_dir, out_dir, dtype, model_class=adapted, args_class=LlamaArgs,
+                            export_problems=export_problems, save_hf=save_merged,
+                            command=COMMAND)
+    write_chat_files(run_config, out_dir, fields)
+    return args
+
+
+def template_jinja(run_config) -> str:
+    """The Jinja text of the run's chat template: its file's, or the built-in one's."""
+    from apps.sft.generate import data_args
+    from lingua.train.chat_template import BUILTIN_JINJA, ChatTemplate
+
+    text = ChatTemplate.from_args(data_args(run_config)).jinja_text
+    return BUILTIN_JINJA if text is None else text
+
+
+def chat_fields(run_config):
+    """(the template's Jinja text or None, the stop-token ids) that make HF tools chat as the run
+    does; read before any weight is written, so a template that went missing refuses early."""
+    from apps.sft.generate import chat_template, data_args, turn_end_id
+    from lingua.train.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(data_args(run_config).tokenizer)
+    stops, jinja = [tokenizer.eos_id], None
+    if OmegaConf.select(run_config, "data.format") == "chat":
+        stops = list(dict.fromkeys([turn_end_id(chat_template(run_config), tokenizer)] + stops))
+        jinja = template_jinja(run_config)
+    ids = {"bos_token_id": tokenizer.bos_id,
+           "eos_token_id": stops[0] if len(stops) == 1 else stops}
+    return jinja, {**ids, "pad_token_id": tokenizer.eos_id}
+
+
+def write_chat_files(run_config, out_dir, fields=None) -> None:
+    """The template into tokenizer_config.json (when the export has one: a tokenizer transformers
+    reads), the stop tokens (the template's turn end, EOS) into config.json and
+    generation_config.json: transformers' Llama defaults (BOS 1, EOS 2) are other tokens of most
+    vocabularies."""
+    jinja, ids = fields or chat_fields(run_config)
+    out = Path(out_dir)
+    tok_config = out / "tokenizer_config.json"
+    if jinja is not None and tok_config.is_file():
+        _update_json(tok_config, {"chat_template": jinja})
+    _update_json(out / "config.json", {k: ids[k] for k in ("bos_token_id", "eos_token_id")})
+    (out / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+
+
+def _update_json(path: Path, fields: dict) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# The PEFT adapter
+
+
+def peft_module(our_weight: str, names: dict) -> str:
+    """Hugging Face module name of one of our Linear weights (`layers.0.attention.wq.weight` ->
+    `model.layers.0.self_attn.q_proj`), from the llama key map."""
+    if our_weight not in names:
+        raise ConfigError(f"{our_weight} carries a LoRA adapter but has no Hugging Face name in "
+                          f"{WHERE}, so PEFT could not place it. Map it there, or "
+                          f"export the merged model (without --adapter-only).")
+    return names[our_weight].removesuffix(".weight")
+
+
+def adapter_tensors(model: Transformer, args: LlamaArgs, dtype=None) -> dict:
+    """PEFT's names for every adapter: `base_model.model.<HF module>.lora_A.weight` [r, in] and
+    `...lora_B.weight` [out, r]."""
+    names = key_map(args)
+    tensors = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            module = PEFT_PREFIX + peft_module(f"{name}.weight", names)
+            for ours, theirs in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+                t = getattr(m, ours).detach()
+                t = t if dtype is None else t.to(dtype)
+                tensors[f"{module}.{theirs}.weight"] = t.cpu().contiguous()
+    return tensors
+
+
+def adapter_config(lora_args: LoRAArgs, args: LlamaArgs, base: str) -> dict:
+    """adapter_config.json: PEFT's LoraConfig fields; target modules in HF names, read through
+    the key map from our targets (wq -> q_proj)."""
+    names = key_map(args)
+    targets = sorted({peft_module(k, names).rsplit(".", 1)[-1] for k in names
+                      if k.endswith(".weight") and k.rsplit(".", 2)[-2] in lora_args.targets})
+    alpha = lora_args.alpha
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+        "r": lora_args.rank, "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": lora_args.dropout, "target_modules": targets, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,   # scale = alpha / r
+        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "revision": None,
+    }
+
+
+def export_adapter(ckpt_dir, out_dir, dtype=None) -> LoRAArgs:
+    """The adapters alone, as a PEFT LoRA adapter of the run's checkpoint.init_from."""
+    from safetensors.torch import save_file
+
+    from lingua.train.checkpoint import read_run_config
+
+    run_config = read_run_config(ckpt_dir)
+    lora_args = run_lora_args(run_config, ckpt_dir)
+    if not lora_args.rank:
+        raise ConfigError(f"{ckpt_dir} is a full fine-tuning run (lora.rank=0): it has no "
+                          f"adapters, every weight changed. Export the whole model: drop "
+                          f"--adapter-only.")
+    args = model_args(run_config, ckpt_dir)
+    lingua_hf.refuse_unexportable(export_problems(args), COMMAND, ckpt_dir)
+    tensors = adapter_tensors(load_run(ckpt_dir)[0], args, dtype)
+    base = OmegaConf.select(run_config, "checkpoint.init_from")
+    config = adapter_config(lora_args, args, str(base) if base is not None else None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    return lora_args
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def main(argv=None) -> None:
+    """As lingua_hf.export_cli, with --adapter-only: a bad input prints one `error:` paragraph and
+    exits with status 2."""
+    import argparse
+    import sys
+
+    from lingua.train.checkpoint import resolve
+
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("export", help="write a fine-tuning checkpoint for Hugging Face tools")
+    p.add_argument("checkpoint_dir", help="a run directory (its newest complete checkpoint) or "
+                                          "<dump_dir>/checkpoints/<step>")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=sorted(lingua_hf.DTYPES), default=None,
+                   help="default: as trained (fp32)")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="a PEFT LoRA adapter for the run's checkpoint.init_from, not the merged "
+                        "model")
+    ns = parser.parse_args(argv)
+    dtype = lingua_hf.DTYPES.get(ns.dtype)
+    try:
+        ckpt = resolve(ns.checkpoint_dir)
+        if ns.adapter_only:
+            export_adapter(ckpt, ns.out_dir, dtype)
+        else:
+            export_merged(ckpt, ns.out_dir, dtype)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if ns.adapter_only:
+        out = Path(ns.out_dir)
+        print(f"wrote a PEFT LoRA adapter from {ckpt}: {out / ADAPTER_CONFIG} and "
+              f"{out / ADAPTER_WEIGHTS}")
+    else:
+        print(lingua_hf.wrote(ckpt, ns.out_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""LLaMA's tensor-parallel plan (copied from apps/llama), written against its module names;
+lingua.parallel.parallelize applies it (torchtitan's order, one FSDP unit per block), and a LoRA
+layer's adapters follow its base layer's entry (lingua/parallel/tensor_parallel.py). A fork that
+adds a weight adds it here: one left out is refused at start with the line to add."""
+
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from lingua.parallel.parallelize import parallelize_decoder, uses_loss_parallel
+from lingua.parallel.tp_plan import decoder_root_plan, gathered_input, validate_whole_heads
+
+__all__ = ["parallelize_llama", "tp_plans", "uses_loss_parallel", "validate_tp"]
+validate_tp = validate_whole_heads   # q/k/v are sharded by head: each rank holds whole heads
+
+
+def tp_plans(model, loss_parallel: bool) -> tuple[dict, dict]:
+    """(the decoder shell's root plan, the block's), Megatron-style with sequence parallelism as
+    lingua/parallel/tp_plan.py describes: q/k/v and w1/w3 column-sharded (whole heads per rank)."""
+    return decoder_root_plan(model, loss_parallel), {
+        "attention_norm": SequenceParallel(),
+        "attention": gathered_input(),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": gathered_input(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+
+
+def parallelize_llama(model, env, args):
+    return parallelize_decoder(model, env, args, tp_plans)
