@@ -114,3 +114,75 @@ def test_packing_without_document_masks_is_refused(debug_config_json):
                                           "data.chat.pack=false"):
         validate(debug_config_json, "model.attn_mask=causal")
     validate(debug_config_json, "model.attn_mask=causal", "data.chat.pack=false")
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    """A tiny HF base, a small chat corpus, and one process's run on it (global batch 4)."""
+    from apps.sft.model import LlamaArgs
+    from apps.sft.prepare import write_base_model
+    from lingua.train.chat_data import write_debug_chat
+    from tests.conftest import TINY_MODEL, run_python
+
+    root = tmp_path_factory.mktemp("sft_chat")
+    shape = {k.split("=")[0][len("model."):]: int(k.split("=")[1]) for k in TINY_MODEL}
+    base = write_base_model(root / "base", LlamaArgs(**shape))
+    chat = write_debug_chat(root / "chat", n_train=200, n_val=24)
+
+    def args(dump, *extra):
+        return [f"dump_dir={dump}", f"data.root={chat}", f"checkpoint.init_from={base}",
+                "data.prepare_embedded=false", "data.seq_len=256", "data.val_sequences=8",
+                "steps=4", "optim.warmup=2", "optim.lr=3e-3", "logging.every=1", "eval.every=4",
+                "checkpoint.every=0", *TINY_MODEL, "model.max_seq_len=256", "lora.rank=4",
+                "lora.targets=[wq,wv,w2]", *extra]
+
+    reference = root / "reference"
+    run_python("apps.sft.train", args(reference, "data.batch_size=4"))
+    return args, reference
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ["distributed.dp_shard=2", "data.batch_size=2"]),
+    (2, ["distributed.dp_shard=2", "data.batch_size=1", "data.grad_accum=2"]),
+    (2, ["distributed.cp=2", "distributed.dp_shard=1", "data.batch_size=4"]),
+], ids=["fsdp2", "fsdp2_accum2", "cp2"])
+def test_chat_data_trains_alike_on_every_layout(chat_run, tmp_path, nproc, layout):
+    """Packed conversations with answer-only targets: each step's loss is the mean over the
+    global batch's counted targets, whichever rank and micro-batch holds them (a per-rank or
+    per-micro-batch mean would move the gradient norm), and documents stay apart under cp."""
+    from tests.conftest import run_torchrun
+    from tests.equivalence import assert_equivalent, read_rows
+
+    args, reference = chat_run
+    run_torchrun(nproc, "apps.sft.train", args(tmp_path / "run", *layout))
+    assert_equivalent(tmp_path / "run", reference)
+    # Validation over the held-out answers, at the last step
+    assert read_rows(tmp_path / "run")[-1]["val_loss"] == pytest.approx(
+        read_rows(reference)[-1]["val_loss"], rel=1e-5)
+
+
+def test_the_gradient_is_that_of_the_mean_over_answer_tokens(chat_run, tmp_path):
+    """Full fine-tuning, one step: the logged gradient norm is the norm of the gradient of
+    transformers' mean cross-entropy over the step's answer tokens (padded rows, causal), so the
+    loss is divided by the global batch's counted targets, not by its tokens."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from lingua.model.loss import IGNORE_INDEX
+    from lingua.train.chat_data import ChatLoader
+    from tests.conftest import run_python
+    from tests.equivalence import read_rows
+
+    args, _ = chat_run
+    overrides = ["data.batch_size=4", "lora.rank=0", "steps=1", "data.chat.pack=false",
+                 "model.attn_mask=causal"]
+    run_python("apps.sft.train", args(tmp_path / "run", *overrides))
+    config = train.load_config(args(tmp_path / "run", *overrides), check=False)
+    batch = ChatLoader(config.data, 0, 1, config.seed).next_step()[0]
+    model = LlamaForCausalLM.from_pretrained(config.checkpoint.init_from)
+    logits = model(batch.tokens).logits
+    counted = batch.labels != IGNORE_INDEX
+    torch.nn.functional.cross_entropy(logits[counted], batch.labels[counted]).backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert read_rows(tmp_path / "run")[0]["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
