@@ -233,13 +233,13 @@ def model_on_meta(args, app) -> torch.nn.Module:
     return model
 
 
-def _flops_per_token(args, app) -> float:
-
+def _flops_per_token(args, app, model) -> float:
+    """`model`: the whole model on the meta device (model_on_meta)."""
     if app.APP.flops_per_token is not None:
         return app.APP.flops_per_token(args)
     m = args.model
-    return metrics.flops_per_token(model_on_meta(args, app), m.n_layers, m.dim,
-                                   args.data.seq_len, m.tie_embeddings)
+    return metrics.flops_per_token(model, m.n_layers, m.dim, args.data.seq_len,
+                                   m.tie_embeddings)
 
 
 def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None,
@@ -278,11 +278,11 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
     result = Plan(module=app_module, overrides=overrides, args=args, world_size=world, dims=dims,
                   device_type=device_type, gpu=gpu, gpu_mem_gib=gpu_mem_gib, mfu=mfu, ranks=ranks,
                   n_params=n_params, n_trainable=n_trainable,
-                  flops_per_token=_flops_per_token(args, app),
+                  flops_per_token=_flops_per_token(args, app, whole),
                   peak_flops=metrics.GPU_PEAK_FLOPS[dtype][gpu],
                   tokens_per_step=args.data.batch_size * dims.dp * args.data.grad_accum
                   * args.data.seq_len, microbatch=microbatch, in_flight=flights,
-                  float8_flops_per_token=float8_flops_per_token(args, app))
+                  float8_flops_per_token=float8_flops_per_token(args, app, whole))
     if suggest:   # the candidates of _cheapest_fix change the layout only, not the data
         result.warnings = data_warnings(args, app)
     if suggest and lora_rank(args):   # what the adapters save: the same run, every weight trained
@@ -303,16 +303,16 @@ def lora_rank(args) -> int:
     return getattr(getattr(args, "lora", None), "rank", 0) or 0
 
 
-def float8_flops_per_token(args, app) -> float:
-    """FLOPs a token of the matmuls distributed.float8 converts: 6 x each converted Linear's
-    weight (its forward and both backward matmuls; 4 x a frozen one's, which has no weight
-    gradient), picked as the trainer picks them."""
+def float8_flops_per_token(args, app, model) -> float:
+    """FLOPs a token of the matmuls distributed.float8 converts in `model` (the whole model on
+    the meta device): 6 x each converted Linear's weight (its forward and both backward
+    matmuls; 4 x a frozen one's, which has no weight gradient), picked as the trainer picks
+    them."""
     if args.distributed.float8 == "none":
         return 0.0
     from lingua.parallel import float8
 
     convert = getattr(app.APP, "float8_filter", None) or float8.default_filter
-    model = model_on_meta(args, app)
     return sum((6.0 if m.weight.requires_grad else 4.0) * m.weight.numel()
                for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and convert(name, m))

@@ -212,15 +212,14 @@ def rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int,
     group = fake_process_group(rank, world) if world > 1 else contextlib.nullcontext()
     with quiet(), group:
         parts, stage_ids = _build_parts(args, app, dims, rank, world)
-        one, flight = _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch)
+        # Built on the CPU, where gloo cannot move float8: count the job's float8 gathers.
+        float8_gathers = float8.uses_fsdp_float8_all_gather(args.distributed, dims, device_type)
+        one, flight = _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch,
+                               float8_gathers)
         if world > 1:   # the trainer's groups, built by the trainer's own code just now
             one.process_groups = groups.created() + int(args.checkpoint.async_save)
         one.optim, one.ns_workspace = _optimizer_bytes(args, parts, one.optim)
         one.float8 = _float8_cast_bytes(parts)
-        if float8.uses_fsdp_float8_all_gather(args.distributed, dims, device_type):
-            # Built on the CPU, where gloo cannot move float8: count the job's float8 gathers.
-            one.fsdp = _fsdp_bytes(parts, 2 if args.distributed.model_dtype == "bf16" else 4,
-                                   args.distributed.reshard_after_forward, float8_gathers=True)
         return one, flight
 
 
@@ -246,7 +245,8 @@ def _block_bytes(block, m, moe: bool, mode: str, e: int, tp: int, fp32_residual:
             + lora_activation_bytes(block, m, moe, mode, e, tp, fp32_residual))
 
 
-def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch) -> tuple:
+def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch,
+             float8_gathers: bool = False) -> tuple:
     from torch.distributed.fsdp import FSDPModule
 
     d, m = args.distributed, args.model
@@ -258,7 +258,7 @@ def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch) -> tuple
                        for part in parts for b in part.buffers())
     e = 2 if d.model_dtype == "bf16" else 4
     fsdp_applied = all(isinstance(p, FSDPModule) for p in parts)
-    fsdp = _fsdp_bytes(parts, e, d.reshard_after_forward) if fsdp_applied else 0
+    fsdp = _fsdp_bytes(parts, e, d.reshard_after_forward, float8_gathers) if fsdp_applied else 0
     autocast = 0
     fp32_residual = d.model_dtype == "bf16" and not fsdp_applied
     if fp32_residual:   # autocast's bf16 copy of each matmul weight, kept for backward
