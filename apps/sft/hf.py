@@ -314,6 +314,8 @@ def export_adapter(ckpt_dir, out_dir, dtype=None) -> LoRAArgs:
     lingua_hf.refuse_unexportable(export_problems(args), COMMAND, ckpt_dir)
     tensors = adapter_tensors(load_run(ckpt_dir)[0], args, dtype)
     base = OmegaConf.select(run_config, "checkpoint.init_from")
+    if base is not None and Path(base).is_dir():   # a relative path means the run's cwd: pin it
+        base = Path(base).resolve()
     config = adapter_config(lora_args, args, str(base) if base is not None else None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
