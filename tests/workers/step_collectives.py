@@ -3,6 +3,11 @@ the collectives each step issues and writes {step: {collective: count}} to
 <dump_dir>/collectives_rank<r>.json. Nothing but this launcher adds the hook: the project's code
 is unchanged.
 
+Step 2's asynchronous checkpoint write counts as running through step 3, however fast the disk
+(held_write below): the test's step 3 is a plain step while a write is pending, and the write is
+finished at step 4's boundary. Without the hold a write done before step 3's agreement is
+finished within step 3, adding its gathers there.
+
 The count is CommDebugMode's (the same op lists: c10d's and the functional collectives') without
 its module tracker, which fails when a window opens or closes inside a module's forward."""
 
@@ -17,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from apps.llama import train
 from lingua.launch import run
+from lingua.train import checkpoint
 from lingua.train.hooks import Hook
 
 COLLECTIVES = set(NATIVE_TO_PY_MAPPING) | c10d_collective_ops
@@ -41,6 +47,8 @@ class CountCollectives(Hook):
     """Each step's window runs from its before_step to the next step's (or the loop's end), so
     it holds the step's logging, checkpoint and stop check too."""
 
+    current_step = 0
+
     def __init__(self):
         self.mode, self.step, self.per_step = None, None, {}
 
@@ -53,12 +61,22 @@ class CountCollectives(Hook):
     def before_step(self, run, step: int) -> None:
         self._close_window()
         self.mode, self.step = CommCounter(), step
+        CountCollectives.current_step = step
         self.mode.__enter__()
 
     def end(self, run) -> None:
         self._close_window()
         path = Path(run.dump_dir) / f"collectives_rank{os.environ.get('RANK', '0')}.json"
         path.write_text(json.dumps(self.per_step))
+
+
+REAL_WRITTEN_HERE = checkpoint.PendingSave.written_here
+WRITE_SEEN_DONE_FROM = 4
+
+
+def held_write(pending) -> bool:
+    return (CountCollectives.current_step >= WRITE_SEEN_DONE_FROM
+            and REAL_WRITTEN_HERE(pending))
 
 
 def with_counter(real):
@@ -71,4 +89,5 @@ def with_counter(real):
 
 if __name__ == "__main__":
     run.hooks = with_counter(run.hooks)
+    checkpoint.PendingSave.written_here = held_write
     run.exit_cli(lambda: train.main(sys.argv[1:]))
