@@ -15,41 +15,13 @@ from pathlib import Path
 from typing import List
 
 import torch
-from omegaconf import OmegaConf
 
+from apps.sft.hf import chat_template, data_args, load_run, turn_end_id  # noqa: F401 (tests)
 from lingua.errors import ConfigError
 from lingua.eval import generation
 from lingua.train.jsonl_lines import BadLine
 
 PROG = "python -m apps.sft.generate"
-
-
-def data_args(run_config):
-    """The run's DataArgs (its config.yaml's data section over the schema's defaults)."""
-    from lingua.train.data import DataArgs
-
-    section = OmegaConf.to_container(run_config.data, resolve=True)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataArgs), section))
-
-
-def chat_template(run_config):
-    """The ChatTemplate the run trained with."""
-    from lingua.train.chat_data import ChatTemplate
-
-    return ChatTemplate.from_args(data_args(run_config))
-
-
-def turn_end_id(template, tokenizer) -> int:
-    """The token that closes an assistant turn, read from a probe conversation: what the
-    template writes after the content, when that is one token (EOS for the built-in template,
-    <|eot_id|> for Llama 3's); else EOS (a closing spelled in several tokens is no stop token)."""
-    content = "ok"
-    ids, counted = template.encode([{"role": "user", "content": "hi"},
-                                    {"role": "assistant", "content": content}], tokenizer)
-    targets = [i for i, c in zip(ids, counted) if c]
-    spelled = tokenizer.encode(content, add_bos=False, add_eos=False)
-    closing = targets[len(spelled):] if targets[:len(spelled)] == spelled else []
-    return closing[0] if len(closing) == 1 else tokenizer.eos_id
 
 
 def check_messages(messages) -> List[dict]:
@@ -99,7 +71,6 @@ def reply(model, tokenizer, template, messages, max_new_tokens: int):
 
 def load(target, device="cpu"):
     """(model with adapters, tokenizer, template) of a run directory or checkpoint."""
-    from apps.sft.hf import load_run
     from lingua.train.tokenizer import build_tokenizer
 
     model, _, _, run_config, _ = load_run(target, device)

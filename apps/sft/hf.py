@@ -172,6 +172,35 @@ def load_run(target, device="cpu"):
     return model.eval(), args, lora_args, run_config, ckpt_dir
 
 
+def data_args(run_config):
+    """The run's DataArgs (its config.yaml's data section over the schema's defaults)."""
+    from lingua.train.data import DataArgs
+
+    section = OmegaConf.to_container(run_config.data, resolve=True)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataArgs), section))
+
+
+def chat_template(run_config):
+    """The ChatTemplate the run trained with."""
+    from lingua.train.chat_data import ChatTemplate
+
+    return ChatTemplate.from_args(data_args(run_config))
+
+
+def turn_end_id(template, tokenizer) -> int:
+    """The token that closes an assistant turn, read from a probe conversation: what the
+    template writes after the content, when that is one token (EOS for the built-in template,
+    <|eot_id|> for Llama 3's); else EOS (a closing spelled in several tokens is no stop token)."""
+    content = "ok"
+    ids, counted = template.encode([{"role": "user", "content": "hi"},
+                                    {"role": "assistant", "content": content}], tokenizer)
+    targets = [i for i, c in zip(ids, counted) if c]
+    spelled = tokenizer.encode(content, add_bos=False, add_eos=False)
+    closing = targets[len(spelled):] if targets[:len(spelled)] == spelled else []
+    return closing[0] if len(closing) == 1 else tokenizer.eos_id
+
+
+
 # ---------------------------------------------------------------------------------------------
 # The merged model
 
@@ -211,7 +240,6 @@ def export_merged(ckpt_dir, out_dir, dtype=None) -> LlamaArgs:
 
 def template_jinja(run_config) -> str:
     """The Jinja text of the run's chat template: its file's, or the built-in one's."""
-    from apps.sft.generate import data_args
     from lingua.train.chat_template import BUILTIN_JINJA, ChatTemplate
 
     text = ChatTemplate.from_args(data_args(run_config)).jinja_text
@@ -221,7 +249,6 @@ def template_jinja(run_config) -> str:
 def chat_fields(run_config):
     """(the template's Jinja text or None, the stop-token ids) that make HF tools chat as the run
     does; read before any weight is written, so a template that went missing refuses early."""
-    from apps.sft.generate import chat_template, data_args, turn_end_id
     from lingua.train.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(data_args(run_config).tokenizer)

@@ -70,14 +70,16 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         sys.exit("usage: python -m apps.sft.prepare OUT_DIR")
-    from apps.sft.train import load_config
+    from omegaconf import OmegaConf
+
+    from lingua.config import CONFIG_DIR
     from lingua.train.chat_data import write_debug_chat
 
     out = Path(argv[0])
-    args = load_config([f"data.root={out / CHAT}", f"checkpoint.init_from={out / BASE}"],
-                       check=False)
+    # The debug preset's model, read from its file (apps.sft.train imports this module)
+    shape = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "sft" / "debug.yaml").model)
     write_debug_chat(out / CHAT)
-    write_base_model(out / BASE, args.model)
+    write_base_model(out / BASE, LlamaArgs(**shape))
     print(f"wrote {out / BASE} (a tiny LlamaForCausalLM) and {out / CHAT} (chat jsonl)")
 
 
