@@ -68,14 +68,14 @@ def test_pad_groups_puts_each_expert_at_a_multiple_with_zero_rows_between():
     counts = torch.tensor([5, 0, 16, 17, 1])
     x = torch.arange(1, 40, dtype=torch.float32).unsqueeze(1).repeat(1, 8)   # no zero rows
     padded, rows, offs = _pad_groups(x, counts, 16)
-    # The last group runs to the buffer's end: no row is outside a group.
-    assert padded.shape == (39 + 5 * 15, 8)
-    assert offs.dtype == torch.int32 and offs.tolist() == [16, 16, 32, 64, 39 + 5 * 15]
+    # The last group runs to the buffer's end, a multiple too: no row is outside a group.
+    assert padded.shape == (128, 8)   # 39 + 5 * 15 rounded up
+    assert offs.dtype == torch.int32 and offs.tolist() == [16, 16, 32, 64, 128]
     assert torch.equal(padded[rows], x)                      # every row kept, in its order
     starts = [0, 16, 16, 32, 64]
     for e, (start, count) in enumerate(zip(starts, counts.tolist())):
         assert torch.equal(padded[start:start + count], x[sum(counts[:e]):sum(counts[:e + 1])])
-    assert int((padded.abs().sum(1) == 0).sum()) == 5 * 15   # the rest: zeros
+    assert int((padded.abs().sum(1) == 0).sum()) == 128 - 39   # the rest: zeros
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -134,7 +134,7 @@ def test_padded_experts_keep_no_second_copy_of_their_rows_for_backward(monkeypat
 
     padded, unpadded = saved_bytes(True), saved_bytes(False)
     extra = padded - unpadded
-    pad_rows = 8 * 15
+    pad_rows = 4128 - 4000   # 8 * 15 more, rounded up to a multiple of 16
     # Per pad row, the bf16 rows of 64 that the GEMMs and SwiGLU keep (x, the w1 and w3
     # outputs, silu's, h: 5, measured), plus the int64 row index.
     assert 0 < extra <= pad_rows * 5 * 64 * 2 + 4000 * 8, (padded, unpadded)

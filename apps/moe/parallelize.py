@@ -33,7 +33,7 @@ __all__ = ["float8_filter", "parallelize_moe", "tp_plans", "uses_loss_parallel",
 def float8_filter(fqn: str, module: nn.Module) -> bool:
     """distributed.float8's choice of Linears: the default's, less the router's gate (its
     logits pick the experts; torchtitan keeps it in high precision too). The routed experts
-    are not Linears and stay high precision (lingua.parallel.float8 says so in the log)."""
+    pass it: their grouped matmuls run in float8 (lingua.parallel.float8_moe)."""
     return default_filter(fqn, module) and not fqn.endswith("router.gate")
 
 

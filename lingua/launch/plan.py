@@ -306,16 +306,24 @@ def lora_rank(args) -> int:
 def float8_flops_per_token(args, app, model) -> float:
     """FLOPs a token of the matmuls distributed.float8 converts in `model` (the whole model on
     the meta device): 6 x each converted Linear's weight (its forward and both backward
-    matmuls; 4 x a frozen one's, which has no weight gradient), picked as the trainer picks
-    them."""
+    matmuls; 4 x a frozen one's, which has no weight gradient), and 6 x the weights of the
+    top_k experts a token meets in each MoE whose experts are converted, picked as the trainer
+    picks them."""
     if args.distributed.float8 == "none":
         return 0.0
-    from lingua.parallel import float8
+    from lingua.model.moe import MoE
+    from lingua.parallel import float8, float8_moe
 
     convert = getattr(app.APP, "float8_filter", None) or float8.default_filter
-    return sum((6.0 if m.weight.requires_grad else 4.0) * m.weight.numel()
-               for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and convert(name, m))
+    total = 0.0
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and convert(name, m):
+            total += (6.0 if m.weight.requires_grad else 4.0) * m.weight.numel()
+        elif (isinstance(m, MoE) and convert(f"{name}.experts", m.experts)
+              and float8_moe.converts_experts(m.experts)):
+            total += 6.0 * m.top_k * sum(w[0].numel() for w in (m.experts.w1, m.experts.w2,
+                                                                 m.experts.w3))
+    return total
 
 
 def _candidates(p: Plan) -> list:

@@ -166,8 +166,10 @@ def _fsdp_bytes(parts, e: int, reshard_after_forward: bool, float8_gathers: bool
 def _float8_cast_bytes(parts) -> int:
     """The float8 copies torchao makes of one block's converted weights while the block runs
     (the weight, and its transpose for the input gradient: 1 byte an element each) and their
-    scales (fp32: one a tensor under tensorwise, one a row and one a column under rowwise)."""
-    per_block = [0]
+    scales (fp32: one a tensor under tensorwise, one a row and one a column under rowwise);
+    plus, for every block, the column-major bf16 copy of its float8 experts' weights that
+    torchao's grouped GEMM keeps from forward to backward (lingua.parallel.float8_moe)."""
+    per_block, kept = [0], 0
     for part in parts:
         for block in getattr(part, "layers", {}).values():
             total = 0
@@ -177,8 +179,12 @@ def _float8_cast_bytes(parts) -> int:
                     scaling = module.config.cast_config_weight.scaling_granularity
                     scales = (rows + cols) if "AXISWISE" in str(scaling) else 2
                     total += 2 * _gathered_numel(module.weight) + 4 * scales
+                elif getattr(module, "grouped_mm", None) is not None:   # float8 experts
+                    numel = sum(_gathered_numel(w) for w in (module.w1, module.w2, module.w3))
+                    total += 2 * numel
+                    kept += 2 * numel
             per_block.append(total)
-    return max(per_block)
+    return max(per_block) + kept
 
 
 def _float8_weights(parts) -> set:

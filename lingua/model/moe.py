@@ -151,11 +151,12 @@ def _pad_groups(x: torch.Tensor, counts: torch.Tensor, multiple: int):
     """Expert-sorted rows x [n, dim] with counts[e] rows per expert -> (padded_x, rows, offs):
     expert e's rows start at a multiple of `multiple`, zero rows fill each group up to the next
     start, x[i] is padded_x[rows[i]], and offs are torch._grouped_mm's int32 group end offsets.
-    padded_x has a fixed n + n_experts * (multiple - 1) rows (a shape that does not depend on
-    the routing, for torch.compile); the last expert's group runs to its end, so no row is left
-    outside a group (torch._grouped_mm leaves such rows of its outputs unwritten)."""
+    padded_x has a fixed n + n_experts * (multiple - 1) rows rounded up to a multiple (a shape
+    that does not depend on the routing, for torch.compile); the last expert's group runs to its
+    end, so no row is left outside a group (torch._grouped_mm leaves such rows of its outputs
+    unwritten)."""
     n, n_experts = x.shape[0], counts.numel()
-    n_out = n + n_experts * (multiple - 1)
+    n_out = -(-(n + n_experts * (multiple - 1)) // multiple) * multiple
     padded = (counts + multiple - 1) // multiple * multiple
     ends = padded.cumsum(0)
     shift = (ends - padded) - (counts.cumsum(0) - counts)   # padded start - packed start
@@ -195,6 +196,10 @@ class GroupedExperts(nn.Module):
         if impl == "grouped":
             check_grouped_alignment(dim, hidden)
         self.impl = impl
+        # Swap points for lingua.parallel.float8_moe: its float8 grouped matmul (x, w, offs), and
+        # the row multiple it needs each expert's group padded to (0: none).
+        self.grouped_mm: Optional[Callable] = None
+        self.group_multiple = 0
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -210,13 +215,17 @@ class GroupedExperts(nn.Module):
             # No rows (e.g. an expert-parallel rank that received none): grouped_mm's backward
             # rejects the [0, n] gradient, so the loop yields the (zero) gradients instead.
             return self._loop(x, counts, w1, w3, w2)
-        group_rows = _cpu_group_rows(x, counts.numel())
-        if group_rows:   # CPU bf16/fp16: padded groups, few GEMM shapes (see CPU_GROUP_ROWS)
+        # Padded groups: float8's aligned ones, or CPU bf16/fp16's few shapes (CPU_GROUP_ROWS).
+        group_rows = self.group_multiple or _cpu_group_rows(x, counts.numel())
+        if group_rows:
             x, rows, offs = _pad_groups(x, counts, group_rows)
         else:
             offs = counts.cumsum(0).to(torch.int32)
-        eager = torch.compiler.is_compiling() and x.dtype != torch.bfloat16
-        mm = _grouped_mm_eager if eager else _grouped_mm
+        if self.grouped_mm is not None:
+            mm = self.grouped_mm
+        else:
+            eager = torch.compiler.is_compiling() and x.dtype != torch.bfloat16
+            mm = _grouped_mm_eager if eager else _grouped_mm
         h = F.silu(mm(x, w1, offs)) * mm(x, w3, offs)
         y = mm(h, w2, offs)
         return y.index_select(0, rows) if group_rows else y

@@ -15,7 +15,8 @@ with the weight gradient's matmul in high precision).
 On CUDA it needs bf16 and torch.compile, without which float8 is slower than bf16. On CPU it runs
 eagerly with torchao's emulated matmuls (apply_float8's `emulate`), and the collectives stay in
 high precision (gloo has no float8 type: `moves_float8`): that is what the tests train. The
-per-step scale hook is lingua.train.float8_scales. torchao is imported where used.
+per-step scale hook is lingua.train.float8_scales. The MoE experts' grouped matmuls go through
+lingua.parallel.float8_moe. torchao is imported where used.
 """
 
 import logging
@@ -27,6 +28,7 @@ from torch import nn
 
 from lingua.errors import ConfigError
 from lingua.model.moe import GroupedExperts
+from lingua.parallel import float8_moe
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +70,12 @@ def validate_float8(args, device_type: str) -> None:
 def default_filter(fqn: str, module: nn.Module) -> bool:
     """True converts `module` (named `fqn` in the model): a Linear other than the output
     projection (`output`, the decoder shell's name: the logits need the precision, and
-    torchtitan leaves it too) whose in and out
-    features are multiples of 16, as the float8 matmul kernels require."""
-    return (isinstance(module, nn.Linear) and fqn.split(".")[-1] != "output"
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    torchtitan leaves it too) whose in and out features are multiples of 16, as the float8
+    matmul kernels require; or MoE grouped experts the float8 grouped GEMM can run."""
+    if isinstance(module, nn.Linear):
+        return (fqn.split(".")[-1] != "output"
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    return float8_moe.converts_experts(module)
 
 
 def compress_names(names: list) -> str:
@@ -97,7 +101,8 @@ def uses_fsdp_float8_all_gather(args, dims, device_type: str) -> bool:
 
 def apply_float8(model: nn.Module, recipe: str, convert: Callable = default_filter,
                  fsdp_float8_all_gather: bool = False, emulate: bool = False) -> list:
-    """Swap the Linears `convert(fqn, module)` picks for torchao Float8Linears of `recipe`, in
+    """Swap the Linears `convert(fqn, module)` picks for torchao Float8Linears of `recipe`, and
+    make the MoE grouped experts it picks compute in float8 (lingua.parallel.float8_moe), in
     place (parameter names and values unchanged); return their names. Call it before TP, AC,
     compile and FSDP. `emulate` (the trainer's choice off CUDA) multiplies the float8 values in
     fp32 (torchao's emulation) instead of torch._scaled_mm, whose CPU kernel is a slow reference
@@ -124,11 +129,22 @@ def apply_float8(model: nn.Module, recipe: str, convert: Callable = default_filt
                 ", float8 FSDP all-gather" if fsdp_float8_all_gather else "",
                 ", emulated matmuls" if emulate else "", len(converted),
                 compress_names(converted) or "none")
-    experts = [n for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    experts, kept = [], []
+    for fqn, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            if convert(fqn, module) and float8_moe.converts_experts(module):
+                float8_moe.convert_experts(module, emulate)
+                experts.append(fqn)
+            else:
+                kept.append(fqn)
     if experts:
-        logger.info("float8: the MoE experts (%s) stay in high precision: their grouped matmul "
-                    "is not a Linear and is not converted", compress_names(experts))
-    return converted
+        logger.info("float8: the MoE experts (%s) use float8 rowwise grouped GEMMs%s",
+                    compress_names(experts), " (emulated)" if emulate else "")
+    if kept:
+        logger.info("float8: the MoE experts (%s) stay in high precision: the app's filter "
+                    "leaves them, or they loop over experts (model.expert_impl=loop) or have a "
+                    "dimension that is not a multiple of 16", compress_names(kept))
+    return converted + experts
 
 
 def _is_float8(module: nn.Module, tensorwise_only: bool = True) -> bool:

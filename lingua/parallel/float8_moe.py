@@ -1,0 +1,98 @@
+"""Float8 for the MoE experts (`distributed.float8`, any recipe): each converted
+`lingua.model.moe.GroupedExperts` computes its three grouped matmuls with torchao's float8
+rowwise grouped GEMM, torchao's only grouped recipe on Hopper: every operand is cast to e4m3
+with power-of-2 scales, one per row along the reduced dimension (per token for the
+activations and output gradients, per expert and column for the weights, per expert group
+for the weight gradient's token dimension).
+
+On CUDA that is `torchao.prototype.moe_training`'s `_to_fp8_rowwise_then_scaled_grouped_mm`
+(Triton casts, torch._scaled_grouped_mm). torch has no CPU kernel for the scaled grouped
+matmul, so off CUDA `EmulatedFloat8GroupedMM` does the same casts with torchao's own scale
+function and multiplies the float8 values in fp32: what the CPU tests train, as torchao's
+`emulate` does for the Linears (and on CUDA, the reference tests/test_gpu.py compares torchao's
+kernel with). Each expert's rows are padded to a multiple of 16 first
+(`GroupedExperts.group_multiple`): the float8 GEMM needs 16-aligned groups.
+"""
+
+import torch
+from torch import nn
+
+from lingua.model.moe import GroupedExperts
+
+GROUP_MULTIPLE = 16
+
+
+def converts_experts(module: nn.Module) -> bool:
+    """Whether `module` is grouped experts the float8 grouped GEMM can run: the grouped
+    implementation (not the per-expert loop) with dim and hidden multiples of 16."""
+    if not isinstance(module, GroupedExperts) or module.impl != "grouped":
+        return False
+    _, dim, hidden = module.w1.shape
+    return dim % 16 == 0 and hidden % 16 == 0
+
+
+def convert_experts(module: GroupedExperts, emulate: bool) -> None:
+    """Make `module` compute in float8 (in place; its parameters are unchanged)."""
+    module.grouped_mm = emulated_float8_grouped_mm if emulate else float8_grouped_mm
+    module.group_multiple = GROUP_MULTIPLE
+
+
+def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [n, k] @ w[e] [k, m] for each expert's rows (group ends `offs`), in float8 (CUDA)."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    # torchao takes the weight column-major ([e, k, m] with k contiguous); ours are row-major.
+    w_column_major = w.transpose(-2, -1).contiguous().transpose(-2, -1)
+    return _to_fp8_rowwise_then_scaled_grouped_mm(x, w_column_major, offs, out_dtype=x.dtype,
+                                                  pad_token_groups_for_grouped_mm=False)
+
+
+def _quantized(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`t` cast to e4m3 with torchao's power-of-2 scales along `dim`, back in fp32."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    scale = tensor_to_scale(t, torch.float8_e4m3fn, scaling_granularity=ScalingGranularity.AXISWISE,
+                            axiswise_dim=dim, round_scales_to_power_of_2=True)
+    return to_fp8_saturated(t.float() * scale, torch.float8_e4m3fn).float() / scale
+
+
+class EmulatedFloat8GroupedMM(torch.autograd.Function):
+    """torchao's float8 rowwise grouped matmul (forward, input and weight gradients) with the
+    float8 products summed in fp32 (the tensor cores' accumulation), one expert at a time."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        x8, w8 = _quantized(x, -1), _quantized(w, -2)
+        y = x8.new_zeros(x.shape[0], w.shape[-1])
+        for e, rows in _groups(offs):
+            y[rows] = x8[rows] @ w8[e]
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        grad8, w8 = _quantized(grad, -1), _quantized(w, -1)
+        grad_x = torch.zeros_like(x, dtype=torch.float32)
+        grad_w = torch.zeros_like(w, dtype=torch.float32)
+        for e, rows in _groups(offs):
+            grad_x[rows] = grad8[rows] @ w8[e].T
+            # The weight gradient reduces over the expert's tokens: scales per column of those.
+            grad_w[e] = _quantized(x[rows], 0).T @ _quantized(grad[rows], 0)
+        return grad_x.to(x.dtype), grad_w.to(w.dtype), None
+
+
+def _groups(offs: torch.Tensor):
+    """(expert, its rows as a slice) for every expert with rows."""
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            yield e, slice(start, end)
+        start = end
+
+
+@torch.compiler.disable   # reads the group ends on the host; CPU tests only
+def emulated_float8_grouped_mm(x: torch.Tensor, w: torch.Tensor,
+                               offs: torch.Tensor) -> torch.Tensor:
+    return EmulatedFloat8GroupedMM.apply(x, w, offs)
