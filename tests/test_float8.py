@@ -93,6 +93,29 @@ def test_apply_float8_converts_the_blocks_linears_and_says_which(caplog):
     assert apply_float8(tiny_llama(), "none") == []
 
 
+def test_the_scale_hook_is_off_under_cpu_offload_where_the_copy_drops_its_scale():
+    """FSDP copies a CPU-offloaded shard to the GPU before the all-gather; torchao's weight
+    wrapper keeps no precomputed scale through a copy, so the hook would compute scales nobody
+    reads: it is off under cpu_offload (the all-gather then all-reduces each weight's amax)."""
+    from types import SimpleNamespace
+
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from lingua.parallel.distributed import parallel_dims
+    from lingua.train.float8_scales import Float8ScalesHook
+
+    shard = WeightWithDynamicFloat8CastTensor(torch.randn(4, 4), LinearMMConfig(), E4,
+                                              precomputed_scale=torch.tensor(2.0))
+    assert shard._precomputed_scale is not None
+    assert shard.to(torch.float64)._precomputed_scale is None   # what .to(device) does too
+    for offload, enabled in ((False, True), (True, False)):
+        d = DistributedArgs(dp_shard=2, model_dtype="bf16", compile=True, float8="tensorwise",
+                            cpu_offload=offload)
+        env = SimpleNamespace(dims=parallel_dims(d, 2), device=torch.device("cuda"))
+        assert Float8ScalesHook(SimpleNamespace(distributed=d), env).enabled is enabled
+
+
 # --- (a) one converted linear against the matmuls done by hand ---------------------------------
 
 

@@ -173,6 +173,22 @@ def test_cpu_offload_on_two_gpus_matches_no_offload(corpus, tmp_path):
 
 
 @two_gpus
+def test_cpu_offload_with_float8_all_gather_on_two_gpus_matches_no_offload(corpus, tmp_path):
+    """issue 33: under cpu_offload the float8 weights' shards live on the CPU; FSDP copies each
+    to the GPU (torch's FSDPParam.all_gather_inputs), where torchao casts it with a scale it
+    all-reduces itself (Float8ScalesHook is off: the copy drops a precomputed scale). Same
+    numbers as without offload, where the scales are precomputed once a step."""
+    f8 = ["distributed.dp_shard=2", "distributed.model_dtype=bf16", "distributed.compile=true",
+          "distributed.float8=tensorwise"]
+    base = tmp_path / "plain"
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, base, *f8, steps=5))
+    offload = tmp_path / "offload"
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, offload, *f8,
+                                                  "distributed.cpu_offload=true", steps=5))
+    assert_equivalent(offload, base, rtol=1e-3)
+
+
+@two_gpus
 def test_resume_on_nccl_skips_a_checkpoint_damaged_in_rank_1s_share(corpus, tmp_path):
     import json
 

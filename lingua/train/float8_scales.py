@@ -11,8 +11,12 @@ class Float8ScalesHook(Hook):
     update, a resume or a rollback alike (the weights are final by then)."""
 
     def __init__(self, args, env):
-        self.enabled = float8.uses_fsdp_float8_all_gather(args.distributed, env.dims,
-                                                                env.device.type)
+        # Not under cpu_offload: FSDP copies each CPU shard to the GPU before the all-gather,
+        # and torchao's weight wrapper drops a precomputed scale in a copy (its _to_copy
+        # rewraps the data alone), so the all-gather computes its own scale anyway.
+        self.enabled = (float8.uses_fsdp_float8_all_gather(args.distributed, env.dims,
+                                                           env.device.type)
+                        and not args.distributed.cpu_offload)
 
     def before_forward(self, run, step: int) -> None:
         if self.enabled:
