@@ -164,6 +164,13 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     x = torch.randint(0, 258, (2, 30))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=0)
+    # generate() stops at our EOS, not at Llama's default id 2 (a byte of the corpus here).
+    from lingua.train.tokenizer import ByteTokenizer
+
+    ours = ByteTokenizer()
+    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (ours.bos_id, ours.eos_id)
+    assert hf.generation_config.eos_token_id == ours.eos_id != 2
+    assert hf.generation_config.pad_token_id == ours.eos_id
 
     # The HF directory is not a checkpoint (run directories and missing steps:
     # tests/test_generate.py).

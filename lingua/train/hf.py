@@ -381,6 +381,7 @@ def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args
         load_model_state(ckpt_dir, model)
     save_hf(model, args, out_dir, dtype)
     write_tokenizer(run_config, out_dir)  # HF tools encode as we did
+    write_token_ids(run_config, out_dir)  # and generate() stops where we do
     return args
 
 
@@ -495,6 +496,29 @@ def write_tokenizer(run_config, out_dir) -> Optional[str]:
               "clean_up_tokenization_spaces": False, "model_max_length": 1_000_000_000}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return "tokenizer.json and tokenizer_config.json"
+
+
+def write_token_ids(run_config, out_dir) -> None:
+    """The run tokenizer's BOS and EOS ids into the export's config.json and a
+    generation_config.json (EOS also pads): without them transformers takes the Llama defaults
+    (BOS 1, EOS 2), other tokens of most vocabularies, and generate() runs past our EOS. Skipped,
+    with a warning, where the tokenizer file is no longer where the run read it."""
+    from omegaconf import OmegaConf
+
+    from lingua.train.tokenizer import TokenizerArgs, build_tokenizer
+
+    section = OmegaConf.select(run_config, "data.tokenizer") or {}
+    try:
+        tokenizer = build_tokenizer(TokenizerArgs(
+            **OmegaConf.to_container(OmegaConf.create(section), resolve=True)))
+    except ConfigError as err:
+        logging.getLogger(__name__).warning("the export has no BOS/EOS ids: %s", err)
+        return
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    config = Path(out_dir) / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **ids}, indent=2) + "\n")
+    generation = {**ids, "pad_token_id": tokenizer.eos_id}
+    (Path(out_dir) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 # Training from a Hugging Face checkpoint (checkpoint.init_from): the trainer's side of it.
