@@ -626,3 +626,21 @@ def test_ensure_embedded_corpus_loses_a_race_cleanly(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=str(junk)):
         data.ensure_embedded_corpus(junk)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "junk"]
+
+
+def test_write_once_leaves_nothing_behind_when_writing_fails(tmp_path):
+    """A failure inside `write` (a full disk, Ctrl-C) is raised as it is, and neither the
+    directory nor its temporary is left: the next call starts afresh."""
+    from lingua.train.data_common import write_once
+
+    def fail(tmp):
+        (tmp / "half").mkdir(parents=True)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_once(tmp_path / "out", "done", fail, "the test directory")
+    assert list(tmp_path.iterdir()) == []
+    made = write_once(tmp_path / "out", "done",
+                      lambda tmp: tmp.mkdir() or (tmp / "done").write_text("x") and "made", "t")
+    assert made == "made" and (tmp_path / "out" / "done").is_file()
+    assert write_once(tmp_path / "out", "done", fail, "t") is None   # there: not written again

@@ -7,8 +7,6 @@ preset trains from data/sft_debug/base on data/sft_debug/chat.
 """
 
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -17,22 +15,18 @@ import torch
 from apps.sft.hf import llama_hf_config
 from apps.sft.model import LlamaArgs
 from lingua.train import hf as lingua_hf
+from lingua.train.data_common import write_once
 
 BASE, CHAT = "base", "chat"
 
 
 def write_base_model(out: Path, args: LlamaArgs, seed: int = 0) -> Path:
     """A LlamaForCausalLM of `args`' shape, initialised by transformers from `seed`, saved as a
-    Hugging Face directory (config.json, model.safetensors, byte tokenizer files); atomic, so
-    racing processes are safe."""
+    Hugging Face directory (config.json, model.safetensors, byte tokenizer files); safe when
+    processes race (write_once)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = Path(out)
-    if (out / "config.json").is_file():
-        return out
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    def write(tmp: Path) -> None:
         cfg = {k: v for k, v in llama_hf_config(args, torch.float32).items() if k != "torch_dtype"}
         torch.manual_seed(seed)
         model = LlamaForCausalLM(LlamaConfig(**cfg))
@@ -41,14 +35,9 @@ def write_base_model(out: Path, args: LlamaArgs, seed: int = 0) -> Path:
         config["lingua_ffn"] = cfg["lingua_ffn"]   # lets load_hf give back the same args
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         lingua_hf.byte_tokenizer_json().save(str(tmp / "tokenizer.json"))
-        os.rename(tmp, out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    write_once(out, "config.json", write, "the debug base model (checkpoint.init_from)")
+    return Path(out)
 
 
 def ensure_debug_inputs(args) -> None:

@@ -37,8 +37,6 @@ Skipped lines are counted by every rank (each reads them all) but reported by da
 
 import json
 import logging
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -49,7 +47,7 @@ import torch
 from lingua.errors import ConfigError
 from lingua.model.loss import IGNORE_INDEX
 from lingua.train.chat_template import BUILTIN, ChatTemplate  # noqa: F401  (BUILTIN: callers)
-from lingua.train.data_common import VAL_DIR, Batch, stdlib_docstrings
+from lingua.train.data_common import VAL_DIR, Batch, stdlib_docstrings, write_once
 from lingua.train.jsonl_lines import BadLine
 from lingua.train.tokenizer import Tokenizer, build_tokenizer
 
@@ -427,31 +425,18 @@ def _check_template(args, template: ChatTemplate, path: Path, line_no: int, mess
 
 def write_debug_chat(out_dir, n_train: int = 2000, n_val: int = 100) -> Path:
     """A small chat corpus made from stdlib docstrings (user: the start of one, assistant: how it
-    goes on), as out_dir/train.jsonl and out_dir/val/val.jsonl. Written to a private temporary
-    directory and renamed into place, so processes that race never read half a corpus."""
-    root = Path(out_dir)
-    if (root / "train.jsonl").is_file():
-        return root
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    goes on), as out_dir/train.jsonl and out_dir/val/val.jsonl; safe when processes race
+    (data_common.write_once)."""
+    def write(tmp: Path) -> None:
         (tmp / VAL_DIR).mkdir(parents=True)
         docs = stdlib_docstrings()
         lines = [json.dumps(_debug_conversation(i, docs[i % len(docs)], i // len(docs)))
                  for i in range(n_train + n_val)]
         (tmp / VAL_DIR / "val.jsonl").write_text("\n".join(lines[:n_val]) + "\n")
         (tmp / "train.jsonl").write_text("\n".join(lines[n_val:]) + "\n")
-        os.rename(tmp, root)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (root / "train.jsonl").is_file():
-            raise ConfigError(f"Could not create the debug chat corpus at {root}: the path "
-                              f"exists but holds no train.jsonl. Remove it or choose another "
-                              f"data.root.") from None
-    except BaseException:   # Ctrl-C or a failure while writing: leave nothing half-made behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return root
+
+    write_once(out_dir, "train.jsonl", write, "the debug chat corpus (data.root)")
+    return Path(out_dir)
 
 
 def _debug_conversation(i: int, doc: str, pass_no: int) -> dict:

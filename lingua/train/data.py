@@ -35,8 +35,6 @@ usable, and a rank's share of a source's lines, in jsonl_lines.py.
 """
 
 import logging
-import os
-import shutil
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +45,7 @@ import torch
 
 from lingua.errors import ConfigError
 from lingua.train.chat_data import ChatArgs, ChatLoader, chat_val_batches, validate_chat_data
-from lingua.train.data_common import VAL_DIR, Batch, stdlib_docstrings  # noqa: F401 (re-exported)
+from lingua.train.data_common import VAL_DIR, Batch, stdlib_docstrings, write_once  # noqa: F401 (re-exported)
 from lingua.train.jsonl_lines import SKIP_REASONS, BadLine, JsonlSource, decode_line
 from lingua.train.memmap_corpus import TokenWindows, validate_memmap_corpus, write_memmap_corpus
 from lingua.train.tokenizer import TokenizerArgs, build_tokenizer, check_tokenizer_args
@@ -411,30 +409,14 @@ def build_embedded_corpus(out: Path, val_every: int = 50) -> dict:
 
 
 def ensure_embedded_corpus(root) -> Path:
-    """Build the embedded corpus at `root` unless it is there; safe when processes race.
-
-    It is written to a private temporary directory and renamed into place: a rename is atomic,
-    so nobody ever reads half a corpus, and a loser of the race just drops its copy.
-    """
+    """Build the embedded corpus at `root` unless it is there; safe when processes race
+    (data_common.write_once)."""
     root = Path(root)
     if (root / "meta.json").is_file():
         return root
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     logger.info("preparing the embedded corpus in %s (first use; a few seconds)", root)
-    try:
-        meta = build_embedded_corpus(tmp)
-    except BaseException:   # Ctrl-C or a failure while building: leave nothing half-made behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        os.rename(tmp, root)
+    meta = write_once(root, "meta.json", build_embedded_corpus, "the embedded corpus (data.root)")
+    if meta is not None:
         logger.info("prepared the embedded corpus in %s (%d train tokens)", root,
                     meta["splits"]["train"]["tokens"])
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (root / "meta.json").is_file():
-            raise ConfigError(f"Could not create the embedded corpus at {root}: the path exists "
-                              f"but holds no prepared corpus. Remove it or choose another "
-                              f"data.root.") from None
     return root

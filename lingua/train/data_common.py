@@ -1,5 +1,6 @@
 """What every data format shares: the Batch a loader hands the trainer, the name of the
-validation directory, and the source text of the debug corpora (stdlib docstrings).
+validation directory, the source text of the debug corpora (stdlib docstrings), and how a
+prepared directory is written (`write_once`).
 
 A module of its own so that data.py (memmap, jsonl, and the dispatch to every format) and
 chat_data.py (the chat format) both build on it without importing each other.
@@ -7,12 +8,15 @@ chat_data.py (the chat format) both build on it without importing each other.
 
 import ast
 import os
+import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
+
+from lingua.errors import ConfigError
 
 VAL_DIR = "val"
 
@@ -52,3 +56,30 @@ def stdlib_docstrings(min_chars: int = 200) -> List[str]:
                     if doc and len(doc) >= min_chars:
                         docs.append(doc)
     return docs
+
+
+def write_once(root, marker: str, write: Callable, what: str):
+    """Make the directory `root` with `write(tmp)` unless `root/marker` is there; safe when
+    processes race. `write` fills a private temporary directory, which is then renamed into
+    place: a rename is atomic, so nobody reads half of it, the loser of a race drops its copy,
+    and a failure or Ctrl-C leaves nothing behind. Returns what `write` returned, or None where
+    `root` was already made. A `root` that exists without its marker is refused, naming `what`."""
+    root = Path(root)
+    if (root / marker).is_file():
+        return None
+    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        made = write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.rename(tmp, root)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (root / marker).is_file():
+            raise ConfigError(f"Could not create {what} at {root}: the path exists but holds no "
+                              f"{marker}. Remove it or choose another path.") from None
+        return None   # another process made it first
+    return made
