@@ -5,7 +5,8 @@ matmul (what CPU runs; torchao's CUDA kernel is compared with it in tests/test_g
 the same matmuls done by hand per expert, with mutants (other scales) the comparison catches;
 the planner's float8 FLOPs and cast bytes count the experts.
 Runs (fp32 high precision, as tests/test_float8.py's layouts): float8 experts track the
-unconverted run and train; FSDP2 equals the one-process float8 run, expert parallelism tracks it.
+unconverted run and train; FSDP2, EP, PP and TP runs and activation checkpointing equal the
+one-process float8 run.
 """
 
 import logging
@@ -179,6 +180,7 @@ def moe_references(corpus, tmp_path_factory):
 TRACK_RTOL = 2e-3
 
 
+@pytest.mark.slow
 def test_float8_moe_tracks_high_precision_and_trains(moe_references):
     assert "the MoE experts (layers.*.moe.experts) use float8 rowwise grouped GEMMs (emulated)" \
         in (moe_references / "float8.log").read_text()
@@ -215,3 +217,17 @@ def test_float8_moe_layouts_equal_one_process(corpus, tmp_path, moe_references, 
     dump = tmp_path / "run"
     run_torchrun(2, "apps.moe.train", moe_args(corpus, dump, *F8, *layout, steps=STEPS))
     assert_equivalent(dump, moe_references / "float8", rtol=rtol, prefixes={"moe/": routing_rtol})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", ["full", "op"])
+def test_float8_moe_with_activation_checkpointing_equals_without(corpus, tmp_path, moe_references,
+                                                                 ac):
+    """The recomputed forward routes the same tokens into the same padded groups and casts them
+    with the same scales: checkpointing whole blocks, or every op but the matmuls, changes
+    nothing (measured equal to 1e-6)."""
+    from apps.moe import train
+
+    dump = tmp_path / "run"
+    train.main(moe_args(corpus, dump, *F8, *MB4, f"distributed.ac={ac}", steps=STEPS))
+    assert_equivalent(dump, moe_references / "float8", rtol=1e-6, prefixes={"moe/": 1e-6})
