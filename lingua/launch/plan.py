@@ -414,7 +414,8 @@ def _memory_rows(p: Plan, shown: list, e_name: str) -> list:
     if any(r.autocast for r in shown):
         rows.append(("autocast bf16 weight copies", lambda r: r.autocast))
     if any(r.float8 for r in shown):
-        rows.append(("float8 casts (a block's weights, scales)", lambda r: r.float8))
+        experts = ", experts' bf16 copies" if getattr(a.model, "n_experts", 0) else ""
+        rows.append((f"float8 casts (a block's weights, scales{experts})", lambda r: r.float8))
     rows.append((f"activations (ac={d.ac})", lambda r: r.activations))
     rows.append(("total", lambda r: r.total))
     return rows
