@@ -12,7 +12,7 @@ else
   echo ">> neither root nor passwordless sudo: the local Slurm is not started, the slurm tests will skip"
 fi
 set +e
-python -m pytest "$@"
+python -m pytest --durations=30 "$@"   # the slowest 30: what to trim when the suite nears CI's limit
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
