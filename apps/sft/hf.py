@@ -271,8 +271,8 @@ def write_chat_files(run_config, out_dir, fields=None) -> None:
     tok_config = out / "tokenizer_config.json"
     if jinja is not None and tok_config.is_file():
         _update_json(tok_config, {"chat_template": jinja})
-    _update_json(out / "config.json", {k: ids[k] for k in ("bos_token_id", "eos_token_id")})
-    (out / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+    lingua_hf.write_generation_ids(out, ids["bos_token_id"], ids["eos_token_id"],
+                                   pad=ids["pad_token_id"])
 
 
 def _update_json(path: Path, fields: dict) -> None:

@@ -467,14 +467,7 @@ def write_tokenizer(run_config, out_dir) -> Optional[str]:
     they are (tiktoken, sentencepiece: give the HF tools the tokenizer you trained with)."""
     import shutil
 
-    from omegaconf import OmegaConf
-
-    from lingua.train.tokenizer import TokenizerArgs
-
-    section = OmegaConf.select(run_config, "data.tokenizer") or {}
-    tokenizer_args = TokenizerArgs(
-        **OmegaConf.to_container(OmegaConf.create(section), resolve=True)
-    )
+    tokenizer_args = _tokenizer_args(run_config)
     out = Path(out_dir)
     kind = tokenizer_args.kind
     if kind == "bytes":
@@ -499,26 +492,38 @@ def write_tokenizer(run_config, out_dir) -> Optional[str]:
 
 
 def write_token_ids(run_config, out_dir) -> None:
-    """The run tokenizer's BOS and EOS ids into the export's config.json and a
-    generation_config.json (EOS also pads): without them transformers takes the Llama defaults
-    (BOS 1, EOS 2), other tokens of most vocabularies, and generate() runs past our EOS. Skipped,
-    with a warning, where the tokenizer file is no longer where the run read it."""
-    from omegaconf import OmegaConf
+    """The run tokenizer's BOS and EOS ids into the export (write_generation_ids): without them
+    transformers takes the Llama defaults (BOS 1, EOS 2), other tokens of most vocabularies, and
+    generate() runs past our EOS. Skipped, with a warning, where the tokenizer file is no longer
+    where the run read it."""
+    from lingua.train.tokenizer import build_tokenizer
 
-    from lingua.train.tokenizer import TokenizerArgs, build_tokenizer
-
-    section = OmegaConf.select(run_config, "data.tokenizer") or {}
     try:
-        tokenizer = build_tokenizer(TokenizerArgs(
-            **OmegaConf.to_container(OmegaConf.create(section), resolve=True)))
+        tokenizer = build_tokenizer(_tokenizer_args(run_config))
     except ConfigError as err:
         logging.getLogger(__name__).warning("the export has no BOS/EOS ids: %s", err)
         return
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    write_generation_ids(out_dir, tokenizer.bos_id, tokenizer.eos_id, pad=tokenizer.eos_id)
+
+
+def write_generation_ids(out_dir, bos: int, eos, pad: int) -> None:
+    """`bos` and `eos` (an id, or a list of stop ids) into an export's config.json, and with
+    `pad` into its generation_config.json, which transformers' generate() reads."""
+    ids = {"bos_token_id": bos, "eos_token_id": eos}
     config = Path(out_dir) / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), **ids}, indent=2) + "\n")
-    generation = {**ids, "pad_token_id": tokenizer.eos_id}
+    generation = {**ids, "pad_token_id": pad}
     (Path(out_dir) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _tokenizer_args(run_config):
+    """The TokenizerArgs of a run config's data.tokenizer section."""
+    from omegaconf import OmegaConf
+
+    from lingua.train.tokenizer import TokenizerArgs
+
+    section = OmegaConf.select(run_config, "data.tokenizer") or {}
+    return TokenizerArgs(**OmegaConf.to_container(OmegaConf.create(section), resolve=True))
 
 
 # Training from a Hugging Face checkpoint (checkpoint.init_from): the trainer's side of it.
