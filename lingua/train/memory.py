@@ -54,7 +54,12 @@ def keep_freed_memory() -> bool:
     kernel's page-fault path takes a large share of a step (see BENCHMARKS.md, "LLaMA training
     step on CPU vs Hugging Face transformers", "Then: page faults"). So: no mmap for any size
     (M_MMAP_MAX=0, blocks come from the heap and go back to it) and no trimming of the heap's
-    top (M_TRIM_THRESHOLD=-1), both as mallopt(3) documents them.
+    top (M_TRIM_THRESHOLD=-1), both as mallopt(3) documents them. A freed block is reused where
+    it merges back into the heap: torch allocates with posix_memalign, and glibc's memalign
+    (2.36) keeps the small tail it cuts off a block in its per-thread cache, which can sit
+    between the freed block and the heap's top; a block freed and asked for again on its own then
+    takes fresh pages in about 3 of 4 processes. GLIBC_TUNABLES=glibc.malloc.tcache_max=0 in the
+    environment that starts the process lifts that (tests/test_benchmarks.py).
     What it costs: the process keeps the memory it freed (release_freed_memory gives back what
     setup used once), and a long-lived block in the middle of the heap can keep a freed one
     beside it from merging, so the resident peak can be higher than with mmap (see
