@@ -159,9 +159,10 @@ def rel(a, b) -> float:
 # another order (measured <= 2.4e-7). Rowwise through _scaled_mm, torchao asks for a bf16 output
 # (the only one CUDA's rowwise kernel has) and casts it to fp32: each element rounded to bf16's 8
 # significant bits moves by at most half a step, 2^-8 = 3.9e-3 of itself, and so does a row's
-# norm (measured <= 2.2e-3); 4e-3 is that bound. The wrong scales move rows by 0.37 to 0.51 (a 0.75x scale changes the
-# rounding grid; the other granularity sends small rows to float8's subnormals or clips them);
-# a 0.75x factor is no mutant for rowwise, whose power-of-2 rounding absorbs it.
+# norm (measured <= 2.2e-3); 4e-3 is that bound. The wrong scales move rows by 0.37 to 0.51
+# (a 0.75x scale changes the rounding grid; the other granularity sends small rows to float8's
+# subnormals or clips them); a 0.75x factor is no mutant for rowwise, whose power-of-2 rounding
+# absorbs it.
 TOL = {(True, "tensorwise"): 1e-6, (True, "rowwise"): 1e-6,
        (False, "tensorwise"): 1e-6, (False, "rowwise"): 4e-3}
 
