@@ -11,8 +11,18 @@ if { [ "$(id -u)" -eq 0 ] || [ -n "$as_root" ]; } && { command -v apt-get >/dev/
 else
   echo ">> neither root nor passwordless sudo: the local Slurm is not started, the slurm tests will skip"
 fi
+# Two pytest-xdist workers (LINGUA_TEST_WORKERS=1 for one process): while one waits on Slurm
+# jobs, sleeps or a subprocess, the other computes. Each file's tests stay on one worker
+# (tests/conftest.py), and each worker's own torch gets its share of the cores.
+workers="${LINGUA_TEST_WORKERS:-2}"
+xdist=()
+if [ "$workers" -gt 1 ]; then
+  xdist=(-n "$workers" --dist loadgroup)
+  export OMP_NUM_THREADS=$(( $(nproc) / workers > 0 ? $(nproc) / workers : 1 ))
+fi
 set +e
-python -m pytest --durations=30 "$@"   # the slowest 30: what to trim when the suite nears CI's limit
+# --durations=30: the slowest 30, what to trim when the suite nears CI's limit
+python -m pytest "${xdist[@]}" --durations=30 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

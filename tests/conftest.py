@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lingua.parallel.distributed import JOB_DEVICE_VAR
+from tests import launcher
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,21 +71,46 @@ def saved_tensor_bytes(run) -> int:
     return sum(saved.values())
 
 
+_ports = {}
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a rendezvous (MASTER_PORT), free now. Not the kernel's pick among the
+    ephemeral ports (32768-60999), which the ranks' own connections also take, nor stool jobs'
+    20000-39999: each pytest-xdist worker walks its own slice of 10000-19999, so two workers
+    never race for one port."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    size = 10000 // count
+    first = 10000 + worker * size
+    for _ in range(size):
+        port = _ports.get(worker, first + os.getpid() % size)
+        _ports[worker] = first + (port + 1 - first) % size
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + size - 1}")
 
 
 def run_torchrun(nproc: int, module: str, args: list, timeout: int = 240,
-                 check: bool = True) -> subprocess.CompletedProcess:
-    """Launch `torchrun --nproc-per-node nproc -m module args` and (check) fail with its output if
+                 check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc -m module args` (or a script's path for module), its
+    ranks forked warm from tests/launcher.py's server; fresh=True launches the real torchrun (its
+    agent, its store, its failure summary, import-time output). check: fail with its output if
     it fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if fresh:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+               *([] if launcher.is_script(module) else ["-m"]), module, *args]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    else:
+        proc = launcher.launch(module, args, nproc, env, REPO, timeout, master_port=free_port())
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")
@@ -92,11 +118,16 @@ def run_torchrun(nproc: int, module: str, args: list, timeout: int = 240,
 
 
 def run_python(module: str, args: list, timeout: int = 240,
-               check: bool = True) -> subprocess.CompletedProcess:
+               check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python -m module args`, forked warm from tests/launcher.py's server; fresh=True starts
+    a new interpreter (import-time output, a module the server does not import)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    if fresh:
+        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    else:
+        proc = launcher.launch(module, args, 0, env, REPO, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{module} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")
@@ -149,9 +180,20 @@ def _root_log_handlers_do_not_leak():
             root.removeHandler(handler)
 
 
+# The files whose tests submit jobs to the real local Slurm (two CPUs): under pytest-xdist they
+# run one after another on one worker, first, while the other worker takes the rest.
+SLURM_FILES = ("test_slurm.py", "test_eval_jobs.py")
+
+
 def pytest_collection_modifyitems(items):
     # The quick tier (`bash setup/test.sh -m "not slow"`) leaves out every test that starts
     # several processes or a Slurm job, besides those marked slow by hand (over ~3 s alone).
     for item in items:
         if any(item.get_closest_marker(m) for m in ("distributed", "slurm", "gpu")):
             item.add_marker(pytest.mark.slow)
+    # pytest-xdist (setup/test.sh runs two workers, --dist loadgroup): a file's tests stay on one
+    # worker, so its module-scoped reference runs are computed once.
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("slurm" if name in SLURM_FILES else name))
+    items.sort(key=lambda item: item.path.name not in SLURM_FILES)   # stable: files keep order

@@ -4,14 +4,13 @@ not created (or, for an existing run, left as it was), nothing else appears besi
 inputs, no checkpoint, no job."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
 from lingua.errors import ConfigError
+from tests import launcher
 from tests.conftest import REPO, run_python, slurm_is_up, tiny_args
 
 MOE = ["model.n_experts=4", "model.top_k=2"]
@@ -115,8 +114,8 @@ def run_case(module, overrides, env_extra):
     if "WORLD_SIZE" not in env_extra:
         env.pop("WORLD_SIZE", None)
     # The timeout only guards against a hang; "before any work" is checked on what was written.
-    return subprocess.run([sys.executable, "-m", module, *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    # Forked warm (tests/launcher.py): what is checked is the command's own output and files.
+    return launcher.launch(module, overrides, 0, env, REPO, timeout=300)
 
 
 def check_refused(proc, must_contain):

@@ -2,10 +2,6 @@
 with 2 and 4 ranks against the same model run in one process (tests/cp_worker.py)."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +9,7 @@ import torch
 
 from lingua.errors import ConfigError
 from lingua.parallel.context_parallel import shard_positions, shard_sequence, validate_cp
-
-REPO = Path(__file__).resolve().parent.parent
-
+from tests.conftest import REPO, run_torchrun
 
 # ---------------------------------------------------------------------------------------------
 # Unit: layout and validation
@@ -82,22 +76,8 @@ def test_validate_cp_messages(kwargs, words):
 # Distributed: CP on gloo against one process
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_worker(nproc: int, out: Path, *extra: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
-           str(REPO / "tests" / "cp_worker.py"), str(out), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    if proc.returncode != 0:
-        raise AssertionError(f"cp_worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-6000:]}")
+    run_torchrun(nproc, str(REPO / "tests" / "cp_worker.py"), [str(out), *extra])
     return json.loads(out.read_text())
 
 

@@ -179,7 +179,8 @@ def test_matches_lm_eval_hflm_on_our_export(trained, one_process, tmp_path):
     out = tmp_path / "hf"
     run_python("apps.llama.hf", ["export", str(trained / "checkpoints" / "20"), str(out)])
     assert (out / "tokenizer.json").is_file()
-    manager = TaskManager(include_path=[str(Path("lingua/eval/tasks").resolve()), str(TEST_TASKS)])
+    manager = TaskManager(include_path=[str(Path("lingua/eval/tasks").resolve()), str(TEST_TASKS)],
+                          include_defaults=False)   # lm-eval's own ~15k tasks: seconds to index
     for add_bos, tasks in ((True, ["lingua_continuation", "lingua_continuation_generate"]),
                            (False, ["lingua_continuation_rolling"])):
         hf = HFLM(pretrained=str(out), device="cpu", dtype="float32", batch_size=5,

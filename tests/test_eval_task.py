@@ -194,3 +194,30 @@ def test_simple_evaluate_fewshot(offline, task_manager):
     for doc_id, context in lm.contexts:
         assert sum(s + "\n\n" in context for s in solved) == 2
         assert context.endswith("\n\n" + by_id[doc_id]["context"])
+
+
+def test_our_own_tasks_load_without_indexing_lm_evals(offline, monkeypatch):
+    """lingua.eval.downstream checks and loads tasks it ships (and eval.include_path's) from an
+    index of those alone; lm-eval's own ~15k task YAMLs are read only for a name not there."""
+    import lm_eval.tasks
+
+    from lingua.eval import downstream
+
+    built = []
+    real = lm_eval.tasks.TaskManager
+
+    def recording(*args, **kwargs):
+        built.append(kwargs.get("include_defaults", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", recording)
+    downstream.task_manager.cache_clear()
+    try:
+        downstream.check_task_names([TASK])
+        assert set(downstream.load_tasks([TASK])) == {TASK}
+        assert built == [False]                  # one index, of ours alone
+        with pytest.raises(downstream.ConfigError, match="lingua_continuatoin: did you mean"):
+            downstream.check_task_names(["lingua_continuatoin"])   # unknown: the whole index
+        assert built == [False, True]
+    finally:
+        downstream.task_manager.cache_clear()

@@ -8,9 +8,6 @@ layer; its loss is the sum of the per-rank losses.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,22 +16,13 @@ import torch
 from lingua.errors import ConfigError
 from lingua.model.moe import MoE
 from lingua.parallel.expert_parallel import _regroup, is_grouped_experts, validate_ep
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, run_torchrun
 
 TOL = 1e-5  # fp32, relative L2 error
 
 
 def _run_worker(nproc: int, mode: str, out: Path) -> list:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-           str(REPO / "tests" / "ep_worker.py"), str(out), mode]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
-                          check=False)
-    if proc.returncode != 0:
-        raise AssertionError(f"ep_worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-6000:]}")
+    run_torchrun(nproc, str(REPO / "tests" / "ep_worker.py"), [str(out), mode])
     return json.loads(out.read_text())
 
 

@@ -22,6 +22,7 @@ from apps.llama import train
 from lingua import errors
 from lingua.errors import ConfigError
 from lingua.observe import metrics
+from tests import launcher
 from tests.conftest import REPO, TINY_MODEL, free_port, run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -169,8 +170,7 @@ def test_ctrl_c_saves_at_the_next_step_says_where_and_the_same_command_resumes(
 
 def _train(args: list) -> subprocess.CompletedProcess:
     # One thread, as the interrupted run (two thrash on 2 busy cores).
-    proc = subprocess.run([sys.executable, "-m", "apps.llama.train", *args], cwd=REPO,
-                          env=_python_env(), capture_output=True, text=True, timeout=300)
+    proc = launcher.launch("apps.llama.train", args, 0, _python_env(), REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -320,7 +320,8 @@ def _assert_reported_once(proc, message: str) -> None:
 def test_a_config_error_under_torchrun_is_printed_once_and_is_torchruns_root_cause(
         corpus, tmp_path):
     proc = run_torchrun(2, "apps.llama.train",
-                        tiny_args(corpus, tmp_path / "run", "model.n_heads=3"), check=False)
+                        tiny_args(corpus, tmp_path / "run", "model.n_heads=3"), check=False,
+                        fresh=True)   # torchrun's own store and failure summary
     _assert_reported_once(proc, "model.dim=64 is not divisible by model.n_heads=3: each head "
                                 "gets dim / n_heads channels. Pick n_heads dividing dim (e.g. "
                                 "dim=256 with n_heads=8).")
@@ -334,7 +335,7 @@ def test_a_run_error_after_the_process_group_started_is_printed_once(corpus, tmp
     dump.mkdir()
     (dump / "spikes.jsonl").write_text("garbage\n")
     proc = run_torchrun(2, "apps.llama.train", tiny_args(corpus, dump, "distributed.dp_shard=2"),
-                        check=False)
+                        check=False, fresh=True)   # torchrun's own store and failure summary
     assert "model: " in proc.stdout   # it did get past the process group and the model
     _assert_reported_once(proc, f"{dump / 'spikes.jsonl'}, line 1 is not a rollback record "
                                 f"('garbage'): each line is a JSON object with \"skip\": [first "

@@ -1,8 +1,6 @@
 import copy
 import json
 import os
-import subprocess
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from apps.llama.hf import args_from_hf_config, load_hf, save_hf
 from apps.llama.model import LlamaArgs, Transformer
 from lingua.errors import ConfigError
 from lingua.train import checkpoint_integrity
+from tests import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -156,8 +155,8 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     checkpoint_integrity.write_manifest(ckpt)
     out = tmp_path / "hf"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "apps.llama.hf", "export", str(ckpt), str(out)],
-                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    proc = launcher.launch("apps.llama.hf", ["export", str(ckpt), str(out)], 0, env, tmp_path,
+                           timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert load_hf(out)[1] == args  # the export records enough to give back the same LlamaArgs
     hf = LlamaForCausalLM.from_pretrained(out).eval()
@@ -174,10 +173,8 @@ def test_export_cli_from_training_checkpoint(tmp_path):
 
     # The HF directory is not a checkpoint (run directories and missing steps:
     # tests/test_generate.py).
-    bad = subprocess.run(
-        [sys.executable, "-m", "apps.llama.hf", "export", str(out), str(tmp_path / "x")],
-        capture_output=True, text=True, env=env, cwd=tmp_path,
-    )
+    bad = launcher.launch("apps.llama.hf", ["export", str(out), str(tmp_path / "x")], 0, env,
+                          tmp_path, timeout=240)
     assert bad.returncode == 2 and "is neither a run directory" in bad.stderr
     assert "Traceback" not in bad.stderr
 

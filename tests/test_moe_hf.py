@@ -4,8 +4,6 @@ debug preset trained, exported and compared with its Hugging Face model."""
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from apps.moe.hf import args_from_hf_config, load_hf, save_hf
 from apps.moe.model import MoEArgs, Transformer
 from lingua.errors import ConfigError
 from lingua.train import checkpoint_integrity
+from tests import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -283,8 +282,8 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     checkpoint_integrity.write_manifest(ckpt)
     out = tmp_path / "hf"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "apps.moe.hf", "export", str(ckpt), str(out)],
-                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    proc = launcher.launch("apps.moe.hf", ["export", str(ckpt), str(out)], 0, env, tmp_path,
+                           timeout=240)
     assert proc.returncode == 0 and "Glm4MoeForCausalLM" in proc.stdout, proc.stderr
     assert load_hf(out)[1] == args
     hf = Glm4MoeForCausalLM.from_pretrained(out).eval()
@@ -295,10 +294,8 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     # Softmax routing with a selection bias: refused from the config, before any weight is read.
     bad_args = replace(args, score_func="softmax", route_scale=1.0)
     OmegaConf.save(OmegaConf.create({"model": asdict(bad_args)}), ckpt / "config.yaml")
-    bad = subprocess.run(
-        [sys.executable, "-m", "apps.moe.hf", "export", str(ckpt), str(tmp_path / "x")],
-        capture_output=True, text=True, env=env, cwd=tmp_path,
-    )
+    bad = launcher.launch("apps.moe.hf", ["export", str(ckpt), str(tmp_path / "x")], 0, env,
+                          tmp_path, timeout=240)
     assert bad.returncode == 2 and "bias_update_rate=0.001 with softmax" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "x").exists()
 

@@ -2,9 +2,6 @@
 schedule on 2 gloo CPU ranks compared with the same batch in one process."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +16,7 @@ from lingua.parallel.pipeline import (
     stage_layer_ids,
     validate_pp,
 )
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, run_torchrun
 
 # (name, schedule, stages per rank, micro-batches, pp_split, block_causal). 4 layers, pp=2.
 CASES = [
@@ -145,13 +142,7 @@ def pp_results(tmp_path_factory):
     cases = [dict(name=n, schedule=s, virtual=v, microbatches=m, split=sp, block_causal=bc)
              for n, s, v, m, sp, bc in CASES]
     (out / "cases.json").write_text(json.dumps(cases))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-           str(REPO / "tests" / "pp_worker.py"), str(out), str(out / "cases.json")]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_torchrun(2, str(REPO / "tests" / "pp_worker.py"), [str(out), str(out / "cases.json")])
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return {name: [ranks[0][name], ranks[1][name]] for name, *_ in CASES}
 

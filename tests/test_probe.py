@@ -4,8 +4,6 @@ alerts, wandb, and the same numbers under FSDP x TP and PP as in one process."""
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 
 from apps.llama import train
 from lingua.observe import probe, probe_report, probe_stats
+from tests import launcher
 from tests.conftest import REPO, read_metrics, run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent
 
@@ -269,9 +268,8 @@ def test_a_run_records_every_kind_and_the_reader_and_plots_work(corpus, tmp_path
                (df.stat == "rms")].value.item()
     assert value == block["rms"]
 
-    proc = subprocess.run([sys.executable, "-m", "lingua.probe", "plot", str(dump)], cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
-                          text=True, timeout=180)
+    proc = launcher.launch("lingua.probe", ["plot", str(dump)], 0,
+                           dict(os.environ, PYTHONPATH=str(REPO)), REPO, timeout=180)
     assert proc.returncode == 0, proc.stderr
     paths = [line for line in proc.stdout.splitlines() if line.strip()]
     names = {os.path.basename(p) for p in paths}

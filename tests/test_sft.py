@@ -6,14 +6,13 @@ tests/test_chat_data.py; export and generation: tests/test_sft_hf.py."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
 from apps.sft import train
 from apps.sft.hf import llama_hf_config
 from lingua.errors import ConfigError
+from tests import launcher
 from tests.conftest import REPO
 
 
@@ -47,10 +46,10 @@ def test_the_debug_preset_makes_its_inputs_and_trains_on_answers_only(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "apps.sft.train", "steps=2", "logging.every=1",
-                           "eval.every=2", "dump_dir=run", "checkpoint.every=0",
-                           "data.chat.pack=false", "model.attn_mask=causal"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = launcher.launch("apps.sft.train", ["steps=2", "logging.every=1", "eval.every=2",
+                                              "dump_dir=run", "checkpoint.every=0",
+                                              "data.chat.pack=false", "model.attn_mask=causal"],
+                           0, env, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     base = tmp_path / "data/sft_debug/base"
     assert (base / "model.safetensors").is_file()

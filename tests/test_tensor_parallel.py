@@ -11,7 +11,6 @@ Rank 0 writes the errors as JSON; the assertions run here in the pytest process.
 import copy
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -107,17 +106,9 @@ def test_token_loss_sum_plain():
 
 
 def _launch(nproc: int, case: str, out: Path, timeout: int = 240) -> dict:
-    from tests.conftest import free_port
+    from tests.conftest import run_torchrun
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, case, str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-                          check=False)
-    if proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-6000:]}")
+    run_torchrun(nproc, __file__, [case, str(out)], timeout=timeout)
     return json.loads(out.read_text())
 
 
