@@ -66,57 +66,60 @@ def test_sides():
         llama, True, "cuda", 1, "d", "r", "rowwise")
 
 
-@pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory, corpus):
-    """One end-to-end run on CPU: the tiny LLaMA and MoE shapes, ours (and ours in float8) and HF
-    eager, one round."""
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def cpu_run(request, tmp_path_factory, corpus):
+    """One end-to-end run on CPU of one tiny shape (the LLaMA, the MoE: a run each, so that
+    neither test waits for both): ours and HF eager, one round; on the LLaMA ours in float8
+    too (--float8 adds a side whatever the shape: gpu_vs_hf.sides_for, tested above; the MoE's
+    float8 training is tests/test_float8_moe.py's)."""
     work = tmp_path_factory.mktemp("gpu_vs_hf")
     out = work / "results.json"
     cmd = [sys.executable, "benchmarks/gpu_vs_hf.py", "--device", "cpu",
-           "--shapes", "tiny,tiny-moe", "--ours-eager", "--hf", "eager", "--rounds", "1",
-           "--float8", "tensorwise",
+           "--shapes", request.param, "--ours-eager", "--hf", "eager", "--rounds", "1",
+           *(["--float8", "tensorwise"] if request.param == "tiny" else []),
            "--warmup", "2", "--steps", "2",
            "--workdir", str(work), "--data-root", str(corpus), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout, json.loads(out.read_text())
+    return request.param, proc.stdout, json.loads(out.read_text())
 
 
 @pytest.mark.slow
 def test_runs_end_to_end_on_cpu(cpu_run):
-    stdout, results = cpu_run
+    name, stdout, results = cpu_run
     assert results["complete"] and results["env"]["device"] == "cpu"
     assert results["env"]["torch"] == torch.__version__ and results["env"]["transformers"]
     # The step counts are whole windows of the trainer's own logging (the debug presets': 10).
     assert results["settings"]["logging_every"] == 10
     assert (results["settings"]["warmup"], results["settings"]["steps"]) == (10, 10)
     table = stdout[stdout.rindex("shape "):]   # the table comes last
-    for name, sides in (("tiny", ["ours_eager", "hf_eager"]),
-                        ("tiny-moe", ["ours_eager", "hf_eager", "hf_eager_experts_eager"])):
-        shape = results["shapes"][name]
-        for side in sides:
-            got = shape["sides"][side]
-            assert got["rounds_ok"] == 1 and got["tokens_per_s"] > 0, (name, side, got)
-            assert got["peak_mem_gib"] > 0 and 0 < got["mfu_measured"] < 1
-            assert re.search(rf"^{re.escape(name)} +{side}\b.* [\d,]+ +1 ", table, re.M), table
-        ours, hf = shape["sides"]["ours_eager"], shape["sides"]["hf_eager"]
-        assert shape["ratios"]["ours_eager/hf_eager"] == pytest.approx(
-            ours["tokens_per_s"] / hf["tokens_per_s"])
-        run = ours["runs"][0]
-        # Ours measured its rows after the warm-up only: the row at step 20 (steps 11-20).
-        assert run["rows"] == [10, 20] and run["measured_steps"] == 10
-        # MFU is over the FLOPs per token the trainer itself logs its MFU with (read back from
-        # its logged mfu and its one peak).
-        assert not run["trainer_peak_note"]
-        assert run["trainer_flops_per_token"] == pytest.approx(shape["flops_per_token"], rel=1e-9)
-        assert run["wall_tokens_per_s"] > 0
-    for name in ("tiny", "tiny-moe"):   # --float8: our side again in float8, side by side
-        shape = results["shapes"][name]
+    sides = {"tiny": ["ours_eager", "hf_eager"],
+             "tiny-moe": ["ours_eager", "hf_eager", "hf_eager_experts_eager"]}[name]
+    assert list(results["shapes"]) == [name]
+    shape = results["shapes"][name]
+    for side in sides:
+        got = shape["sides"][side]
+        assert got["rounds_ok"] == 1 and got["tokens_per_s"] > 0, (name, side, got)
+        assert got["peak_mem_gib"] > 0 and 0 < got["mfu_measured"] < 1
+        assert re.search(rf"^{re.escape(name)} +{side}\b.* [\d,]+ +1 ", table, re.M), table
+    ours, hf = shape["sides"]["ours_eager"], shape["sides"]["hf_eager"]
+    assert shape["ratios"]["ours_eager/hf_eager"] == pytest.approx(
+        ours["tokens_per_s"] / hf["tokens_per_s"])
+    run = ours["runs"][0]
+    # Ours measured its rows after the warm-up only: the row at step 20 (steps 11-20).
+    assert run["rows"] == [10, 20] and run["measured_steps"] == 10
+    # MFU is over the FLOPs per token the trainer itself logs its MFU with (read back from
+    # its logged mfu and its one peak).
+    assert not run["trainer_peak_note"]
+    assert run["trainer_flops_per_token"] == pytest.approx(shape["flops_per_token"], rel=1e-9)
+    assert run["wall_tokens_per_s"] > 0
+    if name == "tiny":   # --float8: our side again in float8, side by side
         fast = shape["sides"]["ours_eager_float8"]
         assert fast["rounds_ok"] == 1 and fast["tokens_per_s"] > 0
         assert "distributed.float8=tensorwise" in fast["runs"][0]["command"]
         assert shape["ratios"]["ours_eager_float8/ours_eager"] == pytest.approx(
             fast["tokens_per_s"] / shape["sides"]["ours_eager"]["tokens_per_s"])
-    moe = results["shapes"]["tiny-moe"]["sides"]
-    assert moe["hf_eager"]["runs"][0]["experts_implementation"]   # transformers' own choice
-    assert moe["hf_eager_experts_eager"]["runs"][0]["experts_implementation"] == "eager"
+    else:
+        moe = shape["sides"]
+        assert moe["hf_eager"]["runs"][0]["experts_implementation"]   # transformers' own choice
+        assert moe["hf_eager_experts_eager"]["runs"][0]["experts_implementation"] == "eager"

@@ -187,95 +187,128 @@ def test_async_jobs_evaluate_each_checkpoint_while_training_goes_on(async_run, t
     assert results(copy, 4)["runs"][0]["limit"] == 8   # the run's eval.limit, from the checkpoint
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
-@slurm
-def test_requeued_killed_and_exhausted_jobs(async_run, corpus, tmp_path, monkeypatch):
-    """Three jobs on copies of the run: one requeued by Slurm while it evaluates; a 2-task one
-    whose rank-1 evaluation process is killed (a crash: the OOM killer, say), retried; one
-    killed with no retry left, given up."""
+def submit_cases(async_run, corpus, tmp_path, monkeypatch, wanted) -> tuple:
+    """Jobs on copies of the run, from a process with a launcher's variables (a training rank):
+    the job's tasks still take their ranks and rendezvous from their own Slurm step.
+    {name: (dump, step, max_requeues, tasks)} of `wanted`, and their job ids."""
     for key, value in OFFLINE.items():
         monkeypatch.setenv(key, value)
-    # Submitted from a process with a launcher's variables (a training rank): the job's tasks
-    # still take their ranks and rendezvous from their own Slurm step.
     for key, value in (("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "3"),
                        ("MASTER_ADDR", "nowhere.invalid"), ("MASTER_PORT", "1")):
         monkeypatch.setenv(key, value)
     src = async_run["dump"]
-    requeued, crashed = copy_run(src, tmp_path / "requeued"), copy_run(src, tmp_path / "crashed")
-    cases = {"requeued": (requeued, 4, 1, 1), "crashed": (crashed, 4, 1, 2),
-             "exhausted": (crashed, 2, 0, 1)}    # dump, step, max_requeues, tasks
+    copies = {}
+    def copy(name):
+        if name not in copies:
+            copies[name] = copy_run(src, tmp_path / name)
+        return copies[name]
+    every = {"requeued": lambda: (copy("requeued"), 4, 1, 1),
+             "crashed": lambda: (copy("crashed"), 4, 1, 2),
+             "exhausted": lambda: (copy("crashed"), 2, 0, 1)}   # dump, step, max_requeues, tasks
+    cases = {name: every[name]() for name in wanted}
     jobs = {}
-    try:
-        check_retries(src, cases, jobs, corpus)
-    finally:  # none left queued or held when an assertion failed
-        if jobs:
-            subprocess.run(["scancel", *jobs.values()], capture_output=True)
-
-
-def check_retries(src, cases, jobs, corpus):
-    requeued, crashed = cases["requeued"][0], cases["crashed"][0]
     for name, (dump, step, max_requeues, tasks) in cases.items():
         args = load_args(async_args(corpus, dump, "checkpoint.keep=1",
                                     f"eval.slurm.max_requeues={max_requeues}",
                                     f"eval.slurm.tasks_per_node={tasks}"))
         jobs[name] = eval_jobs.submit(args, "apps.llama", step, dump / "checkpoints" / str(step))
         assert jobs[name] is not None and eval_jobs.pending_marker(dump, step).exists()
+    return src, cases, jobs
 
-    wait_for_line(requeued, 4, "eval job: step 4, rank 0 of 1, attempt 1 ", jobs["requeued"])
-    assert not (eval_jobs.step_dir(requeued, 4) / "results.json").exists()
-    subprocess.run(["scontrol", "requeue", jobs["requeued"]], check=True)  # what preemption does
-    # Each evaluation process is killed as soon as it started (they start as CPUs free up).
-    to_kill, deadline = {"exhausted": "rank 0 of 1", "crashed": "rank 1 of 2"}, time.time() + 120
-    while to_kill:
-        for name, rank in list(to_kill.items()):
-            dump, step = cases[name][:2]
-            started = re.search(rf"step {step}, {rank}, attempt 1 \(eval.slurm.max_requeues=\d\): "
-                                rf"process (\d+) runs", job_log(dump, step))
-            if started:
-                os.kill(int(started.group(1)), signal.SIGKILL)
-                del to_kill[name]
-        assert time.time() < deadline, {name: job_log(*cases[name][:2]) for name in to_kill}
-        time.sleep(0.1)
 
-    states = {name: wait_for(jobs[name], eval_jobs.step_dir(*cases[name][:2]) / "slurm")
-              for name in cases}
-    logs = {name: job_log(*cases[name][:2]) for name in cases}
-    assert states == {"requeued": "COMPLETED", "crashed": "COMPLETED", "exhausted": "FAILED"}, logs
-    for name in ("requeued", "crashed"):
-        dump, step, _, tasks = cases[name]
-        assert job_field(jobs[name], "Restarts") == "1", logs[name]
-        for rank in range(tasks):
-            assert f"eval job: step {step}, rank {rank} of {tasks}, attempt 2 " in logs[name]
-        got = results(dump, step)
-        assert len(got["runs"]) == 1, got["runs"]     # computed and written once
-        assert got["runs"][0]["world_size"] == tasks
-        assert got["results"] == results(src, step)["results"]
-        assert [row["step"] for row in eval_rows(dump)] == [step]
-        assert not eval_jobs.pending_marker(dump, step).exists()
-    assert "got SIGTERM" in logs["requeued"] and "exited with -15: stop" in logs["requeued"]
-    # Run once more after it finished (a finished job can be requeued): the step has its results,
-    # so the job computes and writes nothing.
-    subprocess.run(["scontrol", "requeue", jobs["requeued"]], check=True)
-    assert wait_for(jobs["requeued"], eval_jobs.step_dir(requeued, 4) / "slurm") == "COMPLETED"
-    assert job_field(jobs["requeued"], "Restarts") == "2"
-    again = job_log(requeued, 4)
-    assert "eval job: step 4, rank 0 of 1, attempt 3 " in again, again
-    assert f"step 4 already has results for ['{TASK}']" in again, again
-    assert len(results(requeued, 4)["runs"]) == 1
-    assert [row["step"] for row in eval_rows(requeued)] == [4]
-    # The killed rank requeued the job, once; its peer's end (killed with the step) did not.
-    assert "rank 1: the evaluation exited with -9: requeue" in logs["crashed"], logs["crashed"]
-    assert logs["crashed"].count(f"requeued job {jobs['crashed']} (requeue 1 of at most 1)") == 1
-    # No retry left: given up, the marker gone (the checkpoint may be pruned), the way by hand said.
-    gave_up = logs["exhausted"]
-    assert job_field(jobs["exhausted"], "Restarts") == "0"
-    assert "exited with -9: give_up" in gave_up, gave_up
-    assert ("giving up on step 2: exit code -9 after 0 requeue(s) (eval.slurm.max_requeues=0)"
-            in gave_up), gave_up
-    assert f"python -m apps.llama.eval {crashed}/checkpoints/2 'eval.tasks=[{TASK}]'" in gave_up
-    assert not eval_jobs.pending_marker(crashed, 2).exists()
-    assert not (eval_jobs.step_dir(crashed, 2) / "results.json").exists()
+def assert_retried(src, cases, jobs, name) -> str:
+    """The job `name` completed on its second attempt, every rank evaluated again, and the step's
+    results were computed and written once; its log."""
+    dump, step, _, tasks = cases[name]
+    state = wait_for(jobs[name], eval_jobs.step_dir(dump, step) / "slurm")
+    log = job_log(dump, step)
+    assert state == "COMPLETED", log
+    assert job_field(jobs[name], "Restarts") == "1", log
+    for rank in range(tasks):
+        assert f"eval job: step {step}, rank {rank} of {tasks}, attempt 2 " in log
+    got = results(dump, step)
+    assert len(got["runs"]) == 1, got["runs"]     # computed and written once
+    assert got["runs"][0]["world_size"] == tasks
+    assert got["results"] == results(src, step)["results"]
+    assert [row["step"] for row in eval_rows(dump)] == [step]
+    assert not eval_jobs.pending_marker(dump, step).exists()
+    return log
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@slurm
+def test_a_job_requeued_while_it_evaluates_evaluates_once(async_run, corpus, tmp_path,
+                                                          monkeypatch):
+    """One job requeued by Slurm while it evaluates (what preemption does) runs again and writes
+    the results once; requeued again after it finished, it computes and writes nothing."""
+    src, cases, jobs = submit_cases(async_run, corpus, tmp_path, monkeypatch, ["requeued"])
+    try:
+        requeued = cases["requeued"][0]
+        wait_for_line(requeued, 4, "eval job: step 4, rank 0 of 1, attempt 1 ", jobs["requeued"])
+        assert not (eval_jobs.step_dir(requeued, 4) / "results.json").exists()
+        subprocess.run(["scontrol", "requeue", jobs["requeued"]], check=True)
+        log = assert_retried(src, cases, jobs, "requeued")
+        assert "got SIGTERM" in log and "exited with -15: stop" in log
+        # Run once more after it finished (a finished job can be requeued): the step has its
+        # results, so the job computes and writes nothing.
+        subprocess.run(["scontrol", "requeue", jobs["requeued"]], check=True)
+        assert wait_for(jobs["requeued"], eval_jobs.step_dir(requeued, 4) / "slurm") == \
+            "COMPLETED"
+        assert job_field(jobs["requeued"], "Restarts") == "2"
+        again = job_log(requeued, 4)
+        assert "eval job: step 4, rank 0 of 1, attempt 3 " in again, again
+        assert f"step 4 already has results for ['{TASK}']" in again, again
+        assert len(results(requeued, 4)["runs"]) == 1
+        assert [row["step"] for row in eval_rows(requeued)] == [4]
+    finally:  # none left queued or held when an assertion failed
+        subprocess.run(["scancel", *jobs.values()], capture_output=True)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@slurm
+def test_killed_evaluations_are_retried_then_given_up(async_run, corpus, tmp_path, monkeypatch):
+    """A 2-task job whose rank-1 evaluation process is killed (a crash: the OOM killer, say) is
+    retried; one killed with no retry left is given up."""
+    src, cases, jobs = submit_cases(async_run, corpus, tmp_path, monkeypatch,
+                                    ["crashed", "exhausted"])
+    try:
+        # Each evaluation process is killed as soon as it started (they start as CPUs free up).
+        to_kill, deadline = {"exhausted": "rank 0 of 1", "crashed": "rank 1 of 2"}, \
+            time.time() + 120
+        while to_kill:
+            for name, rank in list(to_kill.items()):
+                dump, step = cases[name][:2]
+                started = re.search(rf"step {step}, {rank}, attempt 1 "
+                                    rf"\(eval.slurm.max_requeues=\d\): process (\d+) runs",
+                                    job_log(dump, step))
+                if started:
+                    os.kill(int(started.group(1)), signal.SIGKILL)
+                    del to_kill[name]
+            assert time.time() < deadline, {name: job_log(*cases[name][:2]) for name in to_kill}
+            time.sleep(0.1)
+        crashed_log = assert_retried(src, cases, jobs, "crashed")
+        # The killed rank requeued the job, once; its peer's end (killed with the step) did not.
+        assert "rank 1: the evaluation exited with -9: requeue" in crashed_log, crashed_log
+        assert crashed_log.count(
+            f"requeued job {jobs['crashed']} (requeue 1 of at most 1)") == 1
+        # No retry left: given up, the marker gone (the checkpoint may be pruned), the way by
+        # hand said.
+        crashed = cases["exhausted"][0]
+        state = wait_for(jobs["exhausted"], eval_jobs.step_dir(crashed, 2) / "slurm")
+        gave_up = job_log(crashed, 2)
+        assert state == "FAILED", gave_up
+        assert job_field(jobs["exhausted"], "Restarts") == "0"
+        assert "exited with -9: give_up" in gave_up, gave_up
+        assert ("giving up on step 2: exit code -9 after 0 requeue(s) (eval.slurm.max_requeues=0)"
+                in gave_up), gave_up
+        assert f"python -m apps.llama.eval {crashed}/checkpoints/2 'eval.tasks=[{TASK}]'" \
+            in gave_up
+        assert not eval_jobs.pending_marker(crashed, 2).exists()
+        assert not (eval_jobs.step_dir(crashed, 2) / "results.json").exists()
+    finally:  # none left queued or held when an assertion failed
+        subprocess.run(["scancel", *jobs.values()], capture_output=True)
 
 
 @pytest.mark.slurm

@@ -231,7 +231,7 @@ def test_a_killed_rank_stops_the_run_and_the_same_command_resumes(corpus, tmp_pa
     """kill -9 of one rank mid-run: the others stop (no hang) with a message naming the lost rank,
     and running the same command again resumes from the newest complete checkpoint and ends with
     the losses of an uninterrupted run."""
-    steps = 12
+    steps = 10
     dump = tmp_path / "killed"
     args = tiny_args(corpus, dump, *layout, "checkpoint.every=3", "checkpoint.keep=0",
                      "distributed.timeout_s=60", steps=steps)
@@ -269,11 +269,10 @@ def test_a_killed_rank_stops_the_run_and_the_same_command_resumes(corpus, tmp_pa
     resume_at = int(checkpoint.newest(dump).name)
     first = read_rows(dump)
 
-    proc = subprocess.run(torchrun(), cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    # The same command again (its ranks forked warm: what is checked is the run's own resume).
+    from tests.conftest import run_torchrun
+    proc = run_torchrun(nproc, "apps.llama.train", args, timeout=300)
     assert_resumed(dump, proc.stdout + proc.stderr, resume_at, first)
     reference = tmp_path / "reference"
-    from tests.conftest import run_torchrun
     run_torchrun(nproc, "apps.llama.train", tiny_args(corpus, reference, *layout, steps=steps))
     assert_equivalent(dump, reference, rtol=0)

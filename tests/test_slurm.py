@@ -72,12 +72,15 @@ def release_if_requeued(job_id: str) -> None:
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
 
 
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
 def wait_for(job_id: str, timeout: float = 300, logs: Path = None) -> str:
     """Wait until the job has finished (releasing it when it is requeued); its final state."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         state = job_field(job_id, "JobState")
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+        if state in FINISHED:
             return state
         release_if_requeued(job_id)
         time.sleep(1)
@@ -200,7 +203,7 @@ def test_requeued_job_resumes_with_the_same_losses(corpus, tmp_path):
     deadline = time.time() + 180
     while not ((dump / "metrics.jsonl").is_file() and len(read_metrics(dump)) >= 5):
         assert time.time() < deadline, dump_logs(dump / "slurm")
-        assert job_field(job, "JobState") in ("PENDING", "RUNNING"), dump_logs(dump / "slurm")
+        assert job_field(job, "JobState") not in FINISHED, dump_logs(dump / "slurm")
         time.sleep(0.5)
     subprocess.run(["scontrol", "requeue", job], check=True)  # what a preemption does
     assert wait_for(job, logs=dump / "slurm") == "COMPLETED", dump_logs(dump / "slurm")
@@ -225,19 +228,33 @@ def test_requeued_job_resumes_with_the_same_losses(corpus, tmp_path):
 
 
 def test_time_limit_checkpoints_and_requeues(corpus, tmp_path):
-    # slurm.time=1 minute with USR2 20 s before it: slurmctld looks at time limits every 30 s
-    # and sends USR2 up to 30 s early, so it comes 10 to 40 s into each run, after the tasks
-    # started, and the time limit ends a run 30 s after it or later. The first run saves and
-    # requeues; the second finds its requeue budget (1) spent and stops, saved.
+    # slurm.time=1 minute with USR2 50 s before it: slurmctld looks at time limits every 30 s
+    # and sends USR2 up to 30 s early, so it comes at its first look after the job started,
+    # 0 to 30 s in (while a task may still be starting: tests/test_slurm_timelimit.py), and the
+    # time limit would end the run 50 s or more after it. The first run saves and requeues; the
+    # second, resumed, gets the same USR2 from scancel as soon as it resumed (waiting for
+    # Slurm's again would add up to 30 s and show nothing more), finds its requeue budget (1)
+    # spent and stops, saved.
     # Two ranks under srun --kill-on-bad-exit: rank 1 must not end the step (and rank 0 with it)
     # before rank 0 has requeued the job, and the job's exit code is still rank 0's 3.
     dump = tmp_path / "timelimit"
     proc = stool("apps.llama.train", *tiny_args(corpus, dump, "checkpoint.keep=0",
                                                 "distributed.dp_shard=2", steps=100000),
-                 "slurm.time=1", "slurm.signal_delay_s=20", "slurm.max_requeues=1",
+                 "slurm.time=1", "slurm.signal_delay_s=50", "slurm.max_requeues=1",
                  "slurm.cpus_per_task=1", "slurm.tasks_per_node=2")
     [job] = job_ids(proc.stdout)
-    state = wait_for(job, timeout=400, logs=dump / "slurm")
+    try:
+        deadline = time.time() + 300
+        while "resumed from" not in dump_logs(dump / "slurm"):   # the second run is training
+            assert job_field(job, "JobState") not in FINISHED, dump_logs(dump / "slurm")
+            assert time.time() < deadline, dump_logs(dump / "slurm")
+            release_if_requeued(job)
+            time.sleep(0.5)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        state = wait_for(job, timeout=400, logs=dump / "slurm")
+    finally:   # not left to requeue itself and hold the node for the next test
+        if job_field(job, "JobState") not in FINISHED:
+            subprocess.run(["scancel", job])
     logs = dump_logs(dump / "slurm")
     assert job_field(job, "Restarts") == "1", logs
     assert state == "FAILED" and job_field(job, "ExitCode") == "3:0", logs  # stopped, not finished
