@@ -2,9 +2,9 @@
 in bf16; also peak memory and MFU of each side.
 
     python benchmarks/gpu_vs_hf.py [--shapes 8B-wide,1B,moe] [--no-moe] [--rounds 2]
-        [--float8 tensorwise|rowwise]
+        [--float8 tensorwise|rowwise|tensorwise,rowwise] [--float8-shapes 8B-wide]
         [--warmup 10] [--steps 20] [--ours compiled|eager|compiled,eager] [--ours-eager]
-        [--hf compiled,eager] [--hf-experts default,eager] [--out results.json]
+        [--hf compiled,eager|none] [--hf-experts default,eager] [--out results.json]
         [--time-limit 540] [--device cuda|cpu]
 
 Every side runs in a subprocess of its own (a fresh CUDA context, so each side's peak memory is
@@ -334,7 +334,9 @@ def _hydra(value) -> str:
 
 def ours_overrides(shape: Shape, compile: bool, device: str, steps: int, dump_dir,
                    data_root, float8: str = "none") -> list:
-    return [f"dump_dir={dump_dir}", f"steps={steps}", f"distributed.float8={float8}",
+    # distributed.float8 only when asked: an older trainer (--trainer) may not know the key
+    return [f"dump_dir={dump_dir}", f"steps={steps}",
+            *([f"distributed.float8={float8}"] if float8 != "none" else []),
             *(f"model.{k}={_hydra(v)}" for k, v in shape.model.items()),
             f"data.root={data_root}", "data.format=memmap", "data.prepare_embedded=true",
             "data.tokenizer.kind=bytes", "data.tokenizer.path=null",
@@ -408,13 +410,16 @@ class Side:
 
 
 def sides_for(shape: Shape, ours: list, hf: list, hf_experts: list, float8: str = "none") -> list:
-    """Ours in each mode (and beside each, in float8 with --float8), then HF's sides."""
+    """Ours in each mode (and beside each, in float8 with --float8: "ours_float8" for one recipe,
+    "ours_float8_rowwise" and so on for several), then HF's sides."""
+    recipes = [r for r in float8.split(",") if r != "none"]
     sides = []
     for mode in ours:
         name = "ours" if mode == "compiled" else "ours_eager"
         sides.append(Side(name, "ours", mode == "compiled"))
-        if float8 != "none":
-            sides.append(Side(f"{name}_float8", "ours", mode == "compiled", float8=float8))
+        for recipe in recipes:
+            suffix = "_float8" + (f"_{recipe}" if len(recipes) > 1 else "")
+            sides.append(Side(name + suffix, "ours", mode == "compiled", float8=recipe))
     for mode in hf:
         for experts in (hf_experts if shape.app == "moe" else ["default"]):
             if experts == "eager" and mode == "compiled":
@@ -424,10 +429,10 @@ def sides_for(shape: Shape, ours: list, hf: list, hf_experts: list, float8: str 
     return sides
 
 
-def child_env(device: str) -> dict:
+def child_env(device: str, root: Path = REPO) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline",
                PYTHONPATH=os.pathsep.join(
-                   [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+                   [str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     from lingua.parallel.distributed import JOB_DEVICE_VAR
 
     if device == "cpu":
@@ -467,8 +472,9 @@ def run_ours(name: str, shape: Shape, side: Side, cli, tag: str, timeout: float)
            *ours_overrides(shape, side.compiled, cli.device, total, dump_dir, cli.data_root,
                            side.float8)]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(cli.device), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=cli.trainer, env=child_env(cli.device, cli.trainer),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True)
     killer = Killer(proc, timeout)
     lines = []
     try:   # each logged step's line, timed as it arrives
@@ -543,11 +549,11 @@ def summarize(results: dict, env: dict) -> None:
         for ours_name, ours in sides.items():
             if not ours_name.startswith("ours"):
                 continue
-            bf16 = sides.get(ours_name.removesuffix("_float8"))
-            if ours_name.endswith("_float8") and bf16 and bf16["tokens_per_s"] and \
+            twin = ours_name.split("_float8")[0]
+            bf16 = sides.get(twin)
+            if "_float8" in ours_name and bf16 and bf16["tokens_per_s"] and \
                     ours["tokens_per_s"]:   # float8 against the same mode's bf16, same run
-                ratios[f"{ours_name}/{ours_name.removesuffix('_float8')}"] = (
-                    ours["tokens_per_s"] / bf16["tokens_per_s"])
+                ratios[f"{ours_name}/{twin}"] = ours["tokens_per_s"] / bf16["tokens_per_s"]
             for hf_name, hf in sides.items():
                 if hf_name.startswith("hf") and ours["tokens_per_s"] and hf["tokens_per_s"]:
                     ratios[f"{ours_name}/{hf_name}"] = ours["tokens_per_s"] / hf["tokens_per_s"]
@@ -601,12 +607,19 @@ def round_up(n: int, every: int) -> int:
     return max(every, -(-n // every) * every)
 
 
+def float8_of(cli, shape_name: str) -> str:
+    """The float8 recipes a shape's sides run: --float8's, on the shapes of --float8-shapes."""
+    shapes = cli.float8_shapes.split(",") if cli.float8_shapes else None
+    return cli.float8 if shapes is None or shape_name in shapes else "none"
+
+
 def bench(cli) -> int:
     started = time.monotonic()
     deadline = started + cli.time_limit if cli.time_limit > 0 else float("inf")
     names = [n for n in cli.shapes.split(",") if cli.moe or SHAPES[n].app != "moe"]
     ours_modes = ["eager"] if cli.ours_eager else cli.ours.split(",")
-    hf_modes, hf_experts = cli.hf.split(","), cli.hf_experts.split(",")
+    hf_modes = [] if cli.hf == "none" else cli.hf.split(",")
+    hf_experts = cli.hf_experts.split(",")
     # Our warm-up and measured windows are whole logging windows (the rows' tokens/s are per
     # window), both sides the same step counts.
     every = max(logging_every(SHAPES[n], cli.device, cli.data_root) for n in names)
@@ -623,7 +636,8 @@ def bench(cli) -> int:
                "settings": {"shapes": names, "rounds": cli.rounds, "warmup": warmup,
                             "steps": steps, "logging_every": every, "ours": ours_modes,
                             "hf": hf_modes, "hf_experts": hf_experts, "device": cli.device,
-                            "float8": cli.float8,
+                            "float8": cli.float8, "float8_shapes": cli.float8_shapes,
+                            "trainer": str(cli.trainer),
                             "time_limit_s": cli.time_limit, "workdir": str(cli.workdir)},
                "shapes": {}}
     print(table({"env": env, "shapes": {}}).splitlines()[0], flush=True)
@@ -635,13 +649,14 @@ def bench(cli) -> int:
             "flops_per_token": flops_per_token(shape),
             "sides": {s.name: {"kind": s.kind, "compiled": s.compiled, "experts": s.experts,
                                "runs": []}
-                      for s in sides_for(shape, ours_modes, hf_modes, hf_experts, cli.float8)}}
+                      for s in sides_for(shape, ours_modes, hf_modes, hf_experts,
+                                         float8_of(cli, name))}}
     failures = 0
     last_s = {}
     for r in range(cli.rounds):
         for name in names:
             shape = SHAPES[name]
-            sides = sides_for(shape, ours_modes, hf_modes, hf_experts, cli.float8)
+            sides = sides_for(shape, ours_modes, hf_modes, hf_experts, float8_of(cli, name))
             for side in (sides if r % 2 == 0 else sides[::-1]):
                 record = results["shapes"][name]["sides"][side.name]
                 left = deadline - time.monotonic()
@@ -719,9 +734,11 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-experts", default="default,eager",
                         help="HF MoE experts_implementation(s): default (transformers' choice) "
                              "and/or a named one (eager: the per-expert loop; uncompiled only)")
-    parser.add_argument("--float8", choices=FLOAT8_RECIPES, default="none",
+    parser.add_argument("--float8", default="none",
                         help="also run ours with distributed.float8=RECIPE beside each of our "
-                             "sides (MFU stays over the bf16 peak)")
+                             "sides (MFU stays over the bf16 peak); several: tensorwise,rowwise")
+    parser.add_argument("--float8-shapes", default=None,
+                        help="the shapes whose sides --float8 adds to (default: every shape)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=10, help="steps before timing (rounded up "
                         "to a multiple of the trainer's logging.every)")
@@ -730,6 +747,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="results JSON (default: gpu_vs_hf.json in --workdir)")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary dir")
+    parser.add_argument("--trainer", type=Path, default=REPO,
+                        help="the tree whose apps.*.train is ours (default: this one), e.g. an "
+                             "older commit's, measured with today's harness and HF side")
     parser.add_argument("--data-root", type=Path, default=REPO / "data" / "embedded",
                         help="the embedded byte corpus (prepared there on first use)")
     parser.add_argument("--time-limit", type=float, default=540.0,
@@ -743,8 +763,14 @@ def main(argv=None) -> int:
         parser.error(f"unknown shape(s) {unknown}: choose from {', '.join(SHAPES)}")
     for value, known, flag in ((cli.ours, {"compiled", "eager"}, "--ours"),
                                (cli.hf, {"compiled", "eager"}, "--hf")):
-        if not set(value.split(",")) <= known:
-            parser.error(f"{flag} {value}: a comma-separated list of compiled, eager")
+        if not set(value.split(",")) <= known and not (flag == "--hf" and value == "none"):
+            parser.error(f"{flag} {value}: a comma-separated list of compiled, eager"
+                         + (" (or none)" if flag == "--hf" else ""))
+    if not set(cli.float8.split(",")) <= set(FLOAT8_RECIPES):
+        parser.error(f"--float8 {cli.float8}: one or more of {', '.join(FLOAT8_RECIPES)}")
+    unknown = [n for n in (cli.float8_shapes or "").split(",") if n and n not in SHAPES]
+    if unknown:
+        parser.error(f"--float8-shapes: unknown shape(s) {unknown}")
     if cli.device == "cuda":
         import torch
 
@@ -755,6 +781,9 @@ def main(argv=None) -> int:
     cli.workdir.mkdir(parents=True, exist_ok=True)
     cli.out = Path(cli.out or cli.workdir / "gpu_vs_hf.json").resolve()
     cli.data_root = Path(cli.data_root).resolve()
+    cli.trainer = Path(cli.trainer).resolve()
+    if not (cli.trainer / "apps").is_dir():
+        parser.error(f"--trainer {cli.trainer}: not a checkout of this project (no apps/ in it)")
     return bench(cli)
 
 

@@ -1,5 +1,6 @@
 """benchmarks/gpu_vs_hf.py (our trainer vs a Hugging Face loop on one GPU): both sides train the
-same model, and the whole comparison runs end to end (on the CPU here, tiny shapes, fp32)."""
+same model, and the whole comparison runs end to end (on the CPU here, tiny shapes, fp32); and
+setup/gpu_check.py's device-independent parts."""
 
 import json
 import re
@@ -62,6 +63,19 @@ def test_sides():
     assert [s.name for s in sides] == ["ours", "ours_float8", "ours_eager", "ours_eager_float8",
                                        "hf_eager"]
     assert [s.float8 for s in sides] == ["none", "tensorwise", "none", "tensorwise", "none"]
+    # several recipes: each named by its recipe, and its ratio taken to its own bf16 twin
+    sides = gpu_vs_hf.sides_for(llama, ["compiled"], [], ["default"], "tensorwise,rowwise")
+    assert [(s.name, s.float8) for s in sides] == [
+        ("ours", "none"), ("ours_float8_tensorwise", "tensorwise"),
+        ("ours_float8_rowwise", "rowwise")]
+    run = {"ok": True, "peak_mem_gib": 1.0}
+    results = {"shapes": {"125M": {"flops_per_token": 1.0, "sides": {
+        "ours": {"runs": [dict(run, tokens_per_s=100.0)]},
+        "ours_float8_rowwise": {"runs": [dict(run, tokens_per_s=125.0)]}}}}}
+    gpu_vs_hf.summarize(results, {})
+    assert results["shapes"]["125M"]["ratios"] == {"ours_float8_rowwise/ours": 1.25}
+    cli = type("Cli", (), {"float8": "rowwise", "float8_shapes": "8B-wide"})
+    assert [gpu_vs_hf.float8_of(cli, n) for n in ("8B-wide", "moe")] == ["rowwise", "none"]
     assert "distributed.float8=rowwise" in gpu_vs_hf.ours_overrides(
         llama, True, "cuda", 1, "d", "r", "rowwise")
 
@@ -123,3 +137,37 @@ def test_runs_end_to_end_on_cpu(cpu_run):
         moe = shape["sides"]
         assert moe["hf_eager"]["runs"][0]["experts_implementation"]   # transformers' own choice
         assert moe["hf_eager_experts_eager"]["runs"][0]["experts_implementation"] == "eager"
+
+
+def test_gpu_check_installs_only_what_the_image_lacks_and_reads_junit(tmp_path, monkeypatch):
+    """setup/gpu_check.py: the wheels of distributions the image has are kept out of the install
+    (nothing of the image replaced); pytest's JUnit XML becomes per-test outcomes; without CUDA it
+    stops after the install with its reason in the summary."""
+    sys.path.insert(0, str(REPO / "setup"))
+    import gpu_check
+
+    for name in ("hydra_core-1.3.8-py3-none-any.whl", "Omega.Conf-2.3.1-py3-none-any.whl",
+                 "peft-0.21.2-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    install, kept = gpu_check.missing_wheels(tmp_path, {"peft": "0.17.0", "omega-conf": "2.3.1"})
+    assert [w.name for w in install] == ["hydra_core-1.3.8-py3-none-any.whl"]
+    assert kept == {"omega-conf": ("2.3.1", "2.3.1"), "peft": ("0.17.0", "0.21.2")}
+
+    (tmp_path / "junit.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_gpu" name="test_a" time="1.5"/>'
+        '<testcase classname="tests.test_gpu" name="test_b" time="2"><failure message="boom&#10;'
+        'more">trace</failure></testcase><testcase classname="tests.test_gpu" name="test_c" '
+        'time="0"><skipped message="needs 2 GPUs"/></testcase></testsuite></testsuites>')
+    assert gpu_check.test_results(tmp_path / "junit.xml") == {
+        "tests.test_gpu::test_a": {"outcome": "passed", "seconds": 1.5, "message": ""},
+        "tests.test_gpu::test_b": {"outcome": "failed", "seconds": 2.0, "message": "boom"},
+        "tests.test_gpu::test_c": {"outcome": "skipped", "seconds": 0.0,
+                                   "message": "needs 2 GPUs"}}
+
+    monkeypatch.setattr(gpu_check, "WHEELS", tmp_path / "none")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--budget", "60"])
+    assert gpu_check.main() == 1
+    summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert summary["gpu"] is None and "no CUDA" in summary["error"]
