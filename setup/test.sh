@@ -17,7 +17,7 @@ fi
 workers="${LINGUA_TEST_WORKERS:-2}"
 xdist=()
 if [ "$workers" -gt 1 ]; then
-  xdist=(-n "$workers" --dist loadgroup)
+  xdist=(-n "$workers" --dist loadfile)
   export OMP_NUM_THREADS=$(( $(nproc) / workers > 0 ? $(nproc) / workers : 1 ))
 fi
 set +e

@@ -181,8 +181,43 @@ def _root_log_handlers_do_not_leak():
 
 
 # The files whose tests submit jobs to the real local Slurm (two CPUs): under pytest-xdist they
-# run one after another on one worker, first, while the other worker takes the rest.
+# run one after another on one worker, while the other worker takes the rest.
 SLURM_FILES = ("test_slurm.py", "test_eval_jobs.py")
+
+
+def pytest_configure(config):
+    # Keep the order pytest_collection_modifyitems gives the files (xdist would sort its work
+    # units by their number of tests, which put files of one long test last).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (setup/test.sh): one work unit per test file, so a module's reference run
+    is computed once, and the Slurm files one unit together. Our own rule rather than xdist's
+    xdist_group marks, which do nothing under pytest 9.2 (xdist 3.8 renames the items' nodeid
+    through an attribute pytest no longer reads)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneFileAUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "slurm" if path.rsplit("/", 1)[-1] in SLURM_FILES else path
+
+    return OneFileAUnit(config, log)
+
+
+def expected_seconds(item) -> float:
+    """A rough cost of one test, from its markers alone, to hand out the longest files first."""
+    import torch
+
+    if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+        return 0.0   # skipped
+    if item.get_closest_marker("slurm"):
+        return 40.0
+    return 8.0 if item.get_closest_marker("slow") else 0.3
 
 
 def pytest_collection_modifyitems(items):
@@ -191,9 +226,13 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if any(item.get_closest_marker(m) for m in ("distributed", "slurm", "gpu")):
             item.add_marker(pytest.mark.slow)
-    # pytest-xdist (setup/test.sh runs two workers, --dist loadgroup): a file's tests stay on one
-    # worker, so its module-scoped reference runs are computed once.
+    # pytest-xdist (setup/test.sh runs two workers, one file a unit): the files go longest first
+    # (the longest-processing-time rule: no long file is left to start last while the other
+    # worker idles).
+    def unit(item):
+        return "slurm" if item.path.name in SLURM_FILES else item.path.name
+
+    unit_seconds = {}
     for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("slurm" if name in SLURM_FILES else name))
-    items.sort(key=lambda item: item.path.name not in SLURM_FILES)   # stable: files keep order
+        unit_seconds[unit(item)] = unit_seconds.get(unit(item), 0.0) + expected_seconds(item)
+    items.sort(key=lambda item: -unit_seconds[unit(item)])   # stable: a file keeps its order
