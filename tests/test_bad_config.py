@@ -172,6 +172,7 @@ def test_a_dump_dir_holding_another_model_is_refused_and_left_alone(corpus, tmp_
     assert sorted((p.relative_to(dump), p.stat().st_mtime_ns) for p in dump.rglob("*")) == before
 
 
+@pytest.mark.slow   # starts the commands' processes
 @pytest.mark.parametrize("module,under", [("apps.llama.train", False),
                                           ("apps.llama.train", True),
                                           ("lingua.launch.stool", False)])

@@ -196,6 +196,7 @@ def test_simple_evaluate_fewshot(offline, task_manager):
         assert context.endswith("\n\n" + by_id[doc_id]["context"])
 
 
+@pytest.mark.slow   # the unknown name reads lm-eval's whole index (10 s)
 def test_our_own_tasks_load_without_indexing_lm_evals(offline, monkeypatch):
     """lingua.eval.downstream checks and loads tasks it ships (and eval.include_path's) from an
     index of those alone; lm-eval's own ~15k task YAMLs are read only for a name not there."""

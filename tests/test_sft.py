@@ -33,6 +33,7 @@ def validate(base, *overrides):
     return args
 
 
+@pytest.mark.slow   # starts the trainer's process and loads transformers (15 s)
 def test_the_debug_preset_makes_its_inputs_and_trains_on_answers_only(tmp_path):
     """`python -m apps.sft.train` in a fresh directory: the base model and chat corpus appear
     under data/sft_debug, and step 1's logged loss (B = 0: the base model's) is transformers'

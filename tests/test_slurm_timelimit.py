@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 # Sends this process SIGUSR2 as torch starts to import (the slowest part of a job's start-up),
@@ -26,6 +28,7 @@ stool.TrainJob("fake_app", [])()
 """
 
 
+@pytest.mark.slow   # starts a process
 def test_a_time_limit_warning_during_start_up_is_recorded_not_fatal(tmp_path):
     (tmp_path / "fake_app.py").write_text(
         "from lingua.train import preemption\n\n"
