@@ -22,9 +22,7 @@ fi
 stamp=".venv/.lingua-installed-$(cat pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo ">> installing the project and its pinned dependencies into .venv (a minute or two)"
-  # --no-compile: byte-compiling all ~18k installed modules took 68 s of a fresh set-up on a
-  # 2-core EPYC; Python compiles the few thousand a run imports, once, as it imports them.
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -e ".[dev]"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
   rm -f .venv/.lingua-installed-*
   touch "$stamp"
 fi
