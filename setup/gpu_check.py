@@ -35,10 +35,14 @@ WHEELS = REPO / ".whl"
 BEFORE = "02984d0"   # the last commit before the MoE sync removal (issue 32)
 
 
+def normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()   # PEP 503
+
+
 def wheel_name(path: Path) -> tuple:
     """(normalised distribution name, version) from a wheel's file name."""
     name, version = path.name.split("-")[:2]
-    return re.sub(r"[-_.]+", "-", name).lower(), version
+    return normalised(name), version
 
 
 def missing_wheels(folder: Path, installed: dict) -> tuple:
@@ -55,7 +59,7 @@ def missing_wheels(folder: Path, installed: dict) -> tuple:
 
 
 def installed_distributions() -> dict:
-    return {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version
+    return {normalised(d.metadata["Name"]): d.version
             for d in metadata.distributions() if d.metadata["Name"]}
 
 
