@@ -109,6 +109,22 @@ def test_resume_after_a_crash_mid_write_takes_the_last_complete_checkpoint(corpu
     assert_equivalent(dump, reference, rtol=0)
 
 
+def test_evaluation_keeps_its_own_cadence_whatever_logging_every_is(corpus, tmp_path, capfd):
+    dump = tmp_path / "run"
+    train.main(tiny_args(corpus, dump, "eval.every=5", "logging.every=3", steps=10))
+    rows = read_metrics(dump)
+    # Logged steps 3, 6, 9, the end; evaluation steps 5 and 10 write their row too.
+    assert [r["step"] for r in rows] == [3, 5, 6, 9, 10]
+    assert [r["step"] for r in rows if "val_loss" in r] == [5, 10]
+    assert all(r["val_loss"] == r["val_loss"] for r in rows if "val_loss" in r)   # not NaN
+    # data.val_sequences=0: no validation, said once; no val_loss NaN in any row.
+    quiet = tmp_path / "no_val"
+    capfd.readouterr()
+    train.main(tiny_args(corpus, quiet, "data.val_sequences=0", "eval.every=1", steps=2))
+    assert [r["step"] for r in read_metrics(quiet) if "val_loss" in r] == []
+    assert "".join(capfd.readouterr()).count("no validation loss: data.val_sequences=0") == 1
+
+
 def test_keep_prunes_old_checkpoints(corpus, tmp_path):
     dump = tmp_path / "run"
     train.main(tiny_args(corpus, dump, "checkpoint.every=1", "checkpoint.keep=2", steps=4))

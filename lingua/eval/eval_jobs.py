@@ -53,9 +53,9 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 from lingua.errors import ConfigError
-from lingua.eval.evaluation import evaluates_at
 from lingua.train import checkpoint, slurm
 from lingua.train.hooks import Hook
+from lingua.train.loop import evaluates_at
 
 logger = logging.getLogger("eval")
 
@@ -105,7 +105,7 @@ def _eval_slurm_error(err: ConfigError) -> ConfigError:
 
 def evaluated_steps_are_saved(args) -> Optional[str]:
     """None when every evaluation step saves a checkpoint (the trainer's rules in
-    evaluation.evaluates_at and Run.save_if_due), else what is wrong and how to fix it."""
+    lingua.train.loop.evaluates_at and Run.save_if_due), else what is wrong and how to fix it."""
     e, c = args.eval, args.checkpoint
     if e.every:
         if not c.every:

@@ -1,6 +1,7 @@
 """Validation loss and perplexity on a fixed held-out set, the same for every parallel layout;
 in the training loop, ValidationHook adds them to the rows of evaluation steps."""
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -13,10 +14,12 @@ from lingua.parallel.distributed import DistEnv, all_reduce_sum
 from lingua.parallel.tensor_parallel import loss_parallel_context
 from lingua.train.build import mixed_precision
 from lingua.train.hooks import Hook
+from lingua.train.loop import evaluates_at
 from lingua.train.microbatch import MicroBatch, sequence_shard
 from lingua.train.slurm import SlurmArgs
 
 EVAL_MODES = ("inline", "async")
+logger = logging.getLogger("eval")
 
 
 @dataclass
@@ -81,12 +84,6 @@ def evaluate(parts, batches, env: DistEnv, batch_loss) -> dict:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
 
 
-def evaluates_at(args, step: int) -> bool:
-    """Validation (and downstream tasks) after this step? `args`: the run's whole config."""
-    e = args.eval
-    return bool((e.every and step % e.every == 0) or (step == args.steps and e.at_end))
-
-
 def eval_loss_sum(model, mb: MicroBatch) -> torch.Tensor:
     """Validation: the next-token cross-entropy of the model's output on the tokens alone
     (sequence_shard without an app: the target is the labels)."""
@@ -95,10 +92,17 @@ def eval_loss_sum(model, mb: MicroBatch) -> torch.Tensor:
 
 
 class ValidationHook(Hook):
-    """val_loss / val_ppl in the rows of evaluation steps (eval.every, the end)."""
+    """val_loss / val_ppl in the rows of evaluation steps (eval.every, the end); none with
+    data.val_sequences=0, which the run says once."""
+
+    def start(self, run) -> None:
+        e = run.args.eval
+        if not run.val_batches and (e.every or e.at_end) and run.env.is_main:
+            logger.info("no validation loss: data.val_sequences=0%s",
+                        " (eval.tasks still run at evaluation steps)" if e.tasks else "")
 
     def metrics(self, run, row: dict) -> None:
-        if evaluates_at(run.args, run.step):
+        if run.val_batches and evaluates_at(run.args, run.step):
             row.update(self.validation_loss(run))
 
     def validation_loss(self, run) -> dict:

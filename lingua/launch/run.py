@@ -106,9 +106,10 @@ def validate(args, app: App, data_files: bool = True) -> None:
                    "rollback replays up to N steps), or use optim.spike=skip.")
     distributed.validate_args(args.distributed)
     d = args.distributed
+    dp = distributed.parallel_dims(d, distributed.world_size_from_env()).dp
+    data.check_val_sequences(args.data, dp)
     if data_files:   # jsonl: a usable line for every data-parallel rank (reads a few lines)
-        data.check_jsonl_lines(args.data, distributed.parallel_dims(
-            d, distributed.world_size_from_env()).dp)
+        data.check_jsonl_lines(args.data, dp)
     pipeline.validate_pp(args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
                          d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings,
                          d.pp_split)

@@ -346,8 +346,6 @@ def chat_val_batches(args, dp_rank: int, dp_size: int) -> List[Batch]:
     padded) in file order; the count rounded down to a multiple of dp_size, as for the other
     formats, so that every rank gets as many batches."""
     n = (args.val_sequences // dp_size) * dp_size
-    if n == 0:
-        return []
     tokenizer, convs = _load(args, val_files(args), SkipCounter(log=dp_rank == 0), "validation")
     rows = pack_rows(np.arange(len(convs)), convs.lengths, args.seq_len + 1, args.chat.pack)
     share = min(n, (len(rows) // dp_size) * dp_size) // dp_size

@@ -263,11 +263,34 @@ def build_val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]
     The count is rounded down to a multiple of dp_size so that every rank gets the same number of
     sequences (collectives need the same number of batches everywhere).
     """
-    if args.format == "chat":   # the same rule, over packed or padded conversations
-        return chat_val_batches(args, dp_rank, dp_size)
-    n = (args.val_sequences // dp_size) * dp_size
-    if n == 0:
+    if not args.val_sequences:
         return []
+    check_val_sequences(args, dp_size)
+    if args.format == "chat":   # the same rule, over packed or padded conversations
+        batches = chat_val_batches(args, dp_rank, dp_size)
+    else:
+        batches = _val_batches(args, dp_rank, dp_size)
+    if not batches:   # the same on every rank: each gets as many sequences
+        raise ConfigError(
+            f"data.val_sequences={args.val_sequences}, but {Path(args.root) / VAL_DIR} holds "
+            f"fewer validation sequences of data.seq_len={args.seq_len} tokens than the "
+            f"{dp_size} data-parallel ranks, so there would be none to validate on. Add "
+            f"validation data, shorten data.seq_len, or set data.val_sequences=0 (no validation).")
+    return batches
+
+
+def check_val_sequences(args: DataArgs, dp_size: int) -> None:
+    """Every data-parallel rank validates on as many sequences (see build_val_batches)."""
+    if 0 < args.val_sequences < dp_size:
+        raise ConfigError(
+            f"data.val_sequences={args.val_sequences} is fewer than the {dp_size} data-parallel "
+            f"ranks: each validates on an equal share, so there would be none. Set "
+            f"data.val_sequences={dp_size} or more (a multiple of {dp_size} uses them all), or "
+            f"data.val_sequences=0 for no validation.")
+
+
+def _val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]:
+    n = (args.val_sequences // dp_size) * dp_size
     if args.format == "memmap":
         windows = TokenWindows(args.root, "val", args.seq_len)
         n = min(n, (windows.n_windows // dp_size) * dp_size)

@@ -75,6 +75,12 @@ def train_loop(run: "Run") -> bool:
     return run.step == steps
 
 
+def evaluates_at(args, step: int) -> bool:
+    """Validation (and downstream tasks) after this step? `args`: the run's whole config."""
+    e = args.eval
+    return bool((e.every and step % e.every == 0) or (step == args.steps and e.at_end))
+
+
 class Run(Saving):
     """One training run's state: model parts, optimizers, data, pipeline, logging, position."""
 
@@ -233,7 +239,10 @@ class Run(Saving):
             f"steps, and run the same command to resume.")
 
     def logs_at(self, step: int) -> bool:
-        return step % self.args.logging.every == 0 or step == self.args.steps
+        """A row every logging.every steps, at the end, and at every evaluation step (its
+        validation and downstream results go in that step's row, whatever logging.every is)."""
+        return (step % self.args.logging.every == 0 or step == self.args.steps
+                or evaluates_at(self.args, step))
 
     def open(self) -> None:
         """What the loop keeps between steps: metrics log, timers, the run's FLOPs and peak."""
