@@ -313,6 +313,8 @@ def check_dump_dir(dump_dir: str) -> None:
     processes and the model were started. A dump_dir that does not exist yet is fine."""
     path = Path(dump_dir)
     found = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
+    if found == path and path.is_dir():
+        check_run_directory(path)
     if found is None or found.is_dir():
         return
     what = "a file" if found.is_file() else "not a directory"
@@ -321,6 +323,24 @@ def check_dump_dir(dump_dir: str) -> None:
                       f"metrics.jsonl, checkpoints/) can be made there. Give dump_dir a path "
                       f"inside a directory, e.g. dump_dir={found.parent / '<run name>'}, or "
                       f"move {found} away.")
+
+
+# What every run (and stool, before its job starts) writes first into its dump_dir.
+RUN_DIRECTORY_MARKS = ("config.yaml", "metrics.jsonl", "checkpoints")
+
+
+def check_run_directory(path: Path) -> None:
+    """An existing dump_dir is empty or a run directory of ours (a run to resume): a directory
+    of other files would be mixed with the run's."""
+    entries = sorted(p.name for p in path.iterdir())
+    if not entries or any(mark in entries for mark in RUN_DIRECTORY_MARKS):
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise ConfigError(f"dump_dir={path} already holds files that are not a run's ({shown}): "
+                      f"no config.yaml, metrics.jsonl or checkpoints/, so it is not a run to "
+                      f"resume, and the run's files would be mixed with these. Give dump_dir a "
+                      f"new or empty directory (e.g. dump_dir={path / 'run'}), or the dump_dir "
+                      f"of the run you mean to resume.")
 
 
 def require(condition: bool, message: str) -> None:

@@ -142,6 +142,19 @@ def test_dump_dir_of_another_model_is_refused_and_left_untouched(corpus, tmp_pat
     assert {p: p.stat().st_mtime_ns for p in dump.rglob("*")} == before
 
 
+def test_a_dump_dir_of_other_files_is_refused_before_any_write(corpus, tmp_path):
+    theirs = tmp_path / "theirs"
+    (theirs / "src").mkdir(parents=True)
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"not a run's \(notes.txt, src\).*new or empty"):
+        train.main(tiny_args(corpus, theirs, steps=1))
+    assert sorted(p.name for p in theirs.rglob("*")) == ["notes.txt", "src"]
+    (theirs / "notes.txt").unlink()
+    (theirs / "src").rmdir()
+    assert train.main(tiny_args(corpus, theirs, steps=1)) == 0   # empty: fine
+    assert train.main(tiny_args(corpus, theirs, steps=2)) == 0   # a run of ours: resumed
+
+
 def test_grad_accum_matches_a_larger_batch(corpus, tmp_path):
     big = tmp_path / "big"
     train.main(tiny_args(corpus, big, "data.batch_size=8", steps=3))
