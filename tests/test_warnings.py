@@ -69,3 +69,21 @@ def test_every_sub_mesh_is_looked_up_without_the_deprecation_warning():
         assert ep_mesh.size() == 2 and expert_mesh.shape == (2, 2)
         assert local == 5   # rank 5 of the flattened data-parallel x cp ranks
         assert mesh["dp"] is mesh["dp"]   # looked up once, then kept
+
+
+def test_importing_the_hf_interop_and_float8_prints_nothing():
+    """transformers imports torchao whenever it is installed: torchao's CUDA libraries a CPU build
+    cannot load, its missing Triton and torch's Enum deprecation are silenced at their source
+    (lingua/__init__.py), and nothing else is printed."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import apps.sft.train, apps.sft.prepare, lingua.train.hf, lingua.parallel.float8\n"
+            "from transformers import LlamaForCausalLM\n"
+            "import torchao.float8, torchao.kernel.intmm, sys\n"
+            "print('torchao' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "True\n", "")
