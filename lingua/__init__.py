@@ -1,0 +1,24 @@
+"""lingua: the shared core (model blocks, parallelism, training, evaluation, launch).
+
+Importing it silences three known-harmless library messages at their source, so that a user sees
+only our lines: torchao (which transformers imports whenever it is installed) failing to load its
+optional CUDA kernel libraries on a CPU build, and saying Triton is missing; and torch deprecating
+the Enum registration that torchao still does. Each filter names its message."""
+
+import logging
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *needles: str):
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not all(needle in message for needle in self.needles)
+
+
+logging.getLogger("torchao").addFilter(_DropMessages("Failed to load", "torchao", "_C_"))
+logging.getLogger("torchao.kernel.intmm").addFilter(_DropMessages("Detected no triton"))
+logging.getLogger("torch.utils._pytree").addFilter(
+    _DropMessages("is an Enum subclass and is now natively supported by torch.compile"))
