@@ -2,10 +2,14 @@
 # Run the test suite in the project's environment. Extra arguments go to pytest (e.g. -k hf).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 # The slurm-marked tests need a real Slurm: start the local one-node cluster where this user can
-# (root: it installs Debian's packages if missing). Where it cannot, those tests skip and say why.
+# (root: it installs Debian's packages if missing), saying so; LINGUA_NO_SLURM=1 leaves it alone.
+# Where it cannot, those tests skip and say why.
 as_root=""
 if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo -n true 2>/dev/null; then as_root="sudo -n"; fi
-if { [ "$(id -u)" -eq 0 ] || [ -n "$as_root" ]; } && { command -v apt-get >/dev/null || command -v slurmctld >/dev/null; }; then
+if [ "${LINGUA_NO_SLURM:-0}" != "0" ]; then
+  echo ">> LINGUA_NO_SLURM=$LINGUA_NO_SLURM: the local Slurm is not started, the slurm tests will skip"
+elif { [ "$(id -u)" -eq 0 ] || [ -n "$as_root" ]; } && { command -v apt-get >/dev/null || command -v slurmctld >/dev/null; }; then
+  echo ">> starting a local one-node Slurm as root for the slurm tests (installs slurm and munge if missing; LINGUA_NO_SLURM=1 skips it and them)"
   $as_root bash setup/slurm_local.sh start
   export LINGUA_REQUIRE_SLURM=1
 else

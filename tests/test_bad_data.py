@@ -12,7 +12,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -389,9 +388,9 @@ def test_embedded_corpus_hint_says_remove_and_rebuild(corpus, tmp_path):
 def test_train_refuses_a_damaged_memmap_corpus_before_starting(memmap_corpus, tmp_path, how):
     named = damage(memmap_corpus, how)
     dump = tmp_path / "run"
-    t0 = time.monotonic()
-    proc = run_python("apps.llama.train", tiny_args(memmap_corpus, dump), timeout=10, check=False)
-    assert time.monotonic() - t0 < 10
+    # "Before starting" is shown by what is not there (no dump_dir: nothing was written, no
+    # model built), not by a time limit a busy machine could miss; the timeout is a hang guard.
+    proc = run_python("apps.llama.train", tiny_args(memmap_corpus, dump), check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = proc.stderr.strip()
     assert err.startswith("error: ") and "\n" not in err, err  # one paragraph
