@@ -11,6 +11,7 @@ import pytest
 
 from apps.sft import train
 from apps.sft.hf import llama_hf_config
+from apps.sft.model import Transformer
 from lingua.errors import ConfigError
 from tests import launcher
 from tests.conftest import REPO
@@ -98,10 +99,28 @@ def test_another_architecture_is_refused(debug_config_json, tmp_path):
         validate(tmp_path)
 
 
-def test_a_base_of_another_shape_names_the_keys_to_set(debug_config_json):
-    with pytest.raises(ConfigError, match=r"differs from model.\* in .*'n_layers': \(2, 4\).*"
-                                          r"Add `model.n_layers=4`"):
-        validate(debug_config_json, "model.n_layers=2")
+def test_the_shape_comes_from_init_from_and_a_conflicting_override_is_refused(
+        debug_config_json, tmp_path):
+    """A base of a shape the preset does not know (multiple_of and ffn_dim_multiplier included):
+    no model.* value to type; one given that differs is refused, naming it."""
+    config = json.loads((debug_config_json / "config.json").read_text())
+    config.update(hidden_size=320, intermediate_size=1000, num_hidden_layers=3,
+                  num_attention_heads=5, num_key_value_heads=1, head_dim=64)
+    config.pop("lingua_ffn", None)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(config))
+    args = validate(other)
+    m = args.model
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads) == (320, 3, 5, 1)
+    assert Transformer(m).layers["0"].feed_forward.w1.weight.shape == (1000, 320)
+    assert validate(other, "model.n_layers=3").model.n_layers == 3   # agreeing: fine
+    with pytest.raises(ConfigError, match=r"differs from model.\* in .*'n_layers': \(2, 3\).*"
+                                          r"remove `model.n_layers=2` from the command line"):
+        validate(other, "model.n_layers=2")
+    with pytest.raises(ConfigError, match=f"checkpoint.init_from={tmp_path / 'nowhere'} does "
+                                          f"not exist"):
+        validate(tmp_path / "nowhere")
 
 
 def test_float8_with_lora_is_refused(debug_config_json):

@@ -8,6 +8,7 @@ checks, the App, the debug inputs (prepare.py), the export (hf.py: merged or a P
 and chat generation (generate.py).
 """
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,32 @@ class TrainArgs(run.BaseTrainArgs):
 config.register_schema("sft_schema", TrainArgs)
 
 
+# model.* keys that are how we run the model, not its shape: config.json does not set them.
+RUNTIME_KEYS = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
+
+
+def command_line_keys(argv, section: str) -> set:
+    """The keys of `section` that overrides on the command line set (`model.dim=..`, `+`/`++`)."""
+    keys = (item.lstrip("+").split("=", 1)[0] for item in argv if "=" in item)
+    return {key[len(section) + 1:] for key in keys if key.startswith(section + ".")}
+
+
+def shape_from_init_from(args: TrainArgs, argv) -> None:
+    """With checkpoint.init_from a Llama directory, the model's shape is its config.json's, not
+    the preset's: a user fine-tuning a model types no model.* value. One the command line sets
+    is kept, so that check_init_from refuses it if it differs."""
+    path = args.checkpoint.init_from
+    config_json = Path(path) / "config.json" if path is not None else None
+    if config_json is None or not config_json.is_file():
+        return   # check_init_from says what is wrong (or the debug preset makes it first)
+    if lingua_hf.read_config(config_json).get("model_type") != "llama":
+        return
+    given = command_line_keys(argv, "model")
+    for key, value in config.to_dict(args_from_hf_config(config_json)).items():
+        if key not in RUNTIME_KEYS and key not in given:
+            setattr(args.model, key, value)
+
+
 def check_init_from(args: TrainArgs) -> None:
     """checkpoint.init_from is a Llama directory whose weights have model.*'s shapes: said now,
     not after the process group and the model exist."""
@@ -44,6 +71,10 @@ def check_init_from(args: TrainArgs) -> None:
                    "apps.sft fine-tunes a Hugging Face checkpoint, and checkpoint.init_from is not "
                    "set. Set checkpoint.init_from=DIR, a directory with config.json and "
                    "*.safetensors (e.g. a Llama 3 8B Instruct download).")
+    config.require(Path(path).exists(),
+                   f"checkpoint.init_from={path} does not exist. Point it at a Hugging Face "
+                   f"model directory ({ARCHITECTURE}: config.json and *.safetensors), e.g. the "
+                   f"output of `python -m apps.llama.hf export`.")
     config_json = Path(path) / "config.json"
     config.require(config_json.is_file(),
                    f"checkpoint.init_from={path} has no config.json: it is not a Hugging Face "
@@ -57,14 +88,14 @@ def check_init_from(args: TrainArgs) -> None:
                    f"architecture's app (model, parallelize, hf).")
     theirs = config.to_dict(args_from_hf_config(config_json))
     ours = config.to_dict(args.model)
-    runtime = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
     differing = {k: (ours[k], theirs.get(k)) for k in ours
-                 if k not in runtime and ours[k] != theirs.get(k)}
-    fix = " ".join(f"model.{k}={v[1]}" for k, v in differing.items())
+                 if k not in RUNTIME_KEYS and ours[k] != theirs.get(k)}
+    given = " ".join(f"model.{k}={v[0]}" for k, v in differing.items())
     config.require(not differing,
                    f"checkpoint.init_from={path} holds a model that differs from model.* in "
-                   f"(ours, theirs): {differing}. Add `{fix}` to the command line (or the "
-                   f"preset).")
+                   f"(ours, theirs): {differing}. The shape comes from init_from's config.json: "
+                   f"remove `{given}` from the command line, or point checkpoint.init_from at a "
+                   f"model of the shape you mean.")
 
 
 def validate_sft(args: TrainArgs) -> None:
@@ -112,7 +143,12 @@ def validate(args: TrainArgs) -> None:
 
 def load_config(argv=None, check: bool = True) -> TrainArgs:
     """Compose (and check) the config exactly as a run would; stool calls this before submitting."""
-    return config.load("sft", TrainArgs, argv, validate if check else None)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = config.load("sft", TrainArgs, argv)
+    shape_from_init_from(args, argv)
+    if check:
+        validate(args)
+    return args
 
 
 def main(argv=None) -> int:
