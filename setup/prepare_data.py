@@ -22,8 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lingua.errors import ConfigError  # noqa: E402
-from lingua.train.data import VAL_DIR, MalformedCounter, ensure_embedded_corpus  # noqa: E402
-from lingua.train.jsonl_lines import BadLine, decode_line  # noqa: E402
+from lingua.train.data import VAL_DIR, DataArgs, ensure_embedded_corpus  # noqa: E402
+from lingua.train.jsonl_lines import (SKIP_REASONS, BadLine, SkipCounter,  # noqa: E402
+                                      decode_line)
 from lingua.train.memmap_corpus import read_meta, write_memmap_corpus  # noqa: E402
 from lingua.train.tokenizer import TokenizerArgs, build_tokenizer  # noqa: E402
 
@@ -33,20 +34,24 @@ HF_DATASETS = {
 }
 
 
-def jsonl_texts(files, counter: MalformedCounter):
+def jsonl_texts(files, counter: SkipCounter):
     for path in files:
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 if not raw.strip():  # blank lines are formatting, not documents
                     continue
                 try:
-                    yield decode_line(raw)
+                    text = decode_line(raw)
                 except BadLine as err:
                     counter.skip(path, line_no, err)
+                    continue
+                counter.used()
+                yield text
 
 
 def prepare_jsonl(inputs, out: Path, tokenizer_args: TokenizerArgs, val_fraction: float,
-                  command: str = "") -> dict:
+                  command: str = "",
+                  max_skipped_fraction: float = DataArgs.max_skipped_fraction) -> dict:
     files, is_val = [], {}
     for item in map(Path, inputs):
         found = sorted(item.rglob("*.jsonl")) if item.is_dir() else [item]
@@ -61,7 +66,7 @@ def prepare_jsonl(inputs, out: Path, tokenizer_args: TokenizerArgs, val_fraction
     val_files = [f for f in files if is_val[f]]
     train_files = [f for f in files if not is_val[f]]
     tokenizer = build_tokenizer(tokenizer_args)
-    counter = MalformedCounter()
+    counter = SkipCounter(SKIP_REASONS, max_skipped_fraction)
     if val_files:
         splits = {"train": jsonl_texts(train_files, counter),
                   "val": jsonl_texts(val_files, counter)}
@@ -71,7 +76,7 @@ def prepare_jsonl(inputs, out: Path, tokenizer_args: TokenizerArgs, val_fraction
                             if i % every),
                   # the same lines again: counted and logged by the first pass already
                   "val": (t for i, t in enumerate(jsonl_texts(train_files,
-                                                              MalformedCounter(log=False)))
+                                                              SkipCounter(SKIP_REASONS, log=False)))
                           if i % every == 0)}
     meta = write_memmap_corpus(out, splits, tokenizer, tokenizer_args,
                                source=f"jsonl: {len(files)} files")
@@ -136,6 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer-kind", default="bytes")
     p.add_argument("--tokenizer-path", default=None)
     p.add_argument("--val-fraction", type=float, default=0.01)
+    p.add_argument("--max-skipped-fraction", type=float, default=DataArgs.max_skipped_fraction,
+                   help="refuse the corpus when more of its lines than this are unusable")
     p = sub.add_parser("hf")
     p.add_argument("name", choices=sorted(HF_DATASETS))
     p.add_argument("--out", type=Path, required=True)
@@ -149,7 +156,8 @@ def main(argv=None) -> int:
         elif args.command == "jsonl":
             meta = prepare_jsonl(args.inputs, args.out,
                                  TokenizerArgs(args.tokenizer_kind, args.tokenizer_path),
-                                 args.val_fraction, jsonl_command(args))
+                                 args.val_fraction, jsonl_command(args),
+                                 args.max_skipped_fraction)
             print(f"wrote {args.out}: {meta['splits']}")
         else:
             download_hf(args.name, args.out, args.max_docs, args.chunk_docs)

@@ -95,17 +95,19 @@ def test_jsonl_bad_lines_counted_by_reason_and_logged_with_file_and_line(bad_sou
     src, texts, bad_at = bad_source
     caplog.set_level(logging.WARNING, logger="lingua.train.data")
     loader = JsonlLoader(jargs(src), 0, 1, seed=0)
+    skipped, skip = [], loader.counter.skip
+    loader.counter.skip = lambda path, line, err: skipped.append((path, line)) or skip(
+        path, line, err)
     assert stream_docs(loader, len(texts)) == texts  # every good line, in order, once
     assert loader.skipped_lines == N_BAD
     assert loader.skipped_by_reason == {reason: len(lines) for reason, lines in BAD.items()}
     assert set(loader.skipped_by_reason) == set(SKIP_REASONS)
-    # the first 10 are logged one by one, with the line number inside their own file
-    messages = skip_warnings(caplog)
-    assert len(messages) == 10
-    for message, (path, line) in zip(messages, bad_at):
-        assert message.startswith(f"skipping line {line} of {path}: "), message
-    assert "further ones are counted" in messages[-1]
-    assert any(f"of {src / '1.jsonl'}" in m for m in messages)  # per-file numbers past file 0
+    # each with the line number inside its own file (past file 0 too); the first warned of once
+    assert skipped == bad_at and any(path == src / "1.jsonl" for path, _ in skipped)
+    [message] = skip_warnings(caplog)
+    path, line = bad_at[0]
+    assert message.startswith(f"skipping unusable line {line} of {path} ("), message
+    assert "refused if more than 0.1 of the lines read are" in message
     # a checkpointed position keeps the counts
     state = json.loads(json.dumps(loader.state_dict()))
     resumed = JsonlLoader(jargs(src), 0, 1, seed=0)
@@ -122,20 +124,33 @@ def test_jsonl_bad_lines_are_counted_once_over_many_epochs(bad_source, caplog):
     assert loader.sources[0].state["epoch"] >= 2
     assert loader.skipped_lines == N_BAD
     assert loader.skipped_by_reason == {reason: len(lines) for reason, lines in BAD.items()}
-    assert len(skip_warnings(caplog)) == 10
+    assert len(skip_warnings(caplog)) == 1
 
 
-def test_jsonl_warnings_are_capped_with_summaries(tmp_path, caplog):
+def test_jsonl_warnings_are_capped_with_summaries_and_too_many_bad_lines_refused(tmp_path,
+                                                                                   caplog):
     src = tmp_path / "src"
     write_lines(src / "a.jsonl", [b"{bad"] * 1234 + [good(f"good {i}") for i in range(10)])
     caplog.set_level(logging.WARNING, logger="lingua.train.data")
-    loader = JsonlLoader(jargs(src), 0, 1, seed=0)
+    loader = JsonlLoader(jargs(src, max_skipped_fraction=1.0), 0, 1, seed=0)
     assert stream_docs(loader, 1) == ["good 0"]
     assert loader.skipped_by_reason["invalid_json"] == loader.skipped_lines == 1234
     messages = skip_warnings(caplog)
-    assert len(messages) == 10 + 2  # 10 lines, then summaries at 100 and 1000
-    assert messages[10].startswith("100 lines skipped so far") and "line 100 of" in messages[10]
-    assert messages[11].startswith("1000 lines skipped so far")
+    assert len(messages) == 1 + 2  # the first line, then summaries at 100 and 1000
+    assert messages[1].startswith("100 lines skipped so far") and "line 100 of" in messages[1]
+    assert messages[2].startswith("1000 lines skipped so far")
+    # The default 0.1: judged from the 100th line read, refused there, naming the first.
+    with pytest.raises(ConfigError, match=rf"100 of the first 100 lines are unusable "
+                                          rf"\({{'invalid_json': 100}}\), more than "
+                                          rf"data.max_skipped_fraction=0.1; the first is line 1 "
+                                          rf"of {src / 'a.jsonl'}"):
+        stream_docs(JsonlLoader(jargs(src), 0, 1, seed=0), 1)
+    # 10 bad of 110 passes (9%), 12 of 112 does not.
+    write_lines(src / "a.jsonl", [b"{bad"] * 10 + [good(f"good {i}") for i in range(100)])
+    assert len(stream_docs(JsonlLoader(jargs(src), 0, 1, seed=0), 100)) == 100
+    write_lines(src / "a.jsonl", [b"{bad"] * 12 + [good(f"good {i}") for i in range(100)])
+    with pytest.raises(ConfigError, match="12 of the first 1.. lines are unusable"):
+        stream_docs(JsonlLoader(jargs(src), 0, 1, seed=0), 100)
 
 
 def test_jsonl_source_with_no_good_line_is_a_config_error(tmp_path):
@@ -236,8 +251,9 @@ def test_prepare_jsonl_counts_bad_lines_by_reason_once(bad_source, tmp_path, cap
     meta = json.loads((out / "meta.json").read_text())
     assert meta["skipped_lines"] == N_BAD
     assert meta["skipped_by_reason"] == {reason: len(lines) for reason, lines in BAD.items()}
-    assert len(skip_warnings(caplog)) == 10  # the val pass reads the same lines but is quiet
-    assert skip_warnings(caplog)[0].startswith(f"skipping line {bad_at[0][1]} of {bad_at[0][0]}")
+    assert len(skip_warnings(caplog)) == 1  # the val pass reads the same lines but is quiet
+    assert skip_warnings(caplog)[0].startswith(
+        f"skipping unusable line {bad_at[0][1]} of {bad_at[0][0]}")
     tok = ByteTokenizer()
     train = [t for i, t in enumerate(texts) if i % 2]
     assert train[-1] == long_text
@@ -439,11 +455,11 @@ def test_train_on_jsonl_with_every_kind_of_bad_line(bad_jsonl_runs):
     assert [r["skipped_lines"] for r in rows] == [N_BAD] * 5
     log = proc.stdout + proc.stderr
     assert "Traceback" not in log
-    # the first line of each reason, by its line number in the file (the lines end in \r\n)
-    assert bad_at["invalid_utf8"] == 2
-    assert f"skipping line 2 of {first_file}: invalid UTF-8" in log
-    assert f"skipping line {bad_at['invalid_json']} of {first_file}: invalid JSON" in log
-    assert "further ones are counted" in log
+    assert bad_at["invalid_utf8"] == 2   # (the lines end in \r\n)
+    # the first bad line is warned of once, by its line number in its file; the rest counted
+    assert f"skipping unusable line 2 of {first_file} (invalid_utf8: invalid UTF-8" in log
+    assert log.count("skipping unusable line") == 2   # and once for the validation data's
+    assert f"skipping unusable line 1 of {first_file.parent.parent / 'val' / 'v.jsonl'}" in log
 
 
 def test_jsonl_run_is_bit_identical_twice(bad_jsonl_runs):

@@ -325,7 +325,7 @@ def test_malformed_lines_are_counted_by_reason_and_skipped(tmp_path, caplog):
     assert len(loader.convs) == 3 and loader.skipped_lines == 4
     assert {k: n for k, n in loader.skipped_by_reason.items() if n} == {
         "invalid_json": 1, "no_assistant": 1, "not_chat": 1, "invalid_utf8": 1}
-    assert f"skipping line 2 of {root / 'a.jsonl'}" in caplog.text
+    assert f"skipping unusable line 2 of {root / 'a.jsonl'} (invalid_json" in caplog.text
     # every rank reads every line; the trainer sums over ranks, so rank 1 reports none
     other = ChatLoader(args, 1, 2, seed=0)
     assert other.skipped_lines == 0 and set(other.skipped_by_reason.values()) == {0}
@@ -422,20 +422,34 @@ def refused(args) -> str:
     return str(err.value)
 
 
-def test_a_line_of_json_that_is_no_conversation_is_refused_naming_file_and_line(tmp_path):
+def test_a_line_that_is_no_conversation_is_skipped_and_counted_too_many_refused(tmp_path):
+    """The one rule for unusable lines (as for invalid JSON, and in the jsonl format): skipped
+    and counted by reason; more than data.max_skipped_fraction of them refused before any work,
+    naming the first."""
     root = make_corpus(tmp_path / "c")
     args = chat_args(root)
-    cases = [({"messages": [{"role": "user", "content": "u"}]}, "no assistant turn"),
-             ({"prompt": "p", "completion": ""}, "an assistant turn with empty content"),
-             ({"messages": [{"role": "bot", "content": "u"}]}, "role 'bot'"),
-             ({"text": "plain"}, 'neither "messages" nor "prompt" and "completion"')]
-    for bad, why in cases:
+    cases = [({"messages": [{"role": "user", "content": "u"}]}, "no_assistant"),
+             ({"prompt": "p", "completion": ""}, "no_assistant"),
+             ({"messages": [{"role": "bot", "content": "u"}]}, "bad_role"),
+             ({"text": "plain"}, "not_chat")]
+    for bad, reason in cases:
         write_lines(root / "part1.jsonl", [conversation(1), conversation(2), bad])
-        message = refused(args)
-        assert f"Line 3 of {root / 'part1.jsonl'}" in message and why in message, message
+        validate_data_args(args)
+        loader = ChatLoader(args, 0, 1, seed=0)
+        assert loader.skipped_by_reason[reason] == 1
+    # 20 conversations in part0, 100 in part1, then lines of no conversation: the 14th makes
+    # more than a tenth of the lines read
+    write_lines(root / "part1.jsonl", [conversation(i) for i in range(100)]
+                + [{"messages": [{"role": "user", "content": "u"}]}] * 16)
+    message = refused(args)
+    assert ("14 of the first 134 lines of " in message
+            and f"the first is line 101 of {root / 'part1.jsonl'} (no_assistant: no assistant "
+                f"turn" in message and "data.max_skipped_fraction=0.1" in message), message
+    validate_data_args(chat_args(root, max_skipped_fraction=0.2))
     write_lines(root / "part1.jsonl", [conversation(1)])
-    write_lines(root / "val" / "val.jsonl", [{"messages": [{"role": "user", "content": "u"}]}])
-    assert f"Line 1 of {root / 'val' / 'val.jsonl'}" in refused(args)
+    write_lines(root / "val" / "val.jsonl",
+                [{"messages": [{"role": "user", "content": "u"}]}] * 120)
+    assert f"line 1 of {root / 'val' / 'val.jsonl'}" in refused(args)
 
 
 def test_lines_that_are_not_json_are_only_counted_but_all_bad_is_refused(tmp_path):

@@ -17,13 +17,12 @@ from lingua.errors import ConfigError
 from lingua.train.data import (
     DataArgs,
     JsonlLoader,
-    MalformedCounter,
     MemmapLoader,
     build_train_loader,
     build_val_batches,
     validate_data_args,
 )
-from lingua.train.jsonl_lines import JsonlSource
+from lingua.train.jsonl_lines import SKIP_REASONS, JsonlSource, SkipCounter
 from lingua.train.memmap_corpus import write_memmap_corpus
 from lingua.train.tokenizer import ByteTokenizer, TokenizerArgs
 from tests.conftest import load_prepare_data, read_metrics, run_python, tiny_args
@@ -392,7 +391,7 @@ def test_jsonl_every_line_once_per_epoch(tmp_path, dp):
     with open(tmp_path / "src" / "doc.chunk.01.jsonl", "ab") as f:
         f.write(b"\n" + json.dumps({"text": "after blank"}).encode() + b"\n")
     texts.insert(14, "after blank")  # after file 1's lines, before file 2's
-    counters = [MalformedCounter() for _ in range(dp)]
+    counters = [SkipCounter(SKIP_REASONS) for _ in range(dp)]
     sources = [JsonlSource("", tmp_path / "src", r, dp, counters[r]) for r in range(dp)]
     per_rank = []
     for source in sources:

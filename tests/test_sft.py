@@ -128,11 +128,19 @@ def test_float8_with_lora_is_refused(debug_config_json):
         validate(debug_config_json, "distributed.float8=tensorwise")
 
 
-def test_packing_without_document_masks_is_refused(debug_config_json):
-    with pytest.raises(ConfigError, match="Set model.attn_mask=block_causal, or "
-                                          "data.chat.pack=false"):
-        validate(debug_config_json, "model.attn_mask=causal")
-    validate(debug_config_json, "model.attn_mask=causal", "data.chat.pack=false")
+def test_packing_without_document_masks_is_refused_by_every_app(debug_config_json):
+    """One rule in the core (lingua.launch.run.validate), for apps/sft and the llama app alike."""
+    from apps.llama import train as llama_train
+    from lingua.launch import run
+
+    for app, base in ((train, [f"checkpoint.init_from={debug_config_json}"]),
+                      (llama_train, ["data.format=chat"])):
+        with pytest.raises(ConfigError, match="Set model.attn_mask=block_causal, or "
+                                              "data.chat.pack=false"):
+            run.validate(app.load_config([*base, "model.attn_mask=causal"], check=False),
+                         app.APP, data_files=False)
+        run.validate(app.load_config([*base, "model.attn_mask=causal", "data.chat.pack=false"],
+                                     check=False), app.APP, data_files=False)
 
 
 @pytest.fixture(scope="module")

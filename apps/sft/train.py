@@ -116,12 +116,6 @@ def validate_sft(args: TrainArgs) -> None:
             lora.apply_lora(model, args.lora)
             lora_tp_plans(model, *tp_plans(model, uses_loss_parallel(args.distributed)),
                           model.layers.values())
-    packed = args.data.format == "chat" and args.data.chat.pack
-    config.require(not packed or args.model.attn_mask == "block_causal",
-                   "data.chat.pack=true puts several conversations in one row, and "
-                   f"model.attn_mask={args.model.attn_mask} would let each attend to the ones "
-                   "before it. Set model.attn_mask=block_causal, or data.chat.pack=false (one "
-                   "padded conversation a row).")
 
 
 def transform_model(model, args: TrainArgs) -> None:

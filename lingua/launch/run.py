@@ -88,6 +88,13 @@ def validate(args, app: App, data_files: bool = True) -> None:
     data.validate_data_args(args.data, files=data_files)
     if data_files:
         check_vocab(args)
+    # One rule for every app: packed conversations must not see each other.
+    packed = args.data.format == "chat" and args.data.chat.pack
+    config.require(not packed or args.model.attn_mask == "block_causal",
+                   "data.chat.pack=true puts several conversations in one row, and "
+                   f"model.attn_mask={args.model.attn_mask} would let each attend to the ones "
+                   "before it. Set model.attn_mask=block_causal, or data.chat.pack=false (one "
+                   "padded conversation a row).")
     config.require(args.data.seq_len <= args.model.max_seq_len,
                    f"data.seq_len={args.data.seq_len} is longer than model.max_seq_len="
                    f"{args.model.max_seq_len}. Raise model.max_seq_len or shorten data.seq_len.")

@@ -5,10 +5,12 @@ Lines. Each line of `data.root/*.jsonl` (training, files in name order) and of
 `data.root/val/*.jsonl` (validation) is one conversation,
     {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
 or  {"prompt": "...", "completion": "..."}      (a user message, then the assistant's answer),
-with at least one assistant turn and no empty one. validate_chat_data refuses a line of valid
-JSON that is not such a conversation, naming its file and line, before any work; lines that are
-not valid UTF-8 or JSON are skipped and counted by reason, as in the jsonl format; blank lines
-are formatting.
+with at least one assistant turn and no empty one. A line that is none (not valid UTF-8 or JSON,
+not a conversation, no assistant turn, a template that fails on it, too long to keep) is handled
+by the one rule of every format (lingua/train/jsonl_lines.py SkipCounter): skipped and counted
+by reason, the first warned of with its file and line, the run refused when more than
+data.max_skipped_fraction of the lines are unusable (validate_chat_data judges that before any
+work); blank lines are formatting.
 
 Templates: lingua/train/chat_template.py (a conversation -> token ids and their targets).
 
@@ -48,19 +50,18 @@ from lingua.errors import ConfigError
 from lingua.model.loss import IGNORE_INDEX
 from lingua.train.chat_template import BUILTIN, ChatTemplate  # noqa: F401  (BUILTIN: callers)
 from lingua.train.data_common import VAL_DIR, Batch, stdlib_docstrings, write_once
-from lingua.train.jsonl_lines import BadLine
+from lingua.train.jsonl_lines import BadLine, SkipCounter
 from lingua.train.tokenizer import Tokenizer, build_tokenizer
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 TOO_LONG = ("truncate", "skip")
-# A line of valid JSON that is not a conversation to train on: validate_chat_data refuses it.
+# A line of valid JSON that is not a conversation to train on.
 STRUCTURE_REASONS = ("not_chat", "bad_role", "no_assistant")
 # The keys of a ChatLoader's skipped_by_reason.
 CHAT_SKIP_REASONS = ("invalid_utf8", "invalid_json") + STRUCTURE_REASONS + (
     "template_error", "too_long")
-LOGGED_SKIPS = 10   # skipped lines logged one by one; the rest summed up once
 
 
 @dataclass
@@ -144,21 +145,9 @@ def read_conversations(files: List[Path], on_bad: OnBad) -> Iterator[Tuple[Path,
                 yield path, line_no, messages
 
 
-class SkipCounter:
-    """Skipped lines by reason; the first LOGGED_SKIPS logged with file and line."""
-
-    def __init__(self, log: bool = True):
-        self.log = log
-        self.by_reason = dict.fromkeys(CHAT_SKIP_REASONS, 0)
-
-    @property
-    def count(self) -> int:
-        return sum(self.by_reason.values())
-
-    def skip(self, path: Path, line_no: int, err: BadLine) -> None:
-        self.by_reason[err.reason] += 1
-        if self.log and self.count <= LOGGED_SKIPS:
-            logger.warning("skipping line %d of %s: %s", line_no, path, err)
+def chat_counter(args, log: bool, what: str = "") -> SkipCounter:
+    """Unusable lines: skipped, counted, refused above data.max_skipped_fraction (SkipCounter)."""
+    return SkipCounter(CHAT_SKIP_REASONS, args.max_skipped_fraction, log, what)
 
 
 def train_files(args) -> List[Path]:
@@ -206,6 +195,7 @@ def tokenize_conversations(files: List[Path], args, template: ChatTemplate,
             ids, counted, truncated = ids[:row_len], counted[:row_len], truncated + 1
         ids_list.append(np.asarray(ids, dtype=np.int64))
         counted_list.append(np.asarray(counted, dtype=bool))
+        counter.used()
     return Conversations(ids_list, counted_list,
                          np.array([len(i) for i in ids_list], dtype=np.int64),
                          np.array([c.sum() for c in counted_list], dtype=np.int64), truncated)
@@ -261,7 +251,7 @@ class ChatLoader:
     def __init__(self, args, dp_rank: int, dp_size: int, seed: int):
         self.args, self.dp_rank, self.dp_size, self.seed = args, dp_rank, dp_size, seed
         self.row_len = args.seq_len + 1
-        self.counter = SkipCounter(log=dp_rank == 0)
+        self.counter = chat_counter(args, log=dp_rank == 0)
         self.tokenizer, self.convs = _load(args, train_files(args), self.counter, "training")
         self.truncated_samples = self.convs.truncated
         self.rows_consumed = 0
@@ -346,7 +336,8 @@ def chat_val_batches(args, dp_rank: int, dp_size: int) -> List[Batch]:
     padded) in file order; the count rounded down to a multiple of dp_size, as for the other
     formats, so that every rank gets as many batches."""
     n = (args.val_sequences // dp_size) * dp_size
-    tokenizer, convs = _load(args, val_files(args), SkipCounter(log=dp_rank == 0), "validation")
+    tokenizer, convs = _load(args, val_files(args), chat_counter(args, dp_rank == 0, " of the validation data"),
+                             "validation")
     rows = pack_rows(np.arange(len(convs)), convs.lengths, args.seq_len + 1, args.chat.pack)
     share = min(n, (len(rows) // dp_size) * dp_size) // dp_size
     mine = rows[dp_rank * share:(dp_rank + 1) * share]
@@ -379,28 +370,27 @@ def validate_chat_data(args) -> None:
         raise ConfigError(f"Validation needs held-out conversations: {root / VAL_DIR} holds no "
                           f"*.jsonl file. Put some there, or set data.val_sequences=0.")
     template = ChatTemplate.from_args(args)
-    first = _check_lines(train, root)
+    first = _check_lines(args, train, root)
     if val:
-        _check_lines(val, root / VAL_DIR)
+        _check_lines(args, val, root / VAL_DIR)
     _check_template(args, template, *first)
 
 
-def _check_lines(files: List[Path], where: Path) -> Tuple[Path, int, list]:
-    """The first usable conversation; ConfigError for a line of JSON that is no conversation."""
-    def refuse(path, line_no, err):
-        if err.reason in STRUCTURE_REASONS:
-            raise ConfigError(f"Line {line_no} of {path} is not a conversation to train on: "
-                              f"{err}. data.format=chat reads {LINE_FORMAT}. Fix or remove "
-                              f"the line.")
-        counter.skip(path, line_no, err)
-
-    counter, first = SkipCounter(log=False), None
-    for found in read_conversations(files, refuse):
+def _check_lines(args, files: List[Path], where: Path) -> Tuple[Path, int, list]:
+    """The first usable conversation; ConfigError when there is none, or when more lines than
+    data.max_skipped_fraction are no conversation (the loader's rule, judged before any work)."""
+    counter, first = chat_counter(args, log=False, what=f" of {where}"), None
+    for found in read_conversations(files, counter.skip):
+        counter.used()
         first = first or found
     if first is None:
         raise ConfigError(f"{where} has no usable conversation in its {len(files)} *.jsonl "
-                          f"files ({counter.count} lines are not valid UTF-8 or JSON: "
-                          f"{_nonzero(counter.by_reason)}). Fix them: {LINE_FORMAT}.")
+                          f"files ({counter.count} lines skipped: {_nonzero(counter.by_reason)}"
+                          f"; the first, line {counter.first[1]} of {counter.first[0]}: "
+                          f"{counter.first[2]}). Fix them: {LINE_FORMAT}."
+                          if counter.first else
+                          f"{where} has no conversation: its {len(files)} *.jsonl files are "
+                          f"blank. Add conversations: {LINE_FORMAT}.")
     return first
 
 

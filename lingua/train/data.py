@@ -17,9 +17,10 @@ every line; tokenization, the expensive part, is done once per line.
 
 Bad data. A jsonl line that is not valid UTF-8, not valid JSON, has no string "text" field, or
 whose text is empty is skipped and counted by reason (`skipped_lines`, `skipped_by_reason`), once
-however many epochs pass over it; the first few are logged with their file and line number.
-Blank lines are formatting, not documents, and are skipped silently. `setup/prepare_data.py`
-applies the same rules when it builds the memmap format. A document longer than seq_len is
+however many epochs pass over it; the first is warned of with its file and line number, and more
+than data.max_skipped_fraction of the lines read unusable stops the run (the one rule of every
+format: jsonl_lines.SkipCounter). Blank lines are formatting, not documents, and are skipped
+silently. `setup/prepare_data.py` applies the same rules when it builds the memmap format. A document longer than seq_len is
 packed across as many rows (and steps) as it needs. A memmap corpus whose files disagree with its
 meta.json (a truncated or damaged train.bin, a size that is not a whole number of tokens, a
 broken docs.npy) is refused with a ConfigError naming the file and the command that rebuilds it,
@@ -46,7 +47,7 @@ import torch
 from lingua.errors import ConfigError
 from lingua.train.chat_data import ChatArgs, ChatLoader, chat_val_batches, validate_chat_data
 from lingua.train.data_common import VAL_DIR, Batch, stdlib_docstrings, write_once  # noqa: F401 (re-exported)
-from lingua.train.jsonl_lines import SKIP_REASONS, BadLine, JsonlSource, decode_line
+from lingua.train.jsonl_lines import SKIP_REASONS, BadLine, JsonlSource, SkipCounter, decode_line
 from lingua.train.memmap_corpus import TokenWindows, validate_memmap_corpus, write_memmap_corpus
 from lingua.train.tokenizer import TokenizerArgs, build_tokenizer, check_tokenizer_args
 
@@ -65,6 +66,7 @@ class DataArgs:
     sources: Dict[str, float] = field(default_factory=dict)  # jsonl: sub-directory -> weight
     prepare_embedded: bool = False  # build the embedded debug corpus in `root` if it is missing
     val_sequences: int = 64         # size of the held-out validation set
+    max_skipped_fraction: float = 0.1   # unusable lines (skipped, counted) above it: refused
     chat: ChatArgs = field(default_factory=ChatArgs)  # format=chat only
 
 
@@ -142,37 +144,11 @@ def source_dirs(args: DataArgs) -> Dict[str, Path]:
     return {"": root}
 
 
-LOGGED_SKIPS = 10   # lines logged one by one; after that only counted, with a summary now and then
-
-
-class MalformedCounter:
-    """Counts skipped lines by reason; logs the first LOGGED_SKIPS with file and line number."""
-
-    def __init__(self, log: bool = True):
-        self.count, self.log = 0, log
-        self.by_reason = {reason: 0 for reason in SKIP_REASONS}
-
-    def skip(self, path, line_no: int, err: BadLine) -> None:
-        """Line line_no (1-based) of path was skipped for err.reason."""
-        self.count += 1
-        self.by_reason[err.reason] += 1
-        if not self.log:
-            return
-        if self.count <= LOGGED_SKIPS:
-            logger.warning("skipping line %d of %s: %s%s", line_no, path, err,
-                           "" if self.count < LOGGED_SKIPS else
-                           f" (the {LOGGED_SKIPS}th skipped line: further ones are counted, in "
-                           f"skipped_lines, and summarized at 100, 1000, ... but not logged)")
-        elif self.count in (100, 1000) or self.count % 10_000 == 0:
-            logger.warning("%d lines skipped so far (%s), the last line %d of %s",
-                           self.count, self.by_reason, line_no, path)
-
-
 class JsonlLoader:
     def __init__(self, args: DataArgs, dp_rank: int, dp_size: int, seed: int):
         self.args, self.dp_rank, self.dp_size = args, dp_rank, dp_size
         self.tokenizer = build_tokenizer(args.tokenizer)
-        self.counter = MalformedCounter()
+        self.counter = SkipCounter(SKIP_REASONS, args.max_skipped_fraction)
         dirs = source_dirs(args)
         self.sources = [JsonlSource(n, d, dp_rank, dp_size, self.counter) for n, d in dirs.items()]
         weights = np.array([args.sources.get(n, 1.0) if args.sources else 1.0 for n in dirs])
@@ -241,8 +217,9 @@ class JsonlLoader:
         self.rng.bit_generator.state = state["rng"]
         self.buffer = np.asarray(state["buffer"], dtype=np.int64)
         self.buffer_docs = np.asarray(state["buffer_docs"], dtype=np.int64)
-        self.n_docs, self.counter.count = state["n_docs"], state["skipped_lines"]
+        self.n_docs = state["n_docs"]
         self.counter.by_reason.update(state.get("skipped_by_reason", {}))
+        self.counter.usable = self.n_docs   # documents read: the usable lines, near enough
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,6 +299,9 @@ def validate_data_args(args: DataArgs, files: bool = True) -> None:
             raise ConfigError(f"data.{key}={getattr(args, key)} must be at least 1.")
     if args.val_sequences < 0:
         raise ConfigError(f"data.val_sequences={args.val_sequences} must be 0 or more.")
+    if not 0 <= args.max_skipped_fraction <= 1:
+        raise ConfigError(f"data.max_skipped_fraction={args.max_skipped_fraction} must be between "
+                          f"0 (no unusable line allowed) and 1 (any number skipped).")
     if not files:
         return
     if not args.root:
@@ -369,7 +349,7 @@ def check_jsonl_lines(args: DataArgs, dp_size: int) -> None:
 def _check_lines(what: str, files: List[Path], dp_size: int, hint: str) -> None:
     """ConfigError unless each of dp_size readers, taking every dp_size-th line as JsonlSource
     does (blank lines keep their place), finds a usable one."""
-    missing, counter, first_bad, usable = set(range(dp_size)), MalformedCounter(log=False), None, 0
+    missing, counter, first_bad, usable = set(range(dp_size)), SkipCounter(SKIP_REASONS, log=False), None, 0
     index = -1
     for path in files:
         with open(path, "rb") as f:

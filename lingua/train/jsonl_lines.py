@@ -2,18 +2,74 @@
 reason), and one data-parallel rank's share of a source's lines, resumable by byte offset."""
 
 import json
+import logging
 from pathlib import Path
 
 from lingua.errors import ConfigError
 
 # Why a line was skipped; the keys of `skipped_by_reason` (and of meta.json's, for memmap corpora).
 SKIP_REASONS = ("invalid_utf8", "invalid_json", "no_text", "empty")
+logger = logging.getLogger("lingua.train.data")
 
 
 class BadLine(ValueError):
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason = reason
+
+
+CHECKED_FROM = 100   # lines read before the unusable fraction is judged
+
+
+class SkipCounter:
+    """The one policy for unusable lines, in every format (jsonl, chat, the memmap preparation):
+    skipped and counted by reason (`skipped_lines`, `skipped_<reason>` in metrics.jsonl), the
+    first warned of once with its file and line number (then a count at 100, 1000 and every
+    10,000), and refused once more than `max_fraction` of the lines read are unusable, judged
+    from the CHECKED_FROM-th line read on (a corpus that is mostly not what the format reads is a
+    wrong path or format, not noise). Blank lines are formatting: neither read nor skipped."""
+
+    def __init__(self, reasons, max_fraction: float = 1.0, log: bool = True, what: str = ""):
+        self.by_reason = dict.fromkeys(reasons, 0)
+        self.max_fraction, self.log, self.what = max_fraction, log, what
+        self.usable = 0
+        self.first = None   # (path, line number, reason) of the first skipped line
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_reason.values())
+
+    def used(self) -> None:
+        self.usable += 1
+        self.check()
+
+    def skip(self, path, line_no: int, err: BadLine) -> None:
+        """Line line_no (1-based) of path was skipped for err.reason."""
+        self.by_reason[err.reason] += 1
+        if self.first is None:
+            self.first = (path, line_no, f"{err.reason}: {err}")
+            if self.log:
+                logger.warning("skipping unusable line %d of %s (%s: %s); such lines are "
+                               "skipped and counted (skipped_lines, skipped_<reason>), the run "
+                               "refused if more than %g of the lines read are", line_no, path,
+                               err.reason, err, self.max_fraction)
+        elif self.log and (self.count in (100, 1000) or self.count % 10_000 == 0):
+            logger.warning("%d lines skipped so far (%s), the last line %d of %s", self.count,
+                           {k: n for k, n in self.by_reason.items() if n}, line_no, path)
+        self.check()
+
+    def check(self) -> None:
+        read = self.usable + self.count
+        if read < CHECKED_FROM or self.count <= self.max_fraction * read:
+            return
+        first = (f"; the first is line {self.first[1]} of {self.first[0]} ({self.first[2]})"
+                 if self.first else "")
+        raise ConfigError(
+            f"{self.count} of the first {read} lines{self.what} are unusable "
+            f"({ {k: n for k, n in self.by_reason.items() if n} }), more than "
+            f"data.max_skipped_fraction={self.max_fraction}{first}. Check data.root and "
+            f"data.format against the files, fix the lines, or raise data.max_skipped_fraction "
+            f"if they are expected.")
 
 
 def decode_line(raw: bytes) -> str:
@@ -79,10 +135,14 @@ class JsonlSource:
                     if line % self.dp_size != self.dp_rank or not raw.strip():
                         continue
                     try:
-                        return decode_line(raw)
+                        text = decode_line(raw)
                     except BadLine as err:
                         if s["epoch"] == 0:  # count (and log) each bad line once, not per epoch
                             self.counter.skip(path, line - s["file_start"] + 1, err)
+                        continue
+                    if s["epoch"] == 0:
+                        self.counter.used()
+                    return text
             s["file"], s["offset"], s["file_start"] = s["file"] + 1, 0, s["line"]
             if s["file"] == len(self.files):
                 s.update(file=0, line=0, file_start=0, epoch=s["epoch"] + 1)
