@@ -320,12 +320,18 @@ def test_malformed_lines_are_counted_by_reason_and_skipped(tmp_path, caplog):
                                    {"prompt": 1, "completion": "x"}])
     (root / "b.jsonl").write_bytes(b'{"prompt": "\xff", "completion": "x"}\n' +
                                    json.dumps(conversation(3)).encode() + b"\n")
-    args = chat_args(root, seq_len=128, val_sequences=0)
+    args = chat_args(root, seq_len=128, val_sequences=0, batch_size=4)
     loader = ChatLoader(args, 0, 1, seed=0)
     assert len(loader.convs) == 3 and loader.skipped_lines == 4
     assert {k: n for k, n in loader.skipped_by_reason.items() if n} == {
         "invalid_json": 1, "no_assistant": 1, "not_chat": 1, "invalid_utf8": 1}
     assert f"skipping unusable line 2 of {root / 'a.jsonl'} (invalid_json" in caplog.text
+    # 3 conversations pack into 2 rows, for a global batch of 4: said once
+    assert caplog.text.count("2 rows an epoch, fewer than the global batch of 4") == 1
+    assert "every step repeats rows" in caplog.text
+    caplog.clear()
+    ChatLoader(chat_args(make_corpus(tmp_path / "enough")), 0, 1, seed=0)
+    assert "fewer than the global batch" not in caplog.text
     # every rank reads every line; the trainer sums over ranks, so rank 1 reports none
     other = ChatLoader(args, 1, 2, seed=0)
     assert other.skipped_lines == 0 and set(other.skipped_by_reason.values()) == {0}

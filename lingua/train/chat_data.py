@@ -257,11 +257,18 @@ class ChatLoader:
         self.rows_consumed = 0
         self._epoch_sizes: List[int] = []   # rows in epochs 0, 1, ... as far as the stream went
         self._epochs: Dict[int, List[list]] = {}   # the rows of the last epochs used
+        rows = len(self._rows_of_epoch(0))
+        global_batch = args.batch_size * dp_size * args.grad_accum
         if dp_rank == 0:
             logger.info("chat data: %d conversations (%d truncated to %d tokens, %d lines "
                         "skipped: %s), %d rows in the first epoch", len(self.convs),
                         self.truncated_samples, self.row_len, self.counter.count,
-                        _nonzero(self.counter.by_reason), len(self._rows_of_epoch(0)))
+                        _nonzero(self.counter.by_reason), rows)
+            if rows < global_batch:
+                logger.warning("chat data: %d rows an epoch, fewer than the global batch of %d "
+                               "(data.batch_size x data-parallel ranks x data.grad_accum): every "
+                               "step repeats rows. Add conversations, or lower data.batch_size.",
+                               rows, global_batch)
 
     @property
     def skipped_lines(self) -> int:
