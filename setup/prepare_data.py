@@ -23,8 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lingua.errors import ConfigError  # noqa: E402
 from lingua.train.data import VAL_DIR, DataArgs, ensure_embedded_corpus  # noqa: E402
-from lingua.train.jsonl_lines import (SKIP_REASONS, BadLine, SkipCounter,  # noqa: E402
-                                      decode_line)
+from lingua.train.jsonl_lines import SKIP_REASONS, BadLine, SkipCounter, decode_line  # noqa: E402
 from lingua.train.memmap_corpus import read_meta, write_memmap_corpus  # noqa: E402
 from lingua.train.tokenizer import TokenizerArgs, build_tokenizer  # noqa: E402
 

@@ -363,7 +363,9 @@ def test_a_write_failing_on_one_rank_stops_every_rank(corpus, tmp_path, two_rank
     ckpts = dump / "checkpoints"
     message = (f"error: Could not write checkpoint {ckpts / '4'}: [Errno 28] No space left on "
                f"device. Nothing of it was kept; the previous checkpoint {ckpts / '2'} is intact.")
-    assert out.count(message) == 2, out[-4000:]   # one line from each rank
+    # Each rank raises it; the first to exit gets the other stopped (as torchrun does), which
+    # may come before that one printed: one or two lines, never none.
+    assert out.count(message) in (1, 2), out[-4000:]
     assert tmp_dirs(dump) == [] and checkpoint.newest(dump) == ckpts / "2"
     assert [p.name for p in checkpoint.list_complete(dump)] == ["2"]
     assert checkpoint_integrity.verify(ckpts / "2") is None

@@ -166,6 +166,7 @@ def load_run(target, device="cpu"):
     lora_args = run_lora_args(run_config, ckpt_dir)
     args = model_args(run_config, ckpt_dir)
     model = build_model(args, lora_args, device)
+    lingua_hf.load_base(model, ckpt_dir, load_hf)   # LoRA checkpoints hold the adapters only
     with warnings.catch_warnings():   # a single-process load is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_model_state(ckpt_dir, model)
@@ -233,7 +234,7 @@ def export_merged(ckpt_dir, out_dir, dtype=None) -> LlamaArgs:
 
     args = lingua_hf.export(ckpt_dir, out_dir, dtype, model_class=adapted, args_class=LlamaArgs,
                             export_problems=export_problems, save_hf=save_merged,
-                            command=COMMAND)
+                            command=COMMAND, load_hf=load_hf)
     write_chat_files(run_config, out_dir, fields)
     return args
 

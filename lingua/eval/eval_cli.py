@@ -27,10 +27,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lingua.errors import ConfigError
 from lingua.eval import downstream
-from lingua.model import weights
+from lingua.model import lora, weights
 from lingua.observe import metrics
 from lingua.parallel import distributed
-from lingua.train import checkpoint
+from lingua.train import checkpoint, hf
 from lingua.train.tokenizer import build_tokenizer
 
 logger = logging.getLogger("eval")
@@ -141,6 +141,11 @@ def build_model(app, args, env, ckpt: Path):
     param_device = distributed.param_device(args.distributed, env.device)
     for part in parts:
         weights.materialize(part, env.device, args.seed, param_device)
+    base = checkpoint.verified_base(ckpt)
+    if base is not None:   # a LoRA checkpoint holds the adapters: the frozen base comes first
+        args.checkpoint.init_from = base
+        weights.load_full_state(parts, hf.load_init_from(args, app, env), env.device,
+                                keep=lora.is_adapter)
     checkpoint.load_model(ckpt, parts)
     return parts[0]
 

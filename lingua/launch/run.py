@@ -134,8 +134,10 @@ def validate(args, app: App, data_files: bool = True) -> None:
     probe_module.validate_args(args.probe)
     profiling.validate_args(args.profiling, args.steps)
     # Resuming is only exact with the same model and the same data stream.
-    checkpoint.check_resume_compatible(args.dump_dir, config.to_dict(args),
-                                       ("model", "seed", "data.format", "data.seq_len"))
+    newest = checkpoint.check_resume_compatible(args.dump_dir, config.to_dict(args),
+                                                ("model", "seed", "data.format", "data.seq_len"))
+    if newest is not None:   # LoRA checkpoints hold the adapters: resume on the same base only
+        checkpoint.verified_base(newest, args.checkpoint.init_from, "checkpoint.init_from")
 
 
 def hooks(args, env: DistEnv, app: App) -> Hooks:

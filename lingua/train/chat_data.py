@@ -343,8 +343,8 @@ def chat_val_batches(args, dp_rank: int, dp_size: int) -> List[Batch]:
     padded) in file order; the count rounded down to a multiple of dp_size, as for the other
     formats, so that every rank gets as many batches."""
     n = (args.val_sequences // dp_size) * dp_size
-    tokenizer, convs = _load(args, val_files(args), chat_counter(args, dp_rank == 0, " of the validation data"),
-                             "validation")
+    counter = chat_counter(args, dp_rank == 0, " of the validation data")
+    tokenizer, convs = _load(args, val_files(args), counter, "validation")
     rows = pack_rows(np.arange(len(convs)), convs.lengths, args.seq_len + 1, args.chat.pack)
     share = min(n, (len(rows) // dp_size) * dp_size) // dp_size
     mine = rows[dp_rank * share:(dp_rank + 1) * share]

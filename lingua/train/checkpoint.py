@@ -6,6 +6,10 @@ Layout of one checkpoint, `<dump_dir>/checkpoints/<step>/`:
   - `train_state_rank<r>.pt`: step, data-loader state, scheduler and RNG of rank r (plain tensors
     and numbers, loaded with weights_only=True),
   - `config.yaml`: the run's resolved config, so a checkpoint is self-describing (export, generate).
+  - `base.json`, when the run started from checkpoint.init_from and froze some of its weights
+    (LoRA): the model entry then holds only the weights that train (a few MB, not the frozen
+    base's GBs again), and base.json names the base (path, size, a checksum of its index) that
+    resume and every reader load first (`load_base` below) and that resume checks is unchanged.
   - `manifest.json`: size and CRC-32 of every other file, written last.
 Everything is written into `<step>.tmp-<nonce>/` and renamed to `<step>/` by rank 0 after all ranks
 finished writing; a rename is atomic, so a crash mid-write leaves only a `.tmp` directory, which
@@ -33,6 +37,7 @@ import random
 import shutil
 import time
 import warnings
+import zlib
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,11 +208,13 @@ def _dcp_load(state: dict, ckpt_dir: Path) -> None:
 
 
 def load_model_state(ckpt_dir, model: nn.Module) -> None:
-    """Load the 'model' entry into a plain model, e.g. for export or generation."""
+    """Load the 'model' entry into a plain model, e.g. for export or generation. A checkpoint
+    without its frozen base (base.json) loads the trained weights only, over a model that
+    holds the base already."""
     require_intact(ckpt_dir)
-    state = {"model": model.state_dict()}
+    state = {"model": _model_state(model, read_base(ckpt_dir) is not None)}
     _dcp_load(state, Path(ckpt_dir))
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=read_base(ckpt_dir) is None)
 
 
 def check_resume_compatible(dump_dir, run_config: dict, keys=("model",)) -> Optional[Path]:
@@ -257,9 +264,82 @@ def _set_rng_state(state: dict) -> None:
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _part_states(parts: list, optimizers: list) -> list:
-    return [(get_model_state_dict(part), get_optimizer_state_dict(part, optimizer, options=_FLAT))
+def _part_states(parts: list, optimizers: list, without_frozen: bool = False) -> list:
+    return [(_model_state(part, without_frozen),
+             get_optimizer_state_dict(part, optimizer, options=_FLAT))
             for part, optimizer in zip(parts, optimizers)]
+
+
+def _model_state(part: nn.Module, without_frozen: bool) -> dict:
+    state = get_model_state_dict(part)
+    if without_frozen:   # frozen weights come from the base (base.json), not the checkpoint
+        frozen = {name for name, p in part.named_parameters() if not p.requires_grad}
+        state = {k: v for k, v in state.items() if k not in frozen}
+    return state
+
+
+# ------------------------------------------------------------------------------------------------
+# a frozen base that checkpoints leave out (base.json)
+
+BASE_RECORD = "base.json"
+
+
+def base_fingerprint(init_from) -> dict:
+    """What identifies a Hugging Face directory's weights cheaply: the total size of its
+    *.safetensors files and a CRC-32 of its index (model.safetensors.index.json, each file's
+    safetensors header: names, shapes, dtypes, offsets) and of each file's first MiB of weights
+    (two fine-tunes of one architecture share the index, not the weights), a few MB read."""
+    root = Path(init_from)
+    files = sorted(root.glob("*.safetensors"))
+    crc = 0
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        crc = zlib.crc32(index.read_bytes())
+    for path in files:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            crc = zlib.crc32(f.read(min(header_len, 1 << 26)), crc)
+            crc = zlib.crc32(f.read(1 << 20), crc)
+    return {"init_from": str(root.resolve()), "files": len(files),
+            "bytes": sum(p.stat().st_size for p in files), "index_crc32": crc}
+
+
+def frozen_base(parts: list, init_from: Optional[str]) -> Optional[dict]:
+    """The base.json record when checkpoints leave the frozen weights out: a run started from
+    init_from with some parameters frozen (LoRA); else None (checkpoints hold every weight)."""
+    if init_from is None or all(p.requires_grad for part in parts for p in part.parameters()):
+        return None
+    return base_fingerprint(init_from)
+
+
+def read_base(ckpt_dir) -> Optional[dict]:
+    path = Path(ckpt_dir) / BASE_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def verified_base(ckpt_dir, init_from: Optional[str] = None, key: str = "") -> Optional[str]:
+    """The base a checkpoint without its frozen weights (base.json) was trained on, checked to
+    be unchanged on disk (the directory base.json names, or `init_from`, as `key` says); None
+    for a checkpoint that holds every weight."""
+    saved = read_base(ckpt_dir)
+    if saved is None:
+        return None
+    init_from = saved["init_from"] if init_from is None else init_from
+    given = f"{key}={init_from}" if key else init_from
+    fix = (f"Point checkpoint.init_from at {saved['init_from']} as it was when the run trained "
+           f"(or start a new dump_dir to fine-tune another base).")
+    if not Path(init_from).is_dir():
+        raise ConfigError(f"{ckpt_dir} holds the trained weights only; the frozen base they go "
+                          f"with was {saved['init_from']}, and {given} is not a directory. {fix}")
+    now = base_fingerprint(init_from)
+    if any(now[k] != saved[k] for k in ("files", "bytes", "index_crc32")):
+        raise ConfigError(
+            f"{ckpt_dir} holds the trained weights only, over the base {saved['init_from']} "
+            f"({saved['files']} safetensors files, {saved['bytes']} bytes, index CRC-32 "
+            f"{saved['index_crc32']}); {given} is another model now ({now['files']} files, "
+            f"{now['bytes']} bytes, CRC-32 {now['index_crc32']}), and the adapters would be put "
+            f"on weights they were not trained with. {fix}")
+    return init_from
 
 
 def _merged(part_states: list) -> dict:
@@ -272,20 +352,23 @@ def _merged(part_states: list) -> dict:
 
 def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
          config_yaml: str, rank: int, world_size: int, keep: int,
-         in_use: Optional[InUse] = None) -> Path:
+         in_use: Optional[InUse] = None, base: Optional[dict] = None) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory. Afterwards the
     checkpoints older than the newest `keep` intact ones are deleted, except those `in_use`
     (a step -> bool the caller gives, e.g. a checkpoint a pending evaluation job will read).
 
     If any rank cannot write (a full disk, a read-only or vanished directory), every rank raises
     RunError after the half-written directory is removed; older checkpoints are untouched.
+    `base` (frozen_base's record): the frozen weights are left out, base.json names them.
     """
-    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use)
+    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use,
+                       base)
     error = ckpt.open()
     if error is None:
         _quiet_single_process_dcp()
         try:
-            dcp.save(_merged(_part_states(parts, optimizers)), checkpoint_id=str(ckpt.tmp),
+            dcp.save(_merged(_part_states(parts, optimizers, base is not None)),
+                     checkpoint_id=str(ckpt.tmp),
                      no_dist=world_size == 1)
         except (Exception, CheckpointException) as err:
             # DCP raises the same CheckpointException (a BaseException) on every rank.
@@ -301,7 +384,7 @@ def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
 
 def save_async(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
                config_yaml: str, rank: int, world_size: int, keep: int,
-               in_use: Optional[InUse] = None) -> "PendingSave":
+               in_use: Optional[InUse] = None, base: Optional[dict] = None) -> "PendingSave":
     """Collective: `save` whose files are written while training goes on (checkpoint.async_save).
 
     Before it returns, the model and optimizer state are copied to CPU memory (DCP's stager: a
@@ -316,13 +399,14 @@ def save_async(dump_dir, step: int, parts: list, optimizers: list, train_state: 
     never interleave with the training loop's collectives.
     """
     group = _async_group() if world_size > 1 else None
-    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use)
+    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use,
+                       base)
     error = ckpt.open()
     if error is None:
         _quiet_single_process_dcp()
         try:
             started = time.perf_counter()
-            upload = dcp.async_save(_merged(_part_states(parts, optimizers)),
+            upload = dcp.async_save(_merged(_part_states(parts, optimizers, base is not None)),
                                     checkpoint_id=str(ckpt.tmp), process_group=group,
                                     no_dist=world_size == 1)
             # A Future here; an AsyncSaveResponse only with a stager that copies in the background.
@@ -347,8 +431,9 @@ class PendingSave:
     removes it. A pending asynchronous save is finished with `finish`."""
 
     def __init__(self, dump_dir, step: int, train_state: dict, config_yaml: str, rank: int,
-                 world_size: int, keep: int, in_use: Optional[InUse] = None):
-        self.dump_dir, self.step, self.config_yaml = dump_dir, step, config_yaml
+                 world_size: int, keep: int, in_use: Optional[InUse] = None,
+                 base: Optional[dict] = None):
+        self.dump_dir, self.step, self.config_yaml, self.base = dump_dir, step, config_yaml, base
         self.rank, self.world_size = rank, world_size
         self.keep, self.in_use = keep, in_use
         self.root = checkpoints_dir(dump_dir)
@@ -430,10 +515,14 @@ class PendingSave:
             if rank == 0:
                 try:
                     (tmp / "config.yaml").write_text(self.config_yaml)
+                    own = [tmp / ".metadata", tmp / "config.yaml"]
+                    if self.base is not None:
+                        (tmp / BASE_RECORD).write_text(json.dumps(self.base, indent=1))
+                        own.append(tmp / BASE_RECORD)
                     files = {}
                     for part in gathered:
                         files.update(part)
-                    files.update(describe([tmp / ".metadata", tmp / "config.yaml"]))
+                    files.update(describe(own))
                     (tmp / MANIFEST).write_text(json.dumps({"step": self.step, "files": files},
                                                            indent=1))
                     if final.exists():  # a checkpoint of the same step from an earlier attempt
@@ -517,11 +606,15 @@ def _first_error(error: Optional[BaseException], world_size: int) -> Optional[Ba
 def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: int) -> dict:
     """Collective: restore model parts, optimizers and RNG; return this rank's train state.
     DCP reshards: the checkpoint may come from any other parallel layout."""
-    part_states = _part_states(parts, optimizers)
+    # Without its frozen base (base.json) the checkpoint holds the trained weights only; the
+    # base is in the parts already (build_model_parts loaded checkpoint.init_from).
+    without_base = read_base(ckpt_dir) is not None
+    part_states = _part_states(parts, optimizers, without_base)
     state = _merged(part_states)
     _dcp_load(state, ckpt_dir)  # in place; non-tensor entries are replaced in `state`
     for part, optimizer, (own_model, own_optim) in zip(parts, optimizers, part_states):
-        set_model_state_dict(part, {k: state["model"][k] for k in own_model})
+        set_model_state_dict(part, {k: state["model"][k] for k in own_model},
+                             options=StateDictOptions(strict=not without_base))
         set_optimizer_state_dict(part, optimizer, {k: state["optim"][k] for k in own_optim},
                                  options=_FLAT)
     train_state = torch.load(ckpt_dir / "train_state_rank0.pt", weights_only=True)
@@ -539,12 +632,15 @@ def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: i
 
 def load_model(ckpt_dir: Path, parts: list) -> None:
     """Collective: the checkpoint's weights into model parts sharded for any layout (DCP
-    reshards), without the optimizer state; for evaluation jobs."""
-    own = [get_model_state_dict(part) for part in parts]
+    reshards), without the optimizer state; for evaluation jobs. A checkpoint without its frozen
+    base (base.json) loads over parts that hold the base already."""
+    without_base = read_base(ckpt_dir) is not None
+    own = [_model_state(part, without_base) for part in parts]
     state = {"model": {k: v for part_state in own for k, v in part_state.items()}}
     _dcp_load(state, Path(ckpt_dir))
     for part, part_state in zip(parts, own):
-        set_model_state_dict(part, {k: state["model"][k] for k in part_state})
+        set_model_state_dict(part, {k: state["model"][k] for k in part_state},
+                             options=StateDictOptions(strict=not without_base))
 
 
 def _barrier(world_size: int) -> None:

@@ -20,11 +20,11 @@ whose text is empty is skipped and counted by reason (`skipped_lines`, `skipped_
 however many epochs pass over it; the first is warned of with its file and line number, and more
 than data.max_skipped_fraction of the lines read unusable stops the run (the one rule of every
 format: jsonl_lines.SkipCounter). Blank lines are formatting, not documents, and are skipped
-silently. `setup/prepare_data.py` applies the same rules when it builds the memmap format. A document longer than seq_len is
-packed across as many rows (and steps) as it needs. A memmap corpus whose files disagree with its
-meta.json (a truncated or damaged train.bin, a size that is not a whole number of tokens, a
-broken docs.npy) is refused with a ConfigError naming the file and the command that rebuilds it,
-before any process group or run directory exists.
+silently. `setup/prepare_data.py` applies the same rules when it builds the memmap format. A
+document longer than seq_len is packed across as many rows (and steps) as it needs. A memmap corpus
+whose files disagree with its meta.json (a truncated or damaged train.bin, a size that is not a
+whole number of tokens, a broken docs.npy) is refused with a ConfigError naming the file and the
+command that rebuilds it, before any process group or run directory exists.
 
 chat (supervised fine-tuning): conversations in jsonl, rendered with a chat template, trained
 on the assistant's tokens only, in rows that resume on any layout as memmap's do: chat_data.py.
@@ -349,7 +349,8 @@ def check_jsonl_lines(args: DataArgs, dp_size: int) -> None:
 def _check_lines(what: str, files: List[Path], dp_size: int, hint: str) -> None:
     """ConfigError unless each of dp_size readers, taking every dp_size-th line as JsonlSource
     does (blank lines keep their place), finds a usable one."""
-    missing, counter, first_bad, usable = set(range(dp_size)), SkipCounter(SKIP_REASONS, log=False), None, 0
+    missing, first_bad, usable = set(range(dp_size)), None, 0
+    counter = SkipCounter(SKIP_REASONS, log=False)
     index = -1
     for path in files:
         with open(path, "rb") as f:

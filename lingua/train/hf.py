@@ -351,11 +351,30 @@ def load_hf(path, dtype: Optional[torch.dtype], *, model_class, args_from_hf_con
     return model, args
 
 
+def load_base(model, ckpt_dir, load_hf: Optional[Callable]) -> None:
+    """A checkpoint saved without its frozen base (LoRA on checkpoint.init_from: base.json)
+    holds the adapters only: the base's weights go into `model` first, from the directory
+    base.json names (checked unchanged), through the app's `load_hf`. Nothing for a checkpoint
+    that holds every weight."""
+    from lingua.train.checkpoint import verified_base
+
+    base = verified_base(ckpt_dir)
+    if base is None:
+        return
+    if load_hf is None:
+        raise ConfigError(f"{ckpt_dir} holds the trained weights of a run over the frozen base "
+                          f"{base}, and this command cannot read that base. Use the commands of "
+                          f"the app that trained it (python -m apps.sft.hf, apps.sft.generate).")
+    model.load_state_dict(load_hf(base)[0].state_dict(), strict=False)
+
+
 def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args_class,
-           export_problems: Callable, save_hf: Callable, command: str):
+           export_problems: Callable, save_hf: Callable, command: str,
+           load_hf: Optional[Callable] = None):
     """A training checkpoint (a run directory: its newest complete one) -> a Hugging Face
     directory, through the app's `save_hf`, with the tokenizer files beside it; returns the model
-    args. Refused, before any weight is read, for what `export_problems(args)` names."""
+    args. Refused, before any weight is read, for what `export_problems(args)` names. `load_hf`:
+    the app's reader of its frozen base, for a checkpoint that left it out (load_base)."""
     import warnings
 
     from omegaconf import OmegaConf
@@ -376,6 +395,7 @@ def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args
         model = model_class(args)
     model.to_empty(device="cpu")
     model.init_rope("cpu")
+    load_base(model, ckpt_dir, load_hf)
     with warnings.catch_warnings():  # a single-process load is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_model_state(ckpt_dir, model)

@@ -110,6 +110,8 @@ class Run(Saving):
         self.step = 0             # steps done; resume() moves it to the newest checkpoint's
         self.pending_save: Optional[checkpoint.PendingSave] = None  # checkpoint.async_save's write
         self.saved_now = False    # this step's checkpoint was saved (save_if_due)
+        # LoRA on checkpoint.init_from: checkpoints leave the frozen base out (base.json)
+        self.base = checkpoint.frozen_base(parts, args.checkpoint.init_from)
         self.agreed: dict = {}    # the current step's agreement (lingua/train/agreement.py)
 
     def _build_pipeline(self, stage_ids):

@@ -82,14 +82,12 @@ class Saving:
                        "nonfinite_steps": self.nonfinite_steps, "batches_consumed": batches,
                        **self.hooks.state_dict()}
         in_use = self.hooks.keeps_checkpoint
-        if args.checkpoint.async_save and not wait:
-            self.pending_save = checkpoint.save_async(
-                self.dump_dir, self.step, self.parts, self.optimizers.optimizers, train_state,
-                self.config_yaml, env.rank, env.world_size, args.checkpoint.keep, in_use)
-            return
-        checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
-                        train_state, self.config_yaml, env.rank, env.world_size,
-                        args.checkpoint.keep, in_use)
+        save = checkpoint.save_async if args.checkpoint.async_save and not wait else checkpoint.save
+        saved = save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers, train_state,
+                     self.config_yaml, env.rank, env.world_size, args.checkpoint.keep, in_use,
+                     self.base)
+        if save is checkpoint.save_async:
+            self.pending_save = saved
 
     def save_share(self) -> dict:
         """For the step's agreement: whether this rank still writes a checkpoint in the
