@@ -509,3 +509,45 @@ def test_write_debug_chat_writes_a_usable_corpus(tmp_path, monkeypatch):
     validate_data_args(args)
     assert len(ChatLoader(args, 0, 1, seed=0).convs) == 20
     assert write_debug_chat(root) == root   # already there: left as it is
+
+
+def test_tokenized_conversations_are_cached_and_read_back_alike(tmp_path, caplog, monkeypatch):
+    """The second start reads data.root/.chat_cache: the same rows, counts and first-line
+    warning as tokenizing; a changed file makes a new cache; a read-only root tokenizes."""
+    root = make_corpus(tmp_path / "c")
+    with open(root / "part0.jsonl", "a") as f:
+        f.write("{not json\n")
+    args = chat_args(root)
+    calls, tokenize = [], chat_data.tokenize_conversations
+    monkeypatch.setattr(chat_data, "tokenize_conversations",
+                        lambda *a, **k: calls.append(1) or tokenize(*a, **k))
+    caches = lambda: len(list((root / chat_data.CACHE_DIR).iterdir()))   # noqa: E731
+    warned = lambda: [r.getMessage() for r in caplog.records   # noqa: E731
+                      if r.getMessage().startswith("skipping unusable line")]
+    first = ChatLoader(args, 0, 1, seed=0)
+    assert len(calls) == 1 and caches() == 1
+    [warning] = warned()
+    caplog.clear()
+    again = ChatLoader(args, 0, 1, seed=0)
+    assert len(calls) == 1   # read, not tokenized
+    assert warned() == [warning]
+    assert again.skipped_by_reason == first.skipped_by_reason
+    assert again.skipped_by_reason["invalid_json"] == 1 and again.skipped_by_reason["too_long"]
+    assert again.truncated_samples == first.truncated_samples
+    for _ in range(3):
+        a, b = first.next_step()[0], again.next_step()[0]
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.labels, b.labels)
+        assert torch.equal(a.doc_ids, b.doc_ids)
+    validate_data_args(args)
+    write_lines(root / "part1.jsonl", [conversation(i) for i in range(5)])
+    ChatLoader(args, 0, 1, seed=0)
+    assert len(calls) == 2 and caches() == 2   # another file: another cache
+
+    def read_only(*_):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(chat_data, "write_once", read_only)
+    write_lines(root / "part1.jsonl", [conversation(i) for i in range(6)])
+    caplog.clear()
+    assert len(ChatLoader(args, 0, 1, seed=0).convs) > 0
+    assert "could not cache the tokenized conversations" in caplog.text and caches() == 2

@@ -37,8 +37,10 @@ Skipped lines are counted by every rank (each reads them all) but reported by da
 0 only (the others report zeros), because the trainer sums the counts over ranks.
 """
 
+import hashlib
 import json
 import logging
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -69,6 +71,7 @@ class ChatArgs:
     pack: bool = True           # several conversations a row (doc_ids apart) | one a row, padded
     too_long: str = "truncate"  # a conversation over seq_len+1 tokens: truncate | skip
     template: Optional[str] = None  # tokenizer_config.json or .jinja; None: see chat_data.py
+    cache: bool = True          # tokenize once into data.root/.chat_cache, read it at later starts
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,12 +238,95 @@ def rows_to_batch(rows: List[list], convs: Conversations, row_len: int, pad_id: 
 def _load(args, files: List[Path], counter: SkipCounter, what: str):
     tokenizer = build_tokenizer(args.tokenizer)
     template = ChatTemplate.from_args(args)
-    convs = tokenize_conversations(files, args, template, tokenizer, counter)
+    if args.chat.cache:
+        convs = cached_conversations(files, args, template, tokenizer, counter)
+    else:
+        convs = tokenize_conversations(files, args, template, tokenizer, counter)
     if not len(convs):
         raise ConfigError(f"The {what} data in {args.root} has no usable conversation "
                           f"({counter.count} line(s) skipped: {_nonzero(counter.by_reason)}). "
                           f"Fix the lines, or raise data.seq_len if they are too long.")
     return tokenizer, convs
+
+
+# ------------------------------------------------------------------------------------------------
+# the tokenized conversations, cached on disk
+
+CACHE_DIR, CACHE_VERSION = ".chat_cache", 1
+
+
+def cache_key(files: List[Path], args, template: ChatTemplate) -> str:
+    """Everything the tokenized conversations depend on: the files (path and a CRC-32 of the
+    bytes: ~1 GB/s, a small part of tokenizing them), the tokenizer file, the template,
+    seq_len and the too-long rule."""
+    def stat(path) -> list:
+        crc = 0
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                crc = zlib.crc32(chunk, crc)
+        return [str(Path(path).resolve()), crc]
+
+    tok = args.tokenizer
+    parts = {"version": CACHE_VERSION, "files": [stat(p) for p in files],
+             "tokenizer": [tok.kind, stat(tok.path) if tok.path else None],
+             "template": [template.source, template.jinja_text, template.special],
+             "seq_len": args.seq_len, "too_long": args.chat.too_long}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cached_conversations(files: List[Path], args, template: ChatTemplate, tokenizer: Tokenizer,
+                         counter: SkipCounter) -> Conversations:
+    """The conversations of `files`, tokenized once and kept in data.root/.chat_cache/<key>/
+    (as setup/prepare_data.py keeps the memmap format): a later start, or another rank, reads
+    them in a fraction of the time. Under torch.distributed rank 0 writes while the others wait,
+    so that they read instead of tokenizing too. Where data.root is read-only, every start
+    tokenizes (said once)."""
+    import torch.distributed as dist
+
+    cache = Path(args.root) / CACHE_DIR / cache_key(files, args, template)
+    if not (cache / "meta.json").is_file():
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        if ranks == 1 or dist.get_rank() == 0:
+            convs = tokenize_conversations(files, args, template, tokenizer, counter)
+            try:
+                write_once(cache, "meta.json", lambda tmp: _write_cache(tmp, convs, counter),
+                           "the chat data's tokenized cache")
+            except (OSError, ConfigError) as err:
+                logger.warning("chat data: could not cache the tokenized conversations in %s "
+                               "(%s); every start tokenizes them again", cache, err)
+            if ranks > 1:
+                dist.barrier()
+            return convs
+        dist.barrier()   # rank 0 writes it
+        if not (cache / "meta.json").is_file():   # not on this node's filesystem
+            return tokenize_conversations(files, args, template, tokenizer, counter)
+    return _read_cache(cache, counter)
+
+
+def _write_cache(tmp: Path, convs: Conversations, counter: SkipCounter) -> None:
+    tmp.mkdir(parents=True)
+    ids = np.concatenate(convs.ids) if len(convs) else np.zeros(0, np.int64)
+    np.save(tmp / "ids.npy", ids.astype(np.int32) if ids.size and ids.max() < 2**31 else ids)
+    np.save(tmp / "counted.npy",
+            np.concatenate(convs.counted) if len(convs) else np.zeros(0, bool))
+    np.save(tmp / "lengths.npy", convs.lengths)
+    np.save(tmp / "targets.npy", convs.targets)
+    first = None if counter.first is None else [str(counter.first[0]), *counter.first[1:]]
+    (tmp / "meta.json").write_text(json.dumps({
+        "truncated": convs.truncated, "skipped_by_reason": counter.by_reason,
+        "usable": counter.usable, "first_skipped": first}))
+
+
+def _read_cache(cache: Path, counter: SkipCounter) -> Conversations:
+    meta = json.loads((cache / "meta.json").read_text())
+    lengths = np.load(cache / "lengths.npy")
+    bounds = np.cumsum(lengths)[:-1]
+    ids = np.split(np.load(cache / "ids.npy"), bounds) if len(lengths) else []
+    counted = np.split(np.load(cache / "counted.npy"), bounds) if len(lengths) else []
+    # The skipped lines as tokenizing found them: counted, warned of, judged alike.
+    counter.restore(meta["skipped_by_reason"], meta["usable"], meta["first_skipped"])
+    return Conversations(ids, counted, lengths, np.load(cache / "targets.npy"),
+                         meta["truncated"])
 
 
 def _nonzero(counts: Dict[str, int]) -> dict:
@@ -377,19 +463,25 @@ def validate_chat_data(args) -> None:
         raise ConfigError(f"Validation needs held-out conversations: {root / VAL_DIR} holds no "
                           f"*.jsonl file. Put some there, or set data.val_sequences=0.")
     template = ChatTemplate.from_args(args)
-    first = _check_lines(args, train, root)
+    first = _check_lines(args, train, root, template)
     if val:
-        _check_lines(args, val, root / VAL_DIR)
+        _check_lines(args, val, root / VAL_DIR, template)
     _check_template(args, template, *first)
 
 
-def _check_lines(args, files: List[Path], where: Path) -> Tuple[Path, int, list]:
+def _check_lines(args, files: List[Path], where: Path,
+                 template: ChatTemplate) -> Tuple[Path, int, list]:
     """The first usable conversation; ConfigError when there is none, or when more lines than
-    data.max_skipped_fraction are no conversation (the loader's rule, judged before any work)."""
+    data.max_skipped_fraction are no conversation (the loader's rule, judged before any work).
+    Files whose tokenized cache exists were judged when it was made: only the first is read."""
     counter, first = chat_counter(args, log=False, what=f" of {where}"), None
+    cached = args.chat.cache and (Path(args.root) / CACHE_DIR / cache_key(files, args, template)
+                                  / "meta.json").is_file()
     for found in read_conversations(files, counter.skip):
         counter.used()
         first = first or found
+        if cached:
+            break
     if first is None:
         raise ConfigError(f"{where} has no usable conversation in its {len(files)} *.jsonl "
                           f"files ({counter.count} lines skipped: {_nonzero(counter.by_reason)}"

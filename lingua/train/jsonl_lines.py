@@ -39,6 +39,15 @@ class SkipCounter:
     def count(self) -> int:
         return sum(self.by_reason.values())
 
+    def restore(self, by_reason: dict, usable: int, first) -> None:
+        """The counts of an earlier pass over the same lines (a cache of them): warned of and
+        judged as if the lines were read now."""
+        self.usable = usable
+        self.by_reason.update(by_reason)
+        if first is not None:
+            self._first_skipped(*first)
+        self.check()
+
     def used(self) -> None:
         self.usable += 1
         self.check()
@@ -47,16 +56,18 @@ class SkipCounter:
         """Line line_no (1-based) of path was skipped for err.reason."""
         self.by_reason[err.reason] += 1
         if self.first is None:
-            self.first = (path, line_no, f"{err.reason}: {err}")
-            if self.log:
-                logger.warning("skipping unusable line %d of %s (%s: %s); such lines are "
-                               "skipped and counted (skipped_lines, skipped_<reason>), the run "
-                               "refused if more than %g of the lines read are", line_no, path,
-                               err.reason, err, self.max_fraction)
+            self._first_skipped(path, line_no, f"{err.reason}: {err}")
         elif self.log and (self.count in (100, 1000) or self.count % 10_000 == 0):
             logger.warning("%d lines skipped so far (%s), the last line %d of %s", self.count,
                            {k: n for k, n in self.by_reason.items() if n}, line_no, path)
         self.check()
+
+    def _first_skipped(self, path, line_no: int, why: str) -> None:
+        self.first = (path, line_no, why)
+        if self.log:
+            logger.warning("skipping unusable line %d of %s (%s); such lines are skipped and "
+                           "counted (skipped_lines, skipped_<reason>), the run refused if more "
+                           "than %g of the lines read are", line_no, path, why, self.max_fraction)
 
     def check(self) -> None:
         read = self.usable + self.count
