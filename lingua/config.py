@@ -11,6 +11,7 @@ is a YAML file under `configs/<app>/` whose defaults list starts with that schem
 and wrong types are refused by OmegaConf while composing.
 """
 
+import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -341,6 +342,44 @@ def check_run_directory(path: Path) -> None:
                       f"resume, and the run's files would be mixed with these. Give dump_dir a "
                       f"new or empty directory (e.g. dump_dir={path / 'run'}), or the dump_dir "
                       f"of the run you mean to resume.")
+
+
+class Problems:
+    """Checks run one after another, each ConfigError noted and the next check run, so that one
+    try names every problem it can (every_problem)."""
+
+    def __init__(self):
+        self.found: list = []
+
+    def __call__(self, check: Callable, *args, **kwargs):
+        """check(*args, **kwargs); its ConfigError noted, its result (None if it failed)."""
+        try:
+            return check(*args, **kwargs)
+        except ConfigError as err:
+            if str(err) not in self.found:
+                self.found.append(str(err))
+        except Exception:
+            if not self.found:
+                raise
+            # A later check tripping over a value an earlier one refused: that one is named.
+        return None
+
+    def raise_if_any(self) -> None:
+        if len(self.found) == 1:
+            raise ConfigError(self.found[0])
+        if self.found:
+            raise ConfigError(f"{len(self.found)} problems with this configuration, each with "
+                              f"its fix:\n" + "\n".join(f"  {i}. {problem}" for i, problem
+                                                        in enumerate(self.found, 1)))
+
+
+@contextlib.contextmanager
+def every_problem():
+    """`with every_problem() as check: check(fn, ...)`: runs every check, then raises one
+    ConfigError naming all the problems found (the one problem's own message when alone)."""
+    problems = Problems()
+    yield problems
+    problems.raise_if_any()
 
 
 def require(condition: bool, message: str) -> None:

@@ -12,7 +12,8 @@ again="bash $(q "$REPO/setup/quickstart.sh")"   # the command to run again, as i
 for arg in "$@"; do again+=" $(q "$arg")"; done
 DUMP_DIR="${DUMP_DIR:-runs/quickstart}"
 status=0
-python -m apps.llama.train config=debug dump_dir="$DUMP_DIR" "$@" || status=$?
+# The trainer's own "to resume, run again: ..." line names this script's command, not its own.
+LINGUA_RESUME_COMMAND="$again" python -m apps.llama.train config=debug dump_dir="$DUMP_DIR" "$@" || status=$?
 case "$DUMP_DIR" in /*) RUN_DIR="$DUMP_DIR" ;; *) RUN_DIR="$REPO/$DUMP_DIR" ;; esac
 newest="$(ls "$RUN_DIR/checkpoints" 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -n 1 || true)"
 echo

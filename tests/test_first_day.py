@@ -259,6 +259,11 @@ def test_the_quickstart_says_where_an_interrupted_run_is(corpus, tmp_path):
             f"{dump}/checkpoints/{saved}") in stdout, stdout[-2000:]
     assert (f"run the same command again: DUMP_DIR={dump} bash {REPO}/setup/quickstart.sh "
             f"{args[0]}") in stdout
+    # The trainer's line names the same command (not a relative `python -m ...` of its own).
+    said = [line.split("run again: ", 1)[1] for line in (stdout + stderr).splitlines()
+            if "run again: " in line]
+    assert said and all(c.startswith(f"DUMP_DIR={dump} bash {REPO}/setup/quickstart.sh ")
+                        for c in said), said
 
 
 @pytest.mark.distributed

@@ -314,12 +314,12 @@ def test_the_would_run_line_is_the_command_as_typed(corpus, tmp_path, monkeypatc
                   if ln.startswith("# would run: ")]
         return line[len("# would run: "):]
 
-    head = "python -m apps.llama.train"
+    head, typed = "python -m apps.llama.train", " ".join(given[:-1])   # no slurm.dry_run=true
     assert would_run("dump_dir=runs/plain") == (
-        f"{head} dump_dir=runs/plain {' '.join(given)} dump_dir={tmp_path}/runs/plain "
+        f"{head} dump_dir=runs/plain {typed} dump_dir={tmp_path}/runs/plain "
         f"slurm.tasks_per_node=1")
     spaced = would_run("dump_dir=runs/my run")
-    assert spaced == (f"{head} 'dump_dir=runs/my run' {' '.join(given)} "
+    assert spaced == (f"{head} 'dump_dir=runs/my run' {typed} "
                       f"'dump_dir={tmp_path}/runs/my run' slurm.tasks_per_node=1")
     # Pasted into a shell: the job's argv, which composes the same dump_dir.
     odd = "runs/it's, odd $HOME"
@@ -328,7 +328,7 @@ def test_the_would_run_line_is_the_command_as_typed(corpus, tmp_path, monkeypatc
         [sub] = stool.plan(train, [stool.path_override("dump_dir", rel), *given], False)
         words = subprocess.run(["bash", "-c", 'printf "%s\\n" ' + line], capture_output=True,
                                text=True, check=True).stdout.split("\n")[:-1]
-        assert words == ["python", "-m", "apps.llama.train", *sub.overrides], line
+        assert words == ["python", "-m", "apps.llama.train", *stool.job_overrides(sub)], line
         assert Path(train.load_config(words[3:], check=False).dump_dir) == tmp_path / rel
 
 
@@ -549,3 +549,19 @@ def test_sigterm_saves_and_exits_with_the_stopped_code(corpus, tmp_path):
     assert proc.returncode == 3, out
     [saved] = [int(p.name) for p in (dump / "checkpoints").iterdir() if p.name.isdigit()]
     assert [row["step"] for row in read_metrics(dump)][-1] == saved
+
+
+def test_a_dry_run_names_every_problem_at_once(tmp_path, monkeypatch):
+    """One try names each problem it can find with its fix (a missing data.root included), not
+    one problem per try."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError) as err:
+        stool.submit("apps.llama.train", ["data.root=missing", "optim.lr=-1", "steps=0",
+                                          "data.seq_len=2048", "slurm.dry_run=true"])
+    message = str(err.value)
+    assert message.startswith("4 problems with this configuration, each with its fix:"), message
+    for problem in ("steps=0 must be positive", f"data.root={tmp_path}/missing does not exist",
+                    "optim.lr=-1.0 must be", "data.seq_len=2048 is longer than model.max_seq_len"):
+        assert problem in message, message
+    assert not (tmp_path / "runs").exists()

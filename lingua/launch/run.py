@@ -15,6 +15,7 @@ the loop reach every app. It lives at the top layer because the schema and the h
 evaluation's (lingua.eval).
 """
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -78,66 +79,72 @@ def validate(args, app: App, data_files: bool = True) -> None:
     """Every check that needs no process group, device or write: runs before any work starts.
     data_files=False leaves out the corpus and tokenizer files (lingua.launch.plan plans without
     them and warns of them)."""
-    config.check_positive(args, "", ["steps"])
-    config.check_dump_dir(args.dump_dir)
+    with config.every_problem() as check:   # every problem named in one try
+        _checks(check, args, app, data_files)
+
+
+def _checks(check, args, app: App, data_files: bool) -> None:
+    require = functools.partial(check, config.require)
+    check(config.check_positive, args, "", ["steps"])
+    check(config.check_dump_dir, args.dump_dir)
     for key in ("gc_every", "gc_full_every"):
-        config.require(getattr(args, key) >= 0, f"{key}={getattr(args, key)} must be 0 (never) "
-                       f"or a number of steps.")
-    app.validate_model(args)
-    check_attn_backend(args.model.attn_backend, device_type())
-    data.validate_data_args(args.data, files=data_files)
+        require(getattr(args, key) >= 0, f"{key}={getattr(args, key)} must be 0 (never) or a "
+                f"number of steps.")
+    check(app.validate_model, args)
+    check(check_attn_backend, args.model.attn_backend, device_type())
+    check(data.validate_data_args, args.data, files=data_files)
     if data_files:
-        check_vocab(args)
+        check(check_vocab, args)
     # One rule for every app: packed conversations must not see each other.
     packed = args.data.format == "chat" and args.data.chat.pack
-    config.require(not packed or args.model.attn_mask == "block_causal",
-                   "data.chat.pack=true puts several conversations in one row, and "
-                   f"model.attn_mask={args.model.attn_mask} would let each attend to the ones "
-                   "before it. Set model.attn_mask=block_causal, or data.chat.pack=false (one "
-                   "padded conversation a row).")
-    config.require(args.data.seq_len <= args.model.max_seq_len,
-                   f"data.seq_len={args.data.seq_len} is longer than model.max_seq_len="
-                   f"{args.model.max_seq_len}. Raise model.max_seq_len or shorten data.seq_len.")
-    optim.validate_args(args.optim, args.steps)
-    config.check_positive(args.logging, "logging", ["every"])
+    require(not packed or args.model.attn_mask == "block_causal",
+            "data.chat.pack=true puts several conversations in one row, and "
+            f"model.attn_mask={args.model.attn_mask} would let each attend to the ones before "
+            "it. Set model.attn_mask=block_causal, or data.chat.pack=false (one padded "
+            "conversation a row).")
+    require(args.data.seq_len <= args.model.max_seq_len,
+            f"data.seq_len={args.data.seq_len} is longer than model.max_seq_len="
+            f"{args.model.max_seq_len}. Raise model.max_seq_len or shorten data.seq_len.")
+    check(optim.validate_args, args.optim, args.steps)
+    check(config.check_positive, args.logging, "logging", ["every"])
     for key in ("spike_factor", "spike_window"):   # moved: name the new key
         old = getattr(args.logging, key)
-        config.require(old is None,
-                       f"logging.{key} was moved to optim.{key} (with optim.spike=off|log|skip|"
-                       f"rollback saying what a spike does: README, \"Loss spikes\"). Write "
-                       + ("optim.spike=off" if key == "spike_factor" and old == 0 else
-                          f"optim.{key}={old}") + " instead.")
-    config.require(args.optim.spike != "rollback" or args.checkpoint.every > 0,
-                   "optim.spike=rollback goes back to the newest checkpoint, but with "
-                   "checkpoint.every=0 none is saved before the end. Set checkpoint.every=N (a "
-                   "rollback replays up to N steps), or use optim.spike=skip.")
-    distributed.validate_args(args.distributed)
+        require(old is None,
+                f"logging.{key} was moved to optim.{key} (with optim.spike=off|log|skip|rollback "
+                f"saying what a spike does: README, \"Loss spikes\"). Write "
+                + ("optim.spike=off" if key == "spike_factor" and old == 0 else
+                   f"optim.{key}={old}") + " instead.")
+    require(args.optim.spike != "rollback" or args.checkpoint.every > 0,
+            "optim.spike=rollback goes back to the newest checkpoint, but with checkpoint.every=0 "
+            "none is saved before the end. Set checkpoint.every=N (a rollback replays up to N "
+            "steps), or use optim.spike=skip.")
+    check(distributed.validate_args, args.distributed)
     d = args.distributed
-    dp = distributed.parallel_dims(d, distributed.world_size_from_env()).dp
-    data.check_val_sequences(args.data, dp)
-    if data_files:   # jsonl: a usable line for every data-parallel rank (reads a few lines)
-        data.check_jsonl_lines(args.data, dp)
-    pipeline.validate_pp(args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
-                         d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings,
-                         d.pp_split)
-    validate_cp(args.data.seq_len, d.cp, d.tp, d.cp_backend, device_type(),
-                args.model.attn_mask == "block_causal")
-    check_async_tp(d.async_tp, device_type(), d.compile)
-    checkpoint.validate_args(args.checkpoint)
-    evaluation.validate_args(args.eval)
+    dims = check(distributed.parallel_dims, d, distributed.world_size_from_env())
+    if dims is not None:
+        check(data.check_val_sequences, args.data, dims.dp)
+        if data_files:   # jsonl: a usable line for every data-parallel rank (reads a few lines)
+            check(data.check_jsonl_lines, args.data, dims.dp)
+    check(pipeline.validate_pp, args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
+          d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings, d.pp_split)
+    check(validate_cp, args.data.seq_len, d.cp, d.tp, d.cp_backend, device_type(),
+          args.model.attn_mask == "block_causal")
+    check(check_async_tp, d.async_tp, device_type(), d.compile)
+    check(checkpoint.validate_args, args.checkpoint)
+    check(evaluation.validate_args, args.eval)
     if args.eval.tasks:   # downstream tasks: known names; a layout or Slurm they can run on
-        downstream.check_task_names(args.eval.tasks, args.eval.include_path)
+        check(downstream.check_task_names, args.eval.tasks, args.eval.include_path)
         if args.eval.mode == "inline":
-            downstream.check_layout(args.distributed, "eval.tasks with eval.mode=inline")
+            check(downstream.check_layout, args.distributed, "eval.tasks with eval.mode=inline")
         else:
-            eval_jobs.check_async(args)
-    probe_module.validate_args(args.probe)
-    profiling.validate_args(args.profiling, args.steps)
+            check(eval_jobs.check_async, args)
+    check(probe_module.validate_args, args.probe)
+    check(profiling.validate_args, args.profiling, args.steps)
     # Resuming is only exact with the same model and the same data stream.
-    newest = checkpoint.check_resume_compatible(args.dump_dir, config.to_dict(args),
-                                                ("model", "seed", "data.format", "data.seq_len"))
+    newest = check(checkpoint.check_resume_compatible, args.dump_dir, config.to_dict(args),
+                   ("model", "seed", "data.format", "data.seq_len"))
     if newest is not None:   # LoRA checkpoints hold the adapters: resume on the same base only
-        checkpoint.verified_base(newest, args.checkpoint.init_from, "checkpoint.init_from")
+        check(checkpoint.verified_base, newest, args.checkpoint.init_from, "checkpoint.init_from")
 
 
 def hooks(args, env: DistEnv, app: App) -> Hooks:

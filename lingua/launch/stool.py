@@ -359,6 +359,11 @@ def status_hint(job_ids: List[str]) -> str:
     return f"  follow it: squeue -j {ids} (queued, running); sacct -j {ids} (also once it ended)"
 
 
+def job_overrides(sub) -> List[str]:
+    """The overrides the job would get: the dry run's own switch left out."""
+    return [o for o in sub.overrides if o.lstrip("+").split("=", 1)[0] != "slurm.dry_run"]
+
+
 def dry_run_plan(module: str, sub, sweep: bool) -> str:
     """lingua.launch.plan's per-rank memory and time for the job, as comment lines of the dry run:
     the model built and parallelised at the job's world size on the fake process group."""
@@ -398,8 +403,9 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
     if slurm.dry_run:
         print(batch_script(executor, len(submissions)))
         for sub in submissions:
-            # As one would type it: pasted into a shell it runs the job's config here.
-            print(f"# would run: {shell_join(['python', '-m', module, *sub.overrides])}")
+            # As one would type it: pasted into a shell it runs the job's config here (the
+            # job's own overrides: without the dry run's slurm.dry_run=true).
+            print(f"# would run: {shell_join(['python', '-m', module, *job_overrides(sub)])}")
             print(f"#   dump dir: {sub.dump_dir}")
         print(dry_run_plan(module, submissions[0], sweep))
         print("# resources checked against `sinfo`" if checked else

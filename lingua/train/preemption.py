@@ -132,9 +132,16 @@ class StopSignals:
 SIGNALS = StopSignals()
 
 
+RESUME_COMMAND_VAR = "LINGUA_RESUME_COMMAND"
+
+
 def resume_command() -> str:
-    """The command that resumes this run, as its launcher was given it: `python -m <app> ...`,
-    `torchrun --nproc-per-node N -m <app> ...` (one node), else "the same command"."""
+    """The command that resumes this run, as its launcher was given it: what a wrapper script
+    that knows its user's command put in LINGUA_RESUME_COMMAND (setup/quickstart.sh), else
+    `python -m <app> ...`, `torchrun --nproc-per-node N -m <app> ...` (one node), else "the same
+    command"."""
+    if os.environ.get(RESUME_COMMAND_VAR):
+        return os.environ[RESUME_COMMAND_VAR]
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     if spec is None or not hasattr(main, "load_config"):   # not `python -m apps.<app>.train`
