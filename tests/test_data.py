@@ -260,6 +260,20 @@ def test_memmap_val_batches_same_for_every_layout(small, val_sequences):
     assert build_val_batches(margs(small, val_sequences=0), 0, 1) == []
 
 
+def test_fewer_validation_sequences_than_ranks_validate_one_a_rank(small, caplog):
+    """Not an empty share (val_loss NaN): one sequence a rank, said once (by rank 0); a
+    validation set smaller than that is refused with the fix."""
+    args = margs(small, batch_size=3, val_sequences=2)
+    with caplog.at_level("WARNING"):
+        per_rank = [build_val_batches(args, r, 4) for r in range(4)]
+    assert [sum(b.tokens.shape[0] for b in batches) for batches in per_rank] == [1] * 4
+    assert caplog.text.count("data.val_sequences=2 is fewer than the 4 data-parallel ranks") == 1
+    windows = (len(raw_tokens(small, "val")) - 1) // 8
+    with pytest.raises(ConfigError, match="fewer validation sequences of data.seq_len=8 tokens "
+                                          f"than the {windows + 1} data-parallel ranks"):
+        build_val_batches(args, 0, windows + 1)
+
+
 def test_validate_memmap_accepts_a_good_corpus(small, corpus):
     validate_data_args(margs(small, val_sequences=4))
     validate_data_args(margs(corpus, seq_len=64, val_sequences=8))

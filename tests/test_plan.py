@@ -14,6 +14,7 @@ shapes in fp32, AdamW holds two fp32 moments.
 
 import base64
 import contextlib
+import re
 import weakref
 
 import pytest
@@ -451,12 +452,24 @@ def test_cli_prints_the_table_and_exits_0_when_it_fits(tmp_path, capsys):
     assert planner.main(argv) == 0
     out = capsys.readouterr().out
     assert "64 ranks" in out and "\nfits: " in out and "activations (ac=op)" in out
-    assert "tokens/s a GPU" in out and "days" in out
+    assert "tokens/s a GPU" in out and re.search(r"tokens in [\d.]+ (days|hours)\n", out), out
     assert "\nwarning: data.root is not set" in out
     assert "\nwarning: data.tokenizer.kind=tiktoken needs a file" in out
     assert "model.vocab_size=128256" in out
     # stool's dry run gets the same text
     assert planner.report_text("apps.llama.train", argv[1:], 64).strip() == out.strip()
+
+
+def test_a_cpu_job_is_planned_against_this_machine_in_a_unit_that_fits(tmp_path, capsys):
+    """Not an H100's memory and peak: this machine's RAM and measured matmul rate; a short run
+    in minutes, not "0.0 days"."""
+    assert planner._duration(25 * 60) == "25 minutes" and planner._duration(3 * 86400) == "3.0 days"
+    argv = ["apps.llama.train", "config=debug", f"dump_dir={tmp_path / 'run'}", "--device", "cpu"]
+    assert planner.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "H100" not in out and "this machine's CPU fp32 peak" in out, out
+    assert f"of {planner.host_memory_gib():.3g} GiB, this machine's CPU" in out, out
+    assert "tokens/s a process" in out and "days" not in out, out
 
 
 def test_cli_exit_codes_for_a_misfit_and_a_bad_config(data, tmp_path, capsys):

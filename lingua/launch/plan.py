@@ -80,6 +80,8 @@ names the first that fits.
 
 import argparse
 import dataclasses
+import functools
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +163,19 @@ class Plan:
 
 # ---------------------------------------------------------------------------------------------
 # Planning
+
+
+def host_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_peak_flops(dtype: str, dim: int) -> float:
+    """This CPU's matmul rate on a linear of the model's width (as a CPU run's MFU is measured:
+    lingua.observe.metrics.run_peak), for a CPU job's time estimate."""
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    return metrics.measure_matmul_peak(2048, dim, 4 * dim, torch_dtype, torch.device("cpu"),
+                                       seconds=0.3)["flops_per_s"]
 
 
 def job_world_size(slurm) -> int:
@@ -251,6 +266,7 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
         raise ConfigError(f"--gpu {gpu}: known GPUs are {', '.join(GPU_MEMORY_GIB)}.")
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu {mfu}: give a fraction between 0 and 1, e.g. 0.4.")
+    given_mem_gib = gpu_mem_gib
     gpu_mem_gib = gpu_mem_gib or GPU_MEMORY_GIB[gpu]
     overrides = list(overrides)
     app, args, world = load_args(app_module, overrides, world_size, device_type)
@@ -289,9 +305,12 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
         full = plan(app_module, overrides + ["lora.rank=0"], world, device_type, gpu,
                     gpu_mem_gib, mfu, suggest=False)
         result.full_finetune_bytes = full.busiest.total
-    if device_type != "cuda":
-        result.notes.append(f"planned for {device_type}: the memory limit is the GPU's "
-                            f"({gpu}, {gpu_mem_gib:g} GiB) all the same")
+    if device_type == "cpu":   # a CPU job: this machine's memory and measured matmul rate
+        result.gpu = "this machine's CPU"
+        result.gpu_mem_gib = given_mem_gib or host_memory_gib()
+        result.peak_flops = cpu_peak_flops(dtype, args.model.dim)
+        result.notes.append("planned for cpu: the memory is this machine's RAM and the peak its "
+                            "own measured matmul rate; a cluster node's CPU may differ")
     if suggest and not result.fits:
         result.suggestion, result.tried = _cheapest_fix(result, gpu, gpu_mem_gib, mfu,
                                                         device_type)
@@ -460,7 +479,7 @@ def format_plan(p: Plan) -> str:
     lines += _beside_the_peak(p, fmt, unit)
     verdict = "fits" if p.fits else "does not fit"
     lines.append(f"{verdict}: {fmt(b.total)} {unit} on rank {b.rank} of {_gib(p.usable_bytes)} GiB "
-                 f"usable ({USABLE_FRACTION:.0%} of {p.gpu_mem_gib:g} GiB, {p.gpu})")
+                 f"usable ({USABLE_FRACTION:.0%} of {p.gpu_mem_gib:.3g} GiB, {p.gpu})")
     if p.full_finetune_bytes is not None:
         lines.append(f"  LoRA saves {_gib(p.full_finetune_bytes - b.total)} GiB a rank against "
                      f"full fine-tuning ({_gib(p.full_finetune_bytes)} GiB a rank with "
@@ -473,10 +492,13 @@ def format_plan(p: Plan) -> str:
                          "nodes): lower data.batch_size or data.seq_len, or add pp")
     tps = p.tokens_per_s_per_gpu
     total_tokens = a.steps * p.tokens_per_step
-    lines.append(f"at {p.mfu:.0%} MFU ({p.gpu} {e_name} peak {p.peak_flops / 1e12:.0f} TFLOP/s): "
-                 f"{tps:,.0f} tokens/s a GPU, {_count(tps * p.world_size)} tokens/s; "
+    each = "a GPU" if p.device_type == "cuda" else "a process"
+    peak = (f"{p.peak_flops / 1e12:.0f} TFLOP/s" if p.peak_flops >= 1e12 else
+            f"{p.peak_flops / 1e9:.0f} GFLOP/s")
+    lines.append(f"at {p.mfu:.0%} MFU ({p.gpu} {e_name} peak {peak}): "
+                 f"{tps:,.0f} tokens/s {each}, {_count(tps * p.world_size)} tokens/s; "
                  f"{_count(p.tokens_per_step)} tokens a step, {a.steps} steps = "
-                 f"{_count(total_tokens)} tokens in {p.days:.1f} days")
+                 f"{_count(total_tokens)} tokens in {_duration(p.days * 86400)}")
     if p.float8_flops_per_token:
         lines.append(f"  (float8 {d.float8}: {p.float8_flops_per_token / p.flops_per_token:.0%} "
                      f"of the FLOPs at {FLOAT8_SPEEDUP:g}x the bf16 rate; MFU stays over the "
@@ -489,6 +511,17 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  (planned without them, with model.vocab_size={a.model.vocab_size}; "
                      f"the job and stool refuse to start until they are fixed)")
     return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    """In the unit that fits: 40 s, 25 minutes, 7.5 hours, 3.2 days."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} minutes"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} hours"
+    return f"{seconds / 86400:.1f} days"
 
 
 def report_text(app_module: str, overrides: list, world_size: int, device_type: str = "cuda",

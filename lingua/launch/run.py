@@ -121,10 +121,8 @@ def _checks(check, args, app: App, data_files: bool) -> None:
     check(distributed.validate_args, args.distributed)
     d = args.distributed
     dims = check(distributed.parallel_dims, d, distributed.world_size_from_env())
-    if dims is not None:
-        check(data.check_val_sequences, args.data, dims.dp)
-        if data_files:   # jsonl: a usable line for every data-parallel rank (reads a few lines)
-            check(data.check_jsonl_lines, args.data, dims.dp)
+    if dims is not None and data_files:   # jsonl: a usable line for every data-parallel rank
+        check(data.check_jsonl_lines, args.data, dims.dp)
     check(pipeline.validate_pp, args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
           d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings, d.pp_split)
     check(validate_cp, args.data.seq_len, d.cp, d.tp, d.cp_backend, device_type(),

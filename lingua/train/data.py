@@ -35,6 +35,7 @@ corpus on disk (meta.json, its checks, writing one) is in memmap_corpus.py; whic
 usable, and a rank's share of a source's lines, in jsonl_lines.py.
 """
 
+import dataclasses
 import logging
 import sysconfig
 from dataclasses import dataclass, field
@@ -242,7 +243,12 @@ def build_val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]
     """
     if not args.val_sequences:
         return []
-    check_val_sequences(args, dp_size)
+    if args.val_sequences < dp_size:   # every rank validates on as many: one each, at least
+        if dp_rank == 0:
+            logger.warning("data.val_sequences=%d is fewer than the %d data-parallel ranks, "
+                           "which each validate on an equal share: validating on %d sequences "
+                           "(one a rank)", args.val_sequences, dp_size, dp_size)
+        args = dataclasses.replace(args, val_sequences=dp_size)
     if args.format == "chat":   # the same rule, over packed or padded conversations
         batches = chat_val_batches(args, dp_rank, dp_size)
     else:
@@ -254,16 +260,6 @@ def build_val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]
             f"{dp_size} data-parallel ranks, so there would be none to validate on. Add "
             f"validation data, shorten data.seq_len, or set data.val_sequences=0 (no validation).")
     return batches
-
-
-def check_val_sequences(args: DataArgs, dp_size: int) -> None:
-    """Every data-parallel rank validates on as many sequences (see build_val_batches)."""
-    if 0 < args.val_sequences < dp_size:
-        raise ConfigError(
-            f"data.val_sequences={args.val_sequences} is fewer than the {dp_size} data-parallel "
-            f"ranks: each validates on an equal share, so there would be none. Set "
-            f"data.val_sequences={dp_size} or more (a multiple of {dp_size} uses them all), or "
-            f"data.val_sequences=0 for no validation.")
 
 
 def _val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]:
