@@ -321,8 +321,11 @@ def test_malformed_lines_are_counted_by_reason_and_skipped(tmp_path, caplog):
     (root / "b.jsonl").write_bytes(b'{"prompt": "\xff", "completion": "x"}\n' +
                                    json.dumps(conversation(3)).encode() + b"\n")
     args = chat_args(root, seq_len=128, val_sequences=0, batch_size=4)
+    caplog.set_level("INFO", logger="lingua.train.chat_data")
     loader = ChatLoader(args, 0, 1, seed=0)
     assert len(loader.convs) == 3 and loader.skipped_lines == 4
+    # the row length in its unit: seq_len inputs and the last one's target
+    assert "cut to a row of data.seq_len+1 = 129 tokens: 128 inputs and the last" in caplog.text
     assert {k: n for k, n in loader.skipped_by_reason.items() if n} == {
         "invalid_json": 1, "no_assistant": 1, "not_chat": 1, "invalid_utf8": 1}
     assert f"skipping unusable line 2 of {root / 'a.jsonl'} (invalid_json" in caplog.text

@@ -48,13 +48,20 @@ def test_moe_experts_are_converted_and_the_log_says_which(caplog):
         in caplog.text
     assert list(model.state_dict()) == list(tiny_moe().state_dict())   # same checkpoint keys
 
-    caplog.clear()   # the per-expert loop, or a hidden size the GEMM cannot take: unchanged
-    for model in (tiny_moe(expert_impl="loop"), tiny_moe(expert_hidden_dim=40)):
+    # The per-expert loop, or a hidden size the GEMM cannot take: unchanged, and the log gives
+    # the one reason that applies.
+    for model, why in ((tiny_moe(expert_impl="loop"),
+                        "they loop over experts (model.expert_impl=loop)"),
+                       (tiny_moe(expert_hidden_dim=40),
+                        "expert hidden=40 not a multiple of 16")):
+        caplog.clear()
         with caplog.at_level(logging.INFO, logger="lingua.parallel.float8"):
             names = apply_float8(model, "tensorwise", float8_filter)
         assert not any(n.endswith("experts") for n in names)
         assert model.get_submodule("layers.1.moe.experts").grouped_mm is None
-        assert "the MoE experts (layers.*.moe.experts) stay in high precision" in caplog.text
+        assert ("the MoE experts (layers.*.moe.experts) stay in high precision: " + why + "\n"
+                in caplog.text + "\n"), caplog.text
+        assert caplog.text.count("stay in high precision") == 1
 
 
 def by_hand(x, w, grad_y, counts, pow2=True, per_group=True):

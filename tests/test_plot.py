@@ -199,6 +199,10 @@ def test_mfu_is_never_drawn_above_100_percent(tmp_path):
     assert line.get_xydata().tolist() == [[1, 20.0], [3, 40.0]]
     assert mfu_ax.get_ylim()[1] <= 100
     assert [t.get_text() for t in mfu_ax.texts] == ["2 value(s) above 100% not drawn: not credible"]
+    # Steps that logged no MFU (no known peak): how many, not a line that silently stops.
+    rows = [{"step": s, "loss": 1.0, "mfu": m} for s, m in enumerate([0.2, 0.3, None, None], 1)]
+    mfu_ax = plot.compare_figure({"r": rows}).axes[4]
+    assert [t.get_text() for t in mfu_ax.texts] == ["2 step(s) logged no value (null): not drawn"]
     import matplotlib.pyplot as plt
 
     plt.close("all")

@@ -326,8 +326,11 @@ def figure_header(fig, title: str, handles: List[Line2D], height: float) -> None
 
 def draw_panel(ax, panel: Panel, runs, styles) -> bool:
     """The panel's key for every run; True when anything was drawn."""
-    drawn, dropped = False, 0
+    drawn, dropped, nulls = False, 0, 0
     for i, (label, rows) in enumerate(runs.items()):
+        # null: the run logged the key without a value (MFU with no known peak, e.g. bf16 on a
+        # CPU that emulates it): said, so a line that stops is not taken for the run stopping.
+        nulls += sum(1 for row in rows if panel.key in row and row[panel.key] is None)
         steps, values = series(rows, panel.key, panel.scale)
         if panel.cap is not None:
             kept = [(s, v) for s, v in zip(steps, values) if v <= panel.cap]
@@ -336,9 +339,14 @@ def draw_panel(ax, panel: Panel, runs, styles) -> bool:
         if steps:
             plot_run(ax, steps, values, styles[label], i, len(runs), label=label)
             drawn = True
+    notes = []
     if dropped:
-        ax.text(0.99, 0.98, f"{dropped} value(s) above {panel.cap:.0f}% not drawn: not credible",
-                transform=ax.transAxes, ha="right", va="top", fontsize=8, color="gray")
+        notes.append(f"{dropped} value(s) above {panel.cap:.0f}% not drawn: not credible")
+    if nulls and drawn:   # with nothing drawn, the panel says "no data"
+        notes.append(f"{nulls} step(s) logged no value (null): not drawn")
+    for k, note in enumerate(notes):
+        ax.text(0.99, 0.98 - 0.06 * k, note, transform=ax.transAxes, ha="right", va="top",
+                fontsize=8, color="gray")
     if drawn and panel.cap is not None:
         ax.set_ylim(0, min(panel.cap, ax.get_ylim()[1]))
     return drawn

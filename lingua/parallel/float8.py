@@ -129,21 +129,22 @@ def apply_float8(model: nn.Module, recipe: str, convert: Callable = default_filt
                 ", float8 FSDP all-gather" if fsdp_float8_all_gather else "",
                 ", emulated matmuls" if emulate else "", len(converted),
                 compress_names(converted) or "none")
-    experts, kept = [], []
+    experts, kept = [], {}   # kept: why -> the experts it keeps in high precision
     for fqn, module in model.named_modules():
         if isinstance(module, GroupedExperts):
-            if convert(fqn, module) and float8_moe.converts_experts(module):
+            why = float8_moe.why_not(module) or (
+                None if convert(fqn, module) else "the app's float8 filter leaves them")
+            if why is None:
                 float8_moe.convert_experts(module, emulate)
                 experts.append(fqn)
             else:
-                kept.append(fqn)
+                kept.setdefault(why, []).append(fqn)
     if experts:
         logger.info("float8: the MoE experts (%s) use float8 rowwise grouped GEMMs%s",
                     compress_names(experts), " (emulated)" if emulate else "")
-    if kept:
-        logger.info("float8: the MoE experts (%s) stay in high precision: the app's filter "
-                    "leaves them, or they loop over experts (model.expert_impl=loop) or have a "
-                    "dimension that is not a multiple of 16", compress_names(kept))
+    for why, fqns in kept.items():
+        logger.info("float8: the MoE experts (%s) stay in high precision: %s",
+                    compress_names(fqns), why)
     return converted + experts
 
 

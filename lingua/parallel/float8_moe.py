@@ -25,10 +25,17 @@ GROUP_MULTIPLE = 16
 def converts_experts(module: nn.Module) -> bool:
     """Whether `module` is grouped experts the float8 grouped GEMM can run: the grouped
     implementation (not the per-expert loop) with dim and hidden multiples of 16."""
-    if not isinstance(module, GroupedExperts) or module.impl != "grouped":
-        return False
+    return isinstance(module, GroupedExperts) and why_not(module) is None
+
+
+def why_not(module: GroupedExperts):
+    """Why the float8 grouped GEMM cannot run these experts, or None when it can."""
+    if module.impl != "grouped":
+        return f"they loop over experts (model.expert_impl={module.impl})"
     _, dim, hidden = module.w1.shape
-    return dim % 16 == 0 and hidden % 16 == 0
+    odd = [f"{name}={n}" for name, n in (("dim", dim), ("expert hidden", hidden))
+           if n % GROUP_MULTIPLE]
+    return f"{' and '.join(odd)} not a multiple of {GROUP_MULTIPLE}" if odd else None
 
 
 def convert_experts(module: GroupedExperts, emulate: bool) -> None:

@@ -346,9 +346,10 @@ class ChatLoader:
         rows = len(self._rows_of_epoch(0))
         global_batch = args.batch_size * dp_size * args.grad_accum
         if dp_rank == 0:
-            logger.info("chat data: %d conversations (%d truncated to %d tokens, %d lines "
-                        "skipped: %s), %d rows in the first epoch", len(self.convs),
-                        self.truncated_samples, self.row_len, self.counter.count,
+            logger.info("chat data: %d conversations (%d cut to a row of data.seq_len+1 = %d "
+                        "tokens: %d inputs and the last one's target; %d lines skipped: %s), %d "
+                        "rows in the first epoch", len(self.convs), self.truncated_samples,
+                        self.row_len, args.seq_len, self.counter.count,
                         _nonzero(self.counter.by_reason), rows)
             if rows < global_batch:
                 logger.warning("chat data: %d rows an epoch, fewer than the global batch of %d "
