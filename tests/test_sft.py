@@ -34,7 +34,7 @@ def validate(base, *overrides):
     return args
 
 
-@pytest.mark.slow   # starts the trainer's process and loads transformers (15 s)
+@pytest.mark.slow   # starts the trainer's process, pretrains 3 steps, loads transformers (20 s)
 def test_the_debug_preset_makes_its_inputs_and_trains_on_answers_only(tmp_path):
     """`python -m apps.sft.train` in a fresh directory: the base model and chat corpus appear
     under data/sft_debug, and step 1's logged loss (B = 0: the base model's) is transformers'
@@ -46,7 +46,8 @@ def test_the_debug_preset_makes_its_inputs_and_trains_on_answers_only(tmp_path):
     from lingua.model.loss import IGNORE_INDEX
     from lingua.train.chat_data import ChatLoader
 
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    # The base's pretraining, 3 steps instead of the preset's 200: the same path, quick.
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2", LINGUA_SFT_BASE_STEPS="3")
     env.pop("WORLD_SIZE", None)
     proc = launcher.launch("apps.sft.train", ["steps=2", "logging.every=1", "eval.every=2",
                                               "dump_dir=run", "checkpoint.every=0",
@@ -55,6 +56,10 @@ def test_the_debug_preset_makes_its_inputs_and_trains_on_answers_only(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     base = tmp_path / "data/sft_debug/base"
     assert (base / "model.safetensors").is_file()
+    # Pretrained here, then exported: the pretraining's last checkpoint is the base's weights.
+    pretraining = tmp_path / "data/sft_debug/base.pretrain/metrics.jsonl"
+    pretrained = [json.loads(line) for line in pretraining.read_text().splitlines()]
+    assert pretrained[-1]["step"] == 3
     assert list((tmp_path / "data/sft_debug/chat").glob("*.jsonl"))
     assert "lora: rank 8, alpha 16 on 16 layers" in proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]

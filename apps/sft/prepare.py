@@ -1,23 +1,32 @@
 """The debug preset's inputs, made here on first use (no download): a tiny Hugging Face Llama that
-transformers builds from a config (random weights, the byte tokenizer's files beside it), and a
-small chat corpus written from the embedded corpus's text (lingua/train/chat_data.py).
+has learned something (apps/sft's Llama of the preset's shape pretrained on the embedded corpus for
+BASE_STEPS steps, as the quickstart trains apps.llama's debug preset, then exported with the byte
+tokenizer's files: LoRA on a random base has nothing to adapt), and a small chat corpus written
+from the same text (lingua/train/chat_data.py).
 
 `python -m apps.sft.prepare OUT_DIR` writes both as OUT_DIR/base and OUT_DIR/chat; the debug
-preset trains from data/sft_debug/base on data/sft_debug/chat.
+preset trains from data/sft_debug/base on data/sft_debug/chat. LINGUA_SFT_BASE_STEPS sets the
+base's pretraining steps (the tests make a quick one).
 """
 
+import dataclasses
 import json
+import logging
+import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from apps.sft.hf import llama_hf_config
 from apps.sft.model import LlamaArgs
+from lingua.errors import RunError
 from lingua.train import hf as lingua_hf
 from lingua.train.data_common import write_once
 
 BASE, CHAT = "base", "chat"
+logger = logging.getLogger(__name__)
 
 
 def write_base_model(out: Path, args: LlamaArgs, seed: int = 0) -> Path:
@@ -40,6 +49,41 @@ def write_base_model(out: Path, args: LlamaArgs, seed: int = 0) -> Path:
     return Path(out)
 
 
+BASE_STEPS = 500   # ~3 minutes on 2 CPU cores: the base then writes words of the docstrings
+
+
+def pretrain_base(out: Path, args: LlamaArgs, corpus: Path, steps: Optional[int] = None) -> Path:
+    """The debug preset's base: a Llama of `args`' shape pretrained for `steps` on the embedded
+    corpus at `corpus` (made there if missing), exported as a LlamaForCausalLM directory; safe
+    when processes race (write_once). The pretraining run is kept beside `out` (`<out>.pretrain`):
+    stopped, the same command resumes it."""
+    from apps.sft import hf as sft_hf
+    from apps.sft import train
+    from lingua.launch import run
+
+    steps = steps or int(os.environ.get("LINGUA_SFT_BASE_STEPS", BASE_STEPS))
+    run_dir = out.parent / f"{out.name}.pretrain"
+
+    def write(tmp: Path) -> None:
+        shape = [f"model.{k}={v}" for k, v in dataclasses.asdict(args).items() if v is not None]
+        argv = ["config=debug", f"dump_dir={run_dir}", "checkpoint.init_from=null", "lora.rank=0",
+                "data.format=memmap", f"data.root={corpus}", "data.prepare_embedded=true",
+                "data.val_sequences=0", f"steps={steps}", "optim.lr=3e-3", "optim.warmup=20",
+                "optim.weight_decay=0.1", "eval.at_end=false", "checkpoint.every=50",
+                "model.attn_mask=causal", *shape]
+        pretraining = train.load_config(argv, check=False)
+        logger.info("the debug base: pretraining %d steps on %s (once; then %s)", steps, corpus,
+                    out)
+        run.validate(pretraining, train.APP)
+        if run.run(pretraining, train.APP) != 0:
+            raise RunError(f"the debug base's pretraining in {run_dir} stopped before its end; "
+                           f"run the same command again to go on from its checkpoint.")
+        sft_hf.export_merged(run_dir, tmp)
+
+    write_once(out, "config.json", write, "the debug base model (checkpoint.init_from)")
+    return Path(out)
+
+
 def ensure_debug_inputs(args) -> None:
     """The chat corpus at data.root, and the base model beside it (data.root's parent / base) when
     checkpoint.init_from names that place: a directory the user named elsewhere is never made up
@@ -52,7 +96,7 @@ def ensure_debug_inputs(args) -> None:
     base = root.parent / BASE
     init_from = args.checkpoint.init_from
     if init_from is not None and Path(init_from).resolve() == base.resolve():
-        write_base_model(base, args.model)
+        pretrain_base(base, args.model, root.parent / "embedded")
 
 
 def main(argv=None) -> None:
@@ -68,8 +112,9 @@ def main(argv=None) -> None:
     # The debug preset's model, read from its file (apps.sft.train imports this module)
     shape = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "sft" / "debug.yaml").model)
     write_debug_chat(out / CHAT)
-    write_base_model(out / BASE, LlamaArgs(**shape))
-    print(f"wrote {out / BASE} (a tiny LlamaForCausalLM) and {out / CHAT} (chat jsonl)")
+    pretrain_base(out / BASE, LlamaArgs(**shape), out / "embedded")
+    print(f"wrote {out / BASE} (a tiny pretrained LlamaForCausalLM) and {out / CHAT} (chat "
+          f"jsonl)")
 
 
 if __name__ == "__main__":

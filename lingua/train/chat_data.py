@@ -528,9 +528,19 @@ def write_debug_chat(out_dir, n_train: int = 2000, n_val: int = 100) -> Path:
 
 
 def _debug_conversation(i: int, doc: str, pass_no: int) -> dict:
+    # The next sentence after one or two of a docstring: an answer that ends where a sentence
+    # does, so a model that learned the template stops there (EOS after the period).
     text = " ".join(doc.split())
-    start = pass_no * 40 % max(len(text) - 160, 1)   # a later pass over the docs: other windows
-    prompt, answer = text[start:start + 80], text[start + 80:start + 160] or "."
+    sentences = [s.strip().rstrip(".") + "." for s in text.split(". ") if s.strip()]
+    if len(sentences) > 1:
+        at = pass_no % (len(sentences) - 1)   # a later pass over the docs: other sentences
+        prompt = " ".join(sentences[max(at - 1, 0):at + 1])[-160:]
+        answer = sentences[at + 1][:160]
+    else:   # one sentence: its first half asks for the rest
+        words = text.split()
+        prompt = " ".join(words[:len(words) // 2])[-160:]
+        answer = " ".join(words[len(words) // 2:])[:160]
+    answer = answer or "."
     if i % 3 == 0:
         return {"prompt": f"Continue: {prompt}", "completion": answer}
     messages = [{"role": "user", "content": f"Continue: {prompt}"},
