@@ -326,8 +326,11 @@ def check_dump_dir(dump_dir: str) -> None:
                       f"move {found} away.")
 
 
-# What every run (and stool, before its job starts) writes first into its dump_dir.
-RUN_DIRECTORY_MARKS = ("config.yaml", "metrics.jsonl", "checkpoints")
+# What runs (and stool, before its job starts) write into their dump_dir: one of these makes a
+# directory a run's.
+RUN_DIRECTORY_MARKS = ("config.yaml", "metrics.jsonl", "checkpoints", "peak.json", "spikes.jsonl",
+                       "probe", "evals", "profiling", "wandb", "wandb_id.txt", "code", "slurm",
+                       "plots")
 
 
 def check_run_directory(path: Path) -> None:
