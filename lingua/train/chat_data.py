@@ -40,6 +40,7 @@ Skipped lines are counted by every rank (each reads them all) but reported by da
 import hashlib
 import json
 import logging
+import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -512,8 +513,8 @@ def _check_template(args, template: ChatTemplate, path: Path, line_no: int, mess
 
 
 def write_debug_chat(out_dir, n_train: int = 2000, n_val: int = 100) -> Path:
-    """A small chat corpus made from stdlib docstrings (user: the start of one, assistant: how it
-    goes on), as out_dir/train.jsonl and out_dir/val/val.jsonl; safe when processes race
+    """A small chat corpus made from stdlib docstrings (user: the start of one of their words,
+    assistant: its end), as out_dir/train.jsonl and out_dir/val/val.jsonl; safe when processes race
     (data_common.write_once)."""
     def write(tmp: Path) -> None:
         (tmp / VAL_DIR).mkdir(parents=True)
@@ -528,23 +529,16 @@ def write_debug_chat(out_dir, n_train: int = 2000, n_val: int = 100) -> Path:
 
 
 def _debug_conversation(i: int, doc: str, pass_no: int) -> dict:
-    # The next sentence after one or two of a docstring: an answer that ends where a sentence
-    # does, so a model that learned the template stops there (EOS after the period).
-    text = " ".join(doc.split())
-    sentences = [s.strip().rstrip(".") + "." for s in text.split(". ") if s.strip()]
-    if len(sentences) > 1:
-        at = pass_no % (len(sentences) - 1)   # a later pass over the docs: other sentences
-        prompt = " ".join(sentences[max(at - 1, 0):at + 1])[-160:]
-        answer = sentences[at + 1][:160]
-    else:   # one sentence: its first half asks for the rest
-        words = text.split()
-        prompt = " ".join(words[:len(words) // 2])[-160:]
-        answer = " ".join(words[len(words) // 2:])[:160]
-    answer = answer or "."
+    # Finish a word of the docstrings: a base that learned their words knows the rest, and what
+    # LoRA has to teach is the chat format, the answer in the assistant's turn and its end (EOS
+    # where the word ends, not a space and more text).
+    words = re.findall(r"[A-Za-z]{6,}", doc) or ["function"]
+    word = words[(i + pass_no) % len(words)]
+    start, rest = word[:max(3, len(word) // 2)], word[max(3, len(word) // 2):]
     if i % 3 == 0:
-        return {"prompt": f"Continue: {prompt}", "completion": answer}
-    messages = [{"role": "user", "content": f"Continue: {prompt}"},
-                {"role": "assistant", "content": answer}]
+        return {"prompt": f"Finish the word: {start}", "completion": rest}
+    messages = [{"role": "user", "content": f"Finish the word: {start}"},
+                {"role": "assistant", "content": rest}]
     if i % 3 == 2:
-        messages.insert(0, {"role": "system", "content": "You continue Python documentation."})
+        messages.insert(0, {"role": "system", "content": "You finish words."})
     return {"messages": messages}
