@@ -159,7 +159,7 @@ def chat_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft_chat")
     shape = {k.split("=")[0][len("model."):]: int(k.split("=")[1]) for k in TINY_MODEL}
     base = write_base_model(root / "base", LlamaArgs(**shape))
-    chat = write_debug_chat(root / "chat", n_train=200, n_val=24)
+    chat = write_debug_chat(root / "chat", n_train=200, n_val=64)   # >= 8 packed rows
 
     def args(dump, *extra):
         return [f"dump_dir={dump}", f"data.root={chat}", f"checkpoint.init_from={base}",
