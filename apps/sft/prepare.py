@@ -4,8 +4,8 @@ BASE_STEPS steps, as the quickstart trains apps.llama's debug preset, then expor
 tokenizer's files: LoRA on a random base has nothing to adapt), and a small chat corpus written
 from the same text (lingua/train/chat_data.py).
 
-`python -m apps.sft.prepare OUT_DIR` writes both as OUT_DIR/base and OUT_DIR/chat; the debug
-preset trains from data/sft_debug/base on data/sft_debug/chat. LINGUA_SFT_BASE_STEPS sets the
+The debug preset trains from data/sft_debug/base on data/sft_debug/chat (`python -m apps.sft.train`
+makes them). LINGUA_SFT_BASE_STEPS sets the
 base's pretraining steps (the tests make a quick one).
 """
 
@@ -13,9 +13,8 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -52,14 +51,14 @@ def write_base_model(out: Path, args: LlamaArgs, seed: int = 0) -> Path:
 BASE_STEPS = 500   # ~3 minutes on 2 CPU cores: the base then writes words of the docstrings
 
 
-def pretrain_base(out: Path, args: LlamaArgs, corpus: Path, steps: Optional[int] = None) -> Path:
+def pretrain_base(out: Path, args: LlamaArgs, corpus: Path, train: Callable[[list], int],
+                  steps: Optional[int] = None) -> Path:
     """The debug preset's base: a Llama of `args`' shape pretrained for `steps` on the embedded
     corpus at `corpus` (made there if missing), exported as a LlamaForCausalLM directory; safe
-    when processes race (write_once). The pretraining run is kept beside `out` (`<out>.pretrain`):
-    stopped, the same command resumes it."""
+    when processes race (write_once). `train(argv)` is apps.sft.train's run of a config (it
+    imports this module, so it hands itself in). The pretraining run is kept beside `out`
+    (`<out>.pretrain`): stopped, the same command resumes it."""
     from apps.sft import hf as sft_hf
-    from apps.sft import train
-    from lingua.launch import run
 
     steps = steps or int(os.environ.get("LINGUA_SFT_BASE_STEPS", BASE_STEPS))
     run_dir = out.parent / f"{out.name}.pretrain"
@@ -71,11 +70,9 @@ def pretrain_base(out: Path, args: LlamaArgs, corpus: Path, steps: Optional[int]
                 "data.val_sequences=0", f"steps={steps}", "optim.lr=3e-3", "optim.warmup=20",
                 "optim.weight_decay=0.1", "eval.at_end=false", "checkpoint.every=50",
                 "model.attn_mask=causal", *shape]
-        pretraining = train.load_config(argv, check=False)
         logger.info("the debug base: pretraining %d steps on %s (once; then %s)", steps, corpus,
                     out)
-        run.validate(pretraining, train.APP)
-        if run.run(pretraining, train.APP) != 0:
+        if train(argv) != 0:
             raise RunError(f"the debug base's pretraining in {run_dir} stopped before its end; "
                            f"run the same command again to go on from its checkpoint.")
         sft_hf.export_merged(run_dir, tmp)
@@ -84,7 +81,7 @@ def pretrain_base(out: Path, args: LlamaArgs, corpus: Path, steps: Optional[int]
     return Path(out)
 
 
-def ensure_debug_inputs(args) -> None:
+def ensure_debug_inputs(args, train: Callable[[list], int]) -> None:
     """The chat corpus at data.root, and the base model beside it (data.root's parent / base) when
     checkpoint.init_from names that place: a directory the user named elsewhere is never made up
     behind her back (run.validate then says it is missing)."""
@@ -96,26 +93,5 @@ def ensure_debug_inputs(args) -> None:
     base = root.parent / BASE
     init_from = args.checkpoint.init_from
     if init_from is not None and Path(init_from).resolve() == base.resolve():
-        pretrain_base(base, args.model, root.parent / "embedded")
+        pretrain_base(base, args.model, root.parent / "embedded", train)
 
-
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        sys.exit("usage: python -m apps.sft.prepare OUT_DIR")
-    from omegaconf import OmegaConf
-
-    from lingua.config import CONFIG_DIR
-    from lingua.train.chat_data import write_debug_chat
-
-    out = Path(argv[0])
-    # The debug preset's model, read from its file (apps.sft.train imports this module)
-    shape = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "sft" / "debug.yaml").model)
-    write_debug_chat(out / CHAT)
-    pretrain_base(out / BASE, LlamaArgs(**shape), out / "embedded")
-    print(f"wrote {out / BASE} (a tiny pretrained LlamaForCausalLM) and {out / CHAT} (chat "
-          f"jsonl)")
-
-
-if __name__ == "__main__":
-    main()

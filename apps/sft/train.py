@@ -151,8 +151,15 @@ def main(argv=None) -> int:
 
     args = load_config(argv, check=False)
     if args.data.prepare_embedded:
-        prepare.ensure_debug_inputs(args)
+        prepare.ensure_debug_inputs(args, train=base_pretraining)
     validate(args)
+    return run.run(args, APP)
+
+
+def base_pretraining(argv) -> int:
+    """The debug base's pretraining (apps/sft/prepare.py): every weight trained, no init_from."""
+    args = load_config(argv, check=False)
+    run.validate(args, APP)
     return run.run(args, APP)
 
 
