@@ -37,8 +37,6 @@ class TrainArgs(run.BaseTrainArgs):
 config.register_schema("sft_schema", TrainArgs)
 
 
-# model.* keys that are how we run the model, not its shape: config.json does not set them.
-RUNTIME_KEYS = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
 
 
 def command_line_keys(argv, section: str) -> set:
@@ -59,7 +57,7 @@ def shape_from_init_from(args: TrainArgs, argv) -> None:
         return
     given = command_line_keys(argv, "model")
     for key, value in config.to_dict(args_from_hf_config(config_json)).items():
-        if key not in RUNTIME_KEYS and key not in given:
+        if key not in lingua_hf.RUNTIME_KEYS and key not in given:
             setattr(args.model, key, value)
 
 
@@ -89,7 +87,7 @@ def check_init_from(args: TrainArgs) -> None:
     theirs = config.to_dict(args_from_hf_config(config_json))
     ours = config.to_dict(args.model)
     differing = {k: (ours[k], theirs.get(k)) for k in ours
-                 if k not in RUNTIME_KEYS and ours[k] != theirs.get(k)}
+                 if k not in lingua_hf.RUNTIME_KEYS and ours[k] != theirs.get(k)}
     given = " ".join(f"model.{k}={v[0]}" for k, v in differing.items())
     config.require(not differing,
                    f"checkpoint.init_from={path} holds a model that differs from model.* in "

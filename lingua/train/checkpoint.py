@@ -218,9 +218,10 @@ def load_model_state(ckpt_dir, model: nn.Module) -> None:
     without its frozen base (base.json) loads the trained weights only, over a model that
     holds the base already."""
     require_intact(ckpt_dir)
-    state = {"model": _model_state(model, read_base(ckpt_dir) is not None)}
+    without_base = read_base(ckpt_dir) is not None
+    state = {"model": _model_state(model, without_base)}
     _dcp_load(state, Path(ckpt_dir))
-    model.load_state_dict(state["model"], strict=read_base(ckpt_dir) is None)
+    model.load_state_dict(state["model"], strict=not without_base)
 
 
 def check_resume_compatible(dump_dir, run_config: dict, keys=("model",)) -> Optional[Path]:

@@ -548,6 +548,10 @@ def _tokenizer_args(run_config):
 
 # Training from a Hugging Face checkpoint (checkpoint.init_from): the trainer's side of it.
 
+# model.* keys that say how the model runs, not its shape: a Hugging Face config.json sets none.
+RUNTIME_KEYS = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
+
+
 def load_init_from(args, app, env):
     """Rank 0's state of the Hugging Face model in checkpoint.init_from (None on other ranks),
     after every rank checked that it is the model of model.*.
@@ -583,10 +587,9 @@ def load_init_from(args, app, env):
     hf_args = outcome
     # Only what fixes the weights' shapes and meaning must agree; backends, masks and init
     # settings are the run's own choice.
-    runtime = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
     ours, theirs = config.to_dict(args.model), config.to_dict(hf_args)
     differing = {k: (ours[k], theirs.get(k)) for k in ours
-                 if k not in runtime and ours[k] != theirs.get(k)}
+                 if k not in RUNTIME_KEYS and ours[k] != theirs.get(k)}
     config.require(not differing,
                    f"checkpoint.init_from={args.checkpoint.init_from} holds a model that differs "
                    f"from model.* in (ours, theirs): {differing}. Set those model.* keys to "
