@@ -352,10 +352,8 @@ def load_hf(path, dtype: Optional[torch.dtype], *, model_class, args_from_hf_con
 
 
 def load_base(model, ckpt_dir, load_hf: Optional[Callable]) -> None:
-    """A checkpoint saved without its frozen base (LoRA on checkpoint.init_from: base.json)
-    holds the adapters only: the base's weights go into `model` first, from the directory
-    base.json names (checked unchanged), through the app's `load_hf`. Nothing for a checkpoint
-    that holds every weight."""
+    """A LoRA checkpoint holds the adapters only (base.json): the base it names (checked
+    unchanged) goes into `model` first, through the app's `load_hf`."""
     from lingua.train.checkpoint import verified_base
 
     base = verified_base(ckpt_dir)
@@ -547,8 +545,7 @@ def _tokenizer_args(run_config):
 
 
 # Training from a Hugging Face checkpoint (checkpoint.init_from): the trainer's side of it.
-
-# model.* keys that say how the model runs, not its shape: a Hugging Face config.json sets none.
+# RUNTIME_KEYS: model.* keys that say how the model runs, not its shape (config.json has none).
 RUNTIME_KEYS = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
 
 
