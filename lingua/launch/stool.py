@@ -87,14 +87,29 @@ class TrainJob:
             # rank's 3 could kill rank 0 before it has requeued the job. Rank 0 reports the stop
             # (srun's exit code is the highest of its tasks': 3).
             code = 0
-        elif code == preemption.EXIT_STOPPED and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # And rank 0 leaves last: had it exited 3 while a peer was still tearing down, srun
-            # would kill that peer ("forcing job termination") and report 1, not 3, as the job's
-            # exit code. The ranks left the trainer together (a barrier); give them a moment.
-            time.sleep(STOP_GRACE_S)
+        elif (code == preemption.EXIT_STOPPED and preemption.SIGNALS.job_ends
+              and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+            # And rank 0 leaves last when its 3 is the job's exit code (a time limit with no
+            # requeue left; after SIGTERM or a requeue Slurm ends this run whatever it reports):
+            # had it exited while a peer was still tearing down, srun would kill that peer
+            # ("forcing job termination") and report 1. The ranks left the trainer together.
+            wait_for_peers(STOP_GRACE_S)
         # As exit_cli does (distributed.exit_process says why). submitit's result file is not
         # needed: the run directory is the record.
         distributed.exit_process(code)
+
+
+def wait_for_peers(limit_s: float) -> None:
+    """Until this node's other tasks (srun's children of one slurmstepd, as this one) have
+    exited, at most limit_s; tasks on other nodes cannot be seen from here, so then the whole."""
+    parent = os.getppid()
+    children = Path(f"/proc/{parent}/task/{parent}/children")
+    one_node = os.environ.get("SLURM_NNODES", "1") == "1" and children.is_file()
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if one_node and children.read_text().split() == [str(os.getpid())]:
+            return
+        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------------------------------------

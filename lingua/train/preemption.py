@@ -62,6 +62,8 @@ class StopSignals:
     def __init__(self):
         self.received = NONE
         self.interrupted = False        # a SIGINT is among the signals received
+        # Rank 0 stopped on a time-limit warning and did not requeue: the job ends with its code
+        self.job_ends = False
         self._previous = {}
         self._stop_now_line: Optional[Callable[[], str]] = None
 
@@ -93,7 +95,7 @@ class StopSignals:
 
     def listen(self) -> "StopSignals":
         if not self._previous:  # idempotent: stool's job listens early, the trainer again
-            self.received, self.interrupted = NONE, False
+            self.received, self.interrupted, self.job_ends = NONE, False, False
             for signum in (signal.SIGUSR2, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
@@ -204,7 +206,7 @@ class StopHook(Hook):
             how = "interrupted (Ctrl-C)" if self.signals.interrupted else "stopped by a signal"
             train_logger.warning("%s after step %d; %s", how, run.step, run.where_to_resume())
             if action == REQUEUE:
-                requeue_job(self.max_requeues)
+                self.signals.job_ends = not requeue_job(self.max_requeues)
         return True
 
     def close(self, run) -> None:
