@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import launcher
 from tests.conftest import REPO, read_metrics, run_torchrun, slurm_is_up, tiny_args
 from tests.equivalence import assert_equivalent, resumed_line
 
@@ -33,11 +34,12 @@ def slurm():
 
 
 def stool(*args: str, env_extra=None, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m lingua.launch.stool args`, forked warm (tests/launcher.py): what it submits
+    is a fresh job all the same."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "lingua.launch.stool", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = launcher.launch("lingua.launch.stool", list(args), 0, env, REPO, timeout=120)
     if check and proc.returncode != 0:
         raise AssertionError(f"stool failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -228,19 +230,18 @@ def test_requeued_job_resumes_with_the_same_losses(corpus, tmp_path):
 
 
 def test_time_limit_checkpoints_and_requeues(corpus, tmp_path):
-    # slurm.time=1 minute with USR2 50 s before it: slurmctld looks at time limits every 30 s
-    # and sends USR2 up to 30 s early, so it comes at its first look after the job started,
-    # 0 to 30 s in (while a task may still be starting: tests/test_slurm_timelimit.py), and the
-    # time limit would end the run 50 s or more after it. The first run saves and requeues; the
-    # second, resumed, gets the same USR2 from scancel as soon as it resumed (waiting for
-    # Slurm's again would add up to 30 s and show nothing more), finds its requeue budget (1)
-    # spent and stops, saved.
+    # slurm.time=1 minute with USR2 59 s before it: slurmctld looks at time limits every 30 s,
+    # so USR2 comes at its first look from 1 s after the job started, 1 to 31 s in (while a task
+    # may still be starting: tests/test_slurm_timelimit.py), and the time limit would end the
+    # run 29 s or more after it. The first run saves and requeues; the second, resumed, gets
+    # USR2 from scancel as soon as it resumed (or Slurm's, if that comes first), finds its
+    # requeue budget (1) spent and stops, saved.
     # Two ranks under srun --kill-on-bad-exit: rank 1 must not end the step (and rank 0 with it)
     # before rank 0 has requeued the job, and the job's exit code is still rank 0's 3.
     dump = tmp_path / "timelimit"
     proc = stool("apps.llama.train", *tiny_args(corpus, dump, "checkpoint.keep=0",
                                                 "distributed.dp_shard=2", steps=100000),
-                 "slurm.time=1", "slurm.signal_delay_s=50", "slurm.max_requeues=1",
+                 "slurm.time=1", "slurm.signal_delay_s=59", "slurm.max_requeues=1",
                  "slurm.cpus_per_task=1", "slurm.tasks_per_node=2")
     [job] = job_ids(proc.stdout)
     try:
@@ -250,7 +251,7 @@ def test_time_limit_checkpoints_and_requeues(corpus, tmp_path):
             assert time.time() < deadline, dump_logs(dump / "slurm")
             release_if_requeued(job)
             time.sleep(0.5)
-        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        subprocess.run(["scancel", "--signal=USR2", job])   # the job may have stopped already
         state = wait_for(job, timeout=400, logs=dump / "slurm")
     finally:   # not left to requeue itself and hold the node for the next test
         if job_field(job, "JobState") not in FINISHED:

@@ -17,6 +17,7 @@ from lingua.errors import ConfigError
 from lingua.launch import stool
 from lingua.parallel import distributed
 from lingua.train import slurm
+from tests import launcher
 from tests.conftest import REPO, free_port, read_metrics, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -51,8 +52,7 @@ def _fake_cluster(fake_bin, monkeypatch):
 def run_stool(*args, env_extra=None):
     env = dict(os.environ, **(env_extra or {}))
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "lingua.launch.stool", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return launcher.launch("lingua.launch.stool", list(args), 0, env, REPO, timeout=120)
 
 
 @pytest.mark.slow
