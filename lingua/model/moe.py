@@ -63,12 +63,41 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
     return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
 
 
-@torch.compiler.disable
-def _grouped_mm_eager(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """_grouped_mm outside torch.compile's graph: the compiler's shape rule for _grouped_mm
-    accepts only bf16 (torch 2.13), while the eager kernel also runs fp32 (the CPU and debug
-    configs). Costs a graph break per call, in fp32 only."""
-    return _grouped_mm(x, w, offs)
+# torch.compile's shape rule for _grouped_mm takes bf16 only (torch 2.13), while the eager kernel
+# also runs fp32 (the CPU and debug configs): compiled fp32 runs call it through this opaque op,
+# which keeps the MoE block one graph (a graph break a call would split it in four).
+@torch.library.custom_op("lingua::grouped_mm_fp32", mutates_args=())
+def _grouped_mm_opaque(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+@_grouped_mm_opaque.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("lingua::grouped_mm_fp32_weight_grad", mutates_args=())
+def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x.t(), grad, offs=offs)   # per group: x_g^T @ grad_g
+
+
+@_grouped_weight_grad.register_fake
+def _(x, grad, offs):
+    return x.new_empty(offs.shape[0], x.shape[1], grad.shape[1])
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    return (_grouped_mm_opaque(grad, w.transpose(-2, -1).contiguous(), offs),
+            _grouped_weight_grad(x, grad, offs), None)
+
+
+_grouped_mm_opaque.register_autograd(_grouped_mm_backward, setup_context=_save_inputs)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -224,8 +253,8 @@ class GroupedExperts(nn.Module):
         if self.grouped_mm is not None:
             mm = self.grouped_mm
         else:
-            eager = torch.compiler.is_compiling() and x.dtype != torch.bfloat16
-            mm = _grouped_mm_eager if eager else _grouped_mm
+            opaque = torch.compiler.is_compiling() and x.dtype != torch.bfloat16
+            mm = _grouped_mm_opaque if opaque else _grouped_mm
         h = F.silu(mm(x, w1, offs)) * mm(x, w3, offs)
         y = mm(h, w2, offs)
         return y.index_select(0, rows) if group_rows else y
@@ -370,9 +399,11 @@ class MoE(nn.Module):
         counts_f = counts.float()
         # Forwards re-run inside backward (activation checkpointing) are not counted again, nor
         # the shape-inference forward of a process's first pipeline step (on copies of the first
-        # micro-batch or, on later stages, on uninitialised tensors).
-        counted = (self.training and torch._C._current_graph_task_id() == -1
-                   and not inferring_shapes())
+        # micro-batch or, on later stages, on uninitialised tensors). A compiled forward is
+        # traced once and its recompute is inside the compiled backward.
+        in_backward = (not torch.compiler.is_compiling()
+                       and torch._C._current_graph_task_id() != -1)
+        counted = self.training and not in_backward and not inferring_shapes()
         if counted:
             self.step_counts = (counts_f.detach() if self.step_counts is None
                                 else self.step_counts + counts_f.detach())
