@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lingua.train import chat_data  # noqa: E402
-from lingua.train.data import DataArgs, validate_data_args  # noqa: E402
+from lingua.data import DataArgs, validate_data_args  # noqa: E402
+from lingua.data import chat as chat_data  # noqa: E402
 
 
 def write_conversations(root: Path, n: int) -> None:

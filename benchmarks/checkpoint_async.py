@@ -1,5 +1,5 @@
-"""Step time around a checkpoint save: synchronous (lingua.train.checkpoint.save) vs
-checkpoint.async_save (lingua.train.checkpoint.save_async), on the benchmark model.
+"""Step time around a checkpoint save: synchronous (lingua.checkpoint.save) vs
+checkpoint.async_save (lingua.checkpoint.save_async), on the benchmark model.
 
     python benchmarks/checkpoint_async.py [--dtype bf16|fp32] [--after 4] [--rounds 3] [--dir DIR]
                                           [--threads N]
@@ -32,8 +32,9 @@ import torch
 from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks/checkpoint_async.py
 
 from apps.llama.model import LlamaArgs, Transformer
+from lingua import checkpoint, optim
+from lingua.checkpoint import integrity
 from lingua.observe import metrics
-from lingua.train import checkpoint, checkpoint_integrity, optim
 
 MODES = ("sync", "async", "none")
 
@@ -93,7 +94,7 @@ def window(trainer: Trainer, mode: str, after: int, dump_dir: Path) -> dict:
     total = time.perf_counter() - start
     if mode != "none":
         saved = dump_dir / "checkpoints" / str(trainer.step_count - after)
-        assert checkpoint_integrity.verify(saved) is None
+        assert integrity.verify(saved) is None
     return {"save_step": save_step, "later": sum(later) / len(later), "waited": waited,
             "total": total, "finished_after": finished_after}
 

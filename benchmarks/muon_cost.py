@@ -7,7 +7,7 @@
 Two timings, medians after `warmup`, with Muon and AdamW taking turns step by step so that drift
 in machine load hits both alike (wall time and this process's CPU time, which moves less with
 other work on a shared machine):
-  * the optimizer step alone (lingua.train.optim.Optimizers: the fused AdamW kernel, or MuonAdamW:
+  * the optimizer step alone (lingua.optim.Optimizers: the fused AdamW kernel, or MuonAdamW:
     AdamW for embeddings/output/norms and Muon, with its Newton-Schulz, for the blocks'
     matrices), on fixed gradients, 3 x steps of each;
   * a whole training step: forward, cross-entropy, backward, clip, optimizer step.
@@ -26,9 +26,9 @@ import torch
 from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks/muon_cost.py
 
 from apps.llama.model import LlamaArgs, Transformer
+from lingua import optim
 from lingua.observe import metrics
-from lingua.train import optim
-from lingua.train.muon import muon_flops, split_params
+from lingua.optim.muon import muon_flops, split_params
 
 
 def timed(fn) -> tuple:

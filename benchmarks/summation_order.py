@@ -138,7 +138,7 @@ def main() -> None:
     out = Path(opts.out or tempfile.mkdtemp(prefix="summation_order_"))
     corpus = Path(opts.corpus) if opts.corpus else out / "corpus"
     if not opts.corpus:
-        from lingua.train.data import ensure_embedded_corpus
+        from lingua.data import ensure_embedded_corpus
         ensure_embedded_corpus(str(corpus))
     module, args, layouts = CASES[opts.case]
     common = [f"data.root={corpus}", *TINY, f"steps={opts.steps}", *args]

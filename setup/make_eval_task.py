@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lingua.train.data import build_embedded_corpus, stdlib_docstrings  # noqa: E402
+from lingua.data import build_embedded_corpus, stdlib_docstrings  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TASK_DIR = REPO / "lingua" / "eval" / "tasks" / "lingua_continuation"

@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from lingua.data import VAL_DIR, DataArgs, ensure_embedded_corpus  # noqa: E402
+from lingua.data.jsonl import SKIP_REASONS, BadLine, SkipCounter, decode_line  # noqa: E402
+from lingua.data.memmap import read_meta, write_memmap_corpus  # noqa: E402
+from lingua.data.tokenizer import TokenizerArgs, build_tokenizer  # noqa: E402
 from lingua.errors import ConfigError  # noqa: E402
-from lingua.train.data import VAL_DIR, DataArgs, ensure_embedded_corpus  # noqa: E402
-from lingua.train.jsonl_lines import SKIP_REASONS, BadLine, SkipCounter, decode_line  # noqa: E402
-from lingua.train.memmap_corpus import read_meta, write_memmap_corpus  # noqa: E402
-from lingua.train.tokenizer import TokenizerArgs, build_tokenizer  # noqa: E402
 
 HF_DATASETS = {
     "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", "text"),

@@ -23,7 +23,7 @@ TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    from lingua.train.data import ensure_embedded_corpus
+    from lingua.data import ensure_embedded_corpus
 
     root = tmp_path_factory.mktemp("corpus") / "embedded"
     ensure_embedded_corpus(str(root))

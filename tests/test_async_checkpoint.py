@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from apps.llama import train
+from lingua import checkpoint
+from lingua.checkpoint import integrity
 from lingua.errors import ConfigError, RunError
-from lingua.train import checkpoint, checkpoint_integrity
 from tests.conftest import run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -125,7 +126,7 @@ def assert_same_checkpoints(dump, reference, steps) -> None:
     for step in steps:
         ckpt = Path(dump) / "checkpoints" / str(step)
         ref = Path(reference) / "checkpoints" / str(step)
-        assert checkpoint_integrity.verify(ckpt) is None, checkpoint_integrity.verify(ckpt)
+        assert integrity.verify(ckpt) is None, integrity.verify(ckpt)
         got, want = checkpoint_contents(ckpt), checkpoint_contents(ref)
         assert any(k.startswith("optim.") for k in want) and "train_state_rank0.pt" in want
         assert got["train_state_rank0.pt"]["step"] == step
@@ -230,7 +231,7 @@ def test_finish_waits_for_every_write_and_frees_the_copy(tmp_path, monkeypatch):
             time.sleep(0.01)
         final = tmp_path / "checkpoints" / "1"
         assert checkpoint.list_complete(tmp_path) == [final] and tmp_dirs(tmp_path) == []
-        assert checkpoint_integrity.verify(final) is None
+        assert integrity.verify(final) is None
         saved = checkpoint_contents(final)
         assert_same({k: saved[f"model.{k}"] for k in at_save}, at_save, "model")
         assert saved["train_state_rank0.pt"]["step"] == 1
@@ -256,7 +257,7 @@ def test_a_failed_write_removes_the_directory_and_keeps_the_previous_checkpoint(
         f"Could not write checkpoint {tmp_path / 'checkpoints' / '2'}: [Errno 28] No space left "
         f"on device. Nothing of it was kept; the previous checkpoint {previous} is intact.")
     assert tmp_dirs(tmp_path) == [] and checkpoint.list_complete(tmp_path) == [previous]
-    assert checkpoint_integrity.verify(previous) is None
+    assert integrity.verify(previous) is None
 
 
 def test_the_end_of_training_waits_for_the_write(corpus, tmp_path, monkeypatch):
@@ -268,7 +269,7 @@ def test_the_end_of_training_waits_for_the_write(corpus, tmp_path, monkeypatch):
                                 "checkpoint.save_final=false", steps=3)) == 0
     assert len(seen) == 1 and seen[0]["rows"] == 3 and not seen[0]["final_exists"]
     assert [p.name for p in checkpoint.list_complete(dump)] == ["2"] and tmp_dirs(dump) == []
-    assert checkpoint_integrity.verify(dump / "checkpoints" / "2") is None
+    assert integrity.verify(dump / "checkpoints" / "2") is None
 
 
 def test_a_signal_stop_waits_for_the_write_then_saves(corpus, tmp_path, monkeypatch):
@@ -285,7 +286,7 @@ def test_a_signal_stop_waits_for_the_write_then_saves(corpus, tmp_path, monkeypa
     assert tmp_dirs(dump) == []
     for step in saved:
         ckpt = dump / "checkpoints" / str(step)
-        assert checkpoint_integrity.verify(ckpt) is None
+        assert integrity.verify(ckpt) is None
         assert torch.load(ckpt / "train_state_rank0.pt", weights_only=True)["step"] == step
 
 
@@ -368,7 +369,7 @@ def test_a_write_failing_on_one_rank_stops_every_rank(corpus, tmp_path, two_rank
     assert out.count(message) in (1, 2), out[-4000:]
     assert tmp_dirs(dump) == [] and checkpoint.newest(dump) == ckpts / "2"
     assert [p.name for p in checkpoint.list_complete(dump)] == ["2"]
-    assert checkpoint_integrity.verify(ckpts / "2") is None
+    assert integrity.verify(ckpts / "2") is None
     logged = [r["step"] for r in read_rows(dump)]
     assert logged[-1] in (5, 6), logged   # stopped at a boundary after step 4, by step 6
 

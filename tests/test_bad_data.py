@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from lingua.errors import ConfigError
-from lingua.train.data import (
+from lingua.data import (
     DataArgs,
     JsonlLoader,
     MemmapLoader,
     check_jsonl_lines,
     validate_data_args,
 )
-from lingua.train.jsonl_lines import SKIP_REASONS, BadLine, decode_line
-from lingua.train.memmap_corpus import write_memmap_corpus
-from lingua.train.tokenizer import ByteTokenizer, TokenizerArgs
+from lingua.data.jsonl import SKIP_REASONS, BadLine, decode_line
+from lingua.data.memmap import write_memmap_corpus
+from lingua.data.tokenizer import ByteTokenizer, TokenizerArgs
+from lingua.errors import ConfigError
 from tests.conftest import REPO, load_prepare_data, read_metrics, run_python, tiny_args
 from tests.test_data import assert_steps_equal, global_step, jargs, raw_tokens, stream_docs
 
@@ -88,12 +88,12 @@ def bad_source(tmp_path):
 
 def skip_warnings(caplog):
     return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and r.name == "lingua.train.data"]
+            if r.levelno == logging.WARNING and r.name == "lingua.data"]
 
 
 def test_jsonl_bad_lines_counted_by_reason_and_logged_with_file_and_line(bad_source, caplog):
     src, texts, bad_at = bad_source
-    caplog.set_level(logging.WARNING, logger="lingua.train.data")
+    caplog.set_level(logging.WARNING, logger="lingua.data")
     loader = JsonlLoader(jargs(src), 0, 1, seed=0)
     skipped, skip = [], loader.counter.skip
     loader.counter.skip = lambda path, line, err: skipped.append((path, line)) or skip(
@@ -118,7 +118,7 @@ def test_jsonl_bad_lines_counted_by_reason_and_logged_with_file_and_line(bad_sou
 def test_jsonl_bad_lines_are_counted_once_over_many_epochs(bad_source, caplog):
     """skipped_lines says how many lines of the data are bad, not how often they were passed."""
     src, texts, _ = bad_source
-    caplog.set_level(logging.WARNING, logger="lingua.train.data")
+    caplog.set_level(logging.WARNING, logger="lingua.data")
     loader = JsonlLoader(jargs(src), 0, 1, seed=0)
     assert stream_docs(loader, 3 * len(texts)) == texts * 3  # three epochs, in order
     assert loader.sources[0].state["epoch"] >= 2
@@ -131,7 +131,7 @@ def test_jsonl_warnings_are_capped_with_summaries_and_too_many_bad_lines_refused
                                                                                    caplog):
     src = tmp_path / "src"
     write_lines(src / "a.jsonl", [b"{bad"] * 1234 + [good(f"good {i}") for i in range(10)])
-    caplog.set_level(logging.WARNING, logger="lingua.train.data")
+    caplog.set_level(logging.WARNING, logger="lingua.data")
     loader = JsonlLoader(jargs(src, max_skipped_fraction=1.0), 0, 1, seed=0)
     assert stream_docs(loader, 1) == ["good 0"]
     assert loader.skipped_by_reason["invalid_json"] == loader.skipped_lines == 1234
@@ -244,7 +244,7 @@ def test_prepare_jsonl_counts_bad_lines_by_reason_once(bad_source, tmp_path, cap
     with open(src / "1.jsonl", "ab") as f:
         f.write(good("pad") + b"\n" + good(long_text) + b"\n")
     texts = texts + ["pad", long_text]
-    caplog.set_level(logging.WARNING, logger="lingua.train.data")
+    caplog.set_level(logging.WARNING, logger="lingua.data")
     out = tmp_path / "out"
     args = ["jsonl", str(src), "--out", str(out), "--val-fraction", "0.5"]
     assert load_prepare_data().main(args) == 0

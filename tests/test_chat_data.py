@@ -1,4 +1,4 @@
-"""The chat format for supervised fine-tuning (lingua/train/chat_data.py): templates and their
+"""The chat format for supervised fine-tuning (lingua/data/chat.py): templates and their
 target masks, packing and padding, bad lines, the checks before any work, and rows that are the
 same on every data-parallel layout and after a resume.
 
@@ -14,10 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from lingua.errors import ConfigError
-from lingua.model.loss import IGNORE_INDEX
-from lingua.train import chat_data, chat_template
-from lingua.train.chat_data import (
+from lingua.data import (
+    DataArgs,
+    build_train_loader,
+    build_val_batches,
+    chat_template,
+    check_jsonl_lines,
+    validate_data_args,
+)
+from lingua.data import chat as chat_data
+from lingua.data.chat import (
     ChatArgs,
     ChatLoader,
     ChatTemplate,
@@ -25,15 +31,10 @@ from lingua.train.chat_data import (
     parse_sample,
     write_debug_chat,
 )
-from lingua.train.data import (
-    DataArgs,
-    build_train_loader,
-    build_val_batches,
-    check_jsonl_lines,
-    validate_data_args,
-)
-from lingua.train.jsonl_lines import BadLine
-from lingua.train.tokenizer import ByteTokenizer, TokenizerArgs, build_tokenizer
+from lingua.data.jsonl import BadLine
+from lingua.data.tokenizer import ByteTokenizer, TokenizerArgs, build_tokenizer
+from lingua.errors import ConfigError
+from lingua.model.loss import IGNORE_INDEX
 
 BOS, EOS = 256, 257
 TOK = ByteTokenizer()
@@ -150,7 +151,7 @@ def test_builtin_template_counts_the_assistant_content_and_eos_only(tmp_path):
 def write_hf_tokenizer(directory: Path, template: str = LLAMA3_TEMPLATE) -> Path:
     """The byte tokenizer's tokenizer.json plus Llama 3's special tokens (ids 258-261), and a
     tokenizer_config.json with the chat template."""
-    from lingua.train.hf import byte_tokenizer_json
+    from lingua.checkpoint.hf import byte_tokenizer_json
 
     directory.mkdir(parents=True, exist_ok=True)
     tok = byte_tokenizer_json()
@@ -321,7 +322,7 @@ def test_malformed_lines_are_counted_by_reason_and_skipped(tmp_path, caplog):
     (root / "b.jsonl").write_bytes(b'{"prompt": "\xff", "completion": "x"}\n' +
                                    json.dumps(conversation(3)).encode() + b"\n")
     args = chat_args(root, seq_len=128, val_sequences=0, batch_size=4)
-    caplog.set_level("INFO", logger="lingua.train.chat_data")
+    caplog.set_level("INFO", logger="lingua.data.chat")
     loader = ChatLoader(args, 0, 1, seed=0)
     assert len(loader.convs) == 3 and loader.skipped_lines == 4
     # the row length in its unit: seq_len inputs and the last one's target

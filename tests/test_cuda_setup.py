@@ -115,7 +115,7 @@ def test_cpu_offload_path_on_a_two_backend_group(tmp_path):
 def test_an_untested_torch_is_named_at_start_and_the_tested_one_is_not():
     """Three pipeline schedules fail under torch 2.11: a run on another torch than the pin says
     so once, at start; the pin and the check name one version."""
-    from lingua.train.process import TESTED_TORCH, torch_version_warning
+    from lingua.launch.process import TESTED_TORCH, torch_version_warning
 
     pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert f'"torch=={TESTED_TORCH}.0"' in pyproject

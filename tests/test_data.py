@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from lingua.errors import ConfigError
-from lingua.train.data import (
+from lingua.data import (
     DataArgs,
     JsonlLoader,
     MemmapLoader,
@@ -22,9 +21,10 @@ from lingua.train.data import (
     build_val_batches,
     validate_data_args,
 )
-from lingua.train.jsonl_lines import SKIP_REASONS, JsonlSource, SkipCounter
-from lingua.train.memmap_corpus import write_memmap_corpus
-from lingua.train.tokenizer import ByteTokenizer, TokenizerArgs
+from lingua.data.jsonl import SKIP_REASONS, JsonlSource, SkipCounter
+from lingua.data.memmap import write_memmap_corpus
+from lingua.data.tokenizer import ByteTokenizer, TokenizerArgs
+from lingua.errors import ConfigError
 from tests.conftest import load_prepare_data, read_metrics, run_python, tiny_args
 
 BOS, EOS = 256, 257
@@ -312,7 +312,7 @@ def write_ranks(path, merges):
 
 
 def test_validate_same_kind_other_vocabulary(tmp_path):
-    from lingua.train.tokenizer import build_tokenizer
+    from lingua.data.tokenizer import build_tokenizer
 
     used = TokenizerArgs("tiktoken", str(write_ranks(tmp_path / "a.tiktoken", [b"th", b"the"])))
     root = tmp_path / "corpus"
@@ -614,7 +614,7 @@ def test_embedded_corpus_is_deterministic(corpus, tmp_path, prepare_data, capsys
 
 
 def test_ensure_embedded_corpus_loses_a_race_cleanly(tmp_path, monkeypatch):
-    import lingua.train.data as data
+    import lingua.data as data
 
     root = tmp_path / "data" / "embedded"
 
@@ -644,7 +644,7 @@ def test_ensure_embedded_corpus_loses_a_race_cleanly(tmp_path, monkeypatch):
 def test_write_once_leaves_nothing_behind_when_writing_fails(tmp_path):
     """A failure inside `write` (a full disk, Ctrl-C) is raised as it is, and neither the
     directory nor its temporary is left: the next call starts afresh."""
-    from lingua.train.data_common import write_once
+    from lingua.data.batch import write_once
 
     def fail(tmp):
         (tmp / "half").mkdir(parents=True)

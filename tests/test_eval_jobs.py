@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from lingua import checkpoint
+from lingua.checkpoint import integrity
 from lingua.errors import ConfigError
 from lingua.eval import eval_jobs
-from lingua.train import checkpoint, checkpoint_integrity
 from tests.conftest import REPO, read_metrics, run_python, slurm_is_up, tiny_args
 
 NO_SLURM = slurm_is_up()
@@ -422,19 +423,19 @@ def test_pruning_keeps_checkpoints_with_a_pending_evaluation(tmp_path):
     for step in (1, 2, 3, 4):
         (root / str(step)).mkdir(parents=True)
         # intact (no manifest: damaged, set aside)
-        checkpoint_integrity.write_manifest(root / str(step))
+        integrity.write_manifest(root / str(step))
     (root / "5.tmp-abcd").mkdir()
     marker = eval_jobs.pending_marker(tmp_path, 2)
     marker.parent.mkdir(parents=True)
     marker.touch()
     (tmp_path / "evals" / "3").mkdir()      # results written, marker gone
     in_use = eval_jobs.checkpoint_in_use(tmp_path)
-    checkpoint_integrity.prune(root, keep=1, in_use=in_use)
+    integrity.prune(root, keep=1, in_use=in_use)
     assert sorted(p.name for p in root.iterdir()) == ["2", "4", "5.tmp-abcd"]
     marker.unlink()
-    checkpoint_integrity.prune(root, keep=1, in_use=in_use)
+    integrity.prune(root, keep=1, in_use=in_use)
     assert sorted(p.name for p in root.iterdir()) == ["4", "5.tmp-abcd"]
-    checkpoint_integrity.prune(root, keep=0, in_use=in_use)         # keep all
+    integrity.prune(root, keep=0, in_use=in_use)         # keep all
     assert sorted(p.name for p in root.iterdir()) == ["4", "5.tmp-abcd"]
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from apps.llama import train
+from lingua import checkpoint
+from lingua.checkpoint import integrity
 from lingua.errors import RunError
-from lingua.train import checkpoint, checkpoint_integrity
 from tests.conftest import REPO, free_port, read_metrics, run_python, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -58,10 +59,10 @@ def test_resume_skips_a_damaged_checkpoint_for_the_one_before(corpus, tmp_path, 
     {"truncated_shard": lambda: truncate(newer / "__0_0.distcp"),
      "flipped_byte_in_shard": lambda: flip_a_byte(newer / "__0_0.distcp"),
      "no_metadata": lambda: (newer / ".metadata").unlink(),
-     "no_manifest": lambda: (newer / checkpoint_integrity.MANIFEST).unlink(),
+     "no_manifest": lambda: (newer / integrity.MANIFEST).unlink(),
      "no_train_state": lambda: (newer / "train_state_rank0.pt").unlink()}[damage]()
-    assert checkpoint_integrity.verify(newer) is not None
-    assert checkpoint_integrity.verify(older) is None
+    assert integrity.verify(newer) is not None
+    assert integrity.verify(older) is None
 
     first = read_rows(dump)
     proc = run_python("apps.llama.train", tiny_args(corpus, dump, "checkpoint.every=2",
@@ -104,7 +105,7 @@ def test_a_failed_save_is_reported_and_keeps_the_previous_checkpoint(corpus, tmp
     try:
         run_python("apps.llama.train", tiny_args(corpus, dump, "checkpoint.every=2", steps=2))
         first = ckpts / "2"
-        assert checkpoint_integrity.verify(first) is None
+        assert integrity.verify(first) is None
         if fault == "full":
             free = os.statvfs(ckpts).f_bavail * os.statvfs(ckpts).f_frsize
             (ckpts / "filler").write_bytes(b"\0" * (free - 64 * 1024))
@@ -115,7 +116,7 @@ def test_a_failed_save_is_reported_and_keeps_the_previous_checkpoint(corpus, tmp
         assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert "Could not write checkpoint" in proc.stderr and "Traceback" not in proc.stderr
         assert f"the previous checkpoint {first} is intact" in proc.stderr
-        assert checkpoint_integrity.verify(first) is None  # untouched, still loadable
+        assert integrity.verify(first) is None  # untouched, still loadable
         assert [p.name for p in ckpts.iterdir() if ".tmp-" in p.name] == []
         if fault == "full":
             (ckpts / "filler").unlink()
@@ -160,7 +161,7 @@ def test_two_ranks_that_cannot_write_both_stop_without_hanging(corpus, tmp_path)
                    if line.startswith("error: Could not write checkpoint")]
         assert 1 <= len(printed) <= 2, out[-3000:]
         assert "traceback : error: Could not write checkpoint" in out.split("Root Cause")[-1]
-        assert checkpoint_integrity.verify(ckpts / "2") is None
+        assert integrity.verify(ckpts / "2") is None
     finally:
         subprocess.run(["umount", "-l", str(ckpts)])
 
@@ -191,7 +192,7 @@ def test_nonfinite_skip_drops_the_step_and_counts_it(corpus, tmp_path, monkeypat
     assert rows[2]["loss"] == losses(reference)[2]
     assert all(math.isfinite(rows[s]["loss"]) for s in (4, 5, 6))  # the weights stayed finite
     assert math.isnan(rows[3]["loss"])
-    assert checkpoint_integrity.verify(dump / "checkpoints" / "6") is None
+    assert integrity.verify(dump / "checkpoints" / "6") is None
 
 
 def test_nonfinite_stop_saves_the_state_before_the_step_and_resumes(corpus, tmp_path, monkeypatch,
@@ -201,7 +202,7 @@ def test_nonfinite_stop_saves_the_state_before_the_step_and_resumes(corpus, tmp_
     with pytest.raises(RunError,
                        match=r"Step 4: the gradient norm is (nan|inf).*state after step 3"):
         train.main(tiny_args(corpus, dump, steps=6))
-    assert checkpoint_integrity.verify(dump / "checkpoints" / "3") is None
+    assert integrity.verify(dump / "checkpoints" / "3") is None
     monkeypatch.undo()
     first = read_rows(dump)
     assert [r["step"] for r in first] == [1, 2, 3]  # the bad step was not logged

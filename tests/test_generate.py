@@ -10,9 +10,9 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from apps.llama.model import LlamaArgs, Transformer
+from lingua.checkpoint import integrity
 from lingua.errors import ConfigError
 from lingua.eval.generation import generate, sample_next
-from lingua.train import checkpoint_integrity
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32,
@@ -99,14 +99,14 @@ def test_bad_requests():
 
 @pytest.mark.slow
 def test_cli_end_to_end(tmp_path):
-    import lingua.train.tokenizer as tok_mod
+    import lingua.data.tokenizer as tok_mod
     model = tiny_model()
     ckpt = tmp_path / "checkpoints" / "5"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt))
     cfg = {"model": asdict(ARGS), "data": {"tokenizer": {"kind": "bytes", "path": None}}}
     OmegaConf.save(OmegaConf.create(cfg), ckpt / "config.yaml")
     # What save() adds: export/generate refuse a checkpoint without one.
-    checkpoint_integrity.write_manifest(ckpt)
+    integrity.write_manifest(ckpt)
     prompts = ["Hello", "Once upon a time", "abc"]
     (tmp_path / "prompts.txt").write_text("Once upon a time\n\nabc\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -133,7 +133,7 @@ def test_cli_end_to_end(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # What the commands take: a run directory (its newest complete checkpoint) or a checkpoint; a
 # missing step or a directory that is neither is one paragraph naming what exists (exit 2).
-# The resolver is lingua.train.checkpoint.resolve, shared with `python -m apps.<app>.eval`.
+# The resolver is lingua.checkpoint.resolve, shared with `python -m apps.<app>.eval`.
 
 COMMANDS = ["apps.llama.generate", "apps.mtp.generate", "apps.llama.hf", "apps.mtp.hf"]
 
@@ -160,7 +160,7 @@ def _make_run(root: Path, app: str) -> dict:
         ckpt = root / "checkpoints" / str(step)
         dcp.save({"model": models[step].state_dict()}, checkpoint_id=str(ckpt))
         OmegaConf.save(cfg, ckpt / "config.yaml")
-        checkpoint_integrity.write_manifest(ckpt)
+        integrity.write_manifest(ckpt)
     (root / "checkpoints" / "15").mkdir()
     (root / "checkpoints" / "20.tmp-abc").mkdir()
     return models
@@ -199,7 +199,7 @@ def test_generate_takes_a_run_directory_or_a_checkpoint(app, runs, tmp_path, cap
         code, out, err = _run(f"apps.{app}.generate", target, tmp_path, capsys)
         assert code == 0, err
         outputs[target] = out
-    from lingua.train.tokenizer import TokenizerArgs, build_tokenizer
+    from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 
     tok = build_tokenizer(TokenizerArgs(kind="bytes"))
     ids = greedy_by_full_forward(models[10], tok.encode("Hello", add_bos=True, add_eos=False), 8)

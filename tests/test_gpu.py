@@ -122,8 +122,8 @@ def test_cpu_offload_gradient_norm_on_an_nccl_group_of_one_gpu():
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from apps.llama.model import LlamaArgs, Transformer
+    from lingua import optim
     from lingua.parallel import distributed
-    from lingua.train import optim
 
     args = distributed.DistributedArgs(cpu_offload=True, backend="nccl")
     backend = distributed.process_group_backend(args, "cuda")
@@ -192,14 +192,14 @@ def test_cpu_offload_with_float8_all_gather_on_two_gpus_matches_no_offload(corpu
 def test_resume_on_nccl_skips_a_checkpoint_damaged_in_rank_1s_share(corpus, tmp_path):
     import json
 
-    from lingua.train import checkpoint_integrity
+    from lingua.checkpoint import integrity
 
     dump = tmp_path / "run"
     layout = ["distributed.dp_shard=2", "checkpoint.every=2", "checkpoint.keep=0"]
     run_torchrun(2, "apps.llama.train", tiny_args(corpus, dump, *layout, steps=4))
     newer = dump / "checkpoints" / "4"
-    files = json.loads((newer / checkpoint_integrity.MANIFEST).read_text())["files"]
-    victim = newer / checkpoint_integrity.crc_share(files, 1, 2)[0]
+    files = json.loads((newer / integrity.MANIFEST).read_text())["files"]
+    victim = newer / integrity.crc_share(files, 1, 2)[0]
     with open(victim, "r+b") as f:   # same size, one byte changed: only its CRC shows it
         f.seek(victim.stat().st_size // 2)
         byte = f.read(1)
@@ -220,7 +220,7 @@ def test_resume_on_nccl_skips_a_checkpoint_damaged_in_rank_1s_share(corpus, tmp_
 @four_gpus
 def test_muon_under_fsdp2_x_tp2_on_nccl_matches_one_gpu(corpus, tmp_path):
     """Muon's strided shards (FSDP2 over TP's column-parallel weights) orthogonalised through
-    all-to-alls on NCCL, where gloo all-gathers instead (lingua/train/muon.py)."""
+    all-to-alls on NCCL, where gloo all-gathers instead (lingua/optim/muon.py)."""
     muon = ["optim.name=muon", "optim.muon_ns_dtype=fp32"]
     one = tmp_path / "one"
     train.main(tiny_args(corpus, one, *muon, steps=5))
@@ -308,7 +308,7 @@ def _sft_args(root, dump, *extra) -> list:
     """apps.sft on a tiny HF base and a small chat corpus, made under root on first use."""
     from apps.sft.model import LlamaArgs
     from apps.sft.prepare import write_base_model
-    from lingua.train.chat_data import write_debug_chat
+    from lingua.data.chat import write_debug_chat
     from tests.conftest import TINY_MODEL
 
     shape = {k.split("=")[0][len("model."):]: int(k.split("=")[1]) for k in TINY_MODEL}
@@ -325,8 +325,8 @@ def test_sft_lora_compiled_bf16_on_one_gpu_trains_only_the_adapters(tmp_path):
     """issue 34 on CUDA: a compiled bf16 LoRA run on chat data trains (loss falls), reports an
     MFU in (0, 1) with frozen weights' FLOPs counted as such, and saves the adapters only."""
     from apps.sft import train as sft_train
+    from lingua import checkpoint
     from lingua.model import lora
-    from lingua.train import checkpoint
     from tests.test_lora import checkpoint_tensors
 
     dump = tmp_path / "run"

@@ -12,8 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from apps.llama.hf import args_from_hf_config, load_hf, save_hf
 from apps.llama.model import LlamaArgs, Transformer
+from lingua.checkpoint import integrity
 from lingua.errors import ConfigError
-from lingua.train import checkpoint_integrity
 from tests import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,7 +152,7 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     run_config = {"model": asdict(args), "data": {"tokenizer": {"kind": "bytes"}}}
     OmegaConf.save(OmegaConf.create(run_config), ckpt / "config.yaml")
     # what save() adds: export/generate refuse a checkpoint without one
-    checkpoint_integrity.write_manifest(ckpt)
+    integrity.write_manifest(ckpt)
     out = tmp_path / "hf"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = launcher.launch("apps.llama.hf", ["export", str(ckpt), str(out)], 0, env, tmp_path,
@@ -164,7 +164,7 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=0)
     # generate() stops at our EOS, not at Llama's default id 2 (a byte of the corpus here).
-    from lingua.train.tokenizer import ByteTokenizer
+    from lingua.data.tokenizer import ByteTokenizer
 
     ours = ByteTokenizer()
     assert (hf.config.bos_token_id, hf.config.eos_token_id) == (ours.bos_id, ours.eos_id)
@@ -193,7 +193,7 @@ def test_fork_export_problems_warn_at_start_and_refuse(
     with caplog.at_level(logging.WARNING):
         args = train.load_config(tiny_args(corpus, tmp_path / "run"))
     def said():
-        return [r.getMessage() for r in caplog.records if r.name == "lingua.train.hf"]
+        return [r.getMessage() for r in caplog.records if r.name == "lingua.checkpoint.hf"]
 
     assert llama_hf.export_problems(args.model) == [] and not said()
     reason = "model.qk_norm=true (LlamaForCausalLM has no QK-norm): train without it"
@@ -205,7 +205,7 @@ def test_fork_export_problems_warn_at_start_and_refuse(
     ckpt = tmp_path / "checkpoints" / "10"
     dcp.save({"model": Transformer(SMALL).state_dict()}, checkpoint_id=str(ckpt))
     OmegaConf.save(OmegaConf.create({"model": asdict(SMALL)}), ckpt / "config.yaml")
-    checkpoint_integrity.write_manifest(ckpt)
+    integrity.write_manifest(ckpt)
     with pytest.raises(SystemExit) as e:
         llama_hf.main(["export", str(ckpt), str(tmp_path / "hf")])
     err = capsys.readouterr().err
@@ -279,7 +279,7 @@ def test_export_cli_refuses_unmapped_weights(tmp_path, monkeypatch, capsys):
     ckpt = tmp_path / "checkpoints" / "10"
     dcp.save({"model": QKNormTransformer(SMALL).state_dict()}, checkpoint_id=str(ckpt))
     OmegaConf.save(OmegaConf.create({"model": asdict(SMALL)}), ckpt / "config.yaml")
-    checkpoint_integrity.write_manifest(ckpt)
+    integrity.write_manifest(ckpt)
     out = tmp_path / "hf"
     with pytest.raises(SystemExit) as e:
         llama_hf.main(["export", str(ckpt), str(out)])

@@ -210,8 +210,8 @@ def hf_dir(corpus, tmp_path_factory):
 def hf_loss(corpus, hf_dir, tmp_path_factory):
     """The exported model's loss on the first global batch (8 sequences), loaded independently."""
     from apps.llama.hf import load_hf
+    from lingua import data
     from lingua.eval import evaluation
-    from lingua.train import data
 
     cfg = config.load("llama", train.TrainArgs, tiny_args(corpus, tmp_path_factory.mktemp("ref")))
     model, _ = load_hf(str(hf_dir))

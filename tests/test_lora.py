@@ -24,10 +24,11 @@ from apps.llama.model import LlamaArgs, Transformer
 from apps.llama.parallelize import tp_plans
 from apps.sft import train
 from apps.sft.prepare import write_base_model
+from lingua import checkpoint
 from lingua.errors import ConfigError
 from lingua.model import lora
 from lingua.parallel.tensor_parallel import lora_tp_plans
-from lingua.train import build, checkpoint
+from lingua.train import build
 from tests.conftest import TINY_MODEL, run_torchrun, tiny_args
 from tests.equivalence import (
     assert_equivalent,

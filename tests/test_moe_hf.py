@@ -23,8 +23,8 @@ from transformers import (
 
 from apps.moe.hf import args_from_hf_config, load_hf, save_hf
 from apps.moe.model import MoEArgs, Transformer
+from lingua.checkpoint import integrity
 from lingua.errors import ConfigError
-from lingua.train import checkpoint_integrity
 from tests import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,7 +279,7 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt))
     OmegaConf.save(OmegaConf.create({"model": asdict(args)}), ckpt / "config.yaml")
     # what save() adds: export refuses a checkpoint without one
-    checkpoint_integrity.write_manifest(ckpt)
+    integrity.write_manifest(ckpt)
     out = tmp_path / "hf"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = launcher.launch("apps.moe.hf", ["export", str(ckpt), str(out)], 0, env, tmp_path,
@@ -389,7 +389,7 @@ def debug_run(corpus, tmp_path_factory):
 
 def test_debug_preset_exports_with_the_same_logits(debug_run, tmp_path, capsys):
     from apps.moe.hf import export_problems, main
-    from lingua.train.checkpoint import load_model_state, read_run_config
+    from lingua.checkpoint import load_model_state, read_run_config
 
     ckpt = debug_run / "checkpoints" / "2"
     args = MoEArgs(**OmegaConf.to_container(read_run_config(ckpt).model, resolve=True))
@@ -427,9 +427,9 @@ def test_unexportable_options_warn_at_start_and_export_refuses(
     with caplog.at_level(logging.WARNING):
         train.load_config(_preset_args(corpus, tmp_path / "plain"))
         # the preset as shipped exports
-        assert not [r for r in caplog.records if r.name == "lingua.train.hf"]
+        assert not [r for r in caplog.records if r.name == "lingua.checkpoint.hf"]
         args = train.load_config(_preset_args(corpus, tmp_path / "bad", *bad))
-    warned = [r.getMessage() for r in caplog.records if r.name == "lingua.train.hf"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "lingua.checkpoint.hf"]
     reasons = moe_hf.export_problems(args.model)
     assert len(reasons) == 2 and "route_scale=2.0" in reasons[0]
     assert "bias_update_rate=0.01" in reasons[1]
@@ -443,7 +443,7 @@ def test_unexportable_options_warn_at_start_and_export_refuses(
     cfg = OmegaConf.load(ckpt / "config.yaml")
     cfg.model.route_scale, cfg.model.bias_update_rate = 2.0, 0.01
     OmegaConf.save(cfg, ckpt / "config.yaml")
-    checkpoint_integrity.write_manifest(ckpt)
+    integrity.write_manifest(ckpt)
     with pytest.raises(SystemExit) as e:
         moe_hf.main(["export", str(run), str(tmp_path / "hf")])
     err = capsys.readouterr().err

@@ -3,8 +3,8 @@
 import pytest
 
 from apps.moe import train
+from lingua import checkpoint
 from lingua.errors import ConfigError
-from lingua.train import checkpoint
 from tests.conftest import read_metrics, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 

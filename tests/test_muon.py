@@ -1,9 +1,9 @@
-"""optim.name=muon (lingua/train/muon.py): Muon for the blocks' matrices, AdamW for the rest.
+"""optim.name=muon (lingua/optim/muon.py): Muon for the blocks' matrices, AdamW for the rest.
 
 One process: which parameters go to which kind; the optimizer equals torch.optim.Muon (Muon's
 parameters) + torch.optim.AdamW (the rest) bit for bit, step for step, with weight decay and the
 lr schedule; each MoE expert is one torch Muon matrix; state_dict/load continues exactly; bad
-settings are refused. Sharded (gloo): lingua.train.muon.orthogonalize on uneven and stacked
+settings are refused. Sharded (gloo): lingua.optim.muon.orthogonalize on uneven and stacked
 shards and on FSDP2 x TP's placements against the whole matrix, and the collectives of one step
 under FSDP2 x TP (all-to-alls, no all-gather of whole matrices); FSDP2, TP, FSDP2 x TP, HSDP and
 MoE with EP (alone and inside FSDP) against the one-process run through tests/equivalence.py, in
@@ -22,10 +22,10 @@ from functools import partial
 import pytest
 import torch
 
+from lingua import optim
 from lingua.errors import ConfigError
-from lingua.train import optim
-from lingua.train.muon import MuonAdamW, split_params
-from lingua.train.optim import OptimArgs, lr_factor
+from lingua.optim import OptimArgs, lr_factor
+from lingua.optim.muon import MuonAdamW, split_params
 from tests.conftest import run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -164,7 +164,7 @@ def test_each_expert_matrix_is_one_torch_muon_matrix():
 
 
 def test_fp32_newton_schulz_is_torchs_iteration_in_fp32():
-    from lingua.train.muon import NS_COEFFICIENTS, newton_schulz
+    from lingua.optim.muon import NS_COEFFICIENTS, newton_schulz
 
     gen = torch.Generator().manual_seed(0)
     for shape in ((32, 48), (48, 32)):
@@ -348,7 +348,7 @@ def orthogonalized(tmp_path_factory):
 
 @pytest.mark.distributed
 def test_orthogonalize_on_uneven_and_stacked_shards(orthogonalized):
-    """lingua.train.muon.orthogonalize on gloo ranks, against NS of the whole matrix sliced to
+    """lingua.optim.muon.orthogonalize on gloo ranks, against NS of the whole matrix sliced to
     this rank's shard, bit for bit. On 2 ranks: shards of uneven size (5 rows over 2 ranks),
     Shard(1), a count of matrices that is not a multiple of the ranks, and stacked experts split
     inside (Shard(1)) or only along the expert dim (orthogonalised where they are). On
@@ -427,7 +427,7 @@ def _orthogonalize_worker(out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor, placement_types
 
-    from lingua.train import muon
+    from lingua.optim import muon
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
@@ -469,7 +469,7 @@ def _orthogonalize_worker(out: str) -> None:
 def _mutant_main(argv: list) -> int:
     """The llama trainer with each rank orthogonalising only its own shard of a sharded matrix."""
     from apps.llama import train
-    from lingua.train import muon
+    from lingua.optim import muon
 
     def local_only(local_stack, mesh, placements, shape, ns):
         return muon._ns_each(local_stack, ns)

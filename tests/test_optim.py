@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
+from lingua import optim
 from lingua.errors import ConfigError
-from lingua.train import optim
-from lingua.train.optim import OptimArgs, lr_factor
+from lingua.optim import OptimArgs, lr_factor
 
 
 def test_warmup_is_linear_then_each_schedule_reaches_its_end():

@@ -217,7 +217,7 @@ def test_process_groups_and_muon_state_are_the_trainers(corpus, tmp_path):
     measures it there; + 1: the default group; + 1 for the async checkpoint's), and Muon keeps
     one momentum buffer for its matrices where AdamW keeps two moments."""
     from apps.llama.model import Transformer
-    from lingua.train.muon import split_params
+    from lingua.optim.muon import split_params
     from tests.test_process_groups import EP_GROUPS, MESH_GROUPS
 
     base = [f"data.root={corpus}", "data.prepare_embedded=false", f"dump_dir={tmp_path / 'run'}"]

@@ -177,8 +177,8 @@ def test_a_training_run_records_the_tensors_it_names(corpus, tmp_path, monkeypat
     the micro-batches of a step up), and a parameter and its gradient as clipping receives them
     (the probe records them after backward, before clipping). A hook on the wrong module or
     tensor, or at the wrong step, gives other numbers."""
+    from lingua import optim
     from lingua.launch import run
-    from lingua.train import optim
 
     block, param = "layers.1", "layers.0.feed_forward.w1.weight"
     probed_step = 2

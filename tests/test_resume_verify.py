@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from apps.llama import train
-from lingua.train import checkpoint, checkpoint_integrity
+from lingua import checkpoint
+from lingua.checkpoint import integrity
 from tests.conftest import run_torchrun, tiny_args
 
 
@@ -25,7 +26,7 @@ def fake_checkpoint(dump, step: int, saved_ranks: int = 2):
     for r in range(saved_ranks):
         (ckpt / f"__{r}_0.distcp").write_bytes(os.urandom(4000 + 1000 * r))
         (ckpt / f"train_state_rank{r}.pt").write_bytes(os.urandom(200))
-    checkpoint_integrity.write_manifest(ckpt)
+    integrity.write_manifest(ckpt)
     return ckpt
 
 
@@ -36,7 +37,7 @@ def flip_a_byte(path) -> None:
 
 
 def manifest_of(ckpt) -> dict:
-    return json.loads((ckpt / checkpoint_integrity.MANIFEST).read_text())["files"]
+    return json.loads((ckpt / integrity.MANIFEST).read_text())["files"]
 
 
 @pytest.mark.parametrize("saved_ranks", [1, 3, 4, 8])
@@ -44,7 +45,7 @@ def test_the_checksum_shares_cover_every_file_exactly_once(tmp_path, saved_ranks
     files = manifest_of(fake_checkpoint(tmp_path, 1, saved_ranks))
     total, largest = sum(f["size"] for f in files.values()), max(f["size"] for f in files.values())
     for world_size in range(1, 6):
-        shares = [checkpoint_integrity.crc_share(files, r, world_size) for r in range(world_size)]
+        shares = [integrity.crc_share(files, r, world_size) for r in range(world_size)]
         names = [name for share in shares for name in share]
         assert sorted(names) == sorted(files), (world_size, shares)
         # Balanced by bytes: no rank reads more than its part plus one file.
@@ -57,10 +58,10 @@ def test_each_damaged_file_is_found_by_exactly_one_rank(tmp_path):
     files = manifest_of(ckpt)
     for name in sorted(files):
         flip_a_byte(ckpt / name)
-        found = [r for r in range(3) if checkpoint_integrity.verify_share(ckpt, r, 3) is not None]
-        owner = [r for r in range(3) if name in checkpoint_integrity.crc_share(files, r, 3)]
+        found = [r for r in range(3) if integrity.verify_share(ckpt, r, 3) is not None]
+        owner = [r for r in range(3) if name in integrity.crc_share(files, r, 3)]
         assert found == owner and len(owner) == 1, name
-        assert name in checkpoint_integrity.verify_share(ckpt, owner[0], 3)
+        assert name in integrity.verify_share(ckpt, owner[0], 3)
         flip_a_byte(ckpt / name)  # back
 
 
@@ -71,14 +72,14 @@ def test_sizes_are_checked_by_the_rank_whose_share_the_file_is(tmp_path):
     files = manifest_of(ckpt)
     with open(ckpt / "__1_0.distcp", "r+b") as f:
         f.truncate(10)
-    found = [r for r in range(3) if checkpoint_integrity.verify_share(ckpt, r, 3) is not None]
+    found = [r for r in range(3) if integrity.verify_share(ckpt, r, 3) is not None]
     assert found == [r for r in range(3)
-                     if "__1_0.distcp" in checkpoint_integrity.crc_share(files, r, 3)]
-    assert "__1_0.distcp has 10 bytes" in checkpoint_integrity.verify_share(ckpt, found[0], 3)
+                     if "__1_0.distcp" in integrity.crc_share(files, r, 3)]
+    assert "__1_0.distcp has 10 bytes" in integrity.verify_share(ckpt, found[0], 3)
     (ckpt / "__1_0.distcp").unlink()
-    assert "__1_0.distcp is missing" in checkpoint_integrity.verify_share(ckpt, found[0], 3)
-    (ckpt / checkpoint_integrity.MANIFEST).unlink()
-    assert all("manifest.json is missing" in checkpoint_integrity.verify_share(ckpt, r, 3)
+    assert "__1_0.distcp is missing" in integrity.verify_share(ckpt, found[0], 3)
+    (ckpt / integrity.MANIFEST).unlink()
+    assert all("manifest.json is missing" in integrity.verify_share(ckpt, r, 3)
                for r in range(3))
 
 
@@ -89,9 +90,9 @@ def test_a_read_error_is_damage_not_a_crash(tmp_path, monkeypatch):
     def failing(path):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(checkpoint_integrity, "crc32", failing)
-    assert "cannot be read" in checkpoint_integrity.verify_share(ckpt, 0, 1)
-    assert "cannot be read" in checkpoint_integrity.verify(ckpt)
+    monkeypatch.setattr(integrity, "crc32", failing)
+    assert "cannot be read" in integrity.verify_share(ckpt, 0, 1)
+    assert "cannot be read" in integrity.verify(ckpt)
 
 
 def test_one_process_walks_back_to_the_newest_intact_checkpoint(tmp_path, caplog):
@@ -119,7 +120,7 @@ def test_pruning_counts_intact_checkpoints_only(tmp_path, caplog):
     (root / "4.damaged").mkdir()
     with open(root / "4" / "__0_0.distcp", "r+b") as f:
         f.truncate(10)
-    checkpoint_integrity.prune(root, keep=2)
+    integrity.prune(root, keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["2", "4.damaged", "4.damaged-2", "6"]
     assert f"damaged checkpoint {root / '4'}: {root / '4' / '__0_0.distcp'} has 10" in caplog.text
     assert [p.name for p in checkpoint.list_complete(tmp_path)] == ["2", "6"]
@@ -132,11 +133,11 @@ def test_two_ranks_skip_a_checkpoint_only_rank_1_finds_damaged(tmp_path):
     older = fake_checkpoint(dump, 2)
     newer = fake_checkpoint(dump, 4)
     files = manifest_of(newer)
-    damaged = checkpoint_integrity.crc_share(files, 1, 2)[0]
+    damaged = integrity.crc_share(files, 1, 2)[0]
     flip_a_byte(newer / damaged)
     # Rank 0's own share is intact: only the agreement makes it skip the checkpoint.
-    assert checkpoint_integrity.verify_share(newer, 0, 2) is None
-    assert checkpoint_integrity.verify_share(newer, 1, 2) is not None
+    assert integrity.verify_share(newer, 0, 2) is None
+    assert integrity.verify_share(newer, 1, 2) is not None
 
     proc = run_torchrun(2, "tests.workers.verify_worker", [str(dump), str(out)], timeout=120)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -148,10 +149,10 @@ def test_two_ranks_skip_a_checkpoint_only_rank_1_finds_damaged(tmp_path):
     assert (sorted(n for n in read if n.startswith("2/"))
             == sorted(f"2/{n}" for n in manifest_of(older)))
     assert f"4/{damaged}" in results[1]["read"] and f"4/{damaged}" not in results[0]["read"]
-    assert (f"[rank0] lingua.train.checkpoint_integrity: skipping damaged checkpoint {newer}: "
+    assert (f"[rank0] lingua.checkpoint.integrity: skipping damaged checkpoint {newer}: "
             f"{newer / damaged} is damaged") in proc.stdout, proc.stdout[-3000:]
     # Said once, by rank 0.
-    assert "[rank1] lingua.train.checkpoint_integrity: skipping" not in proc.stdout
+    assert "[rank1] lingua.checkpoint.integrity: skipping" not in proc.stdout
     # Moved aside once, by rank 0, after rank 1 had read its damaged share (it named the damage).
     assert sorted(p.name for p in older.parent.iterdir()) == ["2", "4.damaged"]
 
@@ -163,7 +164,7 @@ def test_more_ranks_than_the_save_had_and_no_intact_checkpoint(tmp_path):
     dump, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
     only = fake_checkpoint(dump, 2, saved_ranks=2)
-    damaged = checkpoint_integrity.crc_share(manifest_of(only), 2, 3)[0]
+    damaged = integrity.crc_share(manifest_of(only), 2, 3)[0]
     flip_a_byte(only / damaged)
     run_torchrun(3, "tests.workers.verify_worker", [str(dump), str(out)], timeout=120)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
@@ -240,7 +241,7 @@ def test_each_rank_touches_only_its_share_of_the_files(tmp_path, monkeypatch):
     share of the files; a damaged newer checkpoint is still found, by the rank whose share it is."""
     older = fake_checkpoint(tmp_path, 2, saved_ranks=8)
     newer = fake_checkpoint(tmp_path, 4, saved_ranks=8)
-    damaged = checkpoint_integrity.crc_share(manifest_of(newer), 3, 4)[0]
+    damaged = integrity.crc_share(manifest_of(newer), 3, 4)[0]
     flip_a_byte(newer / damaged)
     ranks = ThreadRanks(4, monkeypatch)
     chosen = ranks.run(lambda r: checkpoint.newest_verified(tmp_path, r, 4, gather=ranks.gather))
@@ -250,8 +251,8 @@ def test_each_rank_touches_only_its_share_of_the_files(tmp_path, monkeypatch):
         for ckpt in (older, newer):
             files = manifest_of(ckpt)
             mine = {p.name for p in touched if p.parent == ckpt}
-            share = set(checkpoint_integrity.crc_share(files, r, 4))
-            assert mine == share | ({checkpoint_integrity.MANIFEST} if r == 0 else set()), (r, ckpt)
+            share = set(integrity.crc_share(files, r, 4))
+            assert mine == share | ({integrity.MANIFEST} if r == 0 else set()), (r, ckpt)
             assert len(share) <= len(files) // 2
         listed = [p for p in touched if p == root]
         assert (len(listed) > 0) == (r == 0), r
@@ -265,7 +266,7 @@ def test_a_listing_that_fails_on_rank_0_fails_on_every_rank(tmp_path, monkeypatc
     def unreadable(root):
         raise PermissionError(13, "Permission denied", str(root))
 
-    monkeypatch.setattr(checkpoint_integrity, "step_dirs", unreadable)
+    monkeypatch.setattr(integrity, "step_dirs", unreadable)
     barrier, slots, errors = threading.Barrier(4), [None] * 4, [None] * 4
 
     def gather_for(rank):

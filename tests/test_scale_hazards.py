@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lingua.train import checkpoint, checkpoint_integrity
-from lingua.train.checkpoint import CheckpointArgs
+from lingua import checkpoint
+from lingua.checkpoint import CheckpointArgs, integrity
 from tests.conftest import run_torchrun, tiny_args
 
 
@@ -82,9 +82,9 @@ def test_pruning_never_removes_the_checkpoint_just_written(tmp_path, monkeypatch
     for step in (1, 2, 3):
         tiny_save(tmp_path, step, keep=0)
     root = checkpoint.checkpoints_dir(tmp_path)
-    monkeypatch.setattr(checkpoint_integrity, "verify", lambda ckpt, checksums=True: None)
-    checkpoint_integrity.prune(root, keep=1, in_use=lambda step: step == 1, newest=root / "2")
+    monkeypatch.setattr(integrity, "verify", lambda ckpt, checksums=True: None)
+    integrity.prune(root, keep=1, in_use=lambda step: step == 1, newest=root / "2")
     assert sorted(p.name for p in root.iterdir()) == ["1", "2", "3"]
-    monkeypatch.setattr(checkpoint_integrity, "verify", lambda ckpt, checksums=True: "stat failed")
-    checkpoint_integrity.prune(root, keep=1, newest=root / "2")
+    monkeypatch.setattr(integrity, "verify", lambda ckpt, checksums=True: "stat failed")
+    integrity.prune(root, keep=1, newest=root / "2")
     assert sorted(p.name for p in root.iterdir()) == ["1.damaged", "2", "3.damaged"]

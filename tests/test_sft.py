@@ -43,8 +43,8 @@ def test_the_debug_preset_makes_its_inputs_and_trains_on_answers_only(tmp_path):
     import torch
     from transformers import LlamaForCausalLM
 
+    from lingua.data.chat import ChatLoader
     from lingua.model.loss import IGNORE_INDEX
-    from lingua.train.chat_data import ChatLoader
 
     # The base's pretraining, 3 steps instead of the preset's 200: the same path, quick.
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2", LINGUA_SFT_BASE_STEPS="3")
@@ -153,7 +153,7 @@ def chat_run(tmp_path_factory):
     """A tiny HF base, a small chat corpus, and one process's run on it (global batch 4)."""
     from apps.sft.model import LlamaArgs
     from apps.sft.prepare import write_base_model
-    from lingua.train.chat_data import write_debug_chat
+    from lingua.data.chat import write_debug_chat
     from tests.conftest import TINY_MODEL, run_python
 
     root = tmp_path_factory.mktemp("sft_chat")
@@ -201,8 +201,8 @@ def test_the_gradient_is_that_of_the_mean_over_answer_tokens(chat_run, tmp_path)
     import torch
     from transformers import LlamaForCausalLM
 
+    from lingua.data.chat import ChatLoader
     from lingua.model.loss import IGNORE_INDEX
-    from lingua.train.chat_data import ChatLoader
     from tests.conftest import run_python
     from tests.equivalence import read_rows
 

@@ -20,10 +20,10 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from apps.sft import generate as sft_generate
 from apps.sft import hf as sft_hf
 from apps.sft.model import LlamaArgs
-from lingua.train import checkpoint_integrity
-from lingua.train import hf as lingua_hf
-from lingua.train.chat_template import BUILTIN_JINJA
-from lingua.train.tokenizer import TokenizerArgs, build_tokenizer
+from lingua.checkpoint import hf as lingua_hf
+from lingua.checkpoint import integrity
+from lingua.data.chat_template import BUILTIN_JINJA
+from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 from tests.conftest import TINY_MODEL
 
 pytestmark = pytest.mark.slow   # one training run (about 10 s) before the first test
@@ -234,7 +234,7 @@ def fake_run(run, ours, root: Path, lora) -> Path:
         dcp.save({"model": plain.state_dict()}, checkpoint_id=str(ckpt))
     for where in (root, ckpt):
         OmegaConf.save(cfg, where / "config.yaml")
-    checkpoint_integrity.write_manifest(ckpt)
+    integrity.write_manifest(ckpt)
     return root
 
 
@@ -331,7 +331,7 @@ def test_generate_names_a_conversation_the_template_refuses(run, tmp_path, capsy
     cfg = OmegaConf.load(ckpt / "config.yaml")
     cfg.data.chat.template = str(jinja)
     OmegaConf.save(cfg, ckpt / "config.yaml")
-    checkpoint_integrity.write_manifest(ckpt)
+    integrity.write_manifest(ckpt)
     code, out, err = cli(sft_generate, [str(ckpt), "--system", "s", "--message", "hi"], capsys)
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and not out, err
     assert "user first" in err and "Give a conversation that template accepts" in err

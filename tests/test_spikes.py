@@ -16,8 +16,8 @@ import torch
 
 from apps.llama import train
 from lingua.errors import ConfigError, RunError
+from lingua.optim import OptimArgs
 from lingua.train import spikes
-from lingua.train.optim import OptimArgs
 from lingua.train.spikes import SpikeMonitor
 from tests.conftest import run_torchrun, tiny_args
 from tests.equivalence import (

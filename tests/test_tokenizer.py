@@ -9,13 +9,13 @@ import json
 
 import pytest
 
-from lingua.errors import ConfigError
-from lingua.train.tokenizer import (
+from lingua.data.tokenizer import (
     ByteTokenizer,
     TokenizerArgs,
     build_tokenizer,
     check_tokenizer_args,
 )
+from lingua.errors import ConfigError
 
 TEXTS = ["the quick brown fox jumps over the lazy dog",
          "hello world, this is a test of the tokenizer",

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from apps.llama import train
+from lingua import checkpoint
 from lingua.errors import ConfigError
 from lingua.observe import metrics
-from lingua.train import checkpoint
 from tests.conftest import REPO, read_metrics, run_python, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -193,8 +193,8 @@ def test_wandb_offline_run_and_no_secret_on_disk(corpus, tmp_path, monkeypatch):
 
 def test_init_from_a_hugging_face_directory_starts_from_its_weights(corpus, tmp_path):
     from apps.llama.hf import export, load_hf
+    from lingua import data
     from lingua.eval import evaluation
-    from lingua.train import data
 
     first = tmp_path / "first"
     train.main(tiny_args(corpus, first, steps=3))

@@ -1,14 +1,14 @@
 """Hugging Face interop: LlamaForCausalLM directories (config.json + safetensors) <-> Transformer.
 
 `python -m apps.llama.hf export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32]`. LLaMA's names
-and config.json live here, lingua/train/hf.py does the rest. Our RoPE rotates each head's halves
-as HF's `rotate_half` does, so q/k rows are copied as they are."""
+and config.json live here, lingua/checkpoint/hf.py does the rest. Our RoPE rotates each head's
+halves as HF's `rotate_half` does, so q/k rows are copied as they are."""
 
 import torch
 
 from apps.llama.model import LlamaArgs, Transformer
+from lingua.checkpoint import hf as lingua_hf
 from lingua.errors import ConfigError
-from lingua.train import hf as lingua_hf
 
 
 def key_map(args: LlamaArgs) -> dict[str, str]:

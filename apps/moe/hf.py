@@ -27,7 +27,7 @@ Three Hugging Face architectures, chosen from the model args on export and from 
 Hugging Face models route every token (dropless): a model trained with capacity_factor > 0 is
 exported as is and reads back with capacity_factor=0, which is what the HF model computes.
 The plumbing (checks that nothing is dropped, reading and writing the files, the export command)
-is lingua/train/hf.py's; this file holds what is MoE's.
+is lingua/checkpoint/hf.py's; this file holds what is MoE's.
 
 CLI: python -m apps.moe.hf export <run_dir or checkpoint_dir> <out_dir> [--dtype bf16|fp32]
 (a run directory: its newest complete checkpoint). `export_problems(model_args)` says from the
@@ -42,10 +42,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from apps.moe.model import MoEArgs, Transformer, expert_hidden
+from lingua.checkpoint import hf as lingua_hf
+from lingua.checkpoint.hf import TIED_NOT_IMPORTED, ffn_recipe, read_weights
 from lingua.errors import ConfigError
 from lingua.model.transformer import ffn_hidden_dim
-from lingua.train import hf as lingua_hf
-from lingua.train.hf import TIED_NOT_IMPORTED, ffn_recipe, read_weights
 
 # MoEArgs fields that only matter for training; recorded so that load_hf gives back the same args.
 TRAINING_FIELDS = ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "expert_impl")

@@ -13,12 +13,12 @@ from apps.moe.model import MoEArgs, Transformer, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.moe.parallelize import float8_filter, parallelize_moe, uses_loss_parallel, validate_tp
 from lingua import config
+from lingua.checkpoint import hf as lingua_hf
 from lingua.launch import run
 from lingua.model.loss import LossOutput, cross_entropy
 from lingua.model.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
 from lingua.parallel import distributed
 from lingua.parallel.expert_parallel import validate_ep
-from lingua.train import hf as lingua_hf
 from lingua.train.app import App
 
 

@@ -4,9 +4,9 @@
 CLI: python -m apps.mtp.hf export <run_dir or checkpoint_dir> <out_dir> [--dtype bf16|fp32]
 (a run directory: its newest complete checkpoint). This file holds what is this app's: its names
 (`key_map`), its config.json (`llama_hf_config`, `args_from_hf_config`) and what the export may
-refuse (`export_problems`, which apps/mtp/train.py warns with at start); lingua/train/hf.py does
-the rest. Our RoPE rotates the two halves of each head, as Hugging Face's `rotate_half` does, so
-q/k rows are copied as they are.
+refuse (`export_problems`, which apps/mtp/train.py warns with at start); lingua/checkpoint/hf.py
+does the rest. Our RoPE rotates the two halves of each head, as Hugging Face's `rotate_half` does,
+so q/k rows are copied as they are.
 """
 
 from typing import Dict, List, Optional
@@ -14,8 +14,8 @@ from typing import Dict, List, Optional
 import torch
 
 from apps.mtp.model import MTPArgs, Transformer
+from lingua.checkpoint import hf as lingua_hf
 from lingua.errors import ConfigError
-from lingua.train import hf as lingua_hf
 
 
 def key_map(args: MTPArgs) -> Dict[str, str]:
@@ -93,7 +93,7 @@ def export_problems(model_args: MTPArgs) -> List[str]:
     return []
 
 
-# The shared machinery (lingua/train/hf.py), given this file's names.
+# The shared machinery (lingua/checkpoint/hf.py), given this file's names.
 WHERE = f"key_map in {lingua_hf.app_file(__file__)}"
 
 

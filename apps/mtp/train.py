@@ -16,9 +16,9 @@ from apps.mtp.hf import export_problems, load_hf
 from apps.mtp.model import MTPArgs, Transformer, validate_model_args
 from apps.mtp.parallelize import parallelize_mtp, uses_loss_parallel, validate_tp
 from lingua import config
+from lingua.checkpoint import hf as lingua_hf
 from lingua.launch import run
 from lingua.model.loss import IGNORE_INDEX, LossOutput, token_loss_sum
-from lingua.train import hf as lingua_hf
 from lingua.train.app import App
 
 

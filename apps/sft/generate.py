@@ -3,7 +3,7 @@
 
 The conversation (the file's messages, then --message as the user's turn; --system first) is
 rendered with the chat template the run trained with (its config.yaml's data section:
-lingua/train/chat_data.py), with the generation prompt, and the model (adapters active) answers
+lingua/data/chat.py), with the generation prompt, and the model (adapters active) answers
 greedily until it closes its turn (the token the template ends an assistant turn with: EOS for
 the built-in template) or max-new-tokens. Prints the reply.
 """
@@ -17,15 +17,15 @@ from typing import List
 import torch
 
 from apps.sft.hf import chat_template, data_args, load_run, turn_end_id  # noqa: F401 (tests)
+from lingua.data.jsonl import BadLine
 from lingua.errors import ConfigError
 from lingua.eval import generation
-from lingua.train.jsonl_lines import BadLine
 
 PROG = "python -m apps.sft.generate"
 
 
 def check_messages(messages) -> List[dict]:
-    from lingua.train.chat_data import ROLES
+    from lingua.data.chat import ROLES
 
     ok = isinstance(messages, list) and messages and all(
         isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
@@ -71,7 +71,7 @@ def reply(model, tokenizer, template, messages, max_new_tokens: int):
 
 def load(target, device="cpu"):
     """(model with adapters, tokenizer, template) of a run directory or checkpoint."""
-    from lingua.train.tokenizer import build_tokenizer
+    from lingua.data.tokenizer import build_tokenizer
 
     model, _, _, run_config, _ = load_run(target, device)
     args = data_args(run_config)   # a run on plain text (not data.format=chat): built-in template

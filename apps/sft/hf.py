@@ -22,10 +22,10 @@ import torch
 from omegaconf import OmegaConf
 
 from apps.sft.model import LlamaArgs, Transformer
+from lingua.checkpoint import hf as lingua_hf
 from lingua.errors import ConfigError
 from lingua.model import lora
 from lingua.model.lora import LoRAArgs, LoRALinear
-from lingua.train import hf as lingua_hf
 
 # ---------------------------------------------------------------------------------------------
 # LLaMA's Hugging Face map (apps/llama/hf.py's)
@@ -159,7 +159,7 @@ def build_model(args: LlamaArgs, lora_args: LoRAArgs, device="cpu") -> Transform
 def load_run(target, device="cpu"):
     """(model with the checkpoint's weights, in eval mode, LlamaArgs, LoRAArgs, run config,
     checkpoint dir) from a run directory (its newest complete checkpoint) or a checkpoint."""
-    from lingua.train.checkpoint import load_model_state, read_run_config, resolve
+    from lingua.checkpoint import load_model_state, read_run_config, resolve
 
     ckpt_dir = resolve(target)
     run_config = read_run_config(ckpt_dir)
@@ -175,7 +175,7 @@ def load_run(target, device="cpu"):
 
 def data_args(run_config):
     """The run's DataArgs (its config.yaml's data section over the schema's defaults)."""
-    from lingua.train.data import DataArgs
+    from lingua.data import DataArgs
 
     section = OmegaConf.to_container(run_config.data, resolve=True)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataArgs), section))
@@ -183,7 +183,7 @@ def data_args(run_config):
 
 def chat_template(run_config):
     """The ChatTemplate the run trained with."""
-    from lingua.train.chat_data import ChatTemplate
+    from lingua.data.chat import ChatTemplate
 
     return ChatTemplate.from_args(data_args(run_config))
 
@@ -218,7 +218,7 @@ def merged_model(model: Transformer, args: LlamaArgs) -> Transformer:
 def export_merged(ckpt_dir, out_dir, dtype=None) -> LlamaArgs:
     """The merged model as a LlamaForCausalLM directory, through lingua_hf.export's flow (the
     checkpoint loaded into our adapted model, saved by save_hf after the merge)."""
-    from lingua.train.checkpoint import read_run_config
+    from lingua.checkpoint import read_run_config
 
     run_config = read_run_config(ckpt_dir)
     lora_args = run_lora_args(run_config, ckpt_dir)
@@ -241,7 +241,7 @@ def export_merged(ckpt_dir, out_dir, dtype=None) -> LlamaArgs:
 
 def template_jinja(run_config) -> str:
     """The Jinja text of the run's chat template: its file's, or the built-in one's."""
-    from lingua.train.chat_template import BUILTIN_JINJA, ChatTemplate
+    from lingua.data.chat_template import BUILTIN_JINJA, ChatTemplate
 
     text = ChatTemplate.from_args(data_args(run_config)).jinja_text
     return BUILTIN_JINJA if text is None else text
@@ -250,7 +250,7 @@ def template_jinja(run_config) -> str:
 def chat_fields(run_config):
     """(the template's Jinja text or None, the stop-token ids) that make HF tools chat as the run
     does; read before any weight is written, so a template that went missing refuses early."""
-    from lingua.train.tokenizer import build_tokenizer
+    from lingua.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(data_args(run_config).tokenizer)
     stops, jinja = [tokenizer.eos_id], None
@@ -330,7 +330,7 @@ def export_adapter(ckpt_dir, out_dir, dtype=None) -> LoRAArgs:
     """The adapters alone, as a PEFT LoRA adapter of the run's checkpoint.init_from."""
     from safetensors.torch import save_file
 
-    from lingua.train.checkpoint import read_run_config
+    from lingua.checkpoint import read_run_config
 
     run_config = read_run_config(ckpt_dir)
     lora_args = run_lora_args(run_config, ckpt_dir)
@@ -362,7 +362,7 @@ def main(argv=None) -> None:
     import argparse
     import sys
 
-    from lingua.train.checkpoint import resolve
+    from lingua.checkpoint import resolve
 
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

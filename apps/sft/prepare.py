@@ -2,7 +2,7 @@
 has learned something (apps/sft's Llama of the preset's shape pretrained on the embedded corpus for
 BASE_STEPS steps, as the quickstart trains apps.llama's debug preset, then exported with the byte
 tokenizer's files: LoRA on a random base has nothing to adapt), and a small chat corpus written
-from the same text (lingua/train/chat_data.py).
+from the same text (lingua/data/chat.py).
 
 The debug preset trains from data/sft_debug/base on data/sft_debug/chat (`python -m apps.sft.train`
 makes them). LINGUA_SFT_BASE_STEPS sets the
@@ -20,9 +20,9 @@ import torch
 
 from apps.sft.hf import llama_hf_config
 from apps.sft.model import LlamaArgs
+from lingua.checkpoint import hf as lingua_hf
+from lingua.data.batch import write_once
 from lingua.errors import RunError
-from lingua.train import hf as lingua_hf
-from lingua.train.data_common import write_once
 
 BASE, CHAT = "base", "chat"
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def ensure_debug_inputs(args, train: Callable[[list], int]) -> None:
     """The chat corpus at data.root, and the base model beside it (data.root's parent / base) when
     checkpoint.init_from names that place: a directory the user named elsewhere is never made up
     behind her back (run.validate then says it is missing)."""
-    from lingua.train.chat_data import write_debug_chat
+    from lingua.data.chat import write_debug_chat
 
     root = Path(args.data.root)
     if not any(root.glob("*.jsonl")):

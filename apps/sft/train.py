@@ -1,7 +1,7 @@
 """Fine-tune a Hugging Face Llama on conversations: `python -m apps.sft.train [config=PRESET] ...`.
 
 The LLaMA app's model, plans and HF map, started from `checkpoint.init_from` (a Hugging Face
-directory), trained on `data.format=chat` (lingua/train/chat_data.py: only the assistant's tokens
+directory), trained on `data.format=chat` (lingua/data/chat.py: only the assistant's tokens
 count in the loss), with LoRA adapters (`lora.rank` > 0; lingua/model/lora.py) or every weight
 (`lora.rank=0`). What is fine-tuning's own lives in this folder: the config schema and its
 checks, the App, the debug inputs (prepare.py), the export (hf.py: merged or a PEFT adapter)
@@ -18,11 +18,11 @@ from apps.sft.hf import args_from_hf_config, export_problems, load_hf
 from apps.sft.model import LlamaArgs, Transformer, validate_model_args
 from apps.sft.parallelize import parallelize_llama, tp_plans, uses_loss_parallel, validate_tp
 from lingua import config
+from lingua.checkpoint import hf as lingua_hf
 from lingua.launch import run
 from lingua.model import lora
 from lingua.model.lora import LoRAArgs
 from lingua.parallel.tensor_parallel import lora_tp_plans
-from lingua.train import hf as lingua_hf
 from lingua.train.app import App
 
 ARCHITECTURE = "LlamaForCausalLM"

@@ -41,6 +41,7 @@ from typing import Callable, Dict, List, Optional, TextIO
 
 import torch
 
+from lingua.data.tokenizer import build_tokenizer
 from lingua.errors import ConfigError
 from lingua.eval.evaluation import EvalArgs
 from lingua.observe.metrics import format_duration
@@ -48,7 +49,6 @@ from lingua.parallel.distributed import DistEnv
 from lingua.train.build import mixed_precision
 from lingua.train.hooks import Hook
 from lingua.train.loop import evaluates_at
-from lingua.train.tokenizer import build_tokenizer
 
 logger = logging.getLogger("eval")
 

@@ -25,13 +25,14 @@ from typing import List, Optional, Sequence, Tuple
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lingua import checkpoint
+from lingua.checkpoint import hf
+from lingua.data.tokenizer import build_tokenizer
 from lingua.errors import ConfigError
 from lingua.eval import downstream
 from lingua.model import lora, weights
 from lingua.observe import metrics
 from lingua.parallel import distributed
-from lingua.train import checkpoint, hf
-from lingua.train.tokenizer import build_tokenizer
 
 logger = logging.getLogger("eval")
 
@@ -42,7 +43,7 @@ CHANGEABLE = ("eval", "distributed", "logging", "slurm", "data.tokenizer")
 
 def resolve_checkpoint(target: str) -> Tuple[Path, Path, int]:
     """(checkpoint dir, run dir, step) for a dump_dir (its newest complete checkpoint) or a
-    checkpoint directory <dump_dir>/checkpoints/<step>: lingua.train.checkpoint.resolve, which
+    checkpoint directory <dump_dir>/checkpoints/<step>: lingua.checkpoint.resolve, which
     generate and export share, held to checkpoints inside their run."""
     ckpt = checkpoint.resolve(target, in_run=True)
     return ckpt, ckpt.parent.parent, int(ckpt.name)

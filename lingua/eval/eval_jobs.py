@@ -52,8 +52,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from lingua import checkpoint
 from lingua.errors import ConfigError
-from lingua.train import checkpoint, slurm
+from lingua.train import slurm
 from lingua.train.hooks import Hook
 from lingua.train.loop import evaluates_at
 

@@ -89,15 +89,14 @@ from typing import List, Optional
 
 import torch
 
-from lingua import config
+from lingua import config, data
+from lingua.data.tokenizer import TokenizerArgs
 from lingua.errors import ConfigError
 from lingua.launch import run
 from lingua.launch.plan_memory import RankPlan, quiet, rank_plan
 from lingua.observe import metrics
 from lingua.parallel import distributed, pipeline
 from lingua.train import app as app_checks
-from lingua.train import data
-from lingua.train.tokenizer import TokenizerArgs
 
 GIB = 2 ** 30
 # Memory per GPU (GiB) when --gpu-mem-gib is not given: the 80 GB parts and the larger ones.

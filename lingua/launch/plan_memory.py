@@ -236,7 +236,7 @@ def _optimizer_bytes(args, parts, adamw_bytes: int) -> tuple:
     NS's iterate, its Gram matrix and polynomial, the result), in NS's dtype."""
     if args.optim.name != "muon" or adamw_bytes == 0:   # 0: offloaded to host memory
         return adamw_bytes, 0
-    from lingua.train.muon import NS_DTYPES, matrix_shape, split_params
+    from lingua.optim.muon import NS_DTYPES, matrix_shape, split_params
 
     muon = [p for part in parts for _, p in split_params(part)[0]]
     muon_bytes = sum(_local(p).numel() * _local(p).element_size() for p in muon)

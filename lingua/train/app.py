@@ -4,9 +4,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from lingua import config
+from lingua.data.tokenizer import build_tokenizer
 from lingua.model import loss as loss_module
 from lingua.parallel import distributed
-from lingua.train.tokenizer import build_tokenizer
 
 
 @dataclass

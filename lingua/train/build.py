@@ -7,10 +7,10 @@ import logging
 
 import torch
 
+from lingua.checkpoint import hf
 from lingua.model import decoder, lora, weights
 from lingua.parallel import coverage, distributed, float8, pipeline
 from lingua.parallel.distributed import DistEnv
-from lingua.train import hf
 from lingua.train.app import App
 
 logger = logging.getLogger("train")

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from lingua import config
+from lingua import checkpoint, config, data, optim
 from lingua.errors import RunError
 from lingua.model import loss as loss_module
 from lingua.model.transformer import inferring_shapes
@@ -24,7 +24,7 @@ from lingua.observe import metrics, profiling
 from lingua.parallel import distributed, pipeline
 from lingua.parallel.distributed import DistEnv
 from lingua.parallel.tensor_parallel import loss_parallel_context
-from lingua.train import agreement, checkpoint, data, microbatch, optim
+from lingua.train import agreement, microbatch
 from lingua.train.app import App
 from lingua.train.build import mixed_precision
 from lingua.train.hooks import ROLLBACK, SKIP, UPDATE, Hooks

@@ -5,7 +5,8 @@ loop.py) has these methods; the hooks' own train state comes in through Hooks.st
 import logging
 from typing import Optional
 
-from lingua.train import checkpoint, preemption
+from lingua import checkpoint
+from lingua.train import preemption
 
 logger = logging.getLogger("train")
 

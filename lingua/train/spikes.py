@@ -45,8 +45,8 @@ from typing import List, Optional
 
 import torch
 
+from lingua import checkpoint
 from lingua.errors import RunError
-from lingua.train import checkpoint
 from lingua.train.hooks import ROLLBACK, SKIP, UPDATE, Hook
 
 logger = logging.getLogger("train")

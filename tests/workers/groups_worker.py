@@ -12,10 +12,10 @@ import json
 import sys
 from pathlib import Path
 
+from lingua import checkpoint
 from lingua.parallel import distributed, groups
 from lingua.parallel.distributed import DistributedArgs
 from lingua.parallel.expert_parallel import ep_meshes
-from lingua.train import checkpoint
 
 # name: (DistributedArgs overrides, ep)
 LAYOUTS = {

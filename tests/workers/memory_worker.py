@@ -9,9 +9,9 @@ import sys
 import torch
 
 from apps.llama import train
-from lingua import config
+from lingua import config, optim
 from lingua.parallel import distributed
-from lingua.train import build, loop, optim
+from lingua.train import build, loop
 
 
 def local_bytes(tensors) -> int:

@@ -12,8 +12,9 @@ import sys
 import torch
 
 from apps.llama import train
+from lingua import checkpoint, optim
 from lingua.launch import run
-from lingua.train import checkpoint, loop, microbatch, optim
+from lingua.train import loop, microbatch
 
 MUTATION_VAR = "LINGUA_TEST_MUTATION"
 

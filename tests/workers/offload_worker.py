@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
 from torch import nn
 
+from lingua import checkpoint, optim
 from lingua.observe.probe import Probe
 from lingua.observe.probe_stats import summarize
 from lingua.parallel import distributed
-from lingua.train import checkpoint, optim
 
 MESH_GROUPS = distributed.MESH_DIMS + ("dp", "dp_shard_cp", "dp_cp")
 

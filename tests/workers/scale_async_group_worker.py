@@ -12,8 +12,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from apps.llama import train
+from lingua import checkpoint
 from lingua.launch import run
-from lingua.train import checkpoint
 from lingua.train.loop import Run
 
 

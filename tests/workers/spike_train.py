@@ -25,8 +25,9 @@ import sys
 import torch
 
 from apps.llama import train
+from lingua import optim
 from lingua.launch import run
-from lingua.train import loop, optim
+from lingua.train import loop
 
 SPIKES_VAR = "LINGUA_TEST_SPIKES"
 ROWS_VAR = "LINGUA_TEST_SPIKE_ROWS"

@@ -21,8 +21,8 @@ from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from apps.llama import train
+from lingua import checkpoint
 from lingua.launch import run
-from lingua.train import checkpoint
 from lingua.train.hooks import Hook
 
 COLLECTIVES = set(NATIVE_TO_PY_MAPPING) | c10d_collective_ops

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from lingua import checkpoint
+from lingua.checkpoint import integrity
 from lingua.parallel import distributed
-from lingua.train import checkpoint, checkpoint_integrity
 
 
 def main(dump_dir: Path, out_dir: Path) -> None:
@@ -23,13 +24,13 @@ def main(dump_dir: Path, out_dir: Path) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout,
                         format=f"[rank{rank}] %(name)s: %(message)s")
     read = []
-    crc32 = checkpoint_integrity.crc32
+    crc32 = integrity.crc32
 
     def recording_crc32(path):
         read.append(f"{path.parent.name}/{path.name}")
         return crc32(path)
 
-    checkpoint_integrity.crc32 = recording_crc32
+    integrity.crc32 = recording_crc32
     choice = checkpoint.newest_verified(dump_dir, rank, world_size, set_aside=True)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(
         {"choice": None if choice is None else choice.name, "read": read}))

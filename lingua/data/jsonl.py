@@ -9,7 +9,7 @@ from lingua.errors import ConfigError
 
 # Why a line was skipped; the keys of `skipped_by_reason` (and of meta.json's, for memmap corpora).
 SKIP_REASONS = ("invalid_utf8", "invalid_json", "no_text", "empty")
-logger = logging.getLogger("lingua.train.data")
+logger = logging.getLogger("lingua.data")
 
 
 class BadLine(ValueError):

@@ -2,8 +2,8 @@
 validation directory, the source text of the debug corpora (stdlib docstrings), and how a
 prepared directory is written (`write_once`).
 
-A module of its own so that data.py (memmap, jsonl, and the dispatch to every format) and
-chat_data.py (the chat format) both build on it without importing each other.
+A module of its own so that __init__.py (memmap, jsonl, and the dispatch to every format) and
+chat.py (the chat format) both build on it without importing each other.
 """
 
 import ast

@@ -20,7 +20,7 @@ checkpoint (with a warning naming the file) for the one before it and moves it a
 `<step>.damaged/`, so that `keep` counts intact checkpoints only; a checkpoint asked for by name
 (export, generate) that fails `verify()` is an error.
 The manifest, the checks against it, the ranks' agreement at resume, setting aside and pruning
-are in checkpoint_integrity.py.
+are in integrity.py.
 
 With checkpoint.async_save a periodic save (`save_async`) only copies the state to CPU memory at
 its step; a background thread writes the same files into the same `.tmp-` directory while training
@@ -56,16 +56,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from lingua.errors import ConfigError, RunError
-from lingua.parallel import groups
-from lingua.train.checkpoint_base import (  # noqa: F401 (the API: checkpoint.<name>)
+from lingua.checkpoint.frozen_base import (  # noqa: F401 (the API: checkpoint.<name>)
     BASE_RECORD,
     base_fingerprint,
     frozen_base,
     read_base,
     verified_base,
 )
-from lingua.train.checkpoint_integrity import (  # noqa: F401 (newest_verified, verified: API)
+from lingua.checkpoint.integrity import (  # noqa: F401 (newest_verified, verified: API)
     MANIFEST,
     STEP_DIR,
     InUse,
@@ -78,6 +76,8 @@ from lingua.train.checkpoint_integrity import (  # noqa: F401 (newest_verified, 
     verified,
     verify,
 )
+from lingua.errors import ConfigError, RunError
+from lingua.parallel import groups
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ works on plain tensors (one process) and on DTensors sharded by FSDP2, TP and EP
 What each parameter gets (`split_params`): Muon takes every parameter of two or more dimensions
 (attention and FFN projections, the MoE router's gate, MoE experts' stacked [E, in, out] weights:
 one matrix per expert) except the embeddings (`nn.Embedding`) and the output projection (the
-model's `output`); AdamW takes those and the vectors (norm gains, biases), with lingua.train.optim's
+model's `output`); AdamW takes those and the vectors (norm gains, biases), with lingua.optim's
 weight-decay groups.
 
 The update is torch.optim.Muon's (torch/optim/_muon.py, the single-process reference; the

@@ -1,7 +1,7 @@
 """Checkpoints of a run that froze weights it started from (LoRA on checkpoint.init_from) leave
 those weights out: `base.json` in the checkpoint names the base they go with (its path, and a
 fingerprint: the size of its safetensors files, a CRC-32 of their headers and first MiB), which
-resume and every reader load first and check unchanged (lingua/train/checkpoint.py)."""
+resume and every reader load first and check unchanged (lingua/checkpoint/__init__.py)."""
 
 import json
 import zlib

@@ -7,12 +7,12 @@ Lines. Each line of `data.root/*.jsonl` (training, files in name order) and of
 or  {"prompt": "...", "completion": "..."}      (a user message, then the assistant's answer),
 with at least one assistant turn and no empty one. A line that is none (not valid UTF-8 or JSON,
 not a conversation, no assistant turn, a template that fails on it, too long to keep) is handled
-by the one rule of every format (lingua/train/jsonl_lines.py SkipCounter): skipped and counted
+by the one rule of every format (lingua/data/jsonl.py SkipCounter): skipped and counted
 by reason, the first warned of with its file and line, the run refused when more than
 data.max_skipped_fraction of the lines are unusable (validate_chat_data judges that before any
 work); blank lines are formatting.
 
-Templates: lingua/train/chat_template.py (a conversation -> token ids and their targets).
+Templates: lingua/data/chat_template.py (a conversation -> token ids and their targets).
 
 Targets. The tokens the assistant writes count: its content and the token that closes its turn
 (EOS, or the template's end-of-turn token). The others (system, user, headers, padding) get the
@@ -49,12 +49,12 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
+from lingua.data.batch import VAL_DIR, Batch, stdlib_docstrings, write_once
+from lingua.data.chat_template import BUILTIN, ChatTemplate  # noqa: F401  (BUILTIN: callers)
+from lingua.data.jsonl import BadLine, SkipCounter
+from lingua.data.tokenizer import Tokenizer, build_tokenizer
 from lingua.errors import ConfigError
 from lingua.model.loss import IGNORE_INDEX
-from lingua.train.chat_template import BUILTIN, ChatTemplate  # noqa: F401  (BUILTIN: callers)
-from lingua.train.data_common import VAL_DIR, Batch, stdlib_docstrings, write_once
-from lingua.train.jsonl_lines import BadLine, SkipCounter
-from lingua.train.tokenizer import Tokenizer, build_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ CHAT_SKIP_REASONS = ("invalid_utf8", "invalid_json") + STRUCTURE_REASONS + (
 class ChatArgs:
     pack: bool = True           # several conversations a row (doc_ids apart) | one a row, padded
     too_long: str = "truncate"  # a conversation over seq_len+1 tokens: truncate | skip
-    template: Optional[str] = None  # tokenizer_config.json or .jinja; None: see chat_data.py
+    template: Optional[str] = None  # tokenizer_config.json or .jinja; None: see chat.py
     cache: bool = True          # tokenize once into data.root/.chat_cache, read it at later starts
 
 
@@ -515,7 +515,7 @@ def _check_template(args, template: ChatTemplate, path: Path, line_no: int, mess
 def write_debug_chat(out_dir, n_train: int = 2000, n_val: int = 100) -> Path:
     """A small chat corpus made from stdlib docstrings (user: the start of one of their words,
     assistant: its end), as out_dir/train.jsonl and out_dir/val/val.jsonl; safe when processes race
-    (data_common.write_once)."""
+    (batch.write_once)."""
     def write(tmp: Path) -> None:
         (tmp / VAL_DIR).mkdir(parents=True)
         docs = stdlib_docstrings()

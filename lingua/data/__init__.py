@@ -19,7 +19,7 @@ Bad data. A jsonl line that is not valid UTF-8, not valid JSON, has no string "t
 whose text is empty is skipped and counted by reason (`skipped_lines`, `skipped_by_reason`), once
 however many epochs pass over it; the first is warned of with its file and line number, and more
 than data.max_skipped_fraction of the lines read unusable stops the run (the one rule of every
-format: jsonl_lines.SkipCounter). Blank lines are formatting, not documents, and are skipped
+format: jsonl.SkipCounter). Blank lines are formatting, not documents, and are skipped
 silently. `setup/prepare_data.py` applies the same rules when it builds the memmap format. A
 document longer than seq_len is packed across as many rows (and steps) as it needs. A memmap corpus
 whose files disagree with its meta.json (a truncated or damaged train.bin, a size that is not a
@@ -27,12 +27,12 @@ whole number of tokens, a broken docs.npy) is refused with a ConfigError naming 
 command that rebuilds it, before any process group or run directory exists.
 
 chat (supervised fine-tuning): conversations in jsonl, rendered with a chat template, trained
-on the assistant's tokens only, in rows that resume on any layout as memmap's do: chat_data.py.
+on the assistant's tokens only, in rows that resume on any layout as memmap's do: chat.py.
 
 The loaders are single-process by design (no workers, no prefetch): a step's batch is a function
 of the seed, data.seq_len, the global batch and the data-parallel layout alone. The memmap
-corpus on disk (meta.json, its checks, writing one) is in memmap_corpus.py; which jsonl lines are
-usable, and a rank's share of a source's lines, in jsonl_lines.py.
+corpus on disk (meta.json, its checks, writing one) is in memmap.py; which jsonl lines are
+usable, and a rank's share of a source's lines, in jsonl.py.
 """
 
 import dataclasses
@@ -45,12 +45,12 @@ from typing import Dict, List
 import numpy as np
 import torch
 
+from lingua.data.batch import VAL_DIR, Batch, stdlib_docstrings, write_once  # noqa: F401 (re-exported)
+from lingua.data.chat import ChatArgs, ChatLoader, chat_val_batches, validate_chat_data
+from lingua.data.jsonl import SKIP_REASONS, BadLine, JsonlSource, SkipCounter, decode_line
+from lingua.data.memmap import TokenWindows, validate_memmap_corpus, write_memmap_corpus
+from lingua.data.tokenizer import TokenizerArgs, build_tokenizer, check_tokenizer_args
 from lingua.errors import ConfigError
-from lingua.train.chat_data import ChatArgs, ChatLoader, chat_val_batches, validate_chat_data
-from lingua.train.data_common import VAL_DIR, Batch, stdlib_docstrings, write_once  # noqa: F401 (re-exported)
-from lingua.train.jsonl_lines import SKIP_REASONS, BadLine, JsonlSource, SkipCounter, decode_line
-from lingua.train.memmap_corpus import TokenWindows, validate_memmap_corpus, write_memmap_corpus
-from lingua.train.tokenizer import TokenizerArgs, build_tokenizer, check_tokenizer_args
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 class DataArgs:
     root: str = "data/embedded"     # corpus directory (relative paths resolve against the cwd)
     format: str = "memmap"          # memmap (pre-tokenized, global-index) | jsonl (streaming)
-                                    # | chat (conversations for fine-tuning: chat_data.py)
+                                    # | chat (conversations for fine-tuning: chat.py)
     seq_len: int = 256
     batch_size: int = 8             # per-rank micro-batch, in sequences
     grad_accum: int = 1
@@ -410,7 +410,7 @@ def build_embedded_corpus(out: Path, val_every: int = 50) -> dict:
 
 def ensure_embedded_corpus(root) -> Path:
     """Build the embedded corpus at `root` unless it is there; safe when processes race
-    (data_common.write_once)."""
+    (batch.write_once)."""
     root = Path(root)
     if (root / "meta.json").is_file():
         return root

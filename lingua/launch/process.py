@@ -7,11 +7,11 @@ from typing import Optional
 
 import torch
 
-from lingua import config
+from lingua import config, data
 from lingua.observe import metrics
 from lingua.parallel import distributed
 from lingua.parallel.distributed import DistEnv
-from lingua.train import data, preemption
+from lingua.train import preemption
 from lingua.train.memory import keep_freed_memory, user_malloc_setting
 
 logger = logging.getLogger("train")

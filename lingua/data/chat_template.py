@@ -1,4 +1,4 @@
-"""Chat templates (data.format=chat, lingua/train/chat_data.py): a conversation -> token ids, and
+"""Chat templates (data.format=chat, lingua/data/chat.py): a conversation -> token ids, and
 which of them the assistant writes (the targets).
 
 data.chat.template names a Hugging Face tokenizer_config.json with a `chat_template`,
@@ -13,7 +13,7 @@ assistant's turn (each render must extend the one before, or the template is ref
 of bos_token and eos_token encode as the tokenizer's BOS and EOS ids wherever the template writes
 them (tiktoken and the byte tokenizer would otherwise spell them out as text); without a
 tokenizer_config.json they are `<s>` and `</s>`, the byte tokenizer's names in its Hugging Face
-export (lingua.train.hf.byte_tokenizer_json).
+export (lingua.checkpoint.hf.byte_tokenizer_json).
 (BUILTIN_JINJA is the built-in template in Jinja, for exports.)
 """
 
@@ -22,9 +22,9 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
+from lingua.data.jsonl import BadLine
+from lingua.data.tokenizer import Tokenizer, TokenizerArgs
 from lingua.errors import ConfigError
-from lingua.train.jsonl_lines import BadLine
-from lingua.train.tokenizer import Tokenizer, TokenizerArgs
 
 BUILTIN = "the built-in chat template"
 # The built-in template in Jinja, for a tokenizer_config.json beside an export: BOS, then

@@ -9,8 +9,8 @@ from typing import Dict, Iterator
 
 import numpy as np
 
+from lingua.data.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer
 from lingua.errors import ConfigError
-from lingua.train.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer
 
 FORMAT_VERSION = 1
 

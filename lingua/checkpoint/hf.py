@@ -354,7 +354,7 @@ def load_hf(path, dtype: Optional[torch.dtype], *, model_class, args_from_hf_con
 def load_base(model, ckpt_dir, load_hf: Optional[Callable]) -> None:
     """A LoRA checkpoint holds the adapters only (base.json): the base it names (checked
     unchanged) goes into `model` first, through the app's `load_hf`."""
-    from lingua.train.checkpoint import verified_base
+    from lingua.checkpoint import verified_base
 
     base = verified_base(ckpt_dir)
     if base is None:
@@ -377,7 +377,7 @@ def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args
 
     from omegaconf import OmegaConf
 
-    from lingua.train.checkpoint import load_model_state, read_run_config, resolve
+    from lingua.checkpoint import load_model_state, read_run_config, resolve
 
     ckpt_dir = resolve(ckpt_dir)
     run_config = read_run_config(ckpt_dir)
@@ -410,7 +410,7 @@ def export_cli(argv, prog: str, description: str, export) -> None:
     import argparse
     import sys
 
-    from lingua.train.checkpoint import resolve
+    from lingua.checkpoint import resolve
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -494,7 +494,7 @@ def write_tokenizer(run_config, out_dir) -> Optional[str]:
     elif kind == "hf":
         src = Path(tokenizer_args.path)
         shutil.copyfile(src, out / "tokenizer.json")
-        from lingua.train.tokenizer import HFTokenizer
+        from lingua.data.tokenizer import HFTokenizer
 
         tok = HFTokenizer(str(src))
         bos, eos = tok.model.id_to_token(tok.bos_id), tok.model.id_to_token(tok.eos_id)
@@ -514,7 +514,7 @@ def write_token_ids(run_config, out_dir) -> None:
     transformers takes the Llama defaults (BOS 1, EOS 2), other tokens of most vocabularies, and
     generate() runs past our EOS. Skipped, with a warning, where the tokenizer file is no longer
     where the run read it."""
-    from lingua.train.tokenizer import build_tokenizer
+    from lingua.data.tokenizer import build_tokenizer
 
     try:
         tokenizer = build_tokenizer(_tokenizer_args(run_config))
@@ -538,7 +538,7 @@ def _tokenizer_args(run_config):
     """The TokenizerArgs of a run config's data.tokenizer section."""
     from omegaconf import OmegaConf
 
-    from lingua.train.tokenizer import TokenizerArgs
+    from lingua.data.tokenizer import TokenizerArgs
 
     section = OmegaConf.select(run_config, "data.tokenizer") or {}
     return TokenizerArgs(**OmegaConf.to_container(OmegaConf.create(section), resolve=True))

@@ -1,5 +1,5 @@
 """The optimizer (AdamW, or Muon for the blocks' matrices with AdamW for the rest:
-lingua/train/muon.py) with weight-decay groups, and the learning-rate schedules researchers usually
+lingua/optim/muon.py) with weight-decay groups, and the learning-rate schedules researchers usually
 compare."""
 
 import math
@@ -20,7 +20,7 @@ OPTIMIZERS = ("adamw", "muon")
 class OptimArgs:
     # adamw, or muon: Muon for the transformer blocks' matrices (attention, FFN, router, each
     # MoE expert), AdamW (lr, beta1, beta2, eps, weight decay below) for embeddings, the output
-    # projection, norms and biases. Sharded under FSDP2, TP and EP (lingua/train/muon.py).
+    # projection, norms and biases. Sharded under FSDP2, TP and EP (lingua/optim/muon.py).
     name: str = "adamw"
     lr: float = 3e-4
     weight_decay: float = 0.1
@@ -114,7 +114,7 @@ def validate_args(args: OptimArgs, steps: int) -> None:
 
 
 def validate_muon_args(args: OptimArgs) -> None:
-    from lingua.train.muon import ADJUST_LR_FNS, NS_DTYPES
+    from lingua.optim.muon import ADJUST_LR_FNS, NS_DTYPES
 
     if args.muon_lr is not None and not (args.muon_lr > 0 and math.isfinite(args.muon_lr)):
         raise ConfigError(f"optim.muon_lr={args.muon_lr} must be a positive finite number (e.g. "
@@ -178,7 +178,7 @@ def build_optimizer(part: nn.Module, args: OptimArgs, fused: bool) -> torch.opti
     if args.name == "adamw":
         return torch.optim.AdamW(param_groups(part, args.weight_decay), lr=args.lr,
                                  betas=(args.beta1, args.beta2), eps=args.eps, fused=fused)
-    from lingua.train.muon import MuonAdamW, split_params
+    from lingua.optim.muon import MuonAdamW, split_params
 
     muon, adamw = split_params(part)
     muon_lr = args.lr if args.muon_lr is None else args.muon_lr
