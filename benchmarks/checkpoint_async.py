@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks/checkpoint_async.py
 
-from apps.llama.model import LlamaArgs, Transformer
 from lingua import checkpoint, optim
 from lingua.checkpoint import integrity
+from lingua.models.llama.model import LlamaArgs, Transformer
 from lingua.observe import metrics
 
 MODES = ("sync", "async", "none")

@@ -155,7 +155,7 @@ def model_args(shape: Shape):
         from apps.moe.model import MoEArgs
 
         return from_dict(MoEArgs, shape.model)
-    from apps.llama.model import LlamaArgs
+    from lingua.models.llama.model import LlamaArgs
 
     return from_dict(LlamaArgs, shape.model)
 
@@ -165,7 +165,7 @@ def our_model(shape: Shape):
     if shape.app == "moe":
         from apps.moe.model import Transformer
     else:
-        from apps.llama.model import Transformer
+        from lingua.models.llama.model import Transformer
     return Transformer(model_args(shape))
 
 
@@ -200,7 +200,7 @@ def hf_config(shape: Shape):
 
         cfg = moe_config(model_args(shape), torch.float32)
     else:
-        from apps.llama.hf import llama_hf_config
+        from lingua.models.llama.hf import llama_hf_config
 
         cfg = llama_hf_config(model_args(shape), torch.float32)
     return CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)

@@ -25,8 +25,8 @@ import time
 import torch
 from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks/muon_cost.py
 
-from apps.llama.model import LlamaArgs, Transformer
 from lingua import optim
+from lingua.models.llama.model import LlamaArgs, Transformer
 from lingua.observe import metrics
 from lingua.optim.muon import muon_flops, split_params
 

@@ -65,7 +65,7 @@ MUTANTS = [
            ("tests/test_train.py::test_resume_is_bit_exact",)),
     Mutant("tp_norm_left_out", "a sequence-parallel norm left out of LLaMA's TP plan: its weight "
            "gradient would miss its reduction over the TP ranks",
-           "apps/llama/parallelize.py",
+           "lingua/models/llama/parallelize.py",
            '        "ffn_norm": SequenceParallel(),\n', "",
            ("tests/test_tensor_parallel.py::test_tp2_matches_single_process",)),
     Mutant("tp_norm_left_out_float8_moe", "the same in the MoE app's plan, float8 MoE under TP",

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from apps.llama.model import LlamaArgs, Transformer
+from lingua.models.llama.model import LlamaArgs, Transformer
 from lingua.parallel.context_parallel import apply_cp, cp_batch
 from lingua.parallel.distributed import apply_ac, exit_process
 

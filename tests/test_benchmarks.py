@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from apps.llama.model import LlamaArgs, Transformer
+from lingua.models.llama.model import LlamaArgs, Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))

@@ -383,10 +383,10 @@ def test_bootstrapped_stderr_forks_no_pool_and_only_rank_0_computes_it(tmp_path,
 
     from lm_eval.api import metrics
 
-    from apps.llama.model import LlamaArgs, Transformer
     from lingua.data.tokenizer import ByteTokenizer
     from lingua.eval import downstream
     from lingua.eval.evaluation import EvalArgs
+    from lingua.models.llama.model import LlamaArgs, Transformer
     from lingua.parallel.distributed import DistEnv, DistributedArgs, parallel_dims
 
     def no_pool(*args, **kwargs):

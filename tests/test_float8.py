@@ -69,7 +69,7 @@ def test_default_filter_skips_the_output_and_odd_shapes():
 
 
 def tiny_llama():
-    from apps.llama.model import LlamaArgs, Transformer
+    from lingua.models.llama.model import LlamaArgs, Transformer
 
     with torch.device("meta"):
         return Transformer(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32,
@@ -198,7 +198,7 @@ def test_tp_plan_gets_torchaos_float8_styles_with_the_same_layouts():
         PrepareFloat8ModuleInput,
     )
 
-    from apps.llama.parallelize import tp_plans
+    from lingua.models.llama.parallelize import tp_plans
 
     model = tiny_llama()
     apply_float8(model, "tensorwise", lambda fqn, m: default_filter(fqn, m) and "w3" not in fqn)

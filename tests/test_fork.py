@@ -121,10 +121,10 @@ def reference(fork, corpus, tmp_path_factory):
     return dump
 
 
-def test_readme_diff_matches_apps_llama_line_for_line(tmp_path):
+def test_readme_diff_matches_lingua_models_llama_line_for_line(tmp_path):
     """Each hunk applies at the line its header names: patch/git apply would still apply a diff
     whose numbers went stale (an offset), but a reader following them by hand would not."""
-    shutil.copytree(REPO / "apps" / "llama", tmp_path / "apps" / "myarch",
+    shutil.copytree(REPO / "lingua" / "models" / "llama", tmp_path / "apps" / "myarch",
                     ignore=shutil.ignore_patterns("__pycache__"))
     diff = readme_recipe()[1]
     if shutil.which("patch"):
@@ -133,7 +133,7 @@ def test_readme_diff_matches_apps_llama_line_for_line(tmp_path):
         cmd = ["git", "apply", "--check", "-v", "-p1", "-"]
     proc = subprocess.run(cmd, cwd=tmp_path, input=diff, capture_output=True, text=True)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"the README's diff does not apply to apps/llama:\n{out}"
+    assert proc.returncode == 0, f"the README's diff does not apply to lingua/models/llama:\n{out}"
     assert "offset" not in out and "fuzz" not in out, f"the README's line numbers are stale:\n{out}"
 
 
@@ -146,7 +146,8 @@ def test_recipe_changes_only_the_fork(fork):
     made = {"apps/myarch/model.py", "apps/myarch/parallelize.py", "apps/myarch/train.py"}
     assert made <= set(added)
     for path in (root / "apps" / "myarch").glob("*.py"):
-        assert "apps.llama" not in path.read_text(), f"{path.name} still refers to apps.llama"
+        for old in ("apps.llama", "lingua.models.llama"):
+            assert old not in path.read_text(), f"{path.name} still refers to {old}"
     assert "self.q_norm = RMSNorm" in (root / "apps/myarch/model.py").read_text()
 
 
@@ -269,11 +270,11 @@ def shared_runs(a_lines, b_lines, length):
             if tuple(a[i:i + length]) in windows]
 
 
-# What the composition rule lets a fork copy from the app it forks: its architecture.
+# What the composition rule lets a fork copy from the architecture it forks.
 ARCHITECTURE_FILES = ("model.py", "parallelize.py", "hf.py")
 # A bound on what a QK-norm fork copies (non-blank lines of every file the README's shell block
 # makes, configs included), so plumbing that should be lingua/'s does not creep back into
-# apps/llama.
+# apps/llama or lingua/models/llama.
 FORK_LINES_LIMIT = 250
 
 
@@ -291,6 +292,19 @@ def test_apps_share_no_plumbing():
                                        b_file.read_text().splitlines(), 10)
                     assert not runs, (f"{a.name}/{a_file.name} and {b.name}/{b_file.name} share:\n"
                                       + "\n".join(runs[0]))
+
+
+def test_an_architecture_trained_unchanged_is_imported_not_copied():
+    """apps/llama pretrains and apps/sft fine-tunes lingua/models/llama: neither holds a copy of it
+    (no run of 10 lines in common with its files)."""
+    architecture = sorted((REPO / "lingua" / "models" / "llama").glob("*.py"))
+    for app in ("llama", "sft"):
+        for path in sorted((REPO / "apps" / app).glob("*.py")):
+            for arch in architecture:
+                runs = shared_runs(path.read_text().splitlines(),
+                                   arch.read_text().splitlines(), 10)
+                assert not runs, (f"apps/{app}/{path.name} copies {arch.name}:\n"
+                                  + "\n".join(runs[0]))
 
 
 def imported_apps(path: Path) -> set:

@@ -9,10 +9,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
-from apps.llama.model import LlamaArgs, Transformer
 from lingua.checkpoint import integrity
 from lingua.errors import ConfigError
 from lingua.eval.generation import generate, sample_next
+from lingua.models.llama.model import LlamaArgs, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32,
@@ -211,7 +211,7 @@ def test_generate_takes_a_run_directory_or_a_checkpoint(app, runs, tmp_path, cap
 
 @pytest.mark.parametrize("app", ["llama", "mtp"])
 def test_export_takes_a_run_directory(app, runs, tmp_path, capsys):
-    from apps.llama.hf import load_hf  # both export LlamaForCausalLM (MTP: its main model)
+    from lingua.models.llama.hf import load_hf  # both export LlamaForCausalLM (MTP: its main model)
 
     run, models = runs[app]
     code, out, err = _run(f"apps.{app}.hf", run, tmp_path / "hf", capsys)

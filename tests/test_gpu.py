@@ -121,8 +121,8 @@ def test_cpu_offload_gradient_norm_on_an_nccl_group_of_one_gpu():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from apps.llama.model import LlamaArgs, Transformer
     from lingua import optim
+    from lingua.models.llama.model import LlamaArgs, Transformer
     from lingua.parallel import distributed
 
     args = distributed.DistributedArgs(cpu_offload=True, backend="nccl")
@@ -306,9 +306,9 @@ def test_float8_moe_compiled_on_one_gpu_trains_close_to_bf16(corpus, tmp_path):
 
 def _sft_args(root, dump, *extra) -> list:
     """apps.sft on a tiny HF base and a small chat corpus, made under root on first use."""
-    from apps.sft.model import LlamaArgs
     from apps.sft.prepare import write_base_model
     from lingua.data.chat import write_debug_chat
+    from lingua.models.llama.model import LlamaArgs
     from tests.conftest import TINY_MODEL
 
     shape = {k.split("=")[0][len("model."):]: int(k.split("=")[1]) for k in TINY_MODEL}

@@ -10,10 +10,10 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from apps.llama.hf import args_from_hf_config, load_hf, save_hf
-from apps.llama.model import LlamaArgs, Transformer
 from lingua.checkpoint import integrity
 from lingua.errors import ConfigError
+from lingua.models.llama.hf import args_from_hf_config, load_hf, save_hf
+from lingua.models.llama.model import LlamaArgs, Transformer
 from tests import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,8 +186,8 @@ def test_fork_export_problems_warn_at_start_and_refuse(
     start of training (one warning line) and refused by the export with the same reason."""
     import logging
 
-    import apps.llama.hf as llama_hf
     from apps.llama import train
+    from lingua.models.llama import hf as llama_hf
     from tests.conftest import tiny_args
 
     with caplog.at_level(logging.WARNING):
@@ -257,7 +257,7 @@ def test_export_refuses_unmapped_weights(tmp_path):
     assert ("layers.0.attention.k_norm.weight, layers.0.attention.q_norm.weight, "
             "layers.1.attention.k_norm.weight" in msg
             and "layers.4.attention.q_norm.weight and 2 more" in msg)
-    assert "key_map in apps/llama/hf.py" in msg and "NOT_EXPORTED" in msg
+    assert "key_map in lingua/models/llama/hf.py" in msg and "NOT_EXPORTED" in msg
     assert not out.exists()
 
     # A parameter registered on one block of a built model: named, and an existing out_dir left
@@ -275,7 +275,7 @@ def test_export_refuses_unmapped_weights(tmp_path):
 def test_export_cli_refuses_unmapped_weights(tmp_path, monkeypatch, capsys):
     """The fork's CLI: exit 2, one paragraph naming the weights and the file, no out_dir."""
     import apps.llama.hf as llama_hf
-    monkeypatch.setattr(llama_hf, "Transformer", QKNormTransformer)
+    monkeypatch.setattr("lingua.models.llama.hf.Transformer", QKNormTransformer)
     ckpt = tmp_path / "checkpoints" / "10"
     dcp.save({"model": QKNormTransformer(SMALL).state_dict()}, checkpoint_id=str(ckpt))
     OmegaConf.save(OmegaConf.create({"model": asdict(SMALL)}), ckpt / "config.yaml")
@@ -286,7 +286,7 @@ def test_export_cli_refuses_unmapped_weights(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: save_hf: 4 tensor(s)")
     assert err.count("\n") == 1
-    assert "layers.1.attention.q_norm.weight" in err and "apps/llama/hf.py" in err
+    assert "layers.1.attention.q_norm.weight" in err and "lingua/models/llama/hf.py" in err
     assert not out.exists()
 
 
@@ -306,7 +306,7 @@ def test_import_refuses_tensors_it_would_drop(tmp_path, monkeypatch):
     assert "\n" not in msg and "2 tensor(s) in model.safetensors" in msg
     assert ("drop them: model.layers.0.self_attn.q_proj.bias, "
             "model.layers.1.self_attn.q_norm.weight." in msg)
-    assert "key_map in apps/llama/hf.py" in msg and "NOT_IMPORTED" in msg
+    assert "key_map in lingua/models/llama/hf.py" in msg and "NOT_IMPORTED" in msg
 
     # What NOT_IMPORTED lists (RoPE inverse frequencies, recomputed) loads without complaint.
     hf = hf_model(tie_word_embeddings=True)
@@ -320,8 +320,8 @@ def test_import_refuses_tensors_it_would_drop(tmp_path, monkeypatch):
         torch.testing.assert_close(ours(x_tokens()), hf(x_tokens()).logits, atol=1e-4, rtol=0)
 
     # A fork's model with weights the map does not fill: named, with the file to edit.
-    monkeypatch.setattr("apps.llama.hf.Transformer", QKNormTransformer)
+    monkeypatch.setattr("lingua.models.llama.hf.Transformer", QKNormTransformer)
     with pytest.raises(ConfigError,
                        match=r"load_hf: 4 tensor\(s\) .*: layers\.0\.attention\.k_norm\.weight, "
-                             r".* key_map in apps/llama/hf\.py"):
+                             r".* key_map in lingua/models/llama/hf\.py"):
         load_hf(tmp_path)

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from apps.llama import train
-from apps.llama.model import LlamaArgs, Transformer
 from lingua import config
 from lingua.errors import RunError
 from lingua.model import weights
+from lingua.models.llama.model import LlamaArgs, Transformer
 from lingua.parallel import distributed, pipeline
 from lingua.train import build
 from tests.conftest import read_metrics, run_python, run_torchrun, tiny_args
@@ -198,7 +198,7 @@ def test_fresh_init_of_pipeline_stages_equals_one_process(corpus, tmp_path):
 @pytest.fixture(scope="module")
 def hf_dir(corpus, tmp_path_factory):
     """A Hugging Face directory exported from a short training run."""
-    from apps.llama.hf import export
+    from lingua.models.llama.hf import export
 
     root = tmp_path_factory.mktemp("init_from")
     train.main(tiny_args(corpus, root / "first", steps=3))
@@ -209,9 +209,9 @@ def hf_dir(corpus, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_loss(corpus, hf_dir, tmp_path_factory):
     """The exported model's loss on the first global batch (8 sequences), loaded independently."""
-    from apps.llama.hf import load_hf
     from lingua import data
     from lingua.eval import evaluation
+    from lingua.models.llama.hf import load_hf
 
     cfg = config.load("llama", train.TrainArgs, tiny_args(corpus, tmp_path_factory.mktemp("ref")))
     model, _ = load_hf(str(hf_dir))
@@ -287,7 +287,7 @@ def test_init_from_holds_no_full_copy_per_rank(corpus, tmp_path):
     rank holds its shard (52.5 MB) and one full tensor at a time, and rank 0 maps the file; a
     full copy per rank (a full fp32 random model plus the file converted to fp32) would grow each
     rank by ~210 MB. Peak anonymous memory (copies, not mapped files) is measured."""
-    from apps.llama.hf import save_hf
+    from lingua.models.llama.hf import save_hf
 
     hf = tmp_path / "hf"
     model_args = config.load("llama", train.TrainArgs,

@@ -11,11 +11,11 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
-from apps.llama.model import LlamaArgs, Transformer
 from lingua.data.tokenizer import ByteTokenizer
 from lingua.eval.downstream import Progress
 from lingua.eval.evaluation import EvalArgs
 from lingua.eval.lm_eval_model import LinguaLM
+from lingua.models.llama.model import LlamaArgs, Transformer
 from lingua.parallel.distributed import DistEnv, DistributedArgs, parallel_dims
 from tests.conftest import run_torchrun
 

@@ -19,14 +19,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from apps.llama.hf import load_hf
-from apps.llama.model import LlamaArgs, Transformer
-from apps.llama.parallelize import tp_plans
 from apps.sft import train
 from apps.sft.prepare import write_base_model
 from lingua import checkpoint
 from lingua.errors import ConfigError
 from lingua.model import lora
+from lingua.models.llama.hf import load_hf
+from lingua.models.llama.model import LlamaArgs, Transformer
+from lingua.models.llama.parallelize import tp_plans
 from lingua.parallel.tensor_parallel import lora_tp_plans
 from lingua.train import build
 from tests.conftest import TINY_MODEL, run_torchrun, tiny_args

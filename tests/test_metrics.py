@@ -34,7 +34,7 @@ def attention_flops(n_layers, dim, seq_len):
 
 
 def test_llama_flops_per_token_match_a_hand_count():
-    from apps.llama.model import LlamaArgs, Transformer
+    from lingua.models.llama.model import LlamaArgs, Transformer
 
     args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32)
     hidden = 192                # 2/3 x 4 x 64 = 170, rounded up to a multiple of 32

@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from apps.llama.model import LlamaArgs, Transformer, validate_model_args
 from lingua.errors import ConfigError
 from lingua.model.transformer import (
     attention,
@@ -15,6 +14,7 @@ from lingua.model.transformer import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from lingua.models.llama.model import LlamaArgs, Transformer, validate_model_args
 
 # init_std 0.3 makes attention sharp, so masking or position mistakes show up in the logits.
 TINY = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, multiple_of=32,
@@ -251,13 +251,13 @@ def test_ffn_hidden_dim_matches_meta_llama_sizes():
 
 def test_model_contract_names_what_a_fork_broke():
     """lingua.model.decoder.check_model_contract, run by the trainer on the meta model at start."""
-    from apps.llama.model import LlamaArgs, Transformer
     from lingua.model.decoder import check_model_contract
+    from lingua.models.llama.model import LlamaArgs, Transformer
 
     args = LlamaArgs(dim=32, n_layers=2, n_heads=4, vocab_size=40, multiple_of=16, max_seq_len=16)
     with torch.device("meta"):
         model = Transformer(args)
-    check_model_contract(model, "apps/llama/model.py", context_parallel=True)
+    check_model_contract(model, "lingua/models/llama/model.py", context_parallel=True)
 
     class NoPositions(Transformer):
         def forward(self, tokens, doc_ids=None, cache=None):

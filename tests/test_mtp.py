@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from apps.llama.model import LlamaArgs
-from apps.llama.model import Transformer as Llama
 from apps.mtp import train
 from apps.mtp.model import MTPArgs, Transformer
+from lingua.models.llama.model import LlamaArgs
+from lingua.models.llama.model import Transformer as Llama
 from tests.conftest import run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 

@@ -42,7 +42,7 @@ MUTANT = "local_shards_only"
 
 
 def tiny_llama(**extra):
-    from apps.llama.model import LlamaArgs, Transformer
+    from lingua.models.llama.model import LlamaArgs, Transformer
 
     torch.manual_seed(0)
     return Transformer(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32,

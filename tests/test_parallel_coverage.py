@@ -17,13 +17,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from apps.llama import model as llama_model
-from apps.llama import parallelize as llama_parallelize
-from apps.llama.model import Attention
 from apps.moe.parallelize import parallelize_moe
 from lingua.errors import ConfigError
 from lingua.launch import plan as planner
 from lingua.launch import plan_memory
+from lingua.models.llama import model as llama_model
+from lingua.models.llama import parallelize as llama_parallelize
+from lingua.models.llama.model import Attention
 from lingua.parallel.distributed import parallel_dims
 from tests.conftest import TINY_MODEL, run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent

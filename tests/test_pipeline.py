@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from apps.llama.model import LlamaArgs, Transformer
 from lingua.errors import ConfigError
+from lingua.models.llama.model import LlamaArgs, Transformer
 from lingua.parallel.pipeline import (
     _torch_schedules,
     schedule_name,

@@ -216,7 +216,7 @@ def test_process_groups_and_muon_state_are_the_trainers(corpus, tmp_path):
     """The plan's group count is what the trainer's mesh makes on gloo (tests/test_process_groups
     measures it there; + 1: the default group; + 1 for the async checkpoint's), and Muon keeps
     one momentum buffer for its matrices where AdamW keeps two moments."""
-    from apps.llama.model import Transformer
+    from lingua.models.llama.model import Transformer
     from lingua.optim.muon import split_params
     from tests.test_process_groups import EP_GROUPS, MESH_GROUPS
 
@@ -242,7 +242,7 @@ def test_float8_gathers_fewer_bytes_and_runs_its_matmuls_at_twice_the_rate(corpu
     """distributed.float8=tensorwise under FSDP: the converted weights are gathered in float8 (1
     byte, not 4 in fp32), their casts and scales are counted, and the time estimate runs the
     converted matmuls (picked as the trainer picks them) at FLOAT8_SPEEDUP x the rate."""
-    from apps.llama.model import Transformer
+    from lingua.models.llama.model import Transformer
     from lingua.parallel import float8
 
     base = [f"data.root={corpus}", "data.prepare_embedded=false", f"dump_dir={tmp_path / 'run'}",
@@ -342,8 +342,8 @@ def small_model(app, dtype, **extra):
     from lingua.config import from_dict
 
     if app == "llama":
-        from apps.llama.model import LlamaArgs as Args
-        from apps.llama.model import Transformer
+        from lingua.models.llama.model import LlamaArgs as Args
+        from lingua.models.llama.model import Transformer
     else:
         from apps.moe.model import MoEArgs as Args
         from apps.moe.model import Transformer
@@ -578,9 +578,9 @@ def test_flops_of_frozen_weights_leave_out_the_weight_gradient():
     6N of before (tests/test_metrics.py's hand count, 787200 for this shape)."""
     from types import SimpleNamespace
 
-    from apps.llama.model import LlamaArgs, Transformer
     from apps.sft import train as sft
     from lingua.model.lora import LoRAArgs, apply_lora
+    from lingua.models.llama.model import LlamaArgs, Transformer
     from lingua.observe import metrics
     from lingua.train.loop import Run
 

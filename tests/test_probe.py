@@ -107,8 +107,8 @@ def test_attention_statistics_read_grouped_kv_heads_like_repeated_ones():
 def test_a_hook_on_attention_changes_nothing_the_step_computes():
     """The probe hooks CoreAttention; the step it watches must compute bit for bit like an
     unwatched one (the spike tests compare runs exactly), including sdpa's grouped k/v path."""
-    from apps.llama.model import LlamaArgs, Transformer
     from lingua.model.transformer import CoreAttention
+    from lingua.models.llama.model import LlamaArgs, Transformer
 
     args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
     torch.manual_seed(0)
@@ -146,7 +146,7 @@ def test_router_load_and_entropy():
 
 
 def test_hooks_exist_only_during_a_probe_step(corpus, tmp_path):
-    from apps.llama.model import Transformer
+    from lingua.models.llama.model import Transformer
     from lingua.parallel.distributed import DistributedArgs, init
 
     cfg = train.load_config(tiny_args(corpus, tmp_path / "hooks"))

@@ -10,9 +10,9 @@ import os
 import pytest
 
 from apps.sft import train
-from apps.sft.hf import llama_hf_config
-from apps.sft.model import Transformer
 from lingua.errors import ConfigError
+from lingua.models.llama.hf import llama_hf_config
+from lingua.models.llama.model import Transformer
 from tests import launcher
 from tests.conftest import REPO
 
@@ -151,9 +151,9 @@ def test_packing_without_document_masks_is_refused_by_every_app(debug_config_jso
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory):
     """A tiny HF base, a small chat corpus, and one process's run on it (global batch 4)."""
-    from apps.sft.model import LlamaArgs
     from apps.sft.prepare import write_base_model
     from lingua.data.chat import write_debug_chat
+    from lingua.models.llama.model import LlamaArgs
     from tests.conftest import TINY_MODEL, run_python
 
     root = tmp_path_factory.mktemp("sft_chat")

@@ -19,11 +19,11 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from apps.sft import generate as sft_generate
 from apps.sft import hf as sft_hf
-from apps.sft.model import LlamaArgs
 from lingua.checkpoint import hf as lingua_hf
 from lingua.checkpoint import integrity
 from lingua.data.chat_template import BUILTIN_JINJA
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
+from lingua.models.llama.model import LlamaArgs
 from tests.conftest import TINY_MODEL
 
 pytestmark = pytest.mark.slow   # one training run (about 10 s) before the first test

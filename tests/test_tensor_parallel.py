@@ -1,5 +1,5 @@
 """Tensor + sequence parallelism (lingua/parallel/tensor_parallel.py, lingua/parallel/tp_plan.py,
-apps/llama/parallelize.py).
+lingua/models/llama/parallelize.py).
 
 Unit: validate_tp / check_async_tp messages. Distributed: this file is also the worker script,
 run under `torch.distributed.run` (see `_launch`): every rank builds the same tiny model from one
@@ -22,11 +22,11 @@ REPO = Path(__file__).resolve().parent.parent
 # the imports below need REPO inserted first.
 sys.path.insert(0, str(REPO))
 
-from apps.llama.model import LlamaArgs, Transformer  # noqa: E402
-from apps.llama.parallelize import tp_plans as decoder_tp_plans  # noqa: E402
-from apps.llama.parallelize import validate_tp  # noqa: E402
 from lingua.errors import ConfigError  # noqa: E402
 from lingua.model.loss import token_loss_sum  # noqa: E402
+from lingua.models.llama.model import LlamaArgs, Transformer  # noqa: E402
+from lingua.models.llama.parallelize import tp_plans as decoder_tp_plans  # noqa: E402
+from lingua.models.llama.parallelize import validate_tp  # noqa: E402
 from lingua.parallel.distributed import exit_process  # noqa: E402
 from lingua.parallel.tensor_parallel import (  # noqa: E402
     apply_tp,

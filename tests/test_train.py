@@ -192,9 +192,9 @@ def test_wandb_offline_run_and_no_secret_on_disk(corpus, tmp_path, monkeypatch):
 
 
 def test_init_from_a_hugging_face_directory_starts_from_its_weights(corpus, tmp_path):
-    from apps.llama.hf import export, load_hf
     from lingua import data
     from lingua.eval import evaluation
+    from lingua.models.llama.hf import export, load_hf
 
     first = tmp_path / "first"
     train.main(tiny_args(corpus, first, steps=3))
@@ -248,7 +248,7 @@ def test_apply_ac_wraps_the_chosen_blocks_and_keeps_parameter_names():
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from apps.llama.model import LlamaArgs, Transformer
+    from lingua.models.llama.model import LlamaArgs, Transformer
     from lingua.parallel.distributed import apply_ac
 
     model = Transformer(LlamaArgs(dim=32, n_layers=4, n_heads=4, multiple_of=16, max_seq_len=16))

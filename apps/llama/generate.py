@@ -1,8 +1,8 @@
 """Generate text with a checkpoint (lingua/eval/generation.py is the command): `python -m
 apps.llama.generate RUN_DIR_OR_CHECKPOINT --prompt "Once upon" [--max-new-tokens 64]`."""
 
-from apps.llama.model import LlamaArgs, Transformer
 from lingua.eval import generation
+from lingua.models.llama.model import LlamaArgs, Transformer
 
 
 def load_model(target: str, device: str = "cpu"):

@@ -8,12 +8,12 @@ resume, loop) is lingua.launch.run.run, the same for every app; this file says w
 
 from dataclasses import dataclass, field
 
-from apps.llama.hf import export_problems, load_hf
-from apps.llama.model import LlamaArgs, Transformer, validate_model_args
-from apps.llama.parallelize import parallelize_llama, uses_loss_parallel, validate_tp
 from lingua import config
 from lingua.checkpoint import hf as lingua_hf
 from lingua.launch import run
+from lingua.models.llama.hf import export_problems, load_hf
+from lingua.models.llama.model import LlamaArgs, Transformer, validate_model_args
+from lingua.models.llama.parallelize import parallelize_llama, uses_loss_parallel, validate_tp
 from lingua.train.app import App
 
 

@@ -2,8 +2,8 @@
 lingua's decoder shell (lingua/model/decoder.py, whose contract this keeps).
 
 The first `n_dense_layers` blocks keep a dense SwiGLU `feed_forward`; the others have a `moe`.
-The attention was forked from apps/llama/model.py (an app imports nothing from another app), and
-apps/moe/parallelize.py and apps/moe/hf.py shard and name it as apps/llama's do.
+The attention was forked from lingua/models/llama/model.py (a fork copies what it changes), and
+apps/moe/parallelize.py and apps/moe/hf.py shard and name it as LLaMA's are.
 """
 
 from dataclasses import dataclass

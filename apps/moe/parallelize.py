@@ -1,7 +1,7 @@
 """How the MoE model is parallelized: tensor and expert parallelism here, then
 lingua.parallel.parallelize's generic rest (context parallel, AC, compile, FSDP) as for apps/llama
-(this file's tensor-parallel lines were forked from apps/llama/parallelize.py), with the experts
-inside each block's FSDP unit.
+(this file's tensor-parallel lines were forked from lingua/models/llama/parallelize.py), with the
+experts inside each block's FSDP unit.
 
 Tensor parallelism: LLaMA's plan for the embeddings, norms, output, attention and the dense
 layers; each MoE layer sees the whole sequence and runs unsharded on

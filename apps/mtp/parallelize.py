@@ -1,5 +1,5 @@
 """How the MTP model is parallelized: LLaMA's plans (this file was forked from
-apps/llama/parallelize.py) plus the MTP modules': each is an FSDP unit, its block takes the
+lingua/models/llama/parallelize.py) plus the MTP modules': each is an FSDP unit, its block takes the
 blocks' TP plan, and its norms, projection and embedding run sequence-parallel like the
 residual stream they extend.
 

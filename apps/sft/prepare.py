@@ -18,11 +18,11 @@ from typing import Callable, Optional
 
 import torch
 
-from apps.sft.hf import llama_hf_config
-from apps.sft.model import LlamaArgs
 from lingua.checkpoint import hf as lingua_hf
 from lingua.data.batch import write_once
 from lingua.errors import RunError
+from lingua.models.llama.hf import llama_hf_config
+from lingua.models.llama.model import LlamaArgs
 
 BASE, CHAT = "base", "chat"
 logger = logging.getLogger(__name__)

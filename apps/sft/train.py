@@ -14,14 +14,19 @@ from pathlib import Path
 
 import torch
 
-from apps.sft.hf import args_from_hf_config, export_problems, load_hf
-from apps.sft.model import LlamaArgs, Transformer, validate_model_args
-from apps.sft.parallelize import parallelize_llama, tp_plans, uses_loss_parallel, validate_tp
 from lingua import config
 from lingua.checkpoint import hf as lingua_hf
 from lingua.launch import run
 from lingua.model import lora
 from lingua.model.lora import LoRAArgs
+from lingua.models.llama.hf import args_from_hf_config, export_problems, load_hf
+from lingua.models.llama.model import LlamaArgs, Transformer, validate_model_args
+from lingua.models.llama.parallelize import (
+    parallelize_llama,
+    tp_plans,
+    uses_loss_parallel,
+    validate_tp,
+)
 from lingua.parallel.tensor_parallel import lora_tp_plans
 from lingua.train.app import App
 

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -215,7 +216,11 @@ TIED_NOT_IMPORTED = {
 
 
 def command(module_file: str) -> str:
-    """The command of an app's hf.py (`python -m apps.llama.hf` for apps/llama/hf.py)."""
+    """The command of an app's hf.py: `python -m apps.llama.hf` for apps/llama/hf.py, and for
+    lingua/models/llama/hf.py when apps/llama/hf.py runs its main (the module run as __main__)."""
+    running = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if running is not None and running.name.endswith(".hf"):
+        return f"python -m {running.name}"
     return "python -m " + app_file(module_file).removesuffix(".py").replace(os.sep, ".")
 
 

@@ -1,7 +1,7 @@
 """The decoder shell every app's model is: token embeddings, RoPE tables, the attention mask, the
 layer loop, the final norm and the output projection. Written once here; an app subclasses
 `Decoder` and says how to build one layer (`make_layer`), which is where its architecture lives
-(apps/llama/model.py: attention + SwiGLU; apps/moe/model.py: attention + experts).
+(lingua/models/llama/model.py: attention + SwiGLU; apps/moe/model.py: attention + experts).
 
 What the rest of lingua relies on, and a fork keeps (checked at start by `check_model_contract`,
 which names what is missing):

@@ -2,7 +2,7 @@
 its own modules (embeddings, final norm, output, pipeline-stage boundaries), the checks that do
 not depend on an app's blocks, and the pieces block plans share (whole heads per rank, a block
 half's gathered input). Each app writes its blocks' plan against its own module names in its
-parallelize.py (apps/llama/parallelize.py: attention and SwiGLU), in the same style:
+parallelize.py (lingua/models/llama/parallelize.py: attention and SwiGLU), in the same style:
 Megatron-style TP with sequence parallelism.
 
 Between blocks the residual stream is a DTensor sharded over the sequence (Shard(1)): norms and

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from apps.llama.model import LlamaArgs, Transformer
+from lingua.models.llama.model import LlamaArgs, Transformer
 from lingua.parallel import float8
 from lingua.parallel.distributed import (
     DistEnv,
@@ -73,7 +73,7 @@ def float8_tp_on_cuda() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from apps.llama.parallelize import tp_plans
+    from lingua.models.llama.parallelize import tp_plans
     from lingua.parallel.tensor_parallel import loss_parallel_context
 
     tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]

@@ -7,7 +7,8 @@ over the tp ranks by the column-parallel wq / wk, so these weights multiply shar
 left out of the TP plan they stay plain per-rank copies whose gradients are never summed over tp.
 
 With LINGUA_TEST_QK_PLAN=1 the fork's parallelize.py also has the plan lines the trainer's
-refusal names, added to the block plan that apps/llama/parallelize.py's tp_plans passes to apply_tp.
+refusal names, added to the block plan that lingua/models/llama/parallelize.py's tp_plans passes
+to apply_tp.
 """
 
 import os
@@ -15,10 +16,11 @@ import sys
 
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from apps.llama import model, parallelize, train
-from apps.llama.model import Attention
+from apps.llama import train
 from lingua.launch import run
 from lingua.model.transformer import RMSNorm, apply_rope
+from lingua.models.llama import model, parallelize
+from lingua.models.llama.model import Attention
 
 PLAN_VAR = "LINGUA_TEST_QK_PLAN"
 
@@ -51,8 +53,8 @@ def fork_model() -> None:
 
 
 def with_qk_norm_plan(decoder_tp_plans):
-    """apps/llama/parallelize.py's plan function with the lines the refusal asks for added to the
-    block plan it gives apply_tp."""
+    """lingua/models/llama/parallelize.py's plan function with the lines the refusal asks for added
+    to the block plan it gives apply_tp."""
     def plans(part, loss_parallel):
         root_plan, block_plan = decoder_tp_plans(part, loss_parallel)
         block_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

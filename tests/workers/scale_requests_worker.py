@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import torch
 from lm_eval.api.instance import Instance
 
-from apps.llama.model import LlamaArgs, Transformer
 from lingua.data.tokenizer import ByteTokenizer
 from lingua.errors import ConfigError
 from lingua.eval.downstream import Progress
 from lingua.eval.evaluation import EvalArgs
 from lingua.eval.lm_eval_model import LinguaLM
+from lingua.models.llama.model import LlamaArgs, Transformer
 from lingua.parallel import distributed
 from lingua.parallel.distributed import DistributedArgs
 

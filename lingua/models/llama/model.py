@@ -1,5 +1,5 @@
 """The LLaMA model: its blocks (attention, SwiGLU) inside lingua's decoder shell. A plain nn.Module
-with no distributed code: apps/llama/parallelize.py shards it from outside, by these module names.
+with no distributed code: parallelize.py beside it shards it from outside, by these module names.
 A fork keeps the contract in lingua/model/decoder.py's docstring (checked at start, naming what
 is missing): subclass Decoder, give layers `init_weights(std, out_std)`, attend by CoreAttention."""
 
@@ -31,7 +31,7 @@ def validate_model_args(args: LlamaArgs) -> None:
 
 class Attention(nn.Module):
     """Grouped-query attention with RoPE. Parameter names mirror Meta's llama (wq/wk/wv/wo), which
-    apps/llama/hf.py maps to Hugging Face's and apps/llama/parallelize.py shards by head."""
+    hf.py beside this file maps to Hugging Face's and parallelize.py shards by head."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, backend: str = "sdpa"):
         super().__init__()
