@@ -137,6 +137,10 @@ def test_compile_composes_with_fsdp(corpus, tmp_path, reference):
 
 def test_compile_composes_with_pipelining(corpus, tmp_path, reference):
     """Compiled blocks on both stages and the compiled loss on the last (called by the schedule;
-    torch's shape-inference call stays eager)."""
-    check_layout(corpus, tmp_path, reference, 2,
-                 PP + ["distributed.pp_schedule=1F1B", "distributed.compile=true"], "none")
+    torch's shape-inference call stays eager). Micro-batches of 4 sequences, as each rank's batch
+    in test_compile_composes_with_fsdp: the same block and loss graphs, so inductor's cache serves
+    this test what that one compiled (most of either test's time is inductor's C++ compile)."""
+    layout = ["distributed.pp=2", "distributed.dp_shard=1", "data.batch_size=8",
+              "distributed.pp_microbatches=2", "distributed.pp_schedule=1F1B",
+              "distributed.compile=true"]
+    check_layout(corpus, tmp_path, reference, 2, layout, "none")
