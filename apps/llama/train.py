@@ -13,7 +13,7 @@ from lingua.checkpoint import hf as lingua_hf
 from lingua.launch import run
 from lingua.models.llama.hf import export_problems, load_hf
 from lingua.models.llama.model import LlamaArgs, Transformer, validate_model_args
-from lingua.models.llama.parallelize import parallelize_llama, uses_loss_parallel, validate_tp
+from lingua.models.llama.parallelize import parallelize_llama, validate_tp
 from lingua.train.app import App
 
 
@@ -33,7 +33,7 @@ def validate_llama(args: TrainArgs) -> None:
 
 
 APP = App(model_class=Transformer, parallelize=parallelize_llama,
-          validate_model=validate_llama, loss_parallel=uses_loss_parallel, load_hf=load_hf)
+          validate_model=validate_llama, load_hf=load_hf)
 
 
 def validate(args: TrainArgs) -> None:

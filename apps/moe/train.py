@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from apps.moe.hf import export_problems, load_hf
 from apps.moe.model import MoEArgs, Transformer, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
-from apps.moe.parallelize import float8_filter, parallelize_moe, uses_loss_parallel, validate_tp
+from apps.moe.parallelize import float8_filter, parallelize_moe, validate_tp
 from lingua import config
 from lingua.checkpoint import hf as lingua_hf
 from lingua.launch import run
@@ -80,7 +80,7 @@ def loss(output, target) -> LossOutput:
 
 
 APP = App(model_class=Transformer, parallelize=parallelize_moe,
-          validate_model=validate_moe, loss_parallel=uses_loss_parallel, load_hf=load_hf,
+          validate_model=validate_moe, load_hf=load_hf,
           flops_per_token=flops_per_token, after_step=after_step, start_step=start_step,
           step_metrics=step_metrics, loss=loss, float8_filter=float8_filter)
 

@@ -14,7 +14,7 @@ import torch
 
 from apps.mtp.hf import export_problems, load_hf
 from apps.mtp.model import MTPArgs, Transformer, validate_model_args
-from apps.mtp.parallelize import parallelize_mtp, uses_loss_parallel, validate_tp
+from apps.mtp.parallelize import parallelize_mtp, validate_tp
 from lingua import config
 from lingua.checkpoint import hf as lingua_hf
 from lingua.launch import run
@@ -65,7 +65,7 @@ def mtp_loss(output: torch.Tensor, target: torch.Tensor, weight: float) -> LossO
 def make_app(model_args: MTPArgs) -> App:
     return App(
         model_class=Transformer, parallelize=parallelize_mtp, validate_model=validate_mtp,
-        loss_parallel=uses_loss_parallel, load_hf=load_hf,
+        load_hf=load_hf,
         batch_inputs=lambda tokens, labels: batch_inputs(tokens, labels, model_args.mtp_depth),
         loss=lambda output, target: mtp_loss(output, target, model_args.mtp_loss_weight))
 

@@ -126,8 +126,7 @@ def transform_model(model, args: TrainArgs) -> None:
 
 
 APP = App(model_class=Transformer, parallelize=parallelize_llama, validate_model=validate_sft,
-          loss_parallel=uses_loss_parallel, load_hf=load_hf,
-          transform_model=transform_model)
+          load_hf=load_hf, transform_model=transform_model)
 
 
 def validate(args: TrainArgs) -> None:

@@ -7,6 +7,7 @@ from lingua import config
 from lingua.data.tokenizer import build_tokenizer
 from lingua.model import loss as loss_module
 from lingua.parallel import distributed
+from lingua.parallel.parallelize import uses_loss_parallel
 
 
 @dataclass
@@ -15,7 +16,8 @@ class App:
     model_class: Callable                         # model_class(args.model), on any device
     parallelize: Callable                         # (part, env, distributed args) -> part
     validate_model: Callable                      # (train args) -> None, raises ConfigError
-    loss_parallel: Callable                       # (distributed args) -> bool
+    # (distributed args) -> bool: whether the loss takes vocabulary-sharded logits
+    loss_parallel: Callable = uses_loss_parallel
     load_hf: Optional[Callable] = None            # (path, dtype) -> (model, model args);
                                                   # dtype None keeps the files' dtype
     flops_per_token: Optional[Callable] = None    # (train args) -> float; default: 6N + attention
