@@ -157,7 +157,8 @@ def hooks(args, env: DistEnv, app: App) -> Hooks:
         probe,
         evaluation.ValidationHook(),
         downstream.DownstreamHook(),
-        eval_jobs.AsyncEvalHook(args, app.model_class.__module__.rsplit(".", 1)[0]),
+        # The app's package, whose eval module the jobs run: its TrainArgs is defined there.
+        eval_jobs.AsyncEvalHook(args, type(args).__module__.rsplit(".", 1)[0]),
     ])
 
 
