@@ -144,7 +144,8 @@ def _make_run(root: Path, app: str) -> dict:
     a complete checkpoint. Returns {step: model}."""
     import importlib
 
-    model_module = importlib.import_module(f"apps.{app}.model")
+    model_module = importlib.import_module({"llama": "lingua.models.llama.model",
+                                            "mtp": "apps.mtp.model"}[app])
     args_class = getattr(model_module, {"llama": "LlamaArgs", "mtp": "MTPArgs"}[app])
     shape = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
              "max_seq_len", "init_std")

@@ -420,7 +420,8 @@ def test_activation_formula_under_tensor_parallel(app, ac):
     with plan_memory.fake_process_group(0, 2):
         dims = distributed.parallel_dims(d, 2)
         env = DistEnv(0, 0, 2, torch.device("cpu"), dims, distributed.build_mesh(dims, "cpu"))
-        parallelize = __import__(f"apps.{app}.parallelize", fromlist=["x"])
+        package = "lingua.models.llama" if app == "llama" else f"apps.{app}"
+        parallelize = __import__(f"{package}.parallelize", fromlist=["x"])
         getattr(parallelize, f"parallelize_{app}")(model, env, d)
         tokens = (2, 64)
         local = torch.randn(2, 32, args.dim, dtype=torch.bfloat16, requires_grad=True)

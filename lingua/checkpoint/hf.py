@@ -1,16 +1,13 @@
 """Hugging Face interop machinery shared by the apps: save_hf, load_hf, export and the export
-command, reading and writing safetensors directories and the decoder's config fields (shape,
-RoPE, SwiGLU width), and the checks that nothing is dropped. What names map to what is each
-app's own: its hf.py (apps/llama/hf.py for LlamaForCausalLM, apps/moe/hf.py for Mixtral,
-Qwen2-MoE and GLM-4.5 MoE) holds its key map and config mapping and passes them to these
-functions.
+command, safetensors directories, the decoder's config fields, and the checks that nothing is
+dropped. What names map to what is each architecture's hf.py (lingua/models/llama/hf.py for
+LlamaForCausalLM, apps/moe/hf.py for Mixtral, Qwen2-MoE and GLM-4.5 MoE): its key map and config
+mapping, passed to these functions.
 
-Nothing is dropped silently in either direction. The app's key map is the source of truth: on
-export every tensor of the model's state dict must be mapped or be on the app's NOT_EXPORTED list
-(`check_export`), on import every tensor in the safetensors files must be consumed by the map or
-be on its NOT_IMPORTED list (`check_import`). Both lists map a regular expression (matched against
-the whole name) to the reason the tensor may be left out, so a fork that adds a weight (QK-norm,
-biases) is told which file to edit instead of getting a Hugging Face model without it.
+Nothing is dropped silently either way: every tensor of the state dict is mapped or on the
+app's NOT_EXPORTED list (`check_export`), every tensor of the safetensors files is consumed or on
+NOT_IMPORTED (`check_import`), each list a regular expression -> why. A fork that adds a weight
+(QK-norm, biases) is told which file to edit instead of getting a model without it.
 """
 
 import json
@@ -188,8 +185,7 @@ def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: 
 
 
 def warn_unexportable(problems: List[str], command: str) -> None:
-    """One warning line (rank 0) at the start of a run whose checkpoints `command` will refuse:
-    better learned before training than after."""
+    """One warning line (rank 0) at the start of a run whose checkpoints `command` will refuse."""
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before any process group
     if problems and int(rank) == 0:
         logging.getLogger(__name__).warning(
@@ -216,12 +212,11 @@ TIED_NOT_IMPORTED = {
 
 
 def command(module_file: str) -> str:
-    """The command of an app's hf.py: `python -m apps.llama.hf` for apps/llama/hf.py, and for
-    lingua/models/llama/hf.py when apps/llama/hf.py runs its main (the module run as __main__)."""
+    """`python -m` and the hf module run as __main__ (apps/llama/hf.py runs models/llama's main),
+    else module_file's."""
     running = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if running is not None and running.name.endswith(".hf"):
-        return f"python -m {running.name}"
-    return "python -m " + app_file(module_file).removesuffix(".py").replace(os.sep, ".")
+    name = running.name if running is not None and running.name.endswith(".hf") else None
+    return "python -m " + (name or app_file(module_file).removesuffix(".py").replace(os.sep, "."))
 
 
 def decoder_config(args, dtype: torch.dtype) -> dict:
