@@ -657,3 +657,40 @@ def test_write_once_leaves_nothing_behind_when_writing_fails(tmp_path):
                       lambda tmp: tmp.mkdir() or (tmp / "done").write_text("x") and "made", "t")
     assert made == "made" and (tmp_path / "out" / "done").is_file()
     assert write_once(tmp_path / "out", "done", fail, "t") is None   # there: not written again
+
+
+def test_the_corpus_finds_every_def_in_ast_walks_order():
+    """The embedded corpus walks statements only; ast.walk over a tree with defs nested in every
+    kind of statement list gives the same defs in the same order."""
+    import ast
+
+    from lingua.data.batch import statements
+
+    source = '''
+def a():
+    if x:
+        def b(): pass
+    else:
+        class C:
+            def d(self): pass
+try:
+    def e(): pass
+except E:
+    def f(): pass
+else:
+    def g(): pass
+finally:
+    async def h(): pass
+match x:
+    case 1:
+        def i(): pass
+for y in z:
+    def j(): pass
+with w:
+    def k(): pass
+'''
+    tree = ast.parse(source)
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    names = [node.name for node in statements(tree) if isinstance(node, defs)]
+    assert names == [node.name for node in ast.walk(tree) if isinstance(node, defs)]
+    assert sorted(names) == sorted("abCdefghijk")

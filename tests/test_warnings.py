@@ -71,6 +71,7 @@ def test_every_sub_mesh_is_looked_up_without_the_deprecation_warning():
         assert mesh["dp"] is mesh["dp"]   # looked up once, then kept
 
 
+@pytest.mark.slow   # a fresh interpreter importing transformers and torchao: ~9 s
 def test_importing_the_hf_interop_and_float8_prints_nothing():
     """transformers imports torchao whenever it is installed: torchao's CUDA libraries a CPU build
     cannot load, its missing Triton and torch's Enum deprecation are silenced at their source

@@ -49,13 +49,27 @@ def stdlib_docstrings(min_chars: int = 200) -> List[str]:
                 tree = ast.parse(Path(dirpath, name).read_text(encoding="utf-8"))
             except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue
-            for node in ast.walk(tree):
+            for node in statements(tree):
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
                                      ast.AsyncFunctionDef)):
                     doc = ast.get_docstring(node)
                     if doc and len(doc) >= min_chars:
                         docs.append(doc)
     return docs
+
+
+STATEMENT_LISTS = {"body", "orelse", "finalbody", "handlers", "cases"}
+
+
+def statements(tree: ast.AST):
+    """ast.walk's nodes and order restricted to statements (and except/case clauses): a def is
+    always a statement, so this finds the same docstrings without visiting every expression
+    (a third of the corpus's build time)."""
+    level = [tree]
+    while level:
+        yield from level
+        level = [child for node in level for field in node._fields if field in STATEMENT_LISTS
+                 for child in getattr(node, field)]
 
 
 def write_once(root, marker: str, write: Callable, what: str):
