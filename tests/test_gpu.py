@@ -44,9 +44,10 @@ def test_bf16_compile_on_one_gpu_trains_and_reports_mfu(corpus, tmp_path):
 
 
 class ForbidSyncs(Hook):
-    """From step `after` on, a host sync inside a step (before_step to end_step: the step's
-    data, forwards, backwards, clipping, agreement and update) raises, but the agreement's one
-    read (lingua/train/agreement.read_on_host), which the test allows."""
+    """From step `after` on, a host sync inside a step raises, but the agreement's one read
+    (lingua/train/agreement.read_on_host), which the test allows. First in the hook list: from
+    every hook's before_step, through the step's data, forwards, backwards, clipping, agreement
+    and update, to the after_step of the hooks before AllowSyncs."""
 
     def __init__(self, after: int):
         self.after = after
@@ -55,10 +56,14 @@ class ForbidSyncs(Hook):
         if step > self.after:
             torch.cuda.set_sync_debug_mode("error")
 
-    def end_step(self, run, step: int) -> None:
+    def close(self, run) -> None:
         torch.cuda.set_sync_debug_mode(0)
 
-    def close(self, run) -> None:
+
+class AllowSyncs(Hook):
+    """Placed before the evaluation hooks, which read their results on the host."""
+
+    def after_step(self, run, step: int) -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 
@@ -67,6 +72,7 @@ def test_a_compiled_bf16_step_reads_the_gpu_once(corpus, tmp_path, monkeypatch, 
     """issue 32: the MoE routing's counts, the loss-spike check, the stop flag and the token
     counts no longer make a step wait for the GPU; only the step's agreement does, once."""
     from apps.moe import train as moe_train
+    from lingua.eval.evaluation import ValidationHook
     from lingua.launch import run
     from lingua.train import agreement
     from tests.test_moe_train import moe_args
@@ -83,7 +89,9 @@ def test_a_compiled_bf16_step_reads_the_gpu_once(corpus, tmp_path, monkeypatch, 
 
     def hooks(args, env, app_):
         made = real_hooks(args, env, app_)
-        made.hooks.append(ForbidSyncs(after=3))   # steps 1-3 compile
+        evaluation = next(i for i, hook in enumerate(made) if isinstance(hook, ValidationHook))
+        made.hooks.insert(evaluation, AllowSyncs())
+        made.hooks.insert(0, ForbidSyncs(after=3))   # steps 1-3 compile
         return made
 
     monkeypatch.setattr(agreement, "read_on_host", allowed_read)

@@ -1,6 +1,7 @@
 """The core's shape, read with ast: no file under lingua/ over 600 lines, no function under lingua/
-or apps/ over 60 (decorators left out), and the training loop one short function in a short
-module (lingua/train/loop.py: what a researcher reads to understand a step)."""
+or apps/ over 60 (decorators left out), the training loop one short function in a short module
+(lingua/train/loop.py: what a researcher reads to understand a step), and a hook protocol of at
+most ten points, each used by two hooks or named a seam of the core."""
 
 import ast
 
@@ -9,7 +10,10 @@ from tests.conftest import REPO
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60
 LOOP_MODULE, LOOP_FUNCTION = "lingua/train/loop.py", "train_loop"
-MAX_LOOP_LINES, MAX_LOOP_MODULE_LINES = 120, 400
+MAX_LOOP_LINES, MAX_LOOP_MODULE_LINES = 60, 400
+MAX_HOOK_POINTS = 10
+# Points one hook may be alone on: the core's own seams (lingua/train/hooks.py says so).
+SEAMS = {"decide", "after_save", "should_stop", "state_dict"}
 
 
 def functions(path):
@@ -45,3 +49,29 @@ def test_the_shape_rules_count_as_documented(tmp_path):
     source.write_text("@decorator\ndef f():\n    return 1\n\n\nclass C:\n    def g(self):\n"
                       "        pass\n")
     assert dict(functions(source)) == {"f": 2, "g": 2}
+
+
+def hook_points(tops=("lingua", "apps")) -> dict:
+    """{point: [classes defining it]} over the classes whose bases name Hook (Hooks, which calls
+    them all, left out); every point of Hook listed (state_dict/load_state_dict is one)."""
+    tree = ast.parse((REPO / "lingua/train/hooks.py").read_text())
+    [hook] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Hook"]
+    points = {n.name: [] for n in hook.body if isinstance(n, ast.FunctionDef)}
+    points.pop("load_state_dict")
+    for top in tops:
+        for path in sorted((REPO / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef) and node.name != "Hooks" and any(
+                        getattr(b, "id", getattr(b, "attr", None)) == "Hook" for b in node.bases):
+                    for item in node.body:
+                        if isinstance(item, ast.FunctionDef) and item.name in points:
+                            points[item.name].append(node.name)
+    return points
+
+
+def test_the_hook_protocol_is_ten_points_each_used_twice_or_a_seam():
+    points = hook_points()
+    assert len(points) <= MAX_HOOK_POINTS, sorted(points)
+    lonely = {p: users for p, users in points.items() if len(users) < 2 and p not in SEAMS}
+    assert not lonely, f"hook points with fewer than two users (merge them): {lonely}"
+    assert all(points[seam] for seam in SEAMS), points   # a seam nobody uses is a point to drop

@@ -20,6 +20,7 @@ from lingua.model.moe import moe_layers, reset_routing, routing_metrics, update_
 from lingua.parallel import distributed
 from lingua.parallel.expert_parallel import validate_ep
 from lingua.train.app import App
+from lingua.train.hooks import UPDATE, Hook
 
 
 @dataclass
@@ -43,28 +44,30 @@ def flops_per_token(args: TrainArgs) -> float:
     return model_flops_per_token(args.model, args.data.seq_len)
 
 
-def after_step(parts, env) -> None:
-    rate = parts[0].args.bias_update_rate
-    if rate > 0:
-        update_expert_bias([m for part in parts for m in moe_layers(part)], rate)
+class RoutingHook(Hook):
+    """Each step's routing sums from zero, the aux-loss-free expert-bias update after an applied
+    update, and the routing metrics of logged rows."""
 
+    def before_step(self, run, step: int) -> None:
+        reset_routing([m for part in run.parts for m in moe_layers(part)])
 
-def start_step(parts) -> None:
-    reset_routing([m for part in parts for m in moe_layers(part)])
+    def after_step(self, run, step: int) -> None:
+        rate = run.parts[0].args.bias_update_rate
+        if rate > 0 and run.decision == UPDATE:
+            update_expert_bias([m for part in run.parts for m in moe_layers(part)], rate)
 
-
-def step_metrics(parts, env) -> dict:
-    """Routing health of each MoE layer over the whole step: every micro-batch, the global batch
-    and every pipeline stage (lingua.model.moe.routing_metrics); tensor-parallel ranks hold
-    copies."""
-    args = parts[0].args
-    layers = {int(name): block.moe for part in parts for name, block in part.layers.items()
-              if getattr(block, "moe", None) is not None}
-    values = routing_metrics(
-        layers, args.n_layers, args.n_experts, device=env.device,
-        reduce=lambda t: distributed.all_reduce_sum(t, env, dims=("dp_cp", "pp")),
-    )
-    return {f"moe/{key}": value for key, value in values.items()}
+    def metrics(self, run, row: dict) -> None:
+        """Routing health of each MoE layer over the whole step: every micro-batch, the global
+        batch and every pipeline stage (lingua.model.moe.routing_metrics); tensor-parallel ranks
+        hold copies."""
+        args, env = run.parts[0].args, run.env
+        layers = {int(name): block.moe for part in run.parts
+                  for name, block in part.layers.items() if getattr(block, "moe", None) is not None}
+        values = routing_metrics(
+            layers, args.n_layers, args.n_experts, device=env.device,
+            reduce=lambda t: distributed.all_reduce_sum(t, env, dims=("dp_cp", "pp")),
+        )
+        row.update({f"moe/{key}": value for key, value in values.items()})
 
 
 def loss(output, target) -> LossOutput:
@@ -81,8 +84,8 @@ def loss(output, target) -> LossOutput:
 
 APP = App(model_class=Transformer, parallelize=parallelize_moe,
           validate_model=validate_moe, load_hf=load_hf,
-          flops_per_token=flops_per_token, after_step=after_step, start_step=start_step,
-          step_metrics=step_metrics, loss=loss, float8_filter=float8_filter)
+          flops_per_token=flops_per_token, hooks=lambda args, env: [RoutingHook()], loss=loss,
+          float8_filter=float8_filter)
 
 
 def validate(args: TrainArgs) -> None:

@@ -315,10 +315,10 @@ class DownstreamHook(Hook):
     def __init__(self):
         self.tokenizer = None     # built for the first evaluation
 
-    def metrics(self, run, row: dict) -> None:
+    def after_step(self, run, step: int) -> None:
         e = run.args.eval
-        if e.tasks and e.mode == "inline" and evaluates_at(run.args, run.step):
-            row.update(self.downstream_metrics(run))
+        if e.tasks and e.mode == "inline" and evaluates_at(run.args, step):
+            run.eval_fields.update(self.downstream_metrics(run))
 
     def downstream_metrics(self, run) -> dict:
         args, env = run.args, run.env

@@ -343,8 +343,8 @@ class AsyncEvalHook(Hook):
         self.args, self.app_package = args, app_package
         self.in_use = checkpoint_in_use(args.dump_dir)
 
-    def keeps_checkpoint(self, step: int) -> bool:
-        return self.in_use(step)
+    def start(self, run) -> None:
+        run.checkpoint_in_use.append(self.in_use)
 
     def after_save(self, run, step: int) -> None:
         e = self.args.eval

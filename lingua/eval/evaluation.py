@@ -92,7 +92,7 @@ def eval_loss_sum(model, mb: MicroBatch) -> torch.Tensor:
 
 
 class ValidationHook(Hook):
-    """val_loss / val_ppl in the rows of evaluation steps (eval.every, the end); none with
+    """val_loss / val_ppl at evaluation steps (eval.every, the end), in their rows; none with
     data.val_sequences=0, which the run says once."""
 
     def start(self, run) -> None:
@@ -101,9 +101,9 @@ class ValidationHook(Hook):
             logger.info("no validation loss: data.val_sequences=0%s",
                         " (eval.tasks still run at evaluation steps)" if e.tasks else "")
 
-    def metrics(self, run, row: dict) -> None:
-        if run.val_batches and evaluates_at(run.args, run.step):
-            row.update(self.validation_loss(run))
+    def after_step(self, run, step: int) -> None:
+        if run.val_batches and evaluates_at(run.args, step):
+            run.eval_fields.update(self.validation_loss(run))
 
     def validation_loss(self, run) -> dict:
         args, env = run.args, run.env

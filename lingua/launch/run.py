@@ -149,6 +149,7 @@ def hooks(args, env: DistEnv, app: App) -> Hooks:
     """What runs around the loop, in the order each step calls it (lingua/train/hooks.py)."""
     probe = ProbeHook(args, spikes_on=args.optim.spike != "off")
     return Hooks([
+        *app.hooks(args, env),
         GarbageCollection(args.gc_every, args.gc_full_every),
         Float8ScalesHook(args, env),
         StopHook(args.slurm.max_requeues),

@@ -21,10 +21,9 @@ class App:
     load_hf: Optional[Callable] = None            # (path, dtype) -> (model, model args);
                                                   # dtype None keeps the files' dtype
     flops_per_token: Optional[Callable] = None    # (train args) -> float; default: 6N + attention
-    after_step: Optional[Callable] = None         # (parts, env) after each optimizer step
-    start_step: Optional[Callable] = None         # (parts) before each step's forwards
-    step_metrics: Optional[Callable] = None       # (parts, env) -> dict of extra logged values;
-                                                  # every rank calls it on logging steps
+    # (train args, env) -> the app's hooks (lingua/train/hooks.py), called before the core's:
+    # what the app does around a step (apps/moe: routing sums, the expert-bias update, metrics)
+    hooks: Callable = lambda args, env: []
     # (fqn, module) -> True to train that Linear in float8 (distributed.float8); None:
     # lingua.parallel.float8.default_filter
     float8_filter: Optional[Callable] = None

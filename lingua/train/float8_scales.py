@@ -18,6 +18,6 @@ class Float8ScalesHook(Hook):
                                                            env.device.type)
                         and not args.distributed.cpu_offload)
 
-    def before_forward(self, run, step: int) -> None:
+    def before_step(self, run, step: int) -> None:
         if self.enabled:
             float8.precompute_fsdp_scales(run.parts)

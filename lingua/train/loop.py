@@ -41,37 +41,32 @@ def train_loop(run: "Run") -> bool:
     hooks.start(run)
     while run.step < steps:
         step = run.step + 1
-        hooks.before_step(run, step)
         data_before = run.data_position_to_undo()
         run.phases.start_step(timed=run.logs_at(step))
         t0 = time.perf_counter()
+        hooks.before_step(run, step)               # skips a rollback's batches, probe on, ...
+        t_data = time.perf_counter()
         with torch.profiler.record_function("data"):
             micro_batches = run.next_batches()
-        t_data = time.perf_counter() - t0
+        t_data = time.perf_counter() - t_data
 
-        hooks.before_forward(run, step)
-        run.start_app_step()
         run.step_loss = StepLoss(run.env.device)   # this step's losses only
         run.train_step(micro_batches)              # forward and backward (or the pipeline)
-        hooks.after_backward(run, step)
+        shares = hooks.after_backward(run, step)
 
-        grad_norm, lr, decision = run.clip_and_update(step, data_before)
-        if decision == ROLLBACK and hooks.roll_back(run, step, micro_batches):
-            hooks.end_step(run, step)
+        grad_norm, lr, decision = run.clip_and_update(step, data_before, shares)
+        if decision == ROLLBACK:
             continue   # from the checkpoint's step, with the spike's batches to be skipped
         run.step = step
-        hooks.after_step(run, step)
         run.window.add(time.perf_counter() - t0, t_data, run.global_tokens,
                        run.phases.step_seconds())
-        hooks.end_step(run, step)
+        hooks.after_step(run, step)                # evaluation at eval.every, gc, ...
 
         if run.logs_at(step):
-            run.log_row(grad_norm, lr)             # hooks add their fields (validation, ...)
+            run.log_row(grad_norm, lr)
         run.save_if_due()
         if hooks.should_stop(run):                 # a signal: saved, stop
             break
-    hooks.end(run)
-    run.close()
     return run.step == steps
 
 
@@ -113,6 +108,11 @@ class Run(Saving):
         # LoRA on checkpoint.init_from: checkpoints leave the frozen base out (base.json)
         self.base = checkpoint.frozen_base(parts, args.checkpoint.init_from)
         self.agreed: dict = {}    # the current step's agreement (lingua/train/agreement.py)
+        self.decision = UPDATE    # what the current step did with its update (hooks.py)
+        self.micro_batches: list = []   # the current step's (next_batches)
+        self.eval_fields: dict = {}     # evaluation results for this step's row (after_step)
+        # step -> True while a hook still needs that checkpoint (checkpoint.keep skips it)
+        self.checkpoint_in_use: list = []
 
     def _build_pipeline(self, stage_ids):
         d = self.args.distributed
@@ -134,11 +134,14 @@ class Run(Saving):
 
     def train(self) -> bool:
         """Train up to args.steps; False when a signal stopped it early (after saving). Every
-        hook's close() runs however the loop ends (an exception included)."""
+        hook's close() runs however the loop ends (an exception included), before the log
+        closes."""
         try:
-            return train_loop(self)
+            completed = train_loop(self)
         finally:
             self.hooks.close(self)
+        self.close()
+        return completed
 
     def train_step(self, micro_batches) -> None:
         """Forward/backward over this rank's micro-batches; their losses add up in
@@ -167,18 +170,18 @@ class Run(Saving):
                         (out.loss_sum / self.loss_denominator).backward()
                     self.step_loss.add(out)
 
-    def start_app_step(self) -> None:
-        if self.app.start_step is not None:
-            self.app.start_step(self.parts)
-
     def next_batches(self) -> list:
-        """This step's micro-batches: the next data batch no hook said to skip. A skipped batch
-        is read and thrown away, so the loader's position stays its own business."""
-        while True:
-            micro_batches = self.train_loader.next_step()
-            self.batches_consumed += 1
-            if not self.hooks.skip_batch(self, self.batches_consumed):
-                return micro_batches
+        """This step's micro-batches (also self.micro_batches, for a hook that runs them
+        again)."""
+        self.micro_batches = self.train_loader.next_step()
+        self.batches_consumed += 1
+        return self.micro_batches
+
+    def skip_batch(self) -> None:
+        """Read the next data batch and throw it away (a rollback's range): the loader's
+        position stays its own business."""
+        self.train_loader.next_step()
+        self.batches_consumed += 1
 
     def data_position_to_undo(self) -> Optional[tuple]:
         """Where the data stood before this step, when a step may have to be undone (non-finite
@@ -187,34 +190,34 @@ class Run(Saving):
             return None
         return self.train_loader.state_dict(), self.batches_consumed
 
-    def clip_and_update(self, step: int, data_before) -> tuple:
+    def clip_and_update(self, step: int, data_before, shares: dict) -> tuple:
         """Clip, then update, unless the gradient norm is not finite (optim.nonfinite: skip, or
-        stop) or a hook decides otherwise (SKIP; ROLLBACK: nothing applied, the hook's roll_back
-        follows). Returns (pre-clip gradient norm, the step's learning rate, the decision)."""
+        stop) or a hook decides otherwise (SKIP; ROLLBACK: nothing applied, the hook moved the
+        run back). `shares`: the hooks' part of the step's agreement. Returns (pre-clip
+        gradient norm, the step's learning rate, the decision), the decision also in
+        self.decision."""
         with self.phases.phase("optim"):
             norm = optim.clip_grad_norm(self.parts, self.args.optim.clip, self.pp_group)
             lr = self.optimizers.lr
             # The step's one collective of decisions and its one host read (agreement.py).
             self.agreed = agreement.agree(self.env, self.step_loss.sums.get("loss"), norm,
-                                          {**self.save_share(), **self.hooks.share(self, step)})
-            grad_norm = self.agreed["grad_norm"]
-            if not math.isfinite(grad_norm):
-                self._skip_nonfinite(grad_norm, data_before)
-                return grad_norm, lr, SKIP
-            decision = self.hooks.decide(self, step, self.agreed)
-            if decision == SKIP:
+                                          {**self.save_share(), **shares})
+        grad_norm = self.agreed["grad_norm"]
+        if not math.isfinite(grad_norm):
+            self._skip_nonfinite(grad_norm, data_before)
+            self.decision = SKIP
+        else:   # outside the optim phase: a rollback runs a batch again and reloads
+            self.decision = self.hooks.decide(self, step)
+        with self.phases.phase("optim"):
+            if self.decision == SKIP:
                 self.optimizers.skip()
-            elif decision == UPDATE:
+            elif self.decision == UPDATE:
                 self.optimizers.step()
-                if self.app.after_step is not None:
-                    self.app.after_step(self.parts, self.env)
-                self.hooks.after_update(self, step)
-        return grad_norm, lr, decision
+        return grad_norm, lr, self.decision
 
     def _skip_nonfinite(self, grad_norm, data_before) -> None:
         if self.args.optim.nonfinite != "skip":
             self._stop_on_nonfinite(grad_norm, data_before)
-        self.optimizers.skip()
         self.nonfinite_steps += 1
         if self.env.is_main:
             logger.warning("step %d: gradient norm is %s; update skipped "
@@ -294,9 +297,9 @@ class Run(Saving):
                "nonfinite_steps": self.nonfinite_steps, **self._skipped_data(),
                "eta_s": window.eta_s(self.args.steps - self.step)}
         row.update(losses)    # the app's loss metrics (LossOutput.metrics)
-        if self.app.step_metrics is not None:
-            row.update(self.app.step_metrics(self.parts, env))
         self.hooks.metrics(self, row)
+        row.update(self.eval_fields)   # this step's evaluation (an evaluation step always logs)
+        self.eval_fields = {}
         window.reset()
         self.log.log(row)
         if env.is_main:

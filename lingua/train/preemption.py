@@ -191,7 +191,7 @@ class StopHook(Hook):
     def start(self, run) -> None:
         self.signals = SIGNALS.catch_interrupts(run.where_to_resume)
 
-    def share(self, run, step: int) -> dict:
+    def after_backward(self, run, step: int) -> dict:
         return self.signals.share()
 
     def should_stop(self, run) -> bool:

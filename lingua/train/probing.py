@@ -39,16 +39,17 @@ class ProbeHook(Hook):
         self._made(run)
         self.in_full = True
 
-    def before_forward(self, run, step: int) -> None:
+    def before_step(self, run, step: int) -> None:
         self.probing = (self.probe is not None and self.probe.active(step)) or self.in_full
         self.in_full = False
         if self.probing:
             self.probe.start()
 
-    def after_backward(self, run, step: int) -> None:
+    def after_backward(self, run, step: int) -> dict:
         if self.probing:  # weights and gradients as the optimizer will see them, before clipping
             self.probe.stop()
             self.alerts += self.probe.finish_step(step, run.log.wandb_run)
+        return {}
 
     def probe_batch(self, run, step: int, micro_batches, back_to: int) -> None:
         """A spiking batch again, forward and backward on the weights that produced the spike,
@@ -58,7 +59,6 @@ class ProbeHook(Hook):
         if run.env.is_main:
             metrics.drop_rows_after(probe.path, back_to)
         probe.start()
-        run.start_app_step()
         run.step_loss = StepLoss(run.env.device)
         run.train_step(micro_batches)
         probe.stop()
@@ -70,6 +70,7 @@ class ProbeHook(Hook):
         if self.probe is not None:
             row["probe_alerts"], self.alerts = self.alerts, 0
 
-    def end(self, run) -> None:
-        if self.probe is not None and run.env.is_main and run.log.wandb_run is not None:
-            self.probe.log_plots(run.log.wandb_run)
+    def close(self, run) -> None:
+        wandb_run = getattr(getattr(run, "log", None), "wandb_run", None)   # no log: failed early
+        if self.probe is not None and run.env.is_main and wandb_run is not None:
+            self.probe.log_plots(wandb_run)

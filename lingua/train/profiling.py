@@ -21,8 +21,9 @@ class ProfilerHook(Hook):
     def before_step(self, run, step: int) -> None:
         self.profiler.step_begin(step)
 
-    def end_step(self, run, step: int) -> None:
+    def after_step(self, run, step: int) -> None:
         self.profiler.step_end(step)
 
-    def end(self, run) -> None:
-        self.profiler.close()
+    def close(self, run) -> None:
+        if self.profiler is not None:
+            self.profiler.close()

@@ -17,10 +17,8 @@ class Saving:
     def resume(self) -> int:
         """Load the newest intact checkpoint of dump_dir, if any (weights, optimizer, data
         position, scheduler, the hooks' state); returns the step the run continues from (0: a
-        fresh run). Then the hooks' resumed() (the spike hook reads spikes.jsonl back: a
-        rollback made after the newest checkpoint is in no checkpoint's train state)."""
+        fresh run)."""
         self.step = self._load_newest()
-        self.hooks.resumed(self)
         return self.step
 
     def _load_newest(self) -> int:
@@ -82,7 +80,9 @@ class Saving:
                        "scheduler": self.optimizers.scheduler_state(),
                        "nonfinite_steps": self.nonfinite_steps, "batches_consumed": batches,
                        **self.hooks.state_dict()}
-        in_use = self.hooks.keeps_checkpoint
+        def in_use(step: int) -> bool:
+            return any(keeps(step) for keeps in self.checkpoint_in_use)
+
         save = checkpoint.save_async if args.checkpoint.async_save and not wait else checkpoint.save
         saved = save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers, train_state,
                      self.config_yaml, env.rank, env.world_size, args.checkpoint.keep, in_use,

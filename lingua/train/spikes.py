@@ -280,7 +280,7 @@ def append_record(dump_dir, record: dict) -> None:
 
 class SpikeHook(Hook):
     """optim.spike in the loop: judge each step (decide), skip or roll back, skip the batches of
-    a rollback's range (skip_batch), probe at a spike (through `probe`, the run's ProbeHook),
+    a rollback's range (before_step), probe at a spike (through `probe`, the run's ProbeHook),
     the spike fields of metrics rows, and the "spikes" key of the checkpoint's train state.
     Always in the hook list: a range written into spikes.jsonl by hand is skipped with
     optim.spike=off too."""
@@ -289,11 +289,11 @@ class SpikeHook(Hook):
         self.monitor = SpikeMonitor(args.optim, env.is_main)
         self.policy, self.env, self.probe = args.optim.spike, env, probe
         self.values: Optional[dict] = None    # the step's values, accepted after its update
-        self.spike: Optional[Spike] = None    # the spike the step rolls back from
         self.keep_records = False             # a rollback's reload keeps the records it knows
 
-    def resumed(self, run) -> None:
-        """Rank 0 reads spikes.jsonl and tells the others (or its error: none may wait alone)."""
+    def start(self, run) -> None:
+        """Rank 0 reads spikes.jsonl and tells the others (or its error: none may wait alone): a
+        rollback made after the newest checkpoint is in no checkpoint's train state."""
         outcome = [None]
         if self.env.is_main:
             try:
@@ -306,23 +306,21 @@ class SpikeHook(Hook):
             raise RunError(outcome[0])
         self.monitor.merge_records(outcome[0])
 
-    def skip_batch(self, run, batch: int) -> bool:
-        record = self.monitor.skips_batch(batch)
-        if record is not None and self.env.is_main:
-            logger.info("data batch %d skipped (range %d..%d, from the loss spike at step %s)",
-                        batch, *record["skip"], record.get("step", "?"))
-        return record is not None
-
-    def before_forward(self, run, step: int) -> None:
+    def before_step(self, run, step: int) -> None:
+        while (record := self.monitor.skips_batch(run.batches_consumed + 1)) is not None:
+            if self.env.is_main:
+                logger.info("data batch %d skipped (range %d..%d, from the loss spike at step %s)",
+                            run.batches_consumed + 1, *record["skip"], record.get("step", "?"))
+            run.skip_batch()
         # log, skip: the step after a spike is probed in full, whatever probe.every says.
         if self.monitor.probe_next:
             self.monitor.probe_next = False
             self.probe.probe_in_full(run)
 
-    def decide(self, run, step: int, agreed: dict) -> str:
+    def decide(self, run, step: int) -> str:
         # The step's loss over the global batch and its gradient norm, the same on every rank
         # (the step's agreement): every rank updates the same windows and decides alike.
-        monitor = self.monitor
+        monitor, agreed = self.monitor, run.agreed
         self.values = ({"loss": agreed["loss"], "grad_norm": agreed["grad_norm"]}
                        if monitor.on else None)
         spike = None if self.values is None else monitor.check(step, self.values)
@@ -330,8 +328,7 @@ class SpikeHook(Hook):
             return UPDATE
         monitor.since_row = True
         if self.policy == "rollback":
-            self.spike = spike
-            return ROLLBACK
+            return ROLLBACK if self._roll_back(run, spike) else SKIP
         monitor.probe_next = True
         if self.policy == "skip":
             monitor.skipped(spike)
@@ -339,25 +336,22 @@ class SpikeHook(Hook):
         monitor.logged(spike)
         return UPDATE
 
-    def after_update(self, run, step: int) -> None:
-        if self.values is not None:
+    def after_step(self, run, step: int) -> None:
+        if self.values is not None and run.decision == UPDATE:
             self.monitor.accept(self.values)
 
-    def roll_back(self, run, step: int, micro_batches) -> bool:
+    def _roll_back(self, run, spike: Spike) -> bool:
         """optim.spike=rollback at the spiking step: record the data batches to skip (in
         spikes.jsonl first, so that a crash cannot lose them), run the spiking batch again with
         the probe on, and reload the newest intact checkpoint on every rank, as resume does.
-        Returns False, having skipped the update instead, when no checkpoint from before the
+        Returns False, the update to be skipped instead, when no checkpoint from before the
         spike exists yet: stopping a run in its first checkpoint.every steps for a spike would
         cost more than the spike, and skipping is the closest thing that needs no checkpoint."""
-        env, spike, monitor = self.env, self.spike, self.monitor
-        for optimizer in run.optimizers.optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        env, monitor = self.env, self.monitor
         run.finish_save(block=True)   # the checkpoint being written is the newest one
         target = checkpoint.newest_verified(run.dump_dir, env.rank, env.world_size,
                                             set_aside=True)
         if target is None or int(target.name) >= spike.step:
-            run.optimizers.skip()
             monitor.probe_next = True
             monitor.skipped(spike, "optim.spike=rollback, but no checkpoint was saved before it "
                                    "yet")
@@ -371,7 +365,9 @@ class SpikeHook(Hook):
                            "in %s)", spike.on, spike.step, spike.value, spike.threshold,
                            spike.why, target, *record["skip"], len(monitor.rollbacks),
                            records_path(run.dump_dir))
-        self.probe.probe_batch(run, spike.step, micro_batches, back_to)
+        for optimizer in run.optimizers.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.probe.probe_batch(run, spike.step, run.micro_batches, back_to)
         self._reload(run, target)
         return True
 

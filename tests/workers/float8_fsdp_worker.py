@@ -50,7 +50,7 @@ def main() -> None:
     for p in model.parameters():
         torch.nn.init.normal_(p.to_local())
     hook = Float8ScalesHook(SimpleNamespace(distributed=args), env)
-    hook.before_forward(SimpleNamespace(parts=[model]), 1)
+    hook.before_step(SimpleNamespace(parts=[model]), 1)
     errors = []
     for name in names:
         local = model.get_submodule(name).weight._local_tensor

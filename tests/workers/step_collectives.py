@@ -44,8 +44,8 @@ class CommCounter(TorchDispatchMode):
 
 
 class CountCollectives(Hook):
-    """Each step's window runs from its before_step to the next step's (or the loop's end), so
-    it holds the step's logging, checkpoint and stop check too."""
+    """Each step's window runs from its before_step (the first hook's) to the next step's (or
+    the loop's end), so it holds the step's logging, checkpoint and stop check too."""
 
     current_step = 0
 
@@ -64,7 +64,7 @@ class CountCollectives(Hook):
         CountCollectives.current_step = step
         self.mode.__enter__()
 
-    def end(self, run) -> None:
+    def close(self, run) -> None:
         self._close_window()
         path = Path(run.dump_dir) / f"collectives_rank{os.environ.get('RANK', '0')}.json"
         path.write_text(json.dumps(self.per_step))
@@ -82,7 +82,7 @@ def held_write(pending) -> bool:
 def with_counter(real):
     def hooks(args, env, app):
         made = real(args, env, app)
-        made.hooks.append(CountCollectives())
+        made.hooks.insert(0, CountCollectives())
         return made
     return hooks
 
