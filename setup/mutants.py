@@ -104,7 +104,7 @@ MUTANTS = [
            "perm = torch.argsort(row_keys, stable=True).roll(1)",
            (f"{F8_MOE}[ep2]",)),
     Mutant("spike_window_off_by_one", "a spike judged one step before its window is full",
-           "lingua/train/spikes.py",
+           "lingua/optim/spikes.py",
            "        if len(window) < window.maxlen:",
            "        if len(window) < window.maxlen - 1:",
            ("tests/test_spikes.py::test_median_rule_waits_for_a_full_window_and_keeps_skipped_"

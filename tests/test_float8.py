@@ -103,7 +103,7 @@ def test_the_scale_hook_is_off_under_cpu_offload_where_the_copy_drops_its_scale(
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from lingua.parallel.distributed import parallel_dims
-    from lingua.train.float8_scales import Float8ScalesHook
+    from lingua.parallel.float8 import Float8ScalesHook
 
     shard = WeightWithDynamicFloat8CastTensor(torch.randn(4, 4), LinearMMConfig(), E4,
                                               precomputed_scale=torch.tensor(2.0))

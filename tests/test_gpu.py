@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from apps.llama import train
-from lingua.train.hooks import Hook
+from lingua.hooks import Hook
 from tests.conftest import REPO, read_metrics, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 

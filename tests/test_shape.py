@@ -12,7 +12,7 @@ MAX_FUNCTION_LINES = 60
 LOOP_MODULE, LOOP_FUNCTION = "lingua/train/loop.py", "train_loop"
 MAX_LOOP_LINES, MAX_LOOP_MODULE_LINES = 60, 400
 MAX_HOOK_POINTS = 10
-# Points one hook may be alone on: the core's own seams (lingua/train/hooks.py says so).
+# Points one hook may be alone on: the core's own seams (lingua/hooks.py says so).
 SEAMS = {"decide", "after_save", "should_stop", "state_dict"}
 
 
@@ -54,7 +54,7 @@ def test_the_shape_rules_count_as_documented(tmp_path):
 def hook_points(tops=("lingua", "apps")) -> dict:
     """{point: [classes defining it]} over the classes whose bases name Hook (Hooks, which calls
     them all, left out); every point of Hook listed (state_dict/load_state_dict is one)."""
-    tree = ast.parse((REPO / "lingua/train/hooks.py").read_text())
+    tree = ast.parse((REPO / "lingua/hooks.py").read_text())
     [hook] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Hook"]
     points = {n.name: [] for n in hook.body if isinstance(n, ast.FunctionDef)}
     points.pop("load_state_dict")

@@ -1,4 +1,4 @@
-"""Loss spikes (optim.spike=off|log|skip|rollback, lingua/train/spikes.py): a spike is injected into
+"""Loss spikes (optim.spike=off|log|skip|rollback, lingua/optim/spikes.py): a spike is injected into
 a chosen data batch (its loss, and so its gradients, multiplied: tests/workers/spike_train.py) and
 each policy is checked against a run that reaches the same outcome another way:
   off and log apply the update (the same weights as each other), skip equals
@@ -16,9 +16,8 @@ import torch
 
 from apps.llama import train
 from lingua.errors import ConfigError, RunError
-from lingua.optim import OptimArgs
-from lingua.train import spikes
-from lingua.train.spikes import SpikeMonitor
+from lingua.optim import OptimArgs, spikes
+from lingua.optim.spikes import SpikeMonitor
 from tests.conftest import run_torchrun, tiny_args
 from tests.equivalence import (
     assert_equivalent,

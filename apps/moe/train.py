@@ -14,13 +14,13 @@ from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.moe.parallelize import float8_filter, parallelize_moe, validate_tp
 from lingua import config
 from lingua.checkpoint import hf as lingua_hf
+from lingua.hooks import UPDATE, Hook
 from lingua.launch import run
 from lingua.model.loss import LossOutput, cross_entropy
 from lingua.model.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
 from lingua.parallel import distributed
 from lingua.parallel.expert_parallel import validate_ep
 from lingua.train.app import App
-from lingua.train.hooks import UPDATE, Hook
 
 
 @dataclass

@@ -44,10 +44,10 @@ import torch
 from lingua.data.tokenizer import build_tokenizer
 from lingua.errors import ConfigError
 from lingua.eval.evaluation import EvalArgs
+from lingua.hooks import Hook
 from lingua.observe.metrics import format_duration
 from lingua.parallel.distributed import DistEnv
 from lingua.train.build import mixed_precision
-from lingua.train.hooks import Hook
 from lingua.train.loop import evaluates_at
 
 logger = logging.getLogger("eval")

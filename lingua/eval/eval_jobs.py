@@ -54,8 +54,8 @@ from typing import Callable, List, Optional
 
 from lingua import checkpoint
 from lingua.errors import ConfigError
+from lingua.hooks import Hook
 from lingua.train import slurm
-from lingua.train.hooks import Hook
 from lingua.train.loop import evaluates_at
 
 logger = logging.getLogger("eval")

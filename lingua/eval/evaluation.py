@@ -9,11 +9,11 @@ from typing import List, Optional
 import torch
 
 from lingua.errors import ConfigError
+from lingua.hooks import Hook
 from lingua.model.loss import IGNORE_INDEX, token_loss_sum  # noqa: F401  (callers use it)
 from lingua.parallel.distributed import DistEnv, all_reduce_sum
 from lingua.parallel.tensor_parallel import loss_parallel_context
 from lingua.train.build import mixed_precision
-from lingua.train.hooks import Hook
 from lingua.train.loop import evaluates_at
 from lingua.train.microbatch import MicroBatch, sequence_shard
 from lingua.train.slurm import SlurmArgs

@@ -27,30 +27,32 @@ from lingua.data import DataArgs
 from lingua.errors import ConfigError, RunError
 from lingua.eval import downstream, eval_jobs, evaluation
 from lingua.eval.evaluation import EvalArgs
-from lingua.launch.process import start_process, write_config
+from lingua.hooks import Hooks
+from lingua.launch.process import (
+    GarbageCollection,
+    release_freed_memory,
+    start_process,
+    write_config,
+)
 from lingua.model.transformer import check_attn_backend
 from lingua.observe import probe as probe_module
 from lingua.observe import profiling
 from lingua.observe.metrics import LoggingArgs
-from lingua.observe.probe import ProbeArgs
-from lingua.observe.profiling import ProfilingArgs
+from lingua.observe.probe import ProbeArgs, ProbeHook
+from lingua.observe.profiling import ProfilerHook, ProfilingArgs
 from lingua.optim import OptimArgs
+from lingua.optim.spikes import SpikeHook
 from lingua.parallel import distributed, pipeline
 from lingua.parallel.context_parallel import validate_cp
 from lingua.parallel.distributed import DistEnv, DistributedArgs
+from lingua.parallel.float8 import Float8ScalesHook
 from lingua.parallel.tensor_parallel import check_async_tp
 from lingua.train import preemption
 from lingua.train.app import App, check_vocab, device_type
 from lingua.train.build import build_model_parts
-from lingua.train.float8_scales import Float8ScalesHook
-from lingua.train.hooks import Hooks
 from lingua.train.loop import Run
-from lingua.train.memory import GarbageCollection, release_freed_memory
 from lingua.train.preemption import StopHook
-from lingua.train.probing import ProbeHook
-from lingua.train.profiling import ProfilerHook
 from lingua.train.slurm import SlurmArgs
-from lingua.train.spikes import SpikeHook
 
 
 @dataclass
@@ -146,7 +148,7 @@ def _checks(check, args, app: App, data_files: bool) -> None:
 
 
 def hooks(args, env: DistEnv, app: App) -> Hooks:
-    """What runs around the loop, in the order each step calls it (lingua/train/hooks.py)."""
+    """What runs around the loop, in the order each step calls it (lingua/hooks.py)."""
     probe = ProbeHook(args, spikes_on=args.optim.spike != "off")
     return Hooks([
         *app.hooks(args, env),

@@ -57,7 +57,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lingua.errors import ConfigError
+from lingua.hooks import Hook
 from lingua.model.transformer import inferring_shapes
+from lingua.observe.metrics import drop_rows_after
 from lingua.observe.probe_report import plot
 from lingua.observe.probe_stats import (
     attention_summary,
@@ -182,8 +184,6 @@ class Probe:
         self.last_alerts: List[str] = []
         self.warned_cp = False
         if env.is_main and args.every:
-            from lingua.observe.metrics import drop_rows_after
-
             self.dir.mkdir(parents=True, exist_ok=True)
             drop_rows_after(self.path, resumed_step)
 
@@ -438,3 +438,71 @@ class Probe:
 
         wandb_run.log({f"probe_plots/{p.stem}": wandb.Image(str(p)) for p in paths})
 
+
+class ProbeHook(Hook):
+    """probe.every in the loop: the probe hooks the model for the steps it samples, records
+    after backward (gradients before clipping), counts its alerts into the metrics row, and sends
+    its plots to wandb at the end. The spike hook asks it for more: the step after a spike in
+    full (probe_in_full) and a rolled-back spiking batch again (probe_batch)."""
+
+    def __init__(self, args, spikes_on: bool):
+        self.args, self.spikes_on = args.probe, spikes_on
+        self.probe: Probe | None = None   # made at start when probe.every, else at a spike
+        self.alerts = 0        # since the last metrics row
+        self.probing = False   # this step's forwards are hooked
+        self.in_full = False   # the next step is probed whatever probe.every says
+
+    def start(self, run) -> None:
+        if not self.args.every and self.spikes_on and run.env.is_main:
+            # A probe made at a spike (probe_in_full) comes after the resume: the lines of the
+            # steps about to run again must go now, as Probe does when probe.every is set.
+            drop_rows_after(run.dump_dir / "probe" / "probe.jsonl", run.step)
+        if self.args.every:
+            self.probe = Probe(self.args, run.parts, run.env, run.dump_dir, run.step)
+
+    def _made(self, run) -> Probe:
+        """The probe, made on first use when probe.every=0 (it has no hooks until started)."""
+        if self.probe is None:
+            self.probe = Probe(self.args, run.parts, run.env, run.dump_dir, run.step)
+            if run.env.is_main:
+                self.probe.dir.mkdir(parents=True, exist_ok=True)
+        return self.probe
+
+    def probe_in_full(self, run) -> None:
+        self._made(run)
+        self.in_full = True
+
+    def before_step(self, run, step: int) -> None:
+        self.probing = (self.probe is not None and self.probe.active(step)) or self.in_full
+        self.in_full = False
+        if self.probing:
+            self.probe.start()
+
+    def after_backward(self, run, step: int) -> dict:
+        if self.probing:  # weights and gradients as the optimizer will see them, before clipping
+            self.probe.stop()
+            self.alerts += self.probe.finish_step(step, run.log.wandb_run)
+        return {}
+
+    def probe_batch(self, run, step: int, micro_batches, back_to: int) -> None:
+        """A spiking batch again, forward and backward on the weights that produced the spike,
+        with the probe on; recorded as step `step`, its gradients thrown away. The probe's lines
+        after the checkpoint go first: those steps run again and will write their own."""
+        probe = self._made(run)
+        if run.env.is_main:
+            drop_rows_after(probe.path, back_to)
+        probe.start()
+        run.train_step(micro_batches)
+        probe.stop()
+        self.alerts += probe.finish_step(step, run.log.wandb_run)
+        for optimizer in run.optimizers.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def metrics(self, run, row: dict) -> None:
+        if self.probe is not None:
+            row["probe_alerts"], self.alerts = self.alerts, 0
+
+    def close(self, run) -> None:
+        wandb_run = getattr(getattr(run, "log", None), "wandb_run", None)   # no log: failed early
+        if self.probe is not None and run.env.is_main and wandb_run is not None:
+            self.probe.log_plots(wandb_run)

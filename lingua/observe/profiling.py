@@ -1,7 +1,7 @@
 """Where a step's time goes: per-phase timings for metrics.jsonl, and a torch.profiler window.
 
 Two tools, both driven by the shared training loop (lingua/train/loop.py; the window through
-lingua/train/profiling.py's hook):
+ProfilerHook, below):
 - `PhaseTimer` splits every step into forward / backward / optimizer (`fwd_s`, `bwd_s`,
   `optim_s` in metrics.jsonl, beside `data_s` and `step_s`) and labels the phases with
   `record_function`, so any profiler trace (ours, Nsight, Kineto) shows them.
@@ -27,6 +27,7 @@ import torch
 from torch.profiler import record_function
 
 from lingua.errors import ConfigError
+from lingua.hooks import Hook
 from lingua.observe import metrics
 
 logger = logging.getLogger(__name__)
@@ -260,3 +261,27 @@ class StepProfiler:
                    f"included)")
         logger.info("profiling: trace %s, summary %s; top ops per step (self time): %s%s",
                     self.trace_path, summary_path, top, mfu)
+
+
+class ProfilerHook(Hook):
+    """profiling.* in the loop: the window of steps told where each step begins and ends."""
+
+    def __init__(self, args):
+        self.args = args.profiling
+        self.profiler: Optional[StepProfiler] = None
+
+    def start(self, run) -> None:
+        env = run.env
+        self.profiler = StepProfiler(
+            self.args, run.dump_dir, env.rank, env.device,
+            run.flops_per_token * run.global_tokens / env.world_size, run.peak)
+
+    def before_step(self, run, step: int) -> None:
+        self.profiler.step_begin(step)
+
+    def after_step(self, run, step: int) -> None:
+        self.profiler.step_end(step)
+
+    def close(self, run) -> None:
+        if self.profiler is not None:
+            self.profiler.close()

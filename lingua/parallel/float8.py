@@ -15,7 +15,7 @@ with the weight gradient's matmul in high precision).
 On CUDA it needs bf16 and torch.compile, without which float8 is slower than bf16. On CPU it runs
 eagerly with torchao's emulated matmuls (apply_float8's `emulate`), and the collectives stay in
 high precision (gloo has no float8 type: `moves_float8`): that is what the tests train. The
-per-step scale hook is lingua.train.float8_scales. The MoE experts' grouped matmuls go through
+per-step scale hook is Float8ScalesHook (below). The MoE experts' grouped matmuls go through
 lingua.parallel.float8_moe. torchao is imported where used.
 """
 
@@ -27,6 +27,7 @@ from typing import Callable
 from torch import nn
 
 from lingua.errors import ConfigError
+from lingua.hooks import Hook
 from lingua.model.moe import GroupedExperts
 from lingua.parallel import float8_moe
 
@@ -227,3 +228,21 @@ def precompute_fsdp_scales(parts: list) -> None:
 
     for part in parts:
         precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+# The per-step half: under the tensorwise recipe FSDP2 all-gathers the weights in float8, with
+# scales torchao computes for all of them at once (one all-reduce of their amaxes).
+class Float8ScalesHook(Hook):
+    """Recompute the float8 all-gather scales before each step's forwards: after the last
+    update, a resume or a rollback alike (the weights are final by then)."""
+
+    def __init__(self, args, env):
+        # Not under cpu_offload: FSDP copies each CPU shard to the GPU before the all-gather,
+        # and torchao's weight wrapper drops a precomputed scale in a copy (its _to_copy
+        # rewraps the data alone), so the all-gather computes its own scale anyway.
+        self.enabled = (uses_fsdp_float8_all_gather(args.distributed, env.dims, env.device.type)
+                        and not args.distributed.cpu_offload)
+
+    def before_step(self, run, step: int) -> None:
+        if self.enabled:
+            precompute_fsdp_scales(run.parts)

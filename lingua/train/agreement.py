@@ -5,7 +5,7 @@ its part of a checkpoint) comes from ONE all-reduce of a few numbers, read on th
 Each read of a GPU value on the host waits for the GPU's queue to drain, and the next collective
 cannot be queued before it: one read a step instead of one per feature keeps the GPU fed. The
 numbers are the step's loss sum and token count, the gradient norm, and what each hook shares (its
-after_backward returns, lingua/train/hooks.py), summed over every rank of the default group:
+after_backward returns, lingua/hooks.py), summed over every rank of the default group:
 tensor-parallel peers hold copies of the same loss sum and count and earlier pipeline stages add
 zeros, so sum / count is the global mean either way; the norm is global already, so its sum
 over the ranks divided by the world size is the norm itself, exactly (a fp32 value times a rank

@@ -21,7 +21,7 @@ class App:
     load_hf: Optional[Callable] = None            # (path, dtype) -> (model, model args);
                                                   # dtype None keeps the files' dtype
     flops_per_token: Optional[Callable] = None    # (train args) -> float; default: 6N + attention
-    # (train args, env) -> the app's hooks (lingua/train/hooks.py), called before the core's:
+    # (train args, env) -> the app's hooks (lingua/hooks.py), called before the core's:
     # what the app does around a step (apps/moe: routing sums, the expert-bias update, metrics)
     hooks: Callable = lambda args, env: []
     # (fqn, module) -> True to train that Linear in float8 (distributed.float8); None:

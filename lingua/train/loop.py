@@ -3,7 +3,7 @@ the state it moves (model parts, optimizers, data, pipeline, metrics log, step).
 
 What happens around a step (loss-spike skips and rollbacks, probing, validation and downstream
 evaluation, profiling windows, preemption and time limits, garbage collection) is no branch of
-the loop: each is a Hook (lingua/train/hooks.py) in the run's hook list, called at the step's
+the loop: each is a Hook (lingua/hooks.py) in the run's hook list, called at the step's
 fixed points, owning its state and its keys of the checkpoint's train state. lingua.launch.run
 builds that list and calls Run.train.
 """
@@ -18,6 +18,7 @@ import torch
 
 from lingua import checkpoint, config, data, optim
 from lingua.errors import RunError
+from lingua.hooks import ROLLBACK, SKIP, UPDATE, Hooks
 from lingua.model import loss as loss_module
 from lingua.model.transformer import inferring_shapes
 from lingua.observe import metrics, profiling
@@ -27,7 +28,6 @@ from lingua.parallel.tensor_parallel import loss_parallel_context
 from lingua.train import agreement, microbatch
 from lingua.train.app import App
 from lingua.train.build import mixed_precision
-from lingua.train.hooks import ROLLBACK, SKIP, UPDATE, Hooks
 from lingua.train.microbatch import StepLoss, sequence_shard
 from lingua.train.saving import Saving
 
@@ -50,7 +50,6 @@ def train_loop(run: "Run") -> bool:
             micro_batches = run.next_batches()
         t_data = time.perf_counter() - t_data
 
-        run.step_loss = StepLoss(run.env.device)   # this step's losses only
         run.train_step(micro_batches)              # forward and backward (or the pipeline)
         shares = hooks.after_backward(run, step)
 
@@ -150,6 +149,7 @@ class Run(Saving):
         summed over ranks, so the gradient is that of the mean loss over the global batch,
         whatever the layout."""
         args, env = self.args, self.env
+        self.step_loss = StepLoss(env.device)   # this step's losses only
         self.loss_denominator = micro_batches[0].step_targets or self.global_tokens
         with loss_parallel_context(self.loss_parallel):
             for batch in micro_batches:

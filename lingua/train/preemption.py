@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 # No torch here: stool's job listens for signals before it imports torch (seconds of start-up,
 # during which Slurm's time-limit warning may already arrive).
-from lingua.train.hooks import Hook
+from lingua.hooks import Hook
 
 logger = logging.getLogger(__name__)
 train_logger = logging.getLogger("train")   # the loop's lines

@@ -29,7 +29,7 @@ from lingua.parallel.distributed import (
     build_mesh,
     parallel_dims,
 )
-from lingua.train.float8_scales import Float8ScalesHook
+from lingua.parallel.float8 import Float8ScalesHook
 
 
 def main() -> None:

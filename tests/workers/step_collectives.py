@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from apps.llama import train
 from lingua import checkpoint
+from lingua.hooks import Hook
 from lingua.launch import run
-from lingua.train.hooks import Hook
 
 COLLECTIVES = set(NATIVE_TO_PY_MAPPING) | c10d_collective_ops
 

@@ -18,7 +18,7 @@ What each policy does with a spike at step k:
             counted in next_step() calls) are read and thrown away when the run reaches them
 For log and skip the step after the spike is probed in full; for rollback the spiking batch is
 run again with the probe on before the reload (SpikeHook, below; the probe is
-lingua/train/probing.py's).
+lingua/observe/probe.py's ProbeHook).
 
 Every rank decides alone but on the same numbers: the step's agreement
 (lingua/train/agreement.py) all-reduces its (loss sum, token count, gradient norm) once, so every
@@ -47,7 +47,7 @@ import torch
 
 from lingua import checkpoint
 from lingua.errors import RunError
-from lingua.train.hooks import ROLLBACK, SKIP, UPDATE, Hook
+from lingua.hooks import ROLLBACK, SKIP, UPDATE, Hook
 
 logger = logging.getLogger("train")
 
