@@ -1,4 +1,4 @@
-"""eval.mode=async (lingua/eval/eval_jobs.py): a Slurm job per evaluated checkpoint, against the
+"""eval.mode=async (lingua/launch/eval_jobs.py): a Slurm job per evaluated checkpoint, against the
 real local Slurm of `bash setup/slurm_local.sh start` (tests marked slurm; skipped with the reason
 where it cannot run, failing where setup/test.sh started it). The checks of the config, of the
 retry decision, of pruning and of a submission without Slurm need no cluster.
@@ -19,7 +19,7 @@ import pytest
 from lingua import checkpoint
 from lingua.checkpoint import integrity
 from lingua.errors import ConfigError
-from lingua.eval import eval_jobs
+from lingua.launch import eval_jobs
 from tests.conftest import REPO, read_metrics, run_python, slurm_is_up, tiny_args
 
 NO_SLURM = slurm_is_up()
@@ -51,7 +51,7 @@ def train(args, check=True, bypass_check=False, env_extra=None) -> subprocess.Co
     env = dict(os.environ, PYTHONPATH=str(REPO), **OFFLINE, **(env_extra or {}))
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    code = ("from lingua.eval import eval_jobs; "
+    code = ("from lingua.launch import eval_jobs; "
             + ("eval_jobs.check_async = lambda args: None; " if bypass_check else "")
             + "from apps.llama import train; from lingua.launch import run; "
             "run.exit_cli(train.main)")

@@ -355,7 +355,7 @@ def test_a_job_no_node_can_hold_is_refused_before_anything_is_written(corpus, tm
     assert squeue.stdout.strip() == "" and not dump.exists()
     # The same check in-process against this cluster's sinfo (no stool start-up per case).
     from lingua.errors import ConfigError
-    from lingua.train.slurm import SlurmArgs, check_resources
+    from lingua.launch.slurm import SlurmArgs, check_resources
 
     for args, message in [
         (SlurmArgs(nodes=2, tasks_per_node=1),

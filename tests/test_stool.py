@@ -14,9 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from lingua.errors import ConfigError
-from lingua.launch import stool
+from lingua.launch import slurm, stool
 from lingua.parallel import distributed
-from lingua.train import slurm
 from tests import launcher
 from tests.conftest import REPO, free_port, read_metrics, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows

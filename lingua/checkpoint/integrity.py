@@ -20,7 +20,7 @@ from lingua.errors import ConfigError, RunError
 
 logger = logging.getLogger(__name__)
 # Whether the checkpoint of a step must outlive pruning (the trainer's: an evaluation job that has
-# not read it yet, lingua.eval.eval_jobs.checkpoint_in_use).
+# not read it yet, lingua.launch.eval_jobs.checkpoint_in_use).
 InUse = Callable[[int], bool]
 
 STEP_DIR = re.compile(r"^\d+$")

@@ -13,7 +13,7 @@ already has results for are not run again. Rank 0 says on stderr what it is doin
 is (requests done of all, time left: a line every 10 s at most); logging.quiet=true silences it.
 
 The evaluation job `eval.mode=async` submits at each checkpoint runs this too
-(lingua/eval/eval_jobs.py).
+(lingua/launch/eval_jobs.py).
 """
 
 import logging

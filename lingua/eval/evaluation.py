@@ -16,7 +16,6 @@ from lingua.parallel.tensor_parallel import loss_parallel_context
 from lingua.train.build import mixed_precision
 from lingua.train.loop import evaluates_at
 from lingua.train.microbatch import MicroBatch, sequence_shard
-from lingua.train.slurm import SlurmArgs
 
 EVAL_MODES = ("inline", "async")
 logger = logging.getLogger("eval")
@@ -36,8 +35,8 @@ class EvalArgs:
     max_gen_tokens: int = 256       # cap on generated tokens (generate_until tasks)
     add_bos: bool = True            # contexts start with BOS, as the training documents did
     log_samples: bool = False       # also write each example's prompt, responses and metrics
-    mode: str = "inline"            # inline | async (a Slurm job per checkpoint, eval.slurm.*)
-    slurm: SlurmArgs = field(default_factory=SlurmArgs)
+    mode: str = "inline"            # inline | async (a Slurm job per checkpoint, eval.slurm.*:
+                                    # lingua.launch.eval_jobs.RunEvalArgs)
 
 
 def validate_args(args: EvalArgs) -> None:

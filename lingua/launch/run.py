@@ -25,15 +25,16 @@ from lingua import checkpoint, config, data, errors, optim
 from lingua.checkpoint import CheckpointArgs
 from lingua.data import DataArgs
 from lingua.errors import ConfigError, RunError
-from lingua.eval import downstream, eval_jobs, evaluation
-from lingua.eval.evaluation import EvalArgs
+from lingua.eval import downstream, evaluation
 from lingua.hooks import Hooks
+from lingua.launch import eval_jobs
 from lingua.launch.process import (
     GarbageCollection,
     release_freed_memory,
     start_process,
     write_config,
 )
+from lingua.launch.slurm import SlurmArgs
 from lingua.model.transformer import check_attn_backend
 from lingua.observe import probe as probe_module
 from lingua.observe import profiling
@@ -52,7 +53,6 @@ from lingua.train.app import App, check_vocab, device_type
 from lingua.train.build import build_model_parts
 from lingua.train.loop import Run
 from lingua.train.preemption import StopHook
-from lingua.train.slurm import SlurmArgs
 
 
 @dataclass
@@ -70,7 +70,7 @@ class BaseTrainArgs:
     optim: OptimArgs = field(default_factory=OptimArgs)
     distributed: DistributedArgs = field(default_factory=DistributedArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
-    eval: EvalArgs = field(default_factory=EvalArgs)
+    eval: eval_jobs.RunEvalArgs = field(default_factory=eval_jobs.RunEvalArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     slurm: SlurmArgs = field(default_factory=SlurmArgs)    # read by stool; max_requeues by the job
     probe: ProbeArgs = field(default_factory=ProbeArgs)

@@ -43,8 +43,8 @@ from typing import List, Optional
 from lingua import config
 from lingua.config import REPO_ROOT
 from lingua.errors import ConfigError, RunError
+from lingua.launch.slurm import check_resources, make_executor, slurm_defaults, validate_slurm_args
 from lingua.train import preemption
-from lingua.train.slurm import check_resources, make_executor, slurm_defaults, validate_slurm_args
 
 logger = logging.getLogger("stool")
 STOP_GRACE_S = 5     # how long rank 0 of a stopped multi-rank job waits for its peers to exit

@@ -5,7 +5,7 @@ training never waits for it.
         checkpoint.every=1000 eval.slurm.gpus_per_node=8 eval.slurm.partition=learn
 
 Right after the checkpoint of an evaluation step is saved, rank 0 calls `submit`: one sbatch through
-the submitit path stool uses (`lingua.train.slurm.make_executor`, the `eval.slurm.*` resources), and
+the submitit path stool uses (`launch.slurm.make_executor`, the `eval.slurm.*` resources), and
 training goes on. The job runs `python -m apps.<app>.eval <checkpoint> eval.mode=inline ...` (the
 command a person would run, lingua/eval/eval_cli.py) with FSDP over all its tasks, from the run's
 code snapshot `<dump_dir>/code` when stool made one, else from this checkout. It writes into the run
@@ -48,14 +48,16 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, List, Optional
 
 from lingua import checkpoint
 from lingua.errors import ConfigError
+from lingua.eval.evaluation import EvalArgs
 from lingua.hooks import Hook
-from lingua.train import slurm
+from lingua.launch import slurm
+from lingua.launch.slurm import SlurmArgs
 from lingua.train.loop import evaluates_at
 
 logger = logging.getLogger("eval")
@@ -71,6 +73,13 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
                  "TORCHELASTIC_ERROR_FILE", "LINGUA_JOB_DEVICE")
 EXIT_CONFIG = 2     # a ConfigError (trainer.exit_cli): not retried
+
+
+@dataclass
+class RunEvalArgs(EvalArgs):
+    """A training run's eval.*: what EvalArgs says, and eval.slurm.*, the resources of the job
+    each checkpoint gets with eval.mode=async."""
+    slurm: SlurmArgs = field(default_factory=SlurmArgs)
 
 
 def step_dir(dump_dir, step: int) -> Path:

@@ -1,7 +1,7 @@
 """Slurm job settings (the `slurm.*` config group) and the cluster they run on: defaults and
 checks of the settings, the partitions and nodes `sinfo` reports (a job that cannot fit is
 refused before it is queued), and the submitit executor that submits it. Used by stool for
-training jobs and by lingua.eval.eval_jobs for evaluation jobs; submitit is imported where used."""
+training jobs and by launch.eval_jobs for evaluation jobs; submitit is imported where used."""
 
 import re
 import shlex
