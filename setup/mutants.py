@@ -110,7 +110,7 @@ MUTANTS = [
            ("tests/test_spikes.py::test_median_rule_waits_for_a_full_window_and_keeps_skipped_"
             "values_out",)),
     Mutant("float8_grouped_wgrad_scales", "float8 experts' weight-gradient scales over all tokens,"
-           " not the expert's own", "lingua/parallel/float8_moe.py",
+           " not the expert's own", "lingua/float8/moe.py",
            "grad_w[e] = _quantized(x[rows], 0).T @ _quantized(grad[rows], 0)",
            "grad_w[e] = _quantized(x, 0)[rows].T @ _quantized(grad, 0)[rows]",
            ("tests/test_float8_moe.py::test_emulated_grouped_matmul_equals_hand_quantized_"

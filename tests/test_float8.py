@@ -1,4 +1,4 @@
-"""distributed.float8 (lingua/parallel/float8.py): torchao float8 training.
+"""distributed.float8 (lingua/float8/__init__.py): torchao float8 training.
 
 Unit: the checks and their messages; the default filter; which layers apply_float8 converts and
 what it logs; one converted linear's forward and both backward matmuls against the same matmuls
@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from lingua.errors import ConfigError
-from lingua.parallel.distributed import DistributedArgs
-from lingua.parallel.float8 import (
+from lingua.float8 import (
     RECIPES,
     apply_float8,
     compress_names,
@@ -30,6 +29,7 @@ from lingua.parallel.float8 import (
     float8_tp_plan,
     validate_float8,
 )
+from lingua.parallel.distributed import DistributedArgs
 from tests.conftest import run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, model_checksums, read_rows
 
@@ -81,7 +81,7 @@ def test_apply_float8_converts_the_blocks_linears_and_says_which(caplog):
 
     model = tiny_llama()
     keys = list(model.state_dict())
-    with caplog.at_level(logging.INFO, logger="lingua.parallel.float8"):
+    with caplog.at_level(logging.INFO, logger="lingua.float8"):
         names = apply_float8(model, "tensorwise")
     blocks = "attention.wq, attention.wk, attention.wv, attention.wo, feed_forward.w1, " \
              "feed_forward.w2, feed_forward.w3"
@@ -102,8 +102,8 @@ def test_the_scale_hook_is_off_under_cpu_offload_where_the_copy_drops_its_scale(
     from torchao.float8.float8_training_tensor import LinearMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
+    from lingua.float8 import Float8ScalesHook
     from lingua.parallel.distributed import parallel_dims
-    from lingua.parallel.float8 import Float8ScalesHook
 
     shard = WeightWithDynamicFloat8CastTensor(torch.randn(4, 4), LinearMMConfig(), E4,
                                               precomputed_scale=torch.tensor(2.0))

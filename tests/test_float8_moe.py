@@ -1,4 +1,4 @@
-"""distributed.float8 for the MoE experts (lingua/parallel/float8_moe.py).
+"""distributed.float8 for the MoE experts (lingua/float8/moe.py).
 
 Unit: which experts apply_float8 converts and what it logs; the emulated float8 rowwise grouped
 matmul (what CPU runs; torchao's CUDA kernel is compared with it in tests/test_gpu.py) against
@@ -14,9 +14,9 @@ import logging
 import pytest
 import torch
 
+from lingua.float8 import apply_float8
+from lingua.float8 import moe as float8_moe
 from lingua.model.moe import GroupedExperts
-from lingua.parallel import float8_moe
-from lingua.parallel.float8 import apply_float8
 from tests.conftest import run_torchrun
 from tests.equivalence import assert_equivalent, read_rows
 from tests.test_float8 import E4, quantized
@@ -37,7 +37,7 @@ def test_moe_experts_are_converted_and_the_log_says_which(caplog):
     from apps.moe.parallelize import float8_filter
 
     model = tiny_moe()
-    with caplog.at_level(logging.INFO, logger="lingua.parallel.float8"):
+    with caplog.at_level(logging.INFO, logger="lingua.float8"):
         names = apply_float8(model, "rowwise", float8_filter, emulate=True)
     experts = model.get_submodule("layers.1.moe.experts")
     assert "layers.1.moe.experts" in names and "layers.1.moe.router.gate" not in names
@@ -55,7 +55,7 @@ def test_moe_experts_are_converted_and_the_log_says_which(caplog):
                        (tiny_moe(expert_hidden_dim=40),
                         "expert hidden=40 not a multiple of 16")):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="lingua.parallel.float8"):
+        with caplog.at_level(logging.INFO, logger="lingua.float8"):
             names = apply_float8(model, "tensorwise", float8_filter)
         assert not any(n.endswith("experts") for n in names)
         assert model.get_submodule("layers.1.moe.experts").grouped_mm is None
@@ -173,12 +173,12 @@ def moe_references(corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_float8")
     said = logging.Handler()
     said.emit = lambda record: (root / "float8.log").open("a").write(record.getMessage() + "\n")
-    logging.getLogger("lingua.parallel.float8").addHandler(said)
+    logging.getLogger("lingua.float8").addHandler(said)
     try:
         for name, extra in (("fp32", [*F8[1:], *MB4]), ("float8", [*F8, *MB4])):
             train.main(moe_args(corpus, root / name, *extra, steps=STEPS))
     finally:
-        logging.getLogger("lingua.parallel.float8").removeHandler(said)
+        logging.getLogger("lingua.float8").removeHandler(said)
     return root
 
 

@@ -270,10 +270,10 @@ def test_float8_on_one_gpu_trains_close_to_bf16_and_faster(corpus, tmp_path, rec
 
 def test_float8_moe_grouped_gemm_equals_the_cpu_emulation():
     """issue 33: torchao's float8 rowwise grouped GEMM (what converted MoE experts run on CUDA)
-    gives the output and both gradients that lingua.parallel.float8_moe's emulation (what the
+    gives the output and both gradients that lingua.float8.moe's emulation (what the
     CPU tests train) gives from the same bf16 operands: the same casts and scales; only the
     tensor cores' accumulation (fast accumulation) differs."""
-    from lingua.parallel import float8_moe
+    from lingua.float8 import moe as float8_moe
 
     gen = torch.Generator().manual_seed(0)
     counts = torch.tensor([48, 0, 160, 32, 16, 256, 0, 0])   # group-aligned, as the experts pad

@@ -58,8 +58,8 @@ def find_circle(graph: dict) -> list:
 # top-level modules every layer uses (errors, config, and hooks: a feature's hook lives beside
 # the feature); the commands (lingua/plan.py, env.py, probe.py, plot.py) are the
 # `python -m lingua.<name>` aliases of modules in launch/ and observe/.
-LAYERS = ("floor", "model", "parallel", "data", "checkpoint", "optim", "models", "observe", "train",
-          "eval", "launch", "commands")
+LAYERS = ("floor", "model", "float8", "parallel", "data", "checkpoint", "optim", "models",
+          "observe", "train", "eval", "launch", "commands")
 FLOOR = {"lingua.errors", "lingua.config", "lingua.hooks"}
 COMMANDS = {"lingua.plan", "lingua.env", "lingua.probe", "lingua.plot"}
 # Imports against the rule that the restructuring has still to remove; each entry must still

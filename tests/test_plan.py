@@ -242,8 +242,8 @@ def test_float8_gathers_fewer_bytes_and_runs_its_matmuls_at_twice_the_rate(corpu
     """distributed.float8=tensorwise under FSDP: the converted weights are gathered in float8 (1
     byte, not 4 in fp32), their casts and scales are counted, and the time estimate runs the
     converted matmuls (picked as the trainer picks them) at FLOAT8_SPEEDUP x the rate."""
+    from lingua import float8
     from lingua.models.llama.model import Transformer
-    from lingua.parallel import float8
 
     base = [f"data.root={corpus}", "data.prepare_embedded=false", f"dump_dir={tmp_path / 'run'}",
             "distributed.dp_shard=2", "distributed.model_dtype=bf16", "distributed.compile=true"]

@@ -82,7 +82,7 @@ def test_importing_the_hf_interop_and_float8_prints_nothing():
     from tests.conftest import REPO
 
     code = ("import apps.sft.train, apps.sft.prepare, lingua.checkpoint.hf\n"
-            "import lingua.parallel.float8\n"
+            "import lingua.float8\n"
             "from transformers import LlamaForCausalLM\n"
             "import torchao.float8, torchao.kernel.intmm, sys\n"
             "print('torchao' in sys.modules)")

@@ -19,10 +19,10 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lingua.errors import ConfigError
+from lingua.float8 import default_filter
 from lingua.model.moe import moe_layers
 from lingua.parallel.distributed import DistEnv, DistributedArgs
 from lingua.parallel.expert_parallel import apply_ep, apply_global_counts, ep_meshes
-from lingua.parallel.float8 import default_filter
 from lingua.parallel.parallelize import apply_cp_ac_compile_fsdp, uses_loss_parallel
 from lingua.parallel.tensor_parallel import ReplicatedCompute, apply_tp
 from lingua.parallel.tp_plan import decoder_root_plan, gathered_input, validate_decoder_tp
@@ -33,7 +33,7 @@ __all__ = ["float8_filter", "parallelize_moe", "tp_plans", "uses_loss_parallel",
 def float8_filter(fqn: str, module: nn.Module) -> bool:
     """distributed.float8's choice of Linears: the default's, less the router's gate (its
     logits pick the experts; torchtitan keeps it in high precision too). The routed experts
-    pass it: their grouped matmuls run in float8 (lingua.parallel.float8_moe)."""
+    pass it: their grouped matmuls run in float8 (lingua.float8.moe)."""
     return default_filter(fqn, module) and not fqn.endswith("router.gate")
 
 

@@ -329,8 +329,9 @@ def float8_flops_per_token(args, app, model) -> float:
     picks them."""
     if args.distributed.float8 == "none":
         return 0.0
+    from lingua import float8
+    from lingua.float8 import moe as float8_moe
     from lingua.model.moe import MoE
-    from lingua.parallel import float8, float8_moe
 
     convert = getattr(app.APP, "float8_filter", None) or float8.default_filter
     total = 0.0

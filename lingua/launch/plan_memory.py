@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lingua import float8
 from lingua.launch.plan_activations import (
     block_activation_bytes,
     block_shape,
@@ -20,7 +21,7 @@ from lingua.launch.plan_activations import (
     lora_activation_bytes,
     output_activation_bytes,
 )
-from lingua.parallel import distributed, float8, groups
+from lingua.parallel import distributed, groups
 from lingua.parallel.distributed import DistEnv
 from lingua.train import build
 
@@ -168,7 +169,7 @@ def _float8_cast_bytes(parts) -> int:
     (the weight, and its transpose for the input gradient: 1 byte an element each) and their
     scales (fp32: one a tensor under tensorwise, one a row and one a column under rowwise);
     plus, for every block, the column-major bf16 copy of its float8 experts' weights that
-    torchao's grouped GEMM keeps from forward to backward (lingua.parallel.float8_moe)."""
+    torchao's grouped GEMM keeps from forward to backward (lingua.float8.moe)."""
     per_block, kept = [0], 0
     for part in parts:
         for block in getattr(part, "layers", {}).values():

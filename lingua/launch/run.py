@@ -26,6 +26,7 @@ from lingua.checkpoint import CheckpointArgs
 from lingua.data import DataArgs
 from lingua.errors import ConfigError, RunError
 from lingua.eval import downstream, evaluation
+from lingua.float8 import Float8ScalesHook
 from lingua.hooks import Hooks
 from lingua.launch import eval_jobs
 from lingua.launch.process import (
@@ -46,7 +47,6 @@ from lingua.optim.spikes import SpikeHook
 from lingua.parallel import distributed, pipeline
 from lingua.parallel.context_parallel import validate_cp
 from lingua.parallel.distributed import DistEnv, DistributedArgs
-from lingua.parallel.float8 import Float8ScalesHook
 from lingua.parallel.tensor_parallel import check_async_tp
 from lingua.train import preemption
 from lingua.train.app import App, check_vocab, device_type

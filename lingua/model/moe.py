@@ -225,7 +225,7 @@ class GroupedExperts(nn.Module):
         if impl == "grouped":
             check_grouped_alignment(dim, hidden)
         self.impl = impl
-        # Swap points for lingua.parallel.float8_moe: its float8 grouped matmul (x, w, offs), and
+        # Swap points for lingua.float8.moe: its float8 grouped matmul (x, w, offs), and
         # the row multiple it needs each expert's group padded to (0: none).
         self.grouped_mm: Optional[Callable] = None
         self.group_multiple = 0

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lingua.errors import ConfigError
+from lingua.float8 import validate_float8
 from lingua.parallel import groups
-from lingua.parallel.float8 import validate_float8
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ torch's own styles give every parameter of the Linear the weight's placement (Co
 would shard lora_a over its rank dimension) or replicate what they do not know (RowwiseParallel
 would replicate lora_a), which DTensor then fixes with extra collectives each step. So
 `lora_tp_plan` swaps torch's two styles for the subclasses below where the planned module is a
-LoRALinear (layouts kept), as lingua/parallel/float8.py swaps in torchao's float8 styles, and
+LoRALinear (layouts kept), as lingua/float8/__init__.py swaps in torchao's float8 styles, and
 refuses a LoRALinear that the plan shards some other way; apply_tp also refuses one the plan
 leaves out (lingua.parallel.tensor_parallel.lora_tp_plans, which needs no process group).
 """

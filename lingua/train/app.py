@@ -25,7 +25,7 @@ class App:
     # what the app does around a step (apps/moe: routing sums, the expert-bias update, metrics)
     hooks: Callable = lambda args, env: []
     # (fqn, module) -> True to train that Linear in float8 (distributed.float8); None:
-    # lingua.parallel.float8.default_filter
+    # lingua.float8.default_filter
     float8_filter: Optional[Callable] = None
     # (model on the meta device, train args) -> None: changes the model in place before the
     # pipeline split and any parallelism (apps/sft: LoRA adapters, the base frozen)

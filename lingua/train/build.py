@@ -7,9 +7,10 @@ import logging
 
 import torch
 
+from lingua import float8
 from lingua.checkpoint import hf
 from lingua.model import decoder, lora, weights
-from lingua.parallel import coverage, distributed, float8, pipeline
+from lingua.parallel import coverage, distributed, pipeline
 from lingua.parallel.distributed import DistEnv
 from lingua.train.app import App
 
@@ -67,7 +68,7 @@ def parallelized_parts_on_meta(args, env: DistEnv, app: App) -> tuple:
                  for s in stage_ids]
         del model
     d = args.distributed
-    for part in parts:   # float8 before any parallelism (lingua/parallel/float8.py)
+    for part in parts:   # float8 before any parallelism (lingua/float8/__init__.py)
         float8.apply_float8(part, d.float8, app.float8_filter or float8.default_filter,
                             float8.uses_fsdp_float8_all_gather(d, env.dims, env.device.type),
                             emulate=env.device.type != "cuda")

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from lingua import float8
+from lingua.float8 import Float8ScalesHook
 from lingua.models.llama.model import LlamaArgs, Transformer
-from lingua.parallel import float8
 from lingua.parallel.distributed import (
     DistEnv,
     DistributedArgs,
@@ -29,7 +30,6 @@ from lingua.parallel.distributed import (
     build_mesh,
     parallel_dims,
 )
-from lingua.parallel.float8 import Float8ScalesHook
 
 
 def main() -> None:

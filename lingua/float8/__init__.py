@@ -16,7 +16,7 @@ On CUDA it needs bf16 and torch.compile, without which float8 is slower than bf1
 eagerly with torchao's emulated matmuls (apply_float8's `emulate`), and the collectives stay in
 high precision (gloo has no float8 type: `moves_float8`): that is what the tests train. The
 per-step scale hook is Float8ScalesHook (below). The MoE experts' grouped matmuls go through
-lingua.parallel.float8_moe. torchao is imported where used.
+lingua.float8.moe. torchao is imported where used.
 """
 
 import logging
@@ -27,9 +27,9 @@ from typing import Callable
 from torch import nn
 
 from lingua.errors import ConfigError
+from lingua.float8 import moe as float8_moe
 from lingua.hooks import Hook
 from lingua.model.moe import GroupedExperts
-from lingua.parallel import float8_moe
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def uses_fsdp_float8_all_gather(args, dims, device_type: str) -> bool:
 def apply_float8(model: nn.Module, recipe: str, convert: Callable = default_filter,
                  fsdp_float8_all_gather: bool = False, emulate: bool = False) -> list:
     """Swap the Linears `convert(fqn, module)` picks for torchao Float8Linears of `recipe`, and
-    make the MoE grouped experts it picks compute in float8 (lingua.parallel.float8_moe), in
+    make the MoE grouped experts it picks compute in float8 (lingua.float8.moe), in
     place (parameter names and values unchanged); return their names. Call it before TP, AC,
     compile and FSDP. `emulate` (the trainer's choice off CUDA) multiplies the float8 values in
     fp32 (torchao's emulation) instead of torch._scaled_mm, whose CPU kernel is a slow reference
