@@ -64,7 +64,7 @@ def vocab_size(shape: dict) -> int:
 
 
 def n_params(shape: dict) -> int:
-    from lingua.model.transformer import ffn_hidden_dim
+    from lingua.model.layers import ffn_hidden_dim
 
     d, layers = shape["dim"], shape["n_layers"]
     kv_dim = d // shape["n_heads"] * shape["n_kv_heads"]
@@ -123,7 +123,7 @@ def pinned(core: int):
 def hf_model(shape: dict, seq_len: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lingua.model.transformer import ffn_hidden_dim
+    from lingua.model.layers import ffn_hidden_dim
 
     cfg = LlamaConfig(hidden_size=shape["dim"], num_hidden_layers=shape["n_layers"],
                       num_attention_heads=shape["n_heads"], num_key_value_heads=shape["n_kv_heads"],

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lingua.model.layers import inferring_shapes
 from lingua.model.loss import token_loss_sum
-from lingua.model.transformer import inferring_shapes
 from lingua.models.llama.model import LlamaArgs, Transformer
 from lingua.parallel.distributed import exit_process
 from lingua.parallel.pipeline import (

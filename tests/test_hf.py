@@ -240,7 +240,7 @@ class QKNormTransformer(Transformer):
 
     def __init__(self, args):
         super().__init__(args)
-        from lingua.model.transformer import RMSNorm
+        from lingua.model.layers import RMSNorm
         for blk in self.layers.values():
             blk.attention.q_norm = RMSNorm(args.dim // args.n_heads)
             blk.attention.k_norm = RMSNorm(args.dim // args.n_heads)

@@ -92,7 +92,7 @@ def test_lingua_imports_point_down_the_layers():
 
 def test_the_layer_rule_finds_an_upward_import():
     assert upward_imports({"lingua.model.moe": {"lingua.parallel.pipeline"},
-                           "lingua.parallel.pipeline": {"lingua.model.transformer"}}) == {
+                           "lingua.parallel.pipeline": {"lingua.model.layers"}}) == {
         "lingua.model.moe -> lingua.parallel.pipeline"}
     assert layer_of("lingua.errors") == "floor" and layer_of("lingua.plan") == "commands"
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from lingua.errors import ConfigError
-from lingua.model.transformer import (
+from lingua.model.layers import (
     attention,
     check_attn_backend,
     ffn_hidden_dim,
@@ -273,5 +273,5 @@ def test_model_contract_names_what_a_fork_broke():
     renamed.layers["1"].attention.core = torch.nn.Identity()
     check_model_contract(renamed, "apps/fork/model.py")       # fine without CP
     with pytest.raises(ConfigError, match=r"layer 1 .*does not attend through "
-                                          r"lingua.model.transformer.CoreAttention"):
+                                          r"lingua.model.layers.CoreAttention"):
         check_model_contract(renamed, "apps/fork/model.py", context_parallel=True)

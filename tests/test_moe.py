@@ -535,14 +535,14 @@ def test_shape_inference_forward_is_left_out_of_routing_and_bias_counts():
     m = _moe()
     m.train()
     x = torch.randn(8, 16)
-    from lingua.model import transformer
+    from lingua.model import layers
 
     reset_routing([m])
-    transformer.set_inferring_shapes(True)  # as lingua.parallel.pipeline.Pipeline marks it
+    layers.set_inferring_shapes(True)  # as lingua.parallel.pipeline.Pipeline marks it
     try:
         m(torch.full((8, 16), 1e3))  # stands for the inference forward's arbitrary values
     finally:
-        transformer.set_inferring_shapes(False)
+        layers.set_inferring_shapes(False)
     assert m.routing is None and m.step_counts is None
     m(x)
     once = m.routing.clone()

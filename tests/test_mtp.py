@@ -140,7 +140,7 @@ def test_generate_and_export_use_the_main_model(reference, tmp_path):
 
 
 def test_probe_sees_the_mtp_modules(corpus, tmp_path):
-    """The probe finds the MTP blocks' attention (lingua.model.transformer.CoreAttention) and their
+    """The probe finds the MTP blocks' attention (lingua.model.layers.CoreAttention) and their
     projections like the main model's, with no MTP-specific code in lingua/observe/probe.py."""
     from lingua.observe import probe_report
 

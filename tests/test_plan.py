@@ -376,7 +376,7 @@ def test_activation_formula_matches_what_blocks_keep(case, ac):
     x = torch.randn(*tokens, args.dim, dtype=dtype, requires_grad=True)
     measured = per_layer_bytes_per_token(model, x, tokens, autocast=kind == "autocast")
     e = 4 if kind == "fp32" or kind == "noshared-fp32" else 2
-    # On CPU k/v reach sdpa with their own heads (lingua.model.transformer.grouped_kv_ok).
+    # On CPU k/v reach sdpa with their own heads (lingua.model.layers.grouped_kv_ok).
     predicted = plan_activations.block_activation_bytes(args, app == "moe", ac, e,
                                                fp32_residual=kind == "autocast", grouped_kv=True)
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
@@ -386,10 +386,10 @@ def test_activation_formula_matches_what_blocks_keep(case, ac):
 def test_activation_formula_with_kv_repeated_as_on_gpu(monkeypatch, ac):
     """On CUDA k/v are repeated to all heads before attention (grouped_kv_ok is CPU-only): the
     formula the planner uses for GPUs (grouped_kv=False) is checked by forcing that path here."""
-    from lingua.model import transformer
+    from lingua.model import layers
     from lingua.parallel.distributed import apply_ac
 
-    monkeypatch.setattr(transformer, "grouped_kv_ok", lambda *a, **k: False)
+    monkeypatch.setattr(layers, "grouped_kv_ok", lambda *a, **k: False)
     model, args = small_model("llama", torch.bfloat16)
     apply_ac(model.layers, ac)
     tokens = (2, 64)
@@ -522,7 +522,7 @@ def test_world_size_comes_from_slurm_keys(data, tmp_path):
 def _lora_counts(model_args, rank, targets):
     """(adapter elements, frozen elements) of a LLaMA with LoRA on `targets`, by hand: an
     adapter on a Linear in -> out is rank x in (A) + out x rank (B); everything else is frozen."""
-    from lingua.model.transformer import ffn_hidden_dim
+    from lingua.model.layers import ffn_hidden_dim
 
     h, v = model_args.dim, model_args.vocab_size
     hk = h // model_args.n_heads * model_args.n_kv_heads

@@ -93,7 +93,7 @@ def test_attention_statistics_match_a_direct_softmax():
 
 def test_attention_statistics_read_grouped_kv_heads_like_repeated_ones():
     # On CPU sdpa gets k with its own (fewer) heads; the probe must see what repeat_kv would give.
-    from lingua.model.transformer import repeat_kv
+    from lingua.model.layers import repeat_kv
 
     torch.manual_seed(3)
     q, k = torch.randn(2, 12, 6, 8), torch.randn(2, 12, 2, 8)
@@ -107,7 +107,7 @@ def test_attention_statistics_read_grouped_kv_heads_like_repeated_ones():
 def test_a_hook_on_attention_changes_nothing_the_step_computes():
     """The probe hooks CoreAttention; the step it watches must compute bit for bit like an
     unwatched one (the spike tests compare runs exactly), including sdpa's grouped k/v path."""
-    from lingua.model.transformer import CoreAttention
+    from lingua.model.layers import CoreAttention
     from lingua.models.llama.model import LlamaArgs, Transformer
 
     args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
@@ -528,7 +528,7 @@ def _compare(got: dict, want: dict) -> None:
 ])
 def test_parallel_layouts_record_the_numbers_of_one_process(corpus, tmp_path, nproc, layout, batch):
     # Both steps: a pipeline's first step too, whose extra shape-inference forwards (torch's)
-    # the probe leaves out (lingua.model.transformer.inferring_shapes).
+    # the probe leaves out (lingua.model.layers.inferring_shapes).
     single = tmp_path / "single"
     run_python("apps.llama.train", tiny_args(corpus, single, "probe.every=1", "data.batch_size=8",
                                              steps=2))

@@ -45,7 +45,7 @@ from apps.moe.model import MoEArgs, Transformer, expert_hidden
 from lingua.checkpoint import hf as lingua_hf
 from lingua.checkpoint.hf import TIED_NOT_IMPORTED, ffn_recipe, read_weights
 from lingua.errors import ConfigError
-from lingua.model.transformer import ffn_hidden_dim
+from lingua.model.layers import ffn_hidden_dim
 
 # MoEArgs fields that only matter for training; recorded so that load_hf gives back the same args.
 TRAINING_FIELDS = ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "expert_impl")

@@ -14,15 +14,7 @@ from torch import nn
 
 from lingua.errors import ConfigError
 from lingua.model.decoder import Decoder
-from lingua.model.moe import (
-    EXPERT_IMPLS,
-    SCORE_FUNCS,
-    MoE,
-    active_params_per_token,
-    balance_loss_sum,
-    check_grouped_alignment,
-)
-from lingua.model.transformer import (
+from lingua.model.layers import (
     CoreAttention,
     FeedForward,
     KVCache,
@@ -31,6 +23,14 @@ from lingua.model.transformer import (
     apply_rope,
     ffn_hidden_dim,
     validate_transformer_args,
+)
+from lingua.model.moe import (
+    EXPERT_IMPLS,
+    SCORE_FUNCS,
+    MoE,
+    active_params_per_token,
+    balance_loss_sum,
+    check_grouped_alignment,
 )
 
 

@@ -17,7 +17,7 @@ What a fork of this file keeps (the contract of lingua/model/decoder.py, checked
 error naming what is missing): subclass `Decoder` (or keep its forward(tokens, doc_ids=None,
 cache=None, positions=None), `layers` ModuleDict keyed "0".."n-1", `tok_embeddings` / `norm` /
 `output` and `init_weights(buffer_device=None)`); each layer's `init_weights(std, out_std)`;
-attention through `lingua.model.transformer.CoreAttention`. Everything else (new weights, other
+attention through `lingua.model.layers.CoreAttention`. Everything else (new weights, other
 blocks) is the fork's.
 """
 
@@ -29,7 +29,7 @@ from torch import nn
 
 from lingua.errors import ConfigError
 from lingua.model.decoder import Decoder
-from lingua.model.transformer import (
+from lingua.model.layers import (
     CoreAttention,
     FeedForward,
     KVCache,

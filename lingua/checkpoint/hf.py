@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lingua.errors import ConfigError
-from lingua.model.transformer import ffn_hidden_dim
+from lingua.model.layers import ffn_hidden_dim
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lingua.errors import ConfigError
-from lingua.model.transformer import KVCache
+from lingua.model.layers import KVCache
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,

@@ -12,7 +12,7 @@ from lm_eval.api.model import TemplateLM
 
 from lingua.errors import ConfigError
 from lingua.eval.evaluation import EvalArgs
-from lingua.model.transformer import KVCache
+from lingua.model.layers import KVCache
 from lingua.parallel import distributed
 from lingua.parallel.distributed import DistEnv
 

@@ -39,7 +39,7 @@ NCCL's buffers and the caching allocator's fragmentation). With distributed.cpu_
 parameters, gradients and optimizer state live in host memory and are listed, not counted.
 
 Activations (lingua.launch.plan_activations): bytes kept per token and per block between forward and
-backward, counted from what lingua.model.transformer's blocks and lingua.model.moe's MoE layer save
+backward, counted from what lingua.model.layers's blocks and lingua.model.moe's MoE layer save
 (the Megatron-style per-layer accounting of Korthikanti et al. 2022, redone for this code: RMSNorm
 in fp32 with its written-out backward, GQA attention whose keys and values are repeated to all
 heads before flash attention on GPU (on CPU sdpa groups them itself: `grouped_kv`, which the

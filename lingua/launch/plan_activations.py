@@ -1,7 +1,7 @@
 """The planner's activation estimate (see lingua.launch.plan): the bytes a block and the last
 stage's output keep per token for backward, and the micro-batches a pipeline rank holds at once."""
 
-from lingua.model.transformer import ffn_hidden_dim
+from lingua.model.layers import ffn_hidden_dim
 from lingua.parallel import pipeline
 
 
@@ -23,7 +23,7 @@ def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
     per block: none or full). fp32_residual: autocast (bf16 layouts without FSDP), where the
     residual stream and the norms stay fp32 and every matmul casts its own bf16 copy of its
     input (wq, wk and wv three, w1 and w3 two). grouped_kv: k/v reach attention with their own
-    heads (sdpa's GQA, taken on CPU only: lingua.model.transformer.grouped_kv_ok); on GPU they are
+    heads (sdpa's GQA, taken on CPU only: lingua.model.layers.grouped_kv_ok); on GPU they are
     repeated to all heads first."""
     s = block_shape(model_args)
     h, nh, hk, f = s["h"], s["nh"], s["hk"], s["f"]
@@ -64,7 +64,7 @@ def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
 
 def _norm_bytes(h: int, r: int, tp: int) -> int:
     """What an RMSNorm keeps per token: its fp32 normalised input and rsqrt (the eager
-    written-out backward of lingua.model.transformer.RMSNorm); under tp (sequence-parallel DTensors,
+    written-out backward of lingua.model.layers.RMSNorm); under tp (sequence-parallel DTensors,
     which take torch's composite ops one by one) also its normalised output before the weight."""
     return 4 * h + 4 + (r * h if tp > 1 else 0)
 

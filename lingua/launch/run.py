@@ -36,7 +36,7 @@ from lingua.launch.process import (
     write_config,
 )
 from lingua.launch.slurm import SlurmArgs
-from lingua.model.transformer import check_attn_backend
+from lingua.model.layers import check_attn_backend
 from lingua.observe import probe as probe_module
 from lingua.observe import profiling
 from lingua.observe.metrics import LoggingArgs

@@ -21,7 +21,7 @@ which names what is missing):
 - `init_weights(buffer_device=None)` (re)initialises every parameter and buffer after `to_empty`;
   each layer's `init_weights(std, out_std)` initialises its own weights.
 - every layer is called as `layer(h, rope, mask, cache)` and attends through
-  `lingua.model.transformer.CoreAttention` (context parallelism swaps it, and refuses a layer
+  `lingua.model.layers.CoreAttention` (context parallelism swaps it, and refuses a layer
   without one; the probe hooks it for attention statistics).
 """
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingua.errors import ConfigError
-from lingua.model.transformer import (
+from lingua.model.layers import (
     CoreAttention,
     KVCache,
     RMSNorm,
@@ -173,7 +173,7 @@ def check_model_contract(model: nn.Module, where: str, context_parallel: bool = 
             )
         if context_parallel and not any(isinstance(m, CoreAttention) for m in layer.modules()):
             problems.append(f"layer {name} ({type(layer).__name__}) does not attend through "
-                            "lingua.model.transformer.CoreAttention")
+                            "lingua.model.layers.CoreAttention")
         if problems:
             break
     if problems:

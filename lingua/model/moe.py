@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingua.errors import ConfigError
-from lingua.model.transformer import FeedForward, inferring_shapes
+from lingua.model.layers import FeedForward, inferring_shapes
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERT_IMPLS = ("grouped", "loop")

@@ -58,7 +58,7 @@ from torch import nn
 
 from lingua.errors import ConfigError
 from lingua.hooks import Hook
-from lingua.model.transformer import inferring_shapes
+from lingua.model.layers import inferring_shapes
 from lingua.observe.metrics import drop_rows_after
 from lingua.observe.probe_report import plot
 from lingua.observe.probe_stats import (
@@ -131,7 +131,7 @@ def clean_name(name: str) -> str:
 def _skip_call(module_inputs) -> bool:
     """Forward calls whose activations must not be recorded: activation checkpointing re-runs
     forwards during backward (already recorded in the real forward), and pipeline stages infer
-    shapes on their first step (lingua.model.transformer.inferring_shapes; meta tensors in older
+    shapes on their first step (lingua.model.layers.inferring_shapes; meta tensors in older
     torch)."""
     if torch._C._current_graph_task_id() != -1 or inferring_shapes():
         return True
@@ -158,7 +158,7 @@ def _first_tensor(value):
 
 
 def _is_core_attention(module) -> bool:
-    from lingua.model.transformer import CoreAttention
+    from lingua.model.layers import CoreAttention
 
     return isinstance(module, CoreAttention)
 

@@ -164,7 +164,7 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int) ->
     b, s, h, d = q.shape
     # CoreAttention's inputs keep their grouped-query k heads: repeat them for the summary.
     if k.shape[2] != h:
-        from lingua.model.transformer import repeat_kv
+        from lingua.model.layers import repeat_kv
 
         k, _ = repeat_kv(k, k, h)
     idx = torch.linspace(s - 1, 0, min(n_queries, s), device=q.device).round().long().unique()

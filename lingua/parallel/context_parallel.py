@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingua.errors import ConfigError
-from lingua.model.transformer import CoreAttention, repeat_kv
+from lingua.model.layers import CoreAttention, repeat_kv
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def apply_cp(model: nn.Module, cp_mesh, backend: str = "allgather",
                 setattr(module, child_name, new)
                 replaced.append(f"{name}.{child_name}" if name else child_name)
     if not replaced:
-        raise ValueError("apply_cp found no lingua.model.transformer.CoreAttention module to "
+        raise ValueError("apply_cp found no lingua.model.layers.CoreAttention module to "
                          "replace.")
     model.cp_context = ctx
     model.register_forward_pre_hook(_fill_positions, with_kwargs=True)

@@ -3,9 +3,9 @@
 One process (`python -m apps.llama.train`) needs no process group at all; several processes get
 their rank variables from torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) or, in a Slurm
 job step (srun, or a job stool submitted), from Slurm's task variables. Every degree
-of the layout lives in ParallelDims; the mesh has a named dimension for each degree above 1, and
-the rest of the code asks it for the sub-meshes it needs (data loading over dp, FSDP over
-dp_replicate x dp_shard).
+of the layout lives in ParallelDims; the mesh has a named dimension for every degree, size 1
+included (build_mesh), and the rest of the code asks it for the sub-meshes it needs (data loading
+over dp, FSDP over dp_replicate x dp_shard x cp).
 """
 
 import contextlib

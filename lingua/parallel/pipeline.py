@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lingua.errors import ConfigError
-from lingua.model.transformer import set_inferring_shapes
+from lingua.model.layers import set_inferring_shapes
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from lingua import checkpoint, config, data, optim
 from lingua.errors import RunError
 from lingua.hooks import ROLLBACK, SKIP, UPDATE, Hooks
 from lingua.model import loss as loss_module
-from lingua.model.transformer import inferring_shapes
+from lingua.model.layers import inferring_shapes
 from lingua.observe import metrics, profiling
 from lingua.parallel import distributed, pipeline
 from lingua.parallel.distributed import DistEnv
@@ -29,7 +29,7 @@ from lingua.train import agreement, microbatch
 from lingua.train.app import App
 from lingua.train.build import mixed_precision
 from lingua.train.microbatch import StepLoss, sequence_shard
-from lingua.train.saving import Saving
+from lingua.train.saving import Checkpointing
 
 logger = logging.getLogger("train")
 
@@ -75,7 +75,7 @@ def evaluates_at(args, step: int) -> bool:
     return bool((e.every and step % e.every == 0) or (step == args.steps and e.at_end))
 
 
-class Run(Saving):
+class Run(Checkpointing):
     """One training run's state: model parts, optimizers, data, pipeline, logging, position."""
 
     def __init__(self, args, env: DistEnv, app: App, parts: list, stage_ids: list,

@@ -44,11 +44,11 @@ def sequence_shard(parts, batch, args, env: DistEnv, app: Optional[App] = None):
         yield MicroBatch(tokens, target, doc_ids, None, model_kwargs)
         return
     with cp_batch(parts, tokens, None, doc_ids) as local:
-        def mine(t):
+        def this_ranks_chunks(t):
             return t.index_select(1, local.positions)
         # The CP attention masks by document itself, from the full-sequence ids it was given.
-        yield MicroBatch(local.tokens, mine(target), None, local.positions,
-                         {k: mine(v) for k, v in model_kwargs.items()})
+        yield MicroBatch(local.tokens, this_ranks_chunks(target), None, local.positions,
+                         {k: this_ranks_chunks(v) for k, v in model_kwargs.items()})
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,7 @@ from lingua.train import preemption
 logger = logging.getLogger("train")
 
 
-class Saving:
+class Checkpointing:
     """Run's checkpoint methods (a mixin: they use Run's parts, optimizers, data and hooks)."""
 
     def resume(self) -> int:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
 
 from lingua.errors import ConfigError
-from lingua.model.transformer import RMSNorm
+from lingua.model.layers import RMSNorm
 from lingua.parallel import distributed
 from lingua.parallel.coverage import check_parallel_coverage
 from lingua.parallel.distributed import DistributedArgs

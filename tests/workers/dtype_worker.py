@@ -14,7 +14,7 @@ and each rank writes OUT_DIR/rank<r>.json with:
                those of the op's floating tensor arguments (DTensors too, by their .dtype).
   rope         the same rows for aten.mul run directly by an attention module (`*.attention`):
                in Attention.forward those are RoPE's rotations
-               (lingua.model.transformer.apply_rope).
+               (lingua.model.layers.apply_rope).
   collectives  the same rows for c10d and functional-collective ops: FSDP's all-gathers and
                reduce-scatters, the pipeline's sends, explicit redistributions (TP's hooks, CP).
                Not seen: collectives DTensor runs inside one of its ops (an implicit

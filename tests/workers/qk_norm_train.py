@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from apps.llama import train
 from lingua.launch import run
-from lingua.model.transformer import RMSNorm, apply_rope
+from lingua.model.layers import RMSNorm, apply_rope
 from lingua.models.llama import model, parallelize
 from lingua.models.llama.model import Attention
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lingua.model.decoder import Decoder
-from lingua.model.transformer import (
+from lingua.model.layers import (
     CoreAttention,
     FeedForward,
     KVCache,
