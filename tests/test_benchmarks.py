@@ -179,3 +179,16 @@ def test_loss_cpu_benchmark_runs_and_checks_the_loss_it_times():
     for side in ["eager F.cross_entropy", "compiled F.cross_entropy", "lingua compiled"]:
         assert re.search(rf"fp32 {side}.* forward +[\d.]+ ms +backward +[\d.]+ ms .* [\d.]+x",
                          out.stdout), out.stdout
+
+
+def test_norm_rope_benchmark_checks_each_side_against_torch_before_timing(capsys):
+    """benchmarks/norm_rope_cpu.py, in process on a small shape: lingua's RMSNorm and RoPE
+    functions equal F.rms_norm and the rotate_half composite (outputs and gradients) before
+    it times them, and it prints each side's ratio to the baseline."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import norm_rope_cpu
+
+    assert norm_rope_cpu.main(["--shape", "2,8,32", "--heads", "4", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for line in ("rmsnorm F.rms_norm", "rmsnorm lingua", "rope composite", "rope lingua"):
+        assert re.search(rf"{line} +fwd\+bwd +[\d.]+ ms +\S+/this +[\d.]+x", out), out
