@@ -48,9 +48,7 @@ class OptimArgs:
     # Newton-Schulz in bf16 (torch.optim.Muon's) or fp32 (for CPUs that emulate bf16; and a
     # sharded run then equals one process to fp32 rounding, as the layout tests check).
     muon_ns_dtype: str = "bf16"
-    # Loss spikes (lingua/optim/spikes.py; README "Loss spikes"): off | log (warn, mark loss_spike
-    # in metrics) | skip (no update at the spiking step) | rollback (reload the newest checkpoint
-    # and skip the data batches around the spike, PaLM's recipe).
+    # Loss spikes: off | log | skip | rollback (README "Loss spikes"; lingua/optim/spikes.py).
     spike: str = "log"
     spike_on: str = "loss"          # loss | grad_norm | both: what is judged
     spike_rule: str = "median"      # median: above spike_factor x the running median;

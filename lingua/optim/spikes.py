@@ -1,36 +1,22 @@
 """Loss spikes: `optim.spike=off|log|skip|rollback` and the running statistics that find them.
+What each policy does, for users, is README "Loss spikes"; how the code does it is here.
 
 A step is a spike when its loss (or its gradient norm, or either: `optim.spike_on`) is above a
-threshold computed from the values of the steps before it (`optim.spike_rule`):
-  median  above spike_factor x the median of the last spike_window accepted values
-  sigma   above the mean + spike_sigmas standard deviations of the last spike_window values
-No step is judged before the window is full nor within the first spike_warmup steps (early
-losses fall too fast for any running statistic to mean much). A non-finite loss with a finite
-gradient norm is a spike too (a non-finite gradient norm is optim.nonfinite's business).
-
-What each policy does with a spike at step k:
-  off       nothing: no statistics, no extra reduction, no spike keys in metrics.jsonl
-  log       a warning, `loss_spike: 1` in the next metrics row; the update is applied
-  skip      the update is not applied (the lr schedule and the data move on, as with
-            optim.nonfinite=skip); counted as spike_skipped_steps
-  rollback  PaLM's recipe: every rank reloads the newest intact checkpoint and the data batches
-            b_k - spike_skip_before .. b_k + spike_skip_after (b_k: the batch step k trained on,
-            counted in next_step() calls) are read and thrown away when the run reaches them
-For log and skip the step after the spike is probed in full; for rollback the spiking batch is
-run again with the probe on before the reload (SpikeHook, below; the probe is
-lingua/observe/probe.py's ProbeHook).
+threshold from the accepted steps before it (`optim.spike_rule`, SpikeMonitor.check). A
+non-finite loss with a finite gradient norm is a spike too (a non-finite gradient norm is
+optim.nonfinite's business). A rollback's batch range b_k - spike_skip_before .. b_k +
+spike_skip_after counts batches in next_step() calls (Run.batches_consumed), the same on every
+layout; SpikeHook.before_step reads them away. For log and skip the step after the spike is
+probed in full; for rollback the spiking batch is run again with the probe on before the reload
+(the probe is lingua/observe/probe.py's ProbeHook).
 
 Every rank decides alone but on the same numbers: the step's agreement
 (lingua/train/agreement.py) all-reduces its (loss sum, token count, gradient norm) once, so every
-rank has the same values and the same windows, and so takes the same decision; no rank's view
-wins over another's. The windows and counts are
-part of the checkpoint's train state, so a resumed run decides as the uninterrupted one would.
-
-Rollbacks are recorded in `<dump_dir>/spikes.jsonl` (one JSON line each, written by rank 0
-before the reload) and in the train state of later checkpoints; a run reads both back when it
+rank has the same values and the same windows, and so takes the same decision. The windows and
+counts are part of the checkpoint's train state, so a resumed run decides as the uninterrupted
+one would. Rollbacks are recorded in `<dump_dir>/spikes.jsonl` (written by rank 0 before the
+reload, fsynced) and in the train state of later checkpoints; a run reads both back when it
 starts, so a crash between a rollback and the next checkpoint does not forget the skipped range.
-A line added to spikes.jsonl by hand ({"skip": [first, last]} with 1-based batch numbers) makes
-a run skip those batches too.
 """
 
 import json
