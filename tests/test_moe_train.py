@@ -195,3 +195,26 @@ def test_bf16_trainer_pads_expert_groups_and_trains_as_the_expert_loop(corpus, t
     assert all(sum(counts) == 8 * 64 * 2 for counts in padded_counts), padded_counts
     train.main(moe_args(corpus, tmp_path / "loop", *args, "model.expert_impl=loop", steps=3))
     assert_equivalent(tmp_path / "grouped", tmp_path / "loop", rtol=2e-2, prefixes={"moe/": 2e-2})
+
+
+def test_each_step_starts_its_routing_sums_and_bias_counts_from_zero():
+    """apps/moe's RoutingHook: a step whose update was skipped (a spike, a non-finite gradient)
+    or rolled back kept its tokens' counts, which only an applied update clears; the next step's
+    bias update must count its own tokens only, as a run resumed there would."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from apps.moe.model import MoEArgs, Transformer
+    from lingua.model.moe import moe_layers
+
+    torch.manual_seed(0)
+    model = Transformer(MoEArgs(dim=32, n_layers=2, n_heads=4, multiple_of=16, vocab_size=64,
+                                max_seq_len=16, n_experts=4, top_k=2, n_dense_layers=0))
+    model.init_weights(buffer_device="cpu")
+    model.train()
+    model(torch.randint(0, 64, (2, 16)))
+    layers = moe_layers(model)
+    assert layers and all(m.step_counts is not None and m.routing is not None for m in layers)
+    train.RoutingHook().before_step(SimpleNamespace(parts=[model]), 2)
+    assert all(m.step_counts is None and m.routing is None for m in layers)

@@ -49,7 +49,12 @@ class RoutingHook(Hook):
     update, and the routing metrics of logged rows."""
 
     def before_step(self, run, step: int) -> None:
-        reset_routing([m for part in run.parts for m in moe_layers(part)])
+        layers = [m for part in run.parts for m in moe_layers(part)]
+        reset_routing(layers)
+        # The bias update counts this step's tokens only: a skipped or rolled-back step's counts
+        # (no update cleared them) must not reach the next one, nor do they after a resume.
+        for m in layers:
+            m.step_counts = None
 
     def after_step(self, run, step: int) -> None:
         rate = run.parts[0].args.bias_update_rate
