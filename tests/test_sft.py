@@ -194,6 +194,7 @@ def test_chat_data_trains_alike_on_every_layout(chat_run, tmp_path, nproc, layou
         read_rows(reference)[-1]["val_loss"], rel=1e-5)
 
 
+@pytest.mark.slow   # two runs (its own and chat_run's reference): not the quick tier
 def test_the_gradient_is_that_of_the_mean_over_answer_tokens(chat_run, tmp_path):
     """Full fine-tuning, one step: the logged gradient norm is the norm of the gradient of
     transformers' mean cross-entropy over the step's answer tokens (padded rows, causal), so the
