@@ -54,9 +54,6 @@ class Hooks(Hook):
     def __iter__(self):
         return iter(self.hooks)
 
-    def append(self, hook: Hook) -> None:
-        self.hooks.append(hook)
-
     def _each(self, name: str, *args) -> None:
         for hook in self.hooks:
             getattr(hook, name)(*args)

@@ -45,10 +45,10 @@ def train_loop(run: "Run") -> bool:
         run.phases.start_step(timed=run.logs_at(step))
         t0 = time.perf_counter()
         hooks.before_step(run, step)               # skips a rollback's batches, probe on, ...
-        t_data = time.perf_counter()
+        t_fetch = time.perf_counter()
         with torch.profiler.record_function("data"):
             micro_batches = run.next_batches()
-        t_data = time.perf_counter() - t_data
+        t_data = time.perf_counter() - t_fetch
 
         run.train_step(micro_batches)              # forward and backward (or the pipeline)
         shares = hooks.after_backward(run, step)
