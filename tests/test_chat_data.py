@@ -151,7 +151,7 @@ def test_builtin_template_counts_the_assistant_content_and_eos_only(tmp_path):
 def write_hf_tokenizer(directory: Path, template: str = LLAMA3_TEMPLATE) -> Path:
     """The byte tokenizer's tokenizer.json plus Llama 3's special tokens (ids 258-261), and a
     tokenizer_config.json with the chat template."""
-    from lingua.checkpoint.hf import byte_tokenizer_json
+    from lingua.checkpoint.hf_files import byte_tokenizer_json
 
     directory.mkdir(parents=True, exist_ok=True)
     tok = byte_tokenizer_json()

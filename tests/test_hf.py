@@ -141,10 +141,10 @@ def test_load_errors_name_the_file(tmp_path):
         load_hf(tmp_path)
 
 
-@pytest.mark.slow
-def test_export_cli_from_training_checkpoint(tmp_path):
-    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32,
-                     max_seq_len=64, init_std=0.2, tie_embeddings=False)
+def training_checkpoint(tmp_path, n_layers=2):
+    """(model, its args, a training checkpoint of it) as save() writes one."""
+    args = LlamaArgs(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=258,
+                     multiple_of=32, max_seq_len=64, init_std=0.2, tie_embeddings=False)
     torch.manual_seed(0)
     model = Transformer(args)
     ckpt = tmp_path / "checkpoints" / "10"
@@ -153,6 +153,44 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     OmegaConf.save(OmegaConf.create(run_config), ckpt / "config.yaml")
     # what save() adds: export/generate refuse a checkpoint without one
     integrity.write_manifest(ckpt)
+    return model, args, ckpt
+
+
+def test_export_reads_and_writes_one_file_at_a_time(tmp_path, monkeypatch):
+    from lingua.checkpoint import hf as lingua_hf
+    from lingua.checkpoint import hf_files
+    from lingua.models.llama import hf as llama_hf
+
+    model, args, ckpt = training_checkpoint(tmp_path, n_layers=4)
+    layer_bytes = sum(t.nbytes for k, t in model.state_dict().items() if k.startswith("layers.1."))
+    monkeypatch.setattr(hf_files, "SHARD_BYTES", 2 * layer_bytes)
+    reads, checkpoint_reader = [], lingua_hf.checkpoint_reader
+
+    def recording(*a):
+        read = checkpoint_reader(*a)
+        return lambda keys: reads.append(len(keys)) or read(keys)
+
+    monkeypatch.setattr(lingua_hf, "checkpoint_reader", recording)
+    out = tmp_path / "hf"
+    llama_hf.export(ckpt, out)
+    # Each read is one file's worth (at most two of the nine-tensor layers), never the model.
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) == len(reads) >= 3 and max(reads) <= 18, (files, reads)
+    assert sum(reads) == len(model.state_dict())
+    assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                     for i in range(1, len(files) + 1)], files
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index.values()) == set(files) and len(index) == len(model.state_dict())
+    hf = LlamaForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, 258, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=0)
+    assert load_hf(out)[1] == args
+
+
+@pytest.mark.slow
+def test_export_cli_from_training_checkpoint(tmp_path):
+    model, args, ckpt = training_checkpoint(tmp_path)
     out = tmp_path / "hf"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = launcher.launch("apps.llama.hf", ["export", str(ckpt), str(out)], 0, env, tmp_path,

@@ -19,8 +19,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from apps.sft import generate as sft_generate
 from apps.sft import hf as sft_hf
-from lingua.checkpoint import hf as lingua_hf
-from lingua.checkpoint import integrity
+from lingua.checkpoint import hf_files, integrity
 from lingua.data.chat_template import BUILTIN_JINJA
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 from lingua.models.llama.model import LlamaArgs
@@ -308,7 +307,7 @@ def test_jinja_template_run_exports_its_template(tmp_path):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "config.json").write_text("{}")
-    lingua_hf.write_tokenizer(run_config, out)
+    hf_files.write_tokenizer(run_config, out)
     sft_hf.write_chat_files(run_config, out)
     assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == \
         jinja.read_text()

@@ -44,6 +44,7 @@ import torch
 from apps.moe.model import MoEArgs, Transformer, expert_hidden
 from lingua.checkpoint import hf as lingua_hf
 from lingua.checkpoint.hf import TIED_NOT_IMPORTED, ffn_recipe, read_weights
+from lingua.checkpoint.hf_files import cast, layer_of
 from lingua.errors import ConfigError
 from lingua.model.layers import ffn_hidden_dim
 
@@ -93,7 +94,7 @@ NOT_IMPORTED: Dict[str, str] = {
 
 
 def _where() -> str:
-    return f"_plain_keys / _moe_keys / _expert_keys in {lingua_hf.app_file(__file__)}"
+    return f"_plain_keys / _moe_keys / to_hf in {lingua_hf.app_file(__file__)}"
 
 
 def _layout_problems(args: MoEArgs) -> List[str]:
@@ -183,13 +184,11 @@ def _plain_keys(args: MoEArgs, kind: str) -> Dict[str, str]:
     return names
 
 
-def _expert_keys(args: MoEArgs, i: int) -> list:
-    """Our keys of layer i's routed experts: [E, in, out] stacks, one HF Linear per expert."""
-    return [f"layers.{i}.moe.experts.{w}" for w in ("w1", "w3", "w2")]
-
-
 def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
     kind = layout_for(args)
+    if args.capacity_factor > 0:
+        warnings.warn(f"model.capacity_factor={args.capacity_factor}: the Hugging Face model "
+                      "routes every token (no capacity dropping).", stacklevel=2)
     # shape, attention, RoPE, norms, vocabulary: as Llama's
     cfg = {**lingua_hf.decoder_config(args, dtype), "attention_bias": False}
     moe = {
@@ -221,75 +220,58 @@ def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
     return {**cfg, **moe}
 
 
-def _take(state: Dict[str, torch.Tensor], key: str) -> torch.Tensor:
-    if key not in state:
-        raise ConfigError(f"save_hf: the model has no {key}; it does not match model_args (a "
-                          "pipeline stage or a different architecture?). Export a whole model.")
-    return state[key].detach()
-
-
-def _check_bias(state: Dict[str, torch.Tensor], args: MoEArgs, kind: str) -> None:
+def _check_bias(bias: torch.Tensor, args: MoEArgs, kind: str, i: int) -> None:
     """Mixtral and Qwen2-MoE have no selection bias: a non-zero expert_bias would choose other
-    experts there."""
-    for i in range(args.n_dense_layers, args.n_layers):
-        bias = _take(state, f"layers.{i}.moe.router.expert_bias")
-        if bias.abs().max() > 0:
-            raise ConfigError(
-                f"save_hf: layer {i}'s expert_bias is non-zero "
-                f"(max |bias| = {bias.abs().max().item():.3g}, "
-                f"from model.bias_update_rate={args.bias_update_rate}); "
-                f"{LAYOUTS[kind].arch} chooses experts without a bias, so its outputs would "
-                "differ. Export sigmoid-routed models (score_func=sigmoid, as DeepSeek-V3) to keep "
-                "the bias, or train softmax routing with bias_update_rate=0."
-            )
+    experts there. (Not on the meta device, where the export plans its files.)"""
+    if not bias.is_meta and bias.abs().max() > 0:
+        raise ConfigError(
+            f"save_hf: layer {i}'s expert_bias is non-zero "
+            f"(max |bias| = {bias.abs().max().item():.3g}, "
+            f"from model.bias_update_rate={args.bias_update_rate}); "
+            f"{LAYOUTS[kind].arch} chooses experts without a bias, so its outputs would "
+            "differ. Export sigmoid-routed models (score_func=sigmoid, as DeepSeek-V3) to keep "
+            "the bias, or train softmax routing with bias_update_rate=0."
+        )
+
+
+def to_hf(state, args: MoEArgs, dtype: Optional[torch.dtype], layer: Optional[int]) -> dict:
+    """Layer `layer`'s tensors (None: embeddings, final norm, head) under their names in the
+    Mixtral, Qwen2-MoE or Glm4Moe layout (see the module docstring)."""
+    kind = layout_for(args)
+    names = {o: t for o, t in _plain_keys(args, kind).items() if layer_of(o) == layer}
+    out = {theirs: cast(state[ours], dtype) for ours, theirs in names.items()}
+    if layer is None or layer < args.n_dense_layers:
+        return out
+    i, layout, dim = layer, LAYOUTS[kind], args.dim
+    if kind != "glm4_moe":
+        _check_bias(state[f"layers.{i}.moe.router.expert_bias"], args, kind, i)
+    else:  # HF keeps it fp32: it decides the routing
+        bias = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        out[bias] = cast(state[f"layers.{i}.moe.router.expert_bias"], torch.float32)
+    hf = f"model.layers.{i}.{layout.block}"
+    for w, name in layout.proj.items():
+        stacked = cast(state[f"layers.{i}.moe.experts.{w}"], dtype)  # [E, in, out]
+        for e in range(stacked.shape[0]):  # HF Linear is [out, in]
+            out[f"{hf}.experts.{e}.{name}.weight"] = stacked[e].t()
+    like = out[f"{hf}.experts.0.{layout.proj['w1']}.weight"]
+    shared = _shared_names(kind, hf) if kind != "mixtral" else {}
+    if shared and not args.n_shared_experts:
+        # Glm4Moe and Qwen2-MoE always build a shared MLP; width 0 makes it add nothing.
+        for w, name in shared.items():
+            out[name] = like.new_zeros((dim, 0) if w == "w2" else (0, dim))
+    if kind == "qwen2_moe":  # an ungated shared expert: zero gate, doubled down projection
+        out[shared["w2"]] = out[shared["w2"]] / QWEN_GATE
+        out[f"{hf}.shared_expert_gate.weight"] = like.new_zeros((1, dim))
+    return out
 
 
 def save_hf(
     model: Transformer, model_args: MoEArgs, path, dtype: Optional[torch.dtype] = None
 ) -> None:
-    """Write `path/config.json` and `path/model.safetensors` (Mixtral, Qwen2-MoE or Glm4Moe layout,
+    """Write `path/config.json` and the safetensors files (Mixtral, Qwen2-MoE or Glm4Moe layout,
     see the module docstring)."""
-    kind = layout_for(model_args)
-    if model_args.capacity_factor > 0:
-        warnings.warn(f"model.capacity_factor={model_args.capacity_factor}: the Hugging Face model "
-                      "routes every token (no capacity dropping).", stacklevel=2)
-    state = model.state_dict()
-    plain = _plain_keys(model_args, kind)
-    experts = [
-        k for i in range(model_args.n_dense_layers, model_args.n_layers)
-        for k in _expert_keys(model_args, i)
-    ]
-    # A missing key means a pipeline stage or other args: said before the unmapped ones.
-    for key in [*plain, *experts]:
-        _take(state, key)
-    lingua_hf.check_export(state, [*plain, *experts], NOT_EXPORTED, _where(), path)
-    if kind != "glm4_moe":
-        _check_bias(state, model_args, kind)
-    out = {theirs: _take(state, ours) for ours, theirs in plain.items()}
-    layout = LAYOUTS[kind]
-    for i in range(model_args.n_dense_layers, model_args.n_layers):
-        for w, name in layout.proj.items():
-            # [E, in, out]: HF Linear is [out, in]
-            stacked = _take(state, f"layers.{i}.moe.experts.{w}")
-            for e in range(stacked.shape[0]):
-                out[f"model.layers.{i}.{layout.block}.experts.{e}.{name}.weight"] = stacked[e].t()
-        hf, dim = f"model.layers.{i}.{layout.block}", model_args.dim
-        like = out["model.embed_tokens.weight"]
-        shared = _shared_names(kind, hf) if kind != "mixtral" else {}
-        if shared and not model_args.n_shared_experts:
-            # Glm4Moe and Qwen2-MoE always build a shared MLP; width 0 makes it add nothing.
-            for w, name in shared.items():
-                out[name] = like.new_zeros((dim, 0) if w == "w2" else (0, dim))
-        if kind == "qwen2_moe":  # an ungated shared expert: zero gate, doubled down projection
-            out[shared["w2"]] = out[shared["w2"]] / QWEN_GATE
-            out[f"{hf}.shared_expert_gate.weight"] = like.new_zeros((1, dim))
-    tensors = {}
-    for k, t in out.items():
-        keep_fp32 = k.endswith("e_score_correction_bias")  # HF keeps it fp32: it decides routing
-        target = torch.float32 if keep_fp32 else (dtype or t.dtype)
-        tensors[k] = t.to(target).cpu().contiguous()
-    lingua_hf.write_hf(path, tensors,
-                       hf_config(model_args, tensors["model.embed_tokens.weight"].dtype))
+    lingua_hf.save_hf(model, model_args, path, dtype, to_hf=to_hf, hf_config=hf_config,
+                      not_exported=NOT_EXPORTED, where=_where())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,7 +547,8 @@ def export(ckpt_dir: str, out_dir: str, dtype: Optional[torch.dtype] = None) -> 
     """A training checkpoint (a run directory: its newest complete one) -> a Hugging Face
     directory; returns its architecture."""
     args = lingua_hf.export(ckpt_dir, out_dir, dtype, model_class=Transformer, args_class=MoEArgs,
-                            export_problems=export_problems, save_hf=save_hf,
+                            export_problems=export_problems, to_hf=to_hf, hf_config=hf_config,
+                            not_exported=NOT_EXPORTED, where=_where(),
                             command=lingua_hf.command(__file__))
     return LAYOUTS[layout_for(args)].arch
 

@@ -15,6 +15,7 @@ import torch
 
 from apps.mtp.model import MTPArgs, Transformer
 from lingua.checkpoint import hf as lingua_hf
+from lingua.checkpoint import hf_files
 from lingua.errors import ConfigError
 
 
@@ -99,7 +100,7 @@ WHERE = f"key_map in {lingua_hf.app_file(__file__)}"
 
 def save_hf(model: Transformer, model_args: MTPArgs, path,
             dtype: Optional[torch.dtype] = None) -> None:
-    lingua_hf.save_hf(model, model_args, path, dtype, key_map=key_map,
+    lingua_hf.save_hf(model, model_args, path, dtype, to_hf=hf_files.renaming(key_map),
                       hf_config=llama_hf_config, not_exported=NOT_EXPORTED, where=WHERE)
 
 
@@ -112,7 +113,8 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32):
 
 def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype] = None) -> None:
     lingua_hf.export(ckpt_dir, out_dir, dtype, model_class=Transformer, args_class=MTPArgs,
-                     export_problems=export_problems, save_hf=save_hf,
+                     export_problems=export_problems, to_hf=hf_files.renaming(key_map),
+                     hf_config=llama_hf_config, not_exported=NOT_EXPORTED, where=WHERE,
                      command=lingua_hf.command(__file__))
 
 

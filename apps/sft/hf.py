@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lingua.checkpoint import hf as lingua_hf
+from lingua.checkpoint import hf_files
 from lingua.errors import ConfigError
 from lingua.model import lora
 from lingua.model.lora import LoRAArgs, LoRALinear
@@ -138,26 +139,43 @@ def merged_model(model: Transformer, args: LlamaArgs) -> Transformer:
     return plain.eval()
 
 
+class _Merged(dict):
+    """A state dict read with every adapter folded into its base weight (W + alpha/rank B A)."""
+
+    def __init__(self, state, lora_args: LoRAArgs):
+        super().__init__()
+        self.state, self.lora_args = state, lora_args
+
+    def __getitem__(self, key):
+        adapter = key.removesuffix("weight")
+        if adapter + "lora_a" not in self.state:
+            return self.state[key]
+        scale = self.lora_args.alpha / self.lora_args.rank
+        return lora.merged(self.state[key], self.state[adapter + "lora_a"],
+                           self.state[adapter + "lora_b"], scale)
+
+
 def export_merged(ckpt_dir, out_dir, dtype=None) -> LlamaArgs:
-    """The merged model as a LlamaForCausalLM directory, through lingua_hf.export's flow (the
-    checkpoint loaded into our adapted model, saved by save_hf after the merge)."""
+    """The merged model as a LlamaForCausalLM directory: lingua_hf.export reads the adapted
+    model's tensors file by file (the frozen base from the directory base.json names), merges
+    them and names them through the llama key map."""
     from lingua.checkpoint import read_run_config
 
     run_config = read_run_config(ckpt_dir)
     lora_args = run_lora_args(run_config, ckpt_dir)
     fields = chat_fields(run_config)
+    rename = hf_files.renaming(key_map)
 
     def adapted(args: LlamaArgs) -> Transformer:   # export builds it on the meta device
         model = Transformer(args)
         lora.apply_lora(model, lora_args)
         return model
 
-    def save_merged(model, args, out, save_dtype):
-        save_hf(merged_model(model, args), args, out, save_dtype)
-
-    args = lingua_hf.export(ckpt_dir, out_dir, dtype, model_class=adapted, args_class=LlamaArgs,
-                            export_problems=export_problems, save_hf=save_merged,
-                            command=COMMAND, load_hf=load_hf)
+    args = lingua_hf.export(
+        ckpt_dir, out_dir, dtype, model_class=adapted, args_class=LlamaArgs,
+        export_problems=export_problems, hf_config=llama_hf_config, not_exported={}, where=WHERE,
+        to_hf=lambda state, *a: rename(_Merged(state, lora_args), *a), command=COMMAND,
+        base_key_map=key_map)
     write_chat_files(run_config, out_dir, fields)
     return args
 
@@ -195,7 +213,7 @@ def write_chat_files(run_config, out_dir, fields=None) -> None:
     tok_config = out / "tokenizer_config.json"
     if jinja is not None and tok_config.is_file():
         _update_json(tok_config, {"chat_template": jinja})
-    lingua_hf.write_generation_ids(out, ids["bos_token_id"], ids["eos_token_id"],
+    hf_files.write_generation_ids(out, ids["bos_token_id"], ids["eos_token_id"],
                                    pad=ids["pad_token_id"])
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from lingua.checkpoint import hf as lingua_hf
+from lingua.checkpoint import hf_files
 from lingua.data.batch import write_once
 from lingua.errors import RunError
 from lingua.models.llama.hf import llama_hf_config
@@ -42,7 +42,7 @@ def write_base_model(out: Path, args: LlamaArgs, seed: int = 0) -> Path:
         config = json.loads((tmp / "config.json").read_text())
         config["lingua_ffn"] = cfg["lingua_ffn"]   # lets load_hf give back the same args
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        lingua_hf.byte_tokenizer_json().save(str(tmp / "tokenizer.json"))
+        hf_files.byte_tokenizer_json().save(str(tmp / "tokenizer.json"))
 
     write_once(out, "config.json", write, "the debug base model (checkpoint.init_from)")
     return Path(out)

@@ -1,8 +1,10 @@
-"""Hugging Face interop machinery shared by the apps: save_hf, load_hf, export and the export
-command, safetensors directories, the decoder's config fields, and the checks that nothing is
-dropped. What names map to what is each architecture's hf.py (lingua/models/llama/hf.py for
-LlamaForCausalLM, apps/moe/hf.py for Mixtral, Qwen2-MoE and GLM-4.5 MoE): its key map and config
-mapping, passed to these functions.
+"""Hugging Face interop shared by the apps: save_hf, load_hf, export and the export command,
+the decoder's config fields, and the checks that nothing is dropped. Each architecture's hf.py
+(lingua/models/llama/hf.py for LlamaForCausalLM, apps/moe/hf.py for Mixtral, Qwen2-MoE and GLM-4.5
+MoE) holds its key table, its `to_hf(state, args, dtype, layer)` and its config mapping.
+
+An export reads the training checkpoint and writes safetensors one file at a time through DCP's
+Hugging Face storage writer (hf_files), so no process holds the whole model.
 
 Nothing is dropped silently either way: every tensor of the state dict is mapped or on the
 app's NOT_EXPORTED list (`check_export`), every tensor of the safetensors files is consumed or on
@@ -15,13 +17,16 @@ import logging
 import os
 import re
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from lingua.checkpoint import hf_files
 from lingua.errors import ConfigError
 from lingua.model.layers import ffn_hidden_dim
 
@@ -133,8 +138,8 @@ def app_file(module_file: str) -> str:
         return str(f)
 
 
-def check_export(state_keys: Iterable[str], exported: Iterable[str], not_exported: Dict[str, str],
-                 where: str, out_dir) -> None:
+def check_export(state_keys: Iterable[str], exported: Iterable[str], *,
+                 not_exported: Dict[str, str], where: str, out_dir) -> None:
     """Refuse (before anything is written) a model with a state-dict tensor the export would leave
     out: neither mapped (`exported`) nor on the app's NOT_EXPORTED list. `where` names the map:
     "key_map in apps/llama/hf.py"."""
@@ -288,33 +293,15 @@ def decoder_args(cfg: dict, config_path: Path) -> dict:
     )
 
 
-def write_hf(path, tensors: Dict[str, torch.Tensor], config: dict) -> None:
-    """`path/config.json` and `path/model.safetensors`."""
-    from safetensors.torch import save_file
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
-def save_hf(model, model_args, path, dtype: Optional[torch.dtype], *, key_map: Callable,
+def save_hf(model, model_args, path, dtype: Optional[torch.dtype], *, to_hf: Callable,
             hf_config: Callable, not_exported: Dict[str, str], where: str) -> None:
-    """Write the model as a Hugging Face directory: each state-dict tensor under its name in
-    `key_map(model_args)`, config.json from `hf_config(model_args, dtype)`. `where` names the map
+    """Write the model as a Hugging Face directory: `to_hf` names its tensors layer by layer
+    (hf_files.write_hf), config.json from `hf_config(model_args, dtype)`. `where` names the map
     in refusals ("key_map in apps/llama/hf.py")."""
     state = model.state_dict()
-    names = key_map(model_args)
-    missing = sorted(set(names) - set(state))
-    if missing:
-        raise ConfigError(f"save_hf: the model has no {missing[:4]}; it does not match model_args "
-                          "(a pipeline stage or a different architecture?). Export a whole model.")
-    check_export(state, names, not_exported, where, path)
-    tensors = {}
-    for ours, theirs in names.items():
-        t = state[ours].detach()
-        tensors[theirs] = (t if dtype is None else t.to(dtype)).cpu().contiguous()
-    write_hf(path, tensors, hf_config(model_args, next(iter(tensors.values())).dtype))
+    check = partial(check_export, state, not_exported=not_exported, where=where, out_dir=path)
+    hf_files.write_hf(path, state, lambda keys: state, args=model_args, dtype=dtype, to_hf=to_hf,
+                      hf_config=hf_config, check=check)
 
 
 def load_hf(path, dtype: Optional[torch.dtype], *, model_class, args_from_hf_config: Callable,
@@ -360,24 +347,52 @@ def load_base(model, ckpt_dir, load_hf: Optional[Callable]) -> None:
     if base is None:
         return
     if load_hf is None:
-        raise ConfigError(f"{ckpt_dir} holds the trained weights of a run over the frozen base "
-                          f"{base}, and this command cannot read that base. Use the commands of "
-                          f"the app that trained it (python -m apps.sft.hf, apps.sft.generate).")
+        raise ConfigError(_NO_BASE_READER.format(ckpt_dir=ckpt_dir, base=base))
     model.load_state_dict(load_hf(base)[0].state_dict(), strict=False)
 
 
-def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args_class,
-           export_problems: Callable, save_hf: Callable, command: str,
-           load_hf: Optional[Callable] = None):
-    """A training checkpoint (a run directory: its newest complete one) -> a Hugging Face
-    directory, through the app's `save_hf`, with the tokenizer files beside it; returns the model
-    args. Refused, before any weight is read, for what `export_problems(args)` names. `load_hf`:
-    the app's reader of its frozen base, for a checkpoint that left it out (load_base)."""
-    import warnings
+_NO_BASE_READER = (
+    "{ckpt_dir} holds the trained weights of a run over the frozen base {base}, and this command "
+    "cannot read that base. Use the commands of the app that trained it (python -m apps.sft.hf, "
+    "apps.sft.generate).")
 
+
+def checkpoint_reader(ckpt_dir, state: dict, base_key_map: Optional[Callable], args) -> Callable:
+    """read(keys) -> values of a training checkpoint, for hf_files.write_hf: only those tensors
+    are read. The frozen base a LoRA checkpoint leaves out (base.json) comes from the Hugging
+    Face directory it names, through `base_key_map` (our key -> HF name)."""
+    from lingua.checkpoint import _dcp_load, require_intact, verified_base
+
+    require_intact(ckpt_dir)
+    base = verified_base(ckpt_dir)
+    if base is not None and base_key_map is None:
+        raise ConfigError(_NO_BASE_READER.format(ckpt_dir=ckpt_dir, base=base))
+    saved = dcp.FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    base_names = base_key_map(args) if base is not None else {}
+
+    def read(keys):
+        values = {k: torch.empty_like(state[k], device="cpu") for k in keys}
+        from_base = {k for k in keys if base is not None and f"model.{k}" not in saved}
+        _dcp_load({"model": {k: v for k, v in values.items() if k not in from_base}},
+                  Path(ckpt_dir))
+        if from_base:
+            hf_files.read_hf_tensors(base, {base_names[k]: values[k] for k in from_base})
+        return values
+    return read
+
+
+def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args_class,
+           export_problems: Callable, to_hf: Callable, hf_config: Callable,
+           not_exported: Dict[str, str], where: str, command: str,
+           base_key_map: Optional[Callable] = None, shard_bytes: Optional[int] = None):
+    """A training checkpoint (a run directory: its newest complete one) -> a Hugging Face
+    directory with the tokenizer files beside it; returns the model args. Refused, before any
+    weight is read, for what `export_problems(args)` names. The model is read and written one
+    safetensors file (`shard_bytes`, default hf_files.SHARD_BYTES) at a time: no process holds
+    all of it."""
     from omegaconf import OmegaConf
 
-    from lingua.checkpoint import load_model_state, read_run_config, resolve
+    from lingua.checkpoint import read_run_config, resolve
 
     ckpt_dir = resolve(ckpt_dir)
     run_config = read_run_config(ckpt_dir)
@@ -390,16 +405,13 @@ def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args
     args.attn_backend = "sdpa"  # the export never runs attention; xformers would refuse on CPU
     refuse_unexportable(export_problems(args), command, ckpt_dir)
     with torch.device("meta"):
-        model = model_class(args)
-    model.to_empty(device="cpu")
-    model.init_rope("cpu")
-    load_base(model, ckpt_dir, load_hf)
-    with warnings.catch_warnings():  # a single-process load is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_model_state(ckpt_dir, model)
-    save_hf(model, args, out_dir, dtype)
-    write_tokenizer(run_config, out_dir)  # HF tools encode as we did
-    write_token_ids(run_config, out_dir)  # and generate() stops where we do
+        state = model_class(args).state_dict()
+    read = checkpoint_reader(ckpt_dir, state, base_key_map, args)
+    check = partial(check_export, state, not_exported=not_exported, where=where, out_dir=out_dir)
+    hf_files.write_hf(out_dir, state, read, args=args, dtype=dtype, to_hf=to_hf,
+                      hf_config=hf_config, check=check, shard_bytes=shard_bytes)
+    hf_files.write_tokenizer(run_config, out_dir)  # HF tools encode as we did
+    hf_files.write_token_ids(run_config, out_dir)  # and generate() stops where we do
     return args
 
 
@@ -439,109 +451,6 @@ def wrote(ckpt_dir, out_dir) -> str:
         archs = None
     arch = ", ".join(archs) if archs else "a model (config.json names no architecture)"
     return f"wrote {arch} from {ckpt_dir}: {out_dir}/config.json and {out_dir}/model.safetensors"
-
-
-def byte_tokenizer_json():
-    """A `tokenizers` Tokenizer that gives exactly lingua's byte tokenizer's ids (byte b -> id b,
-    BOS 256 as `<s>`, EOS 257 as `</s>`; encoding with special tokens prepends BOS), so Hugging
-    Face tools (transformers, lm-eval's HFLM) read an export of a byte-level model as we do."""
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import decoders, models, pre_tokenizers, processors
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    # ByteLevel maps each byte to a printable character; a BPE without merges then gives one
-    # token per byte, with the byte's value as its id.
-    alphabet = ByteLevel.alphabet()
-    byte_char = {b: c for b, c in _bytes_to_unicode().items()}
-    assert set(byte_char.values()) == set(alphabet)
-    vocab = {byte_char[b]: b for b in range(256)}
-    tok = HFTok(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 256)])
-    return tok
-
-
-def _bytes_to_unicode() -> Dict[int, str]:
-    # GPT-2's printable stand-ins for bytes, the mapping `tokenizers`' ByteLevel uses.
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, n = keep[:], 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(keep, chars)}
-
-
-def write_tokenizer(run_config, out_dir) -> Optional[str]:
-    """Tokenizer files (of a run config's data.tokenizer) beside an export, so
-    `AutoTokenizer.from_pretrained(out_dir)` (and lm-eval's HFLM on the directory) encodes as
-    training did: the byte tokenizer as an equivalent tokenizer.json, an HF tokenizer.json as it
-    is. Returns what was written, or None with a warning for kinds transformers cannot read as
-    they are (tiktoken, sentencepiece: give the HF tools the tokenizer you trained with)."""
-    import shutil
-
-    tokenizer_args = _tokenizer_args(run_config)
-    out = Path(out_dir)
-    kind = tokenizer_args.kind
-    if kind == "bytes":
-        byte_tokenizer_json().save(str(out / "tokenizer.json"))
-        bos, eos = "<s>", "</s>"
-    elif kind == "hf":
-        src = Path(tokenizer_args.path)
-        shutil.copyfile(src, out / "tokenizer.json")
-        from lingua.data.tokenizer import HFTokenizer
-
-        tok = HFTokenizer(str(src))
-        bos, eos = tok.model.id_to_token(tok.bos_id), tok.model.id_to_token(tok.eos_id)
-    else:
-        logging.getLogger(__name__).warning(
-            "the export has no tokenizer files: transformers cannot read a %s tokenizer as it "
-            "is; pass yours to the Hugging Face tools", kind)
-        return None
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-              "clean_up_tokenization_spaces": False, "model_max_length": 1_000_000_000}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return "tokenizer.json and tokenizer_config.json"
-
-
-def write_token_ids(run_config, out_dir) -> None:
-    """The run tokenizer's BOS and EOS ids into the export (write_generation_ids): without them
-    transformers takes the Llama defaults (BOS 1, EOS 2), other tokens of most vocabularies, and
-    generate() runs past our EOS. Skipped, with a warning, where the tokenizer file is no longer
-    where the run read it."""
-    from lingua.data.tokenizer import build_tokenizer
-
-    try:
-        tokenizer = build_tokenizer(_tokenizer_args(run_config))
-    except ConfigError as err:
-        logging.getLogger(__name__).warning("the export has no BOS/EOS ids: %s", err)
-        return
-    write_generation_ids(out_dir, tokenizer.bos_id, tokenizer.eos_id, pad=tokenizer.eos_id)
-
-
-def write_generation_ids(out_dir, bos: int, eos, pad: int) -> None:
-    """`bos` and `eos` (an id, or a list of stop ids) into an export's config.json, and with
-    `pad` into its generation_config.json, which transformers' generate() reads."""
-    ids = {"bos_token_id": bos, "eos_token_id": eos}
-    config = Path(out_dir) / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), **ids}, indent=2) + "\n")
-    generation = {**ids, "pad_token_id": pad}
-    (Path(out_dir) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-
-
-def _tokenizer_args(run_config):
-    """The TokenizerArgs of a run config's data.tokenizer section."""
-    from omegaconf import OmegaConf
-
-    from lingua.data.tokenizer import TokenizerArgs
-
-    section = OmegaConf.select(run_config, "data.tokenizer") or {}
-    return TokenizerArgs(**OmegaConf.to_container(OmegaConf.create(section), resolve=True))
 
 
 # Training from a Hugging Face checkpoint (checkpoint.init_from): the trainer's side of it.

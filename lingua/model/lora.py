@@ -140,10 +140,9 @@ def _pattern(name: str) -> str:
 
 
 @torch.no_grad()
-def merged_weight(layer: LoRALinear) -> torch.Tensor:
+def merged(weight, lora_a, lora_b, scale: float) -> torch.Tensor:
     """W + s B A in fp32, cast back to the weight's dtype (plain, unsharded tensors)."""
-    w = layer.weight.float() + layer.scale * (layer.lora_b.float() @ layer.lora_a.float())
-    return w.to(layer.weight.dtype)
+    return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
 
 
 def merged_state_dict(model: nn.Module) -> dict:
@@ -152,5 +151,5 @@ def merged_state_dict(model: nn.Module) -> dict:
     state = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
-            state[f"{name}.weight"] = merged_weight(m)
+            state[f"{name}.weight"] = merged(m.weight, m.lora_a, m.lora_b, m.scale)
     return state

@@ -7,6 +7,7 @@ halves as HF's `rotate_half` does, so q/k rows are copied as they are."""
 import torch
 
 from lingua.checkpoint import hf as lingua_hf
+from lingua.checkpoint import hf_files
 from lingua.errors import ConfigError
 from lingua.models.llama.model import LlamaArgs, Transformer
 
@@ -81,7 +82,7 @@ WHERE = f"key_map in {lingua_hf.app_file(__file__)}"
 
 
 def save_hf(model: Transformer, model_args: LlamaArgs, path, dtype: torch.dtype | None = None):
-    lingua_hf.save_hf(model, model_args, path, dtype, key_map=key_map,
+    lingua_hf.save_hf(model, model_args, path, dtype, to_hf=hf_files.renaming(key_map),
                       hf_config=llama_hf_config, not_exported=NOT_EXPORTED, where=WHERE)
 
 
@@ -94,7 +95,8 @@ def load_hf(path, dtype: torch.dtype | None = torch.float32):
 
 def export(ckpt_dir, out_dir, dtype: torch.dtype | None = None) -> None:
     lingua_hf.export(ckpt_dir, out_dir, dtype, model_class=Transformer, args_class=LlamaArgs,
-                     export_problems=export_problems, save_hf=save_hf,
+                     export_problems=export_problems, to_hf=hf_files.renaming(key_map),
+                     hf_config=llama_hf_config, not_exported=NOT_EXPORTED, where=WHERE,
                      command=lingua_hf.command(__file__))
 
 
