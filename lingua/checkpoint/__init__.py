@@ -295,7 +295,7 @@ def _merged(part_states: list) -> dict:
 
 def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
          config_yaml: str, rank: int, world_size: int, keep: int,
-         in_use: Optional[InUse] = None, base: Optional[dict] = None) -> Path:
+         in_use: Optional[InUse] = None, base: Optional[dict] = None, background: bool = False):
     """Collective: every rank calls it. Returns the final checkpoint directory. Afterwards the
     checkpoints older than the newest `keep` intact ones are deleted, except those `in_use`
     (a step -> bool the caller gives, e.g. a checkpoint a pending evaluation job will read).
@@ -303,19 +303,43 @@ def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
     If any rank cannot write (a full disk, a read-only or vanished directory), every rank raises
     RunError after the half-written directory is removed; older checkpoints are untouched.
     `base` (frozen_base's record): the frozen weights are left out, base.json names them.
+
+    `background` (checkpoint.async_save, `save_async`): returns the PendingSave at once, the
+    model and optimizer state copied to CPU memory (DCP's stager: new CPU storage, so later
+    steps do not reach the copy); a thread writes the files and checksums them, and nothing is
+    visible until every rank calls `finish` at the same step boundary. The caller finishes one
+    save before starting the next. DCP's collectives then run on a gloo group of their own, so
+    they never interleave with the training loop's.
     """
     ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use,
                        base)
     error = ckpt.open()
     if error is None:
         _quiet_single_process_dcp()
+        state = _merged(_part_states(parts, optimizers, base is not None))
         try:
-            dcp.save(_merged(_part_states(parts, optimizers, base is not None)),
-                     checkpoint_id=str(ckpt.tmp),
-                     no_dist=world_size == 1)
+            if background:
+                started = time.perf_counter()
+                upload = dcp.async_save(state, checkpoint_id=str(ckpt.tmp), no_dist=world_size == 1,
+                                        process_group=_async_group() if world_size > 1 else None)
+                # A Future; an AsyncSaveResponse only with a stager that copies in the background.
+                ckpt.start(getattr(upload, "upload_completion", upload))
+                if rank == 0:
+                    logger.info("checkpoint %s: state copied to CPU memory in %.2f s, written "
+                                "while training goes on", ckpt.final,
+                                time.perf_counter() - started)
+            else:
+                dcp.save(state, checkpoint_id=str(ckpt.tmp), no_dist=world_size == 1)
         except (Exception, CheckpointException) as err:
             # DCP raises the same CheckpointException (a BaseException) on every rank.
             error = _root_cause(err)
+    if background:
+        # Every rank is writing, or none goes on (a rank that could not copy its state would
+        # leave the others' writers waiting for it).
+        error = _first_error(error, world_size)
+        if error is not None:
+            ckpt.close(error, {})   # raises RunError
+        return ckpt
     described = {}
     if error is None:
         try:
@@ -325,46 +349,8 @@ def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
     return ckpt.close(error, described)
 
 
-def save_async(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
-               config_yaml: str, rank: int, world_size: int, keep: int,
-               in_use: Optional[InUse] = None, base: Optional[dict] = None) -> "PendingSave":
-    """Collective: `save` whose files are written while training goes on (checkpoint.async_save).
-
-    Before it returns, the model and optimizer state are copied to CPU memory (DCP's stager: a
-    new CPU storage for every tensor, so later optimizer steps do not reach the copy) and this
-    rank's train state (step, data position, scheduler, RNG) is captured; a background thread
-    then writes the DCP shards and this rank's train state into `<step>.tmp-<nonce>/` and
-    checksums them. Nothing is visible until `finish` (called by every rank at the same step
-    boundaries) writes the manifest and renames the directory, as `save` does. The caller
-    finishes one save before starting the next, so at most one copy of the state is held.
-
-    DCP's own collectives run in the background thread on a gloo group of their own, so they
-    never interleave with the training loop's collectives.
-    """
-    group = _async_group() if world_size > 1 else None
-    ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use,
-                       base)
-    error = ckpt.open()
-    if error is None:
-        _quiet_single_process_dcp()
-        try:
-            started = time.perf_counter()
-            upload = dcp.async_save(_merged(_part_states(parts, optimizers, base is not None)),
-                                    checkpoint_id=str(ckpt.tmp), process_group=group,
-                                    no_dist=world_size == 1)
-            # A Future here; an AsyncSaveResponse only with a stager that copies in the background.
-            ckpt.start(getattr(upload, "upload_completion", upload))
-            if rank == 0:
-                logger.info("checkpoint %s: state copied to CPU memory in %.2f s, written while "
-                            "training goes on", ckpt.final, time.perf_counter() - started)
-        except (Exception, CheckpointException) as err:
-            error = _root_cause(err)
-        # Every rank is writing, or none goes on (a rank that could not copy its state would
-        # leave the others' writers waiting for it).
-        error = _first_error(error, world_size)
-    if error is not None:
-        ckpt.close(error, {})   # raises RunError
-    return ckpt
+def save_async(*args, **kwargs) -> "PendingSave":
+    return save(*args, **kwargs, background=True)
 
 
 class PendingSave:

@@ -83,11 +83,11 @@ class Checkpointing:
         def in_use(step: int) -> bool:
             return any(keeps(step) for keeps in self.checkpoint_in_use)
 
-        save = checkpoint.save_async if args.checkpoint.async_save and not wait else checkpoint.save
-        saved = save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers, train_state,
-                     self.config_yaml, env.rank, env.world_size, args.checkpoint.keep, in_use,
-                     self.base)
-        if save is checkpoint.save_async:
+        background = args.checkpoint.async_save and not wait
+        saved = checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
+                                train_state, self.config_yaml, env.rank, env.world_size,
+                                args.checkpoint.keep, in_use, self.base, background=background)
+        if background:
             self.pending_save = saved
 
     def save_share(self) -> dict:
