@@ -192,3 +192,15 @@ def test_norm_rope_benchmark_checks_each_side_against_torch_before_timing(capsys
     out = capsys.readouterr().out
     for line in ("rmsnorm F.rms_norm", "rmsnorm lingua", "rope composite", "rope lingua"):
         assert re.search(rf"{line} +fwd\+bwd +[\d.]+ ms +\S+/this +[\d.]+x", out), out
+
+
+def test_mesh_groups_benchmark_checks_both_meshes_alike(capsys):
+    """benchmarks/mesh_groups.py, in process: torch's mesh and ours give every dimension the
+    same ranks (else it exits), and ours joins fewer groups where dimensions share ranks."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import mesh_groups
+
+    assert mesh_groups.main(["--layout", "64:dp_shard=8,tp=8"]) == 0
+    out = capsys.readouterr().out
+    row = re.search(r"64:dp_shard=8,tp=8 +(\d+) +(\d+) +[\d.]+", out)
+    assert row and int(row.group(1)) > int(row.group(2)), out
