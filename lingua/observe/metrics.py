@@ -1,22 +1,13 @@
 """Training metrics: FLOPs and MFU, memory, and where they go (stdout, metrics.jsonl, wandb).
 
-MFU = model FLOPs per token x tokens/s / peak FLOP/s of the hardware.
-  model FLOPs per token = 6 x N + 4 x N_frozen + 12 x n_layers x dim x seq_len
-N counts every trainable parameter that takes part in a matmul (the embedding lookup does not, the
-output projection does, once even when tied); N_frozen the frozen ones (LoRA's base weights: a
-forward and an input-gradient matmul, no weight gradient); the last term is attention's QK^T and AV
-(forward and backward, PaLM's convention, counted as if not causal); MoE apps count active
-parameters only (apps/moe/model.py: top_k of the routed experts, all shared ones). On a GPU the peak
-comes from a table of dense data-sheet peaks; on CPU (or a GPU missing from it) it is measured once,
-before the loop, on the forward matmul of the model's largest linear over a micro-batch's tokens, in
-the run's dtype: the best of a few short rounds spread over up to a second (other load only ever
-slows a round down). MFU on CPU is then "fraction of what this model's largest matmul reaches on
-this machine". One peak per run: every row's mfu is divided by the same number, so MFU moves only
-with tokens/s. Nothing is cached across runs: a peak measured while the machine was busy would make
-every later run's MFU too high. The peak used goes to dump_dir/peak.json (`Peak`). MFU is never
-above 1: a row above it (the peak is wrong, or the FLOP count) logs mfu as null and the ratio under
-`mfu_above_peak`, with a warning; where no credible peak exists (bf16 on a CPU without bf16
-instructions, which torch emulates) mfu is null too.
+MFU = model FLOPs per token x tokens/s / peak FLOP/s, with model FLOPs per token = 6 x N +
+4 x N_frozen + 12 x n_layers x dim x seq_len (flops_per_token; MoE apps count active parameters
+only). The peak is a data-sheet value on a known GPU; on CPU (or an unknown GPU) it is measured
+once before the loop on the model's largest linear, in the run's dtype, and recorded in
+dump_dir/peak.json (`Peak`). One peak per run, never cached across runs (a busy machine would
+skew every later run). An MFU above 1 says the peak (or the FLOP count) is wrong: it is logged as
+null with the ratio under `mfu_above_peak`; with no credible peak (bf16 emulated on CPU) mfu is
+null too.
 """
 
 import collections
@@ -53,19 +44,18 @@ class LoggingArgs:
     wandb_mode: str = "offline"     # offline | online (online needs WANDB_API_KEY in the env)
     name: Optional[str] = None      # run name (defaults to the dump_dir's name)
     quiet: bool = False             # no progress lines on stderr (python -m apps.<app>.eval)
-    # Moved to optim.spike_factor / optim.spike_window. Kept so that the config.yaml every run
-    # directory holds (these keys, null) still loads for resume, eval and export; setting either
-    # is a config error naming the new key (lingua.launch.run.validate).
+    # Moved to optim.*: kept so older runs' config.yaml (these keys, null) still loads; setting
+    # either is a config error naming the new key (lingua.launch.run.validate).
     spike_factor: Optional[float] = None
     spike_window: Optional[int] = None
 
 
 def flops_per_token(model: nn.Module, n_layers: int, dim: int, seq_len: int,
                     tied_embeddings: bool = False) -> float:
-    """6 x trainable + 4 x frozen matmul parameters, plus attention (the module docstring).
-    A frozen weight (requires_grad False: LoRA's base) does its forward and input-gradient
-    matmuls, not the weight-gradient one. The matrices of each nn.Linear count: its weight and
-    any other matrix it holds (lingua.model.lora.LoRALinear's adapters), never its bias."""
+    """6 x trainable + 4 x frozen (LoRA's base: no weight gradient) matmul parameters, plus
+    attention's QK^T and AV (PaLM's convention, as if not causal). Counted: every matrix an
+    nn.Linear holds (LoRA adapters too, never a bias), the output projection once even when tied;
+    not the embedding lookup."""
     matrices = [p for m in model.modules() if isinstance(m, nn.Linear)
                 for p in m.parameters(recurse=False) if p.dim() >= 2]
     if tied_embeddings:  # the output matmul reuses the embedding matrix, but still costs FLOPs
@@ -75,16 +65,15 @@ def flops_per_token(model: nn.Module, n_layers: int, dim: int, seq_len: int,
     return 6.0 * trainable + 4.0 * frozen + 12.0 * n_layers * dim * seq_len
 
 
-# One measured matmul's work is capped so the measurement stays well under a second on a CPU,
-# whatever the model: above it the rows (tokens) are cut, which barely changes a CPU's rate.
+# A measured matmul's work is capped (its rows cut) to stay well under a second on a CPU.
 MAX_MEASURED_FLOPS = 2e10
 MIN_MEASURED_ROWS = 64
 PEAK_NAME = "peak.json"
 
 
 def largest_linear(parts) -> Optional[tuple]:
-    """(in_features, out_features) of the largest nn.Linear in the model parts (full, logical
-    shapes: a DTensor's shape is the whole matrix), or None where there is none."""
+    """(in_features, out_features) of the largest nn.Linear in the parts (a DTensor's logical
+    shape), or None where there is none."""
     shapes = [tuple(m.weight.shape) for part in parts for m in part.modules()
               if isinstance(m, nn.Linear)]
     if not shapes:
@@ -95,15 +84,10 @@ def largest_linear(parts) -> Optional[tuple]:
 
 def measure_matmul_peak(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
                         seconds: float = 0.5, max_repeats: int = 50) -> dict:
-    """Best FLOP/s of an [m, k] x [k, n] matmul (the forward of a linear over m tokens) on this
-    device with this process's threads: two warm-up calls, then at least 3 and at most
-    `max_repeats` timed calls within `seconds`, the fastest one kept (other load on the machine
-    only ever slows a call down). Returns {"flops_per_s", "best_s", "repeats"}.
-    Half a second: within 0.1 s (3 calls of a 50M model's matmul) the best call varied from 71
-    to 87 GFLOP/s on a 2-core AVX2 machine with another process on the other core, while the
-    training step itself reached 84. Small matmuls stop at max_repeats long before."""
-    # From a generator of its own: the global one is the run's (checkpointed, resumed), and how
-    # many calls a measurement makes depends on the machine's load.
+    """Best FLOP/s of an [m, k] x [k, n] matmul on this device: two warm-up calls, then 3 to
+    `max_repeats` timed calls within `seconds`, the fastest kept (other load only slows a call).
+    Returns {"flops_per_s", "best_s", "repeats"}."""
+    # A generator of its own: the global one is the run's (checkpointed, resumed).
     gen = torch.Generator(device).manual_seed(0)
     a = torch.randn(m, k, dtype=dtype, device=device, generator=gen)
     b = torch.randn(k, n, dtype=dtype, device=device, generator=gen)
@@ -132,8 +116,8 @@ BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Optional[frozenset]:
-    """This CPU's feature flags as /proc/cpuinfo lists them ("flags" on x86, "Features" on Arm);
-    None where there is no /proc/cpuinfo to read (macOS). Tests replace this function."""
+    """This CPU's feature flags from /proc/cpuinfo ("flags" on x86, "Features" on Arm); None
+    where there is none (macOS). Tests replace this function."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
@@ -146,8 +130,8 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Optional[frozenset]:
 
 
 def cpu_bf16_emulated() -> bool:
-    """True where this CPU has no bf16 instructions and torch emulates bf16 matmuls (an AVX2-only
-    x86: about 0.7 GFLOP/s, 30-100x slower than fp32); False where it has them, or is unknown."""
+    """True where this CPU has no bf16 instructions, so torch emulates bf16 matmuls (30-100x
+    slower than fp32); False where it has them, or is unknown."""
     flags = cpu_flags()
     return flags is not None and not flags & BF16_CPU_FLAGS
 
@@ -167,12 +151,9 @@ def warn_once(key: str, message: str) -> None:
 
 
 def mfu(flops_per_s: float, peak) -> Optional[float]:
-    """Model FLOPs utilisation (`flops_per_s` of model FLOPs on one device over its peak), or None
-    where no honest number exists: no credible peak (bf16 emulated on this CPU), or a value above
-    1, which says the peak is wrong (a CPU measurement disturbed by other load, a GPU not in
-    GPU_PEAK_FLOPS, a FLOP count that misses work), not that the run beat the hardware. `peak`:
-    a run's Peak or FLOP/s. Logged as JSON null rather than a made-up number, with a warning the
-    first time (mfu_fields also logs the ratio)."""
+    """One device's model FLOP/s over its peak (a run's Peak or FLOP/s), or None where no honest
+    number exists: no credible peak, or a value above 1, which says the peak or the FLOP count
+    is wrong (warned once; see mfu_fields)."""
     return mfu_fields(flops_per_s, peak)["mfu"]
 
 
@@ -180,40 +161,32 @@ def mfu_fields(flops_per_s: float, peak) -> dict:
     """A row's {"mfu": value}; above 1, {"mfu": None, "mfu_above_peak": the ratio} and a
     warning. The peak is never changed here: every row of a run is divided by the same one."""
     flops = peak.flops_per_s if isinstance(peak, Peak) else peak
-    value = _ratio(flops_per_s, flops)
-    if value is None or value <= 1:
+    if not flops:
+        return {"mfu": None}
+    value = flops_per_s / flops
+    value = value if math.isfinite(value) else math.inf
+    if value <= 1:
         return {"mfu": value}
     where = f"The peak's record is {peak.path}. " if getattr(peak, "path", None) else ""
-    _warn_not_credible(value, flops, where)
+    warn_once("mfu_above_1",
+              f"MFU came out at {100 * value:.0f}% of the peak ({_show_flops(flops)} per device), "
+              f"which no run reaches: that peak is not credible for this hardware, so such MFU "
+              f"values are logged as null (the ratio as mfu_above_peak). {where}On a GPU the "
+              f"peak is the data-sheet value in lingua.observe.metrics.GPU_PEAK_FLOPS; on CPU it "
+              f"is measured before each run's loop on a matmul of the model's shape (a machine "
+              f"busy with other work then gives a low peak): run again on an idle machine.")
     return {"mfu": None, "mfu_above_peak": value}
-
-
-def _ratio(flops_per_s: float, peak: Optional[float]) -> Optional[float]:
-    if not peak:
-        return None
-    value = flops_per_s / peak
-    return value if math.isfinite(value) else math.inf
 
 
 def _show_flops(value: float) -> str:
     return f"{value / 1e12:.1f} TFLOP/s" if value >= 1e12 else f"{value / 1e9:.1f} GFLOP/s"
 
 
-def _warn_not_credible(value: float, peak: float, where: str) -> None:
-    warn_once("mfu_above_1",
-              f"MFU came out at {100 * value:.0f}% of the peak ({_show_flops(peak)} per device), "
-              f"which no run reaches: that peak is not credible for this hardware, so such MFU "
-              f"values are logged as null (the ratio as mfu_above_peak). {where}On a GPU the "
-              f"peak is the data-sheet value in lingua.observe.metrics.GPU_PEAK_FLOPS; on CPU it "
-              f"is measured before each run's loop on a matmul of the model's shape (a machine "
-              f"busy with other work then gives a low peak): run again on an idle machine.")
-
-
 @dataclass
 class Peak:
-    """The peak FLOP/s that one device's MFU is divided by, and how it was obtained: what
-    `dump_dir/peak.json` records (rank 0's, written once before each run's loop; a resumed run's
-    earlier entries kept under "earlier"). It does not change during a run."""
+    """The peak FLOP/s one device's MFU is divided by, and how it was obtained: what rank 0
+    writes to dump_dir/peak.json before the loop (a resumed run's earlier entries under
+    "earlier"). It does not change during a run."""
     flops_per_s: Optional[float]   # None: no credible peak, mfu is logged as null
     source: str                    # "datasheet" | "measured" | "none"
     dtype: str                     # the run's distributed.model_dtype
@@ -227,19 +200,15 @@ class Peak:
     note: str = ""
     path: Optional[Path] = None    # where peak.json goes (rank 0), None elsewhere
 
-    def record(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "path"}
-
     def write(self, earlier: list) -> None:
-        if self.path is None:
-            return
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({**self.record(), "earlier": earlier}, indent=1) + "\n")
-        os.replace(tmp, self.path)
+        record = {k: v for k, v in self.__dict__.items() if k != "path"}
+        _write_atomic(self.path, json.dumps({**record, "earlier": earlier}, indent=1) + "\n")
 
-    def mfu(self, flops_per_s: float) -> Optional[float]:
-        """flops_per_s / the peak, or None above 1 (see mfu_fields)."""
-        return mfu(flops_per_s, self)
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -251,13 +220,10 @@ def _now() -> str:
 
 def run_peak(device: torch.device, dtype_name: str, parts=(), tokens: int = 1024,
              step: int = 0, dump_dir=None) -> Peak:
-    """The run's peak for MFU, obtained once before its loop: on a GPU the data-sheet value
-    (GPU_PEAK_FLOPS); on a CPU, or a GPU not in that table, measured now on the forward matmul of
-    the model's largest linear over `tokens` (a micro-batch: data.batch_size x data.seq_len), in
-    the run's dtype, best of PEAK_ROUNDS rounds (measure_rounds); None (source "none") for bf16
-    on a CPU that emulates it. With dump_dir (rank 0), written to dump_dir/peak.json: value,
-    source, dtype, device, shape, rounds, time; an earlier run's entry (a resume) is kept under
-    "earlier"."""
+    """The run's peak for MFU, obtained once before its loop: the data-sheet value on a known
+    GPU, else measured now on the model's largest linear over `tokens` (a micro-batch) in the
+    run's dtype (measure_rounds); None (source "none") for bf16 emulated on CPU. With dump_dir
+    (rank 0), written to dump_dir/peak.json, an earlier run's entry (a resume) kept."""
     peak = _obtain_peak(device, dtype_name, parts, tokens)
     peak.from_step = step
     if dump_dir is not None:
@@ -279,9 +245,7 @@ def _earlier_peaks(path: Path) -> list:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    if not isinstance(old, dict):
-        return []
-    return old.pop("earlier", []) + [old]
+    return old.pop("earlier", []) + [old] if isinstance(old, dict) else []
 
 
 def _obtain_peak(device: torch.device, dtype_name: str, parts, tokens: int) -> Peak:
@@ -309,9 +273,8 @@ def _obtain_peak(device: torch.device, dtype_name: str, parts, tokens: int) -> P
                 **measure_rounds(m, k, n, DTYPES[dtype_name], device))
 
 
-# A run's measured peak: the best of PEAK_ROUNDS rounds of PEAK_ROUND_S, with a pause as long as
-# the round between them, so that a moment of other load (a process starting beside the run)
-# lowers one round, not the peak. Each round keeps its fastest call (measure_matmul_peak).
+# A measured peak: the best of PEAK_ROUNDS rounds of PEAK_ROUND_S, a pause as long as the round
+# between them, so that a moment of other load lowers one round, not the peak.
 PEAK_ROUNDS = 3
 PEAK_ROUND_S = 0.2
 
@@ -339,8 +302,7 @@ def _device_name(device: torch.device) -> str:
 
 def peak_flops(device: torch.device, dtype_name: str) -> Optional[float]:
     """Peak FLOP/s of one device in the dtype (benchmarks): the data-sheet value on a known GPU,
-    else a 1024^3 matmul measured now; None where there is no credible one (bf16 emulated on
-    this CPU: measuring it would only time the emulation)."""
+    else a 1024^3 matmul measured now; None for bf16 emulated on this CPU."""
     if device.type == "cpu" and not (dtype_name == "bf16" and cpu_bf16_emulated()):
         return measure_cpu_peak(DTYPES[dtype_name])
     return _obtain_peak(device, dtype_name, (), 1024).flops_per_s
@@ -369,8 +331,7 @@ class MetricLogger:
         if args.wandb:
             import wandb
 
-            # The API key stays in the environment: we pass only the run config, which holds none.
-            self.wandb_run = wandb.init(
+            self.wandb_run = wandb.init(  # the API key stays in the environment
                 project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode,
                 dir=str(dump_dir), name=args.name or Path(dump_dir).name, config=run_config,
                 id=wandb_id(dump_dir), resume="allow")
@@ -384,8 +345,8 @@ class MetricLogger:
                                step=metrics["step"])
 
     def rewind(self, step: int) -> None:
-        """Forget the rows after `step` (a loss-spike rollback went back to that step's
-        checkpoint: those steps run again). wandb keeps what it was sent: it cannot go back."""
+        """Forget the rows after `step` (a loss-spike rollback: those steps run again). wandb
+        keeps what it was sent."""
         if not self.enabled:
             return
         self.file.close()
@@ -401,16 +362,13 @@ class MetricLogger:
 
 
 def drop_rows_after(path: Path, step: int) -> None:
-    """On resume, forget rows a crashed run logged after its last checkpoint: those steps are
-    about to run again, and metrics.jsonl should hold each step once."""
+    """Drop the rows logged after `step` (a resume or rollback runs those steps again)."""
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
     kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
     if len(kept) != len(lines):
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        _write_atomic(path, "".join(kept))
 
 
 def wandb_id(dump_dir) -> str:
@@ -424,16 +382,14 @@ def wandb_id(dump_dir) -> str:
 
 
 def format_line(m: dict, total_steps: Optional[int] = None) -> str:
-    """The step's line for a person: progress first (`step 120/200 (60%)`), the time left last
-    (`eta 0:45`, from `eta_s` when the row has one)."""
+    """The step's line for a person: `step 120/200 (60%)` first, `eta 0:45` (from eta_s) last."""
     step = f"step {m['step']}"
     if total_steps:
         step += f"/{total_steps} ({100 * m['step'] / total_steps:.0f}%)"
     parts = [step, f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
              f"gnorm {m['grad_norm']:.3f}", f"tok/s {m['tokens_per_s']:.0f}",
              "mfu n/a" if m["mfu"] is None else f"mfu {100 * m['mfu']:.1f}%",
-             f"data {1000 * m['data_s']:.0f}ms",
-             f"mem {m['peak_mem_gib']:.2f}GiB"]
+             f"data {1000 * m['data_s']:.0f}ms", f"mem {m['peak_mem_gib']:.2f}GiB"]
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f} ppl {m['val_ppl']:.1f}")
     parts += [f"{k.removeprefix('eval/')} {v:.4f}" for k, v in m.items()
@@ -451,13 +407,10 @@ def format_duration(seconds: float) -> str:
 
 
 class Window:
-    """Step times and token counts since the last logged step (tokens/s over the window), and
-    the wall-clock ends of the recent steps, which outlive a reset: the ETA.
-
-    The ETA divides the time between the ends of the last RECENT_STEPS steps by their number, so
-    it includes what happens between steps (evaluation, checkpoint saves, logging) and leaves out
-    the first step after the loop starts (compilation, allocator and cache warm-up): its end is
-    where the first interval starts."""
+    """Step times and token counts since the last logged step, and the ends of the last
+    RECENT_STEPS steps, which outlive a reset: the ETA's pace. That pace includes what happens
+    between steps (evaluation, checkpoints) and leaves out the first step (compilation, warm-up):
+    its end is where the first interval starts."""
 
     RECENT_STEPS = 50
 
@@ -479,9 +432,8 @@ class Window:
 
     def add(self, step_seconds: float, data_seconds: float, tokens: int,
             phase_seconds: Optional[dict] = None, now: Optional[float] = None) -> None:
-        """`phase_seconds` ({"fwd": s, ...}) only for steps whose phases were timed: on CUDA
-        that is the synchronized, logged step alone (see profiling.PhaseTimer). `now`: the
-        step's end (time.perf_counter()), given by tests."""
+        """`phase_seconds` ({"fwd": s, ...}) only for timed steps (profiling.PhaseTimer); `now`:
+        the step's end (time.perf_counter()), given by tests."""
         self.step_ends.append(time.perf_counter() if now is None else now)
         self.steps += 1
         self.seconds += step_seconds

@@ -1,20 +1,13 @@
-"""Compare training runs from their metrics.jsonl: loss (and val_loss), lr, grad_norm, tokens/s,
-MFU, peak memory, and downstream-task metrics (`eval/<task>/<metric>` keys) against step.
+"""Compare training runs from their metrics.jsonl against step: `python -m lingua.plot runs/a
+runs/b [--out DIR]` writes DIR/compare.png (loss and val_loss, lr, grad_norm, tokens/s, MFU, peak
+memory; default DIR: the first run's dump_dir/plots/) and, when any run has `eval/<task>/<metric>`
+keys, DIR/downstream.png (the loss, then one panel per task and metric), printing each path.
 
-    python -m lingua.plot runs/a runs/b [--out DIR]
-
-writes DIR/compare.png (default: the first run's dump_dir/plots/) and, when any run has `eval/`
-keys, DIR/downstream.png beside it (the loss curves, then one panel per task and metric); it
-prints the absolute path of each file written.
-Figures meant for a report: a title naming the runs, every axis labelled with its unit, one
-legend above the panels, each run its own colour AND line style AND marker (two runs with
-identical curves stay visible: the later one dashed over the earlier, markers at other steps),
-val_loss as markers joined by a thin solid line, loss and grad norm on a log scale that ends on
-a labelled tick at each end, MFU never drawn above 100% (a value above it says the peak was
-wrong; the panel says how many were dropped), and a downstream accuracy's chance level as a
-dashed line.
-`save_figure` is the one place figures are written, so every plot this project makes has the
-same backend, dpi and therefore a pixel size that depends only on the figure size.
+Figures for a report: a title naming the runs, units on every axis, one legend above the panels,
+each run its own colour, line style and marker (identical curves stay visible), log-scale loss
+and grad norm ending on labelled ticks, MFU never drawn above 100%, and a chance line for
+multiple-choice accuracies. `save_figure` is the one place figures are written, so every plot's
+pixel size depends only on its figure size.
 """
 
 import argparse
@@ -49,13 +42,11 @@ LEGEND_COLS = 6
 LEGEND_ROW_INCHES = 0.35  # the legend band above the grid grows a row per LEGEND_COLS entries
 TITLE_INCHES = 0.35  # the figure title, above the legend
 TITLE_CHARS = 110    # a longer list of run names ends in "and N more" (the legend names them all)
-# Log-axis tick mantissas per decade (log_ticks), and how many ticks a log axis may have.
-LOG_SUBS = [(1,), (1, 2, 5), (1, 2, 3, 5, 7), (1, 1.5, 2, 3, 4, 5, 6, 8)]
+LOG_SUBS = [(1,), (1, 2, 5), (1, 2, 3, 5, 7), (1, 1.5, 2, 3, 4, 5, 6, 8)]  # tick mantissas
 MAX_LOG_TICKS = 8
 TICK_SLACK = 1.05  # a log axis may end this factor beyond its end tick rather than a tick further
-# Multiple-choice lm-eval tasks (and the shipped lingua_continuation) -> choices per question,
-# for the chance line of their accuracies. ARC has a few 3- and 5-choice questions: ~1/4.
-# A task not listed gets no chance line rather than a guessed one.
+# Multiple-choice tasks -> choices per question, for their accuracies' chance line (ARC: ~4). A
+# task not listed gets no chance line rather than a guessed one.
 TASK_CHOICES = {
     "lingua_continuation": 4, "arc_easy": 4, "arc_challenge": 4, "hellaswag": 4, "openbookqa": 4,
     "sciq": 4, "mmlu": 4, "race": 4, "logiqa": 4, "piqa": 2, "winogrande": 2, "boolq": 2,
@@ -64,8 +55,8 @@ TASK_CHOICES = {
 }
 CHANCE_METRICS = ("acc", "acc_norm")
 CHANCE_STYLE = {"color": "0.35", "linestyle": "--", "linewidth": 1.0}
-# Run i: colour C<i>, line style and marker cycled at other periods, so no two of the first
-# dozen runs look alike even in greyscale. "o" is left for val_loss.
+# Run i: colour C<i>, line style and marker cycled at other periods (distinct even in greyscale).
+# "o" is left for val_loss.
 LINESTYLES = ["-", "--", ":", "-."]
 MARKERS = ["s", "^", "D", "v", "P", "X"]
 MARKERS_PER_LINE = 8
@@ -82,8 +73,7 @@ class Panel:
     cap: Optional[float] = None   # values above it (after scale) are not credible: dropped
 
 
-# One panel each, in this order (a 2 x 3 grid).
-PANELS = [
+PANELS = [  # a 2 x 3 grid, in this order
     Panel("loss", "loss", "cross-entropy (nats/token)", log=True),
     Panel("lr", "learning rate", "learning rate"),
     Panel("grad_norm", "grad norm", "gradient L2 norm", log=True),
@@ -94,10 +84,8 @@ PANELS = [
 
 
 def read_metrics(dump_dir) -> List[dict]:
-    """The rows of dump_dir/metrics.jsonl, blank lines skipped.
-
-    Raises ConfigError (a ValueError) naming the path when the directory or file is missing, and
-    the file and line number when a line is not a JSON object with a `step`."""
+    """The rows of dump_dir/metrics.jsonl, blank lines skipped. ConfigError (a ValueError) naming
+    the path or the line that is missing or not a JSON object with a `step`."""
     dump_dir = Path(dump_dir)
     path = dump_dir / "metrics.jsonl"
     if not dump_dir.is_dir():
@@ -148,13 +136,9 @@ def run_labels(dump_dirs: Sequence) -> List[str]:
 
 
 def series(rows: Sequence[dict], key: str, scale: float = 1.0):
-    """(steps, values) for key, sorted by step, each step once (its last row) and rows without a
-    numeric value skipped, so a key a run does not log simply has no points."""
-    by_step = {}
-    for row in rows:
-        value = row.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            by_step[row["step"]] = value * scale
+    """(steps, values) for key, sorted by step, each step once (its last row), rows without a
+    numeric value skipped."""
+    by_step = {row["step"]: row[key] * scale for row in rows if _number(row.get(key))}
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 
@@ -164,12 +148,9 @@ Series = Tuple[List[int], List[float], Optional[List[float]]]
 
 def downstream_series(rows: Sequence[dict]) -> Dict[Tuple[str, str], Series]:
     """{(task, metric): (steps, values, stderrs)} from the rows' eval/<task>/<metric> keys, sorted
-    by (task, metric), each series sorted by step.
-
-    Evaluation jobs append their rows out of step order and may report a step twice: the last row
-    with that metric wins, and its stderr comes from that same row. stderrs is None when no row
-    gives eval/<task>/<metric>_stderr, else NaN where that step's row does not. Non-numeric values
-    (a task alias, lm-eval's "N/A" stderr) are skipped."""
+    by (task, metric) and step. Rows come out of step order and may repeat a step: the last row
+    wins, stderr from that same row. stderrs is None when no row has one, else NaN where a row
+    has none. Non-numeric values (a task alias, lm-eval's "N/A" stderr) are skipped."""
     by_key: Dict[Tuple[str, str], Dict[int, Tuple[float, Optional[float]]]] = {}
     for row in rows:
         for key, value in row.items():
@@ -196,13 +177,6 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def metric_axis(metric: str) -> Tuple[float, str]:
-    """(scale, y label) for a downstream metric: accuracy-like fractions are drawn in %."""
-    if metric in PERCENT_METRICS:
-        return 100.0, f"{metric} (%)"
-    return 1.0, metric
-
-
 def run_styles(runs: Mapping[str, Sequence[dict]]) -> Dict[str, dict]:
     """label -> {color, linestyle, marker} by run order (the same in every figure)."""
     return {label: {"color": f"C{i % 10}", "linestyle": LINESTYLES[i % len(LINESTYLES)],
@@ -210,18 +184,17 @@ def run_styles(runs: Mapping[str, Sequence[dict]]) -> Dict[str, dict]:
 
 
 def plot_run(ax, steps, values, style: dict, index: int, n_runs: int, **kwargs):
-    """One run's curve: its colour and line style, its marker at about MARKERS_PER_LINE steps,
-    shifted per run so that identical curves show every run's markers."""
+    """One run's curve in its style, markers at about MARKERS_PER_LINE steps, shifted per run so
+    that identical curves show every run's markers."""
     every = max(n_runs, len(steps) // MARKERS_PER_LINE, 1)
     return ax.plot(steps, values, color=style["color"], linestyle=style["linestyle"],
                    marker=style["marker"], markersize=5, linewidth=1.4,
                    markevery=(index % every, every), **kwargs)
 
 
-def draw_loss(ax, runs: Mapping[str, Sequence[dict]],
-              styles: Mapping[str, dict]) -> Tuple[bool, bool]:
-    """Each run's train loss (its style) and val_loss (rings joined by a thin solid line, in the
-    run's colour) on ax. Returns (drawn, has_val)."""
+def draw_loss(ax, runs: Mapping[str, Sequence[dict]], styles: Mapping[str, dict]) -> bool:
+    """The loss panel: each run's train loss and val_loss (rings on a thin line, in the run's
+    colour). Returns whether any val_loss was drawn."""
     drawn = has_val = False
     for i, (label, rows) in enumerate(runs.items()):
         steps, values = series(rows, "loss")
@@ -235,7 +208,10 @@ def draw_loss(ax, runs: Mapping[str, Sequence[dict]],
                     marker=VAL_MARKER, markersize=6 + 3 * min(len(runs) - 1 - i, 3),
                     markerfacecolor="none", markeredgewidth=1.5, label=f"{label} val_loss")
             drawn = has_val = True
-    return drawn, has_val
+    style_panel(ax, PANELS[0].title, drawn, PANELS[0].ylabel)
+    if drawn:
+        log_scale(ax)
+    return has_val
 
 
 def legend_handles(runs, styles: Mapping[str, dict], has_val: bool) -> List[Line2D]:
@@ -265,7 +241,7 @@ def style_panel(ax, title: str, drawn: bool, ylabel: Optional[str] = None) -> No
 
 def log_scale(ax, values=None) -> None:
     """A log y axis where every value drawn (or given) is positive (else linear stays), ending on
-    major ticks labelled with plain numbers (0.6, 0.8, 1, 1.2: not 6x10^-1, nor a lone label)."""
+    major ticks labelled with plain numbers (0.6, 0.8, 1, 1.2: not 6x10^-1)."""
     values = list(values or [y for line in ax.get_lines() for y in line.get_ydata()])
     if not values or min(values) <= 0:
         return
@@ -281,10 +257,10 @@ def log_scale(ax, values=None) -> None:
 
 
 def log_ticks(low: float, high: float) -> List[float]:
-    """3 to MAX_LOG_TICKS major ticks for a log axis over values in [low, high], the first at or
-    below low and the last at or above high (up to TICK_SLACK), so the axis ends on a labelled
-    tick at each end: of the sets of LOG_SUBS (and, under a decade, evenly spaced round numbers)
-    the one spanning the least, then the one with more ticks. [] where none fits (many decades)."""
+    """3 to MAX_LOG_TICKS major ticks for a log axis over [low, high], the first at or below low
+    and the last at or above high (up to TICK_SLACK): of the grids of LOG_SUBS (and, under a
+    decade, round numbers) the one spanning the least, then the one with more ticks. [] where
+    none fits (many decades)."""
     decades = range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
     grids = [sorted(m * 10.0 ** k for k in decades for m in subs) for subs in LOG_SUBS]
     if math.log10(high / low) < 1:
@@ -317,19 +293,18 @@ def runs_title(labels: Sequence[str], what: str) -> str:
 
 
 def figure_header(fig, title: str, handles: List[Line2D], height: float) -> None:
-    """The title, then the legend below it, in the band above the panels: outside every panel,
-    so the legend hides no curve."""
+    """Title and legend in the band above the panels (hiding no curve), the panels below it."""
     fig.suptitle(title, y=1 - 0.06 / height, va="top", fontsize=13)
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), LEGEND_COLS) or 1,
                frameon=False, fontsize=11, bbox_to_anchor=(0.5, 1 - TITLE_INCHES / height))
+    fig.tight_layout(rect=(0, 0, 1, 1 - legend_band(handles) / height))
 
 
-def draw_panel(ax, panel: Panel, runs, styles) -> bool:
-    """The panel's key for every run; True when anything was drawn."""
+def draw_panel(ax, panel: Panel, runs, styles) -> None:
+    """The panel's key for every run."""
     drawn, dropped, nulls = False, 0, 0
     for i, (label, rows) in enumerate(runs.items()):
-        # null: the run logged the key without a value (MFU with no known peak, e.g. bf16 on a
-        # CPU that emulates it): said, so a line that stops is not taken for the run stopping.
+        # Nulls (MFU with no credible peak) are counted: a line that stops is not a run stopping.
         nulls += sum(1 for row in rows if panel.key in row and row[panel.key] is None)
         steps, values = series(rows, panel.key, panel.scale)
         if panel.cap is not None:
@@ -349,34 +324,27 @@ def draw_panel(ax, panel: Panel, runs, styles) -> bool:
                 fontsize=8, color="gray")
     if drawn and panel.cap is not None:
         ax.set_ylim(0, min(panel.cap, ax.get_ylim()[1]))
-    return drawn
+    style_panel(ax, panel.title, drawn, panel.ylabel)
+    if panel.log and drawn:
+        log_scale(ax)
 
 
 def compare_figure(runs: Mapping[str, Sequence[dict]]) -> Figure:
-    """A figure with one panel per metric in PANELS, x = step, each run in its own colour, line
-    style and marker (label -> rows), and one legend above the panels. val_loss is drawn in the
-    loss panel as circles joined by a thin line in the run's colour."""
+    """One panel per metric in PANELS against step, each run (label -> rows) in its own style,
+    val_loss in the loss panel, one legend above the panels."""
     fig, axes = plt.subplots(2, 3, figsize=FIGSIZE, dpi=DPI)
     styles = run_styles(runs)
-    has_val = False
-    for ax, panel in zip(axes.ravel(), PANELS):
-        if panel.key == "loss":
-            drawn, has_val = draw_loss(ax, runs, styles)
-        else:
-            drawn = draw_panel(ax, panel, runs, styles)
-        style_panel(ax, panel.title, drawn, panel.ylabel)
-        if panel.log and drawn:
-            log_scale(ax)
+    has_val = draw_loss(axes[0, 0], runs, styles)   # PANELS[0]
+    for ax, panel in zip(axes.ravel()[1:], PANELS[1:]):
+        draw_panel(ax, panel, runs, styles)
     handles = legend_handles(runs, styles, has_val)
     figure_header(fig, runs_title(list(runs), "training"), handles, FIGSIZE[1])
-    fig.tight_layout(rect=(0, 0, 1, 1 - legend_band(handles) / FIGSIZE[1]))
     return fig
 
 
 def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
-    """The loss panel (as in compare_figure), then one panel per (task, metric) any run logged
-    (draw_task). One legend above the grid names the runs (and "chance" where a panel has its
-    line). None when no run has eval/ keys."""
+    """The loss panel, then one panel per (task, metric) any run logged (draw_task), one legend
+    above the grid. None when no run has eval/ keys."""
     per_run = {label: downstream_series(rows) for label, rows in runs.items()}
     task_metrics = sorted({tm for s in per_run.values() for tm in s})
     if not task_metrics:
@@ -397,50 +365,41 @@ def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
     for ax in axes[n:]:
         ax.remove()  # the last row's empty slots; fig.axes then holds only panels
 
-    loss_ax = axes[0]
-    drawn, _ = draw_loss(loss_ax, runs, styles)
-    style_panel(loss_ax, "loss", drawn, PANELS[0].ylabel)
-    if drawn:
-        log_scale(loss_ax)
-
+    draw_loss(axes[0], runs, styles)
     for ax, (task, metric) in zip(axes[1:n], task_metrics):
         # Shared x so an evaluation lines up with the loss at that step; tick labels stay on.
-        ax.sharex(loss_ax)
+        ax.sharex(axes[0])
         draw_task(ax, task, metric, per_run, styles)
 
     figure_header(fig, runs_title(list(runs), "downstream tasks"), handles, height)
-    fig.tight_layout(rect=(0, 0, 1, 1 - legend_h / height))
     return fig
 
 
 def task_choices(task: str, metric: str) -> Optional[int]:
-    """Choices per question of a multiple-choice task (TASK_CHOICES), for its accuracies' chance
-    line; None where they are not known or the metric is no accuracy."""
+    """Choices per question (TASK_CHOICES) for an accuracy's chance line; None where unknown or
+    the metric is no accuracy."""
     if metric not in CHANCE_METRICS:
         return None
     return TASK_CHOICES.get("mmlu" if task.startswith("mmlu_") else task)  # mmlu_<subject>
 
 
 def draw_task(ax, task: str, metric: str, per_run, styles) -> None:
-    """One (task, metric) panel titled with both: y the metric (accuracy-like in %), each run's
-    evaluated steps as markers joined by a line in the run's compare_figure style, stderr error
-    bars where logged, and the chance level as a dashed line where the task's choices are known."""
-    scale, ylabel = metric_axis(metric)
+    """One (task, metric) panel: each run's evaluated steps in its style (accuracies in %),
+    stderr bars where logged, and the chance level where the task's choices are known."""
+    scale, ylabel = (100.0, f"{metric} (%)") if metric in PERCENT_METRICS else (1.0, metric)
     for label, run_series in per_run.items():
         if (task, metric) not in run_series:
             continue
         steps, values, stderrs = run_series[(task, metric)]
         st = styles[label]   # every evaluated step gets its marker: there are few
-        ax.plot(steps, [v * scale for v in values], color=st["color"],
-                linestyle=st["linestyle"], linewidth=1.2, marker=st["marker"], markersize=5,
-                label=label)
+        ax.plot(steps, [v * scale for v in values], color=st["color"], linestyle=st["linestyle"],
+                linewidth=1.2, marker=st["marker"], markersize=5, label=label)
         bars = [(s, v * scale, e * scale) for s, v, e in zip(steps, values, stderrs or [])
                 if math.isfinite(e) and e >= 0]
         if bars:
             # fmt="none", capsize=0: only the bars, so ax.get_lines() gains no line per run.
-            ax.errorbar([b[0] for b in bars], [b[1] for b in bars],
-                        yerr=[b[2] for b in bars], fmt="none", ecolor=st["color"],
-                        elinewidth=1.0, alpha=0.7, capsize=0)
+            ax.errorbar([b[0] for b in bars], [b[1] for b in bars], yerr=[b[2] for b in bars],
+                        fmt="none", ecolor=st["color"], elinewidth=1.0, alpha=0.7, capsize=0)
     choices = task_choices(task, metric)
     if choices:
         level = scale / choices
@@ -453,9 +412,7 @@ def draw_task(ax, task: str, metric: str, per_run, styles) -> None:
 
 
 def save_figure(fig: Figure, path) -> Path:
-    """Write fig to path (format from the suffix) at a fixed dpi, close it, return the absolute
-    path.
-
+    """Write fig to path (format from the suffix) at DPI, close it, return the absolute path.
     No bbox_inches="tight": the image size stays figsize x DPI whatever the labels are."""
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -467,15 +424,12 @@ def save_figure(fig: Figure, path) -> Path:
 
 
 def plot_runs(dump_dirs: Sequence, out_dir=None) -> List[Path]:
-    """Read each run's metrics.jsonl and write out_dir/compare.png (default: the first run's
-    dump_dir/plots/), and out_dir/downstream.png when any run has eval/ keys. Returns the paths
-    written."""
+    """Write out_dir/compare.png (default: the first run's dump_dir/plots/), and downstream.png
+    when any run has eval/ keys. Returns the paths written."""
     if not dump_dirs:
         raise ConfigError("no run directory given: pass one or more dump_dirs, e.g. "
                           "`python -m lingua.plot runs/a runs/b`.")
-    runs: Dict[str, List[dict]] = {}
-    for label, dump_dir in zip(run_labels(dump_dirs), dump_dirs):
-        runs[label] = read_metrics(dump_dir)
+    runs = {label: read_metrics(d) for label, d in zip(run_labels(dump_dirs), dump_dirs)}
     out_dir = Path(out_dir) if out_dir is not None else Path(dump_dirs[0]) / "plots"
     paths = [save_figure(compare_figure(runs), out_dir / COMPARE_NAME)]
     downstream = downstream_figure(runs)
@@ -487,10 +441,8 @@ def plot_runs(dump_dirs: Sequence, out_dir=None) -> List[Path]:
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m lingua.plot",
-        description="Plot loss (and val_loss), lr, grad_norm, tokens/s and MFU against step for "
-                    "one or more runs, one colour per run, into compare.png; when any run logged "
-                    "downstream tasks (eval/<task>/<metric>), those against step beside the loss "
-                    "into downstream.png.")
+        description="Plot loss, lr, grad_norm, tokens/s and MFU against step for one or more runs "
+                    "into compare.png, and logged downstream tasks into downstream.png.")
     parser.add_argument("dump_dirs", nargs="+", metavar="DIR", help="a training run's dump_dir")
     parser.add_argument("--out", metavar="OUT_DIR", default=None,
                         help="directory for compare.png and downstream.png (default: the first "

@@ -1,33 +1,18 @@
 """Activation, weight and gradient statistics during training: `probe.every=N`.
 
 Every N steps the probe records, for each selected module, statistics of its input and output,
-of its weights and of their gradients; the attention's max logit and entropy on a sample of
-queries; and MoE router load and entropy. One JSON line per probe step goes to
-`dump_dir/probe/probe.jsonl` (schema below); `python -m lingua.probe plot <dump_dir>` draws them.
+its weights and their gradients; attention max logit and entropy on sampled queries; and MoE
+router load and entropy: one JSON line per probe step in `dump_dir/probe/probe.jsonl`. The math
+is in probe_stats.py, reading and plotting (`python -m lingua.probe plot`) in probe_report.py.
+Hooks exist only during a probe step (about one more forward); otherwise the model has none.
 
-This module is the collection during training: ProbeArgs and `Probe` (hooks, reduction over
-ranks, alerts, wandb). The reducible summaries (moments, histogram, attention, router) and the
-statistics read back from them are in `lingua/observe/probe_stats.py`; reading and plotting the
-file (`read`, `plot`, the command line) in `lingua/observe/probe_report.py`, whose command line
-`python -m lingua.probe` runs.
-
-Cost. Hooks exist only during a probe step's forward/backward: with the probe off, or between
-probe steps, the model has no hooks at all. A probe step costs about one more forward.
-
-Correct under every parallel layout. A rank sees a shard (FSDP, TP) or its own tokens (DP, CP) or
-some layers (PP) of each tensor; what is recorded is a statistic of the whole logical tensor over
-the global batch, the number one process would compute. Each rank reduces its local tensor to a
-fixed-size vector of sums (count, sum, sum of squares/cubes/fourth powers, zeros, a histogram on a
-fixed log-scale grid) and extremes (max, -min); vectors are then summed (maxed) over the ranks
-that hold distinct parts of the tensor: the moments are reduced, never the tensors. Which ranks
-hold distinct parts: for weights and gradients (DTensors) their placements say so; activations are
-distinct over data-parallel and cp ranks, and over tp ranks either sharded or identical copies,
-told apart by comparing the vectors across tp (identical copies give identical vectors). Pipeline
-stages send their layers' results to rank 0, which writes.
-
-Quantiles and the fraction beyond 6 standard deviations come from the histogram: 64 bins per
-decade of |x| from 1e-8 to 1e8 (each bin 3.7% wide, log-interpolated), the same bins on every
-rank, so they are layout-independent and accurate to about 2% of the value.
+Every parallel layout records the statistic of the whole logical tensor over the global batch:
+each rank reduces its local part to fixed-size vectors of sums (moments, zeros, a histogram on a
+fixed log grid) and maxima, summed (maxed) over the ranks holding distinct parts. Weights and
+gradients are DTensors whose placements say which; activations are distinct over dp and cp, and
+over tp either sharded or identical copies (told apart by comparing the vectors). Pipeline stages
+send their results to rank 0, which writes. Quantiles and the fraction beyond 6 std come from the
+histogram (64 bins per decade of |x| from 1e-8 to 1e8): accurate to about 2% of the value.
 
 Schema of a line of probe.jsonl:
     {"step": int, "alerts": [str, ...],
@@ -55,10 +40,12 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from lingua.errors import ConfigError
 from lingua.hooks import Hook
-from lingua.model.layers import inferring_shapes
+from lingua.model.layers import CoreAttention, inferring_shapes
+from lingua.model.moe import Router
 from lingua.observe.metrics import drop_rows_after
 from lingua.observe.probe_report import plot
 from lingua.observe.probe_stats import (
@@ -115,10 +102,6 @@ def validate_args(args: ProbeArgs) -> None:
                           "probe.alert_window >= 1.")
 
 
-# ---------------------------------------------------------------------------------------------
-# Hooks and reduction
-
-
 WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module")
 
 
@@ -129,10 +112,8 @@ def clean_name(name: str) -> str:
 
 
 def _skip_call(module_inputs) -> bool:
-    """Forward calls whose activations must not be recorded: activation checkpointing re-runs
-    forwards during backward (already recorded in the real forward), and pipeline stages infer
-    shapes on their first step (lingua.model.layers.inferring_shapes; meta tensors in older
-    torch)."""
+    """Forward calls not to record: activation checkpointing's re-run during backward, and a
+    pipeline stage's shape inference (inferring_shapes; meta tensors in older torch)."""
     if torch._C._current_graph_task_id() != -1 or inferring_shapes():
         return True
     first = _first_tensor(module_inputs)
@@ -140,11 +121,7 @@ def _skip_call(module_inputs) -> bool:
 
 
 def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        return t.to_local()
-    return t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _first_tensor(value):
@@ -155,18 +132,6 @@ def _first_tensor(value):
             if isinstance(item, torch.Tensor) and item.is_floating_point():
                 return item
     return None
-
-
-def _is_core_attention(module) -> bool:
-    from lingua.model.layers import CoreAttention
-
-    return isinstance(module, CoreAttention)
-
-
-def _is_router(module) -> bool:
-    from lingua.model.moe import Router
-
-    return isinstance(module, Router)
 
 
 class Probe:
@@ -181,7 +146,7 @@ class Probe:
         self.seen = {}                     # id(tensor) -> (weakref, sums, maxes), one step
         self.acc: Dict[str, list] = {}     # key -> [sums, maxes, kind]
         self.history: Dict[str, deque] = defaultdict(lambda: deque(maxlen=args.alert_window))
-        self.last_alerts: List[str] = []
+        self.last_stats = {}
         self.warned_cp = False
         if env.is_main and args.every:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -210,12 +175,11 @@ class Probe:
         for part in self.parts:
             for raw_name, module in part.named_modules():
                 name = clean_name(raw_name)
-                if isinstance(module, (nn.ModuleDict, nn.ModuleList)) or not self._selected(name):
-                    continue
-                if name in seen:
+                if (isinstance(module, (nn.ModuleDict, nn.ModuleList)) or name in seen
+                        or not self._selected(name)):
                     continue
                 seen.add(name)
-                if _is_core_attention(module):
+                if isinstance(module, CoreAttention):
                     if "attention" in kinds:
                         self.handles.append(module.register_forward_hook(self._attention_hook(name)))
                     continue
@@ -225,7 +189,7 @@ class Probe:
                                     "context parallelism (each rank sees part of the keys)")
                         self.warned_cp = True
                     continue
-                if _is_router(module):
+                if isinstance(module, Router):
                     if "router" in kinds:
                         self.handles.append(module.register_forward_hook(self._router_hook(name)))
                     continue
@@ -233,20 +197,16 @@ class Probe:
                     self.handles.append(module.register_forward_hook(self._activation_hook(name)))
 
     def _activation_hook(self, name):
-        want_in, want_out = "input" in self.args.tensors, "output" in self.args.tensors
+        wanted = [kind for kind in ("input", "output") if kind in self.args.tensors]
 
         def hook(module, inputs, output):
             if _skip_call(inputs):
                 return
             with torch.no_grad():
-                if want_in:
-                    x = _first_tensor(inputs)
+                for kind in wanted:
+                    x = _first_tensor(inputs if kind == "input" else output)
                     if x is not None and x.is_floating_point():
-                        self._add(f"{name}/input", "act", *self._summarize_once(x))
-                if want_out:
-                    y = _first_tensor(output)
-                    if y is not None and y.is_floating_point():
-                        self._add(f"{name}/output", "act", *self._summarize_once(y))
+                        self._add(f"{name}/{kind}", "act", *self._summarize_once(x))
         return hook
 
     def _summarize_once(self, x: torch.Tensor) -> tuple:
@@ -311,8 +271,6 @@ class Probe:
     def _param_summary(tensor) -> tuple:
         """Full-tensor sums of a parameter or gradient, whatever its placements: the shards' sums
         are added over the mesh dimensions it is sharded on (replicated ones hold copies)."""
-        from torch.distributed.tensor import DTensor, Partial, Replicate
-
         if not isinstance(tensor, DTensor):
             return summarize(tensor)
         if any(isinstance(p, Partial) for p in tensor.placements):
@@ -321,8 +279,7 @@ class Probe:
         sums, maxes = summarize(tensor.to_local())
         mesh = tensor.device_mesh
         for dim, placement in enumerate(tensor.placements):
-            # Anything but a copy is a piece: Shard, and FSDP x TP's _StridedShard (not a Shard
-            # subclass).
+            # Anything but a copy is a piece: Shard, and FSDP x TP's _StridedShard (no Shard).
             if not isinstance(placement, Replicate) and mesh.size(dim) > 1:
                 group = mesh.get_group(dim)
                 dist.all_reduce(sums, group=group)
@@ -380,11 +337,9 @@ class Probe:
             gathered = [None] * self.env.world_size if self.env.is_main else None
             dist.gather_object(stats, gathered, dst=0)
             if self.env.is_main:
-                merged = {}
-                for part in gathered:
-                    for key, value in part.items():
-                        merged.setdefault(key, value)
-                stats = merged
+                stats = {}
+                for part in gathered:   # the first stage holding a key wins
+                    stats.update({k: v for k, v in part.items() if k not in stats})
         alerts = self._alerts(step, stats) if self.env.is_main else []
         if self.env.is_main:
             line = {"step": step, "alerts": alerts, "stats": dict(sorted(stats.items()))}
@@ -420,12 +375,11 @@ class Probe:
     def wandb_summary(self) -> dict:
         """A few scalars per recorded tensor for wandb (the full table is in probe.jsonl)."""
         out = {}
-        for key, values in getattr(self, "last_stats", {}).items():
+        for key, values in self.last_stats.items():
             for stat in ("abs_max", "rms", "kurtosis", "max_logit", "entropy", "load_cv"):
                 if stat in values and values[stat] is not None and math.isfinite(values[stat]):
                     out[f"probe/{key}/{stat}"] = values[stat]
         return out
-
 
     def log_plots(self, wandb_run) -> None:
         """At the end of a run: the probe's plots as wandb images (they also stay on disk)."""
@@ -440,10 +394,10 @@ class Probe:
 
 
 class ProbeHook(Hook):
-    """probe.every in the loop: the probe hooks the model for the steps it samples, records
-    after backward (gradients before clipping), counts its alerts into the metrics row, and sends
-    its plots to wandb at the end. The spike hook asks it for more: the step after a spike in
-    full (probe_in_full) and a rolled-back spiking batch again (probe_batch)."""
+    """probe.every in the loop: hooks the model on sampled steps, records after backward
+    (gradients before clipping), counts alerts into the metrics row, sends plots to wandb at the
+    end. The spike hook asks for more: the step after a spike (probe_in_full) and a rolled-back
+    spiking batch again (probe_batch)."""
 
     def __init__(self, args, spikes_on: bool):
         self.args, self.spikes_on = args.probe, spikes_on
@@ -454,8 +408,8 @@ class ProbeHook(Hook):
 
     def start(self, run) -> None:
         if not self.args.every and self.spikes_on and run.env.is_main:
-            # A probe made at a spike (probe_in_full) comes after the resume: the lines of the
-            # steps about to run again must go now, as Probe does when probe.every is set.
+            # A probe made later at a spike is too late to drop the lines of the steps about to
+            # run again (Probe does when probe.every is set): drop them now.
             drop_rows_after(run.dump_dir / "probe" / "probe.jsonl", run.step)
         if self.args.every:
             self.probe = Probe(self.args, run.parts, run.env, run.dump_dir, run.step)
@@ -485,9 +439,8 @@ class ProbeHook(Hook):
         return {}
 
     def probe_batch(self, run, step: int, micro_batches, back_to: int) -> None:
-        """A spiking batch again, forward and backward on the weights that produced the spike,
-        with the probe on; recorded as step `step`, its gradients thrown away. The probe's lines
-        after the checkpoint go first: those steps run again and will write their own."""
+        """A spiking batch again on the weights that produced the spike, probed and recorded as
+        step `step`, its gradients thrown away. Lines after the checkpoint `back_to` go first."""
         probe = self._made(run)
         if run.env.is_main:
             drop_rows_after(probe.path, back_to)

@@ -2,13 +2,8 @@
 
 `read(dump_dir)` returns `dump_dir/probe/probe.jsonl` as a pandas DataFrame (one row per step,
 module, tensor and stat); `plot(dump_dir)` draws its PNGs to `dump_dir/probe/plots/`; `main` is
-the command line (`python -m lingua.probe plot ...`, or `python -m lingua.observe.probe_report plot
-...`). Both `read` and `plot` are also importable from `lingua.observe.probe`, as documented.
-
-The other half, collecting the statistics during training (hooks, reduction over ranks, alerts)
-and the schema of a probe.jsonl line, is `lingua/observe/probe.py`. This module needs neither torch
-nor lingua.observe.probe, so reading and plotting a run's probe stay cheap and import no training
-code.
+the command line. The collection and the schema are in probe.py; this module imports neither
+torch nor training code, so reading a run's probe stays cheap.
 """
 
 import argparse
@@ -136,13 +131,11 @@ def select_modules(patterns, lines, path) -> List[str]:
 
 
 def plot(dump_dir, out_dir=None, stats=None, modules=None) -> List[Path]:
-    """PNGs, each titled with the run's name (dump_dir's): per stat, a layer x step heatmap for
-    each sub-module kind (colours robust to an outlier cell: colour_limits) and lines per module;
-    the attention entropy and max logit; and the loss curve with the probe steps marked. Returns
-    their paths. `stats`: statistic names the run recorded (ConfigError otherwise; default:
-    those of DEFAULT_STATS it recorded, as at the end of a run for wandb); `modules`:
-    names or glob patterns (`layers.*.attention.q_norm`) choosing the modules drawn (default:
-    the block outputs in lines, DEFAULT_KINDS in heatmaps); one matching nothing is an error."""
+    """PNGs titled with the run's name, their paths returned: per stat, layer x step heatmaps per
+    sub-module kind (colour_limits) and lines per module; attention entropy and max logit; the
+    loss with the probe steps marked. `stats`: names the run recorded (default: those of
+    DEFAULT_STATS); `modules`: names or glob patterns choosing the modules drawn (default: block
+    outputs in lines, DEFAULT_KINDS in heatmaps). An unknown stat or module is a ConfigError."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -196,16 +189,12 @@ def plot(dump_dir, out_dir=None, stats=None, modules=None) -> List[Path]:
 
 def _kinds_of(modules, by_kind) -> list:
     """The (sub-module, tensor) kinds of the chosen per-layer modules, for the heatmaps."""
-    subs = []
-    for module in modules:
-        layer, sub = _layer_of(module)
-        if layer is not None and sub not in subs:
-            subs.append(sub)
+    subs = dict.fromkeys(sub for layer, sub in map(_layer_of, modules) if layer is not None)
     return [(sub, tensor) for sub in subs for tensor in TENSOR_ORDER if (sub, tensor) in by_kind]
 
 
 def _line_series(stat, chosen, by_kind, by_module) -> dict:
-    """{panel title: {line label: (steps, values)}}: the block outputs one line per layer by
+    """{panel title: {line label: [(step, value), ...]}}: the block outputs one line per layer by
     default; with --modules one panel per tensor, one line per chosen module."""
     out = {}
     if chosen is None:
@@ -227,8 +216,7 @@ def _line_series(stat, chosen, by_kind, by_module) -> dict:
 
 def colour_limits(grid):
     """(vmin, vmax, cells below vmin, cells above vmax) for a heatmap: the finite values' range,
-    narrowed to the quartiles +- CLIP_IQR IQR on a side where cells lie beyond (they take that
-    end's colour)."""
+    narrowed to the quartiles +- CLIP_IQR IQR on a side where cells lie beyond."""
     import numpy as np
 
     finite = grid[np.isfinite(grid)]
@@ -244,8 +232,7 @@ def colour_limits(grid):
 
 
 def _colour_bar(fig, ax, image, stat, below: int, above: int) -> None:
-    """The colour bar, its label naming the statistic and the colour scale chosen, with an arrow
-    at a clipped end."""
+    """The colour bar, labelled with the statistic and colour scale, arrowed at a clipped end."""
     extend = {(False, False): "neither", (True, False): "min", (False, True): "max"}
     bar = fig.colorbar(image, ax=ax, extend=extend.get((below > 0, above > 0), "both"))
     fences = f"quartiles ± {CLIP_IQR:g} IQR"
@@ -334,12 +321,12 @@ def _loss(plt, rows, probe_steps):
     if loss:   # on the curve, interpolated where logging.every skipped the probe's step
         import numpy as np
 
+        from lingua.observe.plot import log_scale
+
         ax.plot(probe_steps, np.interp(probe_steps, list(loss), list(loss.values())),
                 linestyle="none", marker="v", markersize=7, color="C3",
                 label=f"probe step ({len(probe_steps)})")
-    if loss:   # the probe steps' vertical lines span the axes: not values
-        from lingua.observe.plot import log_scale
-
+        # The values, not ax's lines: the probe steps' vertical lines span the axes.
         log_scale(ax, [*loss.values(), *(r["val_loss"] for r in val)])
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
@@ -352,17 +339,14 @@ def main(argv=None, prog: str = "python -m lingua.probe") -> int:
     parser = argparse.ArgumentParser(
         prog=prog, description="Plot the statistics a run recorded with probe.every.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plot",
-                       help="write PNGs of dump_dir/probe/probe.jsonl and print their paths")
+    p = sub.add_parser("plot", help="write PNGs of dump_dir/probe/probe.jsonl, print their paths")
     p.add_argument("dump_dir")
     p.add_argument("--out", default=None, help="output directory (default: dump_dir/probe/plots)")
     p.add_argument("--stats", default=None,
-                   help="comma-separated statistics to draw (default: abs_max,rms,kurtosis); a "
-                        "name the run did not record is refused with the list of those it did")
+                   help="comma-separated statistics to draw (default: abs_max,rms,kurtosis)")
     p.add_argument("--modules", nargs="+", default=None, metavar="PATTERN",
                    help="module names or glob patterns to draw, e.g. 'layers.*.attention.wq' "
-                        "(default: the block outputs, and the usual sub-modules in heatmaps); a "
-                        "pattern matching no module is refused with the modules recorded")
+                        "(default: the block outputs, and the usual sub-modules in heatmaps)")
     args = parser.parse_args(argv)
     try:
         stats = None if args.stats is None else tuple(s for s in args.stats.split(",") if s)
@@ -373,6 +357,7 @@ def main(argv=None, prog: str = "python -m lingua.probe") -> int:
     for path in paths:
         print(Path(path).resolve())
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,25 +6,17 @@ import math
 
 import torch
 
-# ---------------------------------------------------------------------------------------------
-# Reducible summaries of a tensor
-
 BINS_PER_DECADE = 64
 LOG10_LO, LOG10_HI = -8, 8
 N_MAG = BINS_PER_DECADE * (LOG10_HI - LOG10_LO)          # bins per sign
 N_HIST = 2 * N_MAG + 1                                    # negatives, zero, positives
-# sum vector: count, sum, sumsq, sum3, sum4, zeros, nonfinite, histogram
-N_SUM = 7 + N_HIST
-# max vector: max, -min
-N_MAX = 2
+N_SUM = 7 + N_HIST   # count, sum, sumsq, sum3, sum4, zeros, nonfinite, histogram
+N_MAX = 2            # max, -min
 
 
 def summarize(x: torch.Tensor) -> tuple:
-    """(sums [N_SUM], maxes [N_MAX]) of a local tensor, float64, on its device.
-
-    Elementwise work is float32 with float64 accumulation (a probe step should cost about one
-    forward); values above 1e8 switch the higher powers to float64, where float32 would overflow.
-    """
+    """(sums [N_SUM], maxes [N_MAX]) of a local tensor, float64, on its device. Elementwise work
+    is float32 with float64 sums (cheap), float64 above 1e8 where float32 powers would overflow."""
     x = x.detach().reshape(-1)
     x = x.float() if x.dtype != torch.float64 else x
     finite = torch.isfinite(x)
@@ -91,19 +83,16 @@ def finish(sums: torch.Tensor, maxes: torch.Tensor, wanted, quantiles) -> dict:
     vmax, vmin = float(maxes[0]), -float(maxes[1])
     values = {"mean": mean, "std": std, "rms": math.sqrt(ex2), "min": vmin, "max": vmax,
               "abs_max": max(abs(vmin), abs(vmax)), "zero_frac": float(sums[5]) / n}
+    values["kurtosis"] = float("nan")
     if var > 0:
         # Fourth central moment from raw moments: E[(x-m)^4] = E4 - 4 m E3 + 6 m^2 E2 - 3 m^4.
         ex3, ex4 = float(sums[3]) / n, float(sums[4]) / n
         m4 = ex4 - 4 * mean * ex3 + 6 * mean * mean * ex2 - 3 * mean ** 4
         values["kurtosis"] = max(m4, 0.0) / (var * var)
-    else:
-        values["kurtosis"] = float("nan")
     hist = sums[7:]
     if "outlier_frac" in wanted:
         values["outlier_frac"] = _mass_outside(hist, mean - 6 * std, mean + 6 * std) / n
-    for key, value in values.items():
-        if key in wanted:
-            out[key] = value
+    out.update((key, value) for key, value in values.items() if key in wanted)
     if "quantiles" in wanted:
         for q in quantiles:
             out[f"q{q:g}"] = _quantile(hist, n, q, vmin, vmax)
@@ -114,8 +103,7 @@ def _fraction_below(lower: torch.Tensor, upper: torch.Tensor, edge: float) -> to
     """Share of each bin [lower, upper) below `edge`, values spread log-uniformly in magnitude
     within a bin (the zero bin is a point)."""
     tiny = 1e-300
-    pos = (edge.__float__() > 0)
-    if pos:   # only positive bins can be cut by a positive edge
+    if edge > 0:   # only positive bins can be cut by a positive edge
         frac = ((math.log(max(edge, tiny)) - lower.clamp_min(tiny).log()) /
                 (upper.clamp_min(tiny).log() - lower.clamp_min(tiny).log()))
     else:     # negative bins: magnitudes run from -upper (small) to -lower (large)
@@ -151,16 +139,12 @@ def _quantile(hist: torch.Tensor, n: float, q: float, vmin: float, vmax: float) 
     return lower + frac * (upper - lower)
 
 
-# ---------------------------------------------------------------------------------------------
-# Attention and router summaries
-
 def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int) -> tuple:
     """Max logit and entropy for `n_queries` evenly spaced query positions of every sequence
-    and head. q [b, s, h, d], k [b, s, h_kv, d] (h_kv divides h: grouped-query attention, where
-    kv head j serves query heads j*h/h_kv .. (j+1)*h/h_kv - 1); causal, or `mask` a boolean
-    [s, s] / [b, 1, s, s] tensor (True = may attend); other mask objects (flex, xformers) are
-    taken as plain causal. Returns (sums [3], maxes [1]):
-    sums = entropy total, log(keys seen) total, number of (query, head) rows."""
+    and head. q [b, s, h, d], k [b, s, h_kv, d] (grouped-query: h_kv divides h); causal, or
+    `mask` a boolean [s, s] / [b, 1, s, s] tensor (True = may attend); other mask objects (flex,
+    xformers) are taken as plain causal. Returns (sums [3], maxes [1]): sums = entropy total,
+    log(keys seen) total, number of (query, head) rows."""
     b, s, h, d = q.shape
     # CoreAttention's inputs keep their grouped-query k heads: repeat them for the summary.
     if k.shape[2] != h:
@@ -181,7 +165,7 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int) ->
     sums = torch.stack([entropy.double().sum(), seen.clamp_min(1).log().sum(),
                         torch.tensor(float(entropy.numel()), dtype=torch.float64,
                                      device=q.device)])
-    maxes = logits.masked_fill(~allowed, float("-inf")).amax().double().reshape(1)
+    maxes = logits.amax().double().reshape(1)
     return sums, maxes
 
 

@@ -1,19 +1,11 @@
 """Where a step's time goes: per-phase timings for metrics.jsonl, and a torch.profiler window.
 
-Two tools, both driven by the shared training loop (lingua/train/loop.py; the window through
-ProfilerHook, below):
-- `PhaseTimer` splits every step into forward / backward / optimizer (`fwd_s`, `bwd_s`,
-  `optim_s` in metrics.jsonl, beside `data_s` and `step_s`) and labels the phases with
-  `record_function`, so any profiler trace (ours, Nsight, Kineto) shows them.
-- `StepProfiler` (`profiling.enabled=true`) runs torch.profiler over a few steps and writes, per
-  rank, a Chrome trace, a text summary of the costliest operators and, on CUDA, a memory snapshot
-  under `dump_dir/profiling/`.
-
-Step numbers are the trainer's: step k is the one metrics.jsonl logs as `"step": k` (from 1).
-The profiler starts at `start_step`, skips `wait` steps, warms up for `warmup` steps and records
-`active` steps, so the recorded steps are
-    start_step + wait + warmup  ...  start_step + wait + warmup + active - 1
-and the files are named after the last of them.
+`PhaseTimer` splits every step into forward / backward / optimizer (`fwd_s`, `bwd_s`, `optim_s`
+in metrics.jsonl) and labels the phases with `record_function` for any profiler trace.
+`StepProfiler` (`profiling.enabled=true`, through ProfilerHook) runs torch.profiler over a few
+steps and writes per rank a Chrome trace, a summary of the costliest operators and, on CUDA, a
+memory snapshot under `dump_dir/profiling/`. Steps are numbered as in metrics.jsonl (from 1): the
+recorded ones are start_step + wait + warmup ... + active - 1, the files named after the last.
 """
 
 import contextlib
@@ -32,8 +24,7 @@ from lingua.observe import metrics
 
 logger = logging.getLogger(__name__)
 
-# Our record_function labels, left out of the "top operators" we log (their self time is the
-# Python around the real operators, not work).
+# Our record_function labels, left out of the logged top operators (their self time is Python).
 PHASE_LABELS = {"data": "data", "fwd": "forward", "bwd": "backward", "optim": "optimizer",
                 "fwd_bwd": "forward_backward"}
 
@@ -54,8 +45,8 @@ class ProfilingArgs:
 
 
 def validate_args(args: ProfilingArgs, steps: Optional[int] = None) -> None:
-    """Values are checked even when profiling is off, so a typo shows up before the run that
-    turns it on; the window must fit in the run only when it is on."""
+    """Values are checked even when profiling is off (a typo shows before the run that turns it
+    on); the window must fit in the run only when it is on."""
     def bad(key, value, why_and_fix):
         raise ConfigError(f"profiling.{key}={value} {why_and_fix}")
 
@@ -93,13 +84,9 @@ def last_active_step(args: ProfilingArgs) -> int:
 
 
 class PhaseTimer:
-    """Seconds per phase of the current step, summed over its micro-batches.
-
-    CUDA runs asynchronously: without a synchronize a phase's wall time is only the time to
-    launch its kernels. So on CUDA phases are timed (the device synchronized at each boundary)
-    only on steps the caller marks `timed`, the logged ones, and other steps keep their overlap.
-    On CPU every step is timed at no cost.
-    """
+    """Seconds per phase of the current step, summed over its micro-batches. CUDA phases are
+    timed (synchronized at each boundary: else only the launches are timed) only on steps marked
+    `timed`, the logged ones, so other steps keep their overlap; on CPU every step is timed."""
 
     def __init__(self, device: torch.device):
         self.synchronize = torch.cuda.synchronize if device.type == "cuda" else None
@@ -132,21 +119,17 @@ class PhaseTimer:
 
 
 class StepProfiler:
-    """torch.profiler over one window of steps (see the module docstring), driven by
-    `step_begin(k)` / `step_end(k)` around each step k. Disabled, both return at once.
-
-    Writes, under dump_dir/profiling/, per rank r:
-      trace_rank<r>_step<k>.json     Chrome trace (chrome://tracing or ui.perfetto.dev)
-      summary_rank<r>.txt            the top_ops operators by self time (+ memory table on CPU)
-      memory_snapshot_rank<r>.pickle CUDA only, with memory=true (pytorch.org/memory_viz)
-    `flops_per_step` (model FLOPs this device does per step) and `peak_flops` (its peak: the
-    run's metrics.Peak, or FLOP/s), when given, add the MFU of the recorded steps to rank 0's log
-    line (never above 100%: metrics.mfu).
+    """torch.profiler over one window of steps, driven by `step_begin(k)` / `step_end(k)`.
+    Writes under dump_dir/profiling/, per rank r: trace_rank<r>_step<k>.json (Chrome trace),
+    summary_rank<r>.txt (top_ops operators by self time, + memory on CPU) and, on CUDA with
+    memory=true, memory_snapshot_rank<r>.pickle. With `flops_per_step` (this device's model
+    FLOPs per step) and `peak_flops` (metrics.Peak or FLOP/s), rank 0 logs the window's MFU.
     """
 
     def __init__(self, args: ProfilingArgs, dump_dir, rank: int, device: torch.device,
                  flops_per_step: Optional[float] = None, peak_flops=None):
         self.args, self.rank, self.device = args, rank, device
+        self.cuda = device.type == "cuda"
         self.out_dir = Path(dump_dir) / "profiling"
         self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
         self.first, self.last = first_active_step(args), last_active_step(args)
@@ -161,9 +144,7 @@ class StepProfiler:
         if self.prof is None:
             if step < self.args.start_step:
                 return
-            if step > self.args.start_step:
-                # A resumed run that starts past the window: profiling it would need a run
-                # directory of its own (or a later start_step).
+            if step > self.args.start_step:   # a resumed run that starts past the window
                 logger.warning("profiling: the run starts at step %d, after "
                                "profiling.start_step=%d: nothing is profiled. Set "
                                "profiling.start_step=%d or later.",
@@ -181,8 +162,7 @@ class StepProfiler:
         self.prof.step()
         if step == self.last:
             self._sync()
-            active_seconds = time.perf_counter() - self.t_active
-            self._finish(active_seconds)
+            self._finish(time.perf_counter() - self.t_active)
 
     def close(self) -> None:
         """Stop a window the run left early (stopped by a signal): nothing complete to write."""
@@ -194,29 +174,23 @@ class StepProfiler:
             self.prof = None
         self.done = True
 
-    # -- internals -----------------------------------------------------------------------------
-
-    def _cuda(self) -> bool:
-        return self.device.type == "cuda"
-
     def _sync(self) -> None:
-        if self._cuda():
+        if self.cuda:
             torch.cuda.synchronize(self.device)
 
     def _start(self) -> None:
         a = self.args
         self.out_dir.mkdir(parents=True, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if self._cuda():
+        if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             if a.memory:
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
         self.prof = torch.profiler.profile(
-            activities=activities,
+            activities=activities, on_trace_ready=self._write_trace,
             schedule=torch.profiler.schedule(wait=a.wait, warmup=a.warmup, active=a.active,
                                              repeat=1),
-            on_trace_ready=self._write_trace, record_shapes=a.record_shapes,
-            profile_memory=a.memory, with_stack=a.with_stack)
+            record_shapes=a.record_shapes, profile_memory=a.memory, with_stack=a.with_stack)
         self.prof.start()
         logger.info("profiling: started at step %d, recording steps %d..%d", a.start_step,
                     self.first, self.last)
@@ -226,21 +200,21 @@ class StepProfiler:
         prof.export_chrome_trace(str(self.trace_path))
 
     def _stop_memory_history(self) -> None:
-        if self._cuda() and self.args.memory:
+        if self.cuda and self.args.memory:
             torch.cuda.memory._record_memory_history(enabled=None)
 
     def _finish(self, active_seconds: float) -> None:
         prof, self.prof, self.done = self.prof, None, True
         prof.stop()
-        if self._cuda() and self.args.memory:
+        if self.cuda and self.args.memory:
             torch.cuda.memory._dump_snapshot(
                 str(self.out_dir / f"memory_snapshot_rank{self.rank}.pickle"))
             self._stop_memory_history()
         averages = prof.key_averages()
-        sort_by = "self_device_time_total" if self._cuda() else "self_cpu_time_total"
+        sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         sections = [f"steps {self.first}..{self.last} on rank {self.rank}, sorted by {sort_by}",
                     averages.table(sort_by=sort_by, row_limit=self.args.top_ops)]
-        if self.args.memory and not self._cuda():
+        if self.args.memory and not self.cuda:
             sections += ["memory, sorted by self_cpu_memory_usage",
                          averages.table(sort_by="self_cpu_memory_usage",
                                         row_limit=self.args.top_ops)]
@@ -253,12 +227,11 @@ class StepProfiler:
                      key=lambda e: getattr(e, sort_by), reverse=True)[:5]
         top = ", ".join(f"{e.key} {getattr(e, sort_by) / 1e3 / self.args.active:.1f}ms"
                         for e in ops)
-        mfu = ""
         value = metrics.mfu(self.flops_per_step * self.args.active / active_seconds,
                             self.peak_flops) if self.flops_per_step else None
+        mfu = ""
         if value is not None:  # None: no credible peak (see metrics.mfu)
-            mfu = (f"; MFU {100 * value:.1f}% over the recorded steps (profiler overhead "
-                   f"included)")
+            mfu = f"; MFU {100 * value:.1f}% over the recorded steps (profiler overhead included)"
         logger.info("profiling: trace %s, summary %s; top ops per step (self time): %s%s",
                     self.trace_path, summary_path, top, mfu)
 
