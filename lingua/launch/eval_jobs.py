@@ -5,37 +5,25 @@ training never waits for it.
         checkpoint.every=1000 eval.slurm.gpus_per_node=8 eval.slurm.partition=learn
 
 Right after the checkpoint of an evaluation step is saved, rank 0 calls `submit`: one sbatch through
-the submitit path stool uses (`launch.slurm.make_executor`, the `eval.slurm.*` resources), and
-training goes on. The job runs `python -m apps.<app>.eval <checkpoint> eval.mode=inline ...` (the
-command a person would run, lingua/eval/eval_cli.py) with FSDP over all its tasks, from the run's
-code snapshot `<dump_dir>/code` when stool made one, else from this checkout. It writes into the run
-directory, beside the trainer's records:
+stool's submitit path (`launch.slurm.make_executor`, the `eval.slurm.*` resources). The job runs
+`python -m apps.<app>.eval <checkpoint> eval.mode=inline ...` (lingua/eval/eval_cli.py) with FSDP
+over all its tasks, from the run's code snapshot when stool made one, and writes beside the run:
 
     evals/<step>/job.json       the job id, when it was submitted, the command to run it by hand
-    evals/<step>/pending        exists from the submission until the job wrote the results (or
-                                gave up): checkpoint.keep does not prune the checkpoint meanwhile
-    evals/<step>/slurm/         the job's logs (<job id>_<task>_log.out / .err)
+    evals/<step>/pending        until the job wrote the results (or gave up): checkpoint.keep
+                                does not prune the checkpoint meanwhile
+    evals/<step>/slurm/         the job's logs
     evals/<step>/results.json   and eval/<task>/<metric> rows in metrics.jsonl (eval_cli)
 
-A failed submission (no Slurm, an unknown partition, a refused request) is a warning that names
-the step and the command to evaluate it by hand; training goes on.
+A failed submission is a warning naming the command to evaluate by hand; training goes on.
 
-Retries. Each Slurm task runs `EvalJob`, a small parent process that starts the evaluation as a
-child process and looks at how it ended (`decide`), so even a child killed outright (the OOM
-killer, a segfault) is seen:
-  - Slurm requeued the job (preemption, `scontrol requeue`): the job's processes get SIGTERM, the
-    child stops, the parent does nothing; Slurm runs the job again (--requeue), from the same
-    checkpoint.
-  - time limit: SIGUSR2 `eval.slurm.signal_delay_s` before it; the child stops and the job
-    requeues itself (`scontrol requeue`), as a crash does.
-  - crash (the child exits non-zero, other than 2): the job requeues itself while Slurm's restart
-    count (SLURM_RESTART_COUNT: every requeue, preemptions included, as for training jobs) is
-    below `eval.slurm.max_requeues`; past it, the job gives up.
-  - ConfigError (exit code 2): running it again would fail the same way; the job gives up.
-A requeued job is the same job id, run again: it reads the same checkpoint, and eval_cli skips
-the tasks that step already has results for, so each task of a step is computed and written once.
-Giving up removes the pending marker (the checkpoint may then be pruned) and says in the job's log
-how to evaluate the step by hand.
+Retries: each Slurm task runs `EvalJob`, a parent process that runs the evaluation as a child and
+looks at how it ended (`decide`), so even a child killed outright (OOM, segfault) is seen. SIGTERM
+(Slurm requeues or cancels the job): the parent does nothing more. SIGUSR2 before the time limit,
+or a crash: the job requeues itself (`scontrol requeue`) while SLURM_RESTART_COUNT is below
+eval.slurm.max_requeues, then gives up. A ConfigError (exit code 2) gives up at once. A requeued
+job reads the same checkpoint, and eval_cli skips the tasks the step already has results for.
+Giving up removes the pending marker and says in the job's log how to evaluate by hand.
 """
 
 import datetime
@@ -64,21 +52,19 @@ logger = logging.getLogger("eval")
 
 PENDING = "pending"
 JOB_FILE = "job.json"
-# The launcher variables of the process that submits (a training rank under torchrun or Slurm):
-# sbatch exports its environment to the job, where they would give every task rank 0 of the
-# trainer's world and the trainer's rendezvous port. The job's tasks take theirs from Slurm.
+# The submitting training rank's launcher variables, which sbatch would export to the job's tasks
+# (each would be the trainer's rank 0, on its rendezvous port): the tasks take theirs from Slurm.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
                  "TORCHELASTIC_ERROR_FILE", "LINGUA_JOB_DEVICE")
-EXIT_CONFIG = 2     # a ConfigError (trainer.exit_cli): not retried
+EXIT_CONFIG = 2     # a ConfigError (lingua.launch.run.exit_cli): not retried
 
 
 @dataclass
 class RunEvalArgs(EvalArgs):
-    """A training run's eval.*: what EvalArgs says, and eval.slurm.*, the resources of the job
-    each checkpoint gets with eval.mode=async."""
+    """A training run's eval.*: EvalArgs, and eval.slurm.*, the resources of eval.mode=async."""
     slurm: SlurmArgs = field(default_factory=SlurmArgs)
 
 
@@ -92,10 +78,8 @@ def pending_marker(dump_dir, step: int) -> Path:
 
 
 def checkpoint_in_use(dump_dir) -> Callable[[int], bool]:
-    """For checkpoint pruning: a step whose evaluation job has not read its checkpoint yet. The
-    job removes its marker once its results are written (or it gave up), and a later save prunes
-    the checkpoint then; a job that never runs (cancelled while queued, lost) leaves it on disk,
-    the safe side: delete evals/<step>/pending to let it go."""
+    """For checkpoint pruning: a step whose evaluation job has not read its checkpoint yet. A job
+    that never runs leaves it on disk: delete evals/<step>/pending to let it go."""
     return lambda step: pending_marker(dump_dir, step).exists()
 
 
@@ -135,8 +119,8 @@ def evaluated_steps_are_saved(args) -> Optional[str]:
 
 
 def check_async(args) -> None:
-    """Before training starts (trainer.validate, eval.mode=async with eval.tasks): evaluation
-    steps are checkpoint steps, the eval.slurm.* resources are valid, and Slurm is here."""
+    """For lingua.launch.run.validate (eval.mode=async with eval.tasks): evaluation steps are
+    checkpoint steps, the eval.slurm.* resources are valid, and Slurm is here."""
     problem = evaluated_steps_are_saved(args)
     if problem:
         raise ConfigError(f"eval.mode=async evaluates the checkpoint of each evaluation step in "
@@ -168,11 +152,10 @@ def job_overrides(args, world_size: int) -> List[str]:
               "max_gen_tokens": e.max_gen_tokens, "add_bos": e.add_bos,
               "include_path": e.include_path, "log_samples": e.log_samples}
     # JSON is YAML, which is how eval_cli reads a dotlist value ("null", "[\"a\", \"b\"]").
-    overrides = [f"eval.{key}={json.dumps(value)}" for key, value in values.items()]
-    overrides += [f"distributed.dp_shard={world_size}", "distributed.dp_replicate=1",
-                  "distributed.tp=1", "distributed.pp=1", "distributed.cp=1", "distributed.ep=1",
-                  "distributed.pp_split=[]", "distributed.pp_virtual_stages=1"]
-    return overrides
+    return [f"eval.{key}={json.dumps(value)}" for key, value in values.items()] + [
+        f"distributed.dp_shard={world_size}", "distributed.dp_replicate=1", "distributed.tp=1",
+        "distributed.pp=1", "distributed.cp=1", "distributed.ep=1", "distributed.pp_split=[]",
+        "distributed.pp_virtual_stages=1"]
 
 
 def hand_command(app_package: str, ckpt_dir, tasks: List[str]) -> str:
@@ -189,16 +172,9 @@ def code_dir(dump_dir) -> Path:
     return snapshot if (snapshot / "lingua").is_dir() else REPO_ROOT
 
 
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def submit(args, app_package: str, step: int, ckpt_dir) -> Optional[str]:
-    """Rank 0, right after the checkpoint of evaluation step `step` was saved: submit its
-    evaluation job; the job id, or None when nothing was submitted. Never raises: training must
-    not stop, or wait longer than sbatch takes, for an evaluation."""
+    """Rank 0, once the checkpoint of evaluation step `step` is saved: submit its job; the job
+    id, or None. Never raises: training must not stop for an evaluation."""
     dump_dir, ckpt_dir = Path(args.dump_dir).resolve(), Path(ckpt_dir).resolve()
     tasks = list(args.eval.tasks)
     by_hand = hand_command(app_package, ckpt_dir, tasks)
@@ -231,17 +207,16 @@ def submit(args, app_package: str, step: int, ckpt_dir) -> Optional[str]:
     record = {"step": step, "job_id": str(job.job_id), "submitted": submitted,
               "checkpoint": str(ckpt_dir), "tasks": tasks, "world_size": world,
               "logs": str(folder), "by_hand": by_hand}
+    path = step_dir(dump_dir, step) / JOB_FILE
+    tmp = path.with_name(f".{JOB_FILE}.tmp-{os.getpid()}")
     try:
-        _write_json(step_dir(dump_dir, step) / JOB_FILE, record)
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, path)
     except OSError as err:
-        logger.warning("could not write %s: %s", step_dir(dump_dir, step) / JOB_FILE, err)
+        logger.warning("could not write %s: %s", path, err)
     logger.info("step %d: evaluation job %s submitted (%s); logs in %s", step, job.job_id,
                 ", ".join(tasks), folder)
     return str(job.job_id)
-
-
-# ---------------------------------------------------------------------------------------------
-# Inside the job
 
 
 def decide(code: int, signals: List[int], restarts: int, max_requeues: int) -> str:
@@ -259,7 +234,7 @@ def decide(code: int, signals: List[int], restarts: int, max_requeues: int) -> s
 
 class EvalJob:
     """What each task of an evaluation job runs (submitit pickles it): the evaluation as a child
-    process, then what `decide` says (the module docstring)."""
+    process, then what `decide` says."""
 
     def __init__(self, module: str, ckpt_dir: str, step: int, overrides: List[str],
                  max_requeues: int, by_hand: str):

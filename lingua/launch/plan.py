@@ -3,78 +3,34 @@
     python -m lingua.plan apps.llama.train config=llama_8b slurm.nodes=8 slurm.gpus_per_node=8
     python -m lingua.plan apps.moe.train config=deepseek_16b ... --world-size 64 --mfu 0.3
 
-The config is composed as the job's (the app's `load_config`) and validated for the job's world
-size and device (lingua.launch.run.validate), but without the data: whether a run fits is asked
-before the corpus is downloaded, so a missing data.root, tokenizer file or val/ directory is a
-`warning:` line (stool refuses them before submitting) and the vocabulary is model.vocab_size. Then,
-in this one process and without a GPU, the real model is built on the meta device and parallelised
-with the app's own plan (`APP.parallelize`: TP, CP, EP, activation checkpointing, FSDP;
-`pipeline.split_model` for each pipeline rank's stages) on torch's fake process group at the job's
-world size. What a rank holds is read off the local shards of its parameters (DTensor `to_local()`
-shapes), never computed from a formula: a sharding plan that leaves a layer replicated shows up
-here as memory. compile, async_tp and cpu_offload are left out of the build (they change no shard).
-Each pipeline rank is built (the first rank of each pipeline stage, which holds the largest FSDP /
-TP shard of uneven splits: torch gives the first ranks the larger chunks); expert parallelism gives
-every rank the same number of experts. The busiest rank decides.
+The config is composed and validated as the job's (lingua.launch.run.validate) for its world size
+and device, but without the data: a missing data.root, tokenizer file, val/ directory or
+checkpoint.init_from is a `warning:` line, and the vocabulary is model.vocab_size. Then, without a
+GPU, the real model is built on the meta device and parallelised with the app's own plan (TP, CP,
+EP, activation checkpointing, FSDP, pipeline stages) on torch's fake process group at the job's
+world size, and what a rank holds is read off the local shards of its parameters, never computed
+from a formula (a layer left replicated shows up here). The first rank of each pipeline stage is
+built (torch gives the first ranks the larger chunks of uneven splits); the busiest rank decides.
 
-Memory of a rank, in bytes (what is counted, and what is assumed):
-  parameters   local shards, as stored: fp32 master weights (model_dtype bf16 or fp32), plus the
-               buffers (RoPE tables, expert bias);
-  gradients    the same shapes and dtype as the parameters (FSDP reduces in fp32 into fp32
-               sharded gradients), of the trainable ones: a frozen weight (LoRA's base, apps/sft)
-               is stored and sharded like the rest, with no gradient and no optimizer state;
-  optimizer    AdamW: two moments of each trainable local parameter in its dtype (8 bytes per
-               fp32 param);
-  FSDP buffers compute-dtype copies gathered by FSDP (sizes read from the shards times the FSDP
-               degree): the root unit (embeddings, final norm, output; kept gathered for the
-               whole step, reshard_after_forward=False) and two blocks in flight (the one computing
-               and the one prefetched; every block with reshard_after_forward=false), plus the
-               unsharded gradients of the root and of one block in compute dtype and that block's
-               fp32 reduce-scatter input;
-  autocast     bf16 layouts without FSDP (one process, tp only, pp only, tp x pp) compute through
-               autocast, whose bf16 copy of every matmul weight is kept for backward;
-  activations  the estimate below, for the micro-batches in flight on this rank;
-and the rank fits when the sum is at most 90% of the GPU's memory (the rest is the CUDA context,
-NCCL's buffers and the caching allocator's fragmentation). With distributed.cpu_offload the
-parameters, gradients and optimizer state live in host memory and are listed, not counted.
+Memory of a rank (lingua.launch.plan_memory):
+  parameters   local shards as stored, plus the buffers (RoPE tables, expert bias);
+  gradients    the same shapes and dtype, of the trainable parameters only (a frozen weight,
+               LoRA's base, has no gradient and no optimizer state);
+  optimizer    AdamW: two moments of each trainable local parameter in its dtype;
+  FSDP buffers compute-dtype copies FSDP gathers: the root unit (kept for the whole step) and
+               two blocks in flight (every block with reshard_after_forward=false), plus the
+               unsharded gradients of the root and one block and its fp32 reduce-scatter input;
+  autocast     bf16 layouts without FSDP keep autocast's bf16 copy of every matmul weight;
+  activations  the estimate of lingua.launch.plan_activations, for the micro-batches in flight;
+and the rank fits when the sum is at most 90% of the GPU's memory (the rest: CUDA context, NCCL,
+fragmentation). With distributed.cpu_offload parameters, gradients and optimizer state are listed
+as host memory, not counted. A LoRA run also prints its busiest rank at lora.rank=0.
 
-Activations (lingua.launch.plan_activations): bytes kept per token and per block between forward and
-backward, counted from what lingua.model.layers's blocks and lingua.model.moe's MoE layer save
-(the Megatron-style per-layer accounting of Korthikanti et al. 2022, redone for this code: RMSNorm
-in fp32 with its written-out backward, GQA attention whose keys and values are repeated to all
-heads before flash attention on GPU (on CPU sdpa groups them itself: `grouped_kv`, which the
-tests measure), SwiGLU, torch's TP + sequence parallel, and the op-level checkpointing policy of
-lingua.parallel.distributed). tests/test_plan.py measures the live tensors of real blocks on CPU
-(dense and MoE, bf16, fp32 and autocast, every ac mode, tp 1 and 2) and checks this formula against
-them. Assumptions: a flash/memory-efficient attention kernel (no seq x seq matrix, as on GPU),
-MoE routing balanced across experts and EP ranks (an overloaded EP rank receives more rows), no
-CPU expert padding (bf16 / fp16 MoE on CPU pads each expert's rows to a multiple of
-lingua.model.moe.CPU_GROUP_ROWS: at most 10% more expert rows kept; the plan is for GPUs), no
-torch.compile fusion (compile only lowers it, the loss's fp32 logits included, which compiled
-runs do not keep: see BENCHMARKS.md, "MFU and memory of llama_1b on one H100"); context
-parallelism adds the all-gathered keys and values of the whole sequence (not measured). Under
-autocast the residual stream is fp32 and each matmul keeps its own bf16 copy of its input (wq,
-wk, wv: three). Per rank: the layers it holds x the micro-batches in flight (1 without
-pipelining; with pp: GPipe all, 1F1B pp - pp_rank, interleaved (v-1) x pp + 2 (pp - 1 - pp_rank)
-+ 1 chunks as in torch's schedule) + one block recomputed in backward (ac != none) + the last
-stage's output: the gathered input of the output projection, the bf16 logits, their fp32 copy
-and fp32 log-probs (vocabulary / tp with loss parallel). With tp > 1, torch's TP keeps the
-all-gathered (full-sequence) inputs of attention and FFN, and ac=op also keeps the
-full-sequence partial sums of wo and w2 (op keeps every matmul's output): so under tp, ac=op can
-keep MORE than ac=none, and ac=full is the one that shrinks activations. Frozen Linears and LoRA
-adapters (plan_activations.lora_activation_bytes, measured on CPU in fp32): a frozen weight keeps
-no input for its gradient, an adapter its rank-wide middle (and, under ac=op, B's output).
-For a LoRA run the plan also prints the busiest rank of the same run at lora.rank=0 (full
-fine-tuning), and checkpoint.init_from need not exist (a warning, as for the data).
-
-FLOPs per token are the app's (`APP.flops_per_token`, else lingua.observe.metrics.flops_per_token
-of the model after APP.transform_model, the numbers MFU is logged with: 4 x a frozen matmul
-parameter, 6 x a trainable one); tokens/s = MFU x peak / FLOPs per token, with the dense bf16 (or
-fp32) peak of lingua.observe.metrics.GPU_PEAK_FLOPS. The MFU is an assumption (--mfu, default 40%),
-not a measurement: pipeline bubbles and communication are in it.
-
-When the run does not fit, the planner re-plans the cheapest changes in order (ac=op, ac=full,
-a larger tp inside a node up to 8 with each ac, then 2x / 4x / 8x the nodes with each ac) and
+FLOPs per token are the app's (APP.flops_per_token, else lingua.observe.metrics.flops_per_token,
+as MFU is logged); tokens/s = MFU x peak / FLOPs per token, with the dense bf16 (or fp32) peak of
+metrics.GPU_PEAK_FLOPS. The MFU is an assumption (--mfu, default 40%), bubbles and communication
+included. When the run does not fit, the planner re-plans the cheapest changes in order (ac=op,
+ac=full, a larger tp inside a node up to 8, then 2x / 4x / 8x the nodes, each with each ac) and
 names the first that fits.
 """
 
@@ -99,12 +55,10 @@ from lingua.parallel import distributed, pipeline
 from lingua.train import app as app_checks
 
 GIB = 2 ** 30
-# Memory per GPU (GiB) when --gpu-mem-gib is not given: the 80 GB parts and the larger ones.
 GPU_MEMORY_GIB = {"H100": 80.0, "H200": 141.0, "A100": 80.0, "B200": 180.0}
 USABLE_FRACTION = 0.9   # of the GPU's memory; the rest: CUDA context, NCCL, fragmentation
 DEFAULT_MFU = 0.4
-# Dense float8 tensor-core FLOP/s over bf16's on the data sheets (H100/H200 1979 vs 989, B200 4500
-# vs 2250); the A100 has no float8 tensor cores, and torchao's float8 needs compute capability 8.9.
+# Dense float8 tensor-core FLOP/s over bf16's (data sheets); the A100 has no float8 tensor cores.
 FLOAT8_SPEEDUP = 2.0
 NO_FLOAT8 = {"A100"}
 
@@ -160,18 +114,13 @@ class Plan:
                                                           self.world_size) / 86400
 
 
-# ---------------------------------------------------------------------------------------------
-# Planning
-
-
 def host_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
 @functools.lru_cache(maxsize=None)
 def cpu_peak_flops(dtype: str, dim: int) -> float:
-    """This CPU's matmul rate on a linear of the model's width (as a CPU run's MFU is measured:
-    lingua.observe.metrics.run_peak), for a CPU job's time estimate."""
+    """This CPU's matmul rate on a linear of the model's width, for a CPU job's time estimate."""
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     return metrics.measure_matmul_peak(2048, dim, 4 * dim, torch_dtype, torch.device("cpu"),
                                        seconds=0.3)["flops_per_s"]
@@ -187,7 +136,6 @@ def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
               device_type: str):
     """(app module, validated args, world size): composed and checked as the job will be, but
     for the corpus and tokenizer files (data_warnings)."""
-
     app = config.import_app(app_module)
     if not hasattr(app, "APP"):
         raise ConfigError(f"{app_module} has no APP (a lingua.train.app.App): the planner "
@@ -198,8 +146,7 @@ def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
         raise ConfigError(f"The world size must be at least 1, got {world}.")
     checked = raw
     init_from = raw.checkpoint.init_from
-    if init_from is not None and not Path(init_from).is_dir():
-        # The weights to fine-tune from are read by the job, not by the plan (data_warnings).
+    if init_from is not None and not Path(init_from).is_dir():   # read by the job, not the plan
         checked = dataclasses.replace(raw, checkpoint=dataclasses.replace(raw.checkpoint,
                                                                           init_from=None))
     with distributed.job_view(world, device_type):
@@ -211,7 +158,6 @@ def data_warnings(args, app=None) -> List[str]:
     """What a job would refuse to start without and a plan does without: the corpus (data.root,
     its val/), the tokenizer file and the checkpoint.init_from directory (the app module's own
     check_init_from where it has one: apps/sft's), each problem once."""
-
     found, corpus = [], args.data
     init_from = args.checkpoint.init_from
     if getattr(app, "check_init_from", None) is not None:
@@ -247,20 +193,10 @@ def model_on_meta(args, app) -> torch.nn.Module:
     return model
 
 
-def _flops_per_token(args, app, model) -> float:
-    """`model`: the whole model on the meta device (model_on_meta)."""
-    if app.APP.flops_per_token is not None:
-        return app.APP.flops_per_token(args)
-    m = args.model
-    return metrics.flops_per_token(model, m.n_layers, m.dim, args.data.seq_len,
-                                   m.tie_embeddings)
-
-
 def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None,
          device_type: str = "cuda", gpu: str = "H100", gpu_mem_gib: Optional[float] = None,
          mfu: float = DEFAULT_MFU, suggest: bool = True) -> Plan:
     """Build the run at its world size on the fake process group and account each rank."""
-
     if gpu not in GPU_MEMORY_GIB:
         raise ConfigError(f"--gpu {gpu}: known GPUs are {', '.join(GPU_MEMORY_GIB)}.")
     if not 0 < mfu <= 1:
@@ -279,21 +215,22 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
     if dims.pp > 1:
         n_mb = d.pp_microbatches or pipeline.default_microbatches(d.pp, d.pp_virtual_stages)
         microbatch = args.data.batch_size // n_mb
-    ranks, flights = [], []
-    per_stage = world // dims.pp
-    for pp_rank in range(dims.pp):   # the first rank of each stage holds the largest shards
-        one, flight = rank_plan(args, app.APP, dims, pp_rank * per_stage, n_mb, microbatch,
-                                device_type)
-        ranks.append(one)
-        flights.append(flight)
-    whole = model_on_meta(args, app)
+    per_stage = world // dims.pp   # the first rank of each stage holds the largest shards
+    built = [rank_plan(args, app.APP, dims, pp_rank * per_stage, n_mb, microbatch, device_type)
+             for pp_rank in range(dims.pp)]
+    ranks, flights = [one for one, _ in built], [flight for _, flight in built]
+    whole, m = model_on_meta(args, app), args.model
     n_params = sum(p.numel() for p in whole.parameters())
     n_trainable = sum(p.numel() for p in whole.parameters() if p.requires_grad)
+    if app.APP.flops_per_token is not None:
+        flops = app.APP.flops_per_token(args)
+    else:
+        flops = metrics.flops_per_token(whole, m.n_layers, m.dim, args.data.seq_len,
+                                        m.tie_embeddings)
     dtype = "bf16" if d.model_dtype == "bf16" else "fp32"
     result = Plan(module=app_module, overrides=overrides, args=args, world_size=world, dims=dims,
                   device_type=device_type, gpu=gpu, gpu_mem_gib=gpu_mem_gib, mfu=mfu, ranks=ranks,
-                  n_params=n_params, n_trainable=n_trainable,
-                  flops_per_token=_flops_per_token(args, app, whole),
+                  n_params=n_params, n_trainable=n_trainable, flops_per_token=flops,
                   peak_flops=metrics.GPU_PEAK_FLOPS[dtype][gpu],
                   tokens_per_step=args.data.batch_size * dims.dp * args.data.grad_accum
                   * args.data.seq_len, microbatch=microbatch, in_flight=flights,
@@ -322,11 +259,9 @@ def lora_rank(args) -> int:
 
 
 def float8_flops_per_token(args, app, model) -> float:
-    """FLOPs a token of the matmuls distributed.float8 converts in `model` (the whole model on
-    the meta device): 6 x each converted Linear's weight (its forward and both backward
-    matmuls; 4 x a frozen one's, which has no weight gradient), and 6 x the weights of the
-    top_k experts a token meets in each MoE whose experts are converted, picked as the trainer
-    picks them."""
+    """FLOPs a token of the matmuls distributed.float8 converts in `model` (whole, on meta): 6 x
+    each converted Linear's weight (4 x a frozen one's: no weight gradient), and 6 x the weights
+    of the top_k experts a token meets in each MoE whose experts are converted."""
     if args.distributed.float8 == "none":
         return 0.0
     from lingua import float8
@@ -356,8 +291,7 @@ def _candidates(p: Plan) -> list:
 
     out = [([f"distributed.ac={ac}"], p.world_size) for ac in acs
            if ac != d.ac and d.ac != "full"]
-    per_node = slurm.tasks_per_node or max(slurm.gpus_per_node, 1)
-    node_limit = per_node if slurm.gpus_per_node else 8
+    node_limit = (slurm.tasks_per_node or slurm.gpus_per_node) if slurm.gpus_per_node else 8
     for tp in (2, 4, 8):
         if tp > d.tp and tp <= node_limit:
             out += [(with_ac([f"distributed.tp={tp}"], ac), p.world_size) for ac in acs]
@@ -379,22 +313,17 @@ def _cheapest_fix(p: Plan, gpu, gpu_mem_gib, mfu, device_type) -> tuple:
                              mfu, suggest=False)
         except ConfigError:
             continue
-        tried.append(f"{label} ({candidate.busiest.total / GIB:.1f} GiB)")
+        tried.append(f"{label} ({_gib(candidate.busiest.total)} GiB)")
         if candidate.fits:
-            return f"{label} ({candidate.busiest.total / GIB:.1f} GiB)", tried
+            return tried[-1], tried
     return None, tried
-
-
-# ---------------------------------------------------------------------------------------------
-# Text
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.1f}"
 
 
 def _in(unit: int):
     return lambda n: f"{n / unit:.1f}"
+
+
+_gib = _in(GIB)
 
 
 def _count(n: float) -> str:
@@ -481,24 +410,21 @@ def format_plan(p: Plan) -> str:
     lines.append(f"{verdict}: {fmt(b.total)} {unit} on rank {b.rank} of {_gib(p.usable_bytes)} GiB "
                  f"usable ({USABLE_FRACTION:.0%} of {p.gpu_mem_gib:.3g} GiB, {p.gpu})")
     if p.full_finetune_bytes is not None:
-        lines.append(f"  LoRA saves {_gib(p.full_finetune_bytes - b.total)} GiB a rank against "
-                     f"full fine-tuning ({_gib(p.full_finetune_bytes)} GiB a rank with "
-                     f"lora.rank=0)")
-    if not p.fits:
-        if p.suggestion:
-            lines.append(f"  cheapest change that fits: {p.suggestion}")
-        else:
-            lines.append("  no change tried fits (ac=op/full, tp up to 8 in a node, up to 8x the "
-                         "nodes): lower data.batch_size or data.seq_len, or add pp")
-    tps = p.tokens_per_s_per_gpu
-    total_tokens = a.steps * p.tokens_per_step
-    each = "a GPU" if p.device_type == "cuda" else "a process"
+        full = p.full_finetune_bytes
+        lines.append(f"  LoRA saves {_gib(full - b.total)} GiB a rank against full fine-tuning "
+                     f"({_gib(full)} GiB a rank with lora.rank=0)")
+    if not p.fits and p.suggestion:
+        lines.append(f"  cheapest change that fits: {p.suggestion}")
+    elif not p.fits:
+        lines.append("  no change tried fits (ac=op/full, tp up to 8 in a node, up to 8x the "
+                     "nodes): lower data.batch_size or data.seq_len, or add pp")
+    tps, each = p.tokens_per_s_per_gpu, "a GPU" if p.device_type == "cuda" else "a process"
     peak = (f"{p.peak_flops / 1e12:.0f} TFLOP/s" if p.peak_flops >= 1e12 else
             f"{p.peak_flops / 1e9:.0f} GFLOP/s")
     lines.append(f"at {p.mfu:.0%} MFU ({p.gpu} {e_name} peak {peak}): "
                  f"{tps:,.0f} tokens/s {each}, {_count(tps * p.world_size)} tokens/s; "
                  f"{_count(p.tokens_per_step)} tokens a step, {a.steps} steps = "
-                 f"{_count(total_tokens)} tokens in {_duration(p.days * 86400)}")
+                 f"{_count(a.steps * p.tokens_per_step)} tokens in {_duration(p.days * 86400)}")
     if p.float8_flops_per_token:
         lines.append(f"  (float8 {d.float8}: {p.float8_flops_per_token / p.flops_per_token:.0%} "
                      f"of the FLOPs at {FLOAT8_SPEEDUP:g}x the bf16 rate; MFU stays over the "
@@ -528,8 +454,8 @@ def report_text(app_module: str, overrides: list, world_size: int, device_type: 
                 gpu: str = "H100", gpu_mem_gib: Optional[float] = None,
                 mfu: float = DEFAULT_MFU) -> str:
     """The text `python -m lingua.plan` prints, for stool's dry run."""
-    return format_plan(plan(app_module, list(overrides), world_size, device_type, gpu,
-                            gpu_mem_gib, mfu))
+    return format_plan(plan(app_module, list(overrides), world_size, device_type, gpu, gpu_mem_gib,
+                            mfu))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

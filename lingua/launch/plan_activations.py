@@ -1,13 +1,22 @@
-"""The planner's activation estimate (see lingua.launch.plan): the bytes a block and the last
-stage's output keep per token for backward, and the micro-batches a pipeline rank holds at once."""
+"""The planner's activation estimate (lingua.launch.plan): the bytes a block and the last stage's
+output keep per token for backward, and the micro-batches a pipeline rank holds at once.
+
+Counted from what lingua.model's blocks save (the per-layer accounting of Korthikanti et al.
+2022, redone for this code: fp32 RMSNorm with its written-out backward, GQA keys and values
+repeated to all heads before flash attention on GPU, SwiGLU, torch's TP + sequence parallel, the
+op-level checkpointing policy of lingua.parallel.distributed); tests/test_plan.py checks it
+against the live tensors of real blocks on CPU. Assumed: a flash attention kernel (no seq x seq
+matrix), MoE routing balanced across experts and EP ranks, no CPU expert padding, no
+torch.compile fusion (compile only lowers it). Under tp, torch keeps the all-gathered inputs of
+attention and FFN, and ac=op also the full-sequence partial sums of wo and w2, so ac=op can keep
+MORE than ac=none; ac=full is the one that shrinks activations."""
 
 from lingua.model.layers import ffn_hidden_dim
 from lingua.parallel import pipeline
 
 
 def block_shape(a) -> dict:
-    """The sizes the count uses, from the model args: h, heads, k/v width, FFN and expert widths,
-    experts and top-k."""
+    """h, heads, k/v width, FFN and expert widths, experts and top-k, from the model args."""
     ffn = ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier)
     expert = getattr(a, "expert_hidden_dim", 0) or ffn
     n_kv = a.n_kv_heads or a.n_heads
@@ -18,13 +27,10 @@ def block_shape(a) -> dict:
 
 def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
                            fp32_residual: bool = False, grouped_kv: bool = False) -> float:
-    """Bytes one block keeps per token of the sequence for its backward (see the module
-    docstring). e: bytes of the compute dtype (2 bf16, 4 fp32); ac: none | op | full (layer is
-    per block: none or full). fp32_residual: autocast (bf16 layouts without FSDP), where the
-    residual stream and the norms stay fp32 and every matmul casts its own bf16 copy of its
-    input (wq, wk and wv three, w1 and w3 two). grouped_kv: k/v reach attention with their own
-    heads (sdpa's GQA, taken on CPU only: lingua.model.layers.grouped_kv_ok); on GPU they are
-    repeated to all heads first."""
+    """Bytes one block keeps per token of the sequence for its backward. e: bytes of the compute
+    dtype; ac: none | op | full (layer is none or full per block). fp32_residual: autocast,
+    where the residual stream and norms stay fp32 and every matmul keeps its own bf16 copy of its
+    input. grouped_kv: k/v reach attention with their own heads (sdpa's GQA, on CPU only)."""
     s = block_shape(model_args)
     h, nh, hk, f = s["h"], s["nh"], s["hk"], s["f"]
     t = tp
@@ -63,9 +69,8 @@ def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
 
 
 def _norm_bytes(h: int, r: int, tp: int) -> int:
-    """What an RMSNorm keeps per token: its fp32 normalised input and rsqrt (the eager
-    written-out backward of lingua.model.layers.RMSNorm); under tp (sequence-parallel DTensors,
-    which take torch's composite ops one by one) also its normalised output before the weight."""
+    """What an RMSNorm keeps per token: its fp32 normalised input and rsqrt; under tp (DTensors
+    take torch's composite ops one by one) also its normalised output before the weight."""
     return 4 * h + 4 + (r * h if tp > 1 else 0)
 
 
@@ -82,16 +87,12 @@ def output_activation_bytes(model_args, e: int, tp: int, loss_parallel: bool,
 def chunks_in_flight(schedule: str, pp: int, virtual: int, n_mb: int, pp_rank: int) -> float:
     """Micro-batches whose activations a pipeline rank holds at once, in units of its stages'
     average (one unit = all its layers for one micro-batch when it holds one stage)."""
-
     if pp == 1:
         return 1.0
     name = pipeline.schedule_name(schedule)
-    style = pipeline.SCHEDULE_STYLES[name]
-    if name == "GPipe":
+    if name in ("GPipe", "LoopedBFS"):   # every micro-batch (of every stage) before a backward
         return float(n_mb)
-    if name == "LoopedBFS":
-        return float(n_mb)               # every micro-batch of every stage before a backward
-    if style == "single":                # 1F1B
+    if pipeline.SCHEDULE_STYLES[name] == "single":   # 1F1B
         return float(min(n_mb, pp - pp_rank))
     # Interleaved / zero-bubble: torch's warmup forwards ((v - 1) pp + 2 (pp - 1 - rank)) plus
     # the one the steady state adds, in chunks; a chunk is 1/virtual of the rank's layers.
@@ -101,12 +102,9 @@ def chunks_in_flight(schedule: str, pp: int, virtual: int, n_mb: int, pp_rank: i
 
 def lora_activation_bytes(block, model_args, moe: bool, ac: str, e: int, tp: int = 1,
                           fp32_residual: bool = False) -> float:
-    """What a block with frozen Linears or LoRA adapters (lingua.model.lora) keeps per token
-    beyond block_activation_bytes (negative: less). A frozen Linear has no weight gradient, so
-    autograd keeps no input for it: without ac, a frozen FFN drops its input (w1, w3) and w2's
-    (the SwiGLU product), and attention its input when wq, wk and wv are all frozen. An adapter
-    keeps its rank-wide middle (A's output, B's input); under ac=op also B's output (a matmul's:
-    rank + out a token). ac=full keeps the block's input only, as before."""
+    """What a block with frozen Linears or LoRA adapters keeps per token beyond
+    block_activation_bytes (negative: less). A frozen Linear keeps no input for its (absent)
+    weight gradient; an adapter keeps its rank-wide middle, and under ac=op also B's output."""
     from torch import nn
 
     from lingua.model.lora import LoRALinear

@@ -43,7 +43,7 @@ class RankPlan:
     autocast: int
     activations: int
     offloaded: int = 0       # params + grads + optimizer state in host memory (cpu_offload)
-    process_groups: int = 1  # groups it joins, the default one included: a communicator each
+    process_groups: int = 1  # groups it joins, the default one included
     ns_workspace: int = 0    # Muon's Newton-Schulz at the optimizer step (after activations)
     float8: int = 0          # float8 casts of one block's converted weights, and their scales
 
@@ -55,8 +55,7 @@ class RankPlan:
 
 @contextlib.contextmanager
 def fake_process_group(rank: int, world_size: int):
-    """torch's fake backend: every collective returns at once, nothing is sent; enough for
-    DeviceMesh, parallelize_module and fully_shard on meta tensors in one process."""
+    """torch's fake backend (collectives return at once): enough to build on meta tensors."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -136,11 +135,11 @@ def _fsdp_bytes(parts, e: int, reshard_after_forward: bool, float8_gathers: bool
     (distributed.float8=tensorwise) takes 1 byte an element instead of e."""
     from torch.distributed.fsdp import FSDPModule
 
-    in_float8 = _float8_weights(parts) if float8_gathers else set()
+    in_float8 = {id(module.weight) for part in parts for module in part.modules()
+                 if float8_gathers and type(module).__name__ == "Float8Linear"}
 
     def gathered(params) -> tuple:
-        """(bytes gathered, elements and bytes of the unsharded gradients): frozen weights
-        (LoRA's base) are gathered for compute but have no gradient to reduce."""
+        """(bytes gathered, elements and bytes of the unsharded gradients of the trainable)."""
         sizes = [(_gathered_numel(p), 1 if id(p) in in_float8 else e, p.requires_grad)
                  for p in params]
         return (sum(n * b for n, b, _ in sizes), sum(n for n, _, g in sizes if g),
@@ -165,11 +164,9 @@ def _fsdp_bytes(parts, e: int, reshard_after_forward: bool, float8_gathers: bool
 
 
 def _float8_cast_bytes(parts) -> int:
-    """The float8 copies torchao makes of one block's converted weights while the block runs
-    (the weight, and its transpose for the input gradient: 1 byte an element each) and their
-    scales (fp32: one a tensor under tensorwise, one a row and one a column under rowwise);
-    plus, for every block, the column-major bf16 copy of its float8 experts' weights that
-    torchao's grouped GEMM keeps from forward to backward (lingua.float8.moe)."""
+    """The float8 copies torchao makes of one block's converted weights while it runs (weight
+    and transpose, 1 byte an element each) and their fp32 scales; plus, for every block, the
+    bf16 copy of its float8 experts' weights torchao's grouped GEMM keeps for backward."""
     per_block, kept = [0], 0
     for part in parts:
         for block in getattr(part, "layers", {}).values():
@@ -188,28 +185,15 @@ def _float8_cast_bytes(parts) -> int:
     return max(per_block) + kept
 
 
-def _float8_weights(parts) -> set:
-    """ids of the converted weights (torchao's Float8Linear), which FSDP all-gathers in float8
-    under the tensorwise recipe on CUDA."""
-    return {id(module.weight) for part in parts for module in part.modules()
-            if type(module).__name__ == "Float8Linear"}
-
-
 def _build_parts(args, app, dims, rank: int, world_size: int):
-    """This rank's parallelised model parts on meta, and its stage ids: the trainer's own build."""
-
-    # Same shards, without what needs a GPU or changes no shape: compile, async TP's symmetric
-    # memory, CPU offload's pinned host copies.
+    """This rank's parallelised model parts on meta, and its stage ids: the trainer's own build,
+    without what needs a GPU and changes no shard (compile, async TP, CPU offload)."""
     build_args = dataclasses.replace(args, distributed=dataclasses.replace(
         args.distributed, compile=False, async_tp=False, cpu_offload=False))
     mesh = distributed.build_mesh(dims, "cpu") if world_size > 1 else None
     env = DistEnv(rank=rank, local_rank=0, world_size=world_size, device=torch.device("cpu"),
                   dims=dims, mesh=mesh)
     return build.parallelized_parts_on_meta(build_args, env, app)
-
-
-def _is_moe_block(block) -> bool:
-    return getattr(block, "moe", None) is not None
 
 
 def rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int,
@@ -232,15 +216,14 @@ def rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int,
 
 def _optimizer_bytes(args, parts, adamw_bytes: int) -> tuple:
     """(optimizer state, Muon's Newton-Schulz workspace) in bytes. AdamW keeps two moments a
-    parameter, placed like it; Muon one momentum buffer for its matrices, and orthogonalises one
-    whole matrix at a time on each rank: about 6 of the largest (the stack sent and received,
-    NS's iterate, its Gram matrix and polynomial, the result), in NS's dtype."""
+    parameter; Muon one for its matrices, and orthogonalises one whole matrix at a time: about 6
+    of the largest (sent and received stack, iterate, Gram matrix, polynomial, result)."""
     if args.optim.name != "muon" or adamw_bytes == 0:   # 0: offloaded to host memory
         return adamw_bytes, 0
     from lingua.optim.muon import NS_DTYPES, matrix_shape, split_params
 
     muon = [p for part in parts for _, p in split_params(part)[0]]
-    muon_bytes = sum(_local(p).numel() * _local(p).element_size() for p in muon)
+    muon_bytes = sum(_local(p).nbytes for p in muon)
     largest = max((math.prod(matrix_shape(p)) for p in muon), default=0)
     ns_bytes = torch.empty((), dtype=NS_DTYPES[args.optim.muon_ns_dtype]).element_size()
     return adamw_bytes - muon_bytes, 6 * largest * ns_bytes
@@ -260,14 +243,12 @@ def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch,
     params = [p for part in parts for p in part.parameters()]
     locals_ = [_local(p) for p in params]
     n_local = sum(t.numel() for t in locals_)
-    param_bytes = sum(t.numel() * t.element_size() for t in locals_)
-    buffer_bytes = sum(_local(b).numel() * _local(b).element_size()
-                       for part in parts for b in part.buffers())
+    param_bytes = sum(t.nbytes for t in locals_)
+    buffer_bytes = sum(_local(b).nbytes for part in parts for b in part.buffers())
     e = 2 if d.model_dtype == "bf16" else 4
     fsdp_applied = all(isinstance(p, FSDPModule) for p in parts)
     fsdp = _fsdp_bytes(parts, e, d.reshard_after_forward, float8_gathers) if fsdp_applied else 0
-    autocast = 0
-    fp32_residual = d.model_dtype == "bf16" and not fsdp_applied
+    autocast, fp32_residual = 0, d.model_dtype == "bf16" and not fsdp_applied
     if fp32_residual:   # autocast's bf16 copy of each matmul weight, kept for backward
         autocast = sum(2 * t.numel() for p, t in zip(params, locals_) if t.dim() >= 2)
         if not getattr(m, "tie_embeddings", False):   # a lookup, not a matmul: no copy
@@ -280,10 +261,8 @@ def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch,
     for part in parts:
         for name, block in part.layers.items():
             layer_ids.append(int(name))
-            moe = _is_moe_block(block)
-            mode = d.ac
-            if mode == "layer":
-                mode = "none" if int(name) % d.ac_every else "full"
+            moe = getattr(block, "moe", None) is not None
+            mode = d.ac if d.ac != "layer" else ("none" if int(name) % d.ac_every else "full")
             per_mb += _block_bytes(block, m, moe, mode, e, dims.tp, fp32_residual)
             worst_block = max(worst_block,
                               _block_bytes(block, m, moe, "none", e, dims.tp, fp32_residual))
@@ -298,12 +277,9 @@ def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch,
            for part in parts):
         act += output_activation_bytes(m, e, dims.tp, app.loss_parallel(d), fp32_residual)
     activations = int(act * tokens)
-    # Frozen weights (LoRA's base) are stored and sharded like the rest, but have no gradient
-    # and no optimizer state.
     trainable = [t for p, t in zip(params, locals_) if p.requires_grad]
-    grads = sum(t.numel() * t.element_size() for t in trainable)
-    optim = 2 * grads
-    offloaded = 0
+    grads = sum(t.nbytes for t in trainable)
+    optim, offloaded = 2 * grads, 0
     if d.cpu_offload:
         offloaded, param_bytes, grads, optim = param_bytes + grads + optim, 0, 0, 0
     return RankPlan(rank=rank, pp_rank=pp_rank, stages=list(stage_ids), layers=layer_ids,

@@ -1,11 +1,7 @@
 """A training process's start before the loop: logging, the torch version check, malloc tuning on
 CPU, signal listening, the embedded corpus on first use, and the run's config.yaml; and its
-memory policy: when Python's garbage collector runs (GarbageCollection, a hook of the loop) and
-how glibc's malloc keeps freed memory on CPU (keep_freed_memory).
-
-Automatic GC is off during the loop (its pauses land at random steps, and on one rank they stall
-all); the young generations are collected every gc_every steps, all of them every gc_full_every
-(a cycle that outlived two young collections is only freed by a full one).
+memory policy: when Python's garbage collector runs (GarbageCollection) and how glibc's malloc
+keeps freed memory on CPU (keep_freed_memory).
 """
 
 import gc
@@ -99,29 +95,16 @@ def user_malloc_setting() -> Optional[str]:
 
 def keep_freed_memory() -> bool:
     """CPU training: let glibc's malloc keep freed blocks for reuse, as CUDA's caching allocator
-    does on GPU. By default glibc maps large blocks (above 128 KiB, a threshold it raises up to
-    32 MiB as it goes) afresh and unmaps them when freed; every step frees and reallocates the
-    same activations, so the kernel zeroes their pages again at each first touch. With a real
-    vocabulary the logits and their gradient (hundreds of MB each) are such blocks, and the
-    kernel's page-fault path takes a large share of a step (see BENCHMARKS.md, "LLaMA training
-    step on CPU vs Hugging Face transformers", "Then: page faults"). So: no mmap for any size
-    (M_MMAP_MAX=0, blocks come from the heap and go back to it) and no trimming of the heap's
-    top (M_TRIM_THRESHOLD=-1), both as mallopt(3) documents them. A freed block is reused where
-    it merges back into the heap: torch allocates with posix_memalign, and glibc's memalign
-    (2.36) keeps the small tail it cuts off a block in its per-thread cache, which can sit
-    between the freed block and the heap's top; a block freed and asked for again on its own then
-    takes fresh pages in about 3 of 4 processes. GLIBC_TUNABLES=glibc.malloc.tcache_max=0 in the
-    environment that starts the process lifts that (tests/test_benchmarks.py).
+    does on GPU. By default glibc unmaps large blocks when freed, so every step's activations
+    (the logits above all) take freshly zeroed pages again (BENCHMARKS.md, "Then: page faults").
+    So: no mmap for any size (M_MMAP_MAX=0) and no trimming of the heap's top
+    (M_TRIM_THRESHOLD=-1), for the main thread's arena, where training allocates. glibc's
+    memalign can still leave a small tail in its per-thread cache between a freed block and the
+    heap's top; GLIBC_TUNABLES=glibc.malloc.tcache_max=0 lifts that (tests/test_benchmarks.py).
     What it costs: the process keeps the memory it freed (release_freed_memory gives back what
-    setup used once), and a long-lived block in the middle of the heap can keep a freed one
-    beside it from merging, so the resident peak can be higher than with mmap (see
-    BENCHMARKS.md, same section: it stays level over a long run). To keep glibc's default, set
-    one of the knobs user_malloc_setting looks for, e.g. MALLOC_TOP_PAD_=131072 (mallopt(3)'s
-    default). It holds for the main thread's arena, where training allocates (CPU autograd runs
-    on the calling thread); other threads' arenas still map blocks over 64 MiB. Process-wide, and
-    it stays after run() returns (a caller that trains in-process, as the tests do, keeps it).
-    Returns False, and changes nothing, where the C library has no mallopt or the user set one
-    of these knobs (user_malloc_setting)."""
+    setup used once), and fragmentation can raise the resident peak. Process-wide, and it stays
+    after run() returns. Returns False, and changes nothing, where the C library has no mallopt
+    or the user set one of its knobs (user_malloc_setting, e.g. MALLOC_TOP_PAD_=131072)."""
     import ctypes
 
     if user_malloc_setting():
@@ -135,9 +118,8 @@ def keep_freed_memory() -> bool:
 
 
 def release_freed_memory() -> None:
-    """Give the OS back the heap memory free at this moment (glibc's malloc_trim): called once
-    setup is done, so that transient copies made while building, initialising and resuming the
-    model do not stay resident for the whole run under keep_freed_memory's no-trim setting."""
+    """Give the OS back the heap memory free now (glibc's malloc_trim): called once setup is done,
+    so that its transient copies do not stay resident under keep_freed_memory's no-trim setting."""
     import ctypes
 
     try:
@@ -147,9 +129,10 @@ def release_freed_memory() -> None:
 
 
 class GarbageCollection(Hook):
-    """gc_every / gc_full_every: automatic GC off while the loop runs, collections at fixed
-    steps, and the collector back to its previous state however the loop ends: a caller (a
-    test, a notebook) that runs main() in-process keeps its collector."""
+    """gc_every / gc_full_every: automatic GC off while the loop runs (its pauses land at random
+    steps, and on one rank they stall all); the young generations collected every gc_every steps,
+    all of them every gc_full_every (a cycle that outlived two young collections is only freed by
+    a full one). The collector is back to its previous state however the loop ends."""
 
     def __init__(self, young_every: int, full_every: int):
         self.young_every, self.full_every = young_every, full_every

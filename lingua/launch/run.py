@@ -1,18 +1,9 @@
 """A whole training run, composed: the config schema every app's TrainArgs extends
 (BaseTrainArgs), its checks before any work (validate), the hooks around the loop, and `run`,
-which reads top to bottom like a script:
-    env = distributed.init(args.distributed)      # process group and mesh
-    start_process(args, env)                      # logging, malloc, signals, corpus on first use
-    parts, stage_ids = build_model_parts(args, env, app)
-    optimizers = optim.Optimizers(parts, ...)
-    training = Run(args, env, app, parts, stage_ids, optimizers, hooks(...))
-    training.resume()                             # newest intact checkpoint, if any
-    training.train()                              # the loop (lingua/train/loop.py)
-What differs between apps (the model class, its parallelization plan, its checks, its loss and
-extra inputs (lingua/model/loss.py), extra metrics or a per-step update such as MoE's expert bias)
-comes in through `App` (lingua/train/app.py), so a fork copies only what it changes and fixes to
-the loop reach every app. It lives at the top layer because the schema and the hooks include
-evaluation's (lingua.eval).
+which reads top to bottom like a script. What differs between apps (model class, parallel plan,
+checks, loss, extra metrics, per-step updates) comes in through `App` (lingua/train/app.py), so
+fixes to the flow reach every app. It lives at the top layer because the schema and the hooks
+include evaluation's (lingua.eval).
 """
 
 import functools
@@ -61,9 +52,8 @@ class BaseTrainArgs:
     dump_dir: str = "runs/debug"
     steps: int = 100
     seed: int = 42
-    # Automatic GC is off (its pauses land at random steps, and on one rank they stall all);
-    # the young generations are collected every gc_every steps, all of them every gc_full_every
-    # (a cycle that outlived two young collections is only freed by a full one). 0: never.
+    # Young generations collected every gc_every steps, all every gc_full_every (0: never); see
+    # launch.process.GarbageCollection.
     gc_every: int = 50
     gc_full_every: int = 1000
     data: DataArgs = field(default_factory=DataArgs)
@@ -168,12 +158,10 @@ def hooks(args, env: DistEnv, app: App) -> Hooks:
 def run(args, app: App) -> int:
     """Train `app` with checked `args` from start (or the newest checkpoint) to args.steps:
     0 when done, EXIT_STOPPED (3) when a signal stopped it after saving (EXIT_INTERRUPTED, 130,
-    when that signal was a Ctrl-C; both in lingua.train.preemption). Every app's main calls it, so
-    the flow is written once (the module docstring)."""
+    when that signal was a Ctrl-C; both in lingua.train.preemption). Every app's main calls it."""
     env = distributed.init(args.distributed)
     start_process(args, env)
-    if args.eval.tasks and args.eval.mode == "inline":
-        # A task whose data cannot be read stops us here.
+    if args.eval.tasks and args.eval.mode == "inline":   # a task's data unreadable: stop now
         downstream.load_tasks(args.eval.tasks, args.eval.include_path)
     write_config(args, env)
     checkpoint.prepare_async_saves(args.checkpoint, env.world_size)   # fails now, not mid-run
@@ -185,8 +173,8 @@ def run(args, app: App) -> int:
         release_freed_memory()        # setup's transient copies (see keep_freed_memory)
     completed = training.train()
     if not completed:
-        # Stopped by a signal, everything saved: every rank leaves from here together, so that
-        # under srun rank 0 (the one that exits non-zero, see lingua.launch.stool) can leave last.
+        # Stopped and saved: the ranks leave together, so that under srun rank 0 (the one that
+        # exits non-zero, see lingua.launch.stool) can leave last.
         distributed.barrier(env)
     distributed.destroy()
     if completed:
@@ -197,10 +185,9 @@ def run(args, app: App) -> int:
 
 def exit_cli(main: Callable) -> None:
     """Run an app's main() as a command: a ConfigError prints its paragraph and exits 2, a
-    RunError exits 1; both without a traceback, printed once for the job and handed to torchrun
-    as the failure it reports (lingua.errors.report). A Ctrl-C outside the training loop (which
-    saves and stops by itself) is one line and exit code 130. A run that ended (finished,
-    stopped or failed with a RunError) leaves through distributed.exit_process."""
+    RunError exits 1, both without a traceback (lingua.errors.report); a Ctrl-C outside the
+    training loop is one line and exit code 130. A run that ended leaves through
+    distributed.exit_process."""
     import signal
     import sys
 
@@ -222,9 +209,7 @@ def exit_cli(main: Callable) -> None:
     except RunError as err:
         report(err)
         code = 1
-    except KeyboardInterrupt:
-        # Config, model build, data preparation, resume: nothing is half-written (checkpoints
-        # are complete or invisible), so there is nothing to save and nothing to clean up.
+    except KeyboardInterrupt:   # before the loop: nothing is half-written, nothing to save
         if preemption.is_rank0():
             print(f"\nlingua: interrupted (Ctrl-C) outside the training loop; nothing more was "
                   f"saved. To go on, run again: {preemption.resume_command()}", file=sys.stderr,

@@ -1,7 +1,6 @@
-"""Slurm job settings (the `slurm.*` config group) and the cluster they run on: defaults and
-checks of the settings, the partitions and nodes `sinfo` reports (a job that cannot fit is
-refused before it is queued), and the submitit executor that submits it. Used by stool for
-training jobs and by launch.eval_jobs for evaluation jobs; submitit is imported where used."""
+"""Slurm job settings (the `slurm.*` config group): their defaults and checks, the check against
+the nodes `sinfo` reports (a job that cannot fit is refused before it is queued), and the
+submitit executor. Used by stool and by launch.eval_jobs; submitit is imported where used."""
 
 import re
 import shlex
@@ -19,12 +18,11 @@ from lingua.errors import ConfigError
 class SlurmArgs:
     """The `slurm.*` group: read by stool when submitting (max_requeues also by the job)."""
     nodes: int = 1
-    # Processes per node, each driving one GPU. 0: one per GPU on GPU jobs, 1 on CPU jobs (so a
-    # GPU job never leaves GPUs idle by default). stool fills it in before validating.
+    # Processes per node, each driving one GPU. 0: one per GPU on GPU jobs, 1 on CPU jobs.
     tasks_per_node: int = 0
     gpus_per_node: int = 0
     # 0: GPU_JOB_CPUS per task on GPU jobs (the cluster default is often 1 CPU a task, which
-    # starves data loading and the Python process), the cluster's default on CPU jobs.
+    # starves data loading), the cluster's default on CPU jobs.
     cpus_per_task: int = 0
     mem: Optional[str] = None           # per node, Slurm's syntax ("64G"; "0" = all of it)
     partition: Optional[str] = None
@@ -45,15 +43,14 @@ class SlurmArgs:
 
 MEM = re.compile(r"^\d+[KMGT]?$")
 WCKEY = re.compile(r"^[A-Za-z0-9._+-]+$")
-# CPUs per task a GPU job asks for when slurm.cpus_per_task is left at 0: enough for the Python
-# process and a few loader threads, and what nearly every GPU node has per GPU (8-GPU nodes have
-# 64 to 224 CPUs). Lower it, or raise it, with slurm.cpus_per_task.
+# CPUs per task of a GPU job with slurm.cpus_per_task=0: the Python process and a few loader
+# threads, and what nearly every GPU node has per GPU.
 GPU_JOB_CPUS = 8
 
 
 def slurm_defaults(s: SlurmArgs) -> List[str]:
-    """Overrides that fill in the slurm.* values left at 0 ("stool picks"), so that the world size
-    stool validates with, config.yaml and the config the job composes all hold the real numbers."""
+    """Overrides that fill in the slurm.* values left at 0, so that stool's validation,
+    config.yaml and the job's config all hold the real numbers."""
     fills = []
     if s.tasks_per_node == 0:
         fills.append(f"slurm.tasks_per_node={max(s.gpus_per_node, 1)}")
@@ -99,8 +96,7 @@ def validate_slurm_args(s: SlurmArgs) -> None:
 
 @dataclass
 class Node:
-    """One node of one partition as `sinfo` lists it; None where the value could not be read
-    (such a value is never the reason for refusing a job)."""
+    """One node of one partition as `sinfo` lists it; None: unknown (never a reason to refuse)."""
     name: str
     partition: str
     cpus: Optional[int]
@@ -207,21 +203,6 @@ def _partitions(nodes: List[Node]) -> tuple:
     return by_name, default
 
 
-def check_partition(partition: Optional[str], nodes: Optional[List[Node]] = None) -> None:
-    """An unknown partition fails here, with the cluster's list, not as a bare sbatch error."""
-    if partition is None:
-        return
-    nodes = cluster_nodes() if nodes is None else nodes
-    if nodes is None:
-        return  # sbatch will say what is wrong
-    known = sorted(_partitions(nodes)[0])
-    unknown = [p for p in str(partition).split(",") if p not in known]
-    if unknown:
-        raise ConfigError(f"slurm.partition={partition!r} does not exist on this cluster. Its "
-                          f"partitions are: {', '.join(known) or 'none'} (from `sinfo`). Pick one "
-                          f"of them, or leave slurm.partition out for the default.")
-
-
 def _most(values: list) -> Optional[int]:
     """The largest value, or None when any is unknown (an unknown node may be the big one)."""
     return None if not values or None in values else max(values)
@@ -276,8 +257,11 @@ def check_resources(s: SlurmArgs, chosen: List[str] = (),
     nodes = cluster_nodes() if nodes is None else nodes
     if nodes is None:
         return False
-    check_partition(s.partition, nodes)
     by_name, default = _partitions(nodes)
+    if s.partition is not None and any(p not in by_name for p in str(s.partition).split(",")):
+        raise ConfigError(f"slurm.partition={s.partition!r} does not exist on this cluster. Its "
+                          f"partitions are: {', '.join(sorted(by_name)) or 'none'} (from `sinfo`). "
+                          f"Pick one of them, or leave slurm.partition out for the default.")
     names = str(s.partition).split(",") if s.partition else [default] if default else []
     found = {name: resource_problems(s, name, by_name[name]) for name in names}
     if not found or any(not problems for problems in found.values()):
@@ -299,9 +283,7 @@ def make_executor(slurm: SlurmArgs, folder: Path, code_dir: Path, job_name: str)
     import submitit
 
     executor_class = submitit.SlurmExecutor
-    if slurm.dry_run:
-        # submitit refuses to build an executor where srun is missing, but a dry run only prints
-        # the batch script, which a laptop or a login node without Slurm can do.
+    if slurm.dry_run:   # submitit refuses to build an executor where srun is missing
         class ScriptOnlyExecutor(submitit.SlurmExecutor):
             @classmethod
             def affinity(cls) -> int:
@@ -315,25 +297,23 @@ def make_executor(slurm: SlurmArgs, folder: Path, code_dir: Path, job_name: str)
     from lingua.parallel.distributed import JOB_DEVICE_VAR
 
     setup = [f"cd {shlex.quote(str(code_dir))}", f"export PYTHONPATH={shlex.quote(str(code_dir))}",
-             # The job trains on the device it asked Slurm for, which is what stool validated for:
-             # sbatch passes on the submitting shell's environment, and a LINGUA_JOB_DEVICE=cpu
-             # set there to debug would otherwise keep a GPU job on its CPUs (and a CPU job on a
-             # node with visible GPUs would take them).
+             # The device stool validated for, whatever the submitting shell (which sbatch
+             # exports) set LINGUA_JOB_DEVICE to.
              f"unset {JOB_DEVICE_VAR}" if slurm.gpus_per_node else f"export {JOB_DEVICE_VAR}=cpu"]
     params = dict(job_name=job_name, nodes=slurm.nodes, ntasks_per_node=slurm.tasks_per_node,
                   time=slurm.time, signal_delay_s=slurm.signal_delay_s, setup=setup,
                   additional_parameters=extra,
                   # submitit writes --wckey=submitit unless told otherwise; None writes no line.
                   wckey=slurm.wckey or None,
-                  # One crashed rank ends the step now, not after the NCCL timeout with the
-                  # others blocked in a collective (TrainJob exits 0 on a clean stop for this).
+                  # One crashed rank ends the step now, not after the NCCL timeout (TrainJob
+                  # exits 0 on a clean stop for this).
                   srun_args=["--kill-on-bad-exit=1"])
     if slurm.gpus_per_node:
         params["gpus_per_node"] = slurm.gpus_per_node
     if slurm.cpus_per_task:
         params["cpus_per_task"] = slurm.cpus_per_task
-        # Slurm 22.05 to 23.02: srun no longer takes --cpus-per-task from the job, so each task
-        # would get one CPU. SRUN_CPUS_PER_TASK is what srun reads there; others ignore it.
+        # Slurm 22.05 to 23.02: srun does not take --cpus-per-task from the job (one CPU a
+        # task) but reads SRUN_CPUS_PER_TASK; other versions ignore it.
         setup.append(f"export SRUN_CPUS_PER_TASK=${{SLURM_CPUS_PER_TASK:-{slurm.cpus_per_task}}}")
     for name in ("partition", "qos", "account", "constraint", "exclude"):
         if getattr(slurm, name) is not None:

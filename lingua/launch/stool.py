@@ -4,27 +4,19 @@
         slurm.nodes=8 slurm.gpus_per_node=8 slurm.partition=learn    # 8 tasks a node, one per GPU
     stool apps.llama.train slurm.dry_run=true ...           # print the batch script, submit nothing
     stool apps.llama.train --multirun optim.lr=1e-3,3e-3    # one job per value, as one job array
-    python -m lingua.launch.stool ...                              # the same without the console
-    script
 
-Before anything is written or queued, the config is composed and validated exactly as the job will
-(the app module's `load_config`), for the job's world size (`slurm.nodes` x `slurm.tasks_per_node`)
-and device, so a typo fails in a second instead of after hours in the queue. Then stool:
-  1. copies the code (git's tracked files and untracked files git does not ignore) to
-     `<dump_dir>/code`; the job runs from there, so editing the checkout changes neither queued
-     nor requeued jobs;
-  2. writes `<dump_dir>/config.yaml`;
-  3. submits through submitit: one task per process (on GPU jobs one per GPU), ranks from Slurm,
-     `--signal=USR2@<delay>` before the time limit (the job checkpoints and requeues itself:
-     lingua/train/preemption.py), `srun --kill-on-bad-exit=1`;
-  4. prints the job id, the dump dir, the log paths and how to follow the job (squeue, sacct).
-
-Config values never pass through a shell: the overrides reach the job pickled, and the batch
-script holds only quoted paths. The environment reaches the job through Slurm (sbatch exports it),
-never through a file of ours, so secrets such as WANDB_API_KEY are not written to the dump dir.
+The config is first composed and validated exactly as the job will, for the job's world size and
+device, so a typo fails in a second instead of after hours in the queue. Then stool copies the
+code (git's tracked and not-ignored files) to `<dump_dir>/code`, where the job runs from (editing
+the checkout changes no queued or requeued job), writes `<dump_dir>/config.yaml`, submits one task
+per process with `--signal=USR2@<delay>` before the time limit (the job checkpoints and requeues
+itself: lingua/train/preemption.py), and prints the job id, the log paths and how to follow it.
+Config values never pass through a shell (the overrides reach the job pickled), and the
+environment reaches the job through sbatch, never through a file: secrets are not written.
 """
 
 import contextlib
+import functools
 import importlib
 import itertools
 import logging
@@ -46,12 +38,7 @@ from lingua.errors import ConfigError, RunError
 from lingua.launch.slurm import check_resources, make_executor, slurm_defaults, validate_slurm_args
 from lingua.train import preemption
 
-logger = logging.getLogger("stool")
 STOP_GRACE_S = 5     # how long rank 0 of a stopped multi-rank job waits for its peers to exit
-
-
-# ---------------------------------------------------------------------------------------------
-# Inside the job
 
 
 class TrainJob:
@@ -62,9 +49,8 @@ class TrainJob:
         self.overrides = list(overrides)
 
     def __call__(self) -> int:
-        # Before anything slow (importing torch takes seconds): from here on USR2/TERM mean "save
-        # at the next step, then stop". Slurm sends USR2 up to 30 s earlier than asked, so it may
-        # come during start-up, where submitit's handler (replaced here) ends rank 0 with 1.
+        # Before importing torch: Slurm's USR2 may come during start-up, where submitit's handler
+        # (replaced here) would end rank 0 with 1. From here on USR2/TERM mean "save, then stop".
         preemption.SIGNALS.listen()
         from lingua.parallel import distributed
 
@@ -82,21 +68,15 @@ class TrainJob:
             print(f"error: {err}", file=sys.stderr, flush=True)
             code = 1
         if code == preemption.EXIT_STOPPED and os.environ.get("RANK", "0") != "0":
-            # Stopped on a signal with everything saved. The tasks run under srun
-            # --kill-on-bad-exit=1, where any non-zero exit ends the whole step at once: this
-            # rank's 3 could kill rank 0 before it has requeued the job. Rank 0 reports the stop
-            # (srun's exit code is the highest of its tasks': 3).
+            # Stopped and saved. Under srun --kill-on-bad-exit=1 this rank's 3 could kill rank 0
+            # before it has requeued the job: rank 0 alone reports the stop.
             code = 0
         elif (code == preemption.EXIT_STOPPED and preemption.SIGNALS.job_ends
               and int(os.environ.get("WORLD_SIZE", "1")) > 1):
-            # And rank 0 leaves last when its 3 is the job's exit code (a time limit with no
-            # requeue left; after SIGTERM or a requeue Slurm ends this run whatever it reports):
-            # had it exited while a peer was still tearing down, srun would kill that peer
-            # ("forcing job termination") and report 1. The ranks left the trainer together.
+            # Rank 0's 3 is the job's exit code: leaving while a peer still tears down, srun
+            # would kill that peer and report 1. So rank 0 leaves last.
             wait_for_peers(STOP_GRACE_S)
-        # As exit_cli does (distributed.exit_process says why). submitit's result file is not
-        # needed: the run directory is the record.
-        distributed.exit_process(code)
+        distributed.exit_process(code)   # as exit_cli does; submitit's result file is not needed
 
 
 def wait_for_peers(limit_s: float) -> None:
@@ -110,10 +90,6 @@ def wait_for_peers(limit_s: float) -> None:
         if one_node and children.read_text().split() == [str(os.getpid())]:
             return
         time.sleep(0.1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Submitting
 
 
 @dataclass
@@ -133,16 +109,12 @@ def hydra_quote(value) -> str:
 
 
 # A path Hydra reads as itself unquoted: words of these characters with a '/' among them (so not
-# `null`, `true` or a number), inner spaces allowed (Hydra strips only leading and trailing ones).
-# Anything else (',', '=', '$', quotes, brackets, non-ASCII) is quoted, so it is not read as a
-# sweep, an interpolation or a grammar error.
+# `null`, `true` or a number), inner spaces allowed. Anything else is quoted.
 PLAIN_PATH = re.compile(r"^(?=.*/)[A-Za-z0-9_./-]+(?: +[A-Za-z0-9_./-]+)*$")
 
 
 def path_override(key: str, path) -> str:
-    """`key=path` as Hydra reads it, quoted only where Hydra needs it: the override is shown to
-    the user (the dry run's `would run` line), where a quoted plain path reads as a second layer
-    of quoting around the shell's."""
+    """`key=path` as Hydra reads it, quoted only where Hydra needs it (the user sees it)."""
     text = str(path)
     return f"{key}={text if PLAIN_PATH.match(text) else hydra_quote(text)}"
 
@@ -155,13 +127,8 @@ def shell_join(argv: List[str]) -> str:
     """argv as a person would type it into a shell: bare where that is safe, else in single
     quotes, or in double quotes when the word holds a single quote (Hydra's quoted values) and
     nothing a shell expands there; shlex.quote's '"'"' only where neither will do."""
-    words = []
-    for arg in argv:
-        quoted = shlex.quote(arg)
-        if "'" in arg and not DOUBLE_QUOTE_SPECIAL.search(arg):
-            quoted = f'"{arg}"'
-        words.append(quoted)
-    return " ".join(words)
+    return " ".join(f'"{arg}"' if "'" in arg and not DOUBLE_QUOTE_SPECIAL.search(arg)
+                    else shlex.quote(arg) for arg in argv)
 
 
 def sweep_overrides(overrides: List[str]) -> tuple:
@@ -193,18 +160,12 @@ def run_name(sweep_part: List[str]) -> str:
 PATH_KEYS = ("dump_dir", "data.root", "data.tokenizer.path", "checkpoint.init_from")
 
 
-def _get(args, dotted: str):
-    for part in dotted.split("."):
-        args = getattr(args, part)
-    return args
-
-
 def absolute_paths(args) -> List[str]:
     """Overrides that make the config's relative paths absolute: the job runs from the snapshot
     (`<dump_dir>/code`), not from where stool was called."""
     fixes = []
     for key in PATH_KEYS:
-        value = _get(args, key)
+        value = functools.reduce(getattr, key.split("."), args)
         if value and not Path(value).is_absolute():
             fixes.append(path_override(key, Path(value).resolve()))
     return fixes
@@ -235,7 +196,6 @@ def plan(app, overrides: List[str], multirun: bool) -> List[Submission]:
                                check=False)
     submissions = []
     for combo in combos:
-        combo = list(combo)
         if name_runs:
             named = [combo[i] for i in swept]
             combo.append(path_override("dump_dir", Path(base.dump_dir) / run_name(named)))
@@ -281,7 +241,6 @@ def check_dump_dir(sub: Submission) -> None:
     """Refuse a dump_dir that already holds another run's config (unless slurm.reuse_dump_dir)."""
     from omegaconf import OmegaConf
 
-
     existing = sub.dump_dir / "config.yaml"
     if not existing.is_file() or sub.args.slurm.reuse_dump_dir:
         return
@@ -305,7 +264,6 @@ def check_dump_dir(sub: Submission) -> None:
 def snapshot_code(dest: Path) -> int:
     """Copy the checkout's code into dest (replacing an older snapshot); returns the file count.
     The copy is made beside dest and renamed into place, so a job never sees half a snapshot."""
-
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                             cwd=REPO_ROOT, capture_output=True)
     if listed.returncode == 0:
@@ -324,13 +282,11 @@ def snapshot_code(dest: Path) -> int:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
         count += 1
+    old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
     if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
         os.rename(dest, old)
-        os.rename(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, dest)
+    os.rename(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
     return count
 
 
@@ -380,8 +336,8 @@ def job_overrides(sub) -> List[str]:
 
 
 def dry_run_plan(module: str, sub, sweep: bool) -> str:
-    """lingua.launch.plan's per-rank memory and time for the job, as comment lines of the dry run:
-    the model built and parallelised at the job's world size on the fake process group."""
+    """lingua.launch.plan's per-rank memory and time for the job, as comment lines of the dry
+    run."""
     from lingua.launch import plan as planner
 
     s = sub.args.slurm
@@ -396,13 +352,10 @@ def dry_run_plan(module: str, sub, sweep: bool) -> str:
 
 
 def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
-    """Validate, snapshot, write config.yaml and submit; returns the submitit jobs ([] on a dry
-    run)."""
-
+    """Validate, snapshot, write config.yaml and submit; the submitit jobs ([] on a dry run)."""
     app = config.import_app(module)
     submissions = plan(app, overrides, multirun)
-    first = submissions[0].args
-    slurm = first.slurm
+    slurm = submissions[0].args.slurm
     sweep = len(submissions) > 1
     root = submissions[0].dump_dir.parent if sweep else submissions[0].dump_dir
     code_dir, folder = root / "code", root / "slurm"
@@ -417,9 +370,7 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
     checked = check_resources(slurm, submissions[0].filled if slurm.gpus_per_node else [])
     if slurm.dry_run:
         print(batch_script(executor, len(submissions)))
-        for sub in submissions:
-            # As one would type it: pasted into a shell it runs the job's config here (the
-            # job's own overrides: without the dry run's slurm.dry_run=true).
+        for sub in submissions:   # as typed in a shell, it runs the job's config here
             print(f"# would run: {shell_join(['python', '-m', module, *job_overrides(sub)])}")
             print(f"#   dump dir: {sub.dump_dir}")
         print(dry_run_plan(module, submissions[0], sweep))
@@ -430,7 +381,8 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
     for sub in submissions:
         check_dump_dir(sub)
 
-    n_files = snapshot_code(_mkdir(code_dir))
+    code_dir.parent.mkdir(parents=True, exist_ok=True)
+    n_files = snapshot_code(code_dir)
     for sub in submissions:
         config.dump(sub.args, sub.dump_dir / "config.yaml")
     from submitit.core.utils import FailedJobError
@@ -455,11 +407,6 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
             print(f"  log: {path}")
     print(status_hint([job.job_id for job in jobs]))
     return jobs
-
-
-def _mkdir(code_dir: Path) -> Path:
-    code_dir.parent.mkdir(parents=True, exist_ok=True)
-    return code_dir
 
 
 def parse_cli(argv: List[str]) -> tuple:
