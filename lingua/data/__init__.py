@@ -1,38 +1,26 @@
-"""Training data in three formats.
+"""Training data in three formats. The loaders are single-process (no workers, no prefetch): a
+step's batch is a function of the seed, data.seq_len, the global batch and the data-parallel
+layout alone.
 
-memmap (the default, and the debug presets'): all documents' tokens in one memory-mapped array
-plus document start offsets, written by `setup/prepare_data.py`. Sample i of the endless sample
-stream is window perm_e[i mod n] of seq_len+1 tokens, where e = i // n is the epoch and perm_e a
-permutation seeded by (seed, e). The global batch of step k is samples [k*G, (k+1)*G) with
-G = batch_size x dp_size x grad_accum, and data-parallel rank r reads its contiguous slice. So a
-step's global batch is the same sequences for every layout with the same G, the loader's whole
-state is the number of samples consumed, and a resume on another layout has no repeat and no gap.
+memmap (the default): all documents' tokens in one memory-mapped array plus document starts,
+written by `setup/prepare_data.py` (memmap.py). Sample i of the endless stream is window
+perm_e[i mod n] of seq_len+1 tokens, e = i // n the epoch and perm_e a permutation seeded by
+(seed, e). Step k's global batch is samples [k*G, (k+1)*G), G = batch_size x dp_size x
+grad_accum, and data-parallel rank r reads its contiguous slice: the same sequences for every
+layout with the same G, the loader's whole state is the samples consumed, and a resume on
+another layout has no repeat and no gap.
 
-jsonl (lingua-compatible streaming): `{"text": ...}` lines in `*.jsonl` chunk files, grouped in
-source sub-directories mixed by weight, tokenized and packed on the fly. Every chunk file is read
-whatever the number of ranks: rank r takes lines r, r + dp, r + 2dp, ... of the source's files
-concatenated in name order. (lingua gave each rank whole files, so with more files than ranks some
-files were never read, and with fewer they were read twice.) The price is that every rank scans
-every line; tokenization, the expensive part, is done once per line.
+jsonl (streaming): `{"text": ...}` lines in `*.jsonl` chunk files, in source sub-directories
+mixed by weight, tokenized and packed on the fly. Rank r takes lines r, r + dp, r + 2dp, ... of
+a source's files concatenated in name order (jsonl.py), so every file is read whatever the number
+of ranks; every rank scans every line, but tokenizes only its own.
 
-Bad data. A jsonl line that is not valid UTF-8, not valid JSON, has no string "text" field, or
-whose text is empty is skipped and counted by reason (`skipped_lines`, `skipped_by_reason`), once
-however many epochs pass over it; the first is warned of with its file and line number, and more
-than data.max_skipped_fraction of the lines read unusable stops the run (the one rule of every
-format: jsonl.SkipCounter). Blank lines are formatting, not documents, and are skipped
-silently. `setup/prepare_data.py` applies the same rules when it builds the memmap format. A
-document longer than seq_len is packed across as many rows (and steps) as it needs. A memmap corpus
-whose files disagree with its meta.json (a truncated or damaged train.bin, a size that is not a
-whole number of tokens, a broken docs.npy) is refused with a ConfigError naming the file and the
-command that rebuilds it, before any process group or run directory exists.
+chat (supervised fine-tuning): conversations rendered with a chat template (chat.py).
 
-chat (supervised fine-tuning): conversations in jsonl, rendered with a chat template, trained
-on the assistant's tokens only, in rows that resume on any layout as memmap's do: chat.py.
-
-The loaders are single-process by design (no workers, no prefetch): a step's batch is a function
-of the seed, data.seq_len, the global batch and the data-parallel layout alone. The memmap
-corpus on disk (meta.json, its checks, writing one) is in memmap.py; which jsonl lines are
-usable, and a rank's share of a source's lines, in jsonl.py.
+Unusable lines are skipped and counted by reason, and too many stop the run: jsonl.SkipCounter,
+the rule of every format (setup/prepare_data.py applies it too). A document longer than seq_len
+spans as many rows as it needs. A damaged memmap corpus is refused with a ConfigError naming the
+file and the command that rebuilds it, before any process group or run directory exists.
 """
 
 import dataclasses
@@ -45,7 +33,7 @@ from typing import Dict, List
 import numpy as np
 import torch
 
-from lingua.data.batch import VAL_DIR, Batch, stdlib_docstrings, write_once  # noqa: F401 (re-exported)
+from lingua.data.batch import VAL_DIR, Batch, check_position, stdlib_docstrings, write_once  # noqa: F401 (re-exported)
 from lingua.data.chat import ChatArgs, ChatLoader, chat_val_batches, validate_chat_data
 from lingua.data.jsonl import SKIP_REASONS, BadLine, JsonlSource, SkipCounter, decode_line
 from lingua.data.memmap import TokenWindows, validate_memmap_corpus, write_memmap_corpus
@@ -77,18 +65,13 @@ def _rows_to_batch(rows: np.ndarray, docs: np.ndarray) -> Batch:
     return Batch(tokens=rows[:, :-1], labels=rows[:, 1:], doc_ids=docs[:, :-1])
 
 
-# ------------------------------------------------------------------------------------------------
-# memmap format
-
-
 class MemmapLoader:
     def __init__(self, args: DataArgs, dp_rank: int, dp_size: int, seed: int):
         self.args, self.dp_rank, self.dp_size, self.seed = args, dp_rank, dp_size, seed
         self.windows = TokenWindows(args.root, "train", args.seq_len)
-        self.samples_consumed = 0
         # Bad lines were dropped when the corpus was prepared (meta.json counts them): none here.
-        self.skipped_lines = 0
-        self.skipped_by_reason = {reason: 0 for reason in SKIP_REASONS}
+        self.samples_consumed, self.skipped_lines = 0, 0
+        self.skipped_by_reason = dict.fromkeys(SKIP_REASONS, 0)
         prepared = self.windows.meta.get("skipped_lines")
         if prepared and dp_rank == 0:
             logger.info("%s was prepared from jsonl with %d lines skipped (%s)", args.root,
@@ -108,29 +91,16 @@ class MemmapLoader:
         first = self.samples_consumed + self.dp_rank * per_rank
         self.samples_consumed += per_rank * self.dp_size
         windows = np.array([self._window_of(i) for i in range(first, first + per_rank)])
-        batches = []
-        for m in range(a.grad_accum):
-            rows, docs = self.windows.rows(windows[m * a.batch_size:(m + 1) * a.batch_size])
-            batches.append(_rows_to_batch(rows, docs))
-        return batches
+        return [_rows_to_batch(*self.windows.rows(w)) for w in np.split(windows, a.grad_accum)]
 
     def state_dict(self) -> dict:
         return {"format": "memmap", "samples_consumed": self.samples_consumed,
                 "seq_len": self.args.seq_len, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != "memmap" or state["seq_len"] != self.args.seq_len \
-                or state["seed"] != self.seed:
-            raise ConfigError(
-                f"The checkpoint's data position was saved with format={state.get('format')}, "
-                f"seq_len={state.get('seq_len')}, seed={state.get('seed')}; this run has "
-                f"format=memmap, seq_len={self.args.seq_len}, seed={self.seed}. Resume with the "
-                f"same data.format, data.seq_len and seed, or start in a new dump_dir.")
+        check_position(state, {"format": "memmap", "seq_len": self.args.seq_len, "seed": self.seed},
+                       "data.format, data.seq_len and seed")
         self.samples_consumed = state["samples_consumed"]
-
-
-# ------------------------------------------------------------------------------------------------
-# jsonl streaming format
 
 
 def source_dirs(args: DataArgs) -> Dict[str, Path]:
@@ -140,9 +110,7 @@ def source_dirs(args: DataArgs) -> Dict[str, Path]:
         return {name: root / name for name in args.sources}
     subdirs = sorted(p for p in root.iterdir()
                      if p.is_dir() and p.name != VAL_DIR and any(p.glob("*.jsonl")))
-    if subdirs:
-        return {p.name: p for p in subdirs}
-    return {"": root}
+    return {p.name: p for p in subdirs} if subdirs else {"": root}
 
 
 class JsonlLoader:
@@ -155,12 +123,9 @@ class JsonlLoader:
         weights = np.array([args.sources.get(n, 1.0) if args.sources else 1.0 for n in dirs])
         self.probs = weights / weights.sum()
         self.rng = np.random.default_rng([seed, dp_rank])
-        # Tokens read but not yet emitted, and their document numbers. Arrays, not lists: a
-        # document far longer than seq_len is then taken a row at a time by slicing (no copy of
-        # the rest per step) at 16 bytes a token.
-        self.buffer = np.zeros(0, np.int64)
-        self.buffer_docs = np.zeros(0, np.int64)
-        self.n_docs = 0
+        # Tokens read but not yet emitted, and their document numbers: arrays, so that a long
+        # document is taken a row at a time by slicing.
+        self.buffer, self.buffer_docs, self.n_docs = np.zeros(0, np.int64), np.zeros(0, np.int64), 0
 
     @property
     def skipped_lines(self) -> int:
@@ -186,8 +151,7 @@ class JsonlLoader:
         """The next n_rows packed rows of seq_len+1 tokens, and their document ids."""
         n = n_rows * (self.args.seq_len + 1)
         self._fill(n)
-        rows = self.buffer[:n].reshape(n_rows, -1)
-        docs = self.buffer_docs[:n].reshape(n_rows, -1)
+        rows, docs = self.buffer[:n].reshape(n_rows, -1), self.buffer_docs[:n].reshape(n_rows, -1)
         self.buffer, self.buffer_docs = self.buffer[n:], self.buffer_docs[n:]
         return rows, docs
 
@@ -200,8 +164,7 @@ class JsonlLoader:
                 "sources": [dict(s.state) for s in self.sources],
                 "rng": self.rng.bit_generator.state, "buffer": self.buffer.tolist(),
                 "buffer_docs": self.buffer_docs.tolist(), "n_docs": self.n_docs,
-                "skipped_lines": self.counter.count,
-                "skipped_by_reason": dict(self.counter.by_reason)}
+                "skipped_lines": self.skipped_lines, "skipped_by_reason": self.skipped_by_reason}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") != "jsonl" or state["dp_size"] != self.dp_size \
@@ -223,10 +186,6 @@ class JsonlLoader:
         self.counter.usable = self.n_docs   # documents read: the usable lines, near enough
 
 
-# ------------------------------------------------------------------------------------------------
-# entry points
-
-
 FORMATS = ("memmap", "jsonl", "chat")
 
 
@@ -236,11 +195,8 @@ def build_train_loader(args: DataArgs, dp_rank: int, dp_size: int, seed: int):
 
 
 def build_val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]:
-    """This rank's share of the fixed validation set: the first val_sequences windows in order.
-
-    The count is rounded down to a multiple of dp_size so that every rank gets the same number of
-    sequences (collectives need the same number of batches everywhere).
-    """
+    """This rank's share of the fixed validation set, the first val_sequences rows in order,
+    rounded down to a multiple of dp_size (collectives need as many batches on every rank)."""
     if not args.val_sequences:
         return []
     if args.val_sequences < dp_size:   # every rank validates on as many: one each, at least
@@ -249,10 +205,7 @@ def build_val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]
                            "which each validate on an equal share: validating on %d sequences "
                            "(one a rank)", args.val_sequences, dp_size, dp_size)
         args = dataclasses.replace(args, val_sequences=dp_size)
-    if args.format == "chat":   # the same rule, over packed or padded conversations
-        batches = chat_val_batches(args, dp_rank, dp_size)
-    else:
-        batches = _val_batches(args, dp_rank, dp_size)
+    batches = (chat_val_batches if args.format == "chat" else _val_batches)(args, dp_rank, dp_size)
     if not batches:   # the same on every rank: each gets as many sequences
         raise ConfigError(
             f"data.val_sequences={args.val_sequences}, but {Path(args.root) / VAL_DIR} holds "
@@ -268,8 +221,10 @@ def _val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]:
         windows = TokenWindows(args.root, "val", args.seq_len)
         n = min(n, (windows.n_windows // dp_size) * dp_size)
         rows, docs = windows.rows(np.arange(n))
-    else:
-        rows, docs = _jsonl_val_rows(args, n)
+    else:   # the first n packed rows of root/val, read in order by a single reader
+        val_args = DataArgs(root=str(Path(args.root) / VAL_DIR), format="jsonl",
+                            seq_len=args.seq_len, tokenizer=args.tokenizer)
+        rows, docs = JsonlLoader(val_args, 0, 1, seed=0).next_rows(n)
     share = n // dp_size
     mine = slice(dp_rank * share, (dp_rank + 1) * share)
     rows, docs = rows[mine], docs[mine]
@@ -277,17 +232,9 @@ def _val_batches(args: DataArgs, dp_rank: int, dp_size: int) -> List[Batch]:
             for i in range(0, share, args.batch_size)]
 
 
-def _jsonl_val_rows(args: DataArgs, n_rows: int):
-    """The first n_rows packed rows of root/val, read in order by a single reader."""
-    val_args = DataArgs(root=str(Path(args.root) / VAL_DIR), format="jsonl", seq_len=args.seq_len,
-                        tokenizer=args.tokenizer)
-    return JsonlLoader(val_args, 0, 1, seed=0).next_rows(n_rows)
-
-
 def validate_data_args(args: DataArgs, files: bool = True) -> None:
-    """Cheap checks before any work; raises ConfigError naming the key or file and the fix.
-    files=False checks the batch shape only, not the corpus and tokenizer files
-    (lingua.launch.plan)."""
+    """Cheap checks before any work: ConfigError naming the key or file and the fix. files=False
+    checks the batch shape only, not the corpus and tokenizer files (lingua.launch.plan)."""
     if args.format not in FORMATS:
         raise ConfigError(f"data.format={args.format!r} is unknown: use memmap, jsonl or chat.")
     for key in ("seq_len", "batch_size", "grad_accum"):
@@ -326,15 +273,13 @@ def validate_data_args(args: DataArgs, files: bool = True) -> None:
 
 def check_jsonl_lines(args: DataArgs, dp_size: int) -> None:
     """Every data-parallel rank has a usable line in every jsonl source, and validation one in
-    val/: read from the start until each has one (a few lines for a sound corpus), so that a
-    corpus of bad lines is refused before any process starts or any file of the run is written.
-    (The chat format needs no such check: every rank reads every line, and validate_chat_data
-    has checked them.)"""
+    val/ (read until each has one), so that a corpus of bad lines is refused before any process
+    starts or any file of the run is written."""
     if args.format != "jsonl":
         return
     readers = [(f"source {name} ({d})" if name else f"the corpus in {d}", d, dp_size, "")
                for name, d in source_dirs(args).items()]
-    if args.val_sequences:   # one reader, in order (_jsonl_val_rows)
+    if args.val_sequences:   # one reader, in order (_val_batches)
         val = Path(args.root) / VAL_DIR
         readers.append((f"the validation data in {val}", val, 1,
                         ", or set data.val_sequences=0 to train without validation"))
@@ -370,9 +315,8 @@ def _check_lines(what: str, files: List[Path], dp_size: int, hint: str) -> None:
                           f"ranks, and rank r reads lines r, r+{dp_size}, r+{2 * dp_size}, ... "
                           f"only, so rank {ranks} would get none. Train on fewer data-parallel "
                           f"ranks than usable lines, or add documents.")
-    bad = {reason: n for reason, n in counter.by_reason.items() if n}
-    found = (f"its {counter.count} line(s) with text are all bad ({bad}), the first being "
-             f"{first_bad}" if first_bad else "its lines are all blank")
+    found = (f"its {counter.count} line(s) with text are all bad ({counter.nonzero}), the first "
+             f"being {first_bad}" if first_bad else "its lines are all blank")
     raise ConfigError(f"{what} has no usable line in its {len(files)} *.jsonl files: {found}. "
                       f"Fix the files (one {{\"text\": ...}} object a line) or point data.root "
                       f"at another corpus{hint}.")
@@ -394,13 +338,8 @@ def _validate_jsonl(args: DataArgs, root: Path) -> None:
                           f"file. Put a few chunk files there, or set data.val_sequences=0.")
 
 
-# ------------------------------------------------------------------------------------------------
-# the embedded debug corpus (written in the memmap format)
-
-
 def build_embedded_corpus(out: Path, val_every: int = 50) -> dict:
-    """The debug corpus: stdlib docstrings, bytes tokenizer, every val_every-th document held
-    out."""
+    """The debug corpus: stdlib docstrings, bytes tokenizer, every val_every-th one held out."""
     docs = stdlib_docstrings()
     splits = {"train": (d for i, d in enumerate(docs) if i % val_every),
               "val": (d for i, d in enumerate(docs) if i % val_every == 0)}

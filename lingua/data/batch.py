@@ -1,9 +1,6 @@
-"""What every data format shares: the Batch a loader hands the trainer, the name of the
-validation directory, the source text of the debug corpora (stdlib docstrings), and how a
-prepared directory is written (`write_once`).
-
-A module of its own so that __init__.py (memmap, jsonl, and the dispatch to every format) and
-chat.py (the chat format) both build on it without importing each other.
+"""What every data format shares (so that __init__.py and chat.py need not import each other):
+the Batch a loader hands the trainer, the resume check, the validation directory's name, the
+debug corpora's text (stdlib docstrings), and how a prepared directory is written (`write_once`).
 """
 
 import ast
@@ -29,6 +26,16 @@ class Batch:
     # Labels that count (not IGNORE_INDEX) in the step's whole global batch, the same on every
     # rank: the loss is their mean. None: every label counts (seq_len x global batch).
     step_targets: Optional[int] = None
+
+
+def check_position(state: dict, now: dict, keys: str) -> None:
+    """ConfigError unless the checkpoint's data position `state` was saved with `now`'s values;
+    `keys` names the config keys to keep."""
+    if any(state.get(k) != v for k, v in now.items()):
+        saved = ", ".join(f"{k}={state.get(k)}" for k in now)
+        this = ", ".join(f"{k}={v}" for k, v in now.items())
+        raise ConfigError(f"The checkpoint's data position was saved with {saved}; this run has "
+                          f"{this}. Resume with the same {keys}, or start in a new dump_dir.")
 
 
 SKIP_STDLIB_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "turtledemo",
@@ -63,8 +70,7 @@ STATEMENT_LISTS = {"body", "orelse", "finalbody", "handlers", "cases"}
 
 def statements(tree: ast.AST):
     """ast.walk's nodes and order restricted to statements (and except/case clauses): a def is
-    always a statement, so this finds the same docstrings without visiting every expression
-    (a third of the corpus's build time)."""
+    always a statement, so this finds the same docstrings without visiting every expression."""
     level = [tree]
     while level:
         yield from level
@@ -74,9 +80,8 @@ def statements(tree: ast.AST):
 
 def write_once(root, marker: str, write: Callable, what: str):
     """Make the directory `root` with `write(tmp)` unless `root/marker` is there; safe when
-    processes race. `write` fills a private temporary directory, which is then renamed into
-    place: a rename is atomic, so nobody reads half of it, the loser of a race drops its copy,
-    and a failure or Ctrl-C leaves nothing behind. Returns what `write` returned, or None where
+    processes race: `write` fills a private temporary directory, then renamed into place
+    (atomic), and a failure leaves nothing behind. Returns what `write` returned, or None where
     `root` was already made. A `root` that exists without its marker is refused, naming `what`."""
     root = Path(root)
     if (root / marker).is_file():

@@ -1,40 +1,21 @@
 """Chat data for supervised fine-tuning (`data.format=chat`): conversations in jsonl, rendered
-with a chat template, trained on the tokens the assistant writes and nothing else.
+with a chat template (chat_template.py), trained on the tokens the assistant writes only.
 
-Lines. Each line of `data.root/*.jsonl` (training, files in name order) and of
-`data.root/val/*.jsonl` (validation) is one conversation,
-    {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
-or  {"prompt": "...", "completion": "..."}      (a user message, then the assistant's answer),
-with at least one assistant turn and no empty one. A line that is none (not valid UTF-8 or JSON,
-not a conversation, no assistant turn, a template that fails on it, too long to keep) is handled
-by the one rule of every format (lingua/data/jsonl.py SkipCounter): skipped and counted
-by reason, the first warned of with its file and line, the run refused when more than
-data.max_skipped_fraction of the lines are unusable (validate_chat_data judges that before any
-work); blank lines are formatting.
+Each line of `data.root/*.jsonl` (training) and `data.root/val/*.jsonl` (validation) is one
+conversation, {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]} or
+{"prompt": "...", "completion": "..."}, with at least one assistant turn and no empty one. Other
+lines (and those the template fails on, or too long to keep) follow jsonl.SkipCounter's rule.
 
-Templates: lingua/data/chat_template.py (a conversation -> token ids and their targets).
+Targets: the assistant's content and the token closing its turn; every other label is
+IGNORE_INDEX, and the loss is the mean over the step's counted labels (Batch.step_targets). A
+conversation's first token is never a target, so no label crosses between conversations.
 
-Targets. The tokens the assistant writes count: its content and the token that closes its turn
-(EOS, or the template's end-of-turn token). The others (system, user, headers, padding) get the
-label IGNORE_INDEX, and the loss is the mean over the counted labels of the step's global batch
-(Batch.step_targets). A conversation's first token is never a target, so no label crosses from
-one conversation into the next.
-
-Rows. Every rank reads and tokenizes all training conversations at start (fine-tuning sets are
-small; the template's incremental renders are the cost). One longer than seq_len+1 tokens is cut
-to that length (data.chat.too_long=truncate, counted in `truncated_samples`; one left with no
-target is skipped as too_long) or skipped (skip). Epoch e orders the conversations by a
-permutation seeded by (seed, e). data.chat.pack=true places them greedily, in that order, into
-rows of seq_len+1 tokens (one that does not fit the row's space left starts the next row);
-pack=false puts one a row. The rest of a row is padding (EOS, not counted). doc_ids give each
-conversation of a row, and its padding, an id of its own, so `attn_mask=block_causal` keeps
-attention inside a conversation. The global batch of step k is rows [k*G, (k+1)*G) of the
-endless row stream, G = batch_size x dp_size x grad_accum, and data-parallel rank r takes its
-contiguous slice: the same rows on every layout with the same G, and the loader's whole state is
-the number of rows consumed. Validation packs root/val's conversations in file order.
-
-Skipped lines are counted by every rank (each reads them all) but reported by data-parallel rank
-0 only (the others report zeros), because the trainer sums the counts over ranks.
+Rows: every rank tokenizes all conversations at start (cached in data.root/.chat_cache); one over
+seq_len+1 tokens is truncated or skipped (data.chat.too_long). Epoch e orders them by a
+permutation seeded by (seed, e); pack=true fills rows of seq_len+1 tokens greedily in that order,
+pack=false puts one a row, and EOS pads the rest (uncounted, a doc_id of its own). As for memmap,
+step k's global batch is rows [k*G, (k+1)*G), so the loader's state is the rows consumed. Rank 0
+alone reports skipped lines (every rank reads them all; the trainer sums over ranks).
 """
 
 import hashlib
@@ -49,9 +30,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from lingua.data.batch import VAL_DIR, Batch, stdlib_docstrings, write_once
+from lingua.data.batch import VAL_DIR, Batch, check_position, stdlib_docstrings, write_once
 from lingua.data.chat_template import BUILTIN, ChatTemplate  # noqa: F401  (BUILTIN: callers)
-from lingua.data.jsonl import BadLine, SkipCounter
+from lingua.data.jsonl import BadLine, SkipCounter, check_utf8, load_json
 from lingua.data.tokenizer import Tokenizer, build_tokenizer
 from lingua.errors import ConfigError
 from lingua.model.loss import IGNORE_INDEX
@@ -60,23 +41,17 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 TOO_LONG = ("truncate", "skip")
-# A line of valid JSON that is not a conversation to train on.
-STRUCTURE_REASONS = ("not_chat", "bad_role", "no_assistant")
 # The keys of a ChatLoader's skipped_by_reason.
-CHAT_SKIP_REASONS = ("invalid_utf8", "invalid_json") + STRUCTURE_REASONS + (
-    "template_error", "too_long")
+CHAT_SKIP_REASONS = ("invalid_utf8", "invalid_json", "not_chat", "bad_role", "no_assistant",
+                     "template_error", "too_long")
 
 
 @dataclass
 class ChatArgs:
     pack: bool = True           # several conversations a row (doc_ids apart) | one a row, padded
     too_long: str = "truncate"  # a conversation over seq_len+1 tokens: truncate | skip
-    template: Optional[str] = None  # tokenizer_config.json or .jinja; None: see chat.py
+    template: Optional[str] = None  # tokenizer_config.json or .jinja; None: chat_template.py
     cache: bool = True          # tokenize once into data.root/.chat_cache, read it at later starts
-
-
-# ------------------------------------------------------------------------------------------------
-# lines
 
 
 def parse_sample(obj) -> List[dict]:
@@ -111,30 +86,12 @@ def _message(m, i: int) -> dict:
     if m.get("role") not in ROLES:
         raise BadLine("bad_role", f"message {i} has role {m.get('role')!r}, not one of "
                                   f"{', '.join(ROLES)}")
-    content = m["content"]
-    if not content.isascii():
-        try:  # JSON escapes can encode lone surrogates, which no tokenizer can encode
-            content.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise BadLine("invalid_utf8", f"message {i} not encodable as UTF-8: {err}") from None
-    return {"role": m["role"], "content": content}
+    check_utf8(m["content"], f"message {i}")
+    return {"role": m["role"], "content": m["content"]}
 
 
-def _load_json(raw: bytes):
-    try:
-        line = raw.decode("utf-8-sig")  # -sig: a byte-order mark at a file's start is no error
-    except UnicodeDecodeError as err:
-        raise BadLine("invalid_utf8", f"invalid UTF-8: {err}") from None
-    try:
-        return json.loads(line)
-    except (ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
-        raise BadLine("invalid_json", f"invalid JSON: {str(err)[:100]}") from None
-
-
-OnBad = Callable[[Path, int, BadLine], None]
-
-
-def read_conversations(files: List[Path], on_bad: OnBad) -> Iterator[Tuple[Path, int, list]]:
+def read_conversations(files: List[Path], on_bad: Callable[[Path, int, BadLine], None]
+                       ) -> Iterator[Tuple[Path, int, list]]:
     """(file, line number, messages) of each usable line; on_bad(file, line, err) for the rest."""
     for path in files:
         with open(path, "rb") as f:
@@ -142,7 +99,7 @@ def read_conversations(files: List[Path], on_bad: OnBad) -> Iterator[Tuple[Path,
                 if not raw.strip():
                     continue
                 try:
-                    messages = parse_sample(_load_json(raw))
+                    messages = parse_sample(load_json(raw))
                 except BadLine as err:
                     on_bad(path, line_no, err)
                     continue
@@ -150,7 +107,6 @@ def read_conversations(files: List[Path], on_bad: OnBad) -> Iterator[Tuple[Path,
 
 
 def chat_counter(args, log: bool, what: str = "") -> SkipCounter:
-    """Unusable lines: skipped, counted, refused above data.max_skipped_fraction (SkipCounter)."""
     return SkipCounter(CHAT_SKIP_REASONS, args.max_skipped_fraction, log, what)
 
 
@@ -160,10 +116,6 @@ def train_files(args) -> List[Path]:
 
 def val_files(args) -> List[Path]:
     return sorted((Path(args.root) / VAL_DIR).glob("*.jsonl"))
-
-
-# ------------------------------------------------------------------------------------------------
-# conversations -> rows
 
 
 @dataclass
@@ -219,7 +171,8 @@ def pack_rows(order: np.ndarray, lengths: np.ndarray, row_len: int, pack: bool) 
     return rows + ([row] if row else [])
 
 
-def rows_to_batch(rows: List[list], convs: Conversations, row_len: int, pad_id: int) -> Batch:
+def rows_to_batch(rows: List[list], convs: Conversations, row_len: int, pad_id: int,
+                  step_targets: Optional[int] = None) -> Batch:
     tokens = np.full((len(rows), row_len), pad_id, dtype=np.int64)
     counted = np.zeros((len(rows), row_len), dtype=bool)
     docs = np.zeros((len(rows), row_len), dtype=np.int64)
@@ -233,7 +186,7 @@ def rows_to_batch(rows: List[list], convs: Conversations, row_len: int, pad_id: 
         docs[r, at:] = len(row)   # padding: a document of its own
     labels = np.where(counted[:, 1:], tokens[:, 1:], IGNORE_INDEX)
     return Batch(tokens=torch.from_numpy(tokens[:, :-1]), labels=torch.from_numpy(labels),
-                 doc_ids=torch.from_numpy(docs[:, :-1]))
+                 doc_ids=torch.from_numpy(docs[:, :-1]), step_targets=step_targets)
 
 
 def _load(args, files: List[Path], counter: SkipCounter, what: str):
@@ -245,21 +198,17 @@ def _load(args, files: List[Path], counter: SkipCounter, what: str):
         convs = tokenize_conversations(files, args, template, tokenizer, counter)
     if not len(convs):
         raise ConfigError(f"The {what} data in {args.root} has no usable conversation "
-                          f"({counter.count} line(s) skipped: {_nonzero(counter.by_reason)}). "
+                          f"({counter.count} line(s) skipped: {counter.nonzero}). "
                           f"Fix the lines, or raise data.seq_len if they are too long.")
     return tokenizer, convs
 
-
-# ------------------------------------------------------------------------------------------------
-# the tokenized conversations, cached on disk
 
 CACHE_DIR, CACHE_VERSION = ".chat_cache", 1
 
 
 def cache_key(files: List[Path], args, template: ChatTemplate) -> str:
     """Everything the tokenized conversations depend on: the files (path and a CRC-32 of the
-    bytes: ~1 GB/s, a small part of tokenizing them), the tokenizer file, the template,
-    seq_len and the too-long rule."""
+    bytes), the tokenizer file, the template, seq_len and the too-long rule."""
     def stat(path) -> list:
         crc = 0
         with open(path, "rb") as f:
@@ -277,11 +226,9 @@ def cache_key(files: List[Path], args, template: ChatTemplate) -> str:
 
 def cached_conversations(files: List[Path], args, template: ChatTemplate, tokenizer: Tokenizer,
                          counter: SkipCounter) -> Conversations:
-    """The conversations of `files`, tokenized once and kept in data.root/.chat_cache/<key>/
-    (as setup/prepare_data.py keeps the memmap format): a later start, or another rank, reads
-    them in a fraction of the time. Under torch.distributed rank 0 writes while the others wait,
-    so that they read instead of tokenizing too. Where data.root is read-only, every start
-    tokenizes (said once)."""
+    """The conversations of `files`, tokenized once and kept in data.root/.chat_cache/<key>/ for
+    later starts and the other ranks (rank 0 writes while they wait). Where data.root is
+    read-only, every start tokenizes (said once)."""
     import torch.distributed as dist
 
     cache = Path(args.root) / CACHE_DIR / cache_key(files, args, template)
@@ -308,8 +255,7 @@ def _write_cache(tmp: Path, convs: Conversations, counter: SkipCounter) -> None:
     tmp.mkdir(parents=True)
     ids = np.concatenate(convs.ids) if len(convs) else np.zeros(0, np.int64)
     np.save(tmp / "ids.npy", ids.astype(np.int32) if ids.size and ids.max() < 2**31 else ids)
-    np.save(tmp / "counted.npy",
-            np.concatenate(convs.counted) if len(convs) else np.zeros(0, bool))
+    np.save(tmp / "counted.npy", np.concatenate(convs.counted) if len(convs) else np.zeros(0, bool))
     np.save(tmp / "lengths.npy", convs.lengths)
     np.save(tmp / "targets.npy", convs.targets)
     first = None if counter.first is None else [str(counter.first[0]), *counter.first[1:]]
@@ -324,14 +270,8 @@ def _read_cache(cache: Path, counter: SkipCounter) -> Conversations:
     bounds = np.cumsum(lengths)[:-1]
     ids = np.split(np.load(cache / "ids.npy"), bounds) if len(lengths) else []
     counted = np.split(np.load(cache / "counted.npy"), bounds) if len(lengths) else []
-    # The skipped lines as tokenizing found them: counted, warned of, judged alike.
     counter.restore(meta["skipped_by_reason"], meta["usable"], meta["first_skipped"])
-    return Conversations(ids, counted, lengths, np.load(cache / "targets.npy"),
-                         meta["truncated"])
-
-
-def _nonzero(counts: Dict[str, int]) -> dict:
-    return {k: n for k, n in counts.items() if n}
+    return Conversations(ids, counted, lengths, np.load(cache / "targets.npy"), meta["truncated"])
 
 
 class ChatLoader:
@@ -351,7 +291,7 @@ class ChatLoader:
                         "tokens: %d inputs and the last one's target; %d lines skipped: %s), %d "
                         "rows in the first epoch", len(self.convs), self.truncated_samples,
                         self.row_len, args.seq_len, self.counter.count,
-                        _nonzero(self.counter.by_reason), rows)
+                        self.counter.nonzero, rows)
             if rows < global_batch:
                 logger.warning("chat data: %d rows an epoch, fewer than the global batch of %d "
                                "(data.batch_size x data-parallel ranks x data.grad_accum): every "
@@ -388,19 +328,14 @@ class ChatLoader:
     def next_step(self) -> List[Batch]:
         a = self.args
         per_rank = a.batch_size * a.grad_accum
-        first = self.rows_consumed
-        rows = [self.row(k) for k in range(first, first + per_rank * self.dp_size)]
+        rows = [self.row(self.rows_consumed + k) for k in range(per_rank * self.dp_size)]
         self.rows_consumed += len(rows)
         # Every rank knows the whole global batch's rows, so no collective is needed.
         step_targets = int(sum(self.convs.targets[i] for row in rows for i in row))
         mine = rows[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
-        batches = []
-        for m in range(a.grad_accum):
-            batch = rows_to_batch(mine[m * a.batch_size:(m + 1) * a.batch_size], self.convs,
-                                  self.row_len, self.tokenizer.eos_id)
-            batch.step_targets = step_targets
-            batches.append(batch)
-        return batches
+        return [rows_to_batch(mine[m * a.batch_size:(m + 1) * a.batch_size], self.convs,
+                              self.row_len, self.tokenizer.eos_id, step_targets)
+                for m in range(a.grad_accum)]
 
     def state_dict(self) -> dict:
         c = self.args.chat
@@ -409,15 +344,9 @@ class ChatLoader:
                 "too_long": c.too_long, "conversations": len(self.convs)}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        keys = ("format", "seq_len", "seed", "pack", "too_long")
-        if any(state.get(k) != mine[k] for k in keys):
-            saved = ", ".join(f"{k}={state.get(k)}" for k in keys)
-            now = ", ".join(f"{k}={mine[k]}" for k in keys)
-            raise ConfigError(
-                f"The checkpoint's data position was saved with {saved}; this run has {now}. "
-                f"Resume with the same data.format, data.seq_len, seed, data.chat.pack and "
-                f"data.chat.too_long, or start in a new dump_dir.")
+        mine, keys = self.state_dict(), ("format", "seq_len", "seed", "pack", "too_long")
+        check_position(state, {k: mine[k] for k in keys},
+                       "data.format, data.seq_len, seed, data.chat.pack and data.chat.too_long")
         if state.get("conversations") != len(self.convs) and self.dp_rank == 0:
             logger.warning("the checkpoint's data position was saved over %s conversations, "
                            "this run reads %d: the files changed, so the rows resumed from are "
@@ -428,8 +357,7 @@ class ChatLoader:
 
 def chat_val_batches(args, dp_rank: int, dp_size: int) -> List[Batch]:
     """This rank's share of the first val_sequences rows of root/val's conversations, packed (or
-    padded) in file order; the count rounded down to a multiple of dp_size, as for the other
-    formats, so that every rank gets as many batches."""
+    padded) in file order, rounded down to a multiple of dp_size as for the other formats."""
     n = (args.val_sequences // dp_size) * dp_size
     counter = chat_counter(args, dp_rank == 0, " of the validation data")
     tokenizer, convs = _load(args, val_files(args), counter, "validation")
@@ -440,17 +368,14 @@ def chat_val_batches(args, dp_rank: int, dp_size: int) -> List[Batch]:
             for i in range(0, share, args.batch_size)]
 
 
-# ------------------------------------------------------------------------------------------------
-# checks before any work
-
 LINE_FORMAT = ('one conversation a line: {"messages": [{"role": "system"|"user"|"assistant", '
                '"content": "..."}, ...]} with at least one non-empty assistant turn, or '
                '{"prompt": "...", "completion": "..."}')
 
 
 def validate_chat_data(args) -> None:
-    """Cheap checks of a chat corpus (every line parsed, one conversation rendered); each
-    failure a ConfigError naming the file (and line) and the fix."""
+    """Cheap checks of a chat corpus (every line parsed, one conversation rendered): ConfigError
+    naming the file (and line) and the fix."""
     if args.chat.too_long not in TOO_LONG:
         raise ConfigError(f"data.chat.too_long={args.chat.too_long!r} is unknown: use truncate "
                           f"(cut a conversation to data.seq_len+1 tokens) or skip.")
@@ -473,9 +398,8 @@ def validate_chat_data(args) -> None:
 
 def _check_lines(args, files: List[Path], where: Path,
                  template: ChatTemplate) -> Tuple[Path, int, list]:
-    """The first usable conversation; ConfigError when there is none, or when more lines than
-    data.max_skipped_fraction are no conversation (the loader's rule, judged before any work).
-    Files whose tokenized cache exists were judged when it was made: only the first is read."""
+    """The first usable conversation; ConfigError when there is none or too many lines are
+    unusable (the loader's rule). Files with a tokenized cache were judged when it was made."""
     counter, first = chat_counter(args, log=False, what=f" of {where}"), None
     cached = args.chat.cache and (Path(args.root) / CACHE_DIR / cache_key(files, args, template)
                                   / "meta.json").is_file()
@@ -486,7 +410,7 @@ def _check_lines(args, files: List[Path], where: Path,
             break
     if first is None:
         raise ConfigError(f"{where} has no usable conversation in its {len(files)} *.jsonl "
-                          f"files ({counter.count} lines skipped: {_nonzero(counter.by_reason)}"
+                          f"files ({counter.count} lines skipped: {counter.nonzero}"
                           f"; the first, line {counter.first[1]} of {counter.first[0]}: "
                           f"{counter.first[2]}). Fix them: {LINE_FORMAT}."
                           if counter.first else
@@ -508,14 +432,9 @@ def _check_template(args, template: ChatTemplate, path: Path, line_no: int, mess
                           f"data.chat.template for the built-in one.")
 
 
-# ------------------------------------------------------------------------------------------------
-# the debug chat corpus
-
-
 def write_debug_chat(out_dir, n_train: int = 2000, n_val: int = 100) -> Path:
-    """A small chat corpus made from stdlib docstrings (user: the start of one of their words,
-    assistant: its end), as out_dir/train.jsonl and out_dir/val/val.jsonl; safe when processes race
-    (batch.write_once)."""
+    """A small chat corpus from stdlib docstrings (user: the start of one of their words,
+    assistant: its end): out_dir/train.jsonl and out_dir/val/val.jsonl (batch.write_once)."""
     def write(tmp: Path) -> None:
         (tmp / VAL_DIR).mkdir(parents=True)
         docs = stdlib_docstrings()

@@ -1,20 +1,15 @@
-"""Chat templates (data.format=chat, lingua/data/chat.py): a conversation -> token ids, and
-which of them the assistant writes (the targets).
+"""Chat templates (data.format=chat): a conversation -> token ids, and which of them the assistant
+writes (the targets).
 
-data.chat.template names a Hugging Face tokenizer_config.json with a `chat_template`,
-or a .jinja file. Unset: the tokenizer_config.json (or chat_template.jinja) beside
-data.tokenizer.path when data.tokenizer.kind=hf and it has a template, else the built-in one,
-    BOS "<|system|>\\n{content}\\n" "<|user|>\\n{content}\\n" "<|assistant|>\\n{content}" EOS ...
-one message after another, where BOS and EOS are the tokenizer's ids (not text); the generation
-prompt is "<|assistant|>\\n". A Jinja template renders as transformers' apply_chat_template
-renders it, and the assistant's turns are found by rendering the conversation a message at a
-time: messages[:i] with the generation prompt, then messages[:i+1]; what the second adds is the
-assistant's turn (each render must extend the one before, or the template is refused). The texts
-of bos_token and eos_token encode as the tokenizer's BOS and EOS ids wherever the template writes
-them (tiktoken and the byte tokenizer would otherwise spell them out as text); without a
-tokenizer_config.json they are `<s>` and `</s>`, the byte tokenizer's names in its Hugging Face
-export (lingua.checkpoint.hf.byte_tokenizer_json).
-(BUILTIN_JINJA is the built-in template in Jinja, for exports.)
+data.chat.template names a Hugging Face tokenizer_config.json with a `chat_template`, or a .jinja
+file. Unset: the tokenizer_config.json (or chat_template.jinja) beside data.tokenizer.path when
+data.tokenizer.kind=hf and it has a template, else the built-in one: BOS, then
+"<|role|>\\n{content}\\n" a message, an assistant's closed by EOS instead of "\\n" (BOS and EOS
+are ids, not text); its generation prompt is "<|assistant|>\\n". A Jinja template renders as
+transformers' apply_chat_template does, and an assistant's turn is what rendering messages[:i+1]
+adds to messages[:i] with the generation prompt (each render must extend the one before). The
+texts of bos_token and eos_token (`<s>` and `</s>` without a tokenizer_config.json, the byte
+tokenizer's names in its export) encode as the tokenizer's BOS and EOS ids wherever written.
 """
 
 import json
@@ -24,12 +19,12 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from lingua.data.jsonl import BadLine
 from lingua.data.tokenizer import Tokenizer, TokenizerArgs
+from lingua.data.tokenizer import special_tokens as _special_tokens
 from lingua.errors import ConfigError
 
 BUILTIN = "the built-in chat template"
-# The built-in template in Jinja, for a tokenizer_config.json beside an export: BOS, then
-# "<|role|>\n{content}\n" a message, an assistant's closed by EOS instead of "\n".
-# tests/test_sft_hf.py checks it renders exactly what ChatTemplate.encode gives.
+# The built-in template in Jinja, for exports: tests/test_sft_hf.py checks it renders exactly
+# what ChatTemplate.encode gives.
 BUILTIN_JINJA = (
     "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] }}"
     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}"
@@ -45,9 +40,10 @@ class ChatTemplate:
     def __init__(self, source: str, jinja_text: Optional[str] = None,
                  special: Optional[Dict[str, str]] = None):
         self.source = source        # the template's file, or BUILTIN
-        self.jinja_text = jinja_text    # None: the built-in template (BUILTIN_JINJA in Jinja)
+        self.jinja_text = jinja_text    # None: the built-in template
         self.special = {"bos_token": "<s>", "eos_token": "</s>", **(special or {})}
-        self.compiled = _compile(jinja_text, source) if jinja_text is not None else None
+        if jinja_text is not None:
+            _check_syntax(jinja_text, source)
 
     @classmethod
     def from_args(cls, data_args) -> "ChatTemplate":
@@ -60,7 +56,7 @@ class ChatTemplate:
     def encode(self, messages: List[dict], tokenizer: Tokenizer,
                add_generation_prompt: bool = False) -> Tuple[List[int], List[bool]]:
         """Token ids, and for each whether it is one the assistant writes (a target)."""
-        if self.compiled is None:
+        if self.jinja_text is None:
             pieces = _builtin_pieces(messages, tokenizer, add_generation_prompt)
         else:
             pieces = self._pieces(messages, add_generation_prompt)
@@ -72,13 +68,16 @@ class ChatTemplate:
         return ids, counted
 
     def render(self, messages: List[dict], add_generation_prompt: bool = False) -> str:
-        """The Jinja template's text (BadLine when the template raises on this conversation)."""
+        """The Jinja template's text as transformers' apply_chat_template renders it (its own
+        renderer: we keep no Jinja environment of ours); BadLine when the template raises on this
+        conversation."""
         import jinja2
+        from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
-            return self.compiled.render(messages=messages,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **self.special)
+            return render_jinja_template([messages], chat_template=self.jinja_text,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **self.special)[0][0]
         except jinja2.TemplateError as err:
             raise BadLine("template_error", f"the chat template {self.source} failed on it: "
                                             f"{err}") from None
@@ -144,7 +143,7 @@ def _template_path(data_args) -> Optional[Path]:
         return None
     beside = Path(tok.path).parent
     config = beside / "tokenizer_config.json"
-    if config.is_file() and _config_template(config, _read_config(config)) is not None:
+    if config.is_file() and _config_template(_read_config(config)) is not None:
         return config
     jinja = beside / "chat_template.jinja"   # where transformers 5 saves it
     return jinja if jinja.is_file() else None
@@ -163,7 +162,7 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def _config_template(path: Path, config: dict) -> Optional[str]:
+def _config_template(config: dict) -> Optional[str]:
     template = config.get("chat_template")
     if isinstance(template, list):   # named templates: the default one, as transformers picks
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -178,7 +177,7 @@ def _read_template(path: Path, tok: TokenizerArgs) -> Tuple[str, Dict[str, str]]
         config = _read_config(beside) if beside is not None and beside.is_file() else {}
         return path.read_text(encoding="utf-8"), _special_tokens(config)
     config = _read_config(path)
-    text = _config_template(path, config)
+    text = _config_template(config)
     if text is None:
         raise ConfigError(f"The chat template file {path} has no chat_template (a string, or a "
                           f"list with one named \"default\"). Point data.chat.template at a "
@@ -187,41 +186,13 @@ def _read_template(path: Path, tok: TokenizerArgs) -> Tuple[str, Dict[str, str]]
     return text, _special_tokens(config)
 
 
-def _special_tokens(config: dict) -> Dict[str, str]:
-    """bos_token, eos_token, pad_token, ... of a tokenizer_config.json, as texts; a value may be
-    the AddedToken form {"content": ...}."""
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            value = value.get("content")
-        if key.endswith("_token") and isinstance(value, str):
-            out[key] = value
-    return out
-
-
-def _compile(text: str, source: str):
-    """The template compiled as transformers compiles chat templates (sandboxed, trim_blocks,
-    lstrip_blocks, its tojson and raise_exception), so it renders the same text."""
-    from datetime import datetime
-
+def _check_syntax(text: str, source: str) -> None:
+    """Refuse a template that is not valid Jinja before any data is read (rendering is
+    transformers' own, which compiles it on first use)."""
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson escapes HTML characters; transformers' does not
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
-        return env.from_string(text)
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
     except jinja2.TemplateSyntaxError as err:
         raise ConfigError(f"The chat template {source} is not valid Jinja: {err} (line "
                           f"{err.lineno} of the template). Fix it, or unset data.chat.template "

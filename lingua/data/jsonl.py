@@ -22,12 +22,10 @@ CHECKED_FROM = 100   # lines read before the unusable fraction is judged
 
 
 class SkipCounter:
-    """The one policy for unusable lines, in every format (jsonl, chat, the memmap preparation):
-    skipped and counted by reason (`skipped_lines`, `skipped_<reason>` in metrics.jsonl), the
-    first warned of once with its file and line number (then a count at 100, 1000 and every
-    10,000), and refused once more than `max_fraction` of the lines read are unusable, judged
-    from the CHECKED_FROM-th line read on (a corpus that is mostly not what the format reads is a
-    wrong path or format, not noise). Blank lines are formatting: neither read nor skipped."""
+    """The one policy for unusable lines, in every format: skipped and counted by reason, the
+    first warned of with its file and line (then a count at 100, 1000 and every 10,000), and
+    refused once more than `max_fraction` of the lines read are unusable, judged from the
+    CHECKED_FROM-th line on (a corpus mostly unusable is a wrong path or format, not noise)."""
 
     def __init__(self, reasons, max_fraction: float = 1.0, log: bool = True, what: str = ""):
         self.by_reason = dict.fromkeys(reasons, 0)
@@ -39,9 +37,12 @@ class SkipCounter:
     def count(self) -> int:
         return sum(self.by_reason.values())
 
+    @property
+    def nonzero(self) -> dict:
+        return {k: n for k, n in self.by_reason.items() if n}
+
     def restore(self, by_reason: dict, usable: int, first) -> None:
-        """The counts of an earlier pass over the same lines (a cache of them): warned of and
-        judged as if the lines were read now."""
+        """The counts of an earlier pass over the same lines, warned of and judged as if now."""
         self.usable = usable
         self.by_reason.update(by_reason)
         if first is not None:
@@ -53,13 +54,12 @@ class SkipCounter:
         self.check()
 
     def skip(self, path, line_no: int, err: BadLine) -> None:
-        """Line line_no (1-based) of path was skipped for err.reason."""
         self.by_reason[err.reason] += 1
         if self.first is None:
             self._first_skipped(path, line_no, f"{err.reason}: {err}")
         elif self.log and (self.count in (100, 1000) or self.count % 10_000 == 0):
             logger.warning("%d lines skipped so far (%s), the last line %d of %s", self.count,
-                           {k: n for k, n in self.by_reason.items() if n}, line_no, path)
+                           self.nonzero, line_no, path)
         self.check()
 
     def _first_skipped(self, path, line_no: int, why: str) -> None:
@@ -76,34 +76,44 @@ class SkipCounter:
         first = (f"; the first is line {self.first[1]} of {self.first[0]} ({self.first[2]})"
                  if self.first else "")
         raise ConfigError(
-            f"{self.count} of the first {read} lines{self.what} are unusable "
-            f"({ {k: n for k, n in self.by_reason.items() if n} }), more than "
-            f"data.max_skipped_fraction={self.max_fraction}{first}. Check data.root and "
+            f"{self.count} of the first {read} lines{self.what} are unusable ({self.nonzero}), "
+            f"more than data.max_skipped_fraction={self.max_fraction}{first}. Check data.root and "
             f"data.format against the files, fix the lines, or raise data.max_skipped_fraction "
             f"if they are expected.")
 
 
-def decode_line(raw: bytes) -> str:
-    """The line's text; raises BadLine with one of SKIP_REASONS when there is none to train on."""
+def load_json(raw: bytes):
+    """The line's JSON value; BadLine (invalid_utf8, invalid_json) when it has none."""
     try:
         line = raw.decode("utf-8-sig")  # -sig: a byte-order mark at a file's start is no error
     except UnicodeDecodeError as err:
         raise BadLine("invalid_utf8", f"invalid UTF-8: {err}") from None
     try:
-        obj = json.loads(line)
+        return json.loads(line)
     except (ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
         raise BadLine("invalid_json", f"invalid JSON: {str(err)[:100]}") from None
+
+
+def check_utf8(text: str, what: str) -> None:
+    """BadLine unless `text` encodes: JSON escapes can encode lone surrogates, which no tokenizer
+    can."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise BadLine("invalid_utf8", f"{what} not encodable as UTF-8: {err}") from None
+
+
+def decode_line(raw: bytes) -> str:
+    """The line's text; raises BadLine with one of SKIP_REASONS when there is none to train on."""
+    obj = load_json(raw)
     text = obj.get("text") if isinstance(obj, dict) else None
     if not isinstance(text, str):
         raise BadLine("no_text", 'no string "text" field' if isinstance(obj, dict)
                       else f"a JSON {type(obj).__name__}, not an object with a \"text\" field")
     if not text:
         raise BadLine("empty", "empty text")
-    if not text.isascii():
-        try:  # JSON escapes can encode lone surrogates, which no tokenizer can encode
-            text.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise BadLine("invalid_utf8", f"text not encodable as UTF-8: {err}") from None
+    check_utf8(text, "text")
     return text
 
 

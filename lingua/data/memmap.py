@@ -49,18 +49,6 @@ def rebuild_hint(root, meta: dict) -> str:
             f"directories> --out {root}`, or copy it again from where it came from.")
 
 
-def _split_info(root: Path, meta: dict, split: str):
-    """(tokens, docs, dtype) of a split as meta.json records them."""
-    try:
-        info = meta["splits"][split]
-        return int(info["tokens"]), int(info["docs"]), np.dtype(meta["dtype"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise ConfigError(f"{root / 'meta.json'} has no usable entry for the {split} split "
-                          f"({type(err).__name__}: {err}): it was not written by "
-                          f"setup/prepare_data.py, or it is damaged. {rebuild_hint(root, meta)}"
-                          ) from None
-
-
 def _check_bin_size(path: Path, n_tokens: int, dtype: np.dtype, meta: dict) -> None:
     expected = n_tokens * dtype.itemsize
     if not path.is_file():
@@ -96,15 +84,21 @@ def _load_doc_starts(path: Path, n_docs: int, n_tokens: int, meta: dict) -> np.n
 
 
 class TokenWindows:
-    """The windows of seq_len+1 tokens of one split, read from the memory map.
-
-    Every file is checked against meta.json here, so a damaged corpus is refused when the run is
-    validated, before training starts."""
+    """The windows of seq_len+1 tokens of one split, read from the memory map. Every file is
+    checked against meta.json here, so a damaged corpus is refused when the run is validated."""
 
     def __init__(self, root, split: str, seq_len: int):
         root = Path(root)
         self.meta = meta = read_meta(root)
-        n_tokens, n_docs, dtype = _split_info(root, meta, split)
+        try:
+            info = meta["splits"][split]
+            n_tokens, n_docs = int(info["tokens"]), int(info["docs"])
+            dtype = np.dtype(meta["dtype"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ConfigError(f"{root / 'meta.json'} has no usable entry for the {split} split "
+                              f"({type(err).__name__}: {err}): it was not written by "
+                              f"setup/prepare_data.py, or it is damaged. {rebuild_hint(root, meta)}"
+                              ) from None
         self.path = root / f"{split}.bin"
         _check_bin_size(self.path, n_tokens, dtype, meta)
         # an empty file cannot be memory-mapped; the caller reports the split as too short

@@ -1,20 +1,20 @@
-"""Tokenizers behind one small interface: bytes (no file), tiktoken, sentencepiece, HF tokenizers.
-
-Every tokenizer loads from a local file: nothing is fetched from a hub at run time.
-"""
+"""Tokenizers behind one small interface: bytes (no file), tiktoken, sentencepiece, HF tokenizers,
+each loaded from a local file (nothing is fetched from a hub)."""
 
 import base64
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from lingua.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("bytes", "tiktoken", "sentencepiece", "hf")
+EXPECTED_FILE = {"tiktoken": "tokenizer.model (tiktoken BPE ranks)",
+                 "sentencepiece": "tokenizer.model", "hf": "tokenizer.json"}
 
 # Llama 3's pre-tokenizer split pattern (contractions, words, 1-3 digit numbers, punctuation runs).
 TIKTOKEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
@@ -62,11 +62,10 @@ class TikTokenizer(Tokenizer):
         ranks = read_bpe_ranks(path)
         n = len(ranks)
         # Special tokens go right after the merges, as in Llama 3's tokenizer.
-        self.bos_id, self.eos_id = n, n + 1
+        self.bos_id, self.eos_id, self.vocab_size = n, n + 1, n + 2
         self.model = tiktoken.Encoding(
             name=Path(path).name, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
             special_tokens={"<|begin_of_text|>": n, "<|end_of_text|>": n + 1})
-        self.vocab_size = n + 2
 
     def _encode(self, text):
         return self.model.encode(text, disallowed_special=())
@@ -144,6 +143,18 @@ class HFTokenizer(Tokenizer):
         return self.model.decode(list(ids), skip_special_tokens=True)
 
 
+def special_tokens(config: dict) -> Dict[str, str]:
+    """bos_token, eos_token, ... of a tokenizer_config.json, as texts (also from the AddedToken
+    form {"content": ...})."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            value = value.get("content")
+        if key.endswith("_token") and isinstance(value, str):
+            out[key] = value
+    return out
+
+
 def _hf_special_tokens(config_path: Path) -> dict:
     """bos_token / eos_token of a transformers tokenizer_config.json, as 0- or 1-tuples."""
     config = {}
@@ -152,13 +163,8 @@ def _hf_special_tokens(config_path: Path) -> dict:
             config = json.loads(config_path.read_text())
         except ValueError:
             logger.warning("ignoring %s: not valid JSON", config_path)
-    out = {}
-    for key in ("bos_token", "eos_token"):
-        value = config.get(key) if isinstance(config, dict) else None
-        if isinstance(value, dict):  # the AddedToken form {"content": ...}
-            value = value.get("content")
-        out[key] = (value,) if isinstance(value, str) else ()
-    return out
+    found = special_tokens(config) if isinstance(config, dict) else {}
+    return {key: (found[key],) if key in found else () for key in ("bos_token", "eos_token")}
 
 
 def check_tokenizer_args(args: TokenizerArgs) -> None:
@@ -170,16 +176,11 @@ def check_tokenizer_args(args: TokenizerArgs) -> None:
         return
     if not args.path:
         raise ConfigError(f"data.tokenizer.kind={args.kind} needs a file: set "
-                          f"data.tokenizer.path=/path/to/{_expected_file(args.kind)}.")
+                          f"data.tokenizer.path=/path/to/{EXPECTED_FILE[args.kind]}.")
     if not Path(args.path).is_file():
         raise ConfigError(f"Tokenizer file data.tokenizer.path={args.path} does not exist (kind "
                           f"{args.kind}). Point data.tokenizer.path at the local "
-                          f"{_expected_file(args.kind)}, or use data.tokenizer.kind=bytes.")
-
-
-def _expected_file(kind: str) -> str:
-    return {"tiktoken": "tokenizer.model (tiktoken BPE ranks)", "sentencepiece": "tokenizer.model",
-            "hf": "tokenizer.json"}[kind]
+                          f"{EXPECTED_FILE[args.kind]}, or use data.tokenizer.kind=bytes.")
 
 
 def build_tokenizer(args: TokenizerArgs) -> Tokenizer:
@@ -194,4 +195,4 @@ def build_tokenizer(args: TokenizerArgs) -> Tokenizer:
         raise
     except Exception as err:  # a file of the wrong kind fails inside the library in many ways
         raise ConfigError(f"Could not load the {args.kind} tokenizer from {args.path}: {err}. "
-                          f"Check that the file is a {_expected_file(args.kind)}.") from None
+                          f"Check that the file is a {EXPECTED_FILE[args.kind]}.") from None

@@ -1,33 +1,24 @@
 """Downstream tasks (HellaSwag, ARC, PIQA, ... or the shipped lingua_continuation) through
 EleutherAI's lm-evaluation-harness, on the model as it is sharded for training.
 
-`LinguaLM` (lingua/eval/lm_eval_model.py) is an `lm_eval.api.model.TemplateLM` backed by our model:
-lm- eval builds the requests, we score them. Every rank of the layout takes part and no rank gathers
-a full copy of the model: lm-eval is told it runs in one process (rank 0 of 1), so every rank builds
-the same request list in the same order, and each batch of `eval.batch_size x dp` requests is split
-over the data-parallel ranks (tensor-parallel peers score the same share; FSDP gathers each block's
-weights as in training). The per-request results are summed over the data-parallel ranks, so every
-rank ends with all of them and lm-eval computes the same metrics everywhere; rank 0 writes them.
-Because the batches are the same whatever the layout, so are the results (up to float rounding):
-tests/test_downstream.py checks one process against dp_shard=2 and tp=2, and against lm-eval's own
-HFLM on our Hugging Face export.
+lm-eval builds the requests and `LinguaLM` (lm_eval_model.py) scores them on every rank, no rank
+gathering a full copy of the model. lm-eval is told it runs in one process, so every rank builds
+the same requests in the same order; each batch of `eval.batch_size x dp` requests is split over
+the data-parallel ranks (tensor-parallel peers score the same share), and the results are summed
+over them, so every rank computes the same metrics and rank 0 writes them. The batches are the
+same whatever the layout, and so are the results, up to float rounding (tests/test_downstream.py).
+Pipeline and context parallelism are not supported: an evaluation job reshards the checkpoint to a
+layout without them.
 
-    loglikelihood          longest first, right-padded (causal attention: padding after a
-                           sequence never reaches it, so no mask is needed), left-truncated to
-                           model.max_seq_len as HFLM does
+    loglikelihood          longest first, right-padded (causal attention: no mask needed),
+                           left-truncated to model.max_seq_len as HFLM does
     loglikelihood_rolling  lm-eval's disjoint rolling windows, BOS as the first context
     generate_until         greedy decoding with the KV cache, one request per data-parallel rank
-                           at a time, in lockstep (FSDP needs every rank in every forward); stops
-                           at a stop sequence, EOS or the token budget
+                           at a time, in lockstep (FSDP needs every rank in every forward)
 
-Results go to <dump_dir>/evals/<step>/results.json (with eval.log_samples, each example's
-requests and responses to samples/<task>.jsonl beside it; each task of a step is computed once: a
-later evaluation of that step adds the tasks it lacks) and as eval/<task>/<metric> values in
-metrics.jsonl and wandb (DownstreamHook inline, lingua/eval/eval_cli.py otherwise). With a
-`Progress` on stderr (the evaluation command's, unless logging.quiet), rank 0 says how far each
-request type is: tasks, requests done out of all, time left.
-Pipeline and context parallelism are not supported here: an evaluation job reshards the
-checkpoint to a layout without them (DCP loads any layout).
+Results go to <dump_dir>/evals/<step>/results.json (each task of a step is computed once: a later
+evaluation adds the tasks it lacks; eval.log_samples writes samples/<task>.jsonl beside it) and as
+eval/<task>/<metric> values in metrics.jsonl and wandb.
 """
 
 import difflib
@@ -39,18 +30,15 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, TextIO
 
-import torch
-
 from lingua.data.tokenizer import build_tokenizer
 from lingua.errors import ConfigError
 from lingua.eval.evaluation import EvalArgs
 from lingua.hooks import Hook
+from lingua.model.weights import broadcast_object
 from lingua.observe.metrics import format_duration
 from lingua.parallel.distributed import DistEnv
 from lingua.train.build import mixed_precision
 from lingua.train.loop import evaluates_at
-
-logger = logging.getLogger("eval")
 
 RESULTS_NAME = "results.json"
 FEWSHOT_SEED = 1234     # lm-eval's default: the same few-shot examples as its CLI picks
@@ -59,35 +47,27 @@ BOOTSTRAP_ITERS = 1000  # resamples for the stderr of metrics without a formula 
 SECTIONS = ("n-shot", "versions", "higher_is_better", "n-samples")
 
 
-class _DropRepeatedAdvice(logging.Filter):
-    # lm-eval advises on --metadata for every task with a custom_dataset (ours), at each load.
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Custom kwargs can be passed" not in record.getMessage()
-
-
 def quiet_lm_eval() -> None:
-    """lm-eval's INFO lines and progress bars, at every evaluation of a training run, would
-    bury the training log: keep its warnings and errors only."""
+    """lm-eval's warnings and errors only: its INFO lines and progress bars would bury the
+    training log."""
     import lm_eval.api.task
     import tqdm
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    # lm-eval's switch for its bootstrapped stderrs, otherwise computed in a pool of cpu_count()
-    # processes forked from this one (CUDA, NCCL and gloo threads: a fork can hang or crash in
-    # them, and on every node it oversubscribes the cores). Same resamples, same values.
+    # Bootstrapped stderrs in this process, not a pool forked from it (a fork can hang in CUDA,
+    # NCCL and gloo threads); the same values.
     os.environ["DISABLE_MULTIPROC"] = "1"
-    logging.getLogger("lm_eval.api.task").addFilter(_DropRepeatedAdvice())
-    # Its progress bars too: lm-eval has no switch for the one of building requests, and
-    # TQDM_DISABLE is read when torch imports tqdm, before we could set it. So the name that
-    # module calls is bound to a silent tqdm (nothing else is touched; LinguaLM silences its own).
+    logging.getLogger("lm_eval.api.task").addFilter(   # its advice at each load of our tasks
+        lambda record: "Custom kwargs can be passed" not in record.getMessage())
+    # No switch silences the bar of building requests (TQDM_DISABLE is read when torch imports
+    # tqdm): the name that module calls is bound to a silent tqdm.
     lm_eval.api.task.tqdm = functools.partial(tqdm.tqdm, disable=True)
 
 
 @functools.lru_cache(maxsize=8)
 def task_manager(include_path: Optional[str] = None, lm_eval_tasks: bool = True):
-    """lm-eval's task index of ours (lingua/eval/tasks), a directory of the user's own task YAMLs
-    (eval.include_path) and, with lm_eval_tasks, lm-eval's own tasks. Indexing lm-eval's reads
-    its ~15,000 YAMLs (5-15 s on 2 cores), once a process; ours alone takes a millisecond."""
+    """lm-eval's task index of ours (lingua/eval/tasks), eval.include_path's and, with
+    lm_eval_tasks, lm-eval's own (slow: it reads thousands of YAMLs, so once a process)."""
     from lm_eval.tasks import TaskManager
 
     from lingua.eval.tasks import TASKS_DIR
@@ -114,9 +94,8 @@ def _load(names: List[str], include_path: Optional[str]) -> dict:
 
 def check_task_names(names: List[str], include_path: Optional[str] = None) -> None:
     """Refuse unknown task names before any work, with the closest known ones."""
-    if not names:
-        return
-    if all(name in task_manager(include_path, lm_eval_tasks=False).all_tasks for name in names):
+    if not names or all(name in task_manager(include_path, lm_eval_tasks=False).all_tasks
+                        for name in names):
         return
     known = task_manager(include_path).all_tasks
     unknown = [name for name in names if name not in known]
@@ -140,8 +119,7 @@ def check_layout(dims, where: str) -> None:
 
 
 def load_tasks(names: List[str], include_path: Optional[str] = None) -> dict:
-    """lm-eval's task objects (their data read or downloaded now, before the model is built).
-    A task whose data cannot be fetched is a ConfigError that says so."""
+    """lm-eval's task objects, their data read or downloaded now, before the model is built."""
     check_task_names(names, include_path)
     try:
         return _load(names, include_path)["tasks"]
@@ -155,13 +133,13 @@ def load_tasks(names: List[str], include_path: Optional[str] = None) -> dict:
             f"eval.tasks=[lingua_continuation]. Nothing was written.") from None
 
 
-def _results_path(dump_dir, step: int) -> Path:
+def results_path(dump_dir, step: int) -> Path:
     return Path(dump_dir) / "evals" / str(step) / RESULTS_NAME
 
 
 def read_results(dump_dir, step: int) -> dict:
     """The results already written for `step` ({} if none): {"results": {task: {...}}, ...}."""
-    path = _results_path(dump_dir, step)
+    path = results_path(dump_dir, step)
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
@@ -196,10 +174,9 @@ def _atomic_write(path: Path, text: str) -> None:
 def write_results(dump_dir, step: int, new: dict, meta: dict) -> None:
     """Add the new tasks' results to evals/<step>/results.json (atomically: a reader sees the
     old file or the new one). Tasks already there are kept as they are."""
-    path = _results_path(dump_dir, step)
-    merged = read_results(dump_dir, step) or {"step": step, "results": {}, "n-shot": {},
-                                              "versions": {}, "higher_is_better": {},
-                                              "n-samples": {}, "runs": []}
+    path = results_path(dump_dir, step)
+    merged = read_results(dump_dir, step) or {
+        "step": step, **{section: {} for section in ("results",) + SECTIONS}, "runs": []}
     for section in ("results",) + SECTIONS:
         for task, value in (new.get(section) or {}).items():
             merged.setdefault(section, {}).setdefault(task, value)
@@ -213,9 +190,8 @@ def write_results(dump_dir, step: int, new: dict, meta: dict) -> None:
 
 
 def append_metrics_row(dump_dir, row: dict) -> None:
-    """One metrics.jsonl line from a process other than the training loop (an evaluation job):
-    a single O_APPEND write, so it never interleaves with the trainer's lines on a local or
-    POSIX file system."""
+    """One metrics.jsonl line from an evaluation job: a single O_APPEND write, so it never
+    interleaves with the trainer's lines on a POSIX file system."""
     line = (json.dumps(row) + "\n").encode()
     fd = os.open(Path(dump_dir) / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -225,9 +201,8 @@ def append_metrics_row(dump_dir, row: dict) -> None:
 
 
 class Progress:
-    """Progress lines of an evaluation on `stream` (stderr; None: silent). Per request type: a
-    line after its first batch (the first time left), then one every EVERY_S seconds at most,
-    and one at its end; never one per request, which would bury the log."""
+    """Progress lines of an evaluation on `stream` (None: silent): per request type, one after
+    its first batch, then one every EVERY_S seconds at most, and one at its end."""
 
     EVERY_S = 10.0
 
@@ -260,9 +235,7 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
                    names: List[str], autocast: Callable = None,
                    progress: Optional[Progress] = None) -> dict:
     """Run lm-eval's tasks `names` (checked by load_tasks) with the model as this rank holds
-    it; every rank calls it and gets the results ({"results": {task: {metric: value}}, ...}).
-    The model is in eval mode for the duration and back as it was afterwards. `progress`:
-    where rank 0 says how far it is (None: nowhere)."""
+    it, in eval mode; every rank calls it and gets the results ({"results": {task: {...}}})."""
     from lm_eval import evaluator
 
     from lingua.eval.lm_eval_model import LinguaLM  # lm-eval is optional: only evaluation needs it
@@ -292,15 +265,13 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
                                      bootstrap_iters=BOOTSTRAP_ITERS if env.rank == 0 else 0)
     finally:
         model.train(was_training)
-    # Every rank computed the same results; rank 0's (their plain sections: the task configs
-    # hold functions) are everyone's.
+    # Every rank computed the same results; rank 0's plain sections (the configs hold
+    # functions) are everyone's.
     samples = (results or {}).get("samples") if env.rank == 0 else None
     if results is not None:
         results = {k: results[k] for k in SECTIONS + ("results",) if k in results}
     if env.world_size > 1:
-        shared = [results if env.rank == 0 else None]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        results = shared[0]
+        results = broadcast_object(results if env.rank == 0 else None)
     results = dict(results or {})
     if samples is not None:   # rank 0 writes them; no need to send them around
         results["samples"] = samples
@@ -308,9 +279,8 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
 
 
 class DownstreamHook(Hook):
-    """eval.tasks with eval.mode=inline: the tasks on the training ranks at evaluation steps,
-    as eval/<task>/<metric> values in the step's row. Tasks the step already has results for
-    (a resumed run going over the step again) are read back, not run again."""
+    """eval.tasks with eval.mode=inline, as eval/<task>/<metric> in the rows of evaluation steps;
+    tasks the step already has results for (a resumed run) are read back, not run again."""
 
     def __init__(self):
         self.tokenizer = None     # built for the first evaluation
@@ -323,10 +293,7 @@ class DownstreamHook(Hook):
     def downstream_metrics(self, run) -> dict:
         args, env = run.args, run.env
         # Every rank must run the same tasks: rank 0 reads what is already there.
-        todo = [missing_tasks(run.dump_dir, run.step, args.eval.tasks)]
-        if env.world_size > 1:
-            torch.distributed.broadcast_object_list(todo, src=0)
-        todo = todo[0]
+        todo = broadcast_object(missing_tasks(run.dump_dir, run.step, args.eval.tasks))
         if todo:
             if self.tokenizer is None:
                 self.tokenizer = build_tokenizer(args.data.tokenizer)

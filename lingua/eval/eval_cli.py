@@ -3,24 +3,19 @@
     python -m apps.<app>.eval <dump_dir or dump_dir/checkpoints/STEP> [key=value ...]
     torchrun --nproc-per-node N -m apps.<app>.eval <...> distributed.dp_shard=N [...]
 
-The run's config comes from the checkpoint (its config.yaml); the command line may change the
-evaluation (`eval.tasks=[lingua_continuation] eval.limit=100 eval.batch_size=16 ...`), the layout
-(`distributed.*`: DCP reshards the checkpoint to it, without pipeline or context parallelism) and
-logging, not the model. A dump_dir means its newest complete checkpoint. Everything is checked
-before the model is built (tasks known and their data loadable, checkpoint intact); results go to
-<dump_dir>/evals/<step>/results.json and metrics.jsonl (lingua/eval/downstream.py). Tasks that step
-already has results for are not run again. Rank 0 says on stderr what it is doing and how far it
-is (requests done of all, time left: a line every 10 s at most); logging.quiet=true silences it.
-
-The evaluation job `eval.mode=async` submits at each checkpoint runs this too
-(lingua/launch/eval_jobs.py).
+A dump_dir means its newest complete checkpoint. The run's config comes from the checkpoint; the
+command line may change the evaluation (`eval.tasks=[lingua_continuation] eval.limit=100 ...`),
+the layout (`distributed.*`: DCP reshards the checkpoint to it, without pipeline or context
+parallelism), logging, slurm and data.tokenizer, not the model. Everything is checked before the
+model is built; results go to <dump_dir>/evals/<step>/results.json and metrics.jsonl, and tasks
+that step already has results for are not run again. Rank 0 says on stderr how far it is
+(logging.quiet=true silences it). The jobs of eval.mode=async run this too.
 """
 
-import logging
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -29,24 +24,15 @@ from lingua import checkpoint
 from lingua.checkpoint import hf
 from lingua.data.tokenizer import build_tokenizer
 from lingua.errors import ConfigError
-from lingua.eval import downstream
+from lingua.eval import downstream, evaluation
 from lingua.model import lora, weights
 from lingua.observe import metrics
 from lingua.parallel import distributed
-
-logger = logging.getLogger("eval")
+from lingua.train import build
 
 # What an evaluation may change of the run's config (the model is the checkpoint's); the
 # tokenizer's path, for a run whose tokenizer file has moved.
 CHANGEABLE = ("eval", "distributed", "logging", "slurm", "data.tokenizer")
-
-
-def resolve_checkpoint(target: str) -> Tuple[Path, Path, int]:
-    """(checkpoint dir, run dir, step) for a dump_dir (its newest complete checkpoint) or a
-    checkpoint directory <dump_dir>/checkpoints/<step>: lingua.checkpoint.resolve, which
-    generate and export share, held to checkpoints inside their run."""
-    ckpt = checkpoint.resolve(target, in_run=True)
-    return ckpt, ckpt.parent.parent, int(ckpt.name)
 
 
 def run_config(schema, ckpt: Path, overrides: Sequence[str]):
@@ -70,11 +56,9 @@ def run_config(schema, ckpt: Path, overrides: Sequence[str]):
                           f"({ckpt / 'config.yaml'}).") from None
 
 
-def check_eval_args(args, where: str, progress=None) -> None:
-    """What an evaluation needs, before any work: tasks named and known, a layout it runs on.
-    `progress` (downstream.Progress) hears of the slow part, lm-eval's task index."""
-    from lingua.eval import evaluation
-
+def check_eval_args(args, where: str, progress: downstream.Progress) -> None:
+    """Before any work: tasks named and known, a layout an evaluation runs on. `progress` hears
+    of the slow part, lm-eval's task index."""
     evaluation.validate_args(args.eval)
     if not args.eval.tasks:
         raise ConfigError(f"{where}: no task to evaluate. Name some, e.g. "
@@ -82,8 +66,7 @@ def check_eval_args(args, where: str, progress=None) -> None:
                           f"eval.tasks=[hellaswag,arc_easy].")
     downstream.check_layout(args.distributed, where)
     distributed.validate_args(args.distributed)
-    if progress is not None:
-        progress.say("indexing lm-eval's tasks (every task's YAML: seconds to minutes)")
+    progress.say("indexing lm-eval's tasks (every task's YAML: seconds to minutes)")
     downstream.check_task_names(args.eval.tasks, args.eval.include_path)
 
 
@@ -93,15 +76,18 @@ def evaluate_checkpoint(app, schema, argv: Optional[Sequence[str]] = None) -> in
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    ckpt, dump_dir, step = resolve_checkpoint(argv[0])
+    ckpt = checkpoint.resolve(argv[0], in_run=True)   # <dump_dir>/checkpoints/<step>
+    dump_dir, step = ckpt.parent.parent, int(ckpt.name)
     args = run_config(schema, ckpt, argv[1:])
-    progress = downstream.Progress(progress_stream(args.logging.quiet))
+    distributed.adopt_launcher_vars()    # RANK inside a Slurm step too, before the group exists
+    quiet = args.logging.quiet or os.environ.get("RANK", "0") != "0"   # rank 0 says how far it is
+    progress = downstream.Progress(None if quiet else sys.stderr)
     app.validate_model(args)
     check_eval_args(args, "python -m apps.<app>.eval", progress)
     todo = downstream.missing_tasks(dump_dir, step, args.eval.tasks)
     if not todo:
         print(f"step {step} already has results for {args.eval.tasks}: "
-              f"{(dump_dir / 'evals' / str(step) / downstream.RESULTS_NAME).resolve()}")
+              f"{downstream.results_path(dump_dir, step).resolve()}")
         return 0
     progress.say(f"step {step} of {dump_dir}: loading the data of {', '.join(todo)}")
     # The data now: a task that cannot be fetched stops us here.
@@ -114,8 +100,6 @@ def evaluate_checkpoint(app, schema, argv: Optional[Sequence[str]] = None) -> in
     progress.say(f"loading the model from {ckpt}")
     model = build_model(app, args, env, ckpt)
     args.eval.tasks = todo
-    from lingua.train import build
-
     results = downstream.evaluate_tasks(
         model, tokenizer, env, args.eval, args.model.max_seq_len, todo,
         autocast=lambda: build.mixed_precision(args, env, [model]), progress=progress)
@@ -125,19 +109,8 @@ def evaluate_checkpoint(app, schema, argv: Optional[Sequence[str]] = None) -> in
     return 0
 
 
-def progress_stream(quiet: bool):
-    """Where progress lines go: stderr on rank 0 (every rank does the same work), None (nowhere)
-    with logging.quiet=true, on other ranks, or where the process has no stderr."""
-    distributed.adopt_launcher_vars()    # RANK inside a Slurm step too, before the group exists
-    if quiet or os.environ.get("RANK", "0") != "0":
-        return None
-    return sys.stderr
-
-
 def build_model(app, args, env, ckpt: Path):
     """The whole model sharded for this layout, with the checkpoint's weights."""
-    from lingua.train import build
-
     parts, _ = build.parallelized_parts_on_meta(args, env, app)
     param_device = distributed.param_device(args.distributed, env.device)
     for part in parts:
@@ -162,8 +135,7 @@ def record(dump_dir: Path, step: int, results: dict, args, ckpt: Path, env,
     log_wandb(dump_dir, step, flat, args)
     for key, value in sorted(flat.items()):
         print(f"step {step} {key} {value:.4f}", flush=True)
-    print(f"results: {(dump_dir / 'evals' / str(step) / downstream.RESULTS_NAME).resolve()}",
-          flush=True)
+    print(f"results: {downstream.results_path(dump_dir, step).resolve()}", flush=True)
 
 
 def log_wandb(dump_dir: Path, step: int, flat: dict, args) -> None:

@@ -10,12 +10,12 @@ import torch
 
 from lingua.errors import ConfigError
 from lingua.hooks import Hook
-from lingua.model.loss import IGNORE_INDEX, token_loss_sum  # noqa: F401  (callers use it)
+from lingua.model.loss import IGNORE_INDEX, token_loss_sum
 from lingua.parallel.distributed import DistEnv, all_reduce_sum
 from lingua.parallel.tensor_parallel import loss_parallel_context
 from lingua.train.build import mixed_precision
 from lingua.train.loop import evaluates_at
-from lingua.train.microbatch import MicroBatch, sequence_shard
+from lingua.train.microbatch import sequence_shard
 
 EVAL_MODES = ("inline", "async")
 logger = logging.getLogger("eval")
@@ -23,8 +23,8 @@ logger = logging.getLogger("eval")
 
 @dataclass
 class EvalArgs:
-    """Validation loss, and downstream tasks (lm-evaluation-harness, lingua/eval/downstream.py) at
-    the same steps: on the training ranks (mode=inline) or in a Slurm job per checkpoint (async)."""
+    """Validation loss, and downstream tasks (lingua/eval/downstream.py) at the same steps: on the
+    training ranks (mode=inline) or in a Slurm job per checkpoint (async)."""
     every: int = 0                  # validation every N steps (0: only at the end)
     at_end: bool = True             # validation after the last step
     tasks: List[str] = field(default_factory=list)  # lm-eval task names; [] = validation loss only
@@ -35,8 +35,7 @@ class EvalArgs:
     max_gen_tokens: int = 256       # cap on generated tokens (generate_until tasks)
     add_bos: bool = True            # contexts start with BOS, as the training documents did
     log_samples: bool = False       # also write each example's prompt, responses and metrics
-    mode: str = "inline"            # inline | async (a Slurm job per checkpoint, eval.slurm.*:
-                                    # lingua.launch.eval_jobs.RunEvalArgs)
+    mode: str = "inline"            # inline | async (a Slurm job per checkpoint, eval.slurm.*)
 
 
 def validate_args(args: EvalArgs) -> None:
@@ -59,12 +58,9 @@ def validate_args(args: EvalArgs) -> None:
 
 @torch.no_grad()
 def evaluate(parts, batches, env: DistEnv, batch_loss) -> dict:
-    """Mean validation loss over the global validation set.
-
-    `batch_loss(batch)` returns the summed token loss of this rank's share of the batch, or None
-    on ranks that do not compute the loss (pipeline stages before the last). The token count
-    comes from the data-parallel ranks only: context, tensor and pipeline peers share a batch.
-    """
+    """Mean validation loss over the global validation set. `batch_loss(batch)` is the summed
+    token loss of this rank's share of the batch, or None on pipeline stages before the last;
+    tokens are counted over the data-parallel ranks only (their peers share a batch)."""
     was_training = [part.training for part in parts]
     for part in parts:
         part.eval()
@@ -81,13 +77,6 @@ def evaluate(parts, batches, env: DistEnv, batch_loss) -> dict:
         part.train(mode)
     loss = (loss_sum / tokens).item()
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
-
-
-def eval_loss_sum(model, mb: MicroBatch) -> torch.Tensor:
-    """Validation: the next-token cross-entropy of the model's output on the tokens alone
-    (sequence_shard without an app: the target is the labels)."""
-    return token_loss_sum(model(mb.tokens, doc_ids=mb.doc_ids, positions=mb.positions),
-                          mb.target)
 
 
 class ValidationHook(Hook):
@@ -113,7 +102,8 @@ class ValidationHook(Hook):
                     if run.pipe is not None:
                         return run.pipe.eval_loss(mb.tokens, mb.target, mb.doc_ids,
                                                   loss_fn=token_loss_sum)
-                    return eval_loss_sum(run.parts[0], mb)
+                    logits = run.parts[0](mb.tokens, doc_ids=mb.doc_ids, positions=mb.positions)
+                    return token_loss_sum(logits, mb.target)
 
         with loss_parallel_context(run.loss_parallel):
             return evaluate(run.parts, run.val_batches, env, batch_loss)

@@ -1,12 +1,9 @@
 """Text generation with a KV cache: greedy, temperature, top-k and top-p sampling, for any app
-whose model takes `forward(tokens, cache=...)` (lingua.model.decoder.Decoder does). Each app's
-generate.py is the command, naming its model and args classes:
+whose model takes `forward(tokens, cache=...)`. Each app's generate.py is the command:
 
-CLI: python -m apps.<app>.generate <run_dir or checkpoint_dir> --prompt "Once upon"
-         [--prompt ...] [--prompts-file f.txt] [--max-new-tokens 64] [--temperature 0.8]
-         [--top-k 50] [--top-p 0.95] [--seed 0] [--device cpu]
-
-A run directory (dump_dir) means its newest complete checkpoint, <dump_dir>/checkpoints/<step>.
+    python -m apps.<app>.generate <run_dir or checkpoint_dir> --prompt "Once upon" [--prompt ...]
+        [--prompts-file f.txt] [--max-new-tokens 64] [--temperature 0.8] [--top-k 50]
+        [--top-p 0.95] [--seed 0] [--device cpu]
 """
 
 import argparse
@@ -61,9 +58,8 @@ def generate(model: torch.nn.Module, prompt: List[int], max_new_tokens: int,
     if total > args.max_seq_len:
         raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) "
                           f"exceeds model.max_seq_len={args.max_seq_len}; shorten one of them.")
-    weight = next(model.parameters())
     cache = KVCache(model.layers.keys(), 1, total)
-    tokens = torch.tensor([prompt], device=weight.device)
+    tokens = torch.tensor([prompt], device=next(model.parameters()).device)
     out: List[int] = []
     for _ in range(max_new_tokens):
         # The prompt in one pass, then one token at a time.
@@ -120,9 +116,8 @@ def main(argv, prog: str, model_class, args_class) -> None:
                 raise ConfigError(f"--prompts-file {path} does not exist.")
             prompts += [line for line in path.read_text().splitlines() if line.strip()]
         if not prompts:
-            raise ConfigError(
-                "no prompt given: pass --prompt TEXT (repeatable) or --prompts-file FILE."
-            )
+            raise ConfigError("no prompt given: pass --prompt TEXT (repeatable) or --prompts-file "
+                              "FILE.")
         model, tok = load_model(ns.checkpoint_dir, model_class, args_class, ns.device)
         gen = torch.Generator(device=ns.device).manual_seed(ns.seed)
         for text in prompts:

@@ -1,6 +1,5 @@
 """`LinguaLM`: lm-evaluation-harness's view of our model (lingua/eval/downstream.py says how the
-requests are shared over the ranks). Imported only where an evaluation runs: lm-eval is an
-optional dependency, and training never needs it."""
+requests are shared over the ranks). Imported only where an evaluation runs: lm-eval is optional."""
 
 import contextlib
 import hashlib
@@ -45,13 +44,12 @@ def different_requests_error(everyone: list) -> ConfigError:
                       f"(sha256 {digest}), {total} of every type (sha256 {all_digest})"
                       for (kind, n, digest, total, all_digest), r in seen.items())
     return ConfigError(
-        f"The ranks built different lm-eval requests for eval.tasks ({found}). Each rank builds "
-        f"every request from the tasks' data as its own node sees it, so a node with another copy "
-        f"of the data (another HF_DATASETS_CACHE or HF_HOME, a dataset changed on the hub since "
-        f"another node cached it, another lm-eval version or task YAML) would score other "
-        f"examples and the ranks would wait for each other forever. Give every node the same "
-        f"data and code: point HF_DATASETS_CACHE (or HF_HOME) at one shared directory, install "
-        f"the same lm-eval version and eval.include_path files everywhere, then run again.")
+        f"The ranks built different lm-eval requests for eval.tasks ({found}): each rank builds "
+        f"them from the tasks' data as its node sees it (HF_DATASETS_CACHE or HF_HOME, a dataset "
+        f"changed on the hub, the lm-eval version, the task YAMLs), and ranks scoring different "
+        f"requests would wait for each other forever. Give every node the same data and code: "
+        f"point HF_DATASETS_CACHE (or HF_HOME) at one shared directory, install the same lm-eval "
+        f"version and eval.include_path files everywhere, then run again.")
 
 
 class LinguaLM(TemplateLM):
@@ -64,20 +62,12 @@ class LinguaLM(TemplateLM):
         self.tasks = tasks or {}   # lm-eval's task objects: every request they built is checked
         self._all_requests = None   # their request_digest, once built
         self.model, self.tok, self.env, self.args = model, tokenizer, env, args
-        self._max_length = max_length
-        self.autocast = autocast
-        self.device_ = env.device
+        self.max_length, self.autocast, self.device_ = max_length, autocast, env.device
         self.progress = progress   # a lingua.eval.downstream.Progress
         self._tasks = ""   # the tasks of the requests being scored (Progress's lines)
 
     # lm-eval sees one process: every rank builds every request (module docstring).
-    @property
-    def rank(self):
-        return 0
-
-    @property
-    def world_size(self):
-        return 1
+    rank, world_size = 0, 1
 
     @property
     def eot_token_id(self) -> int:
@@ -86,10 +76,6 @@ class LinguaLM(TemplateLM):
     @property
     def prefix_token_id(self) -> int:
         return self.tok.bos_id   # the context of an empty context, as HFLM uses BOS
-
-    @property
-    def max_length(self) -> int:
-        return self._max_length
 
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None,
                    **kwargs) -> List[int]:
@@ -119,8 +105,6 @@ class LinguaLM(TemplateLM):
         torch.distributed.all_gather_object(everyone, mine)
         if any(other != mine for other in everyone):
             raise different_requests_error(everyone)
-
-    # -- the model ------------------------------------------------------------------------------
 
     def _logits(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
         """[b, s] -> logits [b, s, vocab] in the model's dtype, whole on every rank (only the
@@ -152,7 +136,7 @@ class LinguaLM(TemplateLM):
             if not continuation:
                 raise ConfigError("lm-eval asked for the log-likelihood of an empty continuation; "
                                   "the task's doc_to_choice / doc_to_target gave an empty string.")
-            ids = (list(context) + list(continuation))[-(self._max_length + 1):][:-1]
+            ids = (list(context) + list(continuation))[-(self.max_length + 1):][:-1]
             inputs.append((ids, list(continuation)))
         order = sorted(range(len(inputs)), key=lambda i: (-len(inputs[i][0]), i))
         results: List[Optional[Tuple[float, bool]]] = [None] * len(inputs)
@@ -161,12 +145,9 @@ class LinguaLM(TemplateLM):
             chunk = order[start:start + global_batch]
             mine = [chunk[j] for j in self._share(len(chunk))]
             scores = torch.zeros(len(chunk), 2, dtype=torch.float64, device=self.device_)
-            if mine:
-                longest = max(len(inputs[i][0]) for i in mine)
-                batch = torch.zeros(len(mine), longest, dtype=torch.long)
-                for row, i in enumerate(mine):
-                    ids = inputs[i][0]
-                    batch[row, :len(ids)] = torch.tensor(ids)
+            if mine:   # right-padded with zeros
+                batch = torch.nn.utils.rnn.pad_sequence(
+                    [torch.tensor(inputs[i][0], dtype=torch.long) for i in mine], batch_first=True)
             else:  # nothing left for this rank: it still joins the forward (FSDP collectives)
                 batch = torch.full((1, 1), self.tok.bos_id, dtype=torch.long)
             logits = self._logits(batch)
@@ -197,7 +178,7 @@ class LinguaLM(TemplateLM):
         for index, (text,) in enumerate(req.args for req in requests):
             for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
                     token_list=self.tok_encode(text, add_special_tokens=False),
-                    prefix_token=self.prefix_token_id, max_seq_len=self._max_length,
+                    prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
                     context_len=1)):
                 windows.append((None, context, continuation))
                 owner.append(index)
@@ -223,8 +204,8 @@ class LinguaLM(TemplateLM):
             until = gen_kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             budget = min(int(gen_kwargs.get("max_gen_toks", self.args.max_gen_tokens)),
-                         self.args.max_gen_tokens, self._max_length - 1)
-            ids = self.tok_encode(context)[-(self._max_length - budget):]
+                         self.args.max_gen_tokens, self.max_length - 1)
+            ids = self.tok_encode(context)[-(self.max_length - budget):]
             jobs.append((ids, [s for s in until if s], budget))
         order = sorted(range(len(jobs)), key=lambda i: (-len(jobs[i][0]), i))
         texts = [""] * len(jobs)
@@ -246,12 +227,8 @@ class LinguaLM(TemplateLM):
         data-parallel ranks: every rank runs a forward at every step until all are done."""
         ids, until, budget = job if job is not None else ([self.tok.bos_id], [], 0)
         cache = KVCache(self.model.layers.keys(), 1, len(ids) + budget)
-        new: List[int] = []
-        tokens = torch.tensor([ids])
-        done = job is None
-        while True:
-            if not self._anyone_busy(done):
-                break
+        new, tokens, done = [], torch.tensor([ids]), job is None
+        while self._anyone_busy(done):
             if done:  # finished early: keep the collectives in step with a one-token forward
                 self._logits(torch.full((1, 1), self.tok.bos_id, dtype=torch.long))
                 continue

@@ -9,10 +9,8 @@ DATA = Path(__file__).resolve().parent / "data.jsonl"
 
 
 def load(**kwargs) -> datasets.DatasetDict:
-    """The task's splits ("test", "train" for few-shot examples) as a DatasetDict.
-
-    lm-eval calls this as custom_dataset(**metadata, **dataset_kwargs); those keys are ignored.
-    """
+    """The task's splits ("test", "train" for few-shot examples); lm-eval's keyword arguments
+    (custom_dataset(**metadata, **dataset_kwargs)) are ignored."""
     splits = {}
     with open(DATA, encoding="utf-8") as f:
         for line in f:
