@@ -1,35 +1,16 @@
 """Context parallelism (CP): each rank of the cp group holds a slice of every sequence.
 
-Two backends, chosen by `distributed.cp_backend`:
-- "allgather" (default, CPU and CUDA): as in the Llama 3 paper, every rank all-gathers the keys and
-  values of the whole sequence and computes attention for its own queries against all of them.
-  With grouped-query attention K/V are small, so the gather is cheap next to the attention itself;
-  any mask works, including documents (`model.attn_mask=block_causal`).
-- "ring" (CUDA only): torch's `context_parallel` ring attention, which passes K/V shards around
-  the ring and overlaps that with compute. It supports plain causal attention only (see
-  `validate_cp`), and torch has no CPU sharding rule for it.
+Backends (`distributed.cp_backend`): "allgather" (CPU and CUDA, any mask; as in the Llama 3
+paper) all-gathers the keys and values of the whole sequence for the local queries; "ring" (CUDA,
+plain causal only) is torch's `context_parallel` ring attention. For load balance under a causal
+mask the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r, as torch's ring
+attention does.
 
-Load balancing: with a causal mask the late positions attend to many more keys than early ones,
-so the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r (a head and a
-tail): every rank then does the same amount of attention work. torch's ring attention uses the
-same layout, so both backends shard tokens the same way.
-
-API (the order of application is TP -> CP -> activation checkpointing -> compile -> FSDP):
-
-    validate_cp(seq_len, cp, tp, backend, device_type, doc_masking)   # at config time
-    model = apply_cp(model, mesh["cp"], backend)                       # once per model part
-    for micro-batch:                                                   # every rank of the cp group
-        with cp_batch(model_parts, tokens, labels, doc_ids) as b:      # loads the same full batch
-            logits = model(b.tokens, positions=b.positions)            # local shard [bsz, S/cp, V]
-            loss = cross_entropy_sum(logits, b.labels) / global_tokens
-            loss.backward()                                            # backward INSIDE the block
-
-Forward and backward must both run inside `cp_batch`: activation checkpointing recomputes
-attention in backward (it needs the batch's positions and mask again), and ring attention's
-backward is dispatched by torch's CP context. Gradients come out as this rank's share: sum them
-over the cp group (FSDP over dp_shard x cp with divide factor 1 does it) to get the gradient of
-the full sequence. `apply_cp` also fills `positions` in when a model part is called without them
-(a pipeline stage after the first), from the active `cp_batch`.
+`validate_cp` at config time; `apply_cp` once per model part (after TP, before AC, compile and
+FSDP); then every cp rank runs each micro-batch's forward AND backward inside
+`with cp_batch(parts, tokens, labels, doc_ids) as b:` on b.tokens, b.positions and b.labels
+(activation checkpointing recomputes attention in backward, and ring attention's backward needs
+torch's CP context). Gradients are this rank's share, summed over the cp group by FSDP.
 """
 
 import contextlib
@@ -49,10 +30,6 @@ logger = logging.getLogger(__name__)
 CP_BACKENDS = ("allgather", "ring")
 
 
-# ---------------------------------------------------------------------------------------------
-# Sharding the sequence
-
-
 def shard_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
     """Global positions held by `cp_rank`, in local order: chunk r then chunk 2*cp-1-r of 2*cp."""
     if seq_len % (2 * cp_size):
@@ -69,58 +46,47 @@ def shard_sequence(t: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) ->
     return t.index_select(dim, shard_positions(t.shape[dim], cp_rank, cp_size, t.device))
 
 
-def validate_cp(seq_len: int, cp: int, tp: int = 1, backend: str = "allgather",
-                device_type: Optional[str] = None, doc_masking: bool = False) -> None:
-    """Raise ConfigError for a context-parallel setup that cannot run; call before any work."""
+def _check_backend(backend: str) -> None:
     if backend not in CP_BACKENDS:
         raise ConfigError(f"distributed.cp_backend={backend!r} is not one of "
                           f"{', '.join(CP_BACKENDS)}.")
+
+
+def validate_cp(seq_len: int, cp: int, tp: int = 1, backend: str = "allgather",
+                device_type: Optional[str] = None, doc_masking: bool = False) -> None:
+    """Raise ConfigError for a context-parallel setup that cannot run; call before any work."""
+    _check_backend(backend)
     if cp <= 1:
         return
-    if seq_len % (2 * cp * tp):
-        step = 2 * cp * tp
+    step = 2 * cp * tp
+    if seq_len % step:
         raise ConfigError(
             f"data.seq_len={seq_len} is not divisible by 2 x cp x tp = 2 x {cp} x {tp} = {step}: "
             "context parallelism cuts each sequence into 2*cp load-balanced chunks and sequence "
             f"parallelism splits each rank's part again by tp. Use a multiple of {step}, e.g. "
-            f"data.seq_len={max(step, seq_len // step * step)}, or change distributed.cp."
-        )
+            f"data.seq_len={max(step, seq_len // step * step)}, or change distributed.cp.")
     if backend != "ring":
         return
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type != "cuda":
         raise ConfigError(
             f"distributed.cp_backend=ring needs CUDA, but this run is on {device_type!r}: torch's "
-            "ring attention has no CPU kernel sharding rule. Use distributed.cp_backend=allgather."
-        )
-    if doc_masking:
-        # torch's ring SDPA dispatches only flash / memory-efficient attention with is_causal and
-        # raises "attn_bias is not supported yet" for any explicit mask (torch 2.13,
-        # distributed/tensor/experimental/_context_parallel/_attention.py).
+            "ring attention has no CPU kernel sharding rule. Use distributed.cp_backend=allgather.")
+    if doc_masking:   # torch's ring SDPA raises "attn_bias is not supported yet" for any mask
         raise ConfigError(
             "model.attn_mask=block_causal with distributed.cp_backend=ring: torch's ring attention "
             "supports only plain causal attention, not document masks. Use "
-            "distributed.cp_backend=allgather (any mask) or model.attn_mask=causal."
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-micro-batch context shared by every layer
+            "distributed.cp_backend=allgather (any mask) or model.attn_mask=causal.")
 
 
 class CPContext:
-    """What the CP attention modules of one model part need for the current micro-batch.
-
-    `cp_batch` sets it before the forward and clears it after the backward; every layer reads the
-    same positions and mask, so the mask is built once per micro-batch, not once per layer.
-    """
+    """What the CP attention modules of one model part need for the current micro-batch: set by
+    `cp_batch` before the forward, cleared after the backward; the mask is built once for all
+    layers."""
 
     def __init__(self, mesh, backend: str):
-        self.mesh = mesh
-        self.group = mesh.get_group()
-        self.backend = backend
-        self.rank = mesh.get_local_rank()
-        self.size = mesh.size()
+        self.mesh, self.group, self.backend = mesh, mesh.get_group(), backend
+        self.rank, self.size = mesh.get_local_rank(), mesh.size()
         self.positions: Optional[torch.Tensor] = None   # [s_local] global positions of local tokens
         self.gather_order: Optional[torch.Tensor] = None  # puts all-gathered K/V in position order
         self.mask: Optional[torch.Tensor] = None        # [b or 1, 1, s_local, S] bool
@@ -150,34 +116,25 @@ class CPContext:
 
     def require(self) -> "CPContext":
         if not self.active:
-            raise RuntimeError(
-                "context-parallel attention was called outside `cp_batch`: wrap the forward and "
-                "the backward of each micro-batch in "
-                "`with lingua.parallel.context_parallel.cp_batch(...)`."
-            )
+            raise RuntimeError("context-parallel attention was called outside `cp_batch`: wrap the "
+                               "forward and the backward of each micro-batch in "
+                               "`with lingua.parallel.context_parallel.cp_batch(...)`.")
         return self
 
 
-# ---------------------------------------------------------------------------------------------
-# Attention modules
-
-
-class AllGatherKVAttention(nn.Module):
-    """Attention of the local queries against the keys/values of the whole sequence.
-
-    K/V are all-gathered with a functional collective whose autograd backward is a sum
-    reduce-scatter: the gradient each rank computes for every key/value is summed over the cp
-    group and returned to the rank that owns that position. Works on gloo and NCCL.
-    """
-
+class _CPAttention(nn.Module):
     def __init__(self, ctx: CPContext):
         super().__init__()
         self.ctx = ctx
 
+
+class AllGatherKVAttention(_CPAttention):
+    """Attention of the local queries against the keys/values of the whole sequence. The
+    all-gather's autograd backward is a sum reduce-scatter back to each position's owner."""
+
     def forward(self, q, k, v, mask=None, decoding: bool = False):  # never decoding under CP
-        # `mask` is ignored: the model built it for the local shard as if it were a whole
-        # sequence (local positions 0..s_local-1), which is wrong here; the context's mask relates
-        # each local query's global position (and document) to every key of the full sequence.
+        # `mask` is ignored: the model built it for the shard as if it were a whole sequence; the
+        # context's mask relates each query's global position (and document) to every key.
         ctx = self.ctx.require()
         # K/V come with their own (grouped-query) heads: gather those, repeat after the gather.
         k, v = self._gather(torch.stack([k, v]), ctx)              # one collective for both
@@ -197,26 +154,17 @@ class AllGatherKVAttention(nn.Module):
         return full.movedim(0, 2).unbind(0)
 
 
-class RingAttention(nn.Module):
+class RingAttention(_CPAttention):
     """Plain causal sdpa on the local shard; torch's `context_parallel` (entered by `cp_batch`)
     patches sdpa into ring attention over the cp group (CUDA flash / efficient kernels only)."""
-
-    def __init__(self, ctx: CPContext):
-        super().__init__()
-        self.ctx = ctx
 
     def forward(self, q, k, v, mask=None, decoding: bool = False):  # never decoding under CP
         self.ctx.require()  # outside the context sdpa would silently attend within the shard only
         k, v = repeat_kv(k, v, q.shape[2])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        # Looked up at call time on purpose: torch's CP context replaces
-        # F.scaled_dot_product_attention.
+        # Looked up at call time on purpose: torch's CP context replaces it.
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return out.transpose(1, 2)
-
-
-# ---------------------------------------------------------------------------------------------
-# Applying CP to a model and running a micro-batch
 
 
 def _fill_positions(module, args, kwargs):
@@ -226,36 +174,27 @@ def _fill_positions(module, args, kwargs):
     return args, kwargs
 
 
-def apply_cp(model: nn.Module, cp_mesh, backend: str = "allgather",
-             rotate_method: str = "allgather") -> nn.Module:
-    """Replace every CoreAttention in `model` by the context-parallel version; in place.
-
-    `rotate_method` ("allgather" | "alltoall") is how torch's ring backend exchanges K/V shards.
-    """
-    if backend not in CP_BACKENDS:
-        raise ConfigError(f"distributed.cp_backend={backend!r} is not one of "
-                          f"{', '.join(CP_BACKENDS)}.")
+def apply_cp(model: nn.Module, cp_mesh, backend: str = "allgather") -> nn.Module:
+    """Replace every CoreAttention in `model` by the context-parallel version; in place."""
+    _check_backend(backend)
     ctx = CPContext(cp_mesh, backend)
     if backend == "ring":
         from torch.distributed.tensor.experimental._attention import set_rotate_method
 
-        set_rotate_method(rotate_method)
+        set_rotate_method("allgather")   # how the ring exchanges K/V shards
     replaced = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, CoreAttention):
-                new = (AllGatherKVAttention(ctx) if backend == "allgather"
-                       else RingAttention(ctx))
-                setattr(module, child_name, new)
+                cls = AllGatherKVAttention if backend == "allgather" else RingAttention
+                setattr(module, child_name, cls(ctx))
                 replaced.append(f"{name}.{child_name}" if name else child_name)
     if not replaced:
-        raise ValueError("apply_cp found no lingua.model.layers.CoreAttention module to "
-                         "replace.")
+        raise ValueError("apply_cp found no lingua.model.layers.CoreAttention module to replace.")
     model.cp_context = ctx
     model.register_forward_pre_hook(_fill_positions, with_kwargs=True)
-    logger.info("applied context parallelism (%s, cp=%d%s) to %d attention modules: %s", backend,
-                ctx.size, f", rotate={rotate_method}" if backend == "ring" else "", len(replaced),
-                ", ".join(replaced))
+    logger.info("applied context parallelism (%s, cp=%d) to %d attention modules: %s", backend,
+                ctx.size, len(replaced), ", ".join(replaced))
     return model
 
 
@@ -266,22 +205,16 @@ class CPBatch:
     positions: torch.Tensor    # [S/cp] their global positions
 
 
-def _contexts(models) -> list:
-    models = [models] if isinstance(models, nn.Module) else list(models)
-    contexts = [m.cp_context for m in models if hasattr(m, "cp_context")]
-    if not contexts:
-        raise ValueError("cp_batch: no model part has context parallelism applied (call apply_cp "
-                         "first).")
-    return contexts
-
-
 @contextlib.contextmanager
 def cp_batch(models: Union[nn.Module, Iterable[nn.Module]], tokens: torch.Tensor,
              labels: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None):
     """Shard one micro-batch (the full [b, S] batch, identical on every cp rank) for this rank and
-    set the attention context of `models` (a model or its pipeline parts); yields a CPBatch.
-    Run the forward and the backward inside the `with` block."""
-    contexts = _contexts(models)
+    set the attention context of `models` (a model or its pipeline parts); yields a CPBatch."""
+    parts = [models] if isinstance(models, nn.Module) else list(models)
+    contexts = [m.cp_context for m in parts if hasattr(m, "cp_context")]
+    if not contexts:
+        raise ValueError("cp_batch: no model part has context parallelism applied (call apply_cp "
+                         "first).")
     ctx = contexts[0]
     seq_len = tokens.shape[1]
     model_args = getattr(models if isinstance(models, nn.Module) else None, "args", None)
@@ -296,8 +229,8 @@ def cp_batch(models: Union[nn.Module, Iterable[nn.Module]], tokens: torch.Tensor
         if ctx.backend == "ring":
             from torch.distributed.tensor.experimental import context_parallel
 
-            # torch shards this buffer with its own load balancer (the same head-tail layout as
-            # ours); using what it returns keeps tokens and its ring schedule consistent.
+            # torch shards this buffer with its own load balancer (our head-tail layout); using
+            # what it returns keeps tokens and its ring schedule consistent.
             positions = torch.arange(seq_len, device=tokens.device)
             stack.enter_context(context_parallel(ctx.mesh, buffers=[positions], buffer_seq_dims=[0],
                                                  no_restore_buffers={positions}))

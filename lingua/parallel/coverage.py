@@ -1,31 +1,12 @@
 """Refuse, at start, a parallel plan that leaves a parameter out of the layout's reductions.
 
-The trainer calls `check_parallel_coverage` once, on every rank, right after the app's
-`parallelize` (before any weight exists), for every app. A parameter is covered when its
-gradient is summed over every rank that computed a different part of it, which is what the
-parameter's DTensor mesh says: torch reduces a DTensor's gradient over its mesh (TP's Replicate
-parameters over tp, FSDP over its data-parallel mesh, EP by its token exchange), and never a plain
-tensor's. The rules, for the ranks of this rank's pipeline stage:
-
-  dp_replicate, dp_shard, cp  These ranks read different tokens (cp: different parts of the same
-                sequences), so every parameter's mesh must include each such dimension of size > 1.
-                apply_fsdp guarantees it by sharding the whole model root over dp_shard x cp
-                (HSDP: and dp_replicate); a plan that skips FSDP, or wraps only the blocks, is
-                refused here.
-  tp            Activations are split over tp (the sequence between blocks, the heads and the
-                hidden width inside them), so each tp rank's gradient of a parameter is a partial
-                sum: every parameter must be a DTensor whose mesh includes "tp" (Replicate or Shard
-                on it), i.e. named by the app's TP plan. The one exception is a module the plan runs
-                whole on every tp rank (lingua.parallel.tensor_parallel.ReplicatedCompute:
-                apps/moe's MoE layers), whose plain parameters get the same complete gradient on
-                every tp rank.
-  ep            Expert parallelism takes its ranks from dp_shard x cp, which the rules above
-                cover; in addition every grouped-experts module's weights must be on the "ep"
-                mesh (apply_ep), else distributed.ep would be silently ignored.
-
-Every rank raises the same ConfigError (the ranks' findings are gathered first, so a pipeline
-stage that is fine does not wait forever on one that stopped), naming the parameters and the
-plan lines to add.
+The trainer calls `check_parallel_coverage` on every rank right after the app's `parallelize`.
+A parameter is covered when its gradient is summed over every rank that computed a different
+part of it, i.e. when its DTensor mesh includes each of dp_replicate, dp_shard, cp (different
+tokens; apply_fsdp's root unit covers them) and tp (partial sums; the TP plan) of size > 1; a
+plain parameter inside a tensor_parallel.ReplicatedCompute module needs no tp. Under ep, every
+grouped-experts module's weights must be on the "ep" mesh (apply_ep). Every rank raises the same
+ConfigError, naming the parameters and the plan lines to add.
 """
 
 import torch.distributed as dist
@@ -124,8 +105,7 @@ def _findings(parts, env, ep: int) -> tuple:
 
 
 def _gather(findings: tuple, env) -> list:
-    """Every rank's findings (only this rank's on torch's fake process group, where nothing is
-    exchanged)."""
+    """Every rank's findings (only this rank's on torch's fake process group)."""
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return [findings]
     out = [None] * dist.get_world_size()
@@ -134,18 +114,16 @@ def _gather(findings: tuple, env) -> list:
 
 
 def check_parallel_coverage(parts, env, ep: int = 1) -> None:
-    """Raise ConfigError on every rank when a parameter of this run's model parts (after the
-    app's parallelize) is not reduced over every rank that needs it (see the module docstring).
-    `ep`: distributed.ep."""
+    """Raise ConfigError on every rank when a parameter of this run's model parts is not reduced
+    over every rank that needs it (see the module docstring). `ep`: distributed.ep."""
     if env.world_size == 1 or env.mesh is None:
         return
     everyone = _gather(_findings(parts, env, ep), env)
-    problems, seen = [], set()
+    first = {}   # each parameter once, as the first rank reporting it saw it
     for rank_problems, _ in everyone:
         for problem in rank_problems:
-            if problem[0] not in seen:
-                seen.add(problem[0])
-                problems.append(problem)
+            first.setdefault(problem[0], problem)
+    problems = list(first.values())
     # Experts that are not grouped-experts modules escape the per-module rule: refuse when no
     # parameter at all is expert-parallel (on the fake group, only this stage's part is known).
     known = len(everyone) > 1 or env.dims.pp == 1
@@ -193,9 +171,8 @@ def _message(problems: list, dims, ep: int, no_ep: bool) -> str:
                  "unit covers every parameter outside the blocks.")
     if "ep" in missing:
         text += (f" With distributed.ep={ep} the experts' weights must be split over the ep ranks: "
-                 "the app's parallelize.py must call "
-                 "lingua.parallel.expert_parallel.apply_ep(model, ep_mesh) on modules with "
-                 "GroupedExperts' contract (w1, w3, w2 of shape "
+                 "the app's parallelize.py must call lingua.parallel.expert_parallel.apply_ep("
+                 "model, ep_mesh) on modules with GroupedExperts' contract (w1, w3, w2 of shape "
                  "[experts, ...], forward(x, counts)) and give their FSDP the expert mesh, as "
                  "apps/moe/parallelize.py does; or remove distributed.ep.")
     return text

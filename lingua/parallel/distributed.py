@@ -1,17 +1,15 @@
 """Process groups, the parallel layout (ParallelDims + one named DeviceMesh) and data parallelism.
 
-One process (`python -m apps.llama.train`) needs no process group at all; several processes get
-their rank variables from torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) or, in a Slurm
-job step (srun, or a job stool submitted), from Slurm's task variables. Every degree
-of the layout lives in ParallelDims; the mesh has a named dimension for every degree, size 1
-included (build_mesh), and the rest of the code asks it for the sub-meshes it needs (data loading
-over dp, FSDP over dp_replicate x dp_shard x cp).
+Several processes get their rank variables from torchrun or, in a Slurm job step, from Slurm's;
+one process needs no process group. The mesh has a named dimension for every degree of
+ParallelDims, size 1 included, and callers ask it for the sub-meshes they need.
 """
 
 import contextlib
 import datetime
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -100,26 +98,24 @@ def parallel_dims(args: DistributedArgs, world_size: int) -> ParallelDims:
             f"x dp_shard={dp_shard} x cp={args.cp} x tp={args.tp} x pp={args.pp} = "
             f"{others * dp_shard}, but {world_size} processes were launched. Launch "
             f"{others * dp_shard} processes (torchrun --nproc-per-node; with stool, slurm.nodes x "
-            f"slurm.tasks_per_node), or set "
-            f"distributed.dp_shard=-1 to take what the world size leaves.")
+            f"slurm.tasks_per_node), or set distributed.dp_shard=-1 to take what the world size "
+            f"leaves.")
     return ParallelDims(dp_replicate=args.dp_replicate, dp_shard=dp_shard, cp=args.cp,
                         tp=args.tp, pp=args.pp, world_size=world_size)
 
 
 def validate_args(args: DistributedArgs) -> None:
     if args.model_dtype not in ("fp32", "bf16"):
-        raise ConfigError(f"distributed.model_dtype={args.model_dtype!r} is not supported: use "
-                          f"fp32 or bf16.")
+        raise ConfigError(f"distributed.model_dtype={args.model_dtype!r}: use fp32 or bf16.")
     if args.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"distributed.backend={args.backend!r}: use auto, gloo or nccl.")
     if args.backend == "nccl" and job_device_type() != "cuda":
         raise ConfigError("distributed.backend=nccl needs CUDA, and none is available here. "
                           "Use distributed.backend=auto (gloo on CPU).")
     if args.ac not in AC_MODES:
-        raise ConfigError(f"distributed.ac={args.ac!r} is unknown: use one of "
-                          f"{', '.join(AC_MODES)} (layer checkpoints every "
-                          f"distributed.ac_every-th block, op saves matmul outputs and recomputes "
-                          f"the rest).")
+        raise ConfigError(f"distributed.ac={args.ac!r} is unknown: use one of {', '.join(AC_MODES)}"
+                          f" (layer checkpoints every distributed.ac_every-th block, op saves "
+                          f"matmul outputs and recomputes the rest).")
     if args.cpu_offload and job_device_type() != "cuda":
         raise ConfigError("distributed.cpu_offload=true moves sharded state from GPU to CPU "
                           "memory; this run has no GPU, so everything is in CPU memory already. "
@@ -148,9 +144,8 @@ def validate_args(args: DistributedArgs) -> None:
 
 
 def job_device_type() -> str:
-    """The device the run will train on. Usually this machine's; stool validates a config on a
-    login node for a job that runs elsewhere and says which device that job gets
-    (JOB_DEVICE_VAR)."""
+    """The device the run will train on: JOB_DEVICE_VAR when set (stool validating on a login
+    node for a job that runs elsewhere), else this machine's."""
     return os.environ.get(JOB_DEVICE_VAR) or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -158,15 +153,8 @@ JOB_DEVICE_VAR = "LINGUA_JOB_DEVICE"
 
 
 def slurm_step_vars() -> dict:
-    """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT) for a process in a Slurm job step, read through submitit's job environment;
-    empty outside a step of several tasks.
-
-    Only a step (srun, which is how stool's jobs start their tasks) counts: a batch script's own
-    shell sees the job's SLURM_NTASKS but is a single process, so SLURM_STEP_NUM_TASKS decides.
-    The port is derived from the job id, so every task of the job picks the same one and two jobs
-    sharing a node do not collide.
-    """
+    """torchrun's variables for a process in a Slurm job step of several tasks, else {} (a batch
+    script's own shell is one process). The port comes from the job id."""
     tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
     if tasks <= 1:
         return {}
@@ -186,8 +174,7 @@ def slurm_step_vars() -> dict:
 
 
 def adopt_launcher_vars() -> None:
-    """Make torchrun's variables describe this process, whoever launched it: torchrun already set
-    them; in a Slurm step they are filled in from Slurm; alone, nothing is needed."""
+    """Make torchrun's variables describe this process: set by torchrun, else from Slurm."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
     os.environ.update(slurm_step_vars())
@@ -228,16 +215,8 @@ class DistEnv:
 
 
 def _device(local_rank: int) -> torch.device:
-    """This process's device: the local rank's GPU among those it can see, else the CPU.
-
-    Modulo the visible count because a launcher may give each task its own GPU (Slurm's
-    `srun --gpus-per-task=1`, or a CUDA_VISIBLE_DEVICES per task): the task then sees one device,
-    cuda:0, while LOCAL_RANK still counts the tasks on the node (3 for the fourth). Where every
-    task sees all of the node's GPUs (torchrun, stool's gpus_per_node) it is the local rank.
-
-    LINGUA_JOB_DEVICE=cpu keeps a run on the CPU of a GPU machine (the test suite's CPU
-    references do this; so can a researcher debugging on a GPU node), as job_device_type says.
-    """
+    """This process's device: the local rank's GPU among those it can see (modulo: a task given
+    its own GPU sees only cuda:0), else the CPU (also under LINGUA_JOB_DEVICE=cpu)."""
     if job_device_type() == "cuda" and torch.cuda.is_available():
         index = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
@@ -246,14 +225,8 @@ def _device(local_rank: int) -> torch.device:
 
 
 def process_group_backend(args: DistributedArgs, device_type: str) -> str:
-    """The backend string for init_process_group.
-
-    NCCL only moves CUDA tensors. With cpu_offload, FSDP2 keeps sharded gradients (and the
-    optimizer's update) on the CPU, so the gradient norm's reduction (optim.clip_grad_norm), the
-    probe's statistics of gradients and weights then communicate CPU tensors ("No backend type
-    associated with device type cpu" on NCCL alone): the group needs a CPU backend too. torch
-    picks the backend by the tensor's device, and mesh sub-groups inherit both (new_group copies
-    the default group's backend string; split_group splits every per-device backend)."""
+    """The backend string for init_process_group: under cpu_offload the gradient norm and the
+    probe reduce CPU tensors, which NCCL cannot move, so nccl gets gloo for the CPU too."""
     backend = args.backend if args.backend != "auto" else (
         "nccl" if device_type == "cuda" else "gloo")
     if backend == "nccl" and args.cpu_offload:
@@ -262,10 +235,8 @@ def process_group_backend(args: DistributedArgs, device_type: str) -> str:
 
 
 def param_device(args: DistributedArgs, device: torch.device) -> torch.device:
-    """Where parameters are materialised after sharding (to_empty): the CPU under cpu_offload,
-    since FSDP2's CPUOffloadPolicy refuses sharded parameters on the GPU ("FSDP parameters should
-    be materialized on CPU when enabling CPU offloading"); buffers (RoPE tables) still belong on
-    `device`, e.g. `init_weights(buffer_device=device)`."""
+    """Where parameters are materialised after sharding: the CPU under cpu_offload (FSDP2's
+    CPUOffloadPolicy requires it); buffers (RoPE tables) still belong on `device`."""
     return torch.device("cpu") if args.cpu_offload else device
 
 
@@ -297,9 +268,7 @@ def build_mesh(dims: ParallelDims, device_type: str):
       dp          = dp_replicate x dp_shard       ranks that read different batches
       dp_shard_cp = dp_shard x cp                 ranks that shard parameters (FSDP)
       dp_cp       = dp_replicate x dp_shard x cp  ranks whose loss and token counts add up
-    Every group carries the default group's timeout (groups.subgroup_options), and each distinct
-    set of ranks gets one group (groups._make_groups): the size-1 dimensions share one, and with
-    tp=2 on 4 ranks all three views are dp_shard's group under their own names."""
+    Each distinct set of ranks gets one group, with the default group's timeout (groups.py)."""
     sizes = dict(zip(MESH_DIMS, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)))
     root = groups.root_mesh(device_type, sizes)
     flat = {name: groups.flatten(root, parts, name) for name, parts in FLATTENED.items()}
@@ -311,16 +280,9 @@ FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp
 
 
 class Mesh:
-    """The root DeviceMesh plus the flattened meshes `_flatten` returned, indexed by name like a
-    DeviceMesh: `mesh["tp"]`, `mesh["dp_shard_cp"]`, `mesh[("dp_replicate", "dp_shard_cp")]`.
-
-    Why not the root mesh alone: slicing a flattened dim from the root mesh (root["dp"]) warns
-    "Slicing a flattened dim from root mesh will be deprecated" at every call in torch 2.13
-    (DeviceMesh._get_slice_mesh_layout), a lookup torch is removing; it asks callers to keep the
-    flattened meshes themselves. A slice that mixes both kinds is built with
-    DeviceMesh._concatenate (one root, so FSDP's HSDP and DTensor accept it), as
-    lingua/parallel/expert_parallel.py builds its expert mesh.
-    Everything else (get_group, size, mesh, ...) is the root mesh's."""
+    """The root DeviceMesh plus its flattened meshes (torch deprecates slicing those from the
+    root), indexed like a DeviceMesh: `mesh["tp"]`, `mesh[("dp_replicate", "dp_shard_cp")]`.
+    Every other attribute is the root mesh's."""
 
     def __init__(self, root, flat: dict):
         self.root, self.flat, self._slices = root, flat, {}
@@ -355,22 +317,9 @@ def destroy() -> None:
 
 
 def exit_process(code: int) -> None:
-    """End a process that used gloo collectives: flush, then leave without interpreter teardown.
-
-    Why: gloo's worker threads (ProcessGroupGloo::runLoop) can drop the last reference to a
-    finished collective's output tensor a moment after the main thread moved on. If that moment
-    falls inside interpreter finalization, the thread cannot take the GIL, Python ends it, and
-    libstdc++ aborts the process ("terminate called without an active exception", exit -6).
-    destroy_process_group() does not join those threads. Seen in CI and here in about one 4-rank
-    run in ten on 2 cores, always after all work was done and written; a core dump shows the
-    thread in ~AsyncAllgatherCoalescedWork -> THPVariable_clear -> take_gil -> pthread_exit.
-    torch has no fix (an atexit destroy was proposed and abandoned: pytorch/pytorch#179291), so
-    callers that have finished and saved everything leave with os._exit.
-    """
-    import logging
-    import os
-    import sys
-
+    """End a process that used gloo collectives: flush, then os._exit without interpreter teardown,
+    during which a gloo worker thread may still free a tensor and abort the process ("terminate
+    called without an active exception"; pytorch/pytorch#179291)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -394,13 +343,9 @@ def all_reduce_sum(value: torch.Tensor, env: DistEnv, dims=("dp_cp", "pp")) -> t
 
 def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs,
                own_mesh_units=()) -> nn.Module:
-    """FSDP2 per block and at the root over dp_shard x cp (HSDP when dp_replicate > 1 too).
-    `own_mesh_units`: (module, mesh) pairs sharded first over their own mesh (expert-parallel
-    experts, which are already split over the ep ranks, shard over the rest).
-
-    Gradients are reduced as a SUM: the trainer already divides the loss by the global batch's
-    token count, so averaging over ranks here would divide twice.
-    """
+    """FSDP2 per block and at the root over dp_shard x cp (HSDP when dp_replicate > 1 too), after
+    `own_mesh_units`' (module, mesh) pairs (experts). Gradients are reduced as a SUM: the loss is
+    already divided by the global token count."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         FSDPModule,
@@ -412,26 +357,21 @@ def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs,
     if env.world_size == 1 or env.dims.dp_replicate * env.dims.fsdp == 1:
         return model  # no data-parallel ranks (one process, or only tp/pp): nothing to shard
 
-    if env.dims.dp_replicate > 1:
-        dp_mesh = env.mesh[("dp_replicate", "dp_shard_cp")]
-    else:
-        dp_mesh = env.mesh["dp_shard_cp"]
+    dp_mesh = env.mesh[("dp_replicate", "dp_shard_cp") if env.dims.dp_replicate > 1
+                       else "dp_shard_cp"]
     compute = torch.bfloat16 if args.model_dtype == "bf16" else torch.float32
-    # cast_forward_inputs=False: FSDP would otherwise cast every floating input of each unit to
-    # bf16, and blocks receive the RoPE cos/sin tables as inputs, so multi-rank runs would rotate
-    # in bf16 while one process (autocast) rotates in fp32. The hidden states need no cast: the
-    # bf16 embedding already produces them in bf16.
-    options = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=compute,
-                                                                reduce_dtype=torch.float32,
-                                                                cast_forward_inputs=False),
+    # cast_forward_inputs=False: blocks receive the RoPE tables as inputs, which must stay fp32
+    # as in one process (the bf16 embedding already makes bf16 hidden states).
+    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
+                              cast_forward_inputs=False)
+    options = dict(mesh=dp_mesh, mp_policy=mp,
                    offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())
     for module, mesh in own_mesh_units:
         fully_shard(module, reshard_after_forward=args.reshard_after_forward,
                     **dict(options, mesh=mesh))
     for block in blocks:
         fully_shard(block, reshard_after_forward=args.reshard_after_forward, **options)
-    # The root's params (embeddings, final norm, output) are needed right after the last block's
-    # backward, so keeping them gathered after forward saves one all-gather per step.
+    # The root's params are needed right after the last block's backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # the setting is per FSDP unit, not inherited
@@ -466,13 +406,8 @@ def _save_matmuls_policy():
 
 
 def apply_ac(layers: nn.ModuleDict, mode: str, every: int = 1) -> None:
-    """Activation checkpointing of transformer blocks, in place (parameter names unchanged:
-    the wrapper's state-dict hooks strip its prefix).
-
-    full: every block recomputes its forward in backward; layer: every `every`-th block (by
-    layer id, so a pipeline stage keeps the same choice as the whole model); op: every block, but
-    matmul and attention outputs are kept and only cheap ops are recomputed.
-    """
+    """Activation checkpointing of transformer blocks, in place (parameter names unchanged).
+    full: every block; layer: every `every`-th by layer id; op: all, keeping matmul outputs."""
     if mode == "none":
         return
     from functools import partial
@@ -498,8 +433,7 @@ def apply_compile(layers: nn.ModuleDict, backend: str = "inductor") -> None:
     Blocks are identical, so they share one compiled graph."""
     for block in layers.values():
         block.compile(backend=backend)
-    logger.info("compiled %d transformer blocks with torch.compile (backend %s)", len(layers),
-                backend)
+    logger.info("compiled %d transformer blocks (backend %s)", len(layers), backend)
 
 
 @contextlib.contextmanager

@@ -18,8 +18,7 @@ def _world_backends() -> dict:
 
 
 def world_timeout() -> Optional[datetime.timedelta]:
-    """The default group's timeout (what init_process_group was given), or None on a backend
-    that keeps none (the planner's fake one)."""
+    """The default group's timeout, or None on a backend that keeps none (the planner's fake)."""
     world = dist.group.WORLD
     for device in world._device_types:
         timeout = getattr(getattr(world._get_backend(device), "options", None), "_timeout", None)
@@ -29,14 +28,9 @@ def world_timeout() -> Optional[datetime.timedelta]:
 
 
 def subgroup_options():
-    """Backend options for a mesh sub-group that carry the default group's timeout.
-
-    torch creates sub-groups with timeout=None, i.e. the backend's default (NCCL 10 min, gloo
-    30 min), unless the mesh's backend_override passes options: DeviceMesh then hands
-    `options._timeout` to split_group / new_group. NCCL's options are the default group's, copied,
-    as split_group does when given none; gloo's cannot be copied, and only their timeout is read.
-    None where a backend is neither (fake): torch's own defaults then, as before. Sub-groups
-    have the default group's backends, whatever device type the mesh is built for."""
+    """Backend options for a mesh sub-group that carry the default group's timeout (torch
+    otherwise gives sub-groups the backend's default). NCCL's options are the default group's,
+    copied; gloo's cannot be copied, so only the timeout is. None for other backends (fake)."""
     backends = _world_backends()
     if not set(backends) <= {"nccl", "gloo"}:
         return None
@@ -48,20 +42,16 @@ def subgroup_options():
 
 
 def override(size: int, options) -> tuple:
-    """The (backend, options) pair for one mesh dimension of `size` ranks. A world-wide dimension
-    gets none: DeviceMesh then reuses the default group (which has the timeout already) instead
-    of making a copy of it; except on a machine with CUDA under gloo, where it makes one anyway
-    (DeviceMesh._init_one_process_group), which must then get the options."""
+    """The (backend, options) pair for one mesh dimension of `size` ranks. A world-wide one gets
+    none, so DeviceMesh reuses the default group; except under gloo on a machine with CUDA,
+    where DeviceMesh makes a new group anyway, which then needs the options."""
     world_wide = size == dist.get_world_size()
-    if options is None or (world_wide and not (torch.cuda.is_available()
-                                               and dist.get_backend() == "gloo")):
-        return (None, None)
-    return (None, options)
+    cuda_gloo = torch.cuda.is_available() and dist.get_backend() == "gloo"
+    return (None, None if world_wide and not cuda_gloo else options)
 
 
 def root_mesh(device_type: str, sizes: dict):
-    """init_device_mesh(device_type, sizes.values(), mesh_dim_names=sizes) with its groups made
-    by `_make_groups`: the size-1 dimensions share one group instead of one each."""
+    """init_device_mesh(device_type, sizes.values(), mesh_dim_names=sizes), via _make_groups."""
     from torch.distributed.device_mesh import DeviceMesh
 
     with torch.device("cpu"):
@@ -73,8 +63,7 @@ def root_mesh(device_type: str, sizes: dict):
 
 
 def flatten(root, parts: tuple, name: str):
-    """root[parts]._flatten(name), with its group made by `_make_groups` (so, e.g., dp =
-    dp_replicate x dp_shard with dp_replicate=1 is dp_shard's group under another name)."""
+    """root[parts]._flatten(name), its group by `_make_groups`."""
     from torch.distributed._mesh_layout import _MeshLayout
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -87,8 +76,7 @@ def flatten(root, parts: tuple, name: str):
 
 
 def unflatten(source, sizes: tuple, names: tuple):
-    """source._unflatten(0, sizes, names) for a 1-D mesh `source`, with its groups made by
-    `_make_groups`: a dimension of size 1 or equal to `source` makes none."""
+    """source._unflatten(0, sizes, names) for a 1-D mesh `source`, groups by `_make_groups`."""
     from torch.distributed.device_mesh import DeviceMesh
 
     # A copy without groups: _unflatten then makes none itself.
@@ -101,15 +89,11 @@ def unflatten(source, sizes: tuple, names: tuple):
 
 
 def _make_groups(mesh, sizes: tuple) -> None:
-    """Give `mesh` (built with _init_backend=False) one process group per dimension, as torch's
-    DeviceMesh._init_process_groups does, except that a dimension splitting the ranks exactly as
-    one of the same root mesh already does takes that one's group: all size-1 dimensions share
-    one group of each rank alone, a flattened or unflattened dimension over the same ranks as
-    another reuses its group. Collective: the choice depends on the layouts only, so every rank
-    makes the same groups in the same order.
-
-    torch has no public way to choose a mesh dimension's group; this builds the mesh as torch's
-    own slicing does (DeviceMesh._create_sub_mesh: _init_backend=False, then the group names)."""
+    """Give `mesh` (built with _init_backend=False) one process group per dimension, except that
+    a dimension splitting the ranks as one of the same root mesh already does reuses its group.
+    Collective: the choice depends on the layouts only, so every rank makes the same groups.
+    Ours because torch has no public way to choose a dimension's group and makes 1.3-4x as many
+    (BENCHMARKS.md, "Mesh process groups"); built as torch's own slicing builds sub-meshes."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -128,8 +112,8 @@ def _make_groups(mesh, sizes: tuple) -> None:
 
 
 def _known_groups(root) -> dict:
-    """{partition: group name} of the groups of `root`'s dimensions and flattened views, kept
-    on the root (which torch may have built itself, as tests/ep_worker.py does)."""
+    """{partition: group name} of `root`'s dimensions and flattened views, kept on the root
+    (which torch may have built itself)."""
     known = root.__dict__.get("_groups_by_partition")
     if known is None:
         known = root.__dict__["_groups_by_partition"] = {}
@@ -140,8 +124,7 @@ def _known_groups(root) -> dict:
 
 
 def _partition(layout, rank_map) -> tuple:
-    """The groups of ranks one mesh dimension's layout splits the ranks into, each in mesh
-    order."""
+    """The groups of ranks one mesh dimension's layout splits the ranks into, in mesh order."""
     from torch.distributed._mesh_layout import _MeshLayout
 
     ranks = _MeshLayout([layout]).remap_to_tensor(rank_map).reshape(-1, layout.numel())
@@ -149,6 +132,5 @@ def _partition(layout, rank_map) -> tuple:
 
 
 def created() -> int:
-    """How many process groups this rank belongs to (the default one included): one
-    communicator each on NCCL, one set of connections each on gloo."""
+    """How many process groups this rank belongs to, the default one included."""
     return len(dist.distributed_c10d._world.pg_map)

@@ -1,20 +1,10 @@
 """Tensor parallelism for LoRA layers (lingua/model/lora.py): the adapters follow their base
 Linear's sharding, so that the low-rank update lands on the same output layout as x W^T.
 
-    ColwiseParallel  W [out, in] Shard(0): lora_a [r, in] Replicate, lora_b [out, r] Shard(0).
-                     x A^T is whole on every rank; its product with this rank's rows of B gives
-                     this rank's output columns, as x W^T does.
-    RowwiseParallel  W Shard(1): lora_a Shard(1), lora_b Replicate. x's shard times A's columns
-                     is a partial sum of x A^T; times B it stays partial (Partial), like x W^T,
-                     and the style's output redistribution reduces both together.
-
-torch's own styles give every parameter of the Linear the weight's placement (ColwiseParallel
-would shard lora_a over its rank dimension) or replicate what they do not know (RowwiseParallel
-would replicate lora_a), which DTensor then fixes with extra collectives each step. So
-`lora_tp_plan` swaps torch's two styles for the subclasses below where the planned module is a
-LoRALinear (layouts kept), as lingua/float8/__init__.py swaps in torchao's float8 styles, and
-refuses a LoRALinear that the plan shards some other way; apply_tp also refuses one the plan
-leaves out (lingua.parallel.tensor_parallel.lora_tp_plans, which needs no process group).
+ColwiseParallel: x A^T is whole on every rank, times this rank's rows of B gives its output
+columns. RowwiseParallel: x's shard times A's columns is a partial sum, which stays Partial
+through B and is reduced with the base's output. torch's own styles would give lora_a another
+placement, fixed by extra collectives each step, so `lora_tp_plan` swaps in the styles below.
 """
 
 from torch import nn
@@ -25,35 +15,31 @@ from lingua.errors import ConfigError
 from lingua.model.lora import LoRALinear
 
 
-def _distribute(module: nn.Module, mesh, placements: dict, src_data_rank) -> None:
-    """Each of `module`'s own parameters as a DTensor with placements[name]."""
-    for name, param in list(module.named_parameters(recurse=False)):
-        dist = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
-        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
-
-
-class LoRAColwiseParallel(ColwiseParallel):
-    """ColwiseParallel for a LoRALinear: weight, bias and lora_b Shard(0), lora_a Replicate."""
-
-    PLACEMENTS = {"weight": Shard(0), "bias": Shard(0), "lora_a": Replicate(),
-                  "lora_b": Shard(0)}
+class _LoRAPartition:
+    """Each of a LoRALinear's own parameters as a DTensor with PLACEMENTS[name]."""
 
     def _partition_linear_fn(self, name, module, device_mesh):
         # distribute_module calls this for every submodule (the dropout too): only the layer.
-        if isinstance(module, LoRALinear):
-            _distribute(module, device_mesh, self.PLACEMENTS, self.src_data_rank)
+        if not isinstance(module, LoRALinear):
+            return
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dist = distribute_tensor(param, device_mesh, [self.PLACEMENTS[pname]],
+                                     src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
-class LoRARowwiseParallel(RowwiseParallel):
+class LoRAColwiseParallel(_LoRAPartition, ColwiseParallel):
+    """ColwiseParallel for a LoRALinear: weight, bias and lora_b Shard(0), lora_a Replicate."""
+
+    PLACEMENTS = {"weight": Shard(0), "bias": Shard(0), "lora_a": Replicate(), "lora_b": Shard(0)}
+
+
+class LoRARowwiseParallel(_LoRAPartition, RowwiseParallel):
     """RowwiseParallel for a LoRALinear: weight and lora_a Shard(1), bias and lora_b
     Replicate (the update's output is Partial, reduced with the base's)."""
 
     PLACEMENTS = {"weight": Shard(1), "bias": Replicate(), "lora_a": Shard(1),
                   "lora_b": Replicate()}
-
-    def _partition_linear_fn(self, name, module, device_mesh):
-        if isinstance(module, LoRALinear):
-            _distribute(module, device_mesh, self.PLACEMENTS, self.src_data_rank)
 
 
 SWAP = {ColwiseParallel: LoRAColwiseParallel, RowwiseParallel: LoRARowwiseParallel}

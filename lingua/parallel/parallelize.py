@@ -26,10 +26,9 @@ def uses_loss_parallel(args: DistributedArgs) -> bool:
 
 def parallelize_decoder(model: nn.Module, env: DistEnv, args: DistributedArgs,
                         tp_plans: Callable, tp_blocks=None, extra_fsdp_units=()) -> nn.Module:
-    """Parallelize `model` (the decoder, or one pipeline part of it) in place, in torchtitan's
-    order. `tp_plans(model, loss_parallel)` -> (root_plan, block_plan) is the app's, called only
-    under tp: the block plan goes to each of `tp_blocks` (default: the transformer blocks). The
-    FSDP units are the transformer blocks and `extra_fsdp_units`."""
+    """Parallelize `model` (the decoder, or one pipeline part) in place. `tp_plans(model,
+    loss_parallel)` -> (root_plan, block_plan), called only under tp; the block plan goes to each
+    of `tp_blocks` (default: the transformer blocks)."""
     if args.tp > 1:
         root_plan, block_plan = tp_plans(model, uses_loss_parallel(args))
         blocks = model.layers.values() if tp_blocks is None else tp_blocks
@@ -39,11 +38,9 @@ def parallelize_decoder(model: nn.Module, env: DistEnv, args: DistributedArgs,
 
 def apply_cp_ac_compile_fsdp(model: nn.Module, env: DistEnv, args: DistributedArgs,
                              extra_fsdp_units=(), expert_units=()) -> nn.Module:
-    """Everything after tensor (and expert) parallelism, in order: context parallelism,
-    activation checkpointing and compile of the blocks, then FSDP, which must see the final
-    module structure. One FSDP unit per transformer block (its parameters are gathered just
-    before it runs) and per module of `extra_fsdp_units`; `expert_units` are apply_fsdp's
-    (module, mesh) pairs sharded over their own mesh first."""
+    """Everything after tensor (and expert) parallelism: CP, AC and compile of the blocks, then
+    FSDP (which must see the final modules) with one unit per block and per `extra_fsdp_units`;
+    `expert_units`: apply_fsdp's (module, mesh) pairs."""
     if args.cp > 1:
         apply_cp(model, env.mesh["cp"], args.cp_backend)
     apply_ac(model.layers, args.ac, args.ac_every)

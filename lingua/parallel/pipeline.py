@@ -1,26 +1,12 @@
 """Pipeline parallelism: split a model into stages and run them with torch's pipelining schedules.
 
-The flow (apps/llama/train.py):
-    validate_pp(...)                                  # before any process group: ConfigError
-    ids = stage_ids_of_rank(pp_rank, pp, virtual, schedule)
-    layers = stage_layer_ids(n_layers, pp * virtual, pp_split)
-    parts = [split_model(model, layers[s], s == 0, s == n_stages - 1) for s in ids]
-    ... TP / CP / AC / compile / FSDP on each part, then init weights ...
-    pipe = build_schedule(parts, ids, n_stages, mesh["pp"], device, schedule, n_mb, loss_fn)
-    loss = pipe.step(tokens, labels)                  # forward + backward of every micro-batch
+The flow: validate_pp at config time; then (lingua/train) split_model for each of this rank's
+stage_ids_of_rank, with its stage_layer_ids; parallelize each part; build_schedule, whose
+Pipeline.step runs forward + backward of every micro-batch.
 
-Each part keeps the original parameter names (layers keyed "0".."n-1", tok_embeddings / norm /
-output set to None where a stage does not own them), so checkpoints are layout-independent.
-
-Gradients are the SUM over micro-batches: torch's schedules would divide them by the number of
-micro-batches (`scale_grads=True`), but our loss_fn already divides each micro-batch's summed
-token loss by the token count of the global batch, so the sum is the global-batch mean gradient.
-
-Schedules (torch.distributed.pipelining; all checked on CPU with gloo in tests/test_pipeline.py):
-  single-stage, one stage per rank (pp_virtual_stages = 1): GPipe, 1F1B
-  looped, stage r + k*pp on rank r (any pp_virtual_stages >= 1): Interleaved1F1B, LoopedBFS,
-      InterleavedZeroBubble
-  V-shaped, stages r and 2*pp-1-r on rank r (pp_virtual_stages = 2): ZBVZeroBubble, DualPipeV
+Parts keep the full model's parameter names, so checkpoints are layout-independent. Gradients
+are the SUM over micro-batches (scale_grads=False): loss_fn already divides by the global batch's
+token count.
 """
 
 import copy
@@ -36,17 +22,11 @@ from lingua.model.layers import set_inferring_shapes
 
 logger = logging.getLogger(__name__)
 
-# Schedule name -> how stages are laid out over ranks. Names as torch spells them; matched
-# case-insensitively like torch's get_schedule_class.
-SCHEDULE_STYLES = {
-    "GPipe": "single",
-    "1F1B": "single",
-    "Interleaved1F1B": "loop",
-    "LoopedBFS": "loop",
-    "InterleavedZeroBubble": "loop",
-    "ZBVZeroBubble": "v",
-    "DualPipeV": "v",
-}
+# Schedule name (as torch spells it) -> stage layout: one per rank, looped (r + k*pp on rank r),
+# or V (r and 2*pp-1-r on rank r).
+SCHEDULE_STYLES = {"GPipe": "single", "1F1B": "single", "Interleaved1F1B": "loop",
+                   "LoopedBFS": "loop", "InterleavedZeroBubble": "loop", "ZBVZeroBubble": "v",
+                   "DualPipeV": "v"}
 
 
 def _torch_schedules() -> dict:
@@ -71,8 +51,7 @@ def schedule_name(name: str) -> str:
             return canonical
     raise ConfigError(
         f"distributed.pp_schedule={name!r} is not a pipeline schedule this torch "
-        f"({torch.__version__}) runs. Use one of {', '.join(known)}."
-    )
+        f"({torch.__version__}) runs. Use one of {', '.join(known)}.")
 
 
 def default_microbatches(pp: int, virtual: int) -> int:
@@ -80,46 +59,29 @@ def default_microbatches(pp: int, virtual: int) -> int:
     return pp * virtual
 
 
-# ---------------------------------------------------------------------------------------------
-# Which layers and stages go where
-
-
 def stage_layer_ids(n_layers: int, n_stages: int, pp_split: Sequence[int] = ()) -> list[list[int]]:
-    """The layer indices of each of the n_stages stages.
-
-    pp_split lists the first layer of stages 1..n_stages-1; empty gives an even split in which
-    the first n_layers % n_stages stages get one layer more (the last stage also carries the
-    norm, the output projection and the loss, so it is the one to lighten).
-    """
+    """The layer indices of each of the n_stages stages. pp_split lists the first layer of
+    stages 1..n_stages-1; empty: an even split, remainder to the first stages (not the last)."""
     if n_stages < 1:
         raise ConfigError(f"The pipeline needs at least one stage, got {n_stages}.")
     if n_stages > n_layers:
         raise ConfigError(
             f"The pipeline has {n_stages} stages (distributed.pp x distributed.pp_virtual_stages) "
             f"but the model has only model.n_layers={n_layers} layers; every stage needs at least "
-            f"one. Lower pp or pp_virtual_stages, or use a deeper model."
-        )
+            f"one. Lower pp or pp_virtual_stages, or use a deeper model.")
     split = list(pp_split)
-    if not split:
-        starts = [0, *_even_split(n_layers, n_stages)]
-    else:
-        if len(split) != n_stages - 1:
-            raise ConfigError(
-                f"distributed.pp_split={split} has {len(split)} entries but the pipeline has "
-                f"{n_stages} stages, so it needs {n_stages - 1}: the first layer of each stage "
-                f"after the first (e.g. {_even_split(n_layers, n_stages)}), or [] for an even "
-                "split."
-            )
-        bounds = [0] + split + [n_layers]
-        if any(b <= a for a, b in itertools.pairwise(bounds)):
-            raise ConfigError(
-                f"distributed.pp_split={split} must be strictly increasing and within 1.."
-                f"{n_layers - 1} (model.n_layers={n_layers}) so that every stage gets at least "
-                f"one layer; e.g. {_even_split(n_layers, n_stages)}, or [] for an even split."
-            )
-        starts = [0] + split
-    ends = starts[1:] + [n_layers]
-    return [list(range(a, b)) for a, b in zip(starts, ends)]
+    if split and len(split) != n_stages - 1:
+        raise ConfigError(
+            f"distributed.pp_split={split} has {len(split)} entries but the pipeline has "
+            f"{n_stages} stages, so it needs {n_stages - 1}: the first layer of each stage "
+            f"after the first (e.g. {_even_split(n_layers, n_stages)}), or [] for an even split.")
+    bounds = [0, *(split or _even_split(n_layers, n_stages)), n_layers]
+    if any(b <= a for a, b in itertools.pairwise(bounds)):
+        raise ConfigError(
+            f"distributed.pp_split={split} must be strictly increasing and within 1.."
+            f"{n_layers - 1} (model.n_layers={n_layers}) so that every stage gets at least "
+            f"one layer; e.g. {_even_split(n_layers, n_stages)}, or [] for an even split.")
+    return [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
 
 
 def _even_split(n_layers: int, n_stages: int) -> list[int]:
@@ -129,13 +91,8 @@ def _even_split(n_layers: int, n_stages: int) -> list[int]:
 
 
 def stage_ids_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    """The global stage indices pipeline rank pp_rank holds, in increasing order.
-
-    Looped layout (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble): rank r holds
-    r, r+pp, r+2pp, ... V layout (ZBVZeroBubble, DualPipeV; two stages per rank): rank r holds
-    r and 2pp-1-r, so rank 0 holds both the first and the last stage. This must match torch's
-    stage-to-rank mapping for the schedule, which sends activations accordingly.
-    """
+    """The global stage indices pipeline rank pp_rank holds, in increasing order: r, r+pp, ...,
+    or r and 2pp-1-r for a V schedule. Must match torch's stage-to-rank mapping."""
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1}")
     if _torch_schedules().get(schedule_name(schedule)) == "v":
@@ -146,24 +103,13 @@ def stage_ids_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> lis
     return [pp_rank + k * pp for k in range(virtual)]
 
 
-# ---------------------------------------------------------------------------------------------
-# Model parts
-
-
 def split_model(model: nn.Module, layer_ids: Sequence[int], is_first: bool,
                 is_last: bool) -> nn.Module:
-    """A copy of `model` (normally on the meta device) keeping only one stage's modules.
-
-    Parameter names stay those of the full model ("layers.3.attention.wq.weight", ...), so a
-    checkpoint written by any pipeline layout loads into any other.
-    """
+    """A copy of `model` (normally on the meta device) keeping only one stage's modules, under
+    the full model's parameter names."""
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     if tied and not (is_first and is_last):
-        raise ConfigError(
-            "model.tie_embeddings=true with pipeline parallelism: the output projection reuses "
-            "the embedding matrix, which lives on the first stage, while the output is computed "
-            "on the last. Set model.tie_embeddings=false or distributed.pp=1."
-        )
+        raise _tied_refusal("pipeline parallelism")
     missing = [i for i in layer_ids if str(i) not in model.layers]
     if missing:
         raise ValueError(f"layers {missing} are not in the model (it has {list(model.layers)})")
@@ -172,9 +118,7 @@ def split_model(model: nn.Module, layer_ids: Sequence[int], is_first: bool,
     for name in list(part.layers):
         if name not in keep:
             del part.layers[name]
-    # Which modules only the first / last stage holds: the model says
-    # (lingua.model.decoder.Decoder's first_stage_modules / last_stage_modules; an app adds its own,
-    # e.g. modules after the head).
+    # Which modules only the first / last stage holds: the model says (Decoder's defaults).
     first_only = getattr(model, "first_stage_modules", ("tok_embeddings",))
     last_only = getattr(model, "last_stage_modules", ("norm", "output"))
     for name in (() if is_first else first_only) + (() if is_last else last_only):
@@ -182,17 +126,17 @@ def split_model(model: nn.Module, layer_ids: Sequence[int], is_first: bool,
     return part
 
 
-# ---------------------------------------------------------------------------------------------
-# Validation (no process group needed)
+def _tied_refusal(what: str) -> ConfigError:
+    return ConfigError(
+        f"model.tie_embeddings=true with {what}: the output projection reuses the embedding "
+        "matrix, which lives on the first stage, while the output is computed on the last. Set "
+        "model.tie_embeddings=false or distributed.pp=1.")
 
 
 def validate_pp(n_layers: int, pp: int, virtual: int, schedule: str, n_microbatches: int,
                 batch_size: int, tie_embeddings: bool, pp_split: Sequence[int] = ()) -> None:
     """Every pipeline-parallel check that needs no process group; raises ConfigError.
-
-    n_microbatches=0 means default_microbatches(pp, virtual). batch_size is the per-rank batch
-    (data.batch_size) that each pipeline step splits into micro-batches.
-    """
+    batch_size is the per-rank batch that each step splits into n_microbatches (0: default)."""
     name = schedule_name(schedule)
     if pp < 1 or virtual < 1:
         raise ConfigError(f"distributed.pp={pp} and distributed.pp_virtual_stages={virtual} "
@@ -209,19 +153,13 @@ def validate_pp(n_layers: int, pp: int, virtual: int, schedule: str, n_microbatc
         raise ConfigError(
             f"distributed.pp_schedule={name} runs one stage per rank but "
             f"distributed.pp_virtual_stages={virtual}. Set pp_virtual_stages=1, or use a "
-            f"multi-stage schedule ({multi})."
-        )
+            f"multi-stage schedule ({multi}).")
     if style == "v" and virtual != 2:
         raise ConfigError(
             f"distributed.pp_schedule={name} places exactly 2 stages on each rank (a V shape) but "
-            f"distributed.pp_virtual_stages={virtual}. Set pp_virtual_stages=2."
-        )
+            f"distributed.pp_virtual_stages={virtual}. Set pp_virtual_stages=2.")
     if tie_embeddings:
-        raise ConfigError(
-            f"model.tie_embeddings=true with distributed.pp={pp}: the output projection reuses "
-            "the embedding matrix, which lives on the first stage, while the output is computed "
-            "on the last. Set model.tie_embeddings=false or distributed.pp=1."
-        )
+        raise _tied_refusal(f"distributed.pp={pp}")
     n_stages = pp * virtual
     stage_layer_ids(n_layers, n_stages, pp_split)  # more stages than layers, bad split
     if n_microbatches < 0:
@@ -233,8 +171,7 @@ def validate_pp(n_layers: int, pp: int, virtual: int, schedule: str, n_microbatc
         raise ConfigError(
             f"data.batch_size={batch_size} sequences per rank cannot be split into "
             f"distributed.pp_microbatches={n_microbatches}{given} equal micro-batches. Pick a "
-            f"batch_size that is a multiple of {n_mb}, or a pp_microbatches dividing {batch_size}."
-        )
+            f"batch_size that is a multiple of {n_mb}, or a pp_microbatches dividing {batch_size}.")
     _check_microbatch_count(name, pp, n_stages, n_mb)
 
 
@@ -244,8 +181,7 @@ def _check_microbatch_count(name: str, pp: int, n_stages: int, n_mb: int) -> Non
         raise ConfigError(
             f"distributed.pp_schedule={name} needs at least as many micro-batches as pipeline "
             f"stages ({n_stages}) but distributed.pp_microbatches={n_mb}. Raise pp_microbatches "
-            f"to {n_stages} or more (and data.batch_size to a multiple of it)."
-        )
+            f"to {n_stages} or more (and data.batch_size to a multiple of it).")
     if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
         # torch runs the micro-batches in max(1, n_mb // pp) rounds, which must divide n_mb.
         rounds = max(1, n_mb // pp)
@@ -254,19 +190,12 @@ def _check_microbatch_count(name: str, pp: int, n_stages: int, n_mb: int) -> Non
                 f"distributed.pp_schedule={name} with distributed.pp={pp} runs micro-batches in "
                 f"rounds: pp_microbatches={n_mb} gives max(1, {n_mb} // {pp}) = {rounds} rounds, "
                 f"which do not divide {n_mb}. Use a multiple of pp (e.g. {rounds * pp} or "
-                f"{(rounds + 1) * pp}) or fewer micro-batches than pp."
-            )
-
-
-# ---------------------------------------------------------------------------------------------
-# Running the pipeline
+                f"{(rounds + 1) * pp}) or fewer micro-batches than pp.")
 
 
 class _StageOutputsByKeyword(nn.Module):
-    """torch passes a stage's outputs to the next stage as positional inputs. A model part that
-    returns (hidden states, extra tensors...) names the extras in `stage_outputs` (apps/moe:
-    ("balance_loss",)) and takes them back by keyword, so its forward keeps the decoder's
-    signature (tokens, doc_ids=None, cache=None, positions=None, ...)."""
+    """torch passes a stage's outputs to the next stage as positional inputs; a part returning
+    (hidden states, extras...) names the extras in `stage_outputs` and takes them by keyword."""
 
     def __init__(self, part: nn.Module, names: tuple):
         super().__init__()
@@ -281,25 +210,17 @@ class Pipeline:
 
     def __init__(self, schedule, stages: list, n_microbatches: int, loss_fn, stage_to_rank: dict,
                  group):
-        self.schedule = schedule
-        self.loss_fn = loss_fn
-        self.stages = stages
-        self.n_microbatches = n_microbatches
-        self.stage_to_rank = stage_to_rank
-        self.group = group
+        self.schedule, self.loss_fn, self.stages = schedule, loss_fn, stages
+        self.n_microbatches, self.stage_to_rank, self.group = n_microbatches, stage_to_rank, group
         self.n_stages = len(stage_to_rank)
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.device = stages[0].device
-        # torch's stages infer shapes on their first step with an extra forward (on real tensors
-        # at the first stage, uninitialised ones after it): marked by inferring_shapes().
+        # torch's stages infer shapes on their first step with an extra forward, and torch 2.13
+        # ends the last stage's in an extra loss_fn call (from _prepare_backward_infra), on
+        # uninitialised tensors. Both are marked with inferring_shapes() while they run; loss_fn
+        # calls are told apart by where they come from, not by counting (2.11 makes none).
         self.steps_run = 0
-        # ... and torch 2.13 (not 2.11) ends the last stage's extra forward in one extra loss_fn
-        # call, on uninitialised tensors (its _backward_metadata_inference, run from the stage's
-        # _prepare_backward_infra before any micro-batch). Both are marked with
-        # inferring_shapes() (module level) while they run. Which loss_fn calls are torch's is
-        # told by where they come from, not by counting: counting one under 2.11 marked the
-        # first real micro-batch's loss, which the trainer then left out of the logged loss.
         self._preparing_backward = False
         for stage in stages:
             if stage.is_last and hasattr(stage, "_prepare_backward_infra"):
@@ -327,7 +248,7 @@ class Pipeline:
         """Mark the first forward of each local stage (torch's shape inference, which runs before
         any micro-batch on a process's first step) with inferring_shapes(); then unhook."""
         for stage in self.stages:
-            handles = []
+            handles, submod = [], stage.submod
 
             def begin(module, args, kwargs):
                 set_inferring_shapes(True)
@@ -337,29 +258,22 @@ class Pipeline:
                 for handle in handles:
                     handle.remove()
 
-            handles.append(stage.submod.register_forward_pre_hook(begin, with_kwargs=True))
-            handles.append(stage.submod.register_forward_hook(end, with_kwargs=True,
-                                                              always_call=True))
+            handles.append(submod.register_forward_pre_hook(begin, with_kwargs=True))
+            handles.append(submod.register_forward_hook(end, with_kwargs=True, always_call=True))
 
     def _check_batch(self, tokens):
         if tokens.shape[0] % self.n_microbatches:
             raise ConfigError(f"a batch of {tokens.shape[0]} sequences cannot be split into "
                               f"{self.n_microbatches} equal pipeline micro-batches.")
 
-    def step(self, tokens: torch.Tensor, labels: torch.Tensor,
-             doc_ids: torch.Tensor | None = None,
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None,
              model_kwargs: dict | None = None) -> torch.Tensor | None:
-        """Forward and backward; gradients accumulate into the parts' .grad (summed over
-        micro-batches). Returns the sum of loss_fn over this rank's micro-batches (a detached
-        scalar) on the rank holding the last stage, None elsewhere. `labels` is whatever loss_fn
-        compares the output with (any [b, ...] tensor)."""
+        """Forward and backward; gradients accumulate (summed over micro-batches). Returns the
+        detached sum of loss_fn over this rank's micro-batches on the rank holding the last
+        stage, None elsewhere."""
         self._check_batch(tokens)
-        # Tokens only enter at the first stage and labels only at the last; doc_ids go to every
-        # stage (each one builds its attention mask), and so do an app's extra forward inputs
-        # (model_kwargs: [b, ...] tensors, cut into micro-batches like the tokens).
-        # Contiguous: the batch's tokens are a [:, :-1] view (row stride seq_len + 1), and torch
-        # 2.11's stages compare input strides with the contiguous ones they inferred (a
-        # PipeliningShapeError there; 2.13 compares shapes only). The copy is a few KiB.
+        # doc_ids and model_kwargs ([b, ...]) go to every stage. Contiguous: tokens are a [:, :-1]
+        # view, and torch 2.11's stages compare input strides with the ones they inferred.
         args = (tokens.to(self.device).contiguous(),) if self.has_first else ()
         kwargs = {"doc_ids": doc_ids.to(self.device).contiguous()} if doc_ids is not None else {}
         kwargs.update({k: v.to(self.device).contiguous() for k, v in (model_kwargs or {}).items()})
@@ -377,15 +291,8 @@ class Pipeline:
     def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor,
                   doc_ids: torch.Tensor | None = None, loss_fn=None) -> torch.Tensor | None:
         """Forward only: the sum of loss_fn (default: the training one) over micro-batches on the
-        rank holding the last stage, None elsewhere.
-
-        We run the stages ourselves, micro-batch by micro-batch in global stage order, with
-        blocking send/recv between ranks, rather than torch's `schedule.eval()`: in torch 2.13
-        that fails on V schedules (ZBVZeroBubble, DualPipeV: "can't steal_bwd_input if this stage
-        doesn't have backward"), and every switch between step() and eval() makes the schedule
-        re-derive its buffers. Every rank walks the same order, so this cannot deadlock, and
-        ranks still overlap on different micro-batches. Any batch shape works.
-        """
+        rank holding the last stage, None elsewhere. Stages run in global order with blocking
+        send/recv, not torch's `schedule.eval()`, which fails on V schedules in torch 2.13."""
         self._check_batch(tokens)
         loss_fn = loss_fn or self.loss_fn
         modules = {stage.stage_index: stage.submod for stage in self.stages}
@@ -396,16 +303,12 @@ class Pipeline:
         total = torch.zeros((), device=self.device)
         for mb in range(n):
             kwargs = {"doc_ids": doc_mbs[mb]} if doc_mbs[mb] is not None else {}
-            h = None
-            for s in range(self.n_stages):
-                mine = s in modules
-                if mine and s == 0:
-                    h = modules[s](token_mbs[mb], **kwargs)
-                elif mine:
-                    if not self._local(s - 1):
-                        h = _recv_tensor(self.group, self.stage_to_rank[s - 1], self.device)
-                    h = modules[s](h, **kwargs)
-                if mine and s < self.n_stages - 1 and not self._local(s + 1):
+            h = token_mbs[mb]
+            for s in sorted(modules):   # the input: the tokens, or the previous stage's output
+                if s > 0 and not self._local(s - 1):
+                    h = _recv_tensor(self.group, self.stage_to_rank[s - 1], self.device)
+                h = modules[s](h, **kwargs)
+                if s < self.n_stages - 1 and not self._local(s + 1):
                     _send_tensor(h, self.group, self.stage_to_rank[s + 1])
             if self.n_stages - 1 in modules:
                 total += loss_fn(h, label_mbs[mb]).float()
@@ -421,9 +324,8 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 def _send_tensor(t: torch.Tensor, group, group_dst: int) -> None:
-    header = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape], dtype=torch.int64,
-                          device=t.device)
-    header = torch.cat([header, header.new_zeros(8 - header.numel())])
+    meta = [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    header = torch.tensor(meta + [0] * (8 - len(meta)), dtype=torch.int64, device=t.device)
     torch.distributed.send(header, group=group, group_dst=group_dst)
     torch.distributed.send(t.contiguous(), group=group, group_dst=group_dst)
 
@@ -440,14 +342,8 @@ def _recv_tensor(group, group_src: int, device) -> torch.Tensor:
 def build_schedule(stage_modules: Sequence[nn.Module], stage_ids: Sequence[int], n_stages: int,
                    pp_group, device, schedule: str, n_microbatches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
-    """PipelineStages for this rank's parts and the schedule that runs them.
-
-    pp_group: the pipeline ProcessGroup or a 1-D DeviceMesh (mesh["pp"]). Activation shapes are
-    inferred by torch from the first micro-batch (hidden states [mb, S, dim], or [mb, S/tp, dim]
-    under sequence parallelism; the first stage takes token ids [mb, S]), so the same code works
-    whatever TP/CP do to the sequence dimension. loss_fn(output, target) -> scalar is summed over
-    micro-batches, never averaged (scale_grads=False): see the module docstring.
-    """
+    """PipelineStages for this rank's parts and the schedule that runs them. pp_group: the
+    pipeline ProcessGroup or a 1-D DeviceMesh. loss_fn is summed, never averaged."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -471,20 +367,17 @@ def build_schedule(stage_modules: Sequence[nn.Module], stage_ids: Sequence[int],
         names = getattr(part, "stage_outputs", ())
         return _StageOutputsByKeyword(part, names) if names else part
 
-    stages = [PipelineStage(stage_module(module), stage_id, n_stages, torch.device(device),
-                            group=group)
+    device = torch.device(device)
+    stages = [PipelineStage(stage_module(module), stage_id, n_stages, device, group=group)
               for module, stage_id in zip(stage_modules, stage_ids)]
     pipe = Pipeline(None, stages, n_mb, loss_fn, stage_to_rank, group)
     cls = get_schedule_class(name)
-    if issubclass(cls, PipelineScheduleSingle):
-        if len(stages) != 1:
-            raise ConfigError(f"distributed.pp_schedule={name} runs one stage per rank; this rank "
-                              f"holds {len(stages)} ({list(stage_ids)}).")
-        pipe.schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=pipe.loss_fn_for_torch,
-                            scale_grads=False)
-    else:
-        pipe.schedule = cls(stages, n_microbatches=n_mb, loss_fn=pipe.loss_fn_for_torch,
-                            scale_grads=False)
+    single = issubclass(cls, PipelineScheduleSingle)
+    if single and len(stages) != 1:
+        raise ConfigError(f"distributed.pp_schedule={name} runs one stage per rank; this rank "
+                          f"holds {len(stages)} ({list(stage_ids)}).")
+    pipe.schedule = cls(stages[0] if single else stages, n_microbatches=n_mb,
+                        loss_fn=pipe.loss_fn_for_torch, scale_grads=False)
     logger.info("pipeline: schedule %s, stages %s of %d on pp rank %d, %d micro-batches",
                 name, list(stage_ids), n_stages, group.rank(), n_mb)
     return pipe

@@ -1,14 +1,9 @@
 """Tensor (+ sequence) parallelism and loss parallelism, driven by plans the app supplies.
 
-Generic: nothing here knows about LLaMA. An app gives two plans of torch ParallelStyles (see
-`torch.distributed.tensor.parallel`): one keyed by FQNs under the model root (embeddings, final
-norm, output projection) and one keyed by FQNs under a transformer block, applied to every block.
-
-Loss parallel: when the output projection leaves the logits sharded over the vocabulary (a
-`Shard(-1)` DTensor), the cross-entropy runs on the shards (torch's `loss_parallel` all-reduces
-the per-token max / sum-exp / target logit over the tp group) instead of all-gathering
-[batch, seq, vocab] logits on every rank. `token_loss_sum` works on both plain and sharded
-logits; forward AND backward must run inside `loss_parallel_context(True)`.
+An app gives two plans of torch ParallelStyles: one keyed by FQNs under the model root and one
+keyed by FQNs under a transformer block, applied to every block. Loss parallel: with logits
+sharded over the vocabulary (a Shard(-1) DTensor), the cross-entropy runs on the shards; its
+forward AND backward must run inside `loss_parallel_context(True)`.
 """
 
 import contextlib
@@ -28,11 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 def check_async_tp(enabled: bool, device_type: str, compile: bool) -> None:
-    """Raise ConfigError unless async TP can take effect: it needs CUDA and torch.compile.
-
-    Async TP is an inductor pass that splits the TP all-gather / reduce-scatter into chunks over
-    symmetric memory (CUDA only) and overlaps them with the matmuls; eager mode never sees it.
-    """
+    """Raise ConfigError unless async TP (an inductor pass over CUDA symmetric memory) can take
+    effect: it needs CUDA and torch.compile."""
     if not enabled:
         return
     if device_type != "cuda":
@@ -48,28 +40,15 @@ def check_async_tp(enabled: bool, device_type: str, compile: bool) -> None:
             "distributed.async_tp.")
 
 
-def _enable_async_tp(tp_mesh) -> None:
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    # The inductor pass ("micro-pipeline TP") fuses all-gather + matmul and matmul +
-    # reduce-scatter into chunked, overlapped kernels; it needs the group's symmetric memory.
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
-
-
 def _check_plan(module: nn.Module, plan: dict, where: str) -> None:
     """Fail on a plan key that names no submodule: torch only warns and skips it, which would
     leave that layer silently replicated (and wrong next to its sharded neighbours)."""
     for fqn in plan:
-        if fqn == "":
-            continue
         try:
-            sub = module.get_submodule(fqn)
+            module.get_submodule(fqn)
         except AttributeError:
-            sub = None
-        if sub is None:
             raise ValueError(f"tensor-parallel plan key {fqn!r} names no submodule of the {where} "
-                             f"({type(module).__name__}); fix the app's TP plan.")
+                             f"({type(module).__name__}); fix the app's TP plan.") from None
 
 
 def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, blocks,
@@ -86,7 +65,7 @@ def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, block
     _check_plan(model, root_plan, "model")
     for block in blocks:
         _check_plan(block, block_plan, "block")
-    # LoRA layers: adapters laid out like their weight, any other layout refused (lora_tp.py)
+    # LoRA layers: adapters laid out like their weight (lora_tp.py)
     root_plan, block_plans = lora_tp_plans(model, root_plan, block_plan, blocks)
     # torchao's float8 styles where the Linears are float8 (lingua/float8/__init__.py)
     root_plan = float8_tp_plan(model, root_plan, tp_mesh.device_type)
@@ -102,7 +81,12 @@ def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, block
         if name in frozen:
             p.requires_grad_(False)
     if async_tp:
-        _enable_async_tp(tp_mesh)
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        # The inductor pass fuses all-gather + matmul and matmul + reduce-scatter into overlapped
+        # chunks; it needs the group's symmetric memory.
+        torch._inductor.config._micro_pipeline_tp = True
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
     logger.info("applied tensor parallel over %d ranks: root %s; %d blocks %s; async TP %s",
                 tp_mesh.size(), _describe(root_plan), len(blocks),
                 _describe(block_plans[0] if block_plans else block_plan),
@@ -114,15 +98,9 @@ REPLICATED_MARK = "_lingua_replicated_over_tp"
 
 
 class ReplicatedCompute(PrepareModuleInputOutput):
-    """A ParallelStyle for a module that every tp rank runs whole, on the all-gathered input:
-    inputs sharded as `input_layouts` arrive as full plain tensors, the module's parameters stay
-    plain tensors (every tp rank holds and updates the same copy), and its output, the same on
-    every tp rank, is cut back to `output_layouts` (a DTensor).
-
-    Why those parameters need no tp reduction: every rank sees the same full input and (through
-    the output's redistribution backward) the same full output gradient, so each rank's gradient
-    is already the complete one. lingua.parallel.coverage accepts plain parameters under tp only
-    inside a module planned with this style (apps/moe runs its MoE layers this way)."""
+    """A ParallelStyle for a module that every tp rank runs whole on its all-gathered inputs, its
+    output cut back to `output_layouts`. Its parameters stay plain and need no tp reduction: every
+    rank sees the same full input and output gradient (lingua.parallel.coverage knows)."""
 
     def __init__(self, input_layouts=(Shard(1),), output_layouts=(Shard(1),)):
         super().__init__(
@@ -136,21 +114,16 @@ class ReplicatedCompute(PrepareModuleInputOutput):
         return super()._apply(module, device_mesh)
 
 
-def check_lora_covered(model: nn.Module, root_plan: dict, block_plan: dict, blocks) -> None:
-    """ConfigError naming a LoRALinear of `model` that neither plan shards: left whole on every
-    tp rank, its trainable adapters would see a sequence- or head-sharded input. A module the
-    plan runs whole on every tp rank (ReplicatedCompute) covers the layers inside it."""
-    covered = set()
-
-    def cover(root: nn.Module, plan: dict) -> None:
+def lora_tp_plans(model: nn.Module, root_plan: dict, block_plan: dict, blocks) -> tuple:
+    """(root plan, [each block's plan]) with the LoRA styles swapped in, after refusing a
+    LoRALinear that the plans leave out (a ReplicatedCompute module covers those inside it) or
+    shard another way. Needs no process group: an app can call it at config time."""
+    blocks, covered = list(blocks), set()
+    for root, plan in [(model, root_plan)] + [(block, block_plan) for block in blocks]:
         for fqn, style in plan.items():
             target = root.get_submodule(fqn)
             inside = target.modules() if isinstance(style, ReplicatedCompute) else [target]
             covered.update(id(m) for m in inside)
-
-    cover(model, root_plan)
-    for block in blocks:
-        cover(block, block_plan)
     left = [name for name, m in model.named_modules()
             if isinstance(m, LoRALinear) and id(m) not in covered]
     if left:
@@ -158,14 +131,6 @@ def check_lora_covered(model: nn.Module, root_plan: dict, block_plan: dict, bloc
                                                          if len(left) > 4 else "")
         raise refusal(f"LoRA layer(s) {shown} are in no tensor-parallel plan (the root plan, or "
                       f"the block plan for a layer inside a block)")
-
-
-def lora_tp_plans(model: nn.Module, root_plan: dict, block_plan: dict, blocks) -> tuple:
-    """(root plan, [each block's plan]) with the LoRA styles swapped in, after refusing a
-    LoRALinear that the plans leave out or shard another way. Needs no process group or
-    storage: an app can call it on the meta model at config time to refuse before any start."""
-    blocks = list(blocks)
-    check_lora_covered(model, root_plan, block_plan, blocks)
     names = {id(m): name for name, m in model.named_modules()}
     return lora_tp_plan(model, root_plan), [
         lora_tp_plan(block, block_plan, f"{names.get(id(block), '<block>')}.")
@@ -177,8 +142,7 @@ def _describe(plan: dict) -> str:
 
 
 def loss_parallel_context(enabled: bool):
-    """torch's loss_parallel() when enabled (the loss's forward and backward both go inside),
-    else a no-op context."""
+    """torch's loss_parallel() when enabled (forward and backward both go inside), else a no-op."""
     if not enabled:
         return contextlib.nullcontext()
     from torch.distributed.tensor.parallel import loss_parallel

@@ -1,23 +1,11 @@
-"""Tensor + sequence parallelism for lingua's decoder shell (lingua/model/decoder.py): the plan of
-its own modules (embeddings, final norm, output, pipeline-stage boundaries), the checks that do
-not depend on an app's blocks, and the pieces block plans share (whole heads per rank, a block
-half's gathered input). Each app writes its blocks' plan against its own module names in its
-parallelize.py (lingua/models/llama/parallelize.py: attention and SwiGLU), in the same style:
-Megatron-style TP with sequence parallelism.
+"""Tensor + sequence parallelism (Megatron style) for lingua's decoder shell
+(lingua/model/decoder.py): the plan of its own modules, the checks that do not depend on an
+app's blocks, and pieces block plans share. Each app plans its blocks in its parallelize.py.
 
-Between blocks the residual stream is a DTensor sharded over the sequence (Shard(1)): norms and
-residual adds run on S/tp tokens per rank. Each attention / feed-forward input is all-gathered
-to the full sequence (Replicate), the q/k/v and w1/w3 projections are column-sharded (each rank
-owns whole heads and a slice of the hidden width), and wo / w2 are row-sharded and finish with a
-reduce-scatter back to Shard(1).
-
-Why the residual stream is a DTensor rather than a plain local tensor: Transformer.forward reads
-the sequence length from the embeddings' output (`h.shape[1]`) to slice the RoPE tables and build
-the attention mask. A DTensor reports the global length, so the RoPE tables (plain tensors,
-indexed by absolute positions) and masks match the full sequence that attention sees after its
-all-gather. Pipeline stages exchange plain local shards [mb, S/tp, dim], so a stage without the
-embeddings wraps its input into a DTensor and a stage without the output projection returns
-the local shard.
+Between blocks the residual stream is a Shard(1) DTensor (sequence parallel), so that
+`h.shape[1]` gives the decoder the global length for the RoPE tables and the mask; each block
+half all-gathers its input, column-shards its input projections (whole heads per rank) and
+row-shards its output projection, which reduce-scatters back to Shard(1).
 """
 
 from torch import nn
@@ -34,8 +22,7 @@ from lingua.errors import ConfigError
 
 
 def validate_decoder_tp(model_args, tp: int, seq_len: int | None = None) -> None:
-    """The shell's checks before any process group exists (an app adds its blocks', such as
-    heads divisible by tp); raises ConfigError naming the fix."""
+    """The shell's checks before any process group exists; raises ConfigError naming the fix."""
     if tp < 1:
         raise ConfigError(f"distributed.tp={tp} must be at least 1.")
     if tp == 1:
@@ -53,19 +40,16 @@ def validate_decoder_tp(model_args, tp: int, seq_len: int | None = None) -> None
 
 
 def validate_whole_heads(model_args, tp: int, seq_len: int | None = None) -> None:
-    """validate_decoder_tp plus the check of a plan that shards attention by head (q/k/v
-    column-wise): every rank holds whole query and key/value heads."""
-    if tp <= 1:
-        validate_decoder_tp(model_args, tp, seq_len)
-        return
+    """validate_decoder_tp plus, for a plan that shards attention by head, whole query and
+    key/value heads on every rank."""
     n_heads = model_args.n_heads
     n_kv = model_args.n_kv_heads or n_heads
-    if n_heads % tp:
+    if tp > 1 and n_heads % tp:
         raise ConfigError(
             f"model.n_heads={n_heads} is not divisible by distributed.tp={tp}: tensor parallelism "
             f"gives each rank whole attention heads. Use a tp that divides {n_heads}, or change "
             "model.n_heads.")
-    if n_kv % tp:
+    if tp > 1 and n_kv % tp:
         raise ConfigError(
             f"model.n_kv_heads={n_kv} is not divisible by distributed.tp={tp}: each rank holds "
             f"n_kv_heads / tp key/value heads (grouped-query attention). Use a tp that divides "
@@ -75,9 +59,8 @@ def validate_whole_heads(model_args, tp: int, seq_len: int | None = None) -> Non
 
 
 def gathered_input() -> PrepareModuleInput:
-    """A block half's input (attention, feed-forward): this rank's Shard(1) sequence shard of the
-    residual stream, all-gathered to the whole sequence as a plain tensor. Only the first
-    positional input is laid out; keyword ones (rope, mask, cache) every rank holds whole."""
+    """A block half's input: the residual stream's Shard(1) shard, all-gathered to the whole
+    sequence as a plain tensor (only the first positional input; keyword ones are whole)."""
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                               use_local_output=True)
 
@@ -90,11 +73,9 @@ def _local_first_output(module, args, out):
 
 
 class StageBoundary(ParallelStyle):
-    """A pipeline part's own input / output: pipeline stages exchange plain local sequence shards
-    [mb, S/tp, dim]. A part without the embeddings turns its first positional input (hidden
-    states) into a Shard(1) DTensor; a part without the output projection returns the local
-    shard. (torch's PrepareModuleInput needs the exact number of positional inputs; this only
-    touches the first, whatever else the caller passes.)"""
+    """A pipeline part's own input / output, exchanged as plain local shards [mb, S/tp, dim]: a
+    part without the embeddings wraps its first positional input (whatever follows it) into a
+    Shard(1) DTensor, one without the output projection returns the local shard."""
 
     def __init__(self, wrap_input: bool, unwrap_output: bool):
         super().__init__()
@@ -114,16 +95,9 @@ class StageBoundary(ParallelStyle):
 
 
 def decoder_root_plan(model: nn.Module, loss_parallel: bool) -> dict:
-    """The plan of the shell's own modules, for lingua.parallel.tensor_parallel.apply_tp's root
-    plan.
-
-    `model` is the decoder or one pipeline part of it: the plan only names the modules the part
-    holds. Between blocks the residual stream is a Shard(1) DTensor (sequence parallel): the
-    embeddings reduce-scatter into it, the final norm runs on it, and the output projection
-    gathers it. With `loss_parallel` the logits stay sharded over the vocabulary (a Shard(-1)
-    DTensor for lingua.model.loss.token_loss_sum); otherwise they are all-gathered into a
-    plain tensor.
-    """
+    """apply_tp's root plan for the shell's own modules that `model` (the decoder or a pipeline
+    part) holds. With `loss_parallel` the logits stay sharded over the vocabulary (Shard(-1)),
+    else they are all-gathered into a plain tensor."""
     if getattr(getattr(model, "args", None), "tie_embeddings", False):
         raise ConfigError("model.tie_embeddings=true is not supported with distributed.tp>1: "
                           "set model.tie_embeddings=false (see "
