@@ -19,7 +19,8 @@ threads): where other work on the machine takes turns on our two cores, wall-clo
 one side can drop by half while it waits, but its CPU time per step moves far less; on an idle
 machine the two ratios agree.
 
-Our trainer tunes glibc's malloc on CPU (lingua.launch.process.keep_freed_memory: freed blocks are
+Our trainer tunes glibc's malloc on CPU (lingua.launch.host_memory.keep_freed_memory: freed
+blocks are
 kept for reuse, not unmapped and faulted in again); HF's process runs with glibc's default, what
 an HF user gets, unless `--hf-malloc-like-ours` gives it the same setting (what the setting
 alone is worth).

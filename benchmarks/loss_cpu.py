@@ -9,7 +9,8 @@ One torch thread; the three alternate call by call in one process (machine drift
 prints each one's median forward and backward time and the ratio of the baselines' forward +
 backward over lingua's, with the CPU model and flags. The logits are fresh each call, as a
 training step's are (their gradient is a new buffer each time too), and malloc is tuned as the
-trainer tunes it on CPU (lingua.launch.process.keep_freed_memory), so that those buffers are reused,
+trainer tunes it on CPU (lingua.launch.host_memory.keep_freed_memory), so that those buffers are
+reused,
 not faulted in afresh each call (`--glibc-default-malloc` to time with the faults).
 """
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llama_cpu import cpu_description, dtypes_for_this_cpu  # noqa: E402
 
-from lingua.launch.process import keep_freed_memory  # noqa: E402
+from lingua.launch.host_memory import keep_freed_memory  # noqa: E402
 from lingua.model.loss import token_loss_sum  # noqa: E402
 
 

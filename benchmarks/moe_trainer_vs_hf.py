@@ -21,7 +21,8 @@ by side and each pinned to its own core with one torch thread (the cores swap ev
         stopped; its tokens/s are over its steps whose midpoints fall inside our measured
         window (between our log lines that open and close it).
 
-Our trainer tunes glibc's malloc on CPU (lingua.launch.process.keep_freed_memory: freed blocks are
+Our trainer tunes glibc's malloc on CPU (lingua.launch.host_memory.keep_freed_memory: freed
+blocks are
 kept for reuse, not unmapped and faulted in again); HF's process runs with glibc's default, what
 an HF user gets, unless `--hf-malloc-like-ours` gives it the same setting (what the setting
 alone is worth).

@@ -95,7 +95,8 @@ def pinned_env() -> dict:
 
 
 # Set for the HF process by `--hf-malloc-like-ours`: HF's loop tunes glibc's malloc as our
-# trainer does on CPU (lingua.launch.process.keep_freed_memory), to show what that setting alone is
+# trainer does on CPU (lingua.launch.host_memory.keep_freed_memory), to show what that setting
+# alone is
 # worth.
 HF_MALLOC_VAR = "BENCH_HF_KEEP_FREED_MEMORY"
 
@@ -103,7 +104,7 @@ HF_MALLOC_VAR = "BENCH_HF_KEEP_FREED_MEMORY"
 def hf_malloc_like_ours() -> None:
     """In the HF process: our trainer's malloc tuning, when the benchmark asked for it."""
     if os.environ.get(HF_MALLOC_VAR) == "1":
-        from lingua.launch.process import keep_freed_memory
+        from lingua.launch.host_memory import keep_freed_memory
 
         if not keep_freed_memory():
             sys.exit("--hf-malloc-like-ours: this C library has no mallopt, or malloc's knobs are "

@@ -84,7 +84,7 @@ def test_keep_freed_memory_leaves_the_users_own_malloc_settings(monkeypatch):
     turns (then start_process logs that it left them); unrelated settings do not stop it. Only
     refusals call keep_freed_memory here: accepting would tune this pytest process's malloc
     (the next test checks the effect, in a subprocess)."""
-    from lingua.launch.process import keep_freed_memory, user_malloc_setting
+    from lingua.launch.host_memory import keep_freed_memory, user_malloc_setting
 
     for key in [k for k in os.environ if k.startswith("MALLOC_")] + ["GLIBC_TUNABLES"]:
         monkeypatch.delenv(key, raising=False)
@@ -103,24 +103,24 @@ def test_keep_freed_memory_leaves_the_users_own_malloc_settings(monkeypatch):
 def test_hf_side_takes_our_malloc_setting_only_when_asked(monkeypatch):
     """`--hf-malloc-like-ours` reaches the HF process as an environment variable; there it tunes
     malloc as the trainer does, and says so when it cannot rather than measure something else."""
-    import lingua.launch.process
+    import lingua.launch.host_memory
 
     calls = []
-    monkeypatch.setattr(lingua.launch.process, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(lingua.launch.host_memory, "keep_freed_memory", lambda: calls.append(1) or True)
     monkeypatch.delenv(trainer_vs_hf.HF_MALLOC_VAR, raising=False)
     trainer_vs_hf.hf_malloc_like_ours()                 # not asked: nothing happens
     assert calls == []
     monkeypatch.setenv(trainer_vs_hf.HF_MALLOC_VAR, "1")
     trainer_vs_hf.hf_malloc_like_ours()
     assert calls == [1]
-    monkeypatch.setattr(lingua.launch.process, "keep_freed_memory", lambda: False)
+    monkeypatch.setattr(lingua.launch.host_memory, "keep_freed_memory", lambda: False)
     with pytest.raises(SystemExit, match="GLIBC_TUNABLES"):
         trainer_vs_hf.hf_malloc_like_ours()
 
 
 _FAULTS_OF_REALLOCATION = """
 import ctypes, resource, sys, torch
-from lingua.launch.process import keep_freed_memory
+from lingua.launch.host_memory import keep_freed_memory
 # Base pages only: with transparent huge pages (THP 'always', or THP_MEM_ALLOC_ENABLE) a 256 MiB
 # block takes 2 MiB faults and the default's count would be 128 times smaller.
 ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)   # PR_SET_THP_DISABLE

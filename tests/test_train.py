@@ -266,7 +266,7 @@ def test_full_collection_frees_a_cycle_that_young_collections_keep():
     import gc
     import weakref
 
-    from lingua.launch.process import collect_garbage
+    from lingua.launch.host_memory import collect_garbage
 
     class Node:
         pass

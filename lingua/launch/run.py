@@ -20,12 +20,8 @@ from lingua.eval import downstream, evaluation
 from lingua.float8 import Float8ScalesHook
 from lingua.hooks import Hooks
 from lingua.launch import eval_jobs
-from lingua.launch.process import (
-    GarbageCollection,
-    release_freed_memory,
-    start_process,
-    write_config,
-)
+from lingua.launch.host_memory import GarbageCollection, release_freed_memory
+from lingua.launch.process import start_process, write_config
 from lingua.launch.slurm import SlurmArgs
 from lingua.model.layers import check_attn_backend
 from lingua.observe import probe as probe_module
@@ -53,7 +49,7 @@ class BaseTrainArgs:
     steps: int = 100
     seed: int = 42
     # Young generations collected every gc_every steps, all every gc_full_every (0: never); see
-    # launch.process.GarbageCollection.
+    # launch.host_memory.GarbageCollection.
     gc_every: int = 50
     gc_full_every: int = 1000
     data: DataArgs = field(default_factory=DataArgs)
