@@ -106,7 +106,8 @@ def test_hf_side_takes_our_malloc_setting_only_when_asked(monkeypatch):
     import lingua.launch.host_memory
 
     calls = []
-    monkeypatch.setattr(lingua.launch.host_memory, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(lingua.launch.host_memory, "keep_freed_memory",
+                        lambda: calls.append(1) or True)
     monkeypatch.delenv(trainer_vs_hf.HF_MALLOC_VAR, raising=False)
     trainer_vs_hf.hf_malloc_like_ours()                 # not asked: nothing happens
     assert calls == []
