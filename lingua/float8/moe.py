@@ -1,17 +1,8 @@
-"""Float8 for the MoE experts (`distributed.float8`, any recipe): each converted
-`lingua.model.moe.GroupedExperts` computes its three grouped matmuls with torchao's float8
-rowwise grouped GEMM, torchao's only grouped recipe on Hopper: every operand is cast to e4m3
-with power-of-2 scales, one per row along the reduced dimension (per token for the
-activations and output gradients, per expert and column for the weights, per expert group
-for the weight gradient's token dimension).
-
-On CUDA that is `torchao.prototype.moe_training`'s `_to_fp8_rowwise_then_scaled_grouped_mm`
-(Triton casts, torch._scaled_grouped_mm). torch has no CPU kernel for the scaled grouped
-matmul, so off CUDA `EmulatedFloat8GroupedMM` does the same casts with torchao's own scale
-function and multiplies the float8 values in fp32: what the CPU tests train, as torchao's
-`emulate` does for the Linears (and on CUDA, the reference tests/test_gpu.py compares torchao's
-kernel with). Each expert's rows are padded to a multiple of 16 first
-(`GroupedExperts.group_multiple`): the float8 GEMM needs 16-aligned groups.
+"""Float8 for the MoE experts (`distributed.float8`, any recipe): a converted GroupedExperts runs
+its grouped matmuls with torchao's float8 rowwise grouped GEMM (e4m3, power-of-2 scales per row
+along the reduced dimension), with each expert's rows padded to a multiple of 16. torch has no
+CPU scaled grouped matmul, so off CUDA `EmulatedFloat8GroupedMM` does the same casts and
+multiplies in fp32: what the CPU tests train and tests/test_gpu.py compares torchao's kernel with.
 """
 
 import torch
@@ -23,8 +14,7 @@ GROUP_MULTIPLE = 16
 
 
 def converts_experts(module: nn.Module) -> bool:
-    """Whether `module` is grouped experts the float8 grouped GEMM can run: the grouped
-    implementation (not the per-expert loop) with dim and hidden multiples of 16."""
+    """Whether `module` is grouped experts the float8 grouped GEMM can run (see why_not)."""
     return isinstance(module, GroupedExperts) and why_not(module) is None
 
 
@@ -65,8 +55,8 @@ def _quantized(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class EmulatedFloat8GroupedMM(torch.autograd.Function):
-    """torchao's float8 rowwise grouped matmul (forward, input and weight gradients) with the
-    float8 products summed in fp32 (the tensor cores' accumulation), one expert at a time."""
+    """torchao's float8 rowwise grouped matmul with the float8 products summed in fp32 (the
+    tensor cores' accumulation), one expert at a time."""
 
     @staticmethod
     def forward(ctx, x, w, offs):

@@ -1,28 +1,24 @@
 """The decoder shell every app's model is: token embeddings, RoPE tables, the attention mask, the
-layer loop, the final norm and the output projection. Written once here; an app subclasses
-`Decoder` and says how to build one layer (`make_layer`), which is where its architecture lives
-(lingua/models/llama/model.py: attention + SwiGLU; apps/moe/model.py: attention + experts).
+layer loop, the final norm and the output projection. An app subclasses `Decoder` and builds one
+layer in `make_layer` (lingua/models/llama/model.py, apps/moe/model.py).
 
-What the rest of lingua relies on, and a fork keeps (checked at start by `check_model_contract`,
-which names what is missing):
+What the rest of lingua relies on, and a fork keeps (checked at start by `check_model_contract`):
 - `forward(tokens, doc_ids=None, cache=None, positions=None)`: tokens [b, s] -> logits
-  [b, s, vocab]. A pipeline stage without `tok_embeddings` takes hidden states [b, s, dim]
-  instead, and one without `output` returns hidden states. doc_ids [b, s] keep attention inside
-  documents; `cache` is for decoding (lingua/eval/generation.py); `positions` [s] are the tokens'
-  positions in the whole sequence when they are not 0..s-1 (a context-parallel shard).
+  [b, s, vocab]. A pipeline stage without `tok_embeddings` takes hidden states [b, s, dim], and
+  one without `output` returns hidden states. doc_ids [b, s] keep attention inside documents;
+  `cache` is for decoding (lingua/eval/generation.py); `positions` [s] are the tokens' positions
+  when they are not 0..s-1 (a context-parallel shard).
 - `layers`, an nn.ModuleDict keyed "0".."n-1": pipeline parallelism deletes the entries a stage
-  does not hold, and sets the modules named in `first_stage_modules` (`tok_embeddings`) and
-  `last_stage_modules` (`norm`, `output`) to None where it does not own them.
-- extra inputs the app's loss seam makes (lingua/model/loss.py: `batch_inputs`) arrive as keyword
-  arguments of forward, on every pipeline stage. In training a part may return a tuple
-  (output, extra tensors...) for the app's loss; with pipeline parallelism each stage's extras
-  reach the next stage as keyword arguments named by the model's `stage_outputs` (apps/moe:
-  the balancing losses, summed stage after stage).
+  does not hold, and sets the modules in `first_stage_modules` / `last_stage_modules` to None
+  where it does not own them.
+- the extra inputs of the app's loss seam (lingua/model/loss.py: `batch_inputs`) arrive as
+  keyword arguments of forward on every pipeline stage. In training a part may return a tuple
+  (output, extra tensors...); under pipeline parallelism each stage's extras reach the next as
+  keyword arguments named by the model's `stage_outputs` (apps/moe: the balancing losses).
 - `init_weights(buffer_device=None)` (re)initialises every parameter and buffer after `to_empty`;
-  each layer's `init_weights(std, out_std)` initialises its own weights.
+  each layer's `init_weights(std, out_std)` its own weights.
 - every layer is called as `layer(h, rope, mask, cache)` and attends through
-  `lingua.model.layers.CoreAttention` (context parallelism swaps it, and refuses a layer
-  without one; the probe hooks it for attention statistics).
+  `lingua.model.layers.CoreAttention` (context parallelism swaps it; the probe hooks it).
 """
 
 import math
@@ -48,8 +44,7 @@ from lingua.model.layers import (
 class Decoder(nn.Module):
     """A decoder-only transformer around the layers an app builds; see the module docstring."""
 
-    # Modules only the first / last pipeline stage holds (lingua.parallel.pipeline.split_model sets
-    # them to None elsewhere); an app with more modules before or after the layers adds them here.
+    # Modules only the first / last pipeline stage holds (split_model sets them to None elsewhere).
     first_stage_modules = ("tok_embeddings",)
     last_stage_modules = ("norm", "output")
 
@@ -61,18 +56,16 @@ class Decoder(nn.Module):
         self.args = args
         self.attn_backend = args.attn_backend  # fixed at construction, like the layers' kernels
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): self.make_layer(i, args) for i in range(args.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): self.make_layer(i, args)
+                                     for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = (
-            None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-        )
+        self.output = (None if args.tie_embeddings
+                       else nn.Linear(args.dim, args.vocab_size, bias=False))
         # Not persistent: derived from args, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         if self.tok_embeddings.weight.is_meta:   # nothing to fill: shapes only, quickly
-            self.init_rope()   # (init_weights' meta no-ops took ~1 s for 80 layers)
+            self.init_rope()
         else:
             self.init_weights()   # on the meta device, call it after to_empty
 
@@ -123,11 +116,11 @@ class Decoder(nn.Module):
 
     def trunk(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
               cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None) -> tuple:
-        """Embeddings and layers: (hidden states, rope, mask) before the head, for a forward that
-        does more with them (apps/mtp runs its extra modules on them)."""
+        """Embeddings and layers: (hidden states, rope, mask) before the head (apps/mtp runs its
+        extra modules on them)."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
-        # Under sequence parallelism h is a DTensor whose shape is the whole sequence's, so the
-        # RoPE tables and mask match what attention sees after its all-gather.
+        # Under sequence parallelism h is a DTensor shaped like the whole sequence, as attention
+        # sees it after its all-gather.
         rope, mask = self.rope_and_mask(h.shape[1], doc_ids, cache, positions, h.device)
         for layer in self.layers.values():
             h = layer(h, rope, mask, cache)
@@ -157,9 +150,8 @@ def check_model_contract(model: nn.Module, where: str, context_parallel: bool = 
     if layers is not None and not isinstance(layers, nn.ModuleDict):
         problems.append(f"`layers` is a {type(layers).__name__}, not an nn.ModuleDict")
     elif layers is not None and list(layers) != [str(i) for i in range(len(layers))]:
-        problems.append(
-            f"`layers` is keyed {list(layers)[:4]}..., not \"0\"..\"{len(layers) - 1}\""
-        )
+        problems.append(f"`layers` is keyed {list(layers)[:4]}..., "
+                        f"not \"0\"..\"{len(layers) - 1}\"")
     for name in ("init_weights", "forward"):
         if not callable(getattr(model, name, None)):
             problems.append(f"no method `{name}`")
@@ -171,9 +163,8 @@ def check_model_contract(model: nn.Module, where: str, context_parallel: bool = 
             problems.append(f"forward() takes no `{name}` argument")
     for name, layer in (layers.items() if isinstance(layers, nn.ModuleDict) else ()):
         if not callable(getattr(layer, "init_weights", None)):
-            problems.append(
-                f"layer {name} ({type(layer).__name__}) has no init_weights(std, out_std)"
-            )
+            problems.append(f"layer {name} ({type(layer).__name__}) has no "
+                            "init_weights(std, out_std)")
         if context_parallel and not any(isinstance(m, CoreAttention) for m in layer.modules()):
             problems.append(f"layer {name} ({type(layer).__name__}) does not attend through "
                             "lingua.model.layers.CoreAttention")

@@ -1,17 +1,10 @@
 """Small transformer pieces apps build their blocks from: RMSNorm, RoPE, the attention kernel
-call (sdpa / flex / xformers, as the CoreAttention module), a KV cache, SwiGLU; and the decoder
-shape every app's args extend (TransformerArgs). The blocks themselves (attention with its
-projections, the layer) belong to each app's model.py; the decoder shell around them is
-lingua/model/decoder.py.
+call (CoreAttention: sdpa / flex / xformers), a KV cache, SwiGLU, and TransformerArgs. No
+distributed code: tensor parallelism shards Linears from outside, so apps read head counts from
+the tensors (`view(b, s, -1, head_dim)`).
 
-No distributed code here: tensor parallelism shards an app's Linear layers from outside, so apps
-read shapes from the tensors (`view(b, s, -1, head_dim)`) rather than from the head counts.
-
-RoPE layout: we rotate the two *halves* of each head (`rotate_half`, as Hugging Face does) instead
-of Meta's interleaved pairs with complex numbers. Both are the same operation up to a fixed
-permutation of the q/k projection rows; choosing the half layout means Hugging Face checkpoints
-load without permuting rows, and cos/sin stay real tensors, which DTensor, bf16 and torch.compile
-handle better than complex ones.
+RoPE rotates the two *halves* of each head (Hugging Face's layout, not Meta's interleaved complex
+pairs): HF checkpoints load without permuting q/k rows, and cos/sin stay real tensors.
 """
 
 import functools
@@ -29,10 +22,9 @@ from lingua.errors import ConfigError
 
 ATTN_BACKENDS = ("sdpa", "flex", "xformers")
 
-# True while a pipeline schedule runs its first-step shape inference (lingua.parallel.pipeline):
-# one extra forward per stage, and one extra loss call on the last stage, on copies or
-# uninitialised tensors. Whatever counts forwards or records values (MoE routing counts, probes,
-# a recording loss) asks `inferring_shapes()` and leaves those calls out.
+# True while a pipeline schedule runs its first-step shape inference (an extra forward and loss
+# call on copies or uninitialised tensors): whatever counts forwards (MoE routing counts, probes)
+# asks `inferring_shapes()` and leaves those calls out.
 _INFERRING_SHAPES = False
 
 
@@ -43,7 +35,6 @@ def inferring_shapes() -> bool:
 def set_inferring_shapes(value: bool) -> None:
     global _INFERRING_SHAPES
     _INFERRING_SHAPES = value
-
 
 
 @dataclass
@@ -78,54 +69,44 @@ def validate_transformer_args(args: TransformerArgs) -> None:
         if getattr(args, name) <= 0:
             raise ConfigError(f"model.{name}={getattr(args, name)} must be a positive integer.")
     if args.n_kv_heads is not None and args.n_kv_heads <= 0:
-        raise ConfigError(
-            f"model.n_kv_heads={args.n_kv_heads} must be positive (or null for n_heads)."
-        )
+        raise ConfigError(f"model.n_kv_heads={args.n_kv_heads} must be positive (or null for "
+                          "n_heads).")
     if args.init_std <= 0 or args.norm_eps <= 0 or args.rope_theta <= 0:
         raise ConfigError("model.init_std, model.norm_eps and model.rope_theta must be positive.")
     if args.dim % args.n_heads:
-        raise ConfigError(
-            f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}: each head "
-            "gets dim / n_heads channels. Pick n_heads dividing dim (e.g. dim=256 with n_heads=8)."
-        )
+        raise ConfigError(f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}: "
+                          "each head gets dim / n_heads channels. Pick n_heads dividing dim (e.g. "
+                          "dim=256 with n_heads=8).")
     n_kv = args.n_kv_heads or args.n_heads
     if args.n_heads % n_kv:
-        raise ConfigError(
-            f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={n_kv}: in "
-            "grouped-query attention each key/value head serves the same number of query heads. "
-            f"Set n_kv_heads to a divisor of {args.n_heads}."
-        )
+        raise ConfigError(f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads="
+                          f"{n_kv}: in grouped-query attention each key/value head serves the same "
+                          f"number of query heads. Set n_kv_heads to a divisor of {args.n_heads}.")
     if (args.dim // args.n_heads) % 2:
-        raise ConfigError(
-            f"head_dim = model.dim / model.n_heads = {args.dim // args.n_heads} is odd; RoPE "
-            "rotates channel pairs, so it must be even. Change dim or n_heads."
-        )
+        raise ConfigError(f"head_dim = model.dim / model.n_heads = {args.dim // args.n_heads} is "
+                          "odd; RoPE rotates channel pairs, so it must be even. Change dim or "
+                          "n_heads.")
     if args.attn_backend not in ATTN_BACKENDS:
-        raise ConfigError(
-            f"model.attn_backend={args.attn_backend!r} is not one of {', '.join(ATTN_BACKENDS)}."
-        )
+        raise ConfigError(f"model.attn_backend={args.attn_backend!r} is not one of "
+                          f"{', '.join(ATTN_BACKENDS)}.")
     if args.attn_mask not in ("causal", "block_causal"):
         raise ConfigError(f"model.attn_mask={args.attn_mask!r} is not one of causal, block_causal.")
     if args.rope_scaling and args.rope_high_freq_factor <= args.rope_low_freq_factor:
-        raise ConfigError(
-            f"model.rope_high_freq_factor={args.rope_high_freq_factor} must exceed "
-            f"model.rope_low_freq_factor={args.rope_low_freq_factor} (Llama 3.1 uses 4 and 1)."
-        )
+        raise ConfigError(f"model.rope_high_freq_factor={args.rope_high_freq_factor} must exceed "
+                          f"model.rope_low_freq_factor={args.rope_low_freq_factor} (Llama 3.1 "
+                          "uses 4 and 1).")
 
 
 def _eager_plain(*tensors) -> bool:
-    """Take the hand-written autograd path (RMSNorm, RoPE)? Only for plain tensors in eager
-    mode: inductor fuses the composite ops better itself, and a DTensor (sequence parallelism)
-    needs its ops one by one so that each propagates its sharding."""
+    """Take the hand-written autograd path (RMSNorm, RoPE)? Only for plain tensors in eager mode:
+    inductor fuses the composite better, and a DTensor needs its ops one by one for sharding."""
     return not torch.compiler.is_compiling() and not any(isinstance(t, DTensor) for t in tensors)
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm with a written-out backward: the same arithmetic as the composite
-    (x * rsqrt(mean(x^2) + eps)).type_as(x) * weight, in about half the memory passes (autograd
-    of the composite makes ~15 over [b, s, dim] per norm; on CPU these passes, not FLOPs, are
-    the cost: see BENCHMARKS.md, "Where a LLaMA training step's time goes on CPU"). Kept over
-    torch's F.rms_norm, which it beats 1.34x in eager fwd+bwd (benchmarks/norm_rope_cpu.py)."""
+    """RMSNorm with a written-out backward: the composite's arithmetic
+    (x * rsqrt(mean(x^2) + eps)).type_as(x) * weight in about half the memory passes, which are
+    the cost on CPU (BENCHMARKS.md; faster than F.rms_norm in eager)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -169,29 +150,19 @@ class RMSNorm(nn.Module):
 # Rotary position embeddings
 
 
-def rope_inv_freq(
-    head_dim: int,
-    theta: float,
-    scaling: bool = False,
-    scale_factor: float = 8.0,
-    low_freq_factor: float = 1.0,
-    high_freq_factor: float = 4.0,
-    original_max_seq_len: int = 8192,
-) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in fp64, with Llama 3.1 scaling when `scaling`.
-
-    Llama 3.1 stretches long wavelengths (slower than the original context) by `scale_factor`,
-    keeps short ones, and interpolates smoothly in between.
-    """
+def rope_inv_freq(head_dim: int, theta: float, scaling: bool = False, scale_factor: float = 8.0,
+                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  original_max_seq_len: int = 8192) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp64. With `scaling` (Llama 3.1), long wavelengths
+    are stretched by `scale_factor`, short ones kept, and those between interpolated."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not scaling:
         return inv_freq
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = original_max_seq_len / low_freq_factor
     high_freq_wavelen = original_max_seq_len / high_freq_factor
-    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (
-        high_freq_factor - low_freq_factor
-    )
+    smooth = ((original_max_seq_len / wavelen - low_freq_factor)
+              / (high_freq_factor - low_freq_factor))
     smoothed = (1 - smooth) * inv_freq / scale_factor + smooth * inv_freq
     out = torch.where(wavelen > low_freq_wavelen, inv_freq / scale_factor, smoothed)
     return torch.where(wavelen < high_freq_wavelen, inv_freq, out)
@@ -199,12 +170,8 @@ def rope_inv_freq(
 
 def rope_cos_sin(inv_freq: torch.Tensor, max_seq_len: int, device=None,
                  dtype=torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_seq_len, head_dim] in the rotate_half layout (frequencies repeated
-    twice).
-
-    Angles are formed in fp64 then rounded once: an fp32 product pos * freq is off by up to
-    ~1e-3 rad at positions near 1e5.
-    """
+    """cos, sin tables [max_seq_len, head_dim] in the rotate_half layout. Angles are formed in
+    fp64 and rounded once: an fp32 pos * freq is off by ~1e-3 rad near position 1e5."""
     inv_freq = inv_freq.to(device=device, dtype=torch.float64)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
@@ -217,11 +184,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _RopeFunction(torch.autograd.Function):
-    """x * cos + rotate_half(x) * sin, computed half by half in place (first half
-    x1 * cos - x2 * sin, second half x2 * cos + x1 * sin), with the backward written out: a
-    rotation's gradient is the rotation by minus the angle, so nothing but the tables (views of
-    the model's buffers) is saved, and a third of autograd's memory passes go. torch has no RoPE
-    op; this is 1.44x the composite in eager fwd+bwd (benchmarks/norm_rope_cpu.py)."""
+    """x * cos + rotate_half(x) * sin, half by half in place, with the backward written out (the
+    rotation by minus the angle): only the tables are saved, and a third of the memory passes
+    go."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
@@ -246,8 +211,7 @@ class _RopeFunction(torch.autograd.Function):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, s, h, d]; cos/sin [s, d]. Computed in (at least) fp32 so bf16 runs keep exact
-    positions."""
+    """x [b, s, h, d]; cos/sin [s, d]. In (at least) fp32 so bf16 runs keep exact positions."""
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     if _eager_plain(x, cos, sin):
         return _RopeFunction.apply(x, cos, sin)
@@ -256,8 +220,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rope_tables(args: "TransformerArgs", device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The model's cos, sin tables [max_seq_len, head_dim] from its args (Llama 3.1 scaling
-    included); empty tables of the right shape on the meta device."""
+    """The model's cos, sin tables [max_seq_len, head_dim] from its args (empty on meta)."""
     head_dim = args.dim // args.n_heads
     if device is not None and torch.device(device).type == "meta":
         cos = torch.empty(args.max_seq_len, head_dim, device="meta")
@@ -269,9 +232,8 @@ def rope_tables(args: "TransformerArgs", device=None) -> Tuple[torch.Tensor, tor
 
 
 def repeat_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Grouped-query attention: repeat k/v [b, s, kv_heads, d] to the queries' n_heads, so every
-    kernel sees plain multi-head attention (kv head j serves query heads j*n_rep ..
-    (j+1)*n_rep-1, the grouping Meta and HF use)."""
+    """Repeat k/v [b, s, kv_heads, d] to the queries' n_heads (kv head j serves query heads
+    j*n_rep .. (j+1)*n_rep-1, as Meta and HF group them)."""
     n_rep = n_heads // k.shape[2]
     if n_rep == 1:
         return k, v
@@ -282,37 +244,30 @@ def repeat_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int) -> Tuple[torch.Ten
 # Attention backends
 
 
-_FLEX_CPU_TRAINING = (
-    "model.attn_backend=flex cannot train on CPU: torch's flex_attention has no CPU backward "
-    "(it runs forward-only there, e.g. for evaluation). Use model.attn_backend=sdpa on CPU; it "
-    "applies the same document masking."
-)
+_FLEX_CPU_TRAINING = ("model.attn_backend=flex cannot train on CPU: torch's flex_attention has "
+                      "no CPU backward (it runs forward-only there, e.g. for evaluation). Use "
+                      "model.attn_backend=sdpa on CPU; it applies the same document masking.")
 
 
 def check_attn_backend(name: str, device_type: str, training: bool = True) -> None:
-    """Raise ConfigError if `name` cannot run on `device_type` ("cpu", "cuda"); call before any
-    work."""
+    """Raise ConfigError if `name` cannot run on `device_type` ("cpu", "cuda")."""
     if name not in ATTN_BACKENDS:
-        raise ConfigError(
-            f"model.attn_backend={name!r} is not a known attention backend. "
-            f"Use one of {', '.join(ATTN_BACKENDS)}."
-        )
+        raise ConfigError(f"model.attn_backend={name!r} is not a known attention backend. "
+                          f"Use one of {', '.join(ATTN_BACKENDS)}.")
     if name == "flex" and device_type == "cpu" and training:
         raise ConfigError(_FLEX_CPU_TRAINING)
     if name != "xformers":
         return
     if device_type != "cuda":
-        raise ConfigError(
-            f"model.attn_backend=xformers needs a CUDA device, but this run is on {device_type!r}: "
-            "xformers has no CPU attention kernel. Use model.attn_backend=sdpa on CPU."
-        )
+        raise ConfigError(f"model.attn_backend=xformers needs a CUDA device, but this run is on "
+                          f"{device_type!r}: xformers has no CPU attention kernel. Use "
+                          "model.attn_backend=sdpa on CPU.")
     try:
         import xformers.ops  # noqa: F401
     except ImportError as e:
-        raise ConfigError(
-            f"model.attn_backend=xformers but xformers cannot be imported ({e}). "
-            "Install it with `pip install -e .[gpu]`, or use model.attn_backend=sdpa."
-        ) from e
+        raise ConfigError(f"model.attn_backend=xformers but xformers cannot be imported ({e}). "
+                          "Install it with `pip install -e .[gpu]`, or use "
+                          "model.attn_backend=sdpa.") from e
 
 
 @functools.lru_cache(maxsize=32)
@@ -322,15 +277,11 @@ def _causal_block_mask(seq_len: int, device: str):
     return create_block_mask(lambda b, h, q, k: q >= k, None, None, seq_len, seq_len, device=device)
 
 
-def make_attn_mask(
-    backend: str, doc_ids: Optional[torch.Tensor], seq_len: int, device: torch.device
-):
-    """Build the mask object `attention` needs, once per forward (shared by all layers).
-
-    A token attends to earlier tokens of its own document when `doc_ids` [b, s] is given, else to
-    all earlier tokens. Returns None (plain causal, sdpa), a boolean [b, 1, s, s] mask (sdpa),
-    a flex BlockMask, or an xformers attention bias.
-    """
+def make_attn_mask(backend: str, doc_ids: Optional[torch.Tensor], seq_len: int,
+                   device: torch.device):
+    """The mask `attention` needs, built once per forward: causal, and within a document when
+    `doc_ids` [b, s] is given. None (plain causal, sdpa), a boolean [b, 1, s, s] mask (sdpa), a
+    flex BlockMask, or an xformers attention bias."""
     if backend == "sdpa":
         if doc_ids is None:
             return None
@@ -346,23 +297,20 @@ def make_attn_mask(
         def doc_causal(b, h, q, k):
             return (q >= k) & (doc_ids[b, q] == doc_ids[b, k])
 
-        return create_block_mask(
-            doc_causal, doc_ids.shape[0], None, seq_len, seq_len, device=str(device)
-        )
+        return create_block_mask(doc_causal, doc_ids.shape[0], None, seq_len, seq_len,
+                                 device=str(device))
     if backend == "xformers":
         check_attn_backend("xformers", torch.device(device).type)
         from xformers.ops import fmha
 
         if doc_ids is None:
             return fmha.attn_bias.LowerTriangularMask()
-        # xformers expresses documents as a block-diagonal mask over the flattened batch; a
-        # document never spans two rows, so split each row into runs of equal doc id.
+        # A block-diagonal mask over the flattened batch: runs of equal doc id in each row.
         starts = torch.ones_like(doc_ids, dtype=torch.bool)
         starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
         idx = torch.nonzero(starts.flatten()).flatten()
         ends = torch.cat([idx[1:], idx.new_tensor([doc_ids.numel()])])
-        seqlens = (ends - idx).tolist()
-        return fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens(seqlens)
+        return fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens((ends - idx).tolist())
     check_attn_backend(backend, torch.device(device).type)  # raises for an unknown name
 
 
@@ -384,12 +332,10 @@ def _flex_attention(q, k, v, block_mask):
     return _compiled_flex(q, k, v, block_mask=block_mask)
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, mask=None
-) -> torch.Tensor:
-    """q [b, s, h, d], k/v [b, s, h_kv, d] -> [b, s, h, d]. k/v may have fewer heads than q
-    (grouped-query attention) for sdpa only, which groups them itself (enable_gqa); the other
-    backends take them repeated to h heads (repeat_kv)."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
+              mask=None) -> torch.Tensor:
+    """q [b, s, h, d], k/v [b, s, h_kv, d] -> [b, s, h, d]. Only sdpa takes fewer k/v heads than
+    q (enable_gqa); the other backends take them repeated (repeat_kv)."""
     if backend == "xformers":
         from xformers.ops import memory_efficient_attention
 
@@ -401,14 +347,9 @@ def attention(
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if backend == "flex":
         out = _flex_attention(q, k, v, mask)
-    elif mask is None:
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
-        )
     else:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]
-        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
 
@@ -417,23 +358,17 @@ def attention(
 
 
 class KVCache:
-    """Keys/values of the positions seen so far, for every attention layer (keyed like `layers`).
-
-    A layer's buffers are made at its first update, shaped like the keys it caches: under tensor
-    parallelism a rank holds n_kv_heads / tp heads, which only the layer's output knows; device
-    and dtype come from the keys too.
-    """
+    """Keys/values of the positions seen so far, per attention layer (keyed like `layers`). A
+    layer's buffers are made at its first update, shaped like its keys (under TP a rank holds
+    n_kv_heads / tp heads, which only the layer's output knows)."""
 
     def __init__(self, layer_keys, batch: int, max_len: int):
-        self.kv: Dict[str, Optional[Tuple[torch.Tensor, torch.Tensor]]] = {
-            key: None for key in layer_keys
-        }
+        self.kv: Dict[str, Optional[Tuple[torch.Tensor, torch.Tensor]]] = dict.fromkeys(layer_keys)
         self.batch, self.max_len = batch, max_len
         self.pos = 0  # positions already cached; the next token's absolute position
 
-    def update(
-        self, key: str, k: torch.Tensor, v: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key: str, k: torch.Tensor,
+               v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.kv[key] is None:
             shape = (k.shape[0], self.max_len, *k.shape[2:])
             self.kv[key] = (k.new_zeros(shape), v.new_zeros(shape))
@@ -454,17 +389,11 @@ class KVCache:
 
 
 class CoreAttention(nn.Module):
-    """softmax(QK^T)V over heads: the attention kernel call every app's attention block makes
-    through this module (one contract of apps' model files, checked at start by
-    lingua.model.decoder.check_model_contract). Context parallelism finds it by type and replaces it
-    with a version that sees every rank's keys and values; the probe hooks it for attention
-    statistics. Its inputs are q [b, s, h, head_dim] and k, v [b, s, h_kv, head_dim] after RoPE
-    (h_kv divides h: grouped-query attention), and the mask the decoder shell built. It hands
-    k/v grouped to the kernel where the kernel groups heads itself (`grouped_kv_ok`), and
-    repeats them to the query heads otherwise (repeat_kv), so an app's attention never does.
-
-    With a KV cache (decoding) it runs sdpa with the cache's offset-causal mask on any backend.
-    """
+    """softmax(QK^T)V: every app's attention block calls its kernel through this module (part
+    of the contract check_model_contract checks). Context parallelism replaces it by type; the
+    probe hooks it. Takes q [b, s, h, head_dim] and k, v [b, s, h_kv, head_dim] after RoPE and
+    the decoder's mask; repeats k/v to h heads unless the kernel groups them (`grouped_kv_ok`).
+    When decoding (KV cache) it runs sdpa with the cache's mask on any backend."""
 
     def __init__(self, backend: str = "sdpa"):
         super().__init__()
@@ -481,22 +410,17 @@ class CoreAttention(nn.Module):
 
 
 def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:
-    """Whether `core` may hand the kernel k/v with fewer heads than q: sdpa groups them
-    itself (enable_gqa), without repeat_kv's copy and its backward (see BENCHMARKS.md, "Where a
-    LLaMA training step's time goes on CPU"). Only for a CoreAttention on the plain sdpa call
-    (the other backends, and a module that replaces it under context parallelism, take k/v
-    repeated), on CPU, where it was measured, with no mask. On CUDA sdpa groups heads in its
-    flash kernel only (bf16/fp16, sm80+); fp32, a mask, or an older GPU would fall back to the
-    math kernel (slow, [s, s] scores in memory), so CUDA keeps repeat_kv and its fused kernels.
-    The answer never depends on who watches the module (the probe repeats grouped heads
-    itself), so a probed step computes exactly like an unprobed one."""
+    """Whether `core` may hand sdpa k/v with fewer heads than q (enable_gqa, saving repeat_kv's
+    copy): only a CoreAttention on plain sdpa, on CPU, with no mask. On CUDA sdpa groups heads in
+    its flash kernel only (bf16/fp16, sm80+) and would otherwise fall back to the slow math
+    kernel, so CUDA keeps repeat_kv. Independent of the probe, so probed steps compute alike."""
     return (q.device.type == "cpu" and mask is None and isinstance(core, CoreAttention)
             and core.backend == "sdpa")
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
-    """Meta llama's SwiGLU width: 2/3 of 4*dim (same parameters as a 4*dim MLP), optionally
-    scaled, rounded up to a multiple of `multiple_of` for efficient matmuls."""
+    """Meta llama's SwiGLU width: 2/3 of 4*dim (a 4*dim MLP's parameters), optionally scaled,
+    rounded up to a multiple of `multiple_of`."""
     hidden = int(2 * 4 * dim / 3)
     if ffn_dim_multiplier is not None:
         hidden = int(ffn_dim_multiplier * hidden)

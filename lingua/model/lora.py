@@ -3,11 +3,10 @@ with s = alpha / rank. B starts at zero, so a converted model computes what the 
 until the first update.
 
 `apply_lora(model, args)` converts, on the meta device and before any parallelism, every Linear
-whose last name component is in `args.targets` (wq, wk, wv, wo, w1, w2, w3 in the apps' models),
-and freezes every other parameter. A converted layer stays an nn.Linear (its weight keeps its
-name, `...wq.weight`), so the app's TP plan and HF key map still find it; its adapters are
-`...wq.lora_a` [rank, in] and `...wq.lora_b` [out, rank]. Under tensor parallelism they take
-their weight's layout (lingua/parallel/lora_tp.py).
+whose last name component is in `args.targets`, and freezes every other parameter. A converted
+layer stays an nn.Linear with its weight's name (`...wq.weight`), so TP plans and HF key maps
+still find it; its adapters are `...wq.lora_a` [rank, in] and `...wq.lora_b` [out, rank], laid
+out like their weight under TP (lingua/parallel/lora_tp.py).
 """
 
 import logging
@@ -41,22 +40,20 @@ class LoRALinear(nn.Linear):
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         nn.Module.__init__(self)   # not nn.Linear.__init__: that would allocate a new weight
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
+        self.weight, self.bias = base.weight, base.bias
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         device, dtype = base.weight.device, base.weight.dtype
         self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, device=device, dtype=dtype))
-        self.lora_b = nn.Parameter(torch.empty(self.out_features, rank, device=device,
-                                               dtype=dtype))
+        self.lora_b = nn.Parameter(torch.empty(self.out_features, rank, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b)
         return F.linear(x, self.weight, self.bias) + self.scale * update
 
     def init_adapter(self) -> None:
-        """A as nn.Linear initialises its weight (PEFT's default), B zero. Called by
-        lingua.model.weights.materialize, which seeds each tensor from its name."""
+        """A as nn.Linear initialises its weight (PEFT's default), B zero (called by
+        lingua.model.weights.materialize)."""
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b)
 
@@ -96,15 +93,14 @@ def check_targets(model: nn.Module, args: LoRAArgs) -> None:
     unknown = [t for t in args.targets if t not in known]
     if unknown:
         raise ConfigError(f"lora.targets names {unknown}, which the model has no Linear layer "
-                          f"called. Its Linear layers are named {known}: pick targets from "
-                          f"those.")
+                          f"called. Its Linear layers are named {known}: pick targets from those.")
     for name, m in linears.items():
-        if name.rsplit(".", 1)[-1] in args.targets and args.rank > min(m.in_features,
-                                                                        m.out_features):
+        smaller = min(m.in_features, m.out_features)
+        if name.rsplit(".", 1)[-1] in args.targets and args.rank > smaller:
             raise ConfigError(f"lora.rank={args.rank} is larger than layer {name} "
                               f"({m.in_features} -> {m.out_features}): a rank above "
-                              f"min(in, out) = {min(m.in_features, m.out_features)} adds "
-                              f"parameters and no expressiveness. Lower lora.rank.")
+                              f"min(in, out) = {smaller} adds parameters and no "
+                              f"expressiveness. Lower lora.rank.")
 
 
 def apply_lora(model: nn.Module, args: LoRAArgs) -> List[str]:

@@ -1,33 +1,24 @@
 """Mixture-of-experts layer: router, grouped experts, load-balancing losses. No distributed code.
 
-Data flow of `MoE.forward` (x [..., dim] flattened to T tokens):
-  router -> top-k experts and combine weights per token -> stable sort of the T*k assignments by
-  expert -> optional capacity dropping -> `experts(x_sorted, counts)` -> unsort -> weighted sum over
-  the k slots -> plus shared experts.
-`experts` is the swap point for expert parallelism: a module with the same
-`forward(x_sorted [n, dim] grouped by expert in expert order, counts [n_experts]) -> [n, dim]`
-may replace it (it would all-to-all the rows to the ranks that hold the experts and back).
+`MoE.forward` (x flattened to T tokens): router -> top-k experts and weights per token -> stable
+sort of the T*k assignments by expert -> optional capacity dropping -> `experts(x_sorted, counts)`
+-> unsort -> weighted sum over the k slots -> plus shared experts. `experts` is expert
+parallelism's swap point: any module with `forward(x_sorted [n, dim] grouped in expert order,
+counts [n_experts]) -> [n, dim]`.
 
 Load balancing over the GLOBAL batch:
-  * `moe.count_reducer(t) -> Tensor`: returns the sum of `t` over the ranks that hold distinct
-    tokens of the same micro-batch (data- and context-parallel ranks), i.e. an all-reduce(SUM); it
-    may reduce in place but must return the result. Default: identity (one process); the MoE
-    app's parallel plan sets it (lingua.parallel.expert_parallel.apply_global_counts). Called once
-    per MoE layer per training forward when aux_loss_coef or z_loss_coef > 0 (also when activation
-    checkpointing recomputes the forward: every rank does so alike), and once per step by
-    update_expert_bias. Never called in eval mode.
-  * The balancing losses are SUMS over this rank's tokens, like the cross-entropy the trainer
-    sums; the trainer divides both by the global batch's token count (lingua/model/loss.py). With
-    f_e = reduced_count_e / sum(reduced_counts) (no gradient):
-      aux_sum = aux_loss_coef * n_experts * sum_e f_e * (sum over this rank's tokens of the
-                normalised scores_e)
-      z_sum   = z_loss_coef * (sum over this rank's tokens of logsumexp(logits)^2)
-    A training forward leaves `moe.balance_loss` = aux_sum + z_sum (with its graph; None when both
-    coefficients are 0); the model returns their total beside its output and the app's loss adds
-    it (apps/moe). Summed over ranks and micro-batches and divided by the global token count,
-    this is the loss of the global batch computed in one process. The per-rank sums are in
-    `stats`; the logged routing metrics (`routing_metrics`) are per token, over the step's
-    micro-batches, the ranks and the pipeline stages.
+  * `moe.count_reducer(t) -> Tensor` returns the sum of `t` over the ranks holding distinct tokens
+    of the micro-batch (an all-reduce that may work in place; identity by default, set by
+    lingua.parallel.expert_parallel). Called once per layer per training forward when
+    aux_loss_coef or z_loss_coef > 0 (recomputes included), once per step by update_expert_bias,
+    never in eval mode.
+  * The balancing losses are SUMS over this rank's tokens, like the trainer's cross-entropy
+    (lingua/model/loss.py). With f_e = reduced_count_e / sum(reduced_counts) (no gradient):
+      aux_sum = aux_loss_coef * n_experts * sum_e f_e * (sum over tokens of normalised scores_e)
+      z_sum   = z_loss_coef * (sum over tokens of logsumexp(logits)^2)
+    A training forward leaves `moe.balance_loss` = aux_sum + z_sum (None when both coefficients
+    are 0), which the app's loss adds (apps/moe); divided by the global token count this is the
+    global batch's loss computed in one process.
   * `update_expert_bias(layers, rate)` after each optimizer step (DeepSeek-V3 aux-loss-free
     balancing) reduces the step's accumulated counts with the layers' `count_reducer`.
 """
@@ -63,9 +54,8 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
     return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
 
 
-# torch.compile's shape rule for _grouped_mm takes bf16 only (torch 2.13), while the eager kernel
-# also runs fp32 (the CPU and debug configs): compiled fp32 runs call it through this opaque op,
-# which keeps the MoE block one graph (a graph break a call would split it in four).
+# torch.compile's shape rule for _grouped_mm takes bf16 only, while the eager kernel also runs
+# fp32: compiled fp32 runs call it through this opaque op, which keeps the MoE block one graph.
 @torch.library.custom_op("lingua::grouped_mm_fp32", mutates_args=())
 def _grouped_mm_opaque(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(x, w, offs=offs)
@@ -86,10 +76,6 @@ def _(x, grad, offs):
     return x.new_empty(offs.shape[0], x.shape[1], grad.shape[1])
 
 
-def _save_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
 def _grouped_mm_backward(ctx, grad):
     x, w, offs = ctx.saved_tensors
     grad = grad.contiguous()
@@ -97,13 +83,13 @@ def _grouped_mm_backward(ctx, grad):
             _grouped_weight_grad(x, grad, offs), None)
 
 
-_grouped_mm_opaque.register_autograd(_grouped_mm_backward, setup_context=_save_inputs)
+_grouped_mm_opaque.register_autograd(
+    _grouped_mm_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
 
 
 class _GatherRows(torch.autograd.Function):
-    """rows[i] = src[index[i]] for a permutation `index`, whose backward is the gather through
-    the inverse permutation (torch's index_select backward zero-fills and scatter-adds instead:
-    two more passes, and atomics on GPU)."""
+    """rows[i] = src[index[i]] for a permutation `index`; backward gathers through the inverse
+    (index_select's backward would zero-fill and scatter-add: more passes, atomics on GPU)."""
 
     @staticmethod
     def forward(ctx, src, index, inverse):
@@ -118,9 +104,8 @@ class _GatherRows(torch.autograd.Function):
 
 class _Dispatch(torch.autograd.Function):
     """x [T, dim] -> x[slot // top_k for slot in order]: each token's row once per expert it is
-    routed to. Backward gathers the rows' gradients back into slot order (through `inverse`:
-    slot -> row, n_rows for a dropped slot) and sums each token's top_k slots: no zero-fill and
-    accumulate-scatter (index_put), deterministic on GPU."""
+    routed to. Backward gathers the gradients into slot order (`inverse`: slot -> row, n_rows
+    for a dropped slot) and sums each token's top_k slots: no scatter, deterministic on GPU."""
 
     @staticmethod
     def forward(ctx, x, order, inverse, top_k):
@@ -137,17 +122,12 @@ class _Dispatch(torch.autograd.Function):
         return slots.view(-1, ctx.top_k, grad.shape[1]).sum(1), None, None, None
 
 
-# oneDNN, which runs bf16 / fp16 matmuls on CPU, builds (JIT-compiles) and caches a kernel for
-# every matmul shape it meets, and torch._grouped_mm on CPU runs one matmul per expert: as the
-# tokens an expert gets change every step, so do the shapes: a bf16 MoE step on CPU spends a
-# large share of its time building kernels, and the cached ones grow the process steadily (see
-# BENCHMARKS.md, "MoE trainer vs Hugging Face Mixtral", "Then: freed memory kept, the loss's
-# backward rewritten, experts padded"). So on CPU in those dtypes each expert's rows are padded
-# with zero rows to a multiple of CPU_GROUP_ROWS: 16x fewer shapes, which the cache keeps once
-# seen. The buffer has CPU_GROUP_ROWS - 1 more rows per expert than there are tokens (the last
-# expert's group takes what its padding leaves, so every row is in a group and computed): skipped
-# where that is over 10% of the rows (few tokens, many experts). Not on GPU: its grouped GEMM is
-# one kernel for any split.
+# On CPU, oneDNN JIT-compiles and caches a bf16/fp16 kernel per matmul shape, and
+# torch._grouped_mm runs one matmul per expert, whose row count changes every step: kernel builds
+# dominate and the cache grows (BENCHMARKS.md, "MoE trainer vs Hugging Face Mixtral"). So there
+# each expert's rows are zero-padded to a multiple of CPU_GROUP_ROWS (16x fewer shapes), unless
+# the padding (CPU_GROUP_ROWS - 1 rows per expert) is over 10% of the rows. Not on GPU: its
+# grouped GEMM is one kernel for any split.
 CPU_GROUP_ROWS = 16
 
 
@@ -161,9 +141,8 @@ def _cpu_group_rows(x: torch.Tensor, n_experts: int) -> int:
 
 
 class _ScatterRows(torch.autograd.Function):
-    """out = zeros(n_out, dim) with out[rows[i]] = x[i]; backward gathers the rows back. Keeps
-    only `rows` for backward (torch's index_copy keeps its whole source: one more copy of the
-    expert rows per layer until backward)."""
+    """out = zeros(n_out, dim) with out[rows[i]] = x[i]; backward gathers the rows back. Saves
+    only `rows` (torch's index_copy would keep its whole source until backward)."""
 
     @staticmethod
     def forward(ctx, x, rows, n_out):
@@ -177,13 +156,11 @@ class _ScatterRows(torch.autograd.Function):
 
 
 def _pad_groups(x: torch.Tensor, counts: torch.Tensor, multiple: int):
-    """Expert-sorted rows x [n, dim] with counts[e] rows per expert -> (padded_x, rows, offs):
-    expert e's rows start at a multiple of `multiple`, zero rows fill each group up to the next
-    start, x[i] is padded_x[rows[i]], and offs are torch._grouped_mm's int32 group end offsets.
-    padded_x has a fixed n + n_experts * (multiple - 1) rows rounded up to a multiple (a shape
-    that does not depend on the routing, for torch.compile); the last expert's group runs to its
-    end, so no row is left outside a group (torch._grouped_mm leaves such rows of its outputs
-    unwritten)."""
+    """Expert-sorted rows x [n, dim], counts[e] per expert -> (padded_x, rows, offs): expert e's
+    rows start at a multiple of `multiple` with zero rows between groups, x[i] is
+    padded_x[rows[i]], offs are torch._grouped_mm's int32 group ends. padded_x has n + n_experts
+    * (multiple - 1) rows rounded up (independent of the routing, for torch.compile); the last
+    group runs to its end, as _grouped_mm leaves rows outside any group unwritten."""
     n, n_experts = x.shape[0], counts.numel()
     n_out = -(-(n + n_experts * (multiple - 1)) // multiple) * multiple
     padded = (counts + multiple - 1) // multiple * multiple
@@ -209,12 +186,10 @@ def check_grouped_alignment(dim: int, hidden: int) -> None:
 class GroupedExperts(nn.Module):
     """n_experts SwiGLU FFNs with stacked weights: y_e = (silu(x W1_e) * (x W3_e)) W2_e.
 
-    impl "grouped": one torch._grouped_mm per weight over all experts; "loop": one matmul per expert
-    (the reference). torch._grouped_mm constraints handled here: int32 offsets, both operands of one
-    dtype (autocast does not cover it, so we cast to the autocast dtype ourselves), 16-byte aligned
-    rows (checked at construction), no stride-0 incoming gradient (made contiguous), no empty
-    input (the loop handles it). Experts with zero tokens are fine (equal consecutive offsets).
-    On CPU in bf16/fp16 each expert's rows are padded to a multiple of CPU_GROUP_ROWS first.
+    impl "grouped": one torch._grouped_mm per weight over all experts; "loop": one matmul per
+    expert (the reference). _grouped_mm needs int32 offsets, one dtype for both operands (cast
+    here: autocast does not cover it), 16-byte aligned rows, no stride-0 gradient and a non-empty
+    input (the loop takes that). Experts with zero tokens are fine.
     """
 
     def __init__(self, n_experts: int, dim: int, hidden: int, impl: str = "grouped"):
@@ -225,8 +200,8 @@ class GroupedExperts(nn.Module):
         if impl == "grouped":
             check_grouped_alignment(dim, hidden)
         self.impl = impl
-        # Swap points for lingua.float8.moe: its float8 grouped matmul (x, w, offs), and
-        # the row multiple it needs each expert's group padded to (0: none).
+        # Swap points for lingua.float8.moe: a grouped matmul (x, w, offs), and the row multiple
+        # each expert's group is padded to (0: none).
         self.grouped_mm: Optional[Callable] = None
         self.group_multiple = 0
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
@@ -234,8 +209,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # grouped_mm needs one dtype for both operands and autocast does not cover it: use the
-        # autocast dtype when on, else the weights' (bf16 under FSDP mixed precision).
+        # The autocast dtype when on, else the weights' (bf16 under FSDP mixed precision).
         dtype = self.w1.dtype
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
@@ -261,19 +235,16 @@ class GroupedExperts(nn.Module):
 
     @staticmethod
     def _loop(x, counts, w1, w3, w2) -> torch.Tensor:
-        # The reference path reads the counts on the host (a sync), except with no rows at all
-        # (an expert-parallel rank that received none), where they are all zero.
+        # Reads the counts on the host (a sync), except with no rows, where they are all zero.
         sizes = counts.tolist() if x.shape[0] else [0] * counts.numel()
-        outs = []
-        for e, rows in enumerate(torch.split(x, sizes)):
-            outs.append((F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e])
-        return torch.cat(outs)
+        return torch.cat([(F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e]
+                          for e, rows in enumerate(torch.split(x, sizes))])
 
 
 class Router(nn.Module):
-    """Scores every expert, picks top_k per token. The gate runs in fp32 even under bf16 autocast:
-    routing decisions flip on small logit differences. `expert_bias` only changes which experts are
-    chosen (DeepSeek-V3); the combine weights are the unbiased scores of the chosen experts."""
+    """Scores every expert, picks top_k per token. The gate runs in fp32 even under autocast:
+    routing flips on small logit differences. `expert_bias` (DeepSeek-V3) only changes which
+    experts are chosen; the combine weights are their unbiased scores."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str = "softmax",
                  norm_topk: bool = False, route_scale: float = 1.0):
@@ -318,15 +289,12 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(n_experts, dim, hidden, expert_impl)
         self.shared_experts = (FeedForward(dim, hidden * n_shared_experts)
                                if n_shared_experts > 0 else None)
-        # Router counts summed over the ranks holding distinct tokens (see the module docstring).
-        self.count_reducer: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.count_reducer: Callable[[torch.Tensor], torch.Tensor] = _identity  # module docstring
         # The last training forward's balancing losses, summed over its tokens (with their graph).
         self.balance_loss: Optional[torch.Tensor] = None
-        # Local assignment counts accumulated over the training forwards of one optimizer step,
-        # for update_expert_bias (not a buffer: it is not part of a checkpoint).
+        # Local counts over one optimizer step's training forwards, for update_expert_bias.
         self.step_counts: Optional[torch.Tensor] = None
-        # This forward's local statistics (tests read them), and the sums over the training
-        # forwards since reset_routing() that routing_metrics() turns into logged values.
+        # This forward's local statistics (tests read them); the sums since reset_routing().
         self.stats: Dict[str, torch.Tensor] = {}
         self.routing: Optional[torch.Tensor] = None
 
@@ -339,10 +307,9 @@ class MoE(nn.Module):
         # Token-major within an expert: earlier tokens first.
         order = torch.argsort(flat, stable=True)
         sorted_experts = flat[order]
-        # Each expert's first row in the sorted order, and its count: no host sync (bincount's
-        # output size is the max expert, read on the host).
-        start = torch.searchsorted(sorted_experts,
-                                   torch.arange(self.n_experts + 1, device=x.device))
+        # Each expert's first sorted row, and its count: no host sync (bincount would need one).
+        bounds = torch.arange(self.n_experts + 1, device=x.device)
+        start = torch.searchsorted(sorted_experts, bounds)
         counts = start.diff()
         kept = counts
         if self.capacity_factor > 0:
@@ -354,8 +321,7 @@ class MoE(nn.Module):
         # slot -> row of the expert-sorted rows (n_kept for a dropped slot)
         inverse = torch.full((n_assign,), order.numel(), dtype=order.dtype, device=x.device)
         inverse.index_copy_(0, order, torch.arange(order.numel(), device=x.device))
-        # Under autocast the experts compute in its dtype: cast the T rows once, not the T*k
-        # gathered ones (a bf16 gather also moves half the bytes).
+        # Under autocast, cast the T rows once, not the T*k gathered ones.
         device_type = x.device.type
         xe = (x.to(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type)
               else x)
@@ -369,22 +335,16 @@ class MoE(nn.Module):
     def _combine(self, y, order, inverse, weights) -> torch.Tensor:
         """Expert outputs y [n, dim] (row i is slot order[i] = t * top_k + j) -> sum over j of
         weights[t, j] * (slot (t, j)'s row), [T, dim] in y's dtype; dropped slots count as zero.
-
-        The rows go back into slot order by a gather through the inverse permutation (whose
-        backward is a gather through `order`; with drops, a scatter into zeros, whose backward
-        is the same gather), then each token's k slots are weighted and summed in one batched
-        [1, k] x [k, dim] product. Deterministic on GPU (no index_add), and on CPU fewer passes
-        over the [T*k, dim] rows than scatter, fp32 copy, product and sum."""
+        The rows go back to slot order by a gather (a scatter into zeros with drops), then one
+        batched [1, k] x [k, dim] product per token: deterministic on GPU (no index_add)."""
         n_slots, dim = weights.numel(), y.shape[-1]
         if order.numel() == n_slots:
             slots = _GatherRows.apply(y, inverse, order)
         else:
             slots = y.new_zeros(n_slots, dim).index_copy(0, order, y)
         slots = slots.view(-1, self.top_k, dim)
-        # In y's dtype: under bf16 autocast an fp32 copy of the [T*k, dim] rows (and the cast of
-        # their gradient back) cost more than the expert GEMMs of small experts. bmm accumulates
-        # in fp32 either way; the weights (and their gradient, for the router) are rounded to
-        # bf16 like any autocast matmul's operands, the routing itself stays fp32.
+        # In y's dtype: an fp32 copy of the [T*k, dim] rows costs more than small experts' GEMMs.
+        # bmm accumulates in fp32; the weights are rounded like any autocast matmul's operands.
         return torch.bmm(weights.unsqueeze(1).to(y.dtype), slots).squeeze(1)
 
     def _probs(self, scores: torch.Tensor) -> torch.Tensor:
@@ -394,13 +354,10 @@ class MoE(nn.Module):
         return scores / scores.sum(-1, keepdim=True)
 
     def _balance(self, counts, scores, logits, n_dropped: int) -> None:
-        """Record statistics, accumulate counts for the bias update, compute the balancing
-        losses."""
+        """Record statistics, accumulate counts for the bias update, compute balancing losses."""
         counts_f = counts.float()
-        # Forwards re-run inside backward (activation checkpointing) are not counted again, nor
-        # the shape-inference forward of a process's first pipeline step (on copies of the first
-        # micro-batch or, on later stages, on uninitialised tensors). A compiled forward is
-        # traced once and its recompute is inside the compiled backward.
+        # Forwards re-run inside backward (activation checkpointing) and pipeline shape inference
+        # are not counted. A compiled forward's recompute is inside the compiled backward.
         in_backward = (not torch.compiler.is_compiling()
                        and torch._C._current_graph_task_id() != -1)
         counted = self.training and not in_backward and not inferring_shapes()
@@ -409,7 +366,7 @@ class MoE(nn.Module):
                                 else self.step_counts + counts_f.detach())
         aux = z = torch.zeros((), device=counts.device)
         self.balance_loss = None
-        # Training only: evaluation and generation must not call the trainer's collective hooks.
+        # Training only: evaluation and generation must not call the trainer's collectives.
         if self.training and (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
             global_counts = self.count_reducer(counts_f.detach().clone())
             f = global_counts / global_counts.sum()
@@ -428,7 +385,7 @@ class MoE(nn.Module):
                 "z_loss": z.detach(),
             }
             if counted:
-                # new_full fills on the device; new_tensor would copy from the host and wait.
+                # new_full fills on the device (new_tensor would copy from the host and wait).
                 sums = torch.stack([counts_f.new_full((), n_dropped),
                                     counts_f.new_full((), n_slots), entropy.sum().float(),
                                     counts_f.new_full((), scores.shape[0]),
@@ -439,11 +396,9 @@ class MoE(nn.Module):
 
 @torch.no_grad()
 def update_expert_bias(moe_layers: Iterable[MoE], rate: float) -> None:
-    """DeepSeek-V3 aux-loss-free balancing, after each optimizer step: for each layer,
-    bias_e += rate * sign(mean_e(count) - count_e) on the step's globally reduced counts
-    (underloaded experts become more likely to be chosen); then the counts restart from zero.
-    All layers' counts go through one `count_reducer` call (the first layer's) to save collectives.
-    """
+    """DeepSeek-V3 aux-loss-free balancing, after each optimizer step: per layer,
+    bias_e += rate * sign(mean_e(count) - count_e) on the step's globally reduced counts, then
+    the counts restart. All layers' counts go through one (the first layer's) `count_reducer`."""
     layers = [m for m in moe_layers if m.step_counts is not None]
     if not layers:
         return
@@ -459,7 +414,7 @@ def moe_layers(model: nn.Module):
 
 def balance_loss_sum(layers: Iterable[MoE], device) -> torch.Tensor:
     """The last training forward's balancing losses of `layers`, summed ([1]; zeros if none).
-    Each layer lets go of its own (a tensor with a graph: the module stays copyable)."""
+    Each layer lets go of its own (a tensor with a graph would make the module uncopyable)."""
     total = torch.zeros(1, device=device)
     for m in layers:
         if m.balance_loss is not None:
@@ -484,11 +439,9 @@ def routing_metrics(layers: Dict[int, MoE], n_layers: int, n_experts: int,
                     device: torch.device) -> Dict[str, float]:
     """Routing health per MoE layer from the sums since reset_routing, as "<layer>/<name>".
 
-    `layers` maps a layer's index in the whole model to this rank's MoE module. Every rank builds
-    the same [n_layers, n_experts + 6] table (zero rows for layers it does not hold) and `reduce`
-    sums it over the ranks holding different tokens and different pipeline stages, so a value
-    covers the step's global batch and every stage, not one rank's last micro-batch. Collective:
-    every rank calls it, holding MoE layers or not.
+    `layers` maps a layer's index in the model to this rank's MoE module. Every rank builds the
+    same [n_layers, n_experts + 6] table and `reduce` sums it over the ranks holding different
+    tokens and pipeline stages, so a value covers the step's global batch. Collective.
       imbalance         max / mean of the tokens routed to each expert (1 = perfectly balanced)
       dropped_fraction  routed slots dropped by capacity / all routed slots
       router_entropy    mean over tokens of the entropy of the router's distribution (nats)
@@ -514,10 +467,9 @@ def routing_metrics(layers: Dict[int, MoE], n_layers: int, n_experts: int,
 
 
 def active_params_per_token(model: nn.Module) -> float:
-    """Matmul parameters one token goes through, for FLOPs/MFU: every nn.Linear (attention, dense
-    FFNs, router gates, shared experts, output) plus top_k / n_experts of each layer's routed
-    experts. The embedding lookup is not a matmul and is excluded (as lingua.observe.metrics does);
-    a tied output matrix is not an nn.Linear, so callers add it."""
+    """Matmul parameters one token goes through, for FLOPs/MFU: every nn.Linear plus top_k /
+    n_experts of each layer's routed experts. Not the embedding lookup; a tied output matrix is
+    no nn.Linear, so callers add it."""
     total = float(sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)))
     for m in moe_layers(model):
         routed = sum(p.numel() for p in m.experts.parameters())

@@ -1,27 +1,16 @@
 """A model part's first weights: materialised on its device, drawn from per-tensor seeded streams,
-or filled from rank 0's copy of a Hugging Face model.
-
-The trainer builds every model on the meta device, splits it into pipeline stages and shards it
-(FSDP/TP/EP) before any weight exists, so no rank ever holds more than its own shards:
+or filled from rank 0's copy of a Hugging Face model. The trainer builds every model on the meta
+device and splits and shards it before any weight exists:
   materialize(part, device, seed)     storage on `device`, then the model's own init_weights
   load_full_state(parts, state, ...)  rank 0's full tensors, one at a time, into every rank's shards
 
 Layout-independent initialisation: while init_weights runs, every random init of a parameter or
-buffer (nn.init.normal_, tensor.uniform_, ...) draws from a generator of its own, seeded from
-(seed, the tensor's name), and always draws the whole tensor; a sharded tensor (DTensor) then
-keeps its own slice. Names are the checkpoint's ("layers.7.attention.wq.weight"), which stay the
-same in every pipeline split, so a layer starts from the same numbers whatever the layout (one
-process, FSDP, TP, PP, EP) and two layers never start alike. The model file needs no
-distributed code for this: it initialises as usual with torch.nn.init. The cost: each rank draws
-every tensor of its parts whole, so for a moment it holds one full tensor (the largest: the
-embedding, or a MoE layer's stacked experts) beside its shards.
-
-Why not the RNG as it stands: every rank seeds it with the same seed, so each pipeline stage
-would replay the same stream (layers 8, 16 and 24 of pp=4 would start equal), and on CUDA the
-first random op on a DTensor creates DTensor's RNG tracker, which broadcasts rank 0's RNG state
-to the whole world (torch/distributed/tensor/_random.py, OffsetBasedRNGTracker(run_state_sync=
-True), created lazily in _dispatch.py). Drawing plain tensors from our own generators never
-reaches that tracker.
+buffer draws the whole tensor from a generator seeded from (seed, the tensor's checkpoint name),
+and a DTensor keeps its own slice; so a layer starts from the same numbers in every layout (one
+process, FSDP, TP, PP, EP), two layers never start alike, and the model file needs no
+distributed code. The cost: for a moment a rank holds one full tensor beside its shards. The
+global RNG would not do: every pipeline stage would replay the same stream, and on CUDA the first
+random op on a DTensor broadcasts rank 0's RNG state (torch's OffsetBasedRNGTracker).
 """
 
 import hashlib
@@ -77,9 +66,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class PerTensorStreams(TorchFunctionMode):
     """While active, every random init of one of `module`'s parameters or buffers draws the whole
-    tensor from its own generator on `device` (seeded by stream_seed(seed, name)); a DTensor then
-    copies in its local slice (distribute_tensor without communication: each rank draws the same
-    full tensor). Random ops on other tensors keep the global RNG (logged once)."""
+    tensor from its own generator on `device` (stream_seed(seed, name)); a DTensor then copies in
+    its local slice. Random ops on other tensors keep the global RNG (logged once)."""
 
     def __init__(self, module: nn.Module, seed: int, device: torch.device):
         super().__init__()
@@ -140,9 +128,8 @@ def _shard_of(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def materialize(part: nn.Module, device, seed: int, param_device=None) -> nn.Module:
     """Give a part built on the meta device (and split, sharded) its storage and first weights:
-    parameters on `param_device` (default `device`; the CPU under FSDP's CPU offload), buffers
-    (RoPE tables) on `device`, values from the model's own init_weights(buffer_device) drawn
-    through PerTensorStreams. Works for any device, meta included."""
+    parameters on `param_device` (default `device`; the CPU under FSDP's CPU offload), buffers on
+    `device`, values from the model's init_weights(buffer_device) through PerTensorStreams."""
     device = torch.device(device)
     part.to_empty(device=torch.device(param_device) if param_device is not None else device)
     with torch.no_grad(), PerTensorStreams(part, seed, device):
@@ -155,8 +142,8 @@ def materialize(part: nn.Module, device, seed: int, param_device=None) -> nn.Mod
 
 
 def check_placement(parts, device, param_device=None) -> None:
-    """Raise RunError naming any parameter or buffer that is not where the run computes (a
-    tensor left on the CPU or on meta fails at the first forward, far from its cause)."""
+    """Raise RunError naming any parameter or buffer that is not where the run computes (it
+    would fail at the first forward, far from its cause)."""
     device = torch.device(device)
     param_device = torch.device(param_device) if param_device is not None else device
 
@@ -191,27 +178,20 @@ def broadcast_object(obj, src: int = 0):
 def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device,
                     keep: Callable[[str], bool] = lambda name: False) -> None:
     """Fill every rank's parts from rank 0's `state` (the whole model's persistent tensors by
-    checkpoint name, on any device and in any dtype: e.g. a Hugging Face model read through
-    safetensors' memory map). Other ranks pass None.
+    checkpoint name, any device and dtype, e.g. safetensors' memory map); other ranks pass None.
 
-    One tensor at a time: rank 0 moves it to `device`, broadcasts it to every rank (NCCL on GPUs,
-    gloo on CPU), and each rank copies the slice it holds (a pipeline stage skips the tensors of
-    other stages; a DTensor keeps its shard) and drops the rest, so no rank ever holds more than
-    its shards plus one full tensor. The same thing torch's set_model_state_dict(full_state_dict=
-    True, broadcast_from_rank0=True) does, without needing rank 0's state as one dict of tensors
-    up front and with a strict check per part (torch's strict check fails on rank 0 when a
-    pipeline part holds a subset of the names). Tensors for which keep(name) is true may be
-    absent from `state` and keep their values (LoRA adapters: no pretrained file has them).
-    """
+    One tensor at a time: rank 0 broadcasts it and each rank copies the slice it holds, so no
+    rank holds more than its shards plus one full tensor. Like torch's set_model_state_dict(
+    broadcast_from_rank0=True), but without rank 0's state as one dict up front and with a strict
+    check per pipeline part. Tensors where keep(name) is true may be absent from `state` and keep
+    their values (LoRA adapters)."""
     device = torch.device(device)
     world = _world()
     rank = dist.get_rank() if world else 0
     if rank == 0 and state is None:
         raise ValueError("load_full_state: rank 0 needs the state to send")
-    specs = None
-    if rank == 0:
-        specs = [(k, tuple(t.shape), t.dtype) for k, t in state.items()]
-    specs = broadcast_object(specs)
+    specs = broadcast_object([(k, tuple(t.shape), t.dtype) for k, t in state.items()]
+                             if rank == 0 else None)
     targets = {}
     for part in parts:
         persistent = set(part.state_dict().keys())  # canonical names: wrappers strip prefixes
@@ -220,11 +200,9 @@ def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device,
     missing = sorted(k for k in set(targets) - set(shapes) if not keep(k))
     wrong = [f"{k} {shapes[k]} vs {tuple(t.shape)}" for k, t in targets.items()
              if k in shapes and tuple(t.shape) != shapes[k]]
-    problem = None
-    if missing or wrong:
-        problem = (f"the weights to load do not fit rank {rank}'s model part(s): missing "
-                   f"{missing[:4]} ({len(missing)}), shapes differing (theirs vs ours) "
-                   f"{wrong[:4]}.")
+    problem = (f"the weights to load do not fit rank {rank}'s model part(s): missing "
+               f"{missing[:4]} ({len(missing)}), shapes differing (theirs vs ours) "
+               f"{wrong[:4]}." if missing or wrong else None)
     problems = [problem]
     if world:  # every rank stops, not only those missing something (the others would wait)
         problems = [None] * dist.get_world_size()
@@ -234,10 +212,8 @@ def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device,
     with torch.no_grad():
         for key, shape, dtype in specs:
             target = targets.get(key)
-            if rank == 0:
-                full = state[key].detach().to(device).contiguous()
-            else:
-                full = torch.empty(shape, dtype=dtype, device=device)
+            full = (state[key].detach().to(device).contiguous() if rank == 0
+                    else torch.empty(shape, dtype=dtype, device=device))
             if world:
                 dist.broadcast(full, src=0)
             if target is not None:

@@ -18,9 +18,8 @@ OPTIMIZERS = ("adamw", "muon")
 
 @dataclass
 class OptimArgs:
-    # adamw, or muon: Muon for the transformer blocks' matrices (attention, FFN, router, each
-    # MoE expert), AdamW (lr, beta1, beta2, eps, weight decay below) for embeddings, the output
-    # projection, norms and biases. Sharded under FSDP2, TP and EP (lingua/optim/muon.py).
+    # adamw, or muon: Muon for the transformer blocks' matrices, AdamW (the settings below) for
+    # embeddings, the output projection, norms and biases (lingua/optim/muon.py).
     name: str = "adamw"
     lr: float = 3e-4
     weight_decay: float = 0.1
@@ -37,16 +36,14 @@ class OptimArgs:
     # schedule and data move on) or "stop" after saving the state from before that step.
     nonfinite: str = "stop"
     # Muon (optim.name=muon), as torch.optim.Muon names them; weight_decay and the schedule
-    # apply to Muon's groups too. muon_lr: Muon's peak lr, null = optim.lr, which suits the
-    # default match_rms_adamw (the update scaled to AdamW's RMS, so AdamW's lr carries over);
-    # with muon_adjust_lr_fn=original use a Muon lr of about 0.02.
+    # apply too. muon_lr: Muon's peak lr, null = optim.lr, which suits match_rms_adamw; with
+    # muon_adjust_lr_fn=original use about 0.02.
     muon_lr: Optional[float] = None
     muon_momentum: float = 0.95
     muon_nesterov: bool = True
     muon_ns_steps: int = 5          # Newton-Schulz iterations
     muon_adjust_lr_fn: str = "match_rms_adamw"   # match_rms_adamw | original
-    # Newton-Schulz in bf16 (torch.optim.Muon's) or fp32 (for CPUs that emulate bf16; and a
-    # sharded run then equals one process to fp32 rounding, as the layout tests check).
+    # Newton-Schulz in bf16 (torch.optim.Muon's) or fp32 (for CPUs that emulate bf16).
     muon_ns_dtype: str = "bf16"
     # Loss spikes: off | log | skip | rollback (README "Loss spikes"; lingua/optim/spikes.py).
     spike: str = "log"
@@ -75,10 +72,6 @@ def validate_args(args: OptimArgs, steps: int) -> None:
     if args.scheduler not in SCHEDULES:
         raise ConfigError(f"optim.scheduler={args.scheduler!r} is unknown: use one of "
                           f"{', '.join(SCHEDULES)}.")
-    if args.warmup < 0:
-        raise ConfigError(f"optim.warmup={args.warmup} must be 0 or more steps.")
-    if args.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay={args.weight_decay} must be 0 or more.")
     if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
         raise ConfigError(f"optim.beta1={args.beta1} and optim.beta2={args.beta2} must lie in "
                           f"[0, 1).")
@@ -103,7 +96,7 @@ def validate_args(args: OptimArgs, steps: int) -> None:
     if args.spike_window < 2:
         raise ConfigError(f"optim.spike_window={args.spike_window} must be at least 2 steps "
                           f"(a median or a standard deviation needs several values), e.g. 50.")
-    for key in ("spike_warmup", "spike_skip_before", "spike_skip_after"):
+    for key in ("warmup", "weight_decay", "spike_warmup", "spike_skip_before", "spike_skip_after"):
         if getattr(args, key) < 0:
             raise ConfigError(f"optim.{key}={getattr(args, key)} must be 0 or more.")
     for key in ("spike_max_rollbacks", "spike_max_skips"):
@@ -155,10 +148,9 @@ def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
 
 
 def param_groups(model, weight_decay: float) -> list:
-    """Decay matrices (linears, embeddings); leave vectors (norm gains, biases) undecayed.
-    Parameters sharded over different meshes (or not sharded, like MoE experts under tensor
-    parallelism) go into separate groups: a fused optimizer kernel takes one kind per call.
-    `model`: a module, or a list of its parameters."""
+    """Decay matrices, not vectors (norm gains, biases). Parameters on different meshes (or
+    none) go into separate groups: a fused kernel takes one kind per call. `model`: a module, or
+    a list of parameters."""
     groups = {}
     for param in (model.parameters() if isinstance(model, nn.Module) else model):
         if param.requires_grad:
@@ -171,8 +163,7 @@ def param_groups(model, weight_decay: float) -> list:
 
 
 def build_optimizer(part: nn.Module, args: OptimArgs, fused: bool) -> torch.optim.Optimizer:
-    """The optimizer of one model part: AdamW, or MuonAdamW (one torch optimizer holding Muon's
-    and AdamW's groups, so the schedule scales both and DCP saves both by parameter name)."""
+    """The optimizer of one model part: AdamW, or MuonAdamW (Muon's and AdamW's groups)."""
     if args.name == "adamw":
         return torch.optim.AdamW(param_groups(part, args.weight_decay), lr=args.lr,
                                  betas=(args.beta1, args.beta2), eps=args.eps, fused=fused)
@@ -191,12 +182,10 @@ def build_optimizer(part: nn.Module, args: OptimArgs, fused: bool) -> torch.opti
 
 
 class Optimizers:
-    """The optimizer (optim.name) + lr schedule for each model part (a pipeline rank may hold
-    several stages), stepped together: one optimizer per part keeps each part's state keyed by
-    its own parameter names."""
+    """The optimizer + lr schedule of each model part (a pipeline rank may hold several),
+    stepped together; one per part keeps each part's state keyed by its own parameter names."""
 
     def __init__(self, parts: list, args: OptimArgs, total_steps: int, device: torch.device):
-        # The fused kernel exists for CUDA and CPU in this torch.
         fused = args.fused and device.type in ("cuda", "cpu")
         self.optimizers = [build_optimizer(part, args, fused) for part in parts]
         schedule = partial(lr_factor, args=args, total_steps=total_steps)
@@ -213,8 +202,7 @@ class Optimizers:
             optimizer.zero_grad(set_to_none=True)
 
     def skip(self) -> None:
-        """A step without an update (non-finite gradients): the lr schedule still advances, so
-        the step count, the schedule and the data stay in line."""
+        """A step without an update (non-finite gradients): the lr schedule still advances."""
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -235,11 +223,10 @@ class Optimizers:
 
 
 def clip_grad_norm(parts: list, max_norm: float, pp_group=None) -> torch.Tensor:
-    """Global gradient norm over every shard and pipeline stage, clipped once per optimizer step
-    when max_norm > 0. Returns the norm before clipping."""
+    """Global gradient norm over every shard and pipeline stage (returned), and clipping to
+    max_norm when > 0."""
     params = [p for part in parts for p in part.parameters() if p.grad is not None]
-    # Gradients sharded over different meshes (expert-parallel experts vs the rest) cannot share
-    # one foreach kernel: take each group's norm, then combine the squares.
+    # Gradients on different meshes cannot share a foreach kernel: norms per group, then combined.
     groups = {}
     for p in params:
         key = (p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "device_mesh") else None

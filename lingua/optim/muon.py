@@ -1,49 +1,32 @@
 """Muon for the transformer blocks' matrices, AdamW for everything else, in one optimizer that
 works on plain tensors (one process) and on DTensors sharded by FSDP2, TP and EP.
 
-What each parameter gets (`split_params`): Muon takes every parameter of two or more dimensions
-(attention and FFN projections, the MoE router's gate, MoE experts' stacked [E, in, out] weights:
-one matrix per expert) except the embeddings (`nn.Embedding`) and the output projection (the
-model's `output`); AdamW takes those and the vectors (norm gains, biases), with lingua.optim's
-weight-decay groups.
+`split_params`: Muon takes every parameter of two or more dimensions (attention and FFN
+projections, router gates, stacked [E, in, out] experts: one matrix per expert) except
+`nn.Embedding` weights and the model's `output`; AdamW takes those and the vectors.
 
-The update is torch.optim.Muon's (torch/optim/_muon.py, the single-process reference; the
-Newton-Schulz iteration is torch's own function), for every parameter:
+The update is torch.optim.Muon's (the single-process reference; Newton-Schulz is torch's own):
     B <- momentum * B + (1 - momentum) * G             (B: the momentum buffer, sharded like G)
     U <- G + momentum * (B - G) if nesterov else B       (lerp, as torch writes it)
     O <- NS(U)        (5 quintic Newton-Schulz steps, bf16 by default, on the WHOLE matrix)
     W <- W * (1 - lr * weight_decay) - adjust(lr, shape) * O
-adjust is torch's: "original" lr * sqrt(max(1, out/in)) (Keller Jordan; use a Muon lr of about
-0.02), "match_rms_adamw" lr * 0.2 * sqrt(max(out, in)) (Moonshot; AdamW's lr and weight decay
-carry over). An expert's matrix is stored [in, out] (y = x @ W_e), so its (out, in) is read
-transposed; NS itself does not care (NS(M^T) = NS(M)^T).
+adjust is torch's: "original" lr * sqrt(max(1, out/in)) (use a Muon lr of about 0.02),
+"match_rms_adamw" lr * 0.2 * sqrt(max(out, in)) (AdamW's lr and weight decay carry over). An
+expert's matrix is stored [in, out], so its (out, in) is read transposed (NS(M^T) = NS(M)^T).
 
-Sharding. Only NS needs the whole matrix: momentum, weight decay and the update are elementwise
-and run on each rank's shard, so the momentum buffer is a DTensor placed like the parameter (DCP
-saves and reshards it like AdamW's moments: resume is exact on any layout). For NS each matrix is
-orthogonalised ONCE, on one rank of its mesh, and the result sent back in shards:
-  * matrices of one shape and placement (e.g. every layer's wq) are taken N at a time (N = the
-    ranks that shard them: dp_shard, tp, dp_shard x tp, ...) and stacked along a new dim 0;
-  * the stack is redistributed from the parameters' placements (shifted by the new dim) so
-    that each of those ranks holds one whole matrix: one all-to-all per mesh dim that shards
-    them. FSDP2 x TP's _StridedShard (colwise weights) is read as a Shard: a reordering of
-    rows, which NS commutes with. Where its rows do not divide evenly, torch's route through
-    Replicate (all-gathers of whole matrices) is taken instead;
-  * each rank runs NS on its matrix, and the results are redistributed back to the
-    parameters' placements.
-Matrices a rank already holds whole are orthogonalised where they are, with no communication:
-plain tensors (one process, MoE experts under tp alone, which every tp rank computes), replicated
-ones, and expert weights split only along the expert dim (EP, and FSDP over the experts).
-Cost, against the simplest scheme (all-gather every matrix, orthogonalise it on every rank):
-NS work per rank drops from all of the model's matrices to 1/N of them, and per chunk of N
-matrices of M elements a rank sends and receives about 2 M elements per mesh dim that shards
-them (all-to-all there and back; under dp_shard x tp the tp one stays within a node) instead of
-receiving (N-1) M (all-gather); both directions travel in NS's dtype, bf16 by default (NS casts
-its input first, so casting before the gather changes nothing). The price: a stacked copy (one
-matrix per rank per chunk) and a pair of collectives per chunk and mesh dim. On CPU/gloo
-DTensor has no all-to-all and all-gathers instead: correct, not cheaper in traffic. Mesh dims
-that replicate (HSDP's dp_replicate) take no part: each replica orthogonalises the same
-matrices, so no NS traffic crosses replicas (the slow links HSDP keeps to one all-reduce).
+Sharding. Only NS needs the whole matrix; the rest is elementwise on each rank's shard (the
+momentum buffer is a DTensor placed like the parameter, which DCP reshards). Each matrix is
+orthogonalised ONCE, on one rank of its mesh: matrices of one shape and placement are stacked N
+at a time (N: the ranks that shard them) and redistributed, one all-to-all per sharding mesh dim,
+so each rank holds one whole matrix; NS runs there and the results go back to the parameters'
+placements. FSDP2 x TP's _StridedShard is read as a Shard (a row reordering, which NS commutes
+with); where its rows do not divide evenly, torch's route through Replicate is taken. Matrices a
+rank already holds whole (plain tensors, replicated ones, experts split only along the expert
+dim) need no communication. Against all-gathering every matrix everywhere, NS work per rank drops
+to 1/N, and per chunk of N matrices of M elements a rank sends and receives about 2 M elements
+per sharding mesh dim (in NS's dtype) instead of receiving (N-1) M.
+Replicating mesh dims (HSDP's dp_replicate) take no part. On gloo DTensor all-gathers instead of
+all-to-all: correct, not cheaper.
 """
 
 import functools
@@ -56,8 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-# torch's own Newton-Schulz and lr adjustment (torch is pinned): the single-process reference,
-# torch.optim.Muon, runs exactly these.
+# torch's own Newton-Schulz and lr adjustment, which torch.optim.Muon (the reference) runs.
 from torch.optim._muon import (
     DEFAULT_A,
     DEFAULT_B,
@@ -74,10 +56,9 @@ NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float,
                   dtype: str) -> torch.Tensor:
-    """torch.optim.Muon's orthogonalisation of one matrix. bf16 is torch's own function (the
-    reference). fp32 is the same iteration in fp32: on CPUs without avx512_bf16/amx bf16 is
-    emulated and ~100x slower, and in fp32 a sharded run equals one process to ~1e-7 instead of
-    ~1e-5 (bf16 rounds a gradient that differs in its last fp32 bit to a different bf16 value)."""
+    """torch.optim.Muon's orthogonalisation of one matrix: torch's own function in bf16, or the
+    same iteration in fp32 (for CPUs that emulate bf16; and a sharded run then equals one process
+    to fp32 rounding)."""
     if dtype == "bf16":
         return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
     a, b, c = coefficients
@@ -93,8 +74,7 @@ def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float,
 
 
 def split_params(model: nn.Module) -> tuple[list, list]:
-    """([(name, param)] for Muon, [(name, param)] for AdamW) of a model (or one pipeline part).
-    Muon: parameters of 2+ dimensions, except nn.Embedding weights and the `output` projection."""
+    """([(name, param)] for Muon, [(name, param)] for AdamW) of a model or pipeline part."""
     output = getattr(model, "output", None)
     muon, adamw, seen = [], [], set()
     for module_name, module in model.named_modules():
@@ -110,8 +90,8 @@ def split_params(model: nn.Module) -> tuple[list, list]:
 
 
 def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
-    """(out, in) of the matrix (or of each expert's matrix) Muon updates, for the lr adjustment:
-    nn.Linear stores [out, in]; stacked experts store [E, in, out]."""
+    """(out, in) of the matrix (or each expert's) for the lr adjustment: nn.Linear stores
+    [out, in], stacked experts [E, in, out]."""
     if param.ndim == 2:
         return param.shape[0], param.shape[1]
     if param.ndim == 3:
@@ -121,9 +101,8 @@ def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
 
 
 class MuonAdamW(torch.optim.AdamW):
-    """One torch optimizer holding AdamW parameter groups (torch's AdamW step, fused where asked)
-    and Muon groups (`group["muon"] = True`). One optimizer, so the lr schedule (LambdaLR) scales
-    every group and DCP saves and loads the state of both kinds by parameter name."""
+    """One torch optimizer holding AdamW groups (torch's AdamW step) and Muon groups
+    (`group["muon"] = True`), so the lr schedule scales both and DCP saves both by name."""
 
     def __init__(self, adamw_groups: list, muon_groups: list, *, lr: float, betas, eps: float,
                  fused, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
@@ -144,8 +123,7 @@ class MuonAdamW(torch.optim.AdamW):
         super().__init__(groups, lr=lr, betas=betas, eps=eps, fused=fused)
 
     def __setstate__(self, state):
-        # Adam's __setstate__ (run by load_state_dict) converts every state's "step" to a
-        # tensor; Muon's state is a momentum buffer alone: show it the AdamW groups only.
+        # Adam's __setstate__ (load_state_dict) expects a "step" in every state: AdamW groups only.
         groups = state["param_groups"]
         super().__setstate__(dict(state, param_groups=[g for g in groups if not g.get("muon")]))
         self.param_groups = groups
@@ -157,7 +135,6 @@ class MuonAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         groups = self.param_groups
-        # AdamW's step walks self.param_groups: let it see (and update) its own groups only.
         self.param_groups = [g for g in groups if not g["muon"]]
         try:
             super().step()
@@ -199,16 +176,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def orthogonalize(params: list, updates: list, ns, dtype=torch.bfloat16) -> list:
-    """This rank's part (local shard) of ns(whole update) for each parameter; updates are local
-    shards placed like their parameters, sent in `dtype`, the dtype ns computes in. Collective
-    over each sharded parameter's mesh: every rank of it must call this with the same
-    parameters in the same order."""
+    """This rank's shard of ns(whole update) for each parameter; updates are local shards placed
+    like their parameters, sent in `dtype` (ns's). Collective over each sharded parameter's mesh:
+    its ranks call it with the same parameters in the same order."""
     out = [None] * len(params)
     buckets = {}
     for i, (p, u) in enumerate(zip(params, updates)):
         if not isinstance(p, DTensor) or _holds_whole_matrices(p):
             out[i] = _ns_each(u, ns)
-        elif p.ndim == 3:   # a stack of experts sharded inside its matrices: the stack is given
+        elif p.ndim == 3:   # experts sharded inside their matrices: the stack is given
             out[i] = _ns_on_owners(u.to(dtype), p.device_mesh, p.placements, tuple(p.shape), ns)
         else:
             key = (p.device_mesh, tuple(p.placements), tuple(p.shape))
@@ -228,8 +204,8 @@ def orthogonalize(params: list, updates: list, ns, dtype=torch.bfloat16) -> list
 
 
 def _holds_whole_matrices(p: DTensor) -> bool:
-    """Every rank holds whole matrices: nothing is split but (for stacked experts) the expert
-    dim. Decided from the placements, so every rank of the mesh decides alike."""
+    """Every rank holds whole matrices: nothing is split but (stacked experts) the expert dim.
+    Read from the placements, so every rank decides alike."""
     for size, pl in zip(p.device_mesh.shape, p.placements):
         if size == 1 or isinstance(pl, Replicate):
             continue
@@ -260,15 +236,13 @@ def _shifted(pl):
 
 
 def _ns_on_owners(local_stack: torch.Tensor, mesh, placements, shape: tuple, ns) -> torch.Tensor:
-    """local_stack: this rank's shard, placed `placements` on `mesh`, of a stack of matrices
-    `shape` = (k, m, n). Each matrix goes whole to one rank of the mesh dims that shard it
-    (replicated dims stay replicated), is orthogonalised there, and comes back as this rank's
-    shard of the results."""
+    """local_stack: this rank's shard, placed `placements` on `mesh`, of matrices `shape` =
+    (k, m, n). Each matrix goes whole to one rank of the mesh dims that shard it, is
+    orthogonalised there, and comes back as this rank's shard of the results."""
     plain = _plain_shards(tuple(mesh.shape), tuple(placements), tuple(shape))
     if plain is not None:
         return _ns_by_all_to_all(local_stack, mesh, plain, shape, ns)
-    # Strided shards of uneven size, or experts split along the stack too: torch's own route
-    # (through Replicate for _StridedShard: all-gathers of whole matrices).
+    # Uneven strided shards, or experts split along the stack too: torch's own route.
     stride = _contiguous_stride(shape)
     owned = [pl if isinstance(pl, Replicate) else Shard(0) for pl in placements]
     stack = DTensor.from_local(local_stack, mesh, placements, run_check=False, shape=shape,
@@ -282,11 +256,9 @@ def _ns_on_owners(local_stack: torch.Tensor, mesh, placements, shape: tuple, ns)
 @functools.lru_cache
 def _plain_shards(mesh_shape: tuple, placements: tuple, shape: tuple):
     """The placements of a stack [k, m, n] with each _StridedShard read as a Shard; None where
-    the stack dim itself is split, or where a Shard would give some rank a shard of another
-    shape. FSDP2 x TP places colwise weights _StridedShard(0) over dp_shard, which torch
-    redistributes only through Replicate. Read as a Shard, a rank's rows are those of the
-    matrix with its row blocks reordered, and NS(P M) = P NS(M) (NS(M P) = NS(M) P): the same
-    rows come back orthogonalised. Checked on every mesh coordinate, so all ranks decide alike."""
+    the stack dim is split, or where a Shard would give some rank a shard of another shape (on
+    any mesh coordinate, so all ranks decide alike). Read as a Shard, a rank's rows are the
+    matrix's with its row blocks reordered, and NS(P M) = P NS(M): the same rows come back."""
     if any(not isinstance(pl, Replicate) and pl.dim == 0 for pl in placements):
         return None
     plain = tuple(Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for pl in placements)
@@ -305,11 +277,10 @@ def _plain_shards(mesh_shape: tuple, placements: tuple, shape: tuple):
 def _ns_by_all_to_all(local_stack: torch.Tensor, mesh, placements, shape: tuple,
                       ns) -> torch.Tensor:
     """_ns_on_owners for Shard and Replicate placements that leave the stack dim whole: one
-    all-to-all per sharding mesh dim there, and one back. The stack, padded with zero
-    matrices to q N (N: the sharding ranks), is viewed [s_1, ..., s_j, q, m, n] with a stack
-    dim per sharding mesh dim; each mesh dim moves its shard from a matrix dim to its own
-    stack dim, innermost first, and back outermost first. (Asked for all mesh dims onto one
-    stack dim at once, torch's planner goes through Replicate where two shard the same dim.)"""
+    all-to-all per sharding mesh dim there, and one back. The stack, zero-padded to q N
+    matrices, is viewed [s_1, ..., s_j, q, m, n] with a stack dim per sharding mesh dim, to
+    which each mesh dim moves its shard (one at a time: at once, torch's planner would go
+    through Replicate where two shard the same dim)."""
     dims = [i for i, pl in enumerate(placements) if isinstance(pl, Shard)]
     sizes = [mesh.size(i) for i in dims]
     k, n = shape[0], math.prod(sizes)
@@ -340,8 +311,8 @@ def _contiguous_stride(shape: tuple) -> tuple:
 
 
 def muon_flops(params: list, steps: int = 5) -> float:
-    """FLOPs of one Newton-Schulz pass over these parameters, for cost estimates: per step
-    X X^T (2 m^2 n), B = bA + cA^2 (2 m^3) and B X (2 m^2 n), with m <= n."""
+    """FLOPs of one Newton-Schulz pass over these parameters: per step X X^T (2 m^2 n),
+    B = bA + cA^2 (2 m^3) and B X (2 m^2 n), with m <= n."""
     total = 0.0
     for p in params:
         out_dim, in_dim = matrix_shape(p)

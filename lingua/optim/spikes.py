@@ -1,22 +1,15 @@
-"""Loss spikes: `optim.spike=off|log|skip|rollback` and the running statistics that find them.
-What each policy does, for users, is README "Loss spikes"; how the code does it is here.
+"""Loss spikes: `optim.spike=off|log|skip|rollback` and the running statistics that find them
+(what each policy does, for users: README "Loss spikes").
 
-A step is a spike when its loss (or its gradient norm, or either: `optim.spike_on`) is above a
-threshold from the accepted steps before it (`optim.spike_rule`, SpikeMonitor.check). A
-non-finite loss with a finite gradient norm is a spike too (a non-finite gradient norm is
-optim.nonfinite's business). A rollback's batch range b_k - spike_skip_before .. b_k +
-spike_skip_after counts batches in next_step() calls (Run.batches_consumed), the same on every
-layout; SpikeHook.before_step reads them away. For log and skip the step after the spike is
-probed in full; for rollback the spiking batch is run again with the probe on before the reload
-(the probe is lingua/observe/probe.py's ProbeHook).
-
-Every rank decides alone but on the same numbers: the step's agreement
-(lingua/train/agreement.py) all-reduces its (loss sum, token count, gradient norm) once, so every
-rank has the same values and the same windows, and so takes the same decision. The windows and
-counts are part of the checkpoint's train state, so a resumed run decides as the uninterrupted
-one would. Rollbacks are recorded in `<dump_dir>/spikes.jsonl` (written by rank 0 before the
-reload, fsynced) and in the train state of later checkpoints; a run reads both back when it
-starts, so a crash between a rollback and the next checkpoint does not forget the skipped range.
+A step is a spike when its loss or gradient norm (`optim.spike_on`) is above a threshold from the
+accepted steps before it (`optim.spike_rule`), or when its loss is non-finite with a finite
+gradient norm (a non-finite gradient norm is optim.nonfinite's business). Every rank decides
+alone on the same numbers (the step's agreement, lingua/train/agreement.py, all-reduces them);
+the windows and counts are in the checkpoint's train state, so a resumed run decides as the
+uninterrupted one would. A rollback's batch range counts next_step() calls
+(Run.batches_consumed), the same in every layout; it is recorded in `<dump_dir>/spikes.jsonl`
+(fsynced before the reload) and in later checkpoints, and read back from both at start. The step
+after a spike (log, skip), or the spiking batch replayed (rollback), is probed in full.
 """
 
 import json
@@ -37,10 +30,10 @@ from lingua.hooks import ROLLBACK, SKIP, UPDATE, Hook
 
 logger = logging.getLogger("train")
 
-POLICIES = ("off", "log", "skip", "rollback")
-RULES = ("median", "sigma")
-WATCHED = ("loss", "grad_norm", "both")
 RECORDS = "spikes.jsonl"
+# SpikeMonitor's counters and flags, saved in the train state, with their initial values.
+COUNTERS = {"spike_steps": 0, "skipped_steps": 0, "in_a_row": 0, "since_row": False,
+            "probe_next": False}
 
 
 @dataclass
@@ -51,32 +44,29 @@ class Spike:
     threshold: float
     why: str            # how the threshold was made, for messages
 
-
-def watched(args) -> tuple:
-    return ("loss", "grad_norm") if args.spike_on == "both" else (args.spike_on,)
+    def __str__(self) -> str:
+        return (f"{self.on} spike at step {self.step}: {self.value:.4g} is above the threshold "
+                f"{self.threshold:.4g} ({self.why})")
 
 
 class SpikeMonitor:
-    """The running statistics, the counts and the rollback records of one run (its `args` are
-    the run's OptimArgs). Deterministic: the same values in the same order give the same
-    decisions, which is what keeps the ranks, and a resumed run, in agreement."""
+    """The running statistics, counts and rollback records of one run (`args`: its OptimArgs).
+    Deterministic: the same values in the same order give the same decisions."""
 
     def __init__(self, args, verbose: bool = True):
         self.args, self.verbose = args, verbose   # verbose: this rank logs (rank 0)
-        self.windows = {name: deque(maxlen=args.spike_window) for name in watched(args)}
+        watched = ("loss", "grad_norm") if args.spike_on == "both" else (args.spike_on,)
+        self.windows = {name: deque(maxlen=args.spike_window) for name in watched}
         self.spike_steps = 0      # spikes found on the kept trajectory (log and skip)
         self.skipped_steps = 0    # updates not applied because of a spike
         self.in_a_row = 0         # consecutive skipped spike steps (optim.spike_max_skips)
         self.rollbacks: List[dict] = []   # one record per rollback (what spikes.jsonl holds)
-        # Saved with the rest, so that a resumed run does what the uninterrupted one would:
         self.since_row = False    # a spike since the last metrics row (its loss_spike)
         self.probe_next = False   # probe the next step in full (log, skip: the step after one)
 
     @property
     def on(self) -> bool:
         return self.args.spike != "off"
-
-    # -- deciding --------------------------------------------------------------------------------
 
     def threshold(self, name: str) -> Optional[tuple]:
         """(threshold, how it was made) from the window of `name`; None until the window is full."""
@@ -107,10 +97,9 @@ class SpikeMonitor:
         return None
 
     def accept(self, values: dict) -> None:
-        """The step's update was applied: its values join the windows. Under `log` a spike's
-        values join too (the model did train on that batch, and a loss that moved to a new level
-        must become the new normal, not warn forever); under skip and rollback a spike never
-        reaches here, so it cannot raise the threshold that judges the steps after it."""
+        """The step's update was applied: its values join the windows. Under `log` a spike's join
+        too (a loss at a new level must become the new normal, not warn forever); under skip and
+        rollback a spike never gets here, so it cannot raise the threshold after it."""
         self.in_a_row = 0
         for name, window in self.windows.items():
             if math.isfinite(values[name]):
@@ -119,23 +108,18 @@ class SpikeMonitor:
     def logged(self, spike: Spike) -> None:
         self.spike_steps += 1
         if self.verbose:
-            logger.warning("%s spike at step %d: %.4g is above the threshold %.4g (%s); the "
-                           "update was applied (optim.spike=log). probe.jsonl holds the next "
-                           "step, probed in full: it shows which module moved.", spike.on,
-                           spike.step, spike.value, spike.threshold, spike.why)
+            logger.warning("%s; the update was applied (optim.spike=log). probe.jsonl holds the "
+                           "next step, probed in full: it shows which module moved.", spike)
 
     def skipped(self, spike: Spike, reason: str = "optim.spike=skip") -> None:
-        """The spike's update was not applied; stop the run when that happened more than
-        optim.spike_max_skips times in a row (the values sit at a new level: skipping forever
-        would freeze the weights, and the run would end without having trained)."""
+        """The spike's update was not applied; stop the run after more than
+        optim.spike_max_skips in a row (skipping forever would freeze the weights)."""
         self.spike_steps += 1
         self.skipped_steps += 1
         self.in_a_row += 1
         if self.verbose:
-            logger.warning("%s spike at step %d: %.4g is above the threshold %.4g (%s); the "
-                           "update was skipped (%s), %d spike steps skipped so far", spike.on,
-                           spike.step, spike.value, spike.threshold, spike.why, reason,
-                           self.skipped_steps)
+            logger.warning("%s; the update was skipped (%s), %d spike steps skipped so far",
+                           spike, reason, self.skipped_steps)
         if self.in_a_row > self.args.spike_max_skips:
             raise RunError(
                 f"Steps {spike.step - self.in_a_row + 1}..{spike.step}: {self.in_a_row} spike "
@@ -148,13 +132,10 @@ class SpikeMonitor:
                 f"optim.spike_sigmas, or go back before it with optim.spike=rollback, and run "
                 f"the same command to resume from the newest checkpoint.")
 
-    # -- rollback records ---------------------------------------------------------------------
-
     def record_rollback(self, spike: Spike, batch: int, checkpoint_step: int,
                         checkpoint_dir: str) -> dict:
-        """The record of a rollback from `spike` (found on data batch `batch`) to a checkpoint;
-        raises RunError when the run already went back to that checkpoint spike_max_rollbacks
-        times (a spike that comes back on every replay is not one bad batch)."""
+        """The record of a rollback from `spike` (on data batch `batch`) to a checkpoint; RunError
+        when the run already went back there spike_max_rollbacks times."""
         a = self.args
         before = sum(1 for r in self.rollbacks if r.get("checkpoint") == checkpoint_step)
         if before >= a.spike_max_rollbacks:
@@ -191,34 +172,26 @@ class SpikeMonitor:
                 self.rollbacks.append(record)
                 known.add(_key(record))
 
-    # -- checkpoint ---------------------------------------------------------------------------
-
     def state_dict(self) -> dict:
         # Plain lists, numbers and strings: train states are loaded with weights_only=True.
         return {"windows": {name: list(w) for name, w in self.windows.items()},
-                "spike_steps": self.spike_steps, "skipped_steps": self.skipped_steps,
-                "in_a_row": self.in_a_row, "rollbacks": [dict(r) for r in self.rollbacks],
-                "since_row": self.since_row, "probe_next": self.probe_next}
+                "rollbacks": [dict(r) for r in self.rollbacks],
+                **{key: getattr(self, key) for key in COUNTERS}}
 
     def load_state_dict(self, state: dict, keep_records: bool = False) -> None:
-        """Restore what a checkpoint saved. A window of another length (spike_window changed)
-        keeps the newest values. `keep_records`: a rollback keeps the records it knows (they
-        include the one it is making), adding the checkpoint's."""
+        """Restore what a checkpoint saved (a shorter window keeps the newest values).
+        `keep_records`: a rollback keeps the records it knows, adding the checkpoint's."""
         for name, window in self.windows.items():
             window.clear()
             window.extend(state.get("windows", {}).get(name, []))
-        self.spike_steps = state.get("spike_steps", 0)
-        self.skipped_steps = state.get("skipped_steps", 0)
-        self.in_a_row = state.get("in_a_row", 0)
-        self.since_row = state.get("since_row", False)
-        self.probe_next = state.get("probe_next", False)
+        for key, initial in COUNTERS.items():
+            setattr(self, key, state.get(key, initial))
         if not keep_records:
             self.rollbacks = []
         self.merge_records(state.get("rollbacks", []))
 
     def metrics(self, skipped_batches: int) -> dict:
-        # A range written into spikes.jsonl by hand (no checkpoint) skips batches but is no
-        # rollback.
+        # A range written into spikes.jsonl by hand (no checkpoint) is no rollback.
         return {"spike_steps": self.spike_steps, "spike_skipped_steps": self.skipped_steps,
                 "rollbacks": sum(1 for r in self.rollbacks if "checkpoint" in r),
                 "skipped_batches": skipped_batches}
@@ -233,8 +206,8 @@ def records_path(dump_dir) -> Path:
 
 
 def read_records(dump_dir) -> list:
-    """The rollback records of spikes.jsonl (none if it does not exist). A line that cannot be
-    read is an error: silently dropping it would train on batches a rollback meant to skip."""
+    """The rollback records of spikes.jsonl (none without the file). An unreadable line is an
+    error: dropping it would train on batches a rollback meant to skip."""
     path = records_path(dump_dir)
     if not path.is_file():
         return []
@@ -256,8 +229,7 @@ def read_records(dump_dir) -> list:
 
 
 def append_record(dump_dir, record: dict) -> None:
-    """One line in spikes.jsonl, on disk before the rollback goes on (fsync): a crash right after
-    must not lose the range."""
+    """One line in spikes.jsonl, fsynced: a crash right after must not lose the range."""
     with open(records_path(dump_dir), "a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()
@@ -265,11 +237,10 @@ def append_record(dump_dir, record: dict) -> None:
 
 
 class SpikeHook(Hook):
-    """optim.spike in the loop: judge each step (decide), skip or roll back, skip the batches of
-    a rollback's range (before_step), probe at a spike (through `probe`, the run's ProbeHook),
-    the spike fields of metrics rows, and the "spikes" key of the checkpoint's train state.
-    Always in the hook list: a range written into spikes.jsonl by hand is skipped with
-    optim.spike=off too."""
+    """optim.spike in the loop: judge each step (decide), skip or roll back, skip a rollback's
+    batches (before_step), probe at a spike (`probe`: the run's ProbeHook), metrics, and the
+    "spikes" key of the train state. Always in the hook list: hand-written ranges in
+    spikes.jsonl are skipped with optim.spike=off too."""
 
     def __init__(self, args, env, probe):
         self.monitor = SpikeMonitor(args.optim, env.is_main)
@@ -278,8 +249,8 @@ class SpikeHook(Hook):
         self.keep_records = False             # a rollback's reload keeps the records it knows
 
     def start(self, run) -> None:
-        """Rank 0 reads spikes.jsonl and tells the others (or its error: none may wait alone): a
-        rollback made after the newest checkpoint is in no checkpoint's train state."""
+        """Rank 0 reads spikes.jsonl (rollbacks after the newest checkpoint) and tells the others,
+        or its error (none may wait alone)."""
         outcome = [None]
         if self.env.is_main:
             try:
@@ -304,8 +275,7 @@ class SpikeHook(Hook):
             self.probe.probe_in_full(run)
 
     def decide(self, run, step: int) -> str:
-        # The step's loss over the global batch and its gradient norm, the same on every rank
-        # (the step's agreement): every rank updates the same windows and decides alike.
+        # The step's agreed values, the same on every rank: all decide alike.
         monitor, agreed = self.monitor, run.agreed
         self.values = ({"loss": agreed["loss"], "grad_norm": agreed["grad_norm"]}
                        if monitor.on else None)
@@ -327,12 +297,9 @@ class SpikeHook(Hook):
             self.monitor.accept(self.values)
 
     def _roll_back(self, run, spike: Spike) -> bool:
-        """optim.spike=rollback at the spiking step: record the data batches to skip (in
-        spikes.jsonl first, so that a crash cannot lose them), run the spiking batch again with
-        the probe on, and reload the newest intact checkpoint on every rank, as resume does.
-        Returns False, the update to be skipped instead, when no checkpoint from before the
-        spike exists yet: stopping a run in its first checkpoint.every steps for a spike would
-        cost more than the spike, and skipping is the closest thing that needs no checkpoint."""
+        """optim.spike=rollback: record the batches to skip (spikes.jsonl first), run the spiking
+        batch again with the probe on, and reload the newest intact checkpoint on every rank.
+        False (the update skipped instead) when no checkpoint from before the spike exists."""
         env, monitor = self.env, self.monitor
         run.finish_save(block=True)   # the checkpoint being written is the newest one
         target = checkpoint.newest_verified(run.dump_dir, env.rank, env.world_size,
@@ -346,11 +313,9 @@ class SpikeHook(Hook):
         record = monitor.record_rollback(spike, run.batches_consumed, back_to, str(target))
         if env.is_main:
             append_record(run.dump_dir, record)
-            logger.warning("%s spike at step %d: %.4g is above the threshold %.4g (%s); rolling "
-                           "back to %s and skipping data batches %d..%d (rollback %d, recorded "
-                           "in %s)", spike.on, spike.step, spike.value, spike.threshold,
-                           spike.why, target, *record["skip"], len(monitor.rollbacks),
-                           records_path(run.dump_dir))
+            logger.warning("%s; rolling back to %s and skipping data batches %d..%d (rollback "
+                           "%d, recorded in %s)", spike, target, *record["skip"],
+                           len(monitor.rollbacks), records_path(run.dump_dir))
         for optimizer in run.optimizers.optimizers:
             optimizer.zero_grad(set_to_none=True)
         self.probe.probe_batch(run, spike.step, run.micro_batches, back_to)
