@@ -1,14 +1,9 @@
 """Hydra glue: compose a run's config from a preset and command-line overrides, check it, dump it.
 
-We use Hydra's compose API instead of `@hydra.main` on purpose: `@hydra.main` makes a timestamped
-output directory per process and changes the working directory, which under torchrun means one
-directory per rank racing to write the same files. `load()` gives the same overrides, config groups
-and schema checks, and leaves the filesystem alone. The launcher (stool) calls the same function,
-so a bad config fails before a job is queued.
-
-A run's schema is a dataclass (the app's `TrainArgs`) registered in Hydra's ConfigStore; a preset
-is a YAML file under `configs/<app>/` whose defaults list starts with that schema, so unknown keys
-and wrong types are refused by OmegaConf while composing.
+Hydra's compose API, not `@hydra.main` (an output directory per process, the working directory
+changed: under torchrun, ranks racing). A preset (`configs/<app>/*.yaml`) starts its defaults list
+with the app's dataclass schema, so unknown keys and wrong types are refused while composing. The
+launcher (stool) calls the same `load`: a bad config fails before a job is queued.
 """
 
 import contextlib
@@ -42,9 +37,8 @@ def register_schema(name: str, schema: Type) -> None:
 
 
 def _unalias(override: str) -> str:
-    """The contract's spellings that are Python keywords, which no dataclass field can be
-    named: `checkpoint.async=B` is checkpoint.async_save=B, `eval.async=true|false` is
-    eval.mode=async|inline."""
+    """Spellings that are Python keywords, which no field can be named: `checkpoint.async=B` is
+    checkpoint.async_save=B, `eval.async=true|false` is eval.mode=async|inline."""
     key, eq, value = override.partition("=")
     bare = key.lstrip("+~")
     prefix = key[:len(key) - len(bare)]
@@ -58,22 +52,16 @@ def _unalias(override: str) -> str:
 
 def split_argv(argv: Sequence[str], default_preset: str) -> tuple:
     """Separate the preset choice (`config=NAME` or `--config-name NAME`) from Hydra overrides."""
-    preset, overrides, i = default_preset, [], 0
-    argv = list(argv)
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("config="):
-            preset = arg.split("=", 1)[1]
-        elif arg.startswith("--config-name="):
+    preset, overrides, args = default_preset, [], iter(argv)
+    for arg in args:
+        if arg.startswith(("config=", "--config-name=")):
             preset = arg.split("=", 1)[1]
         elif arg in ("--config-name", "-cn"):
-            if i + 1 >= len(argv):
+            preset = next(args, None)
+            if preset is None:
                 raise ConfigError(f"{arg} needs a preset name after it, e.g. `{arg} debug`.")
-            preset = argv[i + 1]
-            i += 1
         else:
             overrides.append(_unalias(arg))
-        i += 1
     return preset, overrides
 
 
@@ -106,8 +94,7 @@ def _explain_compose_error(err: Exception, overrides: Sequence[str], known: Sequ
             "To add a key that is not in the schema, change the dataclass, not the command line.")
     full_key = getattr(cause, "full_key", None) or getattr(err, "full_key", None)
     key_part = f" (key: {full_key})" if full_key else ""
-    in_a_map = any(full_key and full_key.startswith(k + ".") for k in maps)
-    if full_key and known and full_key not in known and not in_a_map:
+    if full_key and full_key not in known and not any(full_key.startswith(k + ".") for k in maps):
         close = difflib.get_close_matches(full_key, known, n=2, cutoff=0.8)
         if close:
             hint = f"Did you mean {' or '.join(close)}? " + hint
@@ -120,8 +107,7 @@ def _explain_compose_error(err: Exception, overrides: Sequence[str], known: Sequ
 
 
 def _key_type(schema: Type, key: str):
-    """The type the schema gives a dotted key (a map's entry: the map's value type); None when
-    the schema does not say."""
+    """The schema's type of a dotted key (a map's entry: the map's value type), or None."""
     hint = schema
     for part in key.split("."):
         hint = _unoptional(hint)
@@ -153,22 +139,17 @@ def _type_words(hint) -> str:
 
 def _as_override(value) -> Optional[str]:
     """A scalar as it is written on the command line; None for anything else."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
+    if value is None or isinstance(value, bool):
+        return str(value).lower() if value is not None else "null"
     return str(value) if isinstance(value, (int, float, str)) else None
 
 
 def _type_mismatch(err: Exception, overrides: Sequence[str], schema: Optional[Type]):
-    """One sentence for a value of the wrong type (key, value given, type expected, an example
-    of a right one); None for every other composition error."""
+    """One sentence for a value of the wrong type (key, value, type, an example); else None."""
     cause = err.__cause__ or err.__context__
     key = getattr(cause, "full_key", None)
-    if schema is None or not key or not isinstance(cause, ValidationError) \
-            or isinstance(cause, KeyValidationError):
-        return None
-    hint = _key_type(schema, key)
+    wrong_value = isinstance(cause, ValidationError) and not isinstance(cause, KeyValidationError)
+    hint = _key_type(schema, key) if schema is not None and key and wrong_value else None
     if hint is None:
         return None
     given = next((o.split("=", 1)[1] for o in reversed(overrides)
@@ -185,8 +166,8 @@ def _type_mismatch(err: Exception, overrides: Sequence[str], schema: Optional[Ty
 
 
 def schema_keys(schema: Type, prefix: str = "") -> dict:
-    """Every dotted key of a dataclass schema -> True for a free-form map (a `Dict[...]` field,
-    e.g. data.sources), False otherwise. Nested dataclasses are walked, not listed."""
+    """Every dotted key of a dataclass schema (nested dataclasses walked, not listed) -> whether it
+    is a free-form map (a `Dict[...]` field, e.g. data.sources)."""
     keys = {}
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
@@ -200,9 +181,8 @@ def schema_keys(schema: Type, prefix: str = "") -> dict:
 
 def _open_maps(overrides: Sequence[str], maps: Sequence[str]) -> list:
     """`data.sources.books=2` or `data.sources={a:1,b:2}` as `++...`: a map's entries are not in
-    the schema, so OmegaConf's struct mode would refuse them and ask for Hydra's `+` prefix. `++`
-    adds or replaces the entry, which is what an override of a map means (Hydra merges a dict
-    value into the existing map either way)."""
+    the schema, so struct mode would ask for Hydra's `+`; `++` adds or replaces the entry, which
+    is what an override of a map means."""
     out = []
     for override in overrides:
         key = override.split("=", 1)[0]
@@ -213,24 +193,17 @@ def _open_maps(overrides: Sequence[str], maps: Sequence[str]) -> list:
     return out
 
 
-# A preset's switch that holds for the preset's own value of another key only. The debug presets
-# build the embedded corpus on first use at *their* data.root (data/embedded), so that the first
-# command works right after install; a data.root given on the command line names a corpus the
-# user means to have, so a missing one there is an error naming the key, not a place to create a
-# directory and build a toy corpus in (data.prepare_embedded=true given with it still asks for
-# exactly that).
+# A preset's switch that holds only at the preset's own value of another key: the debug presets
+# build the embedded corpus on first use at *their* data.root; a data.root given on the command
+# line names a corpus the user means to have, so a missing one there is an error, not a place to
+# build a toy corpus in (unless data.prepare_embedded=true is given too).
 PRESET_SCOPED = {"data.prepare_embedded": "data.root"}
 
 
-def _override_keys(overrides: Sequence[str]) -> set:
-    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-
-
 def _scope_to_preset(cfg: DictConfig, overrides: Sequence[str], preset_alone: Callable) -> None:
-    """Turn off each PRESET_SCOPED switch the preset set (not the command line) when the command
-    line moved its key away from the preset's value (`preset_alone()` composes the preset with no
-    override; called only then, so a run without such overrides composes once)."""
-    given = _override_keys(overrides)
+    """Turn off each PRESET_SCOPED switch the preset set when the command line moved its key away
+    from the preset's value (`preset_alone()`: the preset composed alone, only then)."""
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     for switch, key in PRESET_SCOPED.items():
         if switch in given or OmegaConf.select(cfg, switch) is not True:
             continue
@@ -244,9 +217,8 @@ def _scope_to_preset(cfg: DictConfig, overrides: Sequence[str], preset_alone: Ca
 
 def compose_config(app: str, argv: Sequence[str], default_preset: str = "debug",
                    schema: Optional[Type] = None) -> DictConfig:
-    """Compose (preset + overrides) into a typed DictConfig; raises ConfigError on any bad key/type.
-    With the app's `schema`, a map's entries may be set without Hydra's `+`, and a misspelt key
-    gets the closest real ones in its error."""
+    """Compose (preset + overrides) into a typed DictConfig, or ConfigError. With the app's
+    `schema`, a map's entries need no `+`, and a misspelt key gets the closest real ones."""
     keys = schema_keys(schema) if schema is not None else {}
     maps = [key for key, is_map in keys.items() if is_map]
     preset, overrides = split_argv(argv, default_preset)
@@ -266,13 +238,9 @@ def compose_config(app: str, argv: Sequence[str], default_preset: str = "debug",
 
 def load(app: str, schema: Type[T], argv: Optional[Sequence[str]] = None,
          validate: Optional[Callable[[T], None]] = None, default_preset: str = "debug") -> T:
-    """The one entry point: argv -> a validated dataclass instance of `schema`.
-
-    `validate` is the app's function for cross-field checks (divisibility, files, ...); it must
-    raise ConfigError and must not touch process groups, devices or the dump directory.
-    """
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = compose_config(app, argv, default_preset, schema)
+    """The one entry point: argv -> a validated dataclass instance of `schema`. `validate`: the
+    app's cross-field checks, raising ConfigError, touching no process group, device or dump_dir."""
+    cfg = compose_config(app, sys.argv[1:] if argv is None else argv, default_preset, schema)
     try:
         args = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:  # e.g. a missing mandatory value (???)
@@ -296,8 +264,7 @@ def to_dict(args: Any) -> dict:
 
 def from_dict(schema: Type[T], data: Any) -> T:
     """Rebuild a dataclass (e.g. model args) from a dict read from a run's config.yaml."""
-    merged = OmegaConf.merge(OmegaConf.structured(schema), data)
-    return OmegaConf.to_object(merged)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), data))
 
 
 def dump(args: Any, path: Path) -> None:
@@ -309,13 +276,29 @@ def dump(args: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+# What runs (and stool, before its job starts) write into their dump_dir: one of these makes a
+# directory a run's.
+RUN_DIRECTORY_MARKS = ("config.yaml", "metrics.jsonl", "checkpoints", "peak.json", "spikes.jsonl",
+                       "probe", "evals", "profiling", "wandb", "wandb_id.txt", "code", "slurm",
+                       "plots")
+
+
 def check_dump_dir(dump_dir: str) -> None:
-    """Refuse a dump_dir that is a file or lies under one: its mkdir would fail only after the
-    processes and the model were started. A dump_dir that does not exist yet is fine."""
+    """Refuse a dump_dir that is a file or lies under one (its mkdir would fail only after the
+    processes and the model were started), or an existing directory that is neither empty nor a
+    run's (a run to resume): its files would be mixed with the run's. A new dump_dir is fine."""
     path = Path(dump_dir)
     found = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
     if found == path and path.is_dir():
-        check_run_directory(path)
+        entries = sorted(p.name for p in path.iterdir())
+        if entries and not any(mark in entries for mark in RUN_DIRECTORY_MARKS):
+            shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more"
+                                              if len(entries) > 5 else "")
+            raise ConfigError(f"dump_dir={path} already holds files that are not a run's ({shown}):"
+                              f" no config.yaml, metrics.jsonl or checkpoints/, so it is not a run "
+                              f"to resume, and the run's files would be mixed with these. Give "
+                              f"dump_dir a new or empty directory (e.g. dump_dir={path / 'run'}), "
+                              f"or the dump_dir of the run you mean to resume.")
     if found is None or found.is_dir():
         return
     what = "a file" if found.is_file() else "not a directory"
@@ -326,63 +309,30 @@ def check_dump_dir(dump_dir: str) -> None:
                       f"move {found} away.")
 
 
-# What runs (and stool, before its job starts) write into their dump_dir: one of these makes a
-# directory a run's.
-RUN_DIRECTORY_MARKS = ("config.yaml", "metrics.jsonl", "checkpoints", "peak.json", "spikes.jsonl",
-                       "probe", "evals", "profiling", "wandb", "wandb_id.txt", "code", "slurm",
-                       "plots")
+@contextlib.contextmanager
+def every_problem():
+    """`with every_problem() as check: check(fn, *args)`: fn's result, or None with its ConfigError
+    noted; at the end one ConfigError names every problem (one problem: its own message)."""
+    found = []
 
-
-def check_run_directory(path: Path) -> None:
-    """An existing dump_dir is empty or a run directory of ours (a run to resume): a directory
-    of other files would be mixed with the run's."""
-    entries = sorted(p.name for p in path.iterdir())
-    if not entries or any(mark in entries for mark in RUN_DIRECTORY_MARKS):
-        return
-    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-    raise ConfigError(f"dump_dir={path} already holds files that are not a run's ({shown}): "
-                      f"no config.yaml, metrics.jsonl or checkpoints/, so it is not a run to "
-                      f"resume, and the run's files would be mixed with these. Give dump_dir a "
-                      f"new or empty directory (e.g. dump_dir={path / 'run'}), or the dump_dir "
-                      f"of the run you mean to resume.")
-
-
-class Problems:
-    """Checks run one after another, each ConfigError noted and the next check run, so that one
-    try names every problem it can (every_problem)."""
-
-    def __init__(self):
-        self.found: list = []
-
-    def __call__(self, check: Callable, *args, **kwargs):
-        """check(*args, **kwargs); its ConfigError noted, its result (None if it failed)."""
+    def check(fn: Callable, *args, **kwargs):
         try:
-            return check(*args, **kwargs)
+            return fn(*args, **kwargs)
         except ConfigError as err:
-            if str(err) not in self.found:
-                self.found.append(str(err))
+            if str(err) not in found:
+                found.append(str(err))
         except Exception:
-            if not self.found:
+            if not found:
                 raise
             # A later check tripping over a value an earlier one refused: that one is named.
         return None
 
-    def raise_if_any(self) -> None:
-        if len(self.found) == 1:
-            raise ConfigError(self.found[0])
-        if self.found:
-            raise ConfigError(f"{len(self.found)} problems with this configuration, each with "
-                              f"its fix:\n" + "\n".join(f"  {i}. {problem}" for i, problem
-                                                        in enumerate(self.found, 1)))
-
-
-@contextlib.contextmanager
-def every_problem():
-    """`with every_problem() as check: check(fn, ...)`: runs every check, then raises one
-    ConfigError naming all the problems found (the one problem's own message when alone)."""
-    problems = Problems()
-    yield problems
-    problems.raise_if_any()
+    yield check
+    if len(found) == 1:
+        raise ConfigError(found[0])
+    if found:
+        raise ConfigError(f"{len(found)} problems with this configuration, each with its fix:\n"
+                          + "\n".join(f"  {i}. {problem}" for i, problem in enumerate(found, 1)))
 
 
 def require(condition: bool, message: str) -> None:
@@ -398,8 +348,8 @@ def check_positive(obj: Any, prefix: str, names: Sequence[str]) -> None:
 
 
 def import_app(module: str):
-    # A console script does not put the checkout on sys.path; a forked app (apps/myarch) may not
-    # be installed: look where stool is run from, then in the checkout lingua comes from.
+    # A console script does not put the checkout (or a fork's uninstalled app) on sys.path: look
+    # where stool is run from, then in the checkout lingua comes from.
     for path in (str(REPO_ROOT), os.getcwd()):
         if path not in sys.path:
             sys.path.insert(0, path)

@@ -1,16 +1,11 @@
 """Errors for bad user input, and how their message reaches the person once.
 
-A ConfigError carries a message meant for a person: what was wrong and how to fix it. Entry points
-catch it and print the message alone (no traceback), before any process group, checkpoint write
-or job submission happens.
-
-Under torchrun every rank usually hits the same error (the config is the same everywhere; a
-damaged file is read by all), and torchrun then reports the failure of the first rank that exited
-as a 35-line summary whose root cause says only "To enable traceback see ...". `report` prints the
-message once for the job (the first rank to fail claims it through torchrun's TCP store; ranks
-with the same message stay quiet) and writes it to the rank's TORCHELASTIC_ERROR_FILE, the JSON
-file torchrun reads (torch.distributed.elastic.multiprocessing.errors.ProcessFailure), so the
-root cause torchrun prints is that message.
+A ConfigError's message says what was wrong and how to fix it; entry points print it alone (no
+traceback), before any process group, checkpoint write or job submission. Under torchrun every
+rank usually hits the same error, and torchrun's summary of the first failure would say only "To
+enable traceback see ...": `report` prints the message once for the job (the first rank to fail
+claims it in torchrun's TCP store) and writes it to the rank's TORCHELASTIC_ERROR_FILE, so the root
+cause torchrun prints is that message.
 """
 
 import datetime
@@ -94,10 +89,9 @@ def _job_store():
 
 
 def _write_error_file(message: str, timestamp: float) -> None:
-    """The failure torchrun reports for this rank: its error file, in the form torch's own
-    @record writes (ErrorHandler.record_exception) with the message where the traceback goes,
-    which is the line torchrun's summary prints. (The plain {"message": str} form is read too,
-    but torchrun then logs two warnings about it.)"""
+    """The failure torchrun reports for this rank: its error file, in the form torch's @record
+    writes (ErrorHandler.record_exception), the message where the traceback goes, which is the
+    line torchrun's summary prints (the plain {"message": str} form costs two warnings)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return

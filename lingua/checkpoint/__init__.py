@@ -1,32 +1,15 @@
 """Distributed checkpoints (DCP) that are either complete or invisible, and resume from the newest.
 
-Layout of one checkpoint, `<dump_dir>/checkpoints/<step>/`:
-  - DCP files of {"model": ..., "optim": ...} (full parameter names, so any parallel layout can
-    load them: DCP reshards on load),
-  - `train_state_rank<r>.pt`: step, data-loader state, scheduler and RNG of rank r (plain tensors
-    and numbers, loaded with weights_only=True),
-  - `config.yaml`: the run's resolved config, so a checkpoint is self-describing (export, generate).
-  - `base.json`, when the run started from checkpoint.init_from and froze some of its weights
-    (LoRA): the model entry then holds only the weights that train (a few MB, not the frozen
-    base's GBs again), and base.json names the base (path, size, a checksum of its index) that
-    resume and every reader load first (`load_base` below) and that resume checks is unchanged.
-  - `manifest.json`: size and CRC-32 of every other file, written last.
-Everything is written into `<step>.tmp-<nonce>/` and renamed to `<step>/` by rank 0 after all ranks
-finished writing; a rename is atomic, so a crash mid-write leaves only a `.tmp` directory, which
-resume ignores. A step directory can still be damaged later (a truncated copy, a lost or corrupted
-shard, a disk error): before resuming, the ranks check it against its manifest together, each
-reading its share of the files (`newest_verified`), and automatic resume skips a damaged
-checkpoint (with a warning naming the file) for the one before it and moves it aside to
-`<step>.damaged/`, so that `keep` counts intact checkpoints only; a checkpoint asked for by name
-(export, generate) that fails `verify()` is an error.
-The manifest, the checks against it, the ranks' agreement at resume, setting aside and pruning
-are in integrity.py.
-
-With checkpoint.async_save a periodic save (`save_async`) only copies the state to CPU memory at
-its step; a background thread writes the same files into the same `.tmp-` directory while training
-goes on, and the manifest and rename happen at a later step boundary where every rank's write is
-done (`PendingSave.finish`), so the guarantee is the same: complete or invisible, and a write that
-failed on any rank stops every rank with the previous checkpoint still the newest.
+`<dump_dir>/checkpoints/<step>/` holds the DCP files of {"model", "optim"} (full parameter names:
+DCP reshards into any layout), `train_state_rank<r>.pt` (step, data position, scheduler, RNG;
+loaded with weights_only=True), the run's `config.yaml`, `base.json` when a LoRA run left its
+frozen base out (frozen_base.py), and `manifest.json` (size and CRC-32 of every file), written
+last. Everything is written into `<step>.tmp-<nonce>/` and renamed by rank 0 once every rank is
+done, so a crash leaves only a `.tmp` directory, which resume ignores. Resume checks the newest
+checkpoint against its manifest (every rank reading its share) and falls back to the one before
+a damaged one, setting it aside; a checkpoint asked for by name that fails `verify()` is an error
+(integrity.py). With checkpoint.async_save the files are written by a thread while training goes
+on (`save(background=True)`), with the same guarantee.
 """
 
 import io
@@ -63,15 +46,15 @@ from lingua.checkpoint.frozen_base import (  # noqa: F401 (the API: checkpoint.<
     read_base,
     verified_base,
 )
-from lingua.checkpoint.integrity import (  # noqa: F401 (newest_verified, verified: API)
+from lingua.checkpoint.integrity import (  # noqa: F401 (newest_verified: API)
     MANIFEST,
     STEP_DIR,
     InUse,
+    _all_gather,
     checkpoints_dir,
     describe,
     newest_verified,
     prune,
-    require_intact,
     step_dirs,
     verified,
     verify,
@@ -87,8 +70,7 @@ class CheckpointArgs:
     every: int = 0                  # save every N steps (0: only at the end of training)
     keep: int = 3                   # keep the newest N checkpoints (0: keep all)
     save_final: bool = True         # also save after the last step
-    # A Hugging Face directory to initialise weights from (fine-tuning).
-    init_from: Optional[str] = None
+    init_from: Optional[str] = None  # a Hugging Face directory to initialise weights from
     # Write periodic checkpoints while the next steps run (not `async`, a Python keyword): only
     # the copy to CPU memory holds up training. See `save_async`.
     async_save: bool = False
@@ -105,21 +87,14 @@ def validate_args(args: CheckpointArgs) -> None:
 
 
 def list_complete(dump_dir) -> list:
-    """Complete checkpoints, oldest first (only renamed step directories holding DCP metadata)."""
-    root = checkpoints_dir(dump_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)
-             and (p / ".metadata").is_file()]
-    return sorted(found, key=lambda p: int(p.name))
-
+    """Complete checkpoints, oldest first (renamed step directories holding DCP metadata)."""
+    return [p for p in step_dirs(checkpoints_dir(dump_dir)) if (p / ".metadata").is_file()]
 
 
 def newest(dump_dir, warn: bool = True) -> Optional[Path]:
-    """The newest checkpoint whose files have the manifest's sizes (no checksums: a quick look,
-    e.g. before any process group; resume reads every byte through `newest_verified`); damaged
-    newer ones (a missing .metadata included) are skipped, with a warning if `warn`. Unfinished
-    `.tmp-` directories are not candidates."""
+    """The newest checkpoint whose files have the manifest's sizes (a quick look, e.g. before any
+    process group; resume checksums through `newest_verified`); damaged newer ones are skipped,
+    with a warning if `warn`."""
     for ckpt in reversed(step_dirs(checkpoints_dir(dump_dir))):
         problem = verify(ckpt, checksums=False)
         if problem is None:
@@ -130,33 +105,24 @@ def newest(dump_dir, warn: bool = True) -> Optional[Path]:
     return None
 
 
-def _holds_checkpoint(path: Path) -> bool:
-    # DCP's metadata or our manifest. A damaged checkpoint is still one: loading it names the
-    # damage.
-    return (path / ".metadata").is_file() or (path / MANIFEST).is_file()
-
-
-def _no_step_error(path: Path) -> ConfigError:
-    have = [p.name for p in list_complete(path.parent.parent)]
-    return ConfigError(f"no checkpoint {path.name} in {path.parent}; the run has: "
-                       f"{', '.join(have) or 'none'}. Give one of those, or the run directory "
-                       f"{path.parent.parent} for its newest complete checkpoint.")
-
-
 def resolve(target, in_run: bool = False) -> Path:
     """The checkpoint directory a command line means (generate, export, eval): a run directory
-    (dump_dir, or its checkpoints/ folder) means its newest complete checkpoint, as resume picks
-    it; a checkpoint directory means itself. `in_run`: the checkpoint must sit in its run, as
-    <dump_dir>/checkpoints/<step> (eval writes results beside the run's metrics). ConfigError
-    saying what exists instead."""
+    (dump_dir, or its checkpoints/) means its newest complete checkpoint, a checkpoint directory
+    itself. `in_run`: it must sit in its run, <dump_dir>/checkpoints/<step> (eval writes results
+    beside the run's metrics). Else ConfigError saying what exists instead."""
     path = Path(target)
     in_checkpoints = path.parent.name == "checkpoints" and STEP_DIR.match(path.name)
     if not path.exists():
         if in_checkpoints and path.parent.parent.is_dir():
-            raise _no_step_error(path)
+            have = [p.name for p in list_complete(path.parent.parent)]
+            raise ConfigError(f"no checkpoint {path.name} in {path.parent}; the run has: "
+                              f"{', '.join(have) or 'none'}. Give one of those, or the run "
+                              f"directory {path.parent.parent} for its newest complete checkpoint.")
         raise ConfigError(f"{target} does not exist: give a run directory (dump_dir) or one of "
                           f"its checkpoints, <dump_dir>/checkpoints/<step>.")
-    if path.is_dir() and (_holds_checkpoint(path) or in_checkpoints):
+    # DCP's metadata or our manifest: a damaged checkpoint is still one (loading names the damage)
+    holds = (path / ".metadata").is_file() or (path / MANIFEST).is_file()
+    if path.is_dir() and (holds or in_checkpoints):
         if in_run and not in_checkpoints:
             raise ConfigError(f"{target} is a checkpoint outside a run directory: results are "
                               f"written beside the run's metrics, so give the checkpoint inside "
@@ -186,23 +152,18 @@ def read_run_config(ckpt_dir) -> DictConfig:
     return OmegaConf.load(path)
 
 
-# DCP warns at every save and load of a one-process run that it "assumes the intent is to
-# save/load in a single process", even when no_dist=True says exactly that (torch 2.13's
-# state_dict_saver.save / state_dict_loader.load warn whenever no_dist). That intent is ours, so
-# this one message is ignored, only from DCP's modules. A filter, not catch_warnings: dcp.async_save
-# calls save in its own thread. Installed before each call because pytest resets the filters
-# between tests (filterwarnings drops an identical filter before inserting it: no growth).
-SINGLE_PROCESS_DCP_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
-                              r"assuming the intent is to (save|load) in a single process")
-
-
-def _quiet_single_process_dcp() -> None:
-    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_DCP_WARNING, category=UserWarning,
-                            module=r"torch\.distributed\.checkpoint")
+def quiet_single_process_dcp() -> None:
+    """Ignore DCP's warning, at every one-process save and load even with no_dist=True, that it
+    assumes a single process: that is our intent. A filter, not catch_warnings (dcp.async_save
+    saves in its own thread), installed before each call (pytest resets the filters between
+    tests; an identical filter replaces itself)."""
+    warnings.filterwarnings("ignore", r"torch\.distributed is disabled, unavailable or "
+                            r"uninitialized, assuming the intent is to (save|load) in a single "
+                            r"process", UserWarning, r"torch\.distributed\.checkpoint")
 
 
 def _dcp_load(state: dict, ckpt_dir: Path) -> None:
-    _quiet_single_process_dcp()
+    quiet_single_process_dcp()
     try:
         dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as err:  # DCP wraps mismatches in a CheckpointException
@@ -214,10 +175,9 @@ def _dcp_load(state: dict, ckpt_dir: Path) -> None:
 
 
 def load_model_state(ckpt_dir, model: nn.Module) -> None:
-    """Load the 'model' entry into a plain model, e.g. for export or generation. A checkpoint
-    without its frozen base (base.json) loads the trained weights only, over a model that
-    holds the base already."""
-    require_intact(ckpt_dir)
+    """Load the 'model' entry into a plain model, e.g. for generation. A checkpoint without its
+    frozen base (base.json) loads the trained weights only, over a model that holds the base."""
+    verified(ckpt_dir)
     without_base = read_base(ckpt_dir) is not None
     state = {"model": _model_state(model, without_base)}
     _dcp_load(state, Path(ckpt_dir))
@@ -226,8 +186,7 @@ def load_model_state(ckpt_dir, model: nn.Module) -> None:
 
 def check_resume_compatible(dump_dir, run_config: dict, keys=("model",)) -> Optional[Path]:
     """Before any work: refuse a dump_dir whose newest checkpoint was made with other values of
-    `keys` (dotted config keys or whole sections, e.g. the model). Quiet about damaged ones: resume
-    warns about those, once."""
+    `keys` (dotted keys or whole sections). Quiet about damaged ones: resume warns, once."""
     ckpt = newest(dump_dir, warn=False)
     if ckpt is None:
         return None
@@ -271,12 +230,6 @@ def _set_rng_state(state: dict) -> None:
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _part_states(parts: list, optimizers: list, without_frozen: bool = False) -> list:
-    return [(_model_state(part, without_frozen),
-             get_optimizer_state_dict(part, optimizer, options=_FLAT))
-            for part, optimizer in zip(parts, optimizers)]
-
-
 def _model_state(part: nn.Module, without_frozen: bool) -> dict:
     state = get_model_state_dict(part)
     if without_frozen:   # frozen weights come from the base (base.json), not the checkpoint
@@ -285,38 +238,28 @@ def _model_state(part: nn.Module, without_frozen: bool) -> dict:
     return state
 
 
-def _merged(part_states: list) -> dict:
-    state = {"model": {}, "optim": {}}
-    for model, optim in part_states:
-        state["model"].update(model)
-        state["optim"].update(optim)
-    return state
+def _union(dicts) -> dict:
+    return {k: v for d in dicts for k, v in d.items()}
 
 
 def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
          config_yaml: str, rank: int, world_size: int, keep: int,
          in_use: Optional[InUse] = None, base: Optional[dict] = None, background: bool = False):
-    """Collective: every rank calls it. Returns the final checkpoint directory. Afterwards the
-    checkpoints older than the newest `keep` intact ones are deleted, except those `in_use`
-    (a step -> bool the caller gives, e.g. a checkpoint a pending evaluation job will read).
-
-    If any rank cannot write (a full disk, a read-only or vanished directory), every rank raises
-    RunError after the half-written directory is removed; older checkpoints are untouched.
-    `base` (frozen_base's record): the frozen weights are left out, base.json names them.
-
-    `background` (checkpoint.async_save, `save_async`): returns the PendingSave at once, the
-    model and optimizer state copied to CPU memory (DCP's stager: new CPU storage, so later
-    steps do not reach the copy); a thread writes the files and checksums them, and nothing is
-    visible until every rank calls `finish` at the same step boundary. The caller finishes one
-    save before starting the next. DCP's collectives then run on a gloo group of their own, so
-    they never interleave with the training loop's.
-    """
+    """Collective. Returns the checkpoint directory, after pruning to the newest `keep` intact
+    ones, except those `in_use` (step -> bool, e.g. a pending evaluation job's). If any rank cannot
+    write, every rank raises RunError after the half-written directory is removed. `base`
+    (frozen_base's record): the frozen weights are left out, base.json names them.
+    `background` (`save_async`): returns the PendingSave once the state is copied to new CPU
+    memory; a thread writes and checksums the files, visible once every rank called `finish` at
+    the same step boundary (one save finished before the next starts)."""
     ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use,
                        base)
     error = ckpt.open()
     if error is None:
-        _quiet_single_process_dcp()
-        state = _merged(_part_states(parts, optimizers, base is not None))
+        quiet_single_process_dcp()
+        state = {"model": _union(_model_state(part, base is not None) for part in parts),
+                 "optim": _union(get_optimizer_state_dict(part, optimizer, options=_FLAT)
+                                 for part, optimizer in zip(parts, optimizers))}
         try:
             if background:
                 started = time.perf_counter()
@@ -326,8 +269,7 @@ def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
                 ckpt.start(getattr(upload, "upload_completion", upload))
                 if rank == 0:
                     logger.info("checkpoint %s: state copied to CPU memory in %.2f s, written "
-                                "while training goes on", ckpt.final,
-                                time.perf_counter() - started)
+                                "while training goes on", ckpt.final, time.perf_counter() - started)
             else:
                 dcp.save(state, checkpoint_id=str(ckpt.tmp), no_dist=world_size == 1)
         except (Exception, CheckpointException) as err:
@@ -354,17 +296,15 @@ def save_async(*args, **kwargs) -> "PendingSave":
 
 
 class PendingSave:
-    """One checkpoint from its `<step>.tmp-<nonce>/` directory to `<step>/`, shared by `save` and
-    `save_async`: `open` makes the directory, the DCP shards and `write_own` fill it (in the
-    calling thread, or in the background after `start`), and `close` makes it visible or
-    removes it. A pending asynchronous save is finished with `finish`."""
+    """One checkpoint from `<step>.tmp-<nonce>/` to `<step>/`: `open` makes the directory, the DCP
+    shards and `write_own` fill it (in the calling thread, or in the background after `start`,
+    finished by `finish`), and `close` makes it visible or removes it."""
 
     def __init__(self, dump_dir, step: int, train_state: dict, config_yaml: str, rank: int,
                  world_size: int, keep: int, in_use: Optional[InUse] = None,
                  base: Optional[dict] = None):
         self.dump_dir, self.step, self.config_yaml, self.base = dump_dir, step, config_yaml, base
-        self.rank, self.world_size = rank, world_size
-        self.keep, self.in_use = keep, in_use
+        self.rank, self.world_size, self.keep, self.in_use = rank, world_size, keep, in_use
         self.root = checkpoints_dir(dump_dir)
         self.final = self.root / str(step)
         self.tmp: Optional[Path] = None
@@ -390,8 +330,8 @@ class PendingSave:
         return _first_error(error, self.world_size)
 
     def write_own(self) -> dict:
-        """This rank's train state file; then the description (size, CRC-32) of every file this
-        rank wrote (its DCP shards and train state), for the manifest."""
+        """This rank's train state file; then, for the manifest, the size and CRC-32 of every
+        file this rank wrote."""
         (self.tmp / f"train_state_rank{self.rank}.pt").write_bytes(self.own_state)
         mine = [p for p in self.tmp.iterdir()
                 if p.name.startswith((f"__{self.rank}_", f"train_state_rank{self.rank}."))]
@@ -409,12 +349,9 @@ class PendingSave:
         executor.shutdown(wait=False)   # the thread ends after this one job
 
     def finish(self, block: bool, all_written: bool = False) -> Optional[Path]:
-        """Collective while the write is pending: every rank calls it at the same step
-        boundaries. Without `block`, it returns None unless every rank's write is done
-        (`all_written`, as the training step's agreement found it); then, or after waiting
-        (`block`), it makes the checkpoint visible as `save` does and returns its directory, or
-        raises RunError on every rank if any rank's write failed (the tmp directory removed; the
-        previous checkpoint stays the newest)."""
+        """Collective while the write is pending (every rank, same step boundaries). Without
+        `block`, None unless every rank's write is done (`all_written`, the step's tally);
+        then, or after waiting (`block`), `close`: the checkpoint's directory, or RunError."""
         if self.writing is None:
             return self.final
         if block:
@@ -437,10 +374,7 @@ class PendingSave:
         rank, world_size, tmp, final = self.rank, self.world_size, self.tmp, self.final
         error = _first_error(error, world_size)
         if error is None:
-            gathered = [described]
-            if world_size > 1:
-                gathered = [None] * world_size
-                dist.all_gather_object(gathered, described)
+            gathered = _all_gather(described) if world_size > 1 else [described]
             if rank == 0:
                 try:
                     (tmp / "config.yaml").write_text(self.config_yaml)
@@ -448,10 +382,7 @@ class PendingSave:
                     if self.base is not None:
                         (tmp / BASE_RECORD).write_text(json.dumps(self.base, indent=1))
                         own.append(tmp / BASE_RECORD)
-                    files = {}
-                    for part in gathered:
-                        files.update(part)
-                    files.update(describe(own))
+                    files = _union([*gathered, describe(own)])
                     (tmp / MANIFEST).write_text(json.dumps({"step": self.step, "files": files},
                                                            indent=1))
                     if final.exists():  # a checkpoint of the same step from an earlier attempt
@@ -487,18 +418,15 @@ class PendingSave:
                            "tries again", self.root, type(err).__name__, err)
 
 
-# DCP's collectives of a background write get a gloo group of their own: on the default group they
-# would interleave with the training loop's collectives in an order that differs between ranks
-# (a hang or mixed-up data on gloo and NCCL alike), and dcp.async_save needs a CPU backend, which
-# an NCCL-only default group lacks. Made once per default group, at start (prepare_async_saves),
-# with the default group's timeout; only one background write uses it at a time.
+# A background write's DCP collectives get a gloo group of their own: on the default group they
+# would interleave with the training loop's in an order that differs between ranks (a hang), and
+# dcp.async_save needs a CPU backend. Made once per default group, at start (prepare_async_saves).
 _ASYNC_GROUP: list = [None, None]   # [default group it belongs to, the gloo group]
 
 
 def prepare_async_saves(args: CheckpointArgs, world_size: int) -> None:
-    """Collective with checkpoint.async_save on several ranks: every rank calls it before
-    training. Makes the background writes' gloo group now (about world_size - 1 connections per
-    rank), so that a rank that cannot open them fails at start, not at the first save mid-run."""
+    """Collective before training: with checkpoint.async_save on several ranks, the background
+    writes' gloo group now, so that a rank that cannot open it fails at start, not mid-run."""
     if args.async_save and world_size > 1:
         _async_group()
 
@@ -524,8 +452,7 @@ def _first_error(error: Optional[BaseException], world_size: int) -> Optional[Ba
     """Make every rank see a failure on any rank (so none waits forever in a later collective)."""
     if world_size == 1:
         return error
-    flags = [None] * world_size
-    dist.all_gather_object(flags, None if error is None else f"{type(error).__name__}: {error}")
+    flags = _all_gather(None if error is None else f"{type(error).__name__}: {error}")
     failed = [f"rank {r}: {msg}" for r, msg in enumerate(flags) if msg is not None]
     if error is None and failed:
         return OSError("; ".join(failed))
@@ -533,19 +460,9 @@ def _first_error(error: Optional[BaseException], world_size: int) -> Optional[Ba
 
 
 def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: int) -> dict:
-    """Collective: restore model parts, optimizers and RNG; return this rank's train state.
-    DCP reshards: the checkpoint may come from any other parallel layout."""
-    # Without its frozen base (base.json) the checkpoint holds the trained weights only; the
-    # base is in the parts already (build_model_parts loaded checkpoint.init_from).
-    without_base = read_base(ckpt_dir) is not None
-    part_states = _part_states(parts, optimizers, without_base)
-    state = _merged(part_states)
-    _dcp_load(state, ckpt_dir)  # in place; non-tensor entries are replaced in `state`
-    for part, optimizer, (own_model, own_optim) in zip(parts, optimizers, part_states):
-        set_model_state_dict(part, {k: state["model"][k] for k in own_model},
-                             options=StateDictOptions(strict=not without_base))
-        set_optimizer_state_dict(part, optimizer, {k: state["optim"][k] for k in own_optim},
-                                 options=_FLAT)
+    """Collective: restore model parts, optimizers and RNG (`load_model`); return this rank's
+    train state."""
+    load_model(ckpt_dir, parts, optimizers)
     train_state = torch.load(ckpt_dir / "train_state_rank0.pt", weights_only=True)
     same_layout = train_state["world_size"] == world_size
     # On another layout the per-rank files do not line up with the ranks: keep rank 0's, which
@@ -559,17 +476,22 @@ def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: i
     return train_state
 
 
-def load_model(ckpt_dir: Path, parts: list) -> None:
-    """Collective: the checkpoint's weights into model parts sharded for any layout (DCP
-    reshards), without the optimizer state; for evaluation jobs. A checkpoint without its frozen
-    base (base.json) loads over parts that hold the base already."""
+def load_model(ckpt_dir: Path, parts: list, optimizers: Optional[list] = None) -> None:
+    """Collective: the checkpoint's weights, and with `optimizers` their states, into model parts
+    sharded for any layout (DCP reshards). A checkpoint without its frozen base (base.json) loads
+    over parts that hold the base already (build_model_parts loaded checkpoint.init_from)."""
     without_base = read_base(ckpt_dir) is not None
-    own = [_model_state(part, without_base) for part in parts]
-    state = {"model": {k: v for part_state in own for k, v in part_state.items()}}
-    _dcp_load(state, Path(ckpt_dir))
-    for part, part_state in zip(parts, own):
-        set_model_state_dict(part, {k: state["model"][k] for k in part_state},
-                             options=StateDictOptions(strict=not without_base))
+    strict = StateDictOptions(strict=not without_base)
+    models = [_model_state(part, without_base) for part in parts]
+    optims = [get_optimizer_state_dict(part, optimizer, options=_FLAT)
+              for part, optimizer in zip(parts, optimizers or [])]
+    state = {"model": _union(models), **({"optim": _union(optims)} if optimizers else {})}
+    _dcp_load(state, Path(ckpt_dir))  # in place; non-tensor entries are replaced in `state`
+    for part, own in zip(parts, models):
+        set_model_state_dict(part, {k: state["model"][k] for k in own}, options=strict)
+    for part, optimizer, own in zip(parts, optimizers or [], optims):
+        set_optimizer_state_dict(part, optimizer, {k: state["optim"][k] for k in own},
+                                 options=_FLAT)
 
 
 def _barrier(world_size: int) -> None:

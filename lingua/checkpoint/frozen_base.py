@@ -14,10 +14,9 @@ BASE_RECORD = "base.json"
 
 
 def base_fingerprint(init_from) -> dict:
-    """What identifies a Hugging Face directory's weights cheaply: the total size of its
-    *.safetensors files and a CRC-32 of its index (model.safetensors.index.json, each file's
-    safetensors header: names, shapes, dtypes, offsets) and of each file's first MiB of weights
-    (two fine-tunes of one architecture share the index, not the weights), a few MB read."""
+    """What identifies a Hugging Face directory's weights, a few MB read: the total size of its
+    *.safetensors files and a CRC-32 of its index, each file's header (names, shapes, dtypes,
+    offsets) and first MiB of weights (two fine-tunes of one architecture share the headers)."""
     root = Path(init_from)
     files = sorted(root.glob("*.safetensors"))
     crc = 0

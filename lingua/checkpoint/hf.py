@@ -1,17 +1,15 @@
-"""Hugging Face interop shared by the apps: save_hf, load_hf, export and the export command,
-the decoder's config fields, and the checks that nothing is dropped. Each architecture's hf.py
-(lingua/models/llama/hf.py for LlamaForCausalLM, apps/moe/hf.py for Mixtral, Qwen2-MoE and GLM-4.5
-MoE) holds its key table, its `to_hf(state, args, dtype, layer)` and its config mapping.
+"""Hugging Face interop shared by the apps: save_hf, load_hf, export (one safetensors file at a
+time, hf_files) and its command, the decoder's config fields, init_from. Each architecture's hf.py
+(lingua/models/llama/hf.py; apps/moe/hf.py for Mixtral, Qwen2-MoE, GLM-4.5 MoE) holds its key
+table, its `to_hf(state, args, dtype, layer)` and its config mapping.
 
-An export reads the training checkpoint and writes safetensors one file at a time through DCP's
-Hugging Face storage writer (hf_files), so no process holds the whole model.
-
-Nothing is dropped silently either way: every tensor of the state dict is mapped or on the
-app's NOT_EXPORTED list (`check_export`), every tensor of the safetensors files is consumed or on
-NOT_IMPORTED (`check_import`), each list a regular expression -> why. A fork that adds a weight
-(QK-norm, biases) is told which file to edit instead of getting a model without it.
+Nothing is dropped silently: every state-dict tensor is mapped or on the app's NOT_EXPORTED list
+(`check_export`), every tensor of the safetensors files consumed or on NOT_IMPORTED
+(`check_import`), each list a regular expression -> why; a fork that adds a weight is told which
+file to edit instead of getting a model without it.
 """
 
+import argparse
 import json
 import logging
 import os
@@ -23,19 +21,21 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from lingua.checkpoint import hf_files
-from lingua.errors import ConfigError
+from lingua import config
+from lingua.checkpoint import _dcp_load, hf_files, read_run_config, resolve, verified, verified_base
+from lingua.errors import ConfigError, RunError
+from lingua.model import weights
 from lingua.model.layers import ffn_hidden_dim
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def rope_args(cfg: dict, config_path: Path) -> dict:
-    # transformers < 5 writes rope_theta + rope_scaling; 5.x writes rope_parameters (with the
-    # theta inside).
+    # transformers < 5 writes rope_theta + rope_scaling; 5.x rope_parameters, the theta inside.
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
@@ -44,23 +44,17 @@ def rope_args(cfg: dict, config_path: Path) -> dict:
     if kind != "llama3":
         raise ConfigError(f"{config_path}: rope type {kind!r} is not supported; this model "
                           "implements plain RoPE and Llama 3.1 ('llama3') scaling only.")
-    return {
-        "rope_theta": float(theta), "rope_scaling": True,
-        "rope_scale_factor": float(params["factor"]),
-        "rope_low_freq_factor": float(params["low_freq_factor"]),
-        "rope_high_freq_factor": float(params["high_freq_factor"]),
-        "rope_original_max_seq_len": int(params["original_max_position_embeddings"]),
-    }
+    return {"rope_theta": float(theta), "rope_scaling": True,
+            "rope_scale_factor": float(params["factor"]),
+            "rope_low_freq_factor": float(params["low_freq_factor"]),
+            "rope_high_freq_factor": float(params["high_freq_factor"]),
+            "rope_original_max_seq_len": int(params["original_max_position_embeddings"])}
 
 
 def ffn_recipe(dim: int, hidden: int, hint: Optional[dict] = None) -> Tuple[int, Optional[float]]:
-    """(multiple_of, ffn_dim_multiplier) giving SwiGLU width `hidden` under Meta's recipe.
-
-    Prefer the values our own export recorded (`hint`), then those Meta's configs use (our default
-    256; Llama 3's 1024 with 1.3; Llama 3.2's 256 with 1.5), so the args read back equal the ones
-    the model was trained with; otherwise multiple_of = hidden rounds any smaller width up to
-    exactly `hidden`.
-    """
+    """(multiple_of, ffn_dim_multiplier) giving SwiGLU width `hidden` under Meta's recipe: those
+    our export recorded (`hint`), else those Meta's configs use, so the args read back equal the
+    trained ones; else multiple_of = hidden, which rounds any smaller width up to `hidden`."""
     recorded = []
     if isinstance(hint, dict):
         recorded = [(hint.get("multiple_of"), hint.get("ffn_dim_multiplier"))]
@@ -85,9 +79,8 @@ def _weight_files(path: Path) -> List[Path]:
                           "model.safetensors.index.json). Only safetensors files are read.")
     for f in files:
         if not f.is_file():
-            raise ConfigError(
-                f"{f} is listed in {index} but missing; copy the complete model directory."
-            )
+            raise ConfigError(f"{f} is listed in {index} but missing; copy the complete model "
+                              f"directory.")
     return files
 
 
@@ -110,16 +103,9 @@ def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, Path]]:
     return tensors, origin
 
 
-# ---------------------------------------------------------------------------------------------
-# Nothing dropped silently
-
-
-def _natural(name: str):
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
 def _listed(names: Iterable[str], limit: int = 10) -> str:
-    names = sorted(names, key=_natural)
+    names = sorted(names, key=lambda n: [int(p) if p.isdigit() else p  # layers.2 before .10
+                                         for p in re.split(r"(\d+)", n)])
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
 
@@ -183,14 +169,9 @@ def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: 
             "recomputed on load can go on NOT_IMPORTED in that file with the reason.")
 
 
-# ---------------------------------------------------------------------------------------------
-# Exportable at all? Each app's hf.py says, from the model args alone, why its export would refuse
-# a run (`export_problems(model_args) -> list of reasons`); training warns at start, the export
-# command refuses with the same reasons before reading any weights.
-
-
 def warn_unexportable(problems: List[str], command: str) -> None:
-    """One warning line (rank 0) at the start of a run whose checkpoints `command` will refuse."""
+    """One warning line (rank 0) at the start of a run whose checkpoints `command` will refuse
+    for `problems` (the app's `export_problems(model_args)`, which the export refuses with)."""
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before any process group
     if problems and int(rank) == 0:
         logging.getLogger(__name__).warning(
@@ -204,16 +185,9 @@ def refuse_unexportable(problems: List[str], command: str, ckpt_dir) -> None:
                           f"model: {'; '.join(problems)}.")
 
 
-# ---------------------------------------------------------------------------------------------
-# The skeleton of every app's hf.py: the app passes its own names (key map, NOT_EXPORTED /
-# NOT_IMPORTED, config mapping, model and args classes) and keeps nothing else.
-
-# With tie_word_embeddings transformers itself ignores a stored lm_head and ties it to the
-# embedding.
+# With tie_word_embeddings transformers ignores a stored lm_head and ties it to the embedding.
 TIED_NOT_IMPORTED = {
-    r"lm_head\.weight":
-        "a copy of embed_tokens that transformers also replaces by the tied embedding",
-}
+    r"lm_head\.weight": "a copy of embed_tokens that transformers replaces by the tied embedding"}
 
 
 def command(module_file: str) -> str:
@@ -230,32 +204,23 @@ def decoder_config(args, dtype: torch.dtype) -> dict:
     architecture's own."""
     rope_scaling = None
     if args.rope_scaling:
-        rope_scaling = {
-            "rope_type": "llama3", "factor": args.rope_scale_factor,
-            "low_freq_factor": args.rope_low_freq_factor,
-            "high_freq_factor": args.rope_high_freq_factor,
-            "original_max_position_embeddings": args.rope_original_max_seq_len,
-        }
+        rope_scaling = {"rope_type": "llama3", "factor": args.rope_scale_factor,
+                        "low_freq_factor": args.rope_low_freq_factor,
+                        "high_freq_factor": args.rope_high_freq_factor,
+                        "original_max_position_embeddings": args.rope_original_max_seq_len}
     return {
         "hidden_size": args.dim,
         "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads or args.n_heads,
-        "head_dim": args.dim // args.n_heads,
-        "vocab_size": args.vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": rope_scaling,
+        "head_dim": args.dim // args.n_heads, "vocab_size": args.vocab_size,
+        "hidden_act": "silu", "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "rope_scaling": rope_scaling,
         "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "initializer_range": args.init_std,
+        "tie_word_embeddings": args.tie_embeddings, "initializer_range": args.init_std,
         # HF needs only intermediate_size; these let load_hf give back the same args.
-        "lingua_ffn": {
-            "multiple_of": args.multiple_of,
-            "ffn_dim_multiplier": args.ffn_dim_multiplier,
-        },
+        "lingua_ffn": {"multiple_of": args.multiple_of,
+                       "ffn_dim_multiplier": args.ffn_dim_multiplier},
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -282,15 +247,13 @@ def decoder_problems(cfg: dict) -> List[str]:
 def decoder_args(cfg: dict, config_path: Path) -> dict:
     """TransformerArgs fields from a config (the FFN's widths aside: they are the app's); a
     missing key raises KeyError, which the app's reader turns into "not a <arch> config"."""
-    return dict(
-        dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-        n_heads=cfg["num_attention_heads"],
-        n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        vocab_size=cfg["vocab_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        max_seq_len=cfg.get("max_position_embeddings", 4096),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        init_std=cfg.get("initializer_range", 0.02), **rope_args(cfg, config_path),
-    )
+    return dict(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+                n_heads=cfg["num_attention_heads"],
+                n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                vocab_size=cfg["vocab_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                max_seq_len=cfg.get("max_position_embeddings", 4096),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                init_std=cfg.get("initializer_range", 0.02), **rope_args(cfg, config_path))
 
 
 def save_hf(model, model_args, path, dtype: Optional[torch.dtype], *, to_hf: Callable,
@@ -311,9 +274,8 @@ def load_hf(path, dtype: Optional[torch.dtype], *, model_class, args_from_hf_con
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
-        raise ConfigError(
-            f"{config_path} is missing: {path} is not a Hugging Face model directory."
-        )
+        raise ConfigError(f"{config_path} is missing: {path} is not a Hugging Face model "
+                          f"directory.")
     args = args_from_hf_config(config_path)
     names = key_map(args)
     ignored = {**not_imported, **(TIED_NOT_IMPORTED if args.tie_embeddings else {})}
@@ -338,35 +300,31 @@ def load_hf(path, dtype: Optional[torch.dtype], *, model_class, args_from_hf_con
     return model, args
 
 
+def _frozen_base(ckpt_dir, reader: Optional[Callable]) -> Optional[str]:
+    """The base a LoRA checkpoint (base.json) leaves out, checked unchanged; ConfigError if this
+    command has no `reader` for it; None for a checkpoint that holds every weight."""
+    base = verified_base(ckpt_dir)
+    if base is not None and reader is None:
+        raise ConfigError(f"{ckpt_dir} holds the trained weights of a run over the frozen base "
+                          f"{base}, and this command cannot read that base. Use the commands of "
+                          f"the app that trained it (python -m apps.sft.hf, apps.sft.generate).")
+    return base
+
+
 def load_base(model, ckpt_dir, load_hf: Optional[Callable]) -> None:
     """A LoRA checkpoint holds the adapters only (base.json): the base it names (checked
     unchanged) goes into `model` first, through the app's `load_hf`."""
-    from lingua.checkpoint import verified_base
-
-    base = verified_base(ckpt_dir)
-    if base is None:
-        return
-    if load_hf is None:
-        raise ConfigError(_NO_BASE_READER.format(ckpt_dir=ckpt_dir, base=base))
-    model.load_state_dict(load_hf(base)[0].state_dict(), strict=False)
-
-
-_NO_BASE_READER = (
-    "{ckpt_dir} holds the trained weights of a run over the frozen base {base}, and this command "
-    "cannot read that base. Use the commands of the app that trained it (python -m apps.sft.hf, "
-    "apps.sft.generate).")
+    base = _frozen_base(ckpt_dir, load_hf)
+    if base is not None:
+        model.load_state_dict(load_hf(base)[0].state_dict(), strict=False)
 
 
 def checkpoint_reader(ckpt_dir, state: dict, base_key_map: Optional[Callable], args) -> Callable:
     """read(keys) -> values of a training checkpoint, for hf_files.write_hf: only those tensors
     are read. The frozen base a LoRA checkpoint leaves out (base.json) comes from the Hugging
     Face directory it names, through `base_key_map` (our key -> HF name)."""
-    from lingua.checkpoint import _dcp_load, require_intact, verified_base
-
-    require_intact(ckpt_dir)
-    base = verified_base(ckpt_dir)
-    if base is not None and base_key_map is None:
-        raise ConfigError(_NO_BASE_READER.format(ckpt_dir=ckpt_dir, base=base))
+    verified(ckpt_dir)
+    base = _frozen_base(ckpt_dir, base_key_map)
     saved = dcp.FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
     base_names = base_key_map(args) if base is not None else {}
 
@@ -387,13 +345,8 @@ def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args
            base_key_map: Optional[Callable] = None, shard_bytes: Optional[int] = None):
     """A training checkpoint (a run directory: its newest complete one) -> a Hugging Face
     directory with the tokenizer files beside it; returns the model args. Refused, before any
-    weight is read, for what `export_problems(args)` names. The model is read and written one
-    safetensors file (`shard_bytes`, default hf_files.SHARD_BYTES) at a time: no process holds
-    all of it."""
-    from omegaconf import OmegaConf
-
-    from lingua.checkpoint import read_run_config, resolve
-
+    weight is read, for what `export_problems(args)` names. Read and written one safetensors
+    file (`shard_bytes`, default hf_files.SHARD_BYTES) at a time."""
     ckpt_dir = resolve(ckpt_dir)
     run_config = read_run_config(ckpt_dir)
     try:
@@ -419,19 +372,13 @@ def export_cli(argv, prog: str, description: str, export) -> None:
     """`<prog> export <checkpoint_dir> <out_dir> [--dtype]`, one command line for every app's hf.py:
     `export(ckpt_dir, out_dir, dtype)` is the app's own. A bad input prints an `error:` line and
     exits with status 2."""
-    import argparse
-    import sys
-
-    from lingua.checkpoint import resolve
-
     parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("export", help="write a training checkpoint as a Hugging Face directory")
     p.add_argument("checkpoint_dir", help="a run directory (its newest complete checkpoint) or "
                                           "<dump_dir>/checkpoints/<step>")
     p.add_argument("out_dir")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default: as trained (fp32)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: as trained (fp32)")
     ns = parser.parse_args(argv)
     try:
         ckpt = resolve(ns.checkpoint_dir)
@@ -460,21 +407,13 @@ RUNTIME_KEYS = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_
 
 def load_init_from(args, app, env):
     """Rank 0's state of the Hugging Face model in checkpoint.init_from (None on other ranks),
-    after every rank checked that it is the model of model.*.
-
-    Only rank 0 reads the directory, in the files' dtype: safetensors maps the files into memory,
-    so a tensor is read from disk when it is sent (lingua.model.weights.load_full_state), and no
-    rank holds a second copy of the model.
-    """
-    from lingua import config
-    from lingua.errors import RunError
-    from lingua.model import weights
-
+    after every rank checked that it is the model of model.*. Only rank 0 reads it, in the files'
+    dtype: the tensors stay memory-mapped, read from disk when sent (weights.load_full_state)."""
     path = args.checkpoint.init_from
     hf_model, outcome = None, None
     if env.rank == 0:
         try:
-            hf_model, outcome = _read_hf(app, path)
+            hf_model, outcome = app.load_hf(path, dtype=None)
         except Exception as err:  # every rank must stop, not wait for weights that never come
             outcome = err
     if env.world_size > 1:
@@ -501,9 +440,3 @@ def load_init_from(args, app, env):
                    f"from model.* in (ours, theirs): {differing}. Set those model.* keys to "
                    f"the checkpoint's values.")
     return hf_model.state_dict() if hf_model is not None else None
-
-
-def _read_hf(app, path):
-    """(model, model args) from the app's load_hf in the files' dtype: no conversion, so the
-    tensors stay memory-mapped."""
-    return app.load_hf(path, dtype=None)

@@ -1,14 +1,11 @@
 """Hugging Face model directories on disk: safetensors files read and written through DCP's
 Hugging Face storage reader and writer, one file's worth of tensors at a time, and the tokenizer
-files beside an export. What the tensors are called is each architecture's hf.py (its `to_hf`);
-lingua/checkpoint/hf.py holds the checks and the commands.
-"""
+files beside an export. Each architecture's hf.py names the tensors (`to_hf`); hf.py beside this
+file holds the checks and the commands."""
 
-import contextlib
 import json
 import logging
 import re
-import warnings
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -16,12 +13,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
+from lingua.checkpoint import quiet_single_process_dcp
 from lingua.errors import ConfigError
 
 # The most bytes of one safetensors file of an export, and so the most an export holds at once.
 SHARD_BYTES = 4 << 30
 INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 
 
 def layer_of(key: str) -> Optional[int]:
@@ -64,9 +61,8 @@ def convert(to_hf: Callable, state: dict, args, dtype, layer) -> Dict[str, torch
 
 
 def plan_files(state: dict, args, dtype, to_hf: Callable, shard_bytes: int):
-    """The export's files, from the tensors' shapes alone (converted on the meta device): a list
-    of [layers, our keys they read, HF names, bytes], layers whole and in order; and every key
-    read."""
+    """The export's files from the tensors' shapes alone (converted on the meta device): a list of
+    [layers, our keys they read, HF names, bytes], layers whole and in order; and every key read."""
     meta = {k: torch.empty_like(v, device="meta") for k, v in state.items()}
     files, read = [], set()
     for layer in [None, *range(args.n_layers)]:
@@ -98,9 +94,9 @@ def write_files(out: Path, files: list, read: Callable, args, dtype, to_hf: Call
                 tensors.update(convert(to_hf, values, args, dtype, layer))
             tensors = {k: t.cpu().contiguous() for k, t in tensors.items()}
             first = first or tensors["model.embed_tokens.weight"].dtype
-            with _single_process():
-                dcp.save(tensors, no_dist=True, storage_writer=HuggingFaceStorageWriter(
-                    str(out), fqn_to_index_mapping=index))
+            quiet_single_process_dcp()
+            dcp.save(tensors, no_dist=True, storage_writer=HuggingFaceStorageWriter(
+                str(out), fqn_to_index_mapping=index))
             weight_map.update(json.loads((out / INDEX).read_text())["weight_map"])
             total += sum(t.nbytes for t in tensors.values())
             del values, tensors
@@ -110,7 +106,7 @@ def write_files(out: Path, files: list, read: Callable, args, dtype, to_hf: Call
         (out / INDEX).unlink(missing_ok=True)
         raise
     if n == 1:  # HF's own name for a model in one file, without an index
-        (out / weight_map["model.embed_tokens.weight"]).replace(out / SINGLE)
+        (out / weight_map["model.embed_tokens.weight"]).replace(out / "model.safetensors")
         (out / INDEX).unlink()
     else:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -120,9 +116,9 @@ def write_files(out: Path, files: list, read: Callable, args, dtype, to_hf: Call
 
 def write_hf(out_dir, state: dict, read: Callable, *, args, dtype, to_hf: Callable,
              hf_config: Callable, check: Callable, shard_bytes: Optional[int] = None) -> None:
-    """A Hugging Face directory of the model whose state-dict keys and shapes `state` holds:
-    `to_hf(values, args, dtype, layer)` gives HF tensors per layer (None: embeddings, norm,
-    head), `read(keys)` the values, `check(keys read)` refuses before anything is written."""
+    """A Hugging Face directory of the model whose keys and shapes `state` holds: `to_hf(values,
+    args, dtype, layer)` gives HF tensors per layer (None: embeddings, norm, head), `read(keys)`
+    the values, `check(keys read)` refuses before anything is written."""
     files, keys_read = plan_files(state, args, dtype, to_hf, shard_bytes or SHARD_BYTES)
     check(keys_read)
     out = Path(out_dir)
@@ -134,15 +130,8 @@ def write_hf(out_dir, state: dict, read: Callable, *, args, dtype, to_hf: Callab
 def read_hf_tensors(path, tensors: Dict[str, torch.Tensor]) -> None:
     """Fill `tensors` (HF name -> tensor of the expected shape, any dtype) from the directory's
     safetensors files, through DCP's Hugging Face reader: only those tensors are read."""
-    with _single_process():
-        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True)
-
-
-@contextlib.contextmanager
-def _single_process():
-    with warnings.catch_warnings():  # DCP warns that it runs in one process: the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+    quiet_single_process_dcp()
+    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,9 +148,8 @@ def byte_tokenizer_json():
 
     # ByteLevel maps each byte to a printable character; a BPE without merges then gives one
     # token per byte, with the byte's value as its id.
-    alphabet = ByteLevel.alphabet()
-    byte_char = {b: c for b, c in _bytes_to_unicode().items()}
-    assert set(byte_char.values()) == set(alphabet)
+    byte_char = _bytes_to_unicode()
+    assert set(byte_char.values()) == set(ByteLevel.alphabet())
     vocab = {byte_char[b]: b for b in range(256)}
     tok = HFTok(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -186,11 +174,10 @@ def _bytes_to_unicode() -> Dict[int, str]:
 
 
 def write_tokenizer(run_config, out_dir) -> Optional[str]:
-    """Tokenizer files (of a run config's data.tokenizer) beside an export, so
-    `AutoTokenizer.from_pretrained(out_dir)` (and lm-eval's HFLM on the directory) encodes as
-    training did: the byte tokenizer as an equivalent tokenizer.json, an HF tokenizer.json as it
-    is. Returns what was written, or None with a warning for kinds transformers cannot read as
-    they are (tiktoken, sentencepiece: give the HF tools the tokenizer you trained with)."""
+    """Tokenizer files (of the run config's data.tokenizer) beside an export, so that
+    `AutoTokenizer.from_pretrained(out_dir)` encodes as training did: the byte tokenizer as an
+    equivalent tokenizer.json, an HF tokenizer.json as it is. Returns what was written, or None
+    with a warning for kinds transformers cannot read as they are (tiktoken, sentencepiece)."""
     import shutil
 
     tokenizer_args = _tokenizer_args(run_config)
@@ -218,10 +205,9 @@ def write_tokenizer(run_config, out_dir) -> Optional[str]:
 
 
 def write_token_ids(run_config, out_dir) -> None:
-    """The run tokenizer's BOS and EOS ids into the export (write_generation_ids): without them
-    transformers takes the Llama defaults (BOS 1, EOS 2), other tokens of most vocabularies, and
-    generate() runs past our EOS. Skipped, with a warning, where the tokenizer file is no longer
-    where the run read it."""
+    """The run tokenizer's BOS and EOS ids into the export: without them transformers takes
+    Llama's (1, 2) and generate() runs past our EOS. Skipped, with a warning, where the tokenizer
+    file is no longer where the run read it."""
     from lingua.data.tokenizer import build_tokenizer
 
     try:

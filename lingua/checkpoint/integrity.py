@@ -1,7 +1,6 @@
 """What makes a checkpoint directory intact: its manifest (size and CRC-32 of every file), the
 checks against it (whole, or one rank's share), the ranks' agreement on the newest intact one
-(`newest_verified`), and what becomes of damaged checkpoints (set aside) and of old ones
-(pruned)."""
+(`newest_verified`), damaged checkpoints set aside and old ones pruned."""
 
 import heapq
 import json
@@ -63,7 +62,14 @@ def read_manifest(ckpt_dir) -> tuple:
     return files, None
 
 
-def _size_problem(ckpt_dir: Path, files: dict, names) -> Optional[str]:
+def _check(ckpt_dir, pick, checksums: bool, manifest=None) -> Optional[str]:
+    """The manifest (`manifest`: what read_manifest gave another rank; None: read it here), then
+    the size and (`checksums`) the CRC-32 of the files pick(manifest's files) names."""
+    ckpt_dir = Path(ckpt_dir)
+    files, problem = read_manifest(ckpt_dir) if manifest is None else manifest
+    if problem is not None:
+        return problem
+    names = sorted(pick(files))
     for name in names:
         path = ckpt_dir / name
         try:   # one stat a file: at resume every rank does this for its share of the files
@@ -77,11 +83,7 @@ def _size_problem(ckpt_dir: Path, files: dict, names) -> Optional[str]:
             return f"{path} is missing"
         if size != files[name]["size"]:
             return f"{path} has {size} bytes, the manifest says {files[name]['size']} (truncated?)"
-    return None
-
-
-def _crc_problem(ckpt_dir: Path, files: dict, names) -> Optional[str]:
-    for name in names:
+    for name in (names if checksums else []):
         try:
             crc = crc32(ckpt_dir / name)
         except OSError as err:  # a disk error is damage too, and must not leave peers waiting
@@ -91,19 +93,6 @@ def _crc_problem(ckpt_dir: Path, files: dict, names) -> Optional[str]:
     return None
 
 
-def _check(ckpt_dir, pick, checksums: bool, manifest=None) -> Optional[str]:
-    """The manifest (`manifest`: what read_manifest gave another rank; None: read it here), then
-    the size and (`checksums`) the CRC-32 of the files pick(manifest's files) names."""
-    ckpt_dir = Path(ckpt_dir)
-    files, problem = read_manifest(ckpt_dir) if manifest is None else manifest
-    if problem is None:
-        names = sorted(pick(files))
-        problem = _size_problem(ckpt_dir, files, names)
-        if problem is None and checksums:
-            problem = _crc_problem(ckpt_dir, files, names)
-    return problem
-
-
 def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
     """None if the checkpoint is intact, else what is wrong with it (one sentence).
     Sizes are always checked; `checksums` also reads every file (as loading it would)."""
@@ -111,11 +100,10 @@ def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
 
 
 def crc_share(files: dict, rank: int, world_size: int) -> list:
-    """The names of the manifest's files whose CRC-32 `rank` checks when `world_size` ranks
-    verify a checkpoint together: largest first, each to the rank with the fewest bytes so far
-    (ties to the lower rank). Every file goes to exactly one rank, no rank reads more than
-    1/world_size of the bytes plus one file, and it depends only on the manifest, so it works
-    whatever the world size was when the checkpoint was saved."""
+    """The manifest's files whose CRC-32 `rank` checks when `world_size` ranks verify together:
+    largest first, each to the rank with the fewest bytes so far (ties to the lower rank), so no
+    rank reads more than 1/world_size of the bytes plus one file. From the manifest alone: any
+    world size can check any checkpoint."""
     loads = [(0, r) for r in range(world_size)]
     mine = []
     for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
@@ -127,10 +115,9 @@ def crc_share(files: dict, rank: int, world_size: int) -> list:
 
 
 def verify_share(ckpt_dir, rank: int, world_size: int, manifest=None) -> Optional[str]:
-    """`verify` split over ranks: the size and CRC-32 of this rank's share of the files
-    (`crc_share`), so that at resume no rank stats or reads every file (at 1,000 ranks, a
-    metadata storm). `manifest`: read_manifest's answer on one rank, sent to all (None: read it
-    here). None where this rank found nothing wrong; together the ranks check every file."""
+    """`verify` of this rank's share of the files (`crc_share`), so that no rank stats or reads
+    every file (at 1,000 ranks, a metadata storm). `manifest`: read_manifest's answer on rank 0,
+    sent to all (None: read it here)."""
     if not Path(ckpt_dir).is_dir():   # a rank with nothing to check must still see it
         return f"{ckpt_dir} is missing"
     return _check(ckpt_dir, lambda files: crc_share(files, rank, world_size), True, manifest)
@@ -154,15 +141,6 @@ def move_aside(ckpt: Path) -> str:
     except OSError as err:
         return f"could not move it aside ({err}), delete it by hand"
     return f"moved it to {target} (delete that to free its space)"
-
-
-def require_intact(ckpt_dir) -> None:
-    """For a checkpoint asked for by name: a damaged one is an error, not a silent fallback."""
-    problem = verify(ckpt_dir)
-    if problem is not None:
-        raise ConfigError(f"Checkpoint {ckpt_dir} is damaged: {problem}. Use another checkpoint "
-                          f"of the run (ls {Path(ckpt_dir).parent}), or copy this one again "
-                          f"from where it was written.")
 
 
 def prune(root: Path, keep: int, in_use: Optional[InUse] = None,
@@ -203,19 +181,13 @@ def _from_rank0(obj):
 
 def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None,
                     set_aside: bool = False) -> Optional[Path]:
-    """The newest checkpoint that passes every rank's `verify_share` (so, all together, a full
-    `verify` with checksums), the same on every rank; None if there is none.
-
-    Collective when world_size > 1: every rank calls it. `gather(obj)` returns every rank's obj
-    in rank order (default: all_gather_object over the default group; rank 0's lists and
-    manifests go out by broadcast_object_list then). Rank 0 alone lists the candidates and reads
-    each manifest, and each rank stats and reads only its share of the files, so that neither
-    the file system's metadata (1,000 ranks each stat-ing every file) nor the agreement (about
-    1/world_size of the time one rank needs to read a whole checkpoint: ~850 GB for a 70B model
-    with its Adam state) grows with the world size.
-    Damaged checkpoints are skipped, newest first, with a warning (from rank 0) naming what each
-    rank found; with `set_aside` (resume), rank 0 also moves each to `<step>.damaged/`, once the
-    agreement says no rank reads it any more, so a later save's pruning does not count it."""
+    """The newest checkpoint that passes every rank's `verify_share` (together, a full `verify`
+    with checksums), the same on every rank; None if there is none. Collective when world_size >
+    1. `gather(obj)`: every rank's obj in rank order (default: all_gather_object; rank 0's lists
+    and manifests then go out by broadcast). Rank 0 alone lists and reads manifests, each rank
+    reads its share of the files: neither metadata load nor time grows with the world size.
+    Damaged checkpoints are skipped, newest first, with a warning from rank 0; with `set_aside`
+    (resume) rank 0 also moves each to `<step>.damaged/`, which pruning no longer counts."""
     if gather is None:
         gather = _all_gather if world_size > 1 else (lambda obj: [obj])
 
@@ -250,8 +222,9 @@ def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None,
 
 
 def verified(ckpt_dir, rank: int = 0, world_size: int = 1) -> None:
-    """Collective when world_size > 1: raise ConfigError on every rank unless the checkpoint
-    passes every rank's `verify_share` (together, a full `verify` with checksums)."""
+    """For a checkpoint asked for by name, damage is an error, not a silent fallback: ConfigError
+    on every rank unless it passes every rank's `verify_share` (together, a full `verify` with
+    checksums). Collective when world_size > 1."""
     if world_size == 1:
         problems = [verify_share(ckpt_dir, rank, world_size)]
     else:   # one rank reads the manifest (newest_verified says why)

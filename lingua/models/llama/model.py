@@ -79,7 +79,7 @@ class TransformerBlock(nn.Module):
         for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
             nn.init.normal_(lin.weight, std=std)
         # Residual-branch outputs start smaller: the residual stream's variance stays flat in depth.
-        for lin in (self.attention.wo, self.feed_forward.w2):
+        for lin in (attn.wo, ffn.w2):
             nn.init.normal_(lin.weight, std=out_std)
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
