@@ -6,17 +6,18 @@ metrics.jsonl counts it. docs/ARCHITECTURE.md has the table of who uses which po
 
   start(run)                  once, resumed and the log open, before the first step
   before_step(run, step)      before the step's data is read
-  after_backward(run, step)   gradients complete, not clipped; returns {name: number} this rank
-                              adds to the step's agreement (agreement.py; same names everywhere)
-  decide(run, step)           gradient norm finite: UPDATE, SKIP or ROLLBACK, from run.agreed
-                              (the step's loss, grad_norm and shares, host floats). A hook that
-                              says ROLLBACK has moved the run back (run.step is the checkpoint's)
+  after_backward(run, step)   gradients complete, not clipped; returns {name: count} this rank
+                              adds to the step's tally (train/tally.py; same names everywhere)
+  vote(run, step)             gradient norm finite: UPDATE, SKIP or ROLLBACK, from run.tally
+                              (the step's loss, grad_norm and counts summed over the ranks, host
+                              floats); the first objection wins. A hook that votes ROLLBACK has
+                              moved the run back (run.step is the checkpoint's)
   after_step(run, step)       run.step == step; run.decision: UPDATE (applied) or SKIP.
                               Evaluation runs here at eval.every, its fields in run.eval_fields
   metrics(run, row)           a logged step's metrics.jsonl row: add fields (every rank calls)
   after_save(run, step)       the checkpoint of `step` is complete on disk
   should_stop(run)            after the step's checkpoint: True ends the loop (saving through
-                              run.save_now); every rank must answer alike, from run.agreed
+                              run.save_now); every rank must answer alike, from run.tally
   close(run)                  always, however the loop ended, in reverse order, before the log
                               closes
   state_dict() / load_state_dict(train_state)   the hook's keys of the checkpoint's train state
@@ -26,7 +27,7 @@ run.checkpoint_in_use; one that skips data batches reads them away with run.skip
 
 from typing import Iterable
 
-UPDATE, SKIP, ROLLBACK = "update", "skip", "rollback"   # what decide() says about an update
+UPDATE, SKIP, ROLLBACK = "update", "skip", "rollback"   # what vote() says about an update
 
 
 class Hook:
@@ -35,7 +36,7 @@ class Hook:
     def start(self, run) -> None: ...
     def before_step(self, run, step: int) -> None: ...
     def after_backward(self, run, step: int) -> dict: return {}
-    def decide(self, run, step: int) -> str: return UPDATE
+    def vote(self, run, step: int) -> str: return UPDATE
     def after_step(self, run, step: int) -> None: ...
     def metrics(self, run, row: dict) -> None: ...
     def after_save(self, run, step: int) -> None: ...
@@ -66,15 +67,15 @@ class Hooks(Hook):
     def load_state_dict(self, train_state): self._each("load_state_dict", train_state)
 
     def after_backward(self, run, step: int) -> dict:
-        shares = {}
+        counts = {}
         for hook in self.hooks:
-            shares.update(hook.after_backward(run, step) or {})
-        return shares
+            counts.update(hook.after_backward(run, step) or {})
+        return counts
 
-    def decide(self, run, step: int) -> str:
+    def vote(self, run, step: int) -> str:
         # The first objection wins; a hook after a ROLLBACK is not asked (the run moved back).
         for hook in self.hooks:
-            decision = hook.decide(run, step)
+            decision = hook.vote(run, step)
             if decision != UPDATE:
                 return decision
         return UPDATE

@@ -8,7 +8,7 @@ What each test would catch:
   -  resume verification split over ranks, on NCCL
   -  LOCAL_RANK beyond the visible devices (Slurm's --gpus-per-task=1)
   -  one GPU trains in bf16 with compile and reports a credible MFU; two GPUs equal one
-  -  a compiled bf16 step of llama and moe waits for the GPU once (the step's agreement)
+  -  a compiled bf16 step of llama and moe waits for the GPU once (the step's tally)
   -  LoRA fine-tuning (apps/sft) compiled in bf16, and under FSDP2 on NCCL
   -  float8: Llama at 8B width per recipe; the MoE experts' grouped GEMM against the emulation
 """
@@ -44,9 +44,9 @@ def test_bf16_compile_on_one_gpu_trains_and_reports_mfu(corpus, tmp_path):
 
 
 class ForbidSyncs(Hook):
-    """From step `after` on, a host sync inside a step raises, but the agreement's one read
-    (lingua/train/agreement.read_on_host), which the test allows. First in the hook list: from
-    every hook's before_step, through the step's data, forwards, backwards, clipping, agreement
+    """From step `after` on, a host sync inside a step raises, but the tally's one read
+    (lingua/train/tally.read_on_host), which the test allows. First in the hook list: from
+    every hook's before_step, through the step's data, forwards, backwards, clipping, tally
     and update, to the after_step of the hooks before AllowSyncs."""
 
     def __init__(self, after: int):
@@ -70,14 +70,14 @@ class AllowSyncs(Hook):
 @pytest.mark.parametrize("app", ["llama", "moe"])
 def test_a_compiled_bf16_step_reads_the_gpu_once(corpus, tmp_path, monkeypatch, app):
     """issue 32: the MoE routing's counts, the loss-spike check, the stop flag and the token
-    counts no longer make a step wait for the GPU; only the step's agreement does, once."""
+    counts no longer make a step wait for the GPU; only the step's tally does, once."""
     from apps.moe import train as moe_train
     from lingua.eval.evaluation import ValidationHook
     from lingua.launch import run
-    from lingua.train import agreement
+    from lingua.train import tally
     from tests.test_moe_train import moe_args
 
-    real_read, real_hooks = agreement.read_on_host, run.hooks
+    real_read, real_hooks = tally.read_on_host, run.hooks
 
     def allowed_read(packed):
         mode = torch.cuda.get_sync_debug_mode()
@@ -94,7 +94,7 @@ def test_a_compiled_bf16_step_reads_the_gpu_once(corpus, tmp_path, monkeypatch, 
         made.hooks.insert(0, ForbidSyncs(after=3))   # steps 1-3 compile
         return made
 
-    monkeypatch.setattr(agreement, "read_on_host", allowed_read)
+    monkeypatch.setattr(tally, "read_on_host", allowed_read)
     monkeypatch.setattr(run, "hooks", hooks)
     dump = tmp_path / "run"
     extra = ["distributed.model_dtype=bf16", "distributed.compile=true", "logging.every=8",

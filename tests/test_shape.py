@@ -13,7 +13,7 @@ LOOP_MODULE, LOOP_FUNCTION = "lingua/train/loop.py", "train_loop"
 MAX_LOOP_LINES, MAX_LOOP_MODULE_LINES = 60, 400
 MAX_HOOK_POINTS = 10
 # Points one hook may be alone on: the core's own seams (lingua/hooks.py says so).
-SEAMS = {"decide", "after_save", "should_stop", "state_dict"}
+SEAMS = {"vote", "after_save", "should_stop", "state_dict"}
 
 
 def functions(path):

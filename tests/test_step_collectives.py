@@ -1,9 +1,9 @@
 """The collectives of one training step, counted on 2 gloo ranks under FSDP2
 (tests/workers/step_collectives.py): a step that neither logs nor saves issues FSDP's all-gathers
 and reduce-scatters, the gradient norm's all-reduce, and ONE all-reduce more, the step's
-agreement (lingua/train/agreement.py), which carries the loss-spike check (optim.spike=log, the
+tally (lingua/train/tally.py), which carries the loss-spike check (optim.spike=log, the
 default), the ranks' stop signals and whether an asynchronous checkpoint write is done. Before
-the agreement those were an all-reduce each (2 a step, 3 while a write was pending), and each
+the tally those were an all-reduce each (2 a step, 3 while a write was pending), and each
 read its result on the host."""
 
 import json
@@ -34,7 +34,7 @@ def test_a_plain_step_has_one_all_reduce_beyond_the_gradient_norms(per_step):
             counts = steps[step]
             others = {op: n for op, n in counts.items() if op not in FSDP}
             # all_reduce: the norm of the sharded gradients (DTensor's); allreduce_: the
-            # agreement.
+            # tally.
             assert others == {"all_reduce": 1, "allreduce_": 1}, (rank, step, counts)
         assert steps["1"] == steps["3"], rank
 

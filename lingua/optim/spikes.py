@@ -4,7 +4,7 @@
 A step is a spike when its loss or gradient norm (`optim.spike_on`) is above a threshold from the
 accepted steps before it (`optim.spike_rule`), or when its loss is non-finite with a finite
 gradient norm (a non-finite gradient norm is optim.nonfinite's business). Every rank decides
-alone on the same numbers (the step's agreement, lingua/train/agreement.py, all-reduces them);
+alone on the same numbers (the step's tally, lingua/train/tally.py, all-reduces them);
 the windows and counts are in the checkpoint's train state, so a resumed run decides as the
 uninterrupted one would. A rollback's batch range counts next_step() calls
 (Run.batches_consumed), the same in every layout; it is recorded in `<dump_dir>/spikes.jsonl`
@@ -237,7 +237,7 @@ def append_record(dump_dir, record: dict) -> None:
 
 
 class SpikeHook(Hook):
-    """optim.spike in the loop: judge each step (decide), skip or roll back, skip a rollback's
+    """optim.spike in the loop: judge each step (vote), skip or roll back, skip a rollback's
     batches (before_step), probe at a spike (`probe`: the run's ProbeHook), metrics, and the
     "spikes" key of the train state. Always in the hook list: hand-written ranges in
     spikes.jsonl are skipped with optim.spike=off too."""
@@ -274,10 +274,10 @@ class SpikeHook(Hook):
             self.monitor.probe_next = False
             self.probe.probe_in_full(run)
 
-    def decide(self, run, step: int) -> str:
-        # The step's agreed values, the same on every rank: all decide alike.
-        monitor, agreed = self.monitor, run.agreed
-        self.values = ({"loss": agreed["loss"], "grad_norm": agreed["grad_norm"]}
+    def vote(self, run, step: int) -> str:
+        # The step's tally, the same on every rank: all vote alike.
+        monitor, tally = self.monitor, run.tally
+        self.values = ({"loss": tally["loss"], "grad_norm": tally["grad_norm"]}
                        if monitor.on else None)
         spike = None if self.values is None else monitor.check(step, self.values)
         if spike is None:

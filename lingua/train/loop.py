@@ -25,7 +25,7 @@ from lingua.observe import metrics, profiling
 from lingua.parallel import distributed, pipeline
 from lingua.parallel.distributed import DistEnv
 from lingua.parallel.tensor_parallel import loss_parallel_context
-from lingua.train import agreement, microbatch
+from lingua.train import microbatch, tally
 from lingua.train.app import App
 from lingua.train.build import mixed_precision
 from lingua.train.microbatch import StepLoss, sequence_shard
@@ -51,9 +51,9 @@ def train_loop(run: "Run") -> bool:
         t_data = time.perf_counter() - t_fetch
 
         run.train_step(micro_batches)              # forward and backward (or the pipeline)
-        shares = hooks.after_backward(run, step)
+        counts = hooks.after_backward(run, step)
 
-        grad_norm, lr, decision = run.clip_and_update(step, data_before, shares)
+        grad_norm, lr, decision = run.clip_and_update(step, data_before, counts)
         if decision == ROLLBACK:
             continue   # from the checkpoint's step, with the spike's batches to be skipped
         run.step = step
@@ -106,7 +106,7 @@ class Run(Checkpointing):
         self.saved_now = False    # this step's checkpoint was saved (save_if_due)
         # LoRA on checkpoint.init_from: checkpoints leave the frozen base out (base.json)
         self.base = checkpoint.frozen_base(parts, args.checkpoint.init_from)
-        self.agreed: dict = {}    # the current step's agreement (lingua/train/agreement.py)
+        self.tally: dict = {}     # the current step's tally over the ranks (lingua/train/tally.py)
         self.decision = UPDATE    # what the current step did with its update (hooks.py)
         self.micro_batches: list = []   # the current step's (next_batches)
         self.eval_fields: dict = {}     # evaluation results for this step's row (after_step)
@@ -190,24 +190,24 @@ class Run(Checkpointing):
             return None
         return self.train_loader.state_dict(), self.batches_consumed
 
-    def clip_and_update(self, step: int, data_before, shares: dict) -> tuple:
+    def clip_and_update(self, step: int, data_before, counts: dict) -> tuple:
         """Clip, then update, unless the gradient norm is not finite (optim.nonfinite: skip, or
-        stop) or a hook decides otherwise (SKIP; ROLLBACK: nothing applied, the hook moved the
-        run back). `shares`: the hooks' part of the step's agreement. Returns (pre-clip
+        stop) or a hook votes otherwise (SKIP; ROLLBACK: nothing applied, the hook moved the
+        run back). `counts`: the hooks' part of the step's tally. Returns (pre-clip
         gradient norm, the step's learning rate, the decision), the decision also in
         self.decision."""
         with self.phases.phase("optim"):
             norm = optim.clip_grad_norm(self.parts, self.args.optim.clip, self.pp_group)
             lr = self.optimizers.lr
-            # The step's one collective of decisions and its one host read (agreement.py).
-            self.agreed = agreement.agree(self.env, self.step_loss.sums.get("loss"), norm,
-                                          {**self.save_share(), **shares})
-        grad_norm = self.agreed["grad_norm"]
+            # The step's one collective of decisions and its one host read (tally.py).
+            self.tally = tally.over_ranks(self.env, self.step_loss.sums.get("loss"), norm,
+                                          {**self.writing_count(), **counts})
+        grad_norm = self.tally["grad_norm"]
         if not math.isfinite(grad_norm):
             self._skip_nonfinite(grad_norm, data_before)
             self.decision = SKIP
         else:   # outside the optim phase: a rollback runs a batch again and reloads
-            self.decision = self.hooks.decide(self, step)
+            self.decision = self.hooks.vote(self, step)
         with self.phases.phase("optim"):
             if self.decision == SKIP:
                 self.optimizers.skip()

@@ -115,18 +115,18 @@ class StopSignals:
         self._previous = {}
         self._stop_now_line = None
 
-    def share(self) -> dict:
-        """This rank's signal as numbers for the step's agreement (lingua/train/agreement.py)."""
+    def counts(self) -> dict:
+        """This rank's signal as counts for the step's tally (lingua/train/tally.py)."""
         return {"ranks_stopping": float(self.received == STOP),
                 "ranks_requeueing": float(self.received == REQUEUE)}
 
     @staticmethod
-    def agreed(agreed: dict) -> int:
+    def outcome(tally: dict) -> int:
         """What every rank should do now (NONE, STOP or REQUEUE): the strongest signal any got,
-        from the sums of every rank's `share`."""
-        if agreed.get("ranks_requeueing"):
+        from the sums of every rank's `counts`."""
+        if tally.get("ranks_requeueing"):
             return REQUEUE
-        return STOP if agreed.get("ranks_stopping") else NONE
+        return STOP if tally.get("ranks_stopping") else NONE
 
 
 # One per process: signals are process-wide. Listening starts as early as possible (stool's job
@@ -192,13 +192,13 @@ class StopHook(Hook):
         self.signals = SIGNALS.catch_interrupts(run.where_to_resume)
 
     def after_backward(self, run, step: int) -> dict:
-        return self.signals.share()
+        return self.signals.counts()
 
     def should_stop(self, run) -> bool:
-        # Ranks act on the step's agreement (a signal caught since waits for the next step);
-        # one process needs no agreement and stops on the signal at once.
+        # Ranks act on the step's tally (a signal caught since waits for the next step); one
+        # process needs no tally and stops on the signal at once.
         action = (self.signals.received if run.env.world_size == 1
-                  else self.signals.agreed(run.agreed))
+                  else self.signals.outcome(run.tally))
         if action == NONE or run.step == run.args.steps:
             return False
         run.save_now()   # stop with the checkpoint written

@@ -90,20 +90,20 @@ class Checkpointing:
         if background:
             self.pending_save = saved
 
-    def save_share(self) -> dict:
-        """For the step's agreement: whether this rank still writes a checkpoint in the
+    def writing_count(self) -> dict:
+        """For the step's tally: whether this rank still writes a checkpoint in the
         background, so that no extra collective a step asks every rank about it."""
         pending = self.pending_save
         return {"ranks_writing": float(pending is not None and not pending.written_here())}
 
     def finish_save(self, block: bool) -> None:
         """checkpoint.async_save: make the checkpoint being written visible once every rank's
-        write is done, as the step's agreement says (block: wait for it). Every rank calls this
+        write is done, as the step's tally says (block: wait for it). Every rank calls this
         at the same step boundaries (a collective once the write is done); a write that failed
         on any rank raises RunError on every rank, with the previous checkpoint the newest."""
         if self.pending_save is None:
             return
-        all_written = self.agreed.get("ranks_writing") == 0
+        all_written = self.tally.get("ranks_writing") == 0
         if self.pending_save.finish(block, all_written) is not None:
             step, self.pending_save = self.pending_save.step, None
             self.hooks.after_save(self, step)

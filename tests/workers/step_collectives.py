@@ -5,7 +5,7 @@ is unchanged.
 
 Step 2's asynchronous checkpoint write counts as running through step 3, however fast the disk
 (held_write below): the test's step 3 is a plain step while a write is pending, and the write is
-finished at step 4's boundary. Without the hold a write done before step 3's agreement is
+finished at step 4's boundary. Without the hold a write done before step 3's tally is
 finished within step 3, adding its gathers there.
 
 The count is CommDebugMode's (the same op lists: c10d's and the functional collectives') without
