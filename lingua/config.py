@@ -37,17 +37,46 @@ def register_schema(name: str, schema: Type) -> None:
 
 
 def _unalias(override: str) -> str:
-    """Spellings that are Python keywords, which no field can be named: `checkpoint.async=B` is
-    checkpoint.async_save=B, `eval.async=true|false` is eval.mode=async|inline."""
+    """The contract's spellings (shared/DESIGN.md) that name no field: `checkpoint.async=B` is
+    checkpoint.async_save=B, `eval.async=true|false` is eval.mode=async|inline (Python keywords),
+    `optim.spike=P` is spikes.policy=P (the section it moved to)."""
     key, eq, value = override.partition("=")
     bare = key.lstrip("+~")
     prefix = key[:len(key) - len(bare)]
     if bare == "checkpoint.async":
         return f"{prefix}checkpoint.async_save{eq}{value}"
+    if bare == "optim.spike":
+        return f"{prefix}spikes.policy{eq}{value}"
     if bare == "eval.async":
         mode = {"true": "async", "false": "inline"}.get(value.strip().lower(), value)
         return f"{prefix}eval.mode{eq}{mode}"
     return override
+
+
+# Keys that moved: the old name on a command line or in a preset is refused naming the new one;
+# a run directory's config.yaml that has it is read under the new name (`migrate`).
+_SPIKE_KEYS = ("on", "rule", "factor", "sigmas", "window", "warmup", "skip_before", "skip_after",
+               "max_rollbacks", "max_skips")
+MOVED = {"optim.spike": "spikes.policy", "logging.spike_factor": "spikes.factor",
+         "logging.spike_window": "spikes.window",
+         **{f"optim.spike_{k}": f"spikes.{k}" for k in _SPIKE_KEYS}}
+
+
+def _moved_error(key: str) -> ConfigError:
+    return ConfigError(f"{key} was moved to {MOVED[key]} (the `spikes` section: README, \"Loss "
+                       f"spikes\"). Write {MOVED[key]}=... instead.")
+
+
+def migrate(saved: DictConfig) -> DictConfig:
+    """A run directory's config.yaml with moved keys under their new names (a null dropped)."""
+    for old, new in MOVED.items():
+        section, _, key = old.rpartition(".")
+        node = OmegaConf.select(saved, section)
+        if isinstance(node, DictConfig) and key in node:
+            value = node.pop(key)
+            if value is not None:
+                OmegaConf.update(saved, new, value, force_add=True)
+    return saved
 
 
 def split_argv(argv: Sequence[str], default_preset: str) -> tuple:
@@ -60,6 +89,8 @@ def split_argv(argv: Sequence[str], default_preset: str) -> tuple:
             preset = next(args, None)
             if preset is None:
                 raise ConfigError(f"{arg} needs a preset name after it, e.g. `{arg} debug`.")
+        elif (key := _unalias(arg).partition("=")[0].lstrip("+~")) in MOVED:
+            raise _moved_error(key)
         else:
             overrides.append(_unalias(arg))
     return preset, overrides
@@ -94,6 +125,8 @@ def _explain_compose_error(err: Exception, overrides: Sequence[str], known: Sequ
             "To add a key that is not in the schema, change the dataclass, not the command line.")
     full_key = getattr(cause, "full_key", None) or getattr(err, "full_key", None)
     key_part = f" (key: {full_key})" if full_key else ""
+    if full_key in MOVED:
+        return str(_moved_error(full_key))
     if full_key and full_key not in known and not any(full_key.startswith(k + ".") for k in maps):
         close = difflib.get_close_matches(full_key, known, n=2, cutoff=0.8)
         if close:

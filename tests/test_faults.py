@@ -215,7 +215,7 @@ def test_nonfinite_stop_saves_the_state_before_the_step_and_resumes(corpus, tmp_
 def test_a_loss_spike_is_logged_and_marked(corpus, tmp_path, monkeypatch, capfd):
     dump = tmp_path / "spike"
     poison_step(monkeypatch, 8, 10.0)
-    train.main(tiny_args(corpus, dump, "optim.spike_window=5", steps=9))
+    train.main(tiny_args(corpus, dump, "spikes.window=5", steps=9))
     rows = {row["step"]: row for row in read_metrics(dump)}
     assert rows[8]["loss_spike"] == 1 and sum(r["loss_spike"] for r in rows.values()) == 1
     out, err = capfd.readouterr()

@@ -98,7 +98,7 @@ def test_a_compiled_bf16_step_reads_the_gpu_once(corpus, tmp_path, monkeypatch, 
     monkeypatch.setattr(run, "hooks", hooks)
     dump = tmp_path / "run"
     extra = ["distributed.model_dtype=bf16", "distributed.compile=true", "logging.every=8",
-             "optim.spike=log"]
+             "spikes.policy=log"]
     if app == "llama":
         train.main(tiny_args(corpus, dump, *extra, steps=8))
     else:

@@ -1,6 +1,6 @@
-"""Loss spikes (optim.spike=off|log|skip|rollback, lingua/optim/spikes.py): a spike is injected into
-a chosen data batch (its loss, and so its gradients, multiplied: tests/workers/spike_train.py) and
-each policy is checked against a run that reaches the same outcome another way:
+"""Loss spikes (spikes.policy=off|log|skip|rollback, lingua/optim/spikes.py): a spike is injected
+into a chosen data batch (its loss, and so its gradients, multiplied: tests/workers/spike_train.py)
+and each policy is checked against a run that reaches the same outcome another way:
   off and log apply the update (the same weights as each other), skip equals
   optim.nonfinite=skip on a NaN at the same steps, rollback equals a run told from the start to
   skip the same data batches; every layout decides as one process does (tests/equivalence.py),
@@ -16,8 +16,8 @@ import torch
 
 from apps.llama import train
 from lingua.errors import ConfigError, RunError
-from lingua.optim import OptimArgs, spikes
-from lingua.optim.spikes import SpikeMonitor
+from lingua.optim import spikes
+from lingua.optim.spikes import SpikeArgs, SpikeMonitor
 from tests.conftest import run_torchrun, tiny_args
 from tests.equivalence import (
     assert_equivalent,
@@ -44,7 +44,7 @@ COUNTS = ("spike_steps", "spike_skipped_steps", "rollbacks", "skipped_batches")
 
 
 def spike_args(corpus, dump, policy, *extra):
-    return tiny_args(corpus, dump, f"optim.spike={policy}", "optim.spike_window=5", *extra,
+    return tiny_args(corpus, dump, f"spikes.policy={policy}", "spikes.window=5", *extra,
                      steps=STEPS)
 
 
@@ -54,7 +54,7 @@ def skip_args(corpus, dump, *extra):
 
 def rollback_args(corpus, dump, *extra):
     return spike_args(corpus, dump, "rollback", "checkpoint.every=3", "checkpoint.keep=0",
-                      "optim.spike_skip_before=1", "optim.spike_skip_after=1", *extra)
+                      "spikes.skip_before=1", "spikes.skip_after=1", *extra)
 
 
 def train_with_spikes(args, batches: dict, rows=None) -> None:
@@ -104,7 +104,7 @@ def half_runs(corpus, tmp_path_factory):
 # -- the rules ------------------------------------------------------------------------------------
 
 def monitor(**kw) -> SpikeMonitor:
-    return SpikeMonitor(OptimArgs(**{"spike": "skip", "spike_window": 4, **kw}), verbose=False)
+    return SpikeMonitor(SpikeArgs(**{"policy": "skip", "window": 4, **kw}), verbose=False)
 
 
 def feed(m: SpikeMonitor, values, name="loss") -> None:
@@ -125,11 +125,11 @@ def test_median_rule_waits_for_a_full_window_and_keeps_skipped_values_out():
     assert list(m.windows["loss"]) == [4.0, 4.4, 3.8, 4.2]   # not added
     assert (m.spike_steps, m.skipped_steps, m.in_a_row) == (1, 1, 1)
     assert m.check(6, {"loss": math.nan}) is not None        # a non-finite loss is a spike
-    assert monitor(spike_warmup=10).check(5, {"loss": 1e9}) is None
+    assert monitor(warmup=10).check(5, {"loss": 1e9}) is None
 
 
 def test_sigma_rule_and_both_values():
-    m = monitor(spike_rule="sigma", spike_sigmas=2.0, spike_on="both")
+    m = monitor(rule="sigma", sigmas=2.0, on="both")
     feed(m, [1.0, 2.0, 3.0, 4.0])                      # mean 2.5, stdev 1.291: threshold 5.082
     assert m.check(5, {"loss": 5.0, "grad_norm": 5.0}) is None
     spike = m.check(5, {"loss": 5.0, "grad_norm": 5.1})
@@ -137,13 +137,13 @@ def test_sigma_rule_and_both_values():
 
 
 def test_caps_stop_a_spike_that_does_not_go_away():
-    m = monitor(spike_max_skips=2)
+    m = monitor(max_skips=2)
     feed(m, [1.0] * 4)
     for step in (5, 6):
         m.skipped(m.check(step, {"loss": 9.0}))
-    with pytest.raises(RunError, match=r"Steps 5\.\.7: 3 spike steps in a row.*optim.spike=log"):
+    with pytest.raises(RunError, match=r"Steps 5\.\.7: 3 spike steps in a row.*spikes.policy=log"):
         m.skipped(m.check(7, {"loss": 9.0}))
-    m = monitor(spike_max_rollbacks=1)
+    m = monitor(max_rollbacks=1)
     feed(m, [1.0] * 4)
     record = m.record_rollback(m.check(5, {"loss": 9.0}), batch=5, checkpoint_step=3,
                                checkpoint_dir="ckpt/3")
@@ -154,30 +154,53 @@ def test_caps_stop_a_spike_that_does_not_go_away():
 
 
 def test_state_survives_a_weights_only_checkpoint(tmp_path):
-    m = monitor(spike_on="both")
+    m = monitor(on="both")
     feed(m, [1.0, 2.0, 3.0, 4.0, 5.0])
     m.record_rollback(m.check(6, {"loss": 99.0, "grad_norm": 1.0}), 9, 3, "ckpt/3")
     torch.save({"spikes": m.state_dict()}, tmp_path / "state.pt")
-    again = monitor(spike_on="both", spike_window=3)   # a shorter window keeps the newest
+    again = monitor(on="both", window=3)   # a shorter window keeps the newest
     again.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True)["spikes"])
     assert list(again.windows["loss"]) == [3.0, 4.0, 5.0] and again.rollbacks == m.rollbacks
 
 
 @pytest.mark.parametrize("override, message", [
-    ("optim.spike=sometimes", r"optim.spike='sometimes' is unknown: use one of off \| log"),
-    ("optim.spike_rule=mean", r"optim.spike_rule='mean' is unknown"),
-    ("optim.spike_on=weights", r"optim.spike_on='weights' is unknown"),
-    ("optim.spike_factor=1.0", r"optim.spike_factor=1.0 must be above 1"),
-    ("optim.spike_window=1", r"optim.spike_window=1 must be at least 2"),
-    ("logging.spike_factor=3", r"logging.spike_factor was moved to optim.spike_factor.*"
-                               r"Write optim.spike_factor=3"),
-    ("logging.spike_factor=0", r"logging.spike_factor was moved.*Write optim.spike=off"),
-    ("logging.spike_window=20", r"logging.spike_window was moved to optim.spike_window"),
-    ("optim.spike=rollback", r"checkpoint.every=0 none is saved.*checkpoint.every=N"),
+    ("spikes.policy=sometimes", r"spikes.policy='sometimes' is unknown: use one of off \| log"),
+    ("spikes.rule=mean", r"spikes.rule='mean' is unknown"),
+    ("spikes.on=weights", r"spikes.on='weights' is unknown"),
+    ("spikes.factor=1.0", r"spikes.factor=1.0 must be above 1"),
+    ("spikes.window=1", r"spikes.window=1 must be at least 2"),
+    ("logging.spike_factor=3", r"logging.spike_factor was moved to spikes.factor.*"
+                               r"Write spikes.factor=\.\.\. instead"),
+    ("logging.spike_window=20", r"logging.spike_window was moved to spikes.window"),
+    ("optim.spike_window=20", r"optim.spike_window was moved to spikes.window"),
+    ("spikes.policy=rollback", r"checkpoint.every=0 none is saved.*checkpoint.every=N"),
 ])
 def test_bad_spike_settings_are_refused(corpus, tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         train.load_config(tiny_args(corpus, tmp_path / "run", override))
+
+
+def test_the_contracts_optim_spike_still_sets_the_policy(corpus, tmp_path):
+    args = train.load_config(tiny_args(corpus, tmp_path / "run", "optim.spike=skip"))
+    assert args.spikes.policy == "skip"
+
+
+def test_an_older_runs_config_reads_its_spike_keys_under_the_new_names(corpus, tmp_path):
+    """A run directory from before the spikes section (optim.spike*, logging.spike_* null)
+    still evaluates: lingua.config.migrate reads its keys under their new names."""
+    from omegaconf import OmegaConf
+
+    from lingua import config
+    from lingua.eval import eval_cli
+
+    saved = OmegaConf.create(config.to_dict(train.load_config(tiny_args(corpus, tmp_path / "r"))))
+    saved.pop("spikes")
+    saved.optim.spike, saved.optim.spike_window, saved.logging.spike_factor = "skip", 7, None
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    OmegaConf.save(saved, ckpt / "config.yaml")
+    loaded = eval_cli.run_config(train.TrainArgs, ckpt, [])
+    assert (loaded.spikes.policy, loaded.spikes.window, loaded.spikes.factor) == ("skip", 7, 2.0)
 
 
 # -- each policy in one process ------------------------------------------------------------------
@@ -195,7 +218,7 @@ def test_log_warns_and_marks_off_does_nothing_both_apply_the_update(corpus, tmp_
     assert [s for s, r in rows.items() if r["loss_spike"]] == [8]
     assert [rows[s]["spike_steps"] for s in (7, 8, 12)] == [0, 1, 1]
     assert rows[8]["spike_skipped_steps"] == 0 and rows[8]["rollbacks"] == 0
-    assert "loss spike at step 8" in out and "the update was applied (optim.spike=log)" in out
+    assert "loss spike at step 8" in out and "the update was applied (spikes.policy=log)" in out
     assert "loss_spike" not in rows_by_step(off)[8]
     assert_equivalent(log, off, rtol=0)
     assert probe_steps(log) == [4, 8, 9, 12]
@@ -207,7 +230,7 @@ def test_log_warns_and_marks_off_does_nothing_both_apply_the_update(corpus, tmp_
 def test_skip_drops_the_update_as_nonfinite_skip_does(corpus, tmp_path, skip_run):
     """With probe.every=0 the step after each spike is probed all the same."""
     nan = tmp_path / "nan"
-    train_with_spikes(tiny_args(corpus, nan, "optim.spike=off", "optim.nonfinite=skip",
+    train_with_spikes(tiny_args(corpus, nan, "spikes.policy=off", "optim.nonfinite=skip",
                                 steps=STEPS), {b: math.nan for b in SKIP_SPIKES})
     rows = rows_by_step(skip_run)
     assert [rows[s]["spike_skipped_steps"] for s in range(6, 13)] == [0, 0, 1, 1, 2, 2, 2]

@@ -1,7 +1,7 @@
 """The collectives of one training step, counted on 2 gloo ranks under FSDP2
 (tests/workers/step_collectives.py): a step that neither logs nor saves issues FSDP's all-gathers
 and reduce-scatters, the gradient norm's all-reduce, and ONE all-reduce more, the step's
-tally (lingua/train/tally.py), which carries the loss-spike check (optim.spike=log, the
+tally (lingua/train/tally.py), which carries the loss-spike check (spikes.policy=log, the
 default), the ranks' stop signals and whether an asynchronous checkpoint write is done. Before
 the tally those were an all-reduce each (2 a step, 3 while a write was pending), and each
 read its result on the host."""
@@ -24,7 +24,7 @@ def per_step(corpus, tmp_path_factory):
     # step 3 runs; step 5 logs (validation included) and saves.
     run_torchrun(2, "tests.workers.step_collectives", tiny_args(
         corpus, dump, "distributed.dp_shard=2", "logging.every=5", "checkpoint.every=2",
-        "checkpoint.async_save=true", "optim.spike=log"))
+        "checkpoint.async_save=true", "spikes.policy=log"))
     return [json.loads((dump / f"collectives_rank{r}.json").read_text()) for r in range(2)]
 
 

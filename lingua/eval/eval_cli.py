@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lingua import checkpoint
+from lingua import checkpoint, config
 from lingua.checkpoint import hf
 from lingua.data.tokenizer import build_tokenizer
 from lingua.errors import ConfigError
@@ -37,7 +37,7 @@ CHANGEABLE = ("eval", "distributed", "logging", "slurm", "data.tokenizer")
 
 def run_config(schema, ckpt: Path, overrides: Sequence[str]):
     """The checkpoint's config with the command line's changes, as the app's schema."""
-    saved = checkpoint.read_run_config(ckpt)
+    saved = config.migrate(checkpoint.read_run_config(ckpt))
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+")
         if "=" not in override or not any(key == c or key.startswith(c + ".") for c in CHANGEABLE):

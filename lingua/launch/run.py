@@ -29,8 +29,8 @@ from lingua.observe import profiling
 from lingua.observe.metrics import LoggingArgs
 from lingua.observe.probe import ProbeArgs, ProbeHook
 from lingua.observe.profiling import ProfilerHook, ProfilingArgs
-from lingua.optim import OptimArgs
-from lingua.optim.spikes import SpikeHook
+from lingua.optim import OptimArgs, spikes
+from lingua.optim.spikes import SpikeArgs, SpikeHook
 from lingua.parallel import distributed, pipeline
 from lingua.parallel.context_parallel import validate_cp
 from lingua.parallel.distributed import DistEnv, DistributedArgs
@@ -54,6 +54,7 @@ class BaseTrainArgs:
     gc_full_every: int = 1000
     data: DataArgs = field(default_factory=DataArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
+    spikes: SpikeArgs = field(default_factory=SpikeArgs)
     distributed: DistributedArgs = field(default_factory=DistributedArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     eval: eval_jobs.RunEvalArgs = field(default_factory=eval_jobs.RunEvalArgs)
@@ -95,17 +96,11 @@ def _checks(check, args, app: App, data_files: bool) -> None:
             f"{args.model.max_seq_len}. Raise model.max_seq_len or shorten data.seq_len.")
     check(optim.validate_args, args.optim, args.steps)
     check(config.check_positive, args.logging, "logging", ["every"])
-    for key in ("spike_factor", "spike_window"):   # moved: name the new key
-        old = getattr(args.logging, key)
-        require(old is None,
-                f"logging.{key} was moved to optim.{key} (with optim.spike=off|log|skip|rollback "
-                f"saying what a spike does: README, \"Loss spikes\"). Write "
-                + ("optim.spike=off" if key == "spike_factor" and old == 0 else
-                   f"optim.{key}={old}") + " instead.")
-    require(args.optim.spike != "rollback" or args.checkpoint.every > 0,
-            "optim.spike=rollback goes back to the newest checkpoint, but with checkpoint.every=0 "
-            "none is saved before the end. Set checkpoint.every=N (a rollback replays up to N "
-            "steps), or use optim.spike=skip.")
+    check(spikes.validate_args, args.spikes)
+    require(args.spikes.policy != "rollback" or args.checkpoint.every > 0,
+            "spikes.policy=rollback goes back to the newest checkpoint, but with "
+            "checkpoint.every=0 none is saved before the end. Set checkpoint.every=N (a rollback "
+            "replays up to N steps), or use spikes.policy=skip.")
     check(distributed.validate_args, args.distributed)
     d = args.distributed
     dims = check(distributed.parallel_dims, d, distributed.world_size_from_env())
@@ -135,7 +130,7 @@ def _checks(check, args, app: App, data_files: bool) -> None:
 
 def hooks(args, env: DistEnv, app: App) -> Hooks:
     """What runs around the loop, in the order each step calls it (lingua/hooks.py)."""
-    probe = ProbeHook(args, spikes_on=args.optim.spike != "off")
+    probe = ProbeHook(args, spikes_on=args.spikes.policy != "off")
     return Hooks([
         *app.hooks(args, env),
         GarbageCollection(args.gc_every, args.gc_full_every),

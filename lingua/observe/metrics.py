@@ -44,10 +44,6 @@ class LoggingArgs:
     wandb_mode: str = "offline"     # offline | online (online needs WANDB_API_KEY in the env)
     name: Optional[str] = None      # run name (defaults to the dump_dir's name)
     quiet: bool = False             # no progress lines on stderr (python -m apps.<app>.eval)
-    # Moved to optim.*: kept so older runs' config.yaml (these keys, null) still loads; setting
-    # either is a config error naming the new key (lingua.launch.run.validate).
-    spike_factor: Optional[float] = None
-    spike_window: Optional[int] = None
 
 
 def flops_per_token(model: nn.Module, n_layers: int, dim: int, seq_len: int,

@@ -45,20 +45,6 @@ class OptimArgs:
     muon_adjust_lr_fn: str = "match_rms_adamw"   # match_rms_adamw | original
     # Newton-Schulz in bf16 (torch.optim.Muon's) or fp32 (for CPUs that emulate bf16).
     muon_ns_dtype: str = "bf16"
-    # Loss spikes: off | log | skip | rollback (README "Loss spikes"; lingua/optim/spikes.py).
-    spike: str = "log"
-    spike_on: str = "loss"          # loss | grad_norm | both: what is judged
-    spike_rule: str = "median"      # median: above spike_factor x the running median;
-                                    # sigma: above the mean + spike_sigmas std of the window
-    spike_factor: float = 2.0
-    spike_sigmas: float = 6.0
-    spike_window: int = 50          # accepted steps in the running statistics; none judged
-                                    # before the window is full
-    spike_warmup: int = 0           # and none judged in the first N steps
-    spike_skip_before: int = 0      # rollback: data batches skipped before the spiking one
-    spike_skip_after: int = 0       # and after it (0, 0: the spiking batch alone)
-    spike_max_rollbacks: int = 3    # rollbacks to one checkpoint before the run stops
-    spike_max_skips: int = 10       # skip: spike steps in a row before the run stops
 
 
 def validate_args(args: OptimArgs, steps: int) -> None:
@@ -82,26 +68,9 @@ def validate_args(args: OptimArgs, steps: int) -> None:
     if args.nonfinite not in ("skip", "stop"):
         raise ConfigError(f"optim.nonfinite={args.nonfinite!r}: use skip (drop a step whose "
                           f"gradients are NaN/Inf and go on) or stop (save and stop).")
-    choices = {"spike": ("off", "log", "skip", "rollback"),
-               "spike_on": ("loss", "grad_norm", "both"), "spike_rule": ("median", "sigma")}
-    for key, allowed in choices.items():
-        if getattr(args, key) not in allowed:
-            raise ConfigError(f"optim.{key}={getattr(args, key)!r} is unknown: use one of "
-                              f"{' | '.join(allowed)} (README, \"Loss spikes\").")
-    if not (args.spike_factor > 1 and math.isfinite(args.spike_factor)):
-        raise ConfigError(f"optim.spike_factor={args.spike_factor} must be above 1 (a spike is a "
-                          f"value above spike_factor x the running median), e.g. 2.0.")
-    if not (args.spike_sigmas > 0 and math.isfinite(args.spike_sigmas)):
-        raise ConfigError(f"optim.spike_sigmas={args.spike_sigmas} must be positive, e.g. 6.0.")
-    if args.spike_window < 2:
-        raise ConfigError(f"optim.spike_window={args.spike_window} must be at least 2 steps "
-                          f"(a median or a standard deviation needs several values), e.g. 50.")
-    for key in ("warmup", "weight_decay", "spike_warmup", "spike_skip_before", "spike_skip_after"):
+    for key in ("warmup", "weight_decay"):
         if getattr(args, key) < 0:
             raise ConfigError(f"optim.{key}={getattr(args, key)} must be 0 or more.")
-    for key in ("spike_max_rollbacks", "spike_max_skips"):
-        if getattr(args, key) < 1:
-            raise ConfigError(f"optim.{key}={getattr(args, key)} must be at least 1.")
 
 
 def validate_muon_args(args: OptimArgs) -> None:

@@ -1,8 +1,8 @@
-"""Loss spikes: `optim.spike=off|log|skip|rollback` and the running statistics that find them
+"""Loss spikes: `spikes.policy=off|log|skip|rollback` and the running statistics that find them
 (what each policy does, for users: README "Loss spikes").
 
-A step is a spike when its loss or gradient norm (`optim.spike_on`) is above a threshold from the
-accepted steps before it (`optim.spike_rule`), or when its loss is non-finite with a finite
+A step is a spike when its loss or gradient norm (`spikes.on`) is above a threshold from the
+accepted steps before it (`spikes.rule`), or when its loss is non-finite with a finite
 gradient norm (a non-finite gradient norm is optim.nonfinite's business). Every rank decides
 alone on the same numbers (the step's tally, lingua/train/tally.py, all-reduces them);
 the windows and counts are in the checkpoint's train state, so a resumed run decides as the
@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 
 from lingua import checkpoint
-from lingua.errors import RunError
+from lingua.errors import ConfigError, RunError
 from lingua.hooks import ROLLBACK, SKIP, UPDATE, Hook
 
 logger = logging.getLogger("train")
@@ -34,6 +34,47 @@ RECORDS = "spikes.jsonl"
 # SpikeMonitor's counters and flags, saved in the train state, with their initial values.
 COUNTERS = {"spike_steps": 0, "skipped_steps": 0, "in_a_row": 0, "since_row": False,
             "probe_next": False}
+
+
+@dataclass
+class SpikeArgs:
+    """`spikes.*`: what a loss spike does (README "Loss spikes")."""
+    policy: str = "log"             # off | log | skip | rollback
+    on: str = "loss"                # loss | grad_norm | both: what is judged
+    rule: str = "median"            # median: above factor x the running median;
+                                    # sigma: above the mean + sigmas std of the window
+    factor: float = 2.0
+    sigmas: float = 6.0
+    window: int = 50                # accepted steps in the running statistics; none judged
+                                    # before the window is full
+    warmup: int = 0                 # and none judged in the first N steps
+    skip_before: int = 0            # rollback: data batches skipped before the spiking one
+    skip_after: int = 0             # and after it (0, 0: the spiking batch alone)
+    max_rollbacks: int = 3          # rollbacks to one checkpoint before the run stops
+    max_skips: int = 10             # skip: spike steps in a row before the run stops
+
+
+def validate_args(args: SpikeArgs) -> None:
+    choices = {"policy": ("off", "log", "skip", "rollback"), "on": ("loss", "grad_norm", "both"),
+               "rule": ("median", "sigma")}
+    for key, allowed in choices.items():
+        if getattr(args, key) not in allowed:
+            raise ConfigError(f"spikes.{key}={getattr(args, key)!r} is unknown: use one of "
+                              f"{' | '.join(allowed)} (README, \"Loss spikes\").")
+    if not (args.factor > 1 and math.isfinite(args.factor)):
+        raise ConfigError(f"spikes.factor={args.factor} must be above 1 (a spike is a value "
+                          f"above factor x the running median), e.g. 2.0.")
+    if not (args.sigmas > 0 and math.isfinite(args.sigmas)):
+        raise ConfigError(f"spikes.sigmas={args.sigmas} must be positive, e.g. 6.0.")
+    if args.window < 2:
+        raise ConfigError(f"spikes.window={args.window} must be at least 2 steps (a median or a "
+                          f"standard deviation needs several values), e.g. 50.")
+    for key in ("warmup", "skip_before", "skip_after"):
+        if getattr(args, key) < 0:
+            raise ConfigError(f"spikes.{key}={getattr(args, key)} must be 0 or more.")
+    for key in ("max_rollbacks", "max_skips"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"spikes.{key}={getattr(args, key)} must be at least 1.")
 
 
 @dataclass
@@ -50,42 +91,42 @@ class Spike:
 
 
 class SpikeMonitor:
-    """The running statistics, counts and rollback records of one run (`args`: its OptimArgs).
+    """The running statistics, counts and rollback records of one run (`args`: its SpikeArgs).
     Deterministic: the same values in the same order give the same decisions."""
 
     def __init__(self, args, verbose: bool = True):
         self.args, self.verbose = args, verbose   # verbose: this rank logs (rank 0)
-        watched = ("loss", "grad_norm") if args.spike_on == "both" else (args.spike_on,)
-        self.windows = {name: deque(maxlen=args.spike_window) for name in watched}
+        watched = ("loss", "grad_norm") if args.on == "both" else (args.on,)
+        self.windows = {name: deque(maxlen=args.window) for name in watched}
         self.spike_steps = 0      # spikes found on the kept trajectory (log and skip)
         self.skipped_steps = 0    # updates not applied because of a spike
-        self.in_a_row = 0         # consecutive skipped spike steps (optim.spike_max_skips)
+        self.in_a_row = 0         # consecutive skipped spike steps (spikes.max_skips)
         self.rollbacks: List[dict] = []   # one record per rollback (what spikes.jsonl holds)
         self.since_row = False    # a spike since the last metrics row (its loss_spike)
         self.probe_next = False   # probe the next step in full (log, skip: the step after one)
 
     @property
     def on(self) -> bool:
-        return self.args.spike != "off"
+        return self.args.policy != "off"
 
     def threshold(self, name: str) -> Optional[tuple]:
         """(threshold, how it was made) from the window of `name`; None until the window is full."""
         window, a = self.windows[name], self.args
         if len(window) < window.maxlen:
             return None
-        if a.spike_rule == "median":
+        if a.rule == "median":
             median = statistics.median(window)
-            return a.spike_factor * median, (f"{a.spike_factor:g} x the median {median:.4g} of "
+            return a.factor * median, (f"{a.factor:g} x the median {median:.4g} of "
                                              f"the last {len(window)} steps")
         mean, std = statistics.fmean(window), statistics.stdev(window)
-        return mean + a.spike_sigmas * std, (f"the mean {mean:.4g} + {a.spike_sigmas:g} standard "
+        return mean + a.sigmas * std, (f"the mean {mean:.4g} + {a.sigmas:g} standard "
                                              f"deviations ({std:.4g}) of the last {len(window)} "
                                              f"steps")
 
     def check(self, step: int, values: dict) -> Optional[Spike]:
         """The spike of `step` (1-based) given its {"loss": .., "grad_norm": ..}, or None.
         Changes nothing: the caller then calls accept() or skipped()."""
-        if not self.on or step <= self.args.spike_warmup:
+        if not self.on or step <= self.args.warmup:
             return None
         for name in self.windows:
             made = self.threshold(name)
@@ -108,51 +149,51 @@ class SpikeMonitor:
     def logged(self, spike: Spike) -> None:
         self.spike_steps += 1
         if self.verbose:
-            logger.warning("%s; the update was applied (optim.spike=log). probe.jsonl holds the "
+            logger.warning("%s; the update was applied (spikes.policy=log). probe.jsonl holds the "
                            "next step, probed in full: it shows which module moved.", spike)
 
-    def skipped(self, spike: Spike, reason: str = "optim.spike=skip") -> None:
+    def skipped(self, spike: Spike, reason: str = "spikes.policy=skip") -> None:
         """The spike's update was not applied; stop the run after more than
-        optim.spike_max_skips in a row (skipping forever would freeze the weights)."""
+        spikes.max_skips in a row (skipping forever would freeze the weights)."""
         self.spike_steps += 1
         self.skipped_steps += 1
         self.in_a_row += 1
         if self.verbose:
             logger.warning("%s; the update was skipped (%s), %d spike steps skipped so far",
                            spike, reason, self.skipped_steps)
-        if self.in_a_row > self.args.spike_max_skips:
+        if self.in_a_row > self.args.max_skips:
             raise RunError(
                 f"Steps {spike.step - self.in_a_row + 1}..{spike.step}: {self.in_a_row} spike "
-                f"steps in a row had their update skipped (optim.spike_max_skips="
-                f"{self.args.spike_max_skips}); the {spike.on} ({spike.value:.4g} at step "
+                f"steps in a row had their update skipped (spikes.max_skips="
+                f"{self.args.max_skips}); the {spike.on} ({spike.value:.4g} at step "
                 f"{spike.step}, threshold {spike.threshold:.4g}) has moved to a new level, and "
                 f"skipping more updates would only freeze the weights. Look at the last rows of "
                 f"metrics.jsonl and at probe.jsonl (the step after a spike is probed); then "
-                f"train through it (optim.spike=log), raise optim.spike_factor or "
-                f"optim.spike_sigmas, or go back before it with optim.spike=rollback, and run "
+                f"train through it (spikes.policy=log), raise spikes.factor or "
+                f"spikes.sigmas, or go back before it with spikes.policy=rollback, and run "
                 f"the same command to resume from the newest checkpoint.")
 
     def record_rollback(self, spike: Spike, batch: int, checkpoint_step: int,
                         checkpoint_dir: str) -> dict:
         """The record of a rollback from `spike` (on data batch `batch`) to a checkpoint; RunError
-        when the run already went back there spike_max_rollbacks times."""
+        when the run already went back there spikes.max_rollbacks times."""
         a = self.args
         before = sum(1 for r in self.rollbacks if r.get("checkpoint") == checkpoint_step)
-        if before >= a.spike_max_rollbacks:
+        if before >= a.max_rollbacks:
             raise RunError(
                 f"Step {spike.step}: {spike.on} {spike.value:.4g} is above the threshold "
                 f"{spike.threshold:.4g} ({spike.why}) again, after {before} rollbacks to "
-                f"checkpoint {checkpoint_dir} (optim.spike_max_rollbacks="
-                f"{a.spike_max_rollbacks}; {RECORDS} in the run directory lists them): the "
+                f"checkpoint {checkpoint_dir} (spikes.max_rollbacks="
+                f"{a.max_rollbacks}; {RECORDS} in the run directory lists them): the "
                 f"spike is not caused by a few bad batches. Look at probe.jsonl (the spiking "
                 f"batch was probed) and metrics.jsonl; then lower optim.lr, raise optim.warmup "
-                f"or optim.clip, skip a wider range (optim.spike_skip_before / "
-                f"optim.spike_skip_after), or raise optim.spike_max_rollbacks, and run the same "
+                f"or optim.clip, skip a wider range (spikes.skip_before / "
+                f"spikes.skip_after), or raise spikes.max_rollbacks, and run the same "
                 f"command to resume from that checkpoint.")
         record = {"step": spike.step, "on": spike.on, "value": spike.value,
-                  "threshold": spike.threshold, "rule": a.spike_rule, "why": spike.why,
+                  "threshold": spike.threshold, "rule": a.rule, "why": spike.why,
                   "batch": batch, "checkpoint": checkpoint_step, "checkpoint_dir": checkpoint_dir,
-                  "skip": [max(1, batch - a.spike_skip_before), batch + a.spike_skip_after]}
+                  "skip": [max(1, batch - a.skip_before), batch + a.skip_after]}
         self.rollbacks.append(record)
         return record
 
@@ -237,14 +278,14 @@ def append_record(dump_dir, record: dict) -> None:
 
 
 class SpikeHook(Hook):
-    """optim.spike in the loop: judge each step (vote), skip or roll back, skip a rollback's
+    """spikes.policy in the loop: judge each step (vote), skip or roll back, skip a rollback's
     batches (before_step), probe at a spike (`probe`: the run's ProbeHook), metrics, and the
     "spikes" key of the train state. Always in the hook list: hand-written ranges in
-    spikes.jsonl are skipped with optim.spike=off too."""
+    spikes.jsonl are skipped with spikes.policy=off too."""
 
     def __init__(self, args, env, probe):
-        self.monitor = SpikeMonitor(args.optim, env.is_main)
-        self.policy, self.env, self.probe = args.optim.spike, env, probe
+        self.monitor = SpikeMonitor(args.spikes, env.is_main)
+        self.policy, self.env, self.probe = args.spikes.policy, env, probe
         self.values: Optional[dict] = None    # the step's values, accepted after its update
         self.keep_records = False             # a rollback's reload keeps the records it knows
 
@@ -297,7 +338,7 @@ class SpikeHook(Hook):
             self.monitor.accept(self.values)
 
     def _roll_back(self, run, spike: Spike) -> bool:
-        """optim.spike=rollback: record the batches to skip (spikes.jsonl first), run the spiking
+        """spikes.policy=rollback: record the batches to skip (spikes.jsonl first), run the spiking
         batch again with the probe on, and reload the newest intact checkpoint on every rank.
         False (the update skipped instead) when no checkpoint from before the spike exists."""
         env, monitor = self.env, self.monitor
@@ -306,7 +347,7 @@ class SpikeHook(Hook):
                                             set_aside=True)
         if target is None or int(target.name) >= spike.step:
             monitor.probe_next = True
-            monitor.skipped(spike, "optim.spike=rollback, but no checkpoint was saved before it "
+            monitor.skipped(spike, "spikes.policy=rollback, but no checkpoint was saved before it "
                                    "yet")
             return False
         back_to = int(target.name)
