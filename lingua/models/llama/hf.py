@@ -34,8 +34,13 @@ def key_map(args: LlamaArgs) -> dict[str, str]:
 
 def llama_hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
     """config.json: the decoder's shape (lingua_hf.decoder_config) as LlamaForCausalLM."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            **lingua_hf.decoder_config(args, dtype), "attention_bias": False, "mlp_bias": False}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **lingua_hf.decoder_config(args, dtype),
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
 
 
 def args_from_hf_config(config_path) -> LlamaArgs:
