@@ -22,6 +22,7 @@ from apps.sft import hf as sft_hf
 from lingua.checkpoint import hf_files, integrity
 from lingua.data.chat_template import BUILTIN_JINJA
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
+from lingua.model.lora import LoRAArgs, is_adapter
 from lingua.models.llama.model import LlamaArgs
 from tests.conftest import TINY_MODEL
 
@@ -218,8 +219,6 @@ def test_generate_matches_transformers_greedy(run, merged, ours, capsys):
 def fake_run(run, ours, root: Path, lora) -> Path:
     """A run directory with one checkpoint of the merged weights under `run`'s config, its lora
     section replaced by `lora` (None: dropped)."""
-    from apps.sft.hf import merged_model
-
     cfg = OmegaConf.load(run["dump"] / "config.yaml")
     if lora is None:
         cfg.pop("lora")
@@ -227,10 +226,12 @@ def fake_run(run, ours, root: Path, lora) -> Path:
         cfg.lora = lora
     cfg.dump_dir = str(root)
     ckpt = root / "checkpoints" / "1"
-    plain = merged_model(ours, LlamaArgs(**OmegaConf.to_container(cfg.model)))
+    trained = OmegaConf.load(run["dump"] / "config.yaml").lora
+    merged = sft_hf.Merged(ours.state_dict(), LoRAArgs(**OmegaConf.to_container(trained)))
+    plain = {k: merged[k] for k in ours.state_dict() if not is_adapter(k)}
     with warnings.catch_warnings():   # a single-process save is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": plain.state_dict()}, checkpoint_id=str(ckpt))
+        dcp.save({"model": plain}, checkpoint_id=str(ckpt))
     for where in (root, ckpt):
         OmegaConf.save(cfg, where / "config.yaml")
     integrity.write_manifest(ckpt)

@@ -130,20 +130,11 @@ def turn_end_id(template, tokenizer) -> int:
 # The merged model
 
 
-def merged_model(model: Transformer, args: LlamaArgs) -> Transformer:
-    """A plain Transformer (no adapters) computing what `model` does, sharing its other tensors."""
-    with torch.device("meta"):
-        plain = Transformer(args)
-    plain.load_state_dict(lora.merged_state_dict(model), strict=True, assign=True)
-    plain.init_rope(next(model.parameters()).device)
-    return plain.eval()
-
-
-class _Merged(dict):
-    """A state dict read with every adapter folded into its base weight (W + alpha/rank B A)."""
+class Merged:
+    """A state dict read with every adapter folded into its base weight (W + alpha/rank B A):
+    what the merged export names, one file's tensors at a time."""
 
     def __init__(self, state, lora_args: LoRAArgs):
-        super().__init__()
         self.state, self.lora_args = state, lora_args
 
     def __getitem__(self, key):
@@ -174,7 +165,7 @@ def export_merged(ckpt_dir, out_dir, dtype=None) -> LlamaArgs:
     args = lingua_hf.export(
         ckpt_dir, out_dir, dtype, model_class=adapted, args_class=LlamaArgs,
         export_problems=export_problems, hf_config=llama_hf_config, not_exported={}, where=WHERE,
-        to_hf=lambda state, *a: rename(_Merged(state, lora_args), *a), command=COMMAND,
+        to_hf=lambda state, *a: rename(Merged(state, lora_args), *a), command=COMMAND,
         base_key_map=key_map)
     write_chat_files(run_config, out_dir, fields)
     return args

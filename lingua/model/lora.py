@@ -139,13 +139,3 @@ def _pattern(name: str) -> str:
 def merged(weight, lora_a, lora_b, scale: float) -> torch.Tensor:
     """W + s B A in fp32, cast back to the weight's dtype (plain, unsharded tensors)."""
     return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
-
-
-def merged_state_dict(model: nn.Module) -> dict:
-    """The model's state dict with every adapter folded into its base weight and no adapter
-    keys: the state of a plain model that computes what the adapted one does (dropout aside)."""
-    state = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
-    for name, m in model.named_modules():
-        if isinstance(m, LoRALinear):
-            state[f"{name}.weight"] = merged(m.weight, m.lora_a, m.lora_b, m.scale)
-    return state
