@@ -368,10 +368,11 @@ def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args
     return args
 
 
-def export_cli(argv, prog: str, description: str, export) -> None:
+def export_cli(argv, prog: str, description: str, export, load_hf: Optional[Callable] = None):
     """`<prog> export <checkpoint_dir> <out_dir> [--dtype]`, one command line for every app's hf.py:
-    `export(ckpt_dir, out_dir, dtype)` is the app's own. A bad input prints an `error:` line and
-    exits with status 2."""
+    `export(ckpt_dir, out_dir, dtype)` is the app's own; with the app's `load_hf`, also `<prog>
+    import <hf_dir>`, which reads the directory as training would and prints the model section
+    that trains from it. A bad input prints an `error:` line and exits with status 2."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("export", help="write a training checkpoint as a Hugging Face directory")
@@ -379,14 +380,31 @@ def export_cli(argv, prog: str, description: str, export) -> None:
                                           "<dump_dir>/checkpoints/<step>")
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: as trained (fp32)")
+    if load_hf is not None:
+        p = sub.add_parser("import", help="read a Hugging Face directory and print the model "
+                                          "section that trains from it (checkpoint.init_from)")
+        p.add_argument("hf_dir")
     ns = parser.parse_args(argv)
     try:
+        if ns.command == "import":
+            print(imported(ns.hf_dir, load_hf))
+            return
         ckpt = resolve(ns.checkpoint_dir)
         export(ckpt, ns.out_dir, DTYPES.get(ns.dtype))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(wrote(ckpt, ns.out_dir))
+
+
+def imported(hf_dir, load_hf: Callable) -> str:
+    """What `import` prints: the directory read in full (every tensor mapped, shapes checked) and
+    the model section of a config that trains from it."""
+    model, args = load_hf(hf_dir, dtype=None)
+    n_params = sum(p.numel() for p in model.parameters())
+    section = OmegaConf.to_yaml({"model": config.to_dict(args)})
+    return (f"read {hf_dir}: {n_params:,} parameters, every tensor mapped. Train from it with "
+            f"checkpoint.init_from={hf_dir} and this model section:\n{section}")
 
 
 def wrote(ckpt_dir, out_dir) -> str:

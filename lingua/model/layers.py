@@ -317,7 +317,7 @@ def make_attn_mask(backend: str, doc_ids: Optional[torch.Tensor], seq_len: int,
 _compiled_flex = None
 
 
-def _flex_attention(q, k, v, block_mask):
+def _flex_attention(q, k, v, block_mask, scale=None):
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
@@ -326,30 +326,33 @@ def _flex_attention(q, k, v, block_mask):
             raise ConfigError(_FLEX_CPU_TRAINING)
         with warnings.catch_warnings():  # "use torch.compile" advice is moot for CPU evaluation
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return flex_attention(q, k, v, block_mask=block_mask)
+            return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
     if _compiled_flex is None:  # fused kernel on GPU needs compile; eager materializes scores
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask)
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
-              mask=None) -> torch.Tensor:
-    """q [b, s, h, d], k/v [b, s, h_kv, d] -> [b, s, h, d]. Only sdpa takes fewer k/v heads than
-    q (enable_gqa); the other backends take them repeated (repeat_kv)."""
+              mask=None, scale: Optional[float] = None) -> torch.Tensor:
+    """q [b, s, h, d], k [b, s, h_kv, d], v [b, s, h_kv, d_v] -> [b, s, h, d_v]; scores scaled by
+    `scale` (None: 1/sqrt(d)). Only sdpa takes fewer k/v heads than q (enable_gqa); the other
+    backends take them repeated (repeat_kv)."""
     if backend == "xformers":
         from xformers.ops import memory_efficient_attention
 
         if not isinstance(mask, torch.Tensor) and type(mask).__name__.startswith("BlockDiagonal"):
             b, s = q.shape[:2]
             flat = lambda t: t.reshape(1, b * s, *t.shape[2:])  # noqa: E731
-            return memory_efficient_attention(flat(q), flat(k), flat(v), attn_bias=mask).view_as(q)
-        return memory_efficient_attention(q, k, v, attn_bias=mask)
+            out = memory_efficient_attention(flat(q), flat(k), flat(v), attn_bias=mask,
+                                             scale=scale)
+            return out.view(*q.shape[:3], v.shape[-1])
+        return memory_efficient_attention(q, k, v, attn_bias=mask, scale=scale)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if backend == "flex":
-        out = _flex_attention(q, k, v, mask)
+        out = _flex_attention(q, k, v, mask, scale)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+                                             enable_gqa=k.shape[1] != q.shape[1], scale=scale)
     return out.transpose(1, 2)
 
 
@@ -359,8 +362,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
 
 class KVCache:
     """Keys/values of the positions seen so far, per attention layer (keyed like `layers`). A
-    layer's buffers are made at its first update, shaped like its keys (under TP a rank holds
-    n_kv_heads / tp heads, which only the layer's output knows)."""
+    layer's buffers are made at its first update, shaped like what it caches (under TP a rank
+    holds n_kv_heads / tp heads, which only the layer's output knows; MLA caches its latent and
+    rope key, apps/deepseek)."""
 
     def __init__(self, layer_keys, batch: int, max_len: int):
         self.kv: Dict[str, Optional[Tuple[torch.Tensor, torch.Tensor]]] = dict.fromkeys(layer_keys)
@@ -370,8 +374,8 @@ class KVCache:
     def update(self, key: str, k: torch.Tensor,
                v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.kv[key] is None:
-            shape = (k.shape[0], self.max_len, *k.shape[2:])
-            self.kv[key] = (k.new_zeros(shape), v.new_zeros(shape))
+            self.kv[key] = tuple(t.new_zeros(t.shape[0], self.max_len, *t.shape[2:])
+                                 for t in (k, v))
         ck, cv = self.kv[key]
         end = self.pos + k.shape[1]
         if end > self.max_len:
@@ -393,20 +397,22 @@ class CoreAttention(nn.Module):
     of the contract check_model_contract checks). Context parallelism replaces it by type; the
     probe hooks it. Takes q [b, s, h, head_dim] and k, v [b, s, h_kv, head_dim] after RoPE and
     the decoder's mask; repeats k/v to h heads unless the kernel groups them (`grouped_kv_ok`).
-    When decoding (KV cache) it runs sdpa with the cache's mask on any backend."""
+    When decoding (KV cache) it runs sdpa with the cache's mask on any backend. `scale` multiplies
+    the scores (None: 1/sqrt(head_dim); MLA's differs), and v's head size may differ from q's."""
 
-    def __init__(self, backend: str = "sdpa"):
+    def __init__(self, backend: str = "sdpa", scale: Optional[float] = None):
         super().__init__()
-        self.backend = backend
+        self.backend, self.scale = backend, scale
 
     def forward(self, q, k, v, mask=None, decoding: bool = False):
         if decoding:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]).transpose(1, 2)
+                q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1],
+                scale=self.scale).transpose(1, 2)
         if k.shape[2] != q.shape[2] and not grouped_kv_ok(self, q, mask):
             k, v = repeat_kv(k, v, q.shape[2])
-        return attention(q, k, v, self.backend, mask)
+        return attention(q, k, v, self.backend, mask, self.scale)
 
 
 def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:

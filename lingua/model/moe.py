@@ -244,16 +244,22 @@ class GroupedExperts(nn.Module):
 class Router(nn.Module):
     """Scores every expert, picks top_k per token. The gate runs in fp32 even under autocast:
     routing flips on small logit differences. `expert_bias` (DeepSeek-V3) only changes which
-    experts are chosen; the combine weights are their unbiased scores."""
+    experts are chosen; the combine weights are their unbiased scores. With n_groups > 1
+    (DeepSeek-V3's group-limited routing) the experts form n_groups equal groups, each scored by
+    the sum of its two best biased scores, and a token picks its top_k among the topk_groups best
+    groups only."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str = "softmax",
-                 norm_topk: bool = False, route_scale: float = 1.0):
+                 norm_topk: bool = False, route_scale: float = 1.0, n_groups: int = 1,
+                 topk_groups: int = 1):
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ConfigError(f"model.score_func={score_func!r} is not one of "
                               f"{', '.join(SCORE_FUNCS)}.")
+        check_groups(n_experts, top_k, n_groups, topk_groups)
         self.top_k, self.score_func = top_k, score_func
         self.norm_topk, self.route_scale = norm_topk, route_scale
+        self.n_groups, self.topk_groups = n_groups, topk_groups
         self.gate = nn.Linear(dim, n_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=True)
 
@@ -263,11 +269,31 @@ class Router(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        _, experts = torch.topk(scores.detach() + self.expert_bias.float(), self.top_k, dim=-1)
+        choice = scores.detach() + self.expert_bias.float()
+        if self.topk_groups < self.n_groups:
+            groups = choice.view(-1, self.n_groups, choice.shape[-1] // self.n_groups)
+            group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)
+            kept = group_scores.topk(self.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = groups.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+        _, experts = torch.topk(choice, self.top_k, dim=-1)
         weights = scores.gather(-1, experts)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * self.route_scale, experts, scores, logits
+
+
+def check_groups(n_experts: int, top_k: int, n_groups: int, topk_groups: int) -> None:
+    """Group-limited routing's shape: equal groups, and enough experts in the kept ones."""
+    if n_groups < 1 or n_experts % n_groups or not 1 <= topk_groups <= n_groups:
+        raise ConfigError(f"model.n_groups={n_groups}, model.topk_groups={topk_groups} with "
+                          f"model.n_experts={n_experts}: the experts form n_groups equal groups "
+                          "(n_groups divides n_experts) and a token keeps 1 <= topk_groups <= "
+                          "n_groups of them. Use n_groups=1, topk_groups=1 for plain top-k.")
+    if top_k > topk_groups * (n_experts // n_groups):
+        raise ConfigError(f"model.top_k={top_k} is more than the {topk_groups} kept groups hold "
+                          f"({topk_groups} x {n_experts // n_groups} experts). Raise "
+                          "model.topk_groups or lower model.top_k.")
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -278,14 +304,16 @@ class MoE(nn.Module):
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, n_shared_experts: int = 0,
                  score_func: str = "softmax", norm_topk: bool = False, route_scale: float = 1.0,
                  capacity_factor: float = 0.0, expert_impl: str = "grouped",
-                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, n_groups: int = 1,
+                 topk_groups: int = 1):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ConfigError(f"model.top_k={top_k} must be between 1 and "
                               f"model.n_experts={n_experts}.")
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.router = Router(dim, n_experts, top_k, score_func, norm_topk, route_scale)
+        self.router = Router(dim, n_experts, top_k, score_func, norm_topk, route_scale,
+                             n_groups, topk_groups)
         self.experts = GroupedExperts(n_experts, dim, hidden, expert_impl)
         self.shared_experts = (FeedForward(dim, hidden * n_shared_experts)
                                if n_shared_experts > 0 else None)

@@ -226,7 +226,7 @@ class Probe:
             mask = inputs[3] if len(inputs) > 3 else None
             with torch.no_grad():
                 sums, maxes = attention_summary(_local(inputs[0]), _local(inputs[1]), mask,
-                                                self.args.attention_queries)
+                                                self.args.attention_queries, module.scale)
             self._add(f"{name}/attention", "attention", sums, maxes)
         return hook
 

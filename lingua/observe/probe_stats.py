@@ -3,6 +3,7 @@ reduced to fixed-size vectors of sums and maxima that add up over ranks, and the
 (moments, histogram quantiles, entropy, expert load) read back from the reduced vectors."""
 
 import math
+from typing import Optional
 
 import torch
 
@@ -139,7 +140,8 @@ def _quantile(hist: torch.Tensor, n: float, q: float, vmin: float, vmax: float) 
     return lower + frac * (upper - lower)
 
 
-def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int) -> tuple:
+def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int,
+                      scale: Optional[float] = None) -> tuple:
     """Max logit and entropy for `n_queries` evenly spaced query positions of every sequence
     and head. q [b, s, h, d], k [b, s, h_kv, d] (grouped-query: h_kv divides h); causal, or
     `mask` a boolean [s, s] / [b, 1, s, s] tensor (True = may attend); other mask objects (flex,
@@ -153,7 +155,8 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int) ->
         k, _ = repeat_kv(k, k, h)
     idx = torch.linspace(s - 1, 0, min(n_queries, s), device=q.device).round().long().unique()
     qs = q.detach()[:, idx].float()                                        # [b, n, h, d]
-    logits = torch.einsum("bnhd,bshd->bhns", qs, k.detach().float()) / math.sqrt(d)
+    scale = scale if scale is not None else 1 / math.sqrt(d)   # the attention's own (MLA's differs)
+    logits = torch.einsum("bnhd,bshd->bhns", qs, k.detach().float()) * scale
     allowed = torch.arange(s, device=q.device)[None, :] <= idx[:, None]   # [n, s] causal
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
         m = mask if mask.dim() == 4 else mask[None, None]

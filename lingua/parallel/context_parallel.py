@@ -123,9 +123,9 @@ class CPContext:
 
 
 class _CPAttention(nn.Module):
-    def __init__(self, ctx: CPContext):
+    def __init__(self, ctx: CPContext, scale: Optional[float] = None):
         super().__init__()
-        self.ctx = ctx
+        self.ctx, self.scale = ctx, scale   # the replaced CoreAttention's score scale
 
 
 class AllGatherKVAttention(_CPAttention):
@@ -137,21 +137,23 @@ class AllGatherKVAttention(_CPAttention):
         # context's mask relates each query's global position (and document) to every key.
         ctx = self.ctx.require()
         # K/V come with their own (grouped-query) heads: gather those, repeat after the gather.
-        k, v = self._gather(torch.stack([k, v]), ctx)              # one collective for both
+        # Joined on the last dim (one collective for both): v's head size may differ (MLA).
+        kv = self._gather(torch.cat([k, v], dim=-1), ctx)
+        k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         k, v = repeat_kv(k, v, q.shape[2])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask.to(q.device))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask.to(q.device),
+                                             scale=self.scale)
         return out.transpose(1, 2)
 
     @staticmethod
     def _gather(kv: torch.Tensor, ctx: CPContext):
-        """kv [2, b, s_local, h, d] -> k, v [b, S, h, d] in global position order."""
+        """kv [b, s_local, h, d] -> [b, S, h, d] in global position order."""
         from torch.distributed._functional_collectives import all_gather_single
 
-        seq_first = kv.movedim(2, 0).contiguous()                 # gather along dim 0
+        seq_first = kv.movedim(1, 0).contiguous()                 # gather along dim 0
         full = all_gather_single(seq_first, 0, ctx.group)
-        full = full.index_select(0, ctx.gather_order)
-        return full.movedim(0, 2).unbind(0)
+        return full.index_select(0, ctx.gather_order).movedim(0, 1)
 
 
 class RingAttention(_CPAttention):
@@ -163,7 +165,7 @@ class RingAttention(_CPAttention):
         k, v = repeat_kv(k, v, q.shape[2])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # Looked up at call time on purpose: torch's CP context replaces it.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return out.transpose(1, 2)
 
 
@@ -187,7 +189,7 @@ def apply_cp(model: nn.Module, cp_mesh, backend: str = "allgather") -> nn.Module
         for child_name, child in list(module.named_children()):
             if isinstance(child, CoreAttention):
                 cls = AllGatherKVAttention if backend == "allgather" else RingAttention
-                setattr(module, child_name, cls(ctx))
+                setattr(module, child_name, cls(ctx, child.scale))
                 replaced.append(f"{name}.{child_name}" if name else child_name)
     if not replaced:
         raise ValueError("apply_cp found no lingua.model.layers.CoreAttention module to replace.")

@@ -11,8 +11,9 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lingua.errors import ConfigError
 from lingua.float8 import float8_tp_plan
@@ -112,6 +113,31 @@ class ReplicatedCompute(PrepareModuleInputOutput):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         setattr(module, REPLICATED_MARK, True)
         return super()._apply(module, device_mesh)
+
+
+class ComputedWhole(ParallelStyle):
+    """For a module inside a block half that every tp rank runs whole on the half's gathered
+    input, before the head-sharded projections (MLA's latent projections and norms): its
+    parameters stay plain, and their gradients are whole and equal on every rank once what
+    follows returns whole gradients (ColwiseParallel's input does; see SumGradOverTP)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        setattr(module, REPLICATED_MARK, True)
+        return module
+
+
+class SumGradOverTP(ParallelStyle):
+    """For a module whose output every tp rank computes whole but then uses only in part (MLA's
+    rope key, shared by all heads while a rank holds some heads): the identity forward, and the
+    output's gradient summed over tp in backward (Megatron's "f"), so what came before it gets
+    every head's gradient. DTensor's to_local(grad_placements=Partial) is exactly that."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def hook(_module, _inputs, out):
+            return DTensor.from_local(out, device_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+        module.register_forward_hook(hook)
+        return module
 
 
 def lora_tp_plans(model: nn.Module, root_plan: dict, block_plan: dict, blocks) -> tuple:

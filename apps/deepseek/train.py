@@ -1,0 +1,133 @@
+"""Train DeepSeek-V3 (MLA + fine-grained MoE + optional MTP):
+`python -m apps.deepseek.train [config=PRESET] [key=value ...]`.
+
+The same loop as every app (lingua/train/loop.py, run by lingua.launch.run.run); this file says
+what is DeepSeek's: the model and its checks, FLOPs over active parameters, the routing hook of
+apps/moe (balancing over the global batch, the aux-loss-free bias update after each applied
+step, routing metrics) and, with model.mtp_depth > 0, apps/mtp's shifted targets and loss.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from apps.deepseek.hf import export_problems, load_hf
+from apps.deepseek.model import DeepSeekArgs, Transformer, validate_model_args
+from apps.deepseek.model import flops_per_token as model_flops_per_token
+from apps.deepseek.parallelize import float8_filter, parallelize_deepseek, validate_tp
+from lingua import config
+from lingua.checkpoint import hf as lingua_hf
+from lingua.hooks import UPDATE, Hook
+from lingua.launch import run
+from lingua.model.loss import IGNORE_INDEX, LossOutput, token_loss_sum
+from lingua.model.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
+from lingua.parallel import distributed
+from lingua.parallel.expert_parallel import validate_ep
+from lingua.train.app import App
+
+
+@dataclass
+class TrainArgs(run.BaseTrainArgs):
+    model: DeepSeekArgs = field(default_factory=DeepSeekArgs)
+
+
+config.register_schema("deepseek_schema", TrainArgs)
+
+
+def validate_deepseek(args: TrainArgs) -> None:
+    validate_model_args(args.model)
+    d = args.distributed
+    validate_tp(args.model, d.tp, args.data.seq_len)
+    dims = distributed.parallel_dims(d, distributed.world_size_from_env())
+    validate_ep(args.model.n_experts, d.ep, dims.dp_shard, dims.cp)
+
+
+class RoutingHook(Hook):
+    """Each step's routing sums from zero, the aux-loss-free expert-bias update after an applied
+    update, and the routing metrics of logged rows (as apps/moe's)."""
+
+    def before_step(self, run, step: int) -> None:
+        layers = [m for part in run.parts for m in moe_layers(part)]
+        reset_routing(layers)
+        # Only this step's tokens move the bias: a skipped or rolled-back step's counts must not
+        # reach the next one.
+        for m in layers:
+            m.step_counts = None
+
+    def after_step(self, run, step: int) -> None:
+        rate = run.parts[0].args.bias_update_rate
+        if rate > 0 and run.decision == UPDATE:
+            update_expert_bias([m for part in run.parts for m in moe_layers(part)], rate)
+
+    def metrics(self, run, row: dict) -> None:
+        args, env = run.parts[0].args, run.env
+        layers = {int(name): block.moe for part in run.parts
+                  for name, block in part.layers.items() if block.is_moe}
+        values = routing_metrics(
+            layers, args.n_layers, args.n_experts, device=env.device,
+            reduce=lambda t: distributed.all_reduce_sum(t, env, dims=("dp_cp", "pp")))
+        row.update({f"moe/{key}": value for key, value in values.items()})
+
+
+def batch_inputs(tokens: torch.Tensor, labels: torch.Tensor, depth: int):
+    """From the whole sequence, before any sharding: targets [b, s, 1 + D], where [:, i, k] is
+    t_{i+k+1} (IGNORE_INDEX past the end), and the MTP modules' inputs future_tokens [b, s, D],
+    where [:, i, k-1] is t_{i+k} (0 where there is none: its targets are IGNORE_INDEX)."""
+    b, s = labels.shape
+    ahead = torch.cat([labels, labels.new_full((b, depth), IGNORE_INDEX)], dim=1)
+    target = torch.stack([ahead[:, k:k + s] for k in range(depth + 1)], dim=-1)
+    return {"future_tokens": target[..., :depth].clamp(min=0)}, target
+
+
+def loss(output, target, mtp_weight: float) -> LossOutput:
+    """Next-token cross-entropy, plus mtp_weight / D times the D MTP depths' (when the target
+    has them), plus the MoE balancing losses (when the model returns them), all summed over
+    tokens. `loss` logs the next-token cross-entropy; mtp/ce_k each depth's."""
+    logits, balance = output if isinstance(output, tuple) else (output, None)
+    if target.dim() == 2:   # no MTP: logits [b, s, vocab], target [b, s]
+        logits, target = [logits], target[..., None]
+    depth = target.shape[-1] - 1
+    terms = [token_loss_sum(logits[k], target[..., k]) for k in range(depth + 1)]
+    counts = [(target[..., k] != IGNORE_INDEX).sum() for k in range(depth + 1)]
+    total = terms[0] + (mtp_weight / depth * sum(terms[1:]) if depth else 0)
+    metrics = {f"mtp/ce_{k}": (terms[k], counts[k]) for k in range(1, depth + 1)}
+    if balance is not None:
+        total = total + balance.sum()
+    return LossOutput(total, counts[0], metrics, logged_sum=terms[0])
+
+
+def flops_per_token(args: TrainArgs) -> float:
+    return model_flops_per_token(args.model, args.data.seq_len)
+
+
+def make_app(model_args: DeepSeekArgs) -> App:
+    depth = model_args.mtp_depth
+    mtp = {"batch_inputs": lambda tokens, labels: batch_inputs(tokens, labels, depth)}
+    return App(
+        model_class=Transformer, parallelize=parallelize_deepseek,
+        validate_model=validate_deepseek, load_hf=load_hf, flops_per_token=flops_per_token,
+        hooks=lambda args, env: [RoutingHook()], float8_filter=float8_filter,
+        loss=lambda output, target: loss(output, target, model_args.mtp_loss_weight),
+        **(mtp if depth else {}))
+
+
+APP = make_app(DeepSeekArgs())   # the defaults; main() makes the run's from its model args
+
+
+def validate(args: TrainArgs) -> None:
+    run.validate(args, make_app(args.model))
+    lingua_hf.warn_unexportable(export_problems(args.model), "python -m apps.deepseek.hf")
+
+
+def load_config(argv=None, check: bool = True) -> TrainArgs:
+    """Compose (and check) the config exactly as a run would; stool calls this before submitting."""
+    return config.load("deepseek", TrainArgs, argv, validate if check else None)
+
+
+def main(argv=None) -> int:
+    args = load_config(argv)
+    return run.run(args, make_app(args.model))
+
+
+if __name__ == "__main__":
+    run.exit_cli(main)

@@ -1,0 +1,219 @@
+"""apps/deepseek against transformers' DeepseekV3ForCausalLM (tiny random models built from
+configs: nothing is downloaded), and trained: every parallel layout against one process through
+tests/equivalence.py, generation with the latent cache, export and import.
+
+The HF side is independent: its MLA, interleaved RoPE, group-limited sigmoid router and YaRN are
+transformers' code; ours reach it only through the safetensors files and config.json."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from apps.deepseek import train
+from apps.deepseek.hf import load_hf, main, save_hf
+from apps.deepseek.model import DeepSeekArgs, Transformer
+from lingua.errors import ConfigError
+from lingua.eval.generation import generate
+from lingua.model.layers import KVCache
+from tests.conftest import run_torchrun, tiny_args
+from tests.equivalence import assert_equivalent, assert_resumed, read_rows
+
+SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, vocab_size=300,
+             max_position_embeddings=64, rms_norm_eps=1e-6, intermediate_size=96,
+             moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
+             n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4,
+             topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32,
+             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, rope_theta=10000.0)
+# YaRN as DeepSeek-V3 configures it, stretching an original context shorter than the test's.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 16}
+CASES = {"q_latent_yarn": dict(q_lora_rank=24, rope_parameters=YARN),
+         "no_q_latent": dict(q_lora_rank=None)}
+
+
+def hf_model(case: str, seed: int = 0) -> DeepseekV3ForCausalLM:
+    """Large random weights and a non-zero selection bias: sharp attention and confident routing
+    make a layout mistake visible."""
+    cfg = DeepseekV3Config(**SHAPE, **CASES[case], attn_implementation="sdpa")
+    model = DeepseekV3ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
+    return model.eval()
+
+
+def tokens(n: int = 40):
+    return torch.randint(0, 300, (2, n), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    """(HF model, our load of its save_pretrained directory, args, that directory)."""
+    hf = hf_model(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    ours, args = load_hf(path)
+    return hf, ours.eval(), args, path
+
+
+def test_logits_equal_transformers_both_ways(pair, tmp_path):
+    hf, ours, args, _ = pair
+    x = tokens()
+    with torch.no_grad():
+        ref = hf(x).logits
+        torch.testing.assert_close(ours(x), ref, atol=1e-5, rtol=1e-5)
+    assert (args.n_groups, args.topk_groups) == (4, 2)
+    assert args.yarn == (args.q_lora_rank is not None)
+    save_hf(ours, args, tmp_path / "ours")
+    back = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="sdpa")
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(x).logits, ref, atol=1e-5, rtol=1e-5)
+    again, args_again = load_hf(tmp_path / "ours")
+    assert args_again == args
+    state = ours.state_dict()
+    assert all(torch.equal(t, state[k]) for k, t in again.state_dict().items())
+    cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["rope_interleave"] is True
+
+
+def test_group_limited_routing_and_bias_matter(pair):
+    """Parity is not vacuous: dropping the group limit or the selection bias changes the
+    logits beyond the tolerance."""
+    hf, ours, _, _ = pair
+    x = tokens()
+    with torch.no_grad():
+        ref = hf(x).logits
+        router = ours.layers["1"].moe.router
+        router.topk_groups = router.n_groups
+        assert (ours(x) - ref).abs().max() > 1e-3
+        router.topk_groups = 2
+        bias = router.expert_bias.clone()
+        router.expert_bias.zero_()
+        assert (ours(x) - ref).abs().max() > 1e-3
+        router.expert_bias.copy_(bias)
+
+
+def test_greedy_generation_equals_transformers_and_cache_free_decoding(pair):
+    hf, ours, args, _ = pair
+    prompt = tokens(6)[0].tolist()
+    ids = generate(ours, prompt, max_new_tokens=10)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                       attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert ids == want[0, len(prompt):].tolist()
+    seq = list(prompt)   # no cache: the whole sequence again at every step
+    with torch.no_grad():
+        for _ in range(10):
+            seq.append(int(ours(torch.tensor([seq]))[0, -1].argmax()))
+    assert seq[len(prompt):] == ids
+    # MLA's cache: per layer the latent and the rope key, not per-head keys and values
+    cache = KVCache(ours.layers.keys(), 1, 16)
+    with torch.no_grad():
+        ours(torch.tensor([prompt]), cache=cache)
+    latent, rope_key = cache.kv["0"]
+    assert latent.shape == (1, 16, 1, args.kv_lora_rank)
+    assert rope_key.shape == (1, 16, 1, args.qk_rope_head_dim)
+
+
+def test_import_command_prints_the_model_section(pair, capsys):
+    _, _, args, path = pair
+    main(["import", str(path)])
+    out = capsys.readouterr().out
+    assert f"checkpoint.init_from={path}" in out and "every tensor mapped" in out
+    assert f"kv_lora_rank: {args.kv_lora_rank}" in out and "n_groups: 4" in out
+
+
+def test_import_refuses_what_it_cannot_compute(tmp_path):
+    hf = hf_model("no_q_latent")
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for change, needle in [({"scoring_func": "softmax"}, "scoring_func=softmax"),
+                           ({"n_group": 3}, "n_groups=3"),
+                           ({"model_type": "llama"}, "is not 'deepseek_v3'")]:
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ConfigError, match=needle):
+            load_hf(tmp_path)
+
+
+def test_bad_model_args_are_refused():
+    for bad, needle in [(dict(n_kv_heads=2), "no grouped key/value"),
+                        (dict(n_groups=3), "equal groups"),
+                        (dict(top_k=4, n_groups=4, topk_groups=1), "kept groups hold"),
+                        (dict(qk_rope_head_dim=7), "even"),
+                        (dict(rope_scaling=True), "YaRN")]:
+        with pytest.raises(ConfigError, match=needle):
+            Transformer(DeepSeekArgs(**bad))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: one process, then every layout against it
+
+STEPS = 4
+MODEL = ["model.n_kv_heads=null", "model.n_layers=4", "model.q_lora_rank=32",
+         "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
+         "model.v_head_dim=16", "model.dense_hidden_dim=96", "model.n_dense_layers=1",
+         "model.n_experts=4", "model.top_k=2", "model.n_groups=2", "model.topk_groups=1",
+         "model.n_shared_experts=1", "model.expert_hidden_dim=32", "model.route_scale=2.5",
+         "model.bias_update_rate=0.001", "model.mtp_depth=1", "model.attn_mask=block_causal"]
+# Routing metrics and the MTP depth's cross-entropy, compared like the loss (see test_moe_train).
+KEYS = {"moe/": 1e-4, "mtp/": 1e-5}
+
+
+def ds_args(corpus, dump, *extra):
+    return ["config=debug", *tiny_args(corpus, dump, *MODEL, "checkpoint.every=2",
+                                       "checkpoint.keep=0", *extra, steps=STEPS)]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    dump = tmp_path_factory.mktemp("deepseek_reference") / "run"
+    train.main(ds_args(corpus, dump, "data.batch_size=8"))
+    return dump
+
+
+def test_trains_with_mtp_and_moves_the_expert_bias(reference):
+    rows = read_rows(reference)
+    assert {"mtp/ce_1", "moe/1/imbalance", "loss"} <= set(rows[-1])
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    from tests.equivalence import final_checkpoint, model_checksums
+
+    sums = model_checksums(final_checkpoint(reference, STEPS))
+    assert sums["layers.1.moe.router.expert_bias"][2] > 0   # the aux-loss-free update ran
+    assert "mtp.0.block.attention.wkv_b.weight" in sums
+
+
+def test_resume_is_exact(corpus, tmp_path, reference, capfd):
+    dump = tmp_path / "run"
+    shutil.copytree(reference, dump)
+    first = read_rows(dump)
+    shutil.rmtree(dump / "checkpoints" / str(STEPS))
+    capfd.readouterr()
+    train.main(ds_args(corpus, dump, "data.batch_size=8"))
+    assert_resumed(dump, "".join(capfd.readouterr()), 2, first)
+    assert_equivalent(dump, reference, rtol=0, prefixes={"moe/": 0, "mtp/": 0})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["distributed.dp_shard=2", "data.batch_size=4"]),
+    (2, ["distributed.tp=2", "distributed.dp_shard=1", "data.batch_size=8"]),
+    (2, ["distributed.ep=2", "distributed.dp_shard=2", "data.batch_size=4"]),
+    (4, ["distributed.ep=4", "distributed.dp_shard=4", "data.batch_size=2"]),
+    (2, ["distributed.pp=2", "distributed.dp_shard=1", "data.batch_size=8",
+         "distributed.pp_microbatches=2"]),
+    (2, ["distributed.cp=2", "distributed.dp_shard=1", "data.batch_size=8"]),
+    (4, ["distributed.dp_shard=2", "distributed.tp=2", "distributed.ep=2",
+         "data.batch_size=4"]),
+], ids=["fsdp2", "tp2", "ep2", "ep4", "pp2", "cp2", "fsdp2_tp2_ep2"])
+def test_layout_matches_one_process(corpus, tmp_path, reference, nproc, layout):
+    dump = tmp_path / "run"
+    run_torchrun(nproc, "apps.deepseek.train", ds_args(corpus, dump, *layout))
+    assert_equivalent(dump, reference, prefixes=KEYS)
