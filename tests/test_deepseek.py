@@ -217,3 +217,48 @@ def test_layout_matches_one_process(corpus, tmp_path, reference, nproc, layout):
     dump = tmp_path / "run"
     run_torchrun(nproc, "apps.deepseek.train", ds_args(corpus, dump, *layout))
     assert_equivalent(dump, reference, prefixes=KEYS)
+
+
+def test_float8_converts_the_layers_its_shapes_allow_and_tracks_fp32(corpus, tmp_path, reference,
+                                                                     capfd):
+    """tensorwise float8 (emulated on CPU): every MLA, dense and MoE matrix whose sizes are
+    multiples of 16 converts, wkv_a (kv_lora_rank 32 + rope 8 = 40 rows) and the routers' gates
+    do not, and the log names both kinds; the run tracks the fp32 reference (float8's rounding
+    moves a step's loss by ~1e-4, see tests/test_float8_moe.py) and learns."""
+    capfd.readouterr()
+    train.main(ds_args(corpus, tmp_path / "run", "data.batch_size=8",
+                       "distributed.float8=tensorwise"))
+    said = "".join(capfd.readouterr())
+    for name in ("layers.*.attention.wq_a", "layers.*.attention.wq_b", "layers.*.attention.wkv_b",
+                 "layers.*.attention.wo", "layers.*.feed_forward.w1", "mtp.*.eh_proj",
+                 "layers.*.moe.shared_experts.w2"):
+        assert name in said, name
+    assert "attention.wkv_a" not in said and "router.gate" not in said
+    assert "the MoE experts (layers.*.moe.experts, mtp.*.block.moe.experts) use float8" in said
+    rows, fp32 = read_rows(tmp_path / "run"), read_rows(reference)
+    assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(rows, fp32)) <= 2e-3
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_muon_takes_the_latent_projections_and_trains(corpus, tmp_path, reference):
+    from lingua.optim.muon import split_params
+
+    with torch.device("meta"):
+        model = Transformer(DeepSeekArgs(dim=64, n_layers=2, n_heads=4, q_lora_rank=32,
+                                         mtp_depth=1))
+    muon = {n for n, _ in split_params(model)[0]}
+    assert {f"layers.1.attention.{w}.weight" for w in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")} \
+        <= muon
+    assert "layers.1.moe.experts.w1" in muon and "layers.1.attention.kv_norm.weight" not in muon
+    train.main(ds_args(corpus, tmp_path / "run", "data.batch_size=8", "optim.name=muon"))
+    rows = read_rows(tmp_path / "run")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert rows[-1]["loss"] != read_rows(reference)[-1]["loss"]   # not AdamW's run
+
+
+def test_generate_command_decodes_a_run(reference, capsys):
+    from apps.deepseek import generate
+
+    generate.main([str(reference), "--prompt", "Once upon", "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert "prompt: Once upon\ncompletion: " in out
