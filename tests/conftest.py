@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny embedded corpus, and launchers for 1-process and torchrun runs."""
 
+import base64
 import json
 import os
 import shutil
@@ -236,3 +237,16 @@ def pytest_collection_modifyitems(items):
     for item in items:
         unit_seconds[unit(item)] = unit_seconds.get(unit(item), 0.0) + expected_seconds(item)
     items.sort(key=lambda item: -unit_seconds[unit(item)])   # stable: a file keeps its order
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    """What the GPU presets' validation needs: a jsonl corpus with held-out data, and a tiktoken
+    ranks file (256 single bytes; 258 tokens with BOS/EOS, under every preset's vocabulary)."""
+    root = tmp_path_factory.mktemp("plan_data")
+    (root / "val").mkdir()
+    for path in (root / "0.jsonl", root / "val" / "0.jsonl"):
+        path.write_text('{"text": "a document"}\n')
+    tok = root / "tokenizer.model"
+    tok.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    return [f"data.root={root}", f"data.tokenizer.path={tok}"]

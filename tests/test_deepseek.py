@@ -262,3 +262,107 @@ def test_generate_command_decodes_a_run(reference, capsys):
     generate.main([str(reference), "--prompt", "Once upon", "--max-new-tokens", "8"])
     out = capsys.readouterr().out
     assert "prompt: Once upon\ncompletion: " in out
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner's count of MLA's activations (apps/deepseek/parallelize.py: attention_activations)
+# against what real blocks keep on CPU, as tests/test_plan.py checks lingua's blocks
+
+
+def plan_model(dtype, q_lora_rank, moe):
+    from lingua.config import from_dict
+
+    args = from_dict(DeepSeekArgs, dict(
+        dim=128, n_layers=4, n_heads=8, vocab_size=512, max_seq_len=128, q_lora_rank=q_lora_rank,
+        kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        dense_hidden_dim=192, n_dense_layers=0 if moe else 4, n_experts=8, top_k=2,
+        n_shared_experts=1, expert_hidden_dim=64))
+    torch.manual_seed(0)
+    model = Transformer(args).to(dtype)
+    model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    return model, args
+
+
+@pytest.mark.parametrize("ac", ["none", "op", "full"])
+@pytest.mark.parametrize("kind, q_lora_rank, moe", [("fp32", None, False), ("bf16", 32, True),
+                                                    ("autocast", 32, False), ("fp32", 32, True)])
+def test_plan_counts_what_mla_blocks_keep(kind, q_lora_rank, moe, ac):
+    from apps.deepseek.parallelize import attention_activations
+    from lingua.launch.plan_activations import block_activation_bytes
+    from lingua.parallel.distributed import apply_ac
+    from tests.test_plan import per_layer_bytes_per_token
+
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    model, args = plan_model(dtype, q_lora_rank, moe)
+    apply_ac(model.layers, ac)
+    x = torch.randn(2, 64, args.dim, dtype=dtype, requires_grad=True)
+    measured = per_layer_bytes_per_token(model, x, (2, 64), autocast=kind == "autocast")
+    predicted = block_activation_bytes(args, moe, ac, 4 if kind == "fp32" else 2,
+                                       fp32_residual=kind == "autocast",
+                                       attention=attention_activations)
+    assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
+
+
+@pytest.mark.parametrize("ac", ["none", "op"])
+def test_plan_counts_what_mla_keeps_under_tensor_parallel(ac):
+    """tp=2 on the fake process group with real CPU tensors: the heads split, the latents whole."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from apps.deepseek.parallelize import attention_activations, parallelize_deepseek
+    from lingua.launch import plan_memory
+    from lingua.launch.plan_activations import block_activation_bytes
+    from lingua.parallel import distributed
+    from lingua.parallel.distributed import DistEnv, DistributedArgs
+    from tests.test_plan import per_layer_bytes_per_token
+
+    model, args = plan_model(torch.bfloat16, 32, True)
+    d = DistributedArgs(tp=2, dp_shard=1, ac=ac, loss_parallel=False)
+    with plan_memory.fake_process_group(0, 2):
+        dims = distributed.parallel_dims(d, 2)
+        env = DistEnv(0, 0, 2, torch.device("cpu"), dims, distributed.build_mesh(dims, "cpu"))
+        parallelize_deepseek(model, env, d)
+        local = torch.randn(2, 32, args.dim, dtype=torch.bfloat16, requires_grad=True)
+        x = DTensor.from_local(local, env.mesh["tp"], (Shard(1),), run_check=False)
+        measured = per_layer_bytes_per_token(model, x, (2, 64))
+    predicted = block_activation_bytes(args, True, ac, 2, tp=2, attention=attention_activations)
+    assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The presets, planned at their scale on the fake process group
+
+
+def mla_params(h, heads, q_lora, kv, nope, rope, v):
+    q = h * heads * (nope + rope) if not q_lora else h * q_lora + q_lora + q_lora * heads * (
+        nope + rope)
+    return q + h * (kv + rope) + kv + kv * heads * (nope + v) + heads * v * h + 2 * h
+
+
+def test_moonlight_16b_fits_one_node_of_8(data, tmp_path):
+    from lingua.launch import plan as planner
+
+    p = planner.plan("apps.deepseek.train", ["config=moonlight_16b", *data,
+                                             f"dump_dir={tmp_path / 'run'}"], 8)
+    assert (p.dims.dp_shard, p.args.distributed.ep) == (8, 8)
+    attention = mla_params(2048, 16, None, 512, 128, 64, 128)
+    dense = attention + 3 * 2048 * 11264
+    moe = attention + 64 * 3 * 2048 * 1408 + 3 * 2048 * 2816 + 64 * 2048
+    assert p.n_params == 2 * 163840 * 2048 + 2048 + dense + 26 * moe   # Moonlight's ~16B
+    assert p.fits and p.busiest.total < 72 * 2 ** 30
+
+
+def test_deepseek_v3_671b_fits_256_gpus_with_ep64(data, tmp_path):
+    from lingua.launch import plan as planner
+
+    p = planner.plan("apps.deepseek.train", ["config=deepseek_v3_671b", *data,
+                                             f"dump_dir={tmp_path / 'run'}"], 256)
+    assert (p.dims.dp_shard, p.args.distributed.ep, p.args.distributed.ac) == (256, 64, "full")
+    attention = mla_params(7168, 128, 1536, 512, 128, 64, 128)
+    dense = attention + 3 * 7168 * 18432
+    moe = attention + 256 * 3 * 7168 * 2048 + 3 * 7168 * 2048 + 256 * 7168
+    mtp = moe + 129280 * 7168 + 3 * 7168 + 2 * 7168 * 7168   # its embedding, norms, eh_proj
+    main_model = 2 * 129280 * 7168 + 7168 + 3 * dense + 58 * moe
+    assert round(main_model / 1e9) == 671 and p.n_params == main_model + mtp
+    # every rank holds 1/256 of the fp32 weights (experts: 4 a layer by ep, then FSDP over 4)
+    assert p.busiest.params == pytest.approx(4 * p.n_params / 256, rel=0.01)
+    assert p.fits and p.busiest.total < 72 * 2 ** 30

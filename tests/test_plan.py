@@ -12,7 +12,6 @@ the experts' dim 0 and FSDP then shards it again over dp_shard / ep. Gradients a
 shapes in fp32, AdamW holds two fp32 moments.
 """
 
-import base64
 import contextlib
 import re
 import weakref
@@ -26,19 +25,6 @@ from lingua.launch import plan_activations, plan_memory
 
 GIB = 2 ** 30
 H100 = 80 * GIB
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """What the GPU presets' validation needs: a jsonl corpus with held-out data, and a tiktoken
-    ranks file (256 single bytes; 258 tokens with BOS/EOS, under every preset's vocabulary)."""
-    root = tmp_path_factory.mktemp("plan_data")
-    (root / "val").mkdir()
-    for path in (root / "0.jsonl", root / "val" / "0.jsonl"):
-        path.write_text('{"text": "a document"}\n')
-    tok = root / "tokenizer.model"
-    tok.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
-    return [f"data.root={root}", f"data.tokenizer.path={tok}"]
 
 
 def run_plan(app, preset, data, tmp_path, world, *extra, **kwargs):

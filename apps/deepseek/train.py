@@ -14,7 +14,12 @@ import torch
 from apps.deepseek.hf import export_problems, load_hf
 from apps.deepseek.model import DeepSeekArgs, Transformer, validate_model_args
 from apps.deepseek.model import flops_per_token as model_flops_per_token
-from apps.deepseek.parallelize import float8_filter, parallelize_deepseek, validate_tp
+from apps.deepseek.parallelize import (
+    attention_activations,
+    float8_filter,
+    parallelize_deepseek,
+    validate_tp,
+)
 from lingua import config
 from lingua.checkpoint import hf as lingua_hf
 from lingua.hooks import UPDATE, Hook
@@ -107,6 +112,7 @@ def make_app(model_args: DeepSeekArgs) -> App:
         model_class=Transformer, parallelize=parallelize_deepseek,
         validate_model=validate_deepseek, load_hf=load_hf, flops_per_token=flops_per_token,
         hooks=lambda args, env: [RoutingHook()], float8_filter=float8_filter,
+        attention_activations=attention_activations,
         loss=lambda output, target: loss(output, target, model_args.mtp_loss_weight),
         **(mtp if depth else {}))
 

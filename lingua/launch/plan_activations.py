@@ -17,7 +17,9 @@ from lingua.parallel import pipeline
 
 def block_shape(a) -> dict:
     """h, heads, k/v width, FFN and expert widths, experts and top-k, from the model args."""
-    ffn = ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier)
+    # an explicit dense width (apps/deepseek's dense_hidden_dim), else Meta's recipe
+    ffn = getattr(a, "dense_hidden_dim", 0) or ffn_hidden_dim(a.dim, a.multiple_of,
+                                                              a.ffn_dim_multiplier)
     expert = getattr(a, "expert_hidden_dim", 0) or ffn
     n_kv = a.n_kv_heads or a.n_heads
     return dict(h=a.dim, nh=a.n_heads, hk=a.dim // a.n_heads * n_kv, f=ffn, he=expert,
@@ -26,25 +28,27 @@ def block_shape(a) -> dict:
 
 
 def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
-                           fp32_residual: bool = False, grouped_kv: bool = False) -> float:
+                           fp32_residual: bool = False, grouped_kv: bool = False,
+                           attention=None, cp: int = 1) -> float:
     """Bytes one block keeps per token of the sequence for its backward. e: bytes of the compute
     dtype; ac: none | op | full (layer is none or full per block). fp32_residual: autocast,
     where the residual stream and norms stay fp32 and every matmul keeps its own bf16 copy of its
-    input. grouped_kv: k/v reach attention with their own heads (sdpa's GQA, on CPU only)."""
+    input. grouped_kv: k/v reach attention with their own heads (sdpa's GQA, on CPU only).
+    attention: the app's count of its attention half (App.attention_activations, same
+    arguments as gqa_attention_bytes); default the grouped-query attention of lingua's blocks."""
     s = block_shape(model_args)
-    h, nh, hk, f = s["h"], s["nh"], s["hk"], s["f"]
+    h, f = s["h"], s["f"]
     t = tp
     gathered = t > 1   # TP + SP: attention / FFN / MoE inputs are all-gathered full sequences
     r = 4 if fp32_residual else e                           # residual stream, norm outputs
-    attn_in, ffn_in = (3, 2) if fp32_residual else (1, 1)   # kept copies of those inputs
+    ffn_in = 2 if fp32_residual else 1                      # kept copies of the FFN input
     if ac == "full":
         return r * h / t                                    # the block's input
-    norm = _norm_bytes(h, r, t)
+    if ac not in ("none", "op"):
+        raise ValueError(f"ac={ac!r}: use none, op or full (layer is a mix of none and full)")
+    attn = (attention or gqa_attention_bytes)(model_args, ac, e, t, fp32_residual, grouped_kv, cp)
     if ac == "none":
-        # norms; attention input(s); q, k, v (repeated to all heads unless grouped), output,
-        # logsumexp
-        kv = 2 * hk if grouped_kv else 2 * h
-        out = 2 * norm / t + attn_in * e * h + (e * (2 * h + kv) + 4 * nh) / t
+        out = 2 * _norm_bytes(h, r, t) / t + attn           # the two norms; attention
         if not moe:
             return out + ffn_in * e * h + 4 * e * f / t     # FFN input(s); w1, silu, w3, product
         k, he, hs = s["k"], s["he"], s["hs"]
@@ -52,13 +56,13 @@ def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
         # the expert output gathered back to slot order (the combine's bmm input); router
         # scores / indices; shared experts (with their input).
         out += 4 * h + k * (2 * e * h + 4 * e * he) + 4 * s["E"] + 28 * k
-        return out + (ffn_in * e * h + 4 * e * hs if hs else 0)
-    if ac != "op":
-        raise ValueError(f"ac={ac!r}: use none, op or full (layer is a mix of none and full)")
+        # in fp32 the router's input is the norm output itself, which the shared experts keep
+        shared_in = 0 if e == 4 and not fp32_residual else ffn_in * e * h
+        return out + (shared_in + 4 * e * hs if hs else 0)
     # op: the input, and every matmul / attention / all-gather output (_SAVE_OPS of
-    # lingua.parallel.distributed): q, k, v, attention output and logsumexp, wo's output (under tp a
-    # full-sequence partial sum before its reduce-scatter), the all-gathered inputs.
-    out = r * h / t + e * (2 * h + 2 * hk) / t + 4 * nh / t + e * h + (r * h if gathered else 0)
+    # lingua.parallel.distributed): the attention's, wo's output (under tp a full-sequence
+    # partial sum before its reduce-scatter), the all-gathered inputs.
+    out = r * h / t + attn + e * h + (r * h if gathered else 0)
     if not moe:
         return out + 2 * e * f / t + e * h + (r * h if gathered else 0)   # w1 w3; w2; FFN in
     hs = s["hs"]
@@ -66,6 +70,21 @@ def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
     # the MoE input); shared w1 w3 w2
     out += 4 * s["E"] + e * h + (2 * e * hs + e * h if hs else 0)
     return out + (r * h if gathered else 0)                 # all-gathered MoE input
+
+
+def gqa_attention_bytes(model_args, ac: str, e: int, tp: int, fp32_residual: bool,
+                        grouped_kv: bool, cp: int = 1) -> float:
+    """What grouped-query attention keeps per token between the block's norm and wo (ac none:
+    its input copies, q, k, v, output, logsumexp; op: q, k, v, output, logsumexp), plus under
+    cp > 1 the all-gathered keys and values of the whole sequence."""
+    s = block_shape(model_args)
+    h, nh, hk, t = s["h"], s["nh"], s["hk"], tp
+    gathered_kv = 2 * e * hk / t * cp if cp > 1 else 0
+    if ac == "op":
+        return e * (2 * h + 2 * hk) / t + 4 * nh / t + gathered_kv
+    attn_in = 3 if fp32_residual else 1                     # wq, wk, wv: a bf16 copy each
+    kv = 2 * hk if grouped_kv else 2 * h                    # repeated to all heads unless grouped
+    return attn_in * e * h + (e * (2 * h + kv) + 4 * nh) / t + gathered_kv
 
 
 def _norm_bytes(h: int, r: int, tp: int) -> int:

@@ -16,7 +16,6 @@ from torch import nn
 from lingua import float8
 from lingua.launch.plan_activations import (
     block_activation_bytes,
-    block_shape,
     chunks_in_flight,
     lora_activation_bytes,
     output_activation_bytes,
@@ -229,9 +228,10 @@ def _optimizer_bytes(args, parts, adamw_bytes: int) -> tuple:
     return adamw_bytes - muon_bytes, 6 * largest * ns_bytes
 
 
-def _block_bytes(block, m, moe: bool, mode: str, e: int, tp: int, fp32_residual: bool) -> float:
+def _block_bytes(block, m, moe: bool, mode: str, e: int, tp: int, fp32_residual: bool,
+                 attention=None, cp: int = 1) -> float:
     """Activation bytes a token that one block keeps, its LoRA adapters' included."""
-    return (block_activation_bytes(m, moe, mode, e, tp, fp32_residual)
+    return (block_activation_bytes(m, moe, mode, e, tp, fp32_residual, attention=attention, cp=cp)
             + lora_activation_bytes(block, m, moe, mode, e, tp, fp32_residual))
 
 
@@ -263,11 +263,10 @@ def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch,
             layer_ids.append(int(name))
             moe = getattr(block, "moe", None) is not None
             mode = d.ac if d.ac != "layer" else ("none" if int(name) % d.ac_every else "full")
-            per_mb += _block_bytes(block, m, moe, mode, e, dims.tp, fp32_residual)
-            worst_block = max(worst_block,
-                              _block_bytes(block, m, moe, "none", e, dims.tp, fp32_residual))
-            if dims.cp > 1 and mode != "full":   # all-gathered keys and values of the sequence
-                per_mb += 2 * e * block_shape(m)["hk"] / dims.tp * dims.cp
+            per_mb += _block_bytes(block, m, moe, mode, e, dims.tp, fp32_residual,
+                                   app.attention_activations, dims.cp)
+            worst_block = max(worst_block, _block_bytes(block, m, moe, "none", e, dims.tp,
+                                                        fp32_residual, app.attention_activations))
     flight = chunks_in_flight(d.pp_schedule, dims.pp, d.pp_virtual_stages, n_mb, pp_rank)
     act = per_mb * flight
     if d.ac != "none":

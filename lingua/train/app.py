@@ -30,6 +30,9 @@ class App:
     # (model on the meta device, train args) -> None: changes the model in place before the
     # pipeline split and any parallelism (apps/sft: LoRA adapters, the base frozen)
     transform_model: Optional[Callable] = None
+    # The planner's count of what one block's attention keeps per token (lingua.launch.
+    # plan_activations.gqa_attention_bytes' arguments); None: lingua's grouped-query attention
+    attention_activations: Optional[Callable] = None
     # The loss seam (lingua/model/loss.py): how the model's output becomes the summed loss, and what
     # else the forward and the loss take, made from the whole batch before any sharding.
     loss: Callable = loss_module.cross_entropy    # (output, target) -> LossOutput
