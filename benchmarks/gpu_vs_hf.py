@@ -1,7 +1,7 @@
 """Tokens/s of our trainer against a Hugging Face training loop on the same model, on one CUDA GPU
 in bf16; also peak memory and MFU of each side.
 
-    python benchmarks/gpu_vs_hf.py [--shapes 8B-wide,1B,moe] [--no-moe] [--rounds 2]
+    python benchmarks/gpu_vs_hf.py [--shapes 8B-wide,1B,moe,deepseek] [--no-moe] [--rounds 2]
         [--float8 tensorwise|rowwise|tensorwise,rowwise] [--float8-shapes 8B-wide]
         [--warmup 10] [--steps 20] [--ours compiled|eager|compiled,eager] [--ours-eager]
         [--hf compiled,eager|none] [--hf-experts default,eager] [--out results.json]
@@ -13,7 +13,8 @@ other round (ours, HF, HF, ours, ...), so a GPU that warms up or slows down over
 both sides alike. Per side the median over rounds is reported, with the ratios ours/HF-eager and
 ours/HF-compiled.
 
-Ours: the real entry point, `python -m apps.llama.train` (`apps.moe.train` for MoE shapes), with
+Ours: the real entry point, `python -m apps.llama.train` (apps.moe / apps.deepseek .train for
+the MoE and DeepSeek shapes), with
 distributed.model_dtype=bf16 (fp32 weights and optimizer state, autocast to bf16: what one
 process does, lingua.train.build.mixed_precision) and distributed.compile=true (each block
 compiled; `--ours eager` or `--ours-eager` without). The app's debug preset gives everything but the
@@ -29,8 +30,10 @@ between the log lines that open and close the measured window ("wall": the loop'
 between steps, logging included).
 
 Shapes: "8B-wide" (the headline: Llama 3 8B's width with 8 of its layers, 2 x 4096 tokens), "1B",
-"moe", "125M", and tiny ones for the CPU tests. `--float8 RECIPE` runs each of our sides a second
-time with distributed.float8=RECIPE, in the same round, and reports float8/bf16 tokens/s; MFU
+"moe", "deepseek" (DeepSeek-V3's width, MLA and routing, two layers, against
+DeepseekV3ForCausalLM), "125M", and tiny ones for the CPU tests. `--float8 RECIPE` runs each of
+our sides a second time with distributed.float8=RECIPE, in the same round, and reports
+float8/bf16 tokens/s; MFU
 stays over the bf16 peak for both (as torchtitan reports it), so float8's MFU can pass bf16's.
 
 Hugging Face: `python benchmarks/gpu_vs_hf.py hf ...`, doing one `transformers.Trainer` step
@@ -99,7 +102,7 @@ from trainer_vs_hf import follow_trainer, hf_optimizer  # noqa: E402  (shared wi
 
 @dataclass(frozen=True)
 class Shape:
-    app: str        # "llama" | "moe": apps.<app>.train, LlamaArgs | MoEArgs
+    app: str        # "llama" | "moe" | "deepseek": apps.<app>.train and its model args
     model: dict     # model.* of the run (the dataclass's fields)
     seq_len: int
     batch: int
@@ -132,14 +135,27 @@ SHAPES = {
     "moe": Shape("moe", dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=16, vocab_size=32000,
                              multiple_of=256, max_seq_len=2048, n_experts=8, top_k=2,
                              expert_hidden_dim=1408, **MIXTRAL), 2048, 8),
+    # DeepSeek-V3's width and attention (configs/deepseek/deepseek_v3_671b.yaml's model: MLA with
+    # both latents, YaRN, 8 experts a token in 4 of 8 groups of its 2048-wide experts, one shared)
+    # on one dense and one MoE layer of 32 experts instead of 256, no MTP: 4.08B parameters, the
+    # most one GPU trains in fp32 weights + AdamW beside HF's side.
+    "deepseek": Shape("deepseek", {**_preset_model("deepseek", "deepseek_v3_671b"), "n_layers": 2,
+                                   "n_dense_layers": 1, "n_experts": 32, "mtp_depth": 0,
+                                   "max_seq_len": 4096}, 4096, 1),
     # For the tests (CPU).
     "tiny": Shape("llama", dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
                                 multiple_of=32, max_seq_len=64), 64, 2),
     "tiny-moe": Shape("moe", dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=512,
                                   multiple_of=32, max_seq_len=64, n_experts=4, top_k=2,
                                   expert_hidden_dim=64, **MIXTRAL), 64, 2),
+    "tiny-deepseek": Shape("deepseek", dict(dim=64, n_layers=2, n_heads=4, vocab_size=512,
+                                            max_seq_len=64, q_lora_rank=32, kv_lora_rank=32,
+                                            qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                            v_head_dim=16, dense_hidden_dim=128, n_experts=8,
+                                            top_k=2, n_groups=4, topk_groups=2,
+                                            expert_hidden_dim=32), 64, 2),
 }
-DEFAULT_SHAPES = "8B-wide,1B,moe"
+DEFAULT_SHAPES = "8B-wide,1B,moe,deepseek"
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")   # distributed.float8
 
 # Both sides' optimizer: our OptimArgs' AdamW defaults (a shorter warm-up), which HF's copies.
@@ -155,6 +171,10 @@ def model_args(shape: Shape):
         from apps.moe.model import MoEArgs
 
         return from_dict(MoEArgs, shape.model)
+    if shape.app == "deepseek":
+        from apps.deepseek.model import DeepSeekArgs
+
+        return from_dict(DeepSeekArgs, shape.model)
     from lingua.models.llama.model import LlamaArgs
 
     return from_dict(LlamaArgs, shape.model)
@@ -164,6 +184,8 @@ def our_model(shape: Shape):
     """Our model of the shape (on the current default device: meta in the tests)."""
     if shape.app == "moe":
         from apps.moe.model import Transformer
+    elif shape.app == "deepseek":
+        from apps.deepseek.model import Transformer
     else:
         from lingua.models.llama.model import Transformer
     return Transformer(model_args(shape))
@@ -179,6 +201,10 @@ def flops_per_token(shape: Shape) -> float:
         from apps.moe.model import flops_per_token as moe_flops
 
         return moe_flops(args, shape.seq_len)
+    if shape.app == "deepseek":
+        from apps.deepseek.model import flops_per_token as deepseek_flops
+
+        return deepseek_flops(args, shape.seq_len)
     from lingua.observe.metrics import flops_per_token as dense_flops
 
     with torch.device("meta"):
@@ -199,6 +225,10 @@ def hf_config(shape: Shape):
         from apps.moe.hf import hf_config as moe_config
 
         cfg = moe_config(model_args(shape), torch.float32)
+    elif shape.app == "deepseek":
+        from apps.deepseek.hf import hf_config as deepseek_config
+
+        cfg = deepseek_config(model_args(shape), torch.float32)
     else:
         from lingua.models.llama.hf import llama_hf_config
 
@@ -572,7 +602,8 @@ def _pct(x) -> str:
 
 def table(results: dict) -> str:
     env = results["env"]
-    lines = [f"{'shape':9s}{'side':30s}{'tokens/s':>12s}{'rounds':>7s}{'ours/this':>10s}"
+    w = max([9, *(len(name) + 1 for name in results["shapes"])])   # the shape column
+    lines = [f"{'shape':{w}s}{'side':30s}{'tokens/s':>12s}{'rounds':>7s}{'ours/this':>10s}"
              f"{'mem GiB':>9s}{'MFU sheet':>10s}{'MFU meas':>10s}"]
     for name, shape_result in results["shapes"].items():
         ratios = shape_result.get("ratios", {})
@@ -585,7 +616,7 @@ def table(results: dict) -> str:
             mem = side.get("peak_mem_gib")
             missing = "skipped" if all(r.get("skipped") for r in side["runs"]) else "failed"
             lines.append(
-                f"{name:9s}{label:30s}{(f'{tps:,.0f}' if tps else missing):>12s}"
+                f"{name:{w}s}{label:30s}{(f'{tps:,.0f}' if tps else missing):>12s}"
                 f"{side.get('rounds_ok', 0):>7d}{(f'{ratio:.2f}' if ratio else '-'):>10s}"
                 f"{(f'{mem:.1f}' if mem else '-'):>9s}"
                 f"{_pct(side.get('mfu_datasheet')):>10s}{_pct(side.get('mfu_measured')):>10s}")

@@ -32,7 +32,7 @@ def test_hf_side_has_our_shape(name):
         theirs = gpu_vs_hf.hf_model(shape, impl, device="meta")
         assert sum(p.numel() for p in theirs.parameters()) == count, (name, impl)
         cfg = theirs.config
-        assert cfg.num_key_value_heads == shape.model["n_kv_heads"]
+        assert cfg.num_key_value_heads == (shape.model.get("n_kv_heads") or shape.model["n_heads"])
         assert cfg.tie_word_embeddings == shape.model.get("tie_embeddings", False)
         assert cfg._attn_implementation == "sdpa"
         if shape.app == "moe":
@@ -41,8 +41,14 @@ def test_hf_side_has_our_shape(name):
             assert cfg.intermediate_size == shape.model["expert_hidden_dim"]
             if impl != "default":
                 assert cfg._experts_implementation == impl
+        if shape.app == "deepseek":
+            assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
+            assert (cfg.n_routed_experts, cfg.n_group, cfg.q_lora_rank) == (
+                shape.model["n_experts"], shape.model["n_groups"], shape.model["q_lora_rank"])
     if name == "8B-wide":   # Llama 3 8B's width, 8 of its layers
         assert count == pytest.approx(2.80e9, rel=0.01) and shape.model["dim"] == 4096
+    if name == "deepseek":   # DeepSeek-V3's width, one dense and one 32-expert MoE layer
+        assert count == pytest.approx(4.08e9, rel=0.01) and shape.model["dim"] == 7168
     if name == "1B":
         assert count == pytest.approx(1.04e9, rel=0.01)
         assert shape.model["dim"] == 2048 and shape.model["tie_embeddings"] is True

@@ -167,9 +167,9 @@ MODEL = ["model.n_kv_heads=null", "model.n_layers=4", "model.q_lora_rank=32",
 KEYS = {"moe/": 1e-4, "mtp/": 1e-5}
 
 
-def ds_args(corpus, dump, *extra):
+def ds_args(corpus, dump, *extra, steps: int = STEPS):
     return ["config=debug", *tiny_args(corpus, dump, *MODEL, "checkpoint.every=2",
-                                       "checkpoint.keep=0", *extra, steps=STEPS)]
+                                       "checkpoint.keep=0", *extra, steps=steps)]
 
 
 @pytest.fixture(scope="module")

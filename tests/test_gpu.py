@@ -67,10 +67,11 @@ class AllowSyncs(Hook):
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("app", ["llama", "moe"])
+@pytest.mark.parametrize("app", ["llama", "moe", "deepseek"])
 def test_a_compiled_bf16_step_reads_the_gpu_once(corpus, tmp_path, monkeypatch, app):
     """issue 32: the MoE routing's counts, the loss-spike check, the stop flag and the token
-    counts no longer make a step wait for the GPU; only the step's tally does, once."""
+    counts no longer make a step wait for the GPU; only the step's tally does, once. DeepSeek:
+    MLA, group-limited routing, the expert-bias update and the MTP loss add no wait either."""
     from apps.moe import train as moe_train
     from lingua.eval.evaluation import ValidationHook
     from lingua.launch import run
@@ -101,8 +102,13 @@ def test_a_compiled_bf16_step_reads_the_gpu_once(corpus, tmp_path, monkeypatch, 
              "spikes.policy=log"]
     if app == "llama":
         train.main(tiny_args(corpus, dump, *extra, steps=8))
-    else:
+    elif app == "moe":
         moe_train.main(moe_args(corpus, dump, *extra, steps=8))
+    else:
+        from apps.deepseek import train as deepseek_train
+        from tests.test_deepseek import ds_args
+
+        deepseek_train.main(ds_args(corpus, dump, *extra, "checkpoint.every=0", steps=8))
     assert [r["step"] for r in read_metrics(dump)] == [8]
 
 
