@@ -124,6 +124,14 @@ MUTANTS = [
            "lingua/model/moe.py",
            "torch.sign(c.mean() - c)", "torch.sign(c - c.mean())",
            ("tests/test_moe.py::test_expert_bias_update_formula_and_count_accumulation",)),
+    Mutant("mla_rope_key_grad_not_summed", "MLA's shared rope key left out of the TP plan: wkv_a "
+           "gets only this rank's heads' gradient", "apps/deepseek/parallelize.py",
+           '        "attention.shared_key": SumGradOverTP(),\n', "",
+           ("tests/test_deepseek.py::test_layout_matches_one_process[tp2]",)),
+    Mutant("group_limit_ignored", "group-limited routing falls back to plain top-k",
+           "lingua/model/moe.py",
+           "        if self.topk_groups < self.n_groups:", "        if False:",
+           ("tests/test_deepseek.py::test_logits_equal_transformers_both_ways",)),
 ]
 
 

@@ -181,6 +181,9 @@ DEBUG_LAYOUTS = [
     ("apps.moe.train", 8, ["distributed.ep=8"]),
     ("apps.moe.train", 8, ["distributed.pp=2", "distributed.cp=2", "distributed.ep=2",
                            "data.batch_size=4"]),
+    ("apps.deepseek.train", 1, []),
+    ("apps.deepseek.train", 8, ["distributed.pp=2", "distributed.tp=2", "distributed.ep=2",
+                                "data.batch_size=4"]),
 ]
 
 

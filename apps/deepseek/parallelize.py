@@ -28,6 +28,7 @@ from lingua.parallel.parallelize import apply_cp_ac_compile_fsdp, uses_loss_para
 from lingua.parallel.tensor_parallel import (
     ComputedWhole,
     ReplicatedCompute,
+    SumGradOverTP,
     apply_tp,
 )
 from lingua.parallel.tp_plan import decoder_root_plan, gathered_input, validate_whole_heads
@@ -51,7 +52,7 @@ def block_plan(block: nn.Module) -> dict:
         "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
         "attention": gathered_input(),
         **{f"attention.{n}": ComputedWhole() for n in whole},
-        # "attention.shared_key": SumGradOverTP(),
+        "attention.shared_key": SumGradOverTP(),
         "attention.wq" if hasattr(attn, "wq") else "attention.wq_b": ColwiseParallel(),
         "attention.wkv_b": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
