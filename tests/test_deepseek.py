@@ -366,3 +366,21 @@ def test_deepseek_v3_671b_fits_256_gpus_with_ep64(data, tmp_path):
     # every rank holds 1/256 of the fp32 weights (experts: 4 a layer by ep, then FSDP over 4)
     assert p.busiest.params == pytest.approx(4 * p.n_params / 256, rel=0.01)
     assert p.fits and p.busiest.total < 72 * 2 ** 30
+
+
+def test_export_of_a_training_run_computes_its_logits(reference, tmp_path, capsys):
+    """The export command on the trained run (MTP module, moved expert bias, query latent):
+    transformers' model of the directory gives the checkpoint's logits, and the MTP module is
+    there under DeepSeek-V3's names."""
+    from apps.deepseek.generate import load_model
+
+    main(["export", str(reference), str(tmp_path / "hf")])
+    assert "wrote DeepseekV3ForCausalLM" in capsys.readouterr().out
+    ours, _ = load_model(str(reference))
+    hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
+    x = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=1e-5)
+    again, args = load_hf(tmp_path / "hf")
+    assert args.mtp_depth == 1 and torch.equal(again.mtp["0"].eh_proj.weight,
+                                               ours.mtp["0"].eh_proj.weight)
