@@ -23,7 +23,7 @@ def ckpt(tmp_path):
     return step_dir
 
 
-@pytest.mark.parametrize("app", ["llama", "moe", "mtp"])
+@pytest.mark.parametrize("app", ["llama", "moe", "mtp", "deepseek"])
 def test_no_argument_prints_the_usage_and_fails(app, capsys):
     app_eval = importlib.import_module(f"apps.{app}.eval")
     assert app_eval.main([]) == 2

@@ -13,6 +13,9 @@ VOCAB = 1000
 
 
 def _apps():
+    from apps.deepseek.model import DeepSeekArgs
+    from apps.deepseek.train import batch_inputs as deepseek_inputs
+    from apps.deepseek.train import make_app as make_deepseek_app
     from apps.llama.train import APP as llama
     from apps.moe.train import APP as moe
     from apps.mtp.model import MTPArgs
@@ -22,11 +25,15 @@ def _apps():
     b, s = 2, 16
     labels = torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(0))
     _, mtp_target = mtp_inputs(labels, labels, 2)
+    _, deepseek_target = deepseek_inputs(labels, labels, 1)
     return {
         "llama": (llama.loss, lambda: torch.randn(b, s, VOCAB), labels),
         "moe": (moe.loss, lambda: (torch.randn(b, s, VOCAB), torch.rand(3)), labels),
         "mtp": (make_app(MTPArgs(mtp_depth=2)).loss, lambda: torch.randn(3, b, s, VOCAB),
                 mtp_target),
+        # one MTP depth, and the MoE balancing losses beside the logits
+        "deepseek": (make_deepseek_app(DeepSeekArgs(mtp_depth=1)).loss,
+                     lambda: (torch.randn(2, b, s, VOCAB), torch.rand(1)), deepseek_target),
     }
 
 
@@ -39,7 +46,7 @@ def _leaf_copies(output):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("app", ["llama", "moe", "mtp"])
+@pytest.mark.parametrize("app", ["llama", "moe", "mtp", "deepseek"])
 def test_compiled_loss_matches_the_eager_one_in_one_graph(app):
     import torch._dynamo
 
