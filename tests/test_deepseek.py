@@ -207,8 +207,9 @@ def test_resume_is_exact(corpus, tmp_path, reference, capfd):
     (2, ["distributed.tp=2", "distributed.dp_shard=1", "data.batch_size=8"]),
     (2, ["distributed.ep=2", "distributed.dp_shard=2", "data.batch_size=4"]),
     (4, ["distributed.ep=4", "distributed.dp_shard=4", "data.batch_size=2"]),
+    # the last stage holds the MTP module and the output: one block, against the first's three
     (2, ["distributed.pp=2", "distributed.dp_shard=1", "data.batch_size=8",
-         "distributed.pp_microbatches=2"]),
+         "distributed.pp_microbatches=2", "distributed.pp_split=[3]"]),
     (2, ["distributed.cp=2", "distributed.dp_shard=1", "data.batch_size=8"]),
     (4, ["distributed.dp_shard=2", "distributed.tp=2", "distributed.ep=2",
          "data.batch_size=4"]),
