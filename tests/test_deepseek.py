@@ -20,6 +20,7 @@ from lingua.eval.generation import generate
 from lingua.model.layers import KVCache
 from tests.conftest import run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
+from tests.test_moe_hf import _randomize
 
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, vocab_size=300,
              max_position_embeddings=64, rms_norm_eps=1e-6, intermediate_size=96,
@@ -36,19 +37,10 @@ CASES = {"q_latent_yarn": dict(q_lora_rank=24, rope_parameters=YARN),
 
 
 def hf_model(case: str, seed: int = 0) -> DeepseekV3ForCausalLM:
-    """Large random weights and a non-zero selection bias: sharp attention and confident routing
-    make a layout mistake visible."""
+    """Large random weights and a non-zero selection bias (test_moe_hf's): sharp attention and
+    confident routing make a layout mistake visible."""
     cfg = DeepseekV3Config(**SHAPE, **CASES[case], attn_implementation="sdpa")
-    model = DeepseekV3ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.5 * torch.randn(b.shape, generator=g))
-    return model.eval()
+    return _randomize(DeepseekV3ForCausalLM(cfg), seed)
 
 
 def tokens(n: int = 40):
