@@ -86,10 +86,10 @@ def test_sides():
         llama, True, "cuda", 1, "d", "r", "rowwise")
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe", "tiny-deepseek"])
 def cpu_run(request, tmp_path_factory, corpus):
-    """One end-to-end run on CPU of one tiny shape (the LLaMA, the MoE: a run each, so that
-    neither test waits for both): ours and HF eager, one round; on the LLaMA ours in float8
+    """One end-to-end run on CPU of one tiny shape (the LLaMA, the MoE, DeepSeek: a run each, so
+    that no test waits for another): ours and HF eager, one round; on the LLaMA ours in float8
     too (--float8 adds a side whatever the shape: gpu_vs_hf.sides_for, tested above; the MoE's
     float8 training is tests/test_float8_moe.py's)."""
     work = tmp_path_factory.mktemp("gpu_vs_hf")
@@ -113,7 +113,7 @@ def test_runs_end_to_end_on_cpu(cpu_run):
     assert results["settings"]["logging_every"] == 10
     assert (results["settings"]["warmup"], results["settings"]["steps"]) == (10, 10)
     table = stdout[stdout.rindex("shape "):]   # the table comes last
-    sides = {"tiny": ["ours_eager", "hf_eager"],
+    sides = {"tiny": ["ours_eager", "hf_eager"], "tiny-deepseek": ["ours_eager", "hf_eager"],
              "tiny-moe": ["ours_eager", "hf_eager", "hf_eager_experts_eager"]}[name]
     assert list(results["shapes"]) == [name]
     shape = results["shapes"][name]
@@ -139,7 +139,7 @@ def test_runs_end_to_end_on_cpu(cpu_run):
         assert "distributed.float8=tensorwise" in fast["runs"][0]["command"]
         assert shape["ratios"]["ours_eager_float8/ours_eager"] == pytest.approx(
             fast["tokens_per_s"] / shape["sides"]["ours_eager"]["tokens_per_s"])
-    else:
+    elif name == "tiny-moe":
         moe = shape["sides"]
         assert moe["hf_eager"]["runs"][0]["experts_implementation"]   # transformers' own choice
         assert moe["hf_eager_experts_eager"]["runs"][0]["experts_implementation"] == "eager"

@@ -198,8 +198,9 @@ def test_bf16_trainer_pads_expert_groups_and_trains_as_the_expert_loop(corpus, t
 
 
 def test_each_step_starts_its_routing_sums_and_bias_counts_from_zero():
-    """apps/moe's RoutingHook: a step whose update was skipped (a spike, a non-finite gradient)
-    or rolled back kept its tokens' counts, which only an applied update clears; the next step's
+    """The MoE apps' RoutingHook (lingua.parallel.expert_parallel): a step whose update was
+    skipped (a spike, a non-finite gradient) or rolled back kept its tokens' counts, which only an
+    applied update clears; the next step's
     bias update must count its own tokens only, as a run resumed there would."""
     from types import SimpleNamespace
 

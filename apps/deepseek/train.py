@@ -2,9 +2,10 @@
 `python -m apps.deepseek.train [config=PRESET] [key=value ...]`.
 
 The same loop as every app (lingua/train/loop.py, run by lingua.launch.run.run); this file says
-what is DeepSeek's: the model and its checks, FLOPs over active parameters, the routing hook of
-apps/moe (balancing over the global batch, the aux-loss-free bias update after each applied
-step, routing metrics) and, with model.mtp_depth > 0, apps/mtp's shifted targets and loss.
+what is DeepSeek's: the model and its checks, FLOPs over active parameters, the MoE apps' routing
+hook (lingua.parallel.expert_parallel.RoutingHook: the aux-loss-free bias update after each
+applied step, routing metrics) and, with model.mtp_depth > 0, apps/mtp's shifted targets and
+loss.
 """
 
 from dataclasses import dataclass, field
@@ -22,12 +23,10 @@ from apps.deepseek.parallelize import (
 )
 from lingua import config
 from lingua.checkpoint import hf as lingua_hf
-from lingua.hooks import UPDATE, Hook
 from lingua.launch import run
 from lingua.model.loss import IGNORE_INDEX, LossOutput, token_loss_sum
-from lingua.model.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
 from lingua.parallel import distributed
-from lingua.parallel.expert_parallel import validate_ep
+from lingua.parallel.expert_parallel import RoutingHook, validate_ep
 from lingua.train.app import App
 
 
@@ -45,33 +44,6 @@ def validate_deepseek(args: TrainArgs) -> None:
     validate_tp(args.model, d.tp, args.data.seq_len)
     dims = distributed.parallel_dims(d, distributed.world_size_from_env())
     validate_ep(args.model.n_experts, d.ep, dims.dp_shard, dims.cp)
-
-
-class RoutingHook(Hook):
-    """Each step's routing sums from zero, the aux-loss-free expert-bias update after an applied
-    update, and the routing metrics of logged rows (as apps/moe's)."""
-
-    def before_step(self, run, step: int) -> None:
-        layers = [m for part in run.parts for m in moe_layers(part)]
-        reset_routing(layers)
-        # Only this step's tokens move the bias: a skipped or rolled-back step's counts must not
-        # reach the next one.
-        for m in layers:
-            m.step_counts = None
-
-    def after_step(self, run, step: int) -> None:
-        rate = run.parts[0].args.bias_update_rate
-        if rate > 0 and run.decision == UPDATE:
-            update_expert_bias([m for part in run.parts for m in moe_layers(part)], rate)
-
-    def metrics(self, run, row: dict) -> None:
-        args, env = run.parts[0].args, run.env
-        layers = {int(name): block.moe for part in run.parts
-                  for name, block in part.layers.items() if block.is_moe}
-        values = routing_metrics(
-            layers, args.n_layers, args.n_experts, device=env.device,
-            reduce=lambda t: distributed.all_reduce_sum(t, env, dims=("dp_cp", "pp")))
-        row.update({f"moe/{key}": value for key, value in values.items()})
 
 
 def batch_inputs(tokens: torch.Tensor, labels: torch.Tensor, depth: int):

@@ -14,12 +14,10 @@ from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.moe.parallelize import float8_filter, parallelize_moe, validate_tp
 from lingua import config
 from lingua.checkpoint import hf as lingua_hf
-from lingua.hooks import UPDATE, Hook
 from lingua.launch import run
 from lingua.model.loss import LossOutput, cross_entropy
-from lingua.model.moe import moe_layers, reset_routing, routing_metrics, update_expert_bias
 from lingua.parallel import distributed
-from lingua.parallel.expert_parallel import validate_ep
+from lingua.parallel.expert_parallel import RoutingHook, validate_ep
 from lingua.train.app import App
 
 
@@ -42,37 +40,6 @@ def validate_moe(args: TrainArgs) -> None:
 def flops_per_token(args: TrainArgs) -> float:
     # Active parameters only: a token does not pay for the experts it was not routed to.
     return model_flops_per_token(args.model, args.data.seq_len)
-
-
-class RoutingHook(Hook):
-    """Each step's routing sums from zero, the aux-loss-free expert-bias update after an applied
-    update, and the routing metrics of logged rows."""
-
-    def before_step(self, run, step: int) -> None:
-        layers = [m for part in run.parts for m in moe_layers(part)]
-        reset_routing(layers)
-        # The bias update counts this step's tokens only: a skipped or rolled-back step's counts
-        # (no update cleared them) must not reach the next one, nor do they after a resume.
-        for m in layers:
-            m.step_counts = None
-
-    def after_step(self, run, step: int) -> None:
-        rate = run.parts[0].args.bias_update_rate
-        if rate > 0 and run.decision == UPDATE:
-            update_expert_bias([m for part in run.parts for m in moe_layers(part)], rate)
-
-    def metrics(self, run, row: dict) -> None:
-        """Routing health of each MoE layer over the whole step: every micro-batch, the global
-        batch and every pipeline stage (lingua.model.moe.routing_metrics); tensor-parallel ranks
-        hold copies."""
-        args, env = run.parts[0].args, run.env
-        layers = {int(name): block.moe for part in run.parts
-                  for name, block in part.layers.items() if getattr(block, "moe", None) is not None}
-        values = routing_metrics(
-            layers, args.n_layers, args.n_experts, device=env.device,
-            reduce=lambda t: distributed.all_reduce_sum(t, env, dims=("dp_cp", "pp")),
-        )
-        row.update({f"moe/{key}": value for key, value in values.items()})
 
 
 def loss(output, target) -> LossOutput:

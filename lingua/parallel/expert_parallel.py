@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lingua.errors import ConfigError
+from lingua.hooks import UPDATE, Hook
 from lingua.parallel import groups
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,44 @@ def apply_global_counts(model: nn.Module, env) -> None:
 
     for layer in moe_layers(model):
         layer.count_reducer = reduce_over_data_ranks
+
+
+class RoutingHook(Hook):
+    """An MoE app's hook (apps/moe, apps/deepseek): each step's routing sums from zero, the
+    aux-loss-free expert-bias update (model.bias_update_rate) after an applied update, and the
+    routing metrics of logged rows, summed over the data, context and pipeline ranks."""
+
+    def before_step(self, run, step: int) -> None:
+        from lingua.model.moe import moe_layers, reset_routing
+
+        layers = [m for part in run.parts for m in moe_layers(part)]
+        reset_routing(layers)
+        # The bias update counts this step's tokens only: a skipped or rolled-back step's counts
+        # (no update cleared them) must not reach the next one, nor do they after a resume.
+        for m in layers:
+            m.step_counts = None
+
+    def after_step(self, run, step: int) -> None:
+        from lingua.model.moe import moe_layers, update_expert_bias
+
+        rate = run.parts[0].args.bias_update_rate
+        if rate > 0 and run.decision == UPDATE:
+            update_expert_bias([m for part in run.parts for m in moe_layers(part)], rate)
+
+    def metrics(self, run, row: dict) -> None:
+        """Routing health of each MoE layer over the whole step: every micro-batch, the global
+        batch and every pipeline stage (lingua.model.moe.routing_metrics); tensor-parallel ranks
+        hold copies."""
+        from lingua.model.moe import routing_metrics
+        from lingua.parallel.distributed import all_reduce_sum
+
+        args, env = run.parts[0].args, run.env
+        layers = {int(name): block.moe for part in run.parts
+                  for name, block in part.layers.items() if getattr(block, "moe", None) is not None}
+        values = routing_metrics(
+            layers, args.n_layers, args.n_experts, device=env.device,
+            reduce=lambda t: all_reduce_sum(t, env, dims=("dp_cp", "pp")))
+        row.update({f"moe/{key}": value for key, value in values.items()})
 
 
 def validate_ep(n_experts: int, ep: int, dp_shard: int, cp: int = 1) -> None:
