@@ -148,12 +148,12 @@ SHAPES = {
     "tiny-moe": Shape("moe", dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=512,
                                   multiple_of=32, max_seq_len=64, n_experts=4, top_k=2,
                                   expert_hidden_dim=64, **MIXTRAL), 64, 2),
-    "tiny-deepseek": Shape("deepseek", dict(dim=64, n_layers=2, n_heads=4, vocab_size=512,
-                                            max_seq_len=64, q_lora_rank=32, kv_lora_rank=32,
-                                            qk_nope_head_dim=16, qk_rope_head_dim=16,
-                                            v_head_dim=16, dense_hidden_dim=128, n_experts=8,
-                                            top_k=2, n_groups=4, topk_groups=2,
-                                            expert_hidden_dim=32), 64, 2),
+    # the debug preset's model (ours starts from that preset), smaller and without MTP (HF's
+    # model has none)
+    "tiny-deepseek": Shape("deepseek", {**_preset_model("deepseek", "debug"), **dict(
+        dim=64, n_layers=2, vocab_size=512, max_seq_len=64, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, dense_hidden_dim=128,
+        expert_hidden_dim=32, mtp_depth=0)}, 64, 2),
 }
 DEFAULT_SHAPES = "8B-wide,1B,moe,deepseek"
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")   # distributed.float8
