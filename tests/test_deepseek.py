@@ -212,6 +212,7 @@ def test_layout_matches_one_process(corpus, tmp_path, reference, nproc, layout):
     assert_equivalent(dump, reference, prefixes=KEYS)
 
 
+@pytest.mark.slow
 def test_float8_converts_the_layers_its_shapes_allow_and_tracks_fp32(corpus, tmp_path, reference,
                                                                      capfd):
     """tensorwise float8 (emulated on CPU): every MLA, dense and MoE matrix whose sizes are
@@ -233,6 +234,7 @@ def test_float8_converts_the_layers_its_shapes_allow_and_tracks_fp32(corpus, tmp
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
+@pytest.mark.slow
 def test_muon_takes_the_latent_projections_and_trains(corpus, tmp_path, reference):
     from lingua.optim.muon import split_params
 
@@ -344,6 +346,7 @@ def test_moonlight_16b_fits_one_node_of_8(data, tmp_path):
     assert p.fits and p.busiest.total < 72 * 2 ** 30
 
 
+@pytest.mark.slow
 def test_deepseek_v3_671b_fits_256_gpus_with_ep64(data, tmp_path):
     from lingua.launch import plan as planner
 
@@ -361,6 +364,7 @@ def test_deepseek_v3_671b_fits_256_gpus_with_ep64(data, tmp_path):
     assert p.fits and p.busiest.total < 72 * 2 ** 30
 
 
+@pytest.mark.slow
 def test_export_of_a_training_run_computes_its_logits(reference, tmp_path, capsys):
     """The export command on the trained run (MTP module, moved expert bias, query latent):
     transformers' model of the directory gives the checkpoint's logits, and the MTP module is
