@@ -171,6 +171,7 @@ def reference(corpus, tmp_path_factory):
     return dump
 
 
+@pytest.mark.slow
 def test_trains_with_mtp_and_moves_the_expert_bias(reference):
     rows = read_rows(reference)
     assert {"mtp/ce_1", "moe/1/imbalance", "loss"} <= set(rows[-1])
@@ -182,6 +183,7 @@ def test_trains_with_mtp_and_moves_the_expert_bias(reference):
     assert "mtp.0.block.attention.wkv_b.weight" in sums
 
 
+@pytest.mark.slow
 def test_resume_is_exact(corpus, tmp_path, reference, capfd):
     dump = tmp_path / "run"
     shutil.copytree(reference, dump)
@@ -251,6 +253,7 @@ def test_muon_takes_the_latent_projections_and_trains(corpus, tmp_path, referenc
     assert rows[-1]["loss"] != read_rows(reference)[-1]["loss"]   # not AdamW's run
 
 
+@pytest.mark.slow
 def test_generate_command_decodes_a_run(reference, capsys):
     from apps.deepseek import generate
 
