@@ -63,30 +63,41 @@ def _where() -> str:
     return f"LAYER_KEYS / MTP_KEYS in {lingua_hf.app_file(__file__)}"
 
 
-def _block_keys(ours: str, theirs: str, state_keys) -> Dict[str, str]:
-    """One block's our key -> HF key, for the tensors this block has (wq or wq_a, dense or MoE)."""
-    names = {}
-    for o, t in LAYER_KEYS.items():
-        if f"{ours}{o}.weight" in state_keys:
-            names[f"{ours}{o}.weight"] = f"{theirs}{t}.weight"
-    if f"{ours}moe.router.expert_bias" in state_keys:
+def _block_keys(ours: str, theirs: str, args: DeepSeekArgs, layer_id: int) -> Dict[str, str]:
+    """One block's our key -> HF key: its query path (wq, or the latent's wq_a, q_norm, wq_b)
+    and its FFN (dense before n_dense_layers, else the router and any shared experts), from the
+    args alone (an export calls this per layer; building the model to list its keys cost 0.8 s
+    a call at 671B)."""
+    query = ["attention.wq"] if args.q_lora_rank is None else [
+        "attention.wq_a", "attention.q_norm", "attention.wq_b"]
+    modules = [*query, "attention.wkv_a", "attention.kv_norm", "attention.wkv_b",
+               "attention.wo", "attention_norm", "ffn_norm"]
+    moe = layer_id >= args.n_dense_layers
+    if not moe:
+        modules += ["feed_forward.w1", "feed_forward.w3", "feed_forward.w2"]
+    else:
+        modules.append("moe.router.gate")
+        if args.n_shared_experts:
+            modules += ["moe.shared_experts.w1", "moe.shared_experts.w3", "moe.shared_experts.w2"]
+    names = {f"{ours}{o}.weight": f"{theirs}{LAYER_KEYS[o]}.weight" for o in modules}
+    if moe:
         names[f"{ours}moe.router.expert_bias"] = f"{theirs}mlp.gate.e_score_correction_bias"
     return names
 
 
 def key_map(args: DeepSeekArgs) -> Dict[str, str]:
     """Our key -> HF key for every tensor copied under a new name (not the stacked experts)."""
-    with torch.device("meta"):
-        keys = set(Transformer(args).state_dict())
     names = {"tok_embeddings.weight": "model.embed_tokens.weight",
-             "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+             "norm.weight": "model.norm.weight"}
+    if not args.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
     for i in range(args.n_layers):
-        names.update(_block_keys(f"layers.{i}.", f"model.layers.{i}.", keys))
+        names.update(_block_keys(f"layers.{i}.", f"model.layers.{i}.", args, i))
     for k in range(args.mtp_depth):
         ours, theirs = f"mtp.{k}.", f"model.layers.{args.n_layers + k}."
         names.update({f"{ours}{o}.weight": f"{theirs}{t}.weight" for o, t in MTP_KEYS.items()})
-        names.update(_block_keys(f"{ours}block.", theirs, keys))
-    return {o: t for o, t in names.items() if o in keys}
+        names.update(_block_keys(f"{ours}block.", theirs, args, args.n_layers + k))
+    return names
 
 
 def _rope_rows(args: DeepSeekArgs, rows: int, interleave: bool) -> torch.Tensor:
