@@ -259,9 +259,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if self.is_moe:
             self.moe = MoE(args.dim, args.expert_hidden_dim, args.n_experts, args.top_k,
-                           args.n_shared_experts, "sigmoid", args.norm_topk, args.route_scale,
-                           0.0, args.expert_impl, args.aux_loss_coef, args.z_loss_coef,
-                           args.n_groups, args.topk_groups)
+                           args.n_shared_experts, score_func="sigmoid", norm_topk=args.norm_topk,
+                           route_scale=args.route_scale, expert_impl=args.expert_impl,
+                           aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef,
+                           n_groups=args.n_groups, topk_groups=args.topk_groups)
         else:
             self.feed_forward = FeedForward(args.dim, dense_hidden(args))
 

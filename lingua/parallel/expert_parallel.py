@@ -21,7 +21,14 @@ from torch import nn
 
 from lingua.errors import ConfigError
 from lingua.hooks import UPDATE, Hook
+from lingua.model.moe import (
+    moe_layers,
+    reset_routing,
+    routing_metrics,
+    update_expert_bias,
+)
 from lingua.parallel import groups
+from lingua.parallel.distributed import all_reduce_sum
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +38,6 @@ EXPERT_WEIGHTS = ("w1", "w3", "w2")
 def apply_global_counts(model: nn.Module, env) -> None:
     """Router token counts of every MoE layer summed over the data and context parallel ranks,
     so balancing sees the global micro-batch, as one process would."""
-    from lingua.model.moe import moe_layers
-    from lingua.parallel.distributed import all_reduce_sum
-
     def reduce_over_data_ranks(t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(t, env, dims=("dp_cp",))
 
@@ -47,8 +51,6 @@ class RoutingHook(Hook):
     routing metrics of logged rows, summed over the data, context and pipeline ranks."""
 
     def before_step(self, run, step: int) -> None:
-        from lingua.model.moe import moe_layers, reset_routing
-
         layers = [m for part in run.parts for m in moe_layers(part)]
         reset_routing(layers)
         # The bias update counts this step's tokens only: a skipped or rolled-back step's counts
@@ -57,8 +59,6 @@ class RoutingHook(Hook):
             m.step_counts = None
 
     def after_step(self, run, step: int) -> None:
-        from lingua.model.moe import moe_layers, update_expert_bias
-
         rate = run.parts[0].args.bias_update_rate
         if rate > 0 and run.decision == UPDATE:
             update_expert_bias([m for part in run.parts for m in moe_layers(part)], rate)
@@ -67,9 +67,6 @@ class RoutingHook(Hook):
         """Routing health of each MoE layer over the whole step: every micro-batch, the global
         batch and every pipeline stage (lingua.model.moe.routing_metrics); tensor-parallel ranks
         hold copies."""
-        from lingua.model.moe import routing_metrics
-        from lingua.parallel.distributed import all_reduce_sum
-
         args, env = run.parts[0].args, run.env
         layers = {int(name): block.moe for part in run.parts
                   for name, block in part.layers.items() if getattr(block, "moe", None) is not None}
