@@ -268,25 +268,6 @@ def args_from_hf_config(config_path) -> DeepSeekArgs:
     return args
 
 
-def _experts(tensors, theirs: str, n_experts: int, path) -> Dict[str, torch.Tensor]:
-    """A block's routed experts as our [E, in, out] stacks, from per-expert Linears (the Hub
-    layout) or transformers 5's fused gate_up_proj / down_proj."""
-    if f"{theirs}mlp.experts.gate_up_proj" in tensors:
-        gate, up = tensors[f"{theirs}mlp.experts.gate_up_proj"].chunk(2, dim=1)
-        down = tensors[f"{theirs}mlp.experts.down_proj"]
-        return {"w1": gate.transpose(1, 2), "w3": up.transpose(1, 2),
-                "w2": down.transpose(1, 2)}
-    out = {}
-    for w, name in EXPERT_NAMES.items():
-        keys = [f"{theirs}mlp.experts.{e}.{name}.weight" for e in range(n_experts)]
-        missing = [k for k in keys if k not in tensors]
-        if missing:
-            raise ConfigError(f"{path}: weight {missing[0]} is missing from the safetensors "
-                              "files; the directory does not match its config.json.")
-        out[w] = torch.stack([tensors[k].t() for k in keys])
-    return out
-
-
 def _expert_blocks(args: DeepSeekArgs) -> List[Tuple[str, str]]:
     """(our prefix, HF prefix) of every MoE block."""
     blocks = [(f"layers.{i}.", f"model.layers.{i}.") for i in range(args.n_dense_layers,
@@ -317,13 +298,12 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32):
     interleaved = lingua_hf.read_config(config_path).get("rope_interleave", True)
     state = {}
     for ours, theirs in names.items():
-        if theirs not in tensors:
-            raise ConfigError(f"{path}: weight {theirs} is missing from the safetensors files; "
-                              "the directory does not match its config.json.")
-        t = tensors[theirs]
+        t = lingua_hf.weight(tensors, theirs, path)
         state[ours] = permute_rope(theirs, t, args, interleave=False) if interleaved else t
     for ours, theirs in _expert_blocks(args):
-        for w, t in _experts(tensors, theirs, args.n_experts, path).items():
+        experts = lingua_hf.stacked_experts(tensors, f"{theirs}mlp.experts", args.n_experts,
+                                            EXPERT_NAMES, path)
+        for w, (t, _) in experts.items():
             state[f"{ours}moe.experts.{w}"] = t
     for k in range(args.mtp_depth):
         head = f"model.layers.{args.n_layers + k}.shared_head.head.weight"

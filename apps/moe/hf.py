@@ -43,7 +43,13 @@ import torch
 
 from apps.moe.model import MoEArgs, Transformer, expert_hidden
 from lingua.checkpoint import hf as lingua_hf
-from lingua.checkpoint.hf import TIED_NOT_IMPORTED, ffn_recipe, read_weights
+from lingua.checkpoint.hf import (
+    TIED_NOT_IMPORTED,
+    ffn_recipe,
+    read_weights,
+    stacked_experts,
+    weight,
+)
 from lingua.checkpoint.hf_files import cast, layer_of
 from lingua.errors import ConfigError
 from lingua.model.layers import ffn_hidden_dim
@@ -402,13 +408,6 @@ def _args_and_kind(config_path: Path) -> Tuple[MoEArgs, str]:
     return MoEArgs(**fields), kind
 
 
-def _fetch(tensors: Dict[str, torch.Tensor], key: str, path: Path) -> torch.Tensor:
-    if key not in tensors:
-        raise ConfigError(f"{path}: weight {key} is missing from the safetensors files; the "
-                          "directory does not match its config.json.")
-    return tensors[key]
-
-
 def _consumed(names: Dict[str, Path], args: MoEArgs, kind: str) -> set:
     """The HF names load_hf reads, from the files' tensor names (either expert layout)."""
     used = set(_plain_keys(args, kind).values())
@@ -430,33 +429,6 @@ def _consumed(names: Dict[str, Path], args: MoEArgs, kind: str) -> set:
     return used
 
 
-def _stacked_experts(
-    tensors, args: MoEArgs, kind: str, i: int, path: Path
-) -> Dict[str, Tuple[torch.Tensor, str]]:
-    """Layer i's routed experts as our [E, in, out] stacks (with the HF key they came from), from
-    per-expert Linear weights (the Hub layout, which save_pretrained writes) or from transformers
-    5's fused gate_up_proj / down_proj (save_original_format=False)."""
-    layout = LAYOUTS[kind]
-    hf = f"model.layers.{i}.{layout.block}.experts"
-    if f"{hf}.gate_up_proj" in tensors:
-        # [E, 2*hidden, dim]: gate rows, then up
-        gate, up = tensors[f"{hf}.gate_up_proj"].chunk(2, dim=1)
-        down = _fetch(tensors, f"{hf}.down_proj", path)
-        return {"w1": (gate.transpose(1, 2), f"{hf}.gate_up_proj"),
-                "w3": (up.transpose(1, 2), f"{hf}.gate_up_proj"),
-                "w2": (down.transpose(1, 2), f"{hf}.down_proj")}
-    return {
-        w: (
-            torch.stack([
-                _fetch(tensors, f"{hf}.{e}.{name}.weight", path).t()
-                for e in range(args.n_experts)
-            ]),
-            f"{hf}.0.{name}.weight",
-        )
-        for w, name in layout.proj.items()
-    }
-
-
 def _ungate_shared(
     tensors: Dict[str, torch.Tensor], origin: Dict[str, Path], args: MoEArgs, path: Path
 ) -> None:
@@ -464,7 +436,7 @@ def _ungate_shared(
     every token, what save_hf writes) is expressible; its 1/2 goes into the down projection."""
     for i in range(args.n_dense_layers, args.n_layers):
         hf = f"model.layers.{i}.mlp"
-        gate = _fetch(tensors, f"{hf}.shared_expert_gate.weight", path)
+        gate = weight(tensors, f"{hf}.shared_expert_gate.weight", path)
         if gate.abs().max() > 0:
             raise ConfigError(
                 f"{origin[f'{hf}.shared_expert_gate.weight']}: {hf}.shared_expert_gate.weight is "
@@ -474,7 +446,7 @@ def _ungate_shared(
                 "without changing what it computes.")
         if args.n_shared_experts:
             down = _shared_names("qwen2_moe", hf)["w2"]
-            tensors[down] = _fetch(tensors, down, path) * QWEN_GATE  # exact: a power of two
+            tensors[down] = weight(tensors, down, path) * QWEN_GATE  # exact: a power of two
 
 
 def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transformer, MoEArgs]:
@@ -511,9 +483,11 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
     if kind == "qwen2_moe":
         _ungate_shared(tensors, origin, args, path)
     hf_names = _plain_keys(args, kind)
-    state = {ours: _fetch(tensors, theirs, path) for ours, theirs in hf_names.items()}
+    state = {ours: weight(tensors, theirs, path) for ours, theirs in hf_names.items()}
     for i in range(args.n_dense_layers, args.n_layers):
-        for w, (t, source) in _stacked_experts(tensors, args, kind, i, path).items():
+        experts = f"model.layers.{i}.{LAYOUTS[kind].block}.experts"
+        for w, (t, source) in stacked_experts(tensors, experts, args.n_experts,
+                                              LAYOUTS[kind].proj, path).items():
             state[f"layers.{i}.moe.experts.{w}"] = t
             hf_names[f"layers.{i}.moe.experts.{w}"] = source
         if kind != "glm4_moe":  # no selection bias

@@ -103,6 +103,31 @@ def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, Path]]:
     return tensors, origin
 
 
+def weight(tensors: Dict[str, torch.Tensor], key: str, path) -> torch.Tensor:
+    """tensors[key], or a ConfigError saying the directory does not match its config.json."""
+    if key not in tensors:
+        raise ConfigError(f"{path}: weight {key} is missing from the safetensors files; the "
+                          "directory does not match its config.json.")
+    return tensors[key]
+
+
+def stacked_experts(tensors, prefix: str, n_experts: int, names: Dict[str, str],
+                    path) -> Dict[str, Tuple[torch.Tensor, str]]:
+    """An MoE layer's routed experts as lingua's [E, in, out] stacks, each with the HF key it
+    came from, from per-expert Linears (`{prefix}.{e}.{names[w]}.weight`, the Hub layout that
+    save_pretrained writes) or transformers 5's fused `{prefix}.gate_up_proj` / `down_proj`.
+    `names` maps w1 (gate), w3 (up), w2 (down) to the architecture's per-expert names."""
+    if f"{prefix}.gate_up_proj" in tensors:
+        gate, up = tensors[f"{prefix}.gate_up_proj"].chunk(2, dim=1)   # [E, 2 hidden, dim]
+        down = weight(tensors, f"{prefix}.down_proj", path)
+        return {"w1": (gate.transpose(1, 2), f"{prefix}.gate_up_proj"),
+                "w3": (up.transpose(1, 2), f"{prefix}.gate_up_proj"),
+                "w2": (down.transpose(1, 2), f"{prefix}.down_proj")}
+    return {w: (torch.stack([weight(tensors, f"{prefix}.{e}.{name}.weight", path).t()
+                             for e in range(n_experts)]), f"{prefix}.0.{name}.weight")
+            for w, name in names.items()}
+
+
 def _listed(names: Iterable[str], limit: int = 10) -> str:
     names = sorted(names, key=lambda n: [int(p) if p.isdigit() else p  # layers.2 before .10
                                          for p in re.split(r"(\d+)", n)])
@@ -287,10 +312,7 @@ def load_hf(path, dtype: Optional[torch.dtype], *, model_class, args_from_hf_con
     tensors, origin = read_weights(path)
     state = {}
     for ours, theirs in names.items():
-        if theirs not in tensors:
-            raise ConfigError(f"{path}: weight {theirs} is missing from the safetensors files; the "
-                              f"directory does not match its config.json.")
-        t = tensors[theirs]
+        t = weight(tensors, theirs, path)
         if t.shape != expected[ours].shape:
             raise ConfigError(f"{origin[theirs]}: {theirs} has shape {tuple(t.shape)} but "
                               f"config.json implies {tuple(expected[ours].shape)}.")
