@@ -135,6 +135,21 @@ def test_import_refuses_what_it_cannot_compute(tmp_path):
             load_hf(tmp_path)
 
 
+def test_flops_count_the_mtp_module_and_its_second_use_of_the_output():
+    from apps.deepseek.model import flops_per_token
+
+    base = dict(dim=64, n_layers=2, n_heads=4, vocab_size=300, q_lora_rank=16)
+    with torch.device("meta"):
+        module = Transformer(DeepSeekArgs(**base, mtp_depth=1)).mtp["0"]
+    routed = sum(p.numel() for p in module.block.moe.experts.parameters())   # not Linears
+    per_token = (sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+                 + routed * 2 / 8)   # a token meets 2 of the 8 routed experts
+    attention = 2 * 4 * (32 + 16 + 32) * 128 * 3
+    added = flops_per_token(DeepSeekArgs(**base, mtp_depth=1), 128) - flops_per_token(
+        DeepSeekArgs(**base), 128)
+    assert added == pytest.approx(6 * (per_token + 300 * 64) + attention)
+
+
 def test_bad_model_args_are_refused():
     for bad, needle in [(dict(n_kv_heads=2), "no grouped key/value"),
                         (dict(n_groups=3), "equal groups"),

@@ -146,6 +146,8 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+# Written here: torch has no YaRN, and the model does not import transformers (whose
+# rope_init "yarn" is what tests/test_deepseek.py's parity runs against).
 def yarn_inv_freq(args: DeepSeekArgs) -> torch.Tensor:
     """Inverse frequencies [rope_dim // 2] (fp64): the high-frequency channels (more than
     beta_fast turns over the original context) keep theirs, the low-frequency ones (fewer than
@@ -378,11 +380,14 @@ class Transformer(Decoder):
 
 
 def flops_per_token(args: DeepSeekArgs, seq_len: int) -> float:
-    """Training FLOPs per token over active parameters (top_k of each layer's routed experts),
-    6 per matmul parameter, plus attention's scores and weighted sum: per layer and query, 6 x 2
-    x n_heads x (qk head + v head) x seq_len / 2 (causal half) x 2 (fwd mul-adds)."""
+    """Training FLOPs per token: 6 per active matmul parameter (top_k of each layer's routed
+    experts; the MTP modules' blocks and projections, and the output projection once more per
+    MTP depth, which reuses it), plus attention's scores and weighted sum in every block, MTP's
+    included: 2 x n_heads x (qk head + v head) x seq_len forward, x 3 with backward (the causal
+    half not discounted, as for lingua's other models)."""
     with torch.device("meta"):
         model = Transformer(args)
-    active = active_params_per_token(model)
+    active = active_params_per_token(model) + args.mtp_depth * args.vocab_size * args.dim
     head = args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
-    return 6.0 * active + 6.0 * args.n_layers * args.n_heads * head * seq_len
+    blocks = args.n_layers + args.mtp_depth
+    return 6.0 * active + 6.0 * blocks * args.n_heads * head * seq_len
