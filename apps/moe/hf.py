@@ -499,10 +499,8 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
     for key in [k for k in expected if k in state]:  # model order: errors name the first layer's
         t = state[key]
         if t.shape != expected[key].shape:
-            if key in hf_names:
-                where = f"{origin[hf_names[key]]}: {hf_names[key]}"
-            else:
-                where = f"{path}: {key}"
+            where = (f"{origin[hf_names[key]]}: {hf_names[key]}" if key in hf_names
+                     else f"{path}: {key}")
             raise ConfigError(f"{where} gives {key} of shape {tuple(t.shape)} but config.json "
                               f"implies {tuple(expected[key].shape)}; the weights do not match the "
                               "config.")
