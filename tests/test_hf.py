@@ -119,7 +119,8 @@ def test_load_errors_name_the_file(tmp_path):
 
     cfg_path.write_text(json.dumps({**cfg, "vocab_size": 301}))
     with pytest.raises(ConfigError,
-                       match=r"model.safetensors: model.embed_tokens.weight has shape \(300, 64\)"):
+                       match=r"model.safetensors: model.embed_tokens.weight gives "
+                             r"tok_embeddings.weight of shape \(300, 64\)"):
         load_hf(tmp_path)
     cfg_path.write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
     with pytest.raises(ConfigError, match="'yarn' is not supported"):

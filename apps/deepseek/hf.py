@@ -296,15 +296,15 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32):
     lingua_hf.check_import(file_names, consumed, NOT_IMPORTED, _where(), path)
     tensors, origin = lingua_hf.read_weights(path)
     interleaved = lingua_hf.read_config(config_path).get("rope_interleave", True)
-    state = {}
+    state, sources = {}, dict(names)
     for ours, theirs in names.items():
         t = lingua_hf.weight(tensors, theirs, path)
         state[ours] = permute_rope(theirs, t, args, interleave=False) if interleaved else t
     for ours, theirs in _expert_blocks(args):
         experts = lingua_hf.stacked_experts(tensors, f"{theirs}mlp.experts", args.n_experts,
                                             EXPERT_NAMES, path)
-        for w, (t, _) in experts.items():
-            state[f"{ours}moe.experts.{w}"] = t
+        for w, (t, source) in experts.items():
+            state[f"{ours}moe.experts.{w}"], sources[f"{ours}moe.experts.{w}"] = t, source
     for k in range(args.mtp_depth):
         head = f"model.layers.{args.n_layers + k}.shared_head.head.weight"
         if head in tensors and not torch.equal(tensors[head], state["output.weight"]):
@@ -313,17 +313,8 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32):
                               "DeepSeek-V3's do.")
     with torch.device("meta"):
         model = Transformer(args)
-    expected = model.state_dict()
-    lingua_hf.check_filled(expected, state, _where(), path)
-    for key, t in state.items():
-        if t.shape != expected[key].shape:
-            raise ConfigError(f"{path}: {key} has shape {tuple(t.shape)} but config.json implies "
-                              f"{tuple(expected[key].shape)}; the weights do not match the config.")
-        fp32 = key.endswith("expert_bias")   # routing decisions flip on small differences
-        state[key] = t.to(torch.float32 if fp32 else (dtype or t.dtype)).contiguous()
-    model.load_state_dict(state, strict=True, assign=True)
-    model.init_rope("cpu")  # non-persistent, still on meta; init_weights would redraw the weights
-    return model, args
+    lingua_hf.check_filled(model.state_dict(), state, _where(), path)
+    return lingua_hf.assign(model, state, dtype, sources=sources, origin=origin, path=path), args
 
 
 # ---------------------------------------------------------------------------------------------

@@ -494,21 +494,8 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
             state[f"layers.{i}.moe.router.expert_bias"] = torch.zeros(args.n_experts)
     with torch.device("meta"):
         model = Transformer(args)
-    expected = model.state_dict()
-    lingua_hf.check_filled(expected, state, _where(), path)
-    for key in [k for k in expected if k in state]:  # model order: errors name the first layer's
-        t = state[key]
-        if t.shape != expected[key].shape:
-            where = (f"{origin[hf_names[key]]}: {hf_names[key]}" if key in hf_names
-                     else f"{path}: {key}")
-            raise ConfigError(f"{where} gives {key} of shape {tuple(t.shape)} but config.json "
-                              f"implies {tuple(expected[key].shape)}; the weights do not match the "
-                              "config.")
-        fp32 = key.endswith("expert_bias")  # routing decisions flip on small differences
-        state[key] = t.to(torch.float32 if fp32 else (dtype or t.dtype)).contiguous()
-    model.load_state_dict(state, strict=True, assign=True)
-    model.init_rope("cpu")  # non-persistent, still on meta; init_weights would redraw the weights
-    return model, args
+    lingua_hf.check_filled(model.state_dict(), state, _where(), path)
+    return lingua_hf.assign(model, state, dtype, sources=hf_names, origin=origin, path=path), args
 
 
 # ---------------------------------------------------------------------------------------------

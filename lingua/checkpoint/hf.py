@@ -307,19 +307,31 @@ def load_hf(path, dtype: Optional[torch.dtype], *, model_class, args_from_hf_con
     check_import(tensor_names(path), names.values(), ignored, where, path)
     with torch.device("meta"):
         model = model_class(args)
-    expected = model.state_dict()
-    check_filled(expected, names, where, path)
+    check_filled(model.state_dict(), names, where, path)
     tensors, origin = read_weights(path)
-    state = {}
-    for ours, theirs in names.items():
-        t = weight(tensors, theirs, path)
-        if t.shape != expected[ours].shape:
-            raise ConfigError(f"{origin[theirs]}: {theirs} has shape {tuple(t.shape)} but "
-                              f"config.json implies {tuple(expected[ours].shape)}.")
-        state[ours] = t if dtype is None else t.to(dtype)
+    state = {ours: weight(tensors, theirs, path) for ours, theirs in names.items()}
+    return assign(model, state, dtype, sources=names, origin=origin, path=path), args
+
+
+def assign(model, state: dict, dtype: Optional[torch.dtype], *, sources: Dict[str, str],
+           origin: Dict[str, Path], path):
+    """`model`, built on the meta device, holding `state` read from the HF directory `path`. A
+    tensor whose shape config.json does not imply is refused, named by its HF key (`sources`)
+    and file (`origin`). dtype None keeps the file's; the routers' expert_bias stays fp32."""
+    expected = model.state_dict()
+    for key in [k for k in expected if k in state]:  # model order: errors name the first layer's
+        t = state[key]
+        if t.shape != expected[key].shape:
+            theirs = sources.get(key)
+            where = f"{origin[theirs]}: {theirs}" if theirs in origin else f"{path}: {key}"
+            raise ConfigError(f"{where} gives {key} of shape {tuple(t.shape)} but config.json "
+                              f"implies {tuple(expected[key].shape)}; the weights do not match the "
+                              "config.")
+        fp32 = key.endswith("expert_bias")  # routing decisions flip on small differences
+        state[key] = t.to(torch.float32 if fp32 else (dtype or t.dtype)).contiguous()
     model.load_state_dict(state, strict=True, assign=True)
     model.init_rope("cpu")  # non-persistent, still on meta; init_weights would redraw the weights
-    return model, args
+    return model
 
 
 def _frozen_base(ckpt_dir, reader: Optional[Callable]) -> Optional[str]:
