@@ -1,53 +1,72 @@
 """How features attach to the training loop (lingua/train/loop.py): a Hook's methods are called
 at fixed points of every step, in the order of the run's hook list (lingua.launch.run.hooks:
 the app's hooks, then the core's). Each method here does nothing, so a hook defines only the
-points it needs. `run` is the loop's Run; `step` the 1-based number of the step being run, as
-metrics.jsonl counts it. docs/ARCHITECTURE.md has the table of who uses which point.
+points it needs. docs/ARCHITECTURE.md has the table of who uses which point.
 
-  start(run)                  once, resumed and the log open, before the first step
-  before_step(run, step)      before the step's data is read
-  after_backward(run, step)   gradients complete, not clipped; returns {name: count} this rank
-                              adds to the step's tally (train/tally.py; same names everywhere)
-  vote(run, step)             gradient norm finite: UPDATE, SKIP or ROLLBACK, from run.tally
-                              (the step's loss, grad_norm and counts summed over the ranks, host
-                              floats); the first objection wins. A hook that votes ROLLBACK has
-                              moved the run back (run.step is the checkpoint's)
-  after_step(run, step)       run.step == step; run.decision: UPDATE (applied) or SKIP.
-                              Evaluation runs here at eval.every, its fields in run.eval_fields
-  metrics(run, row)           a logged step's metrics.jsonl row: add fields (every rank calls)
-  after_save(run, step)       the checkpoint of `step` is complete on disk
-  should_stop(run)            after the step's checkpoint: True ends the loop (saving through
-                              run.save_now); every rank must answer alike, from run.tally
-  close(run)                  always, however the loop ended, in reverse order, before the log
-                              closes
+Hooks decide; the loop acts. A hook sees the run through `view`, a read-only RunView
+(lingua/train/loop.py), and changes nothing of the run: it returns what it wants done (a
+Request from before_step, a vote, a stop) and the loop does it. A hook keeps its own state
+(and its keys of the checkpoint's train state), and never takes or calls another hook. `step`
+is the 1-based number of the step being run, as metrics.jsonl counts it.
+
+  start(view)                   once, resumed and the log open, before the first step
+  before_step(view, step)       before the step's data is read; may return a Request (data
+                                batches to skip, probe this step in full), seen by later hooks
+                                as view.probe_requested. Also called, with view.rerun set, when
+                                the loop runs a rolled-back step's batch again (see vote)
+  after_backward(view, step)    gradients complete, not clipped; returns {name: count} this rank
+                                adds to the step's tally (train/tally.py; same names everywhere)
+  vote(view, step)              gradient norm finite: UPDATE, SKIP or ROLLBACK, from view.tally
+                                (the step's loss, grad_norm and counts summed over the ranks, host
+                                floats); the first objection wins. On ROLLBACK the loop runs the
+                                step's batch again (view.rerun: the checkpoint it goes back to)
+                                for the probe, then loads the newest intact checkpoint from before
+                                the step the way resume does (load_state_dict is called); with no
+                                such checkpoint the step is skipped instead (view.decision: SKIP)
+  after_step(view, step)        view.step == step; view.decision: UPDATE (applied) or SKIP
+  metrics(view, row)            a logged step's metrics.jsonl row: add fields (every rank calls);
+                                an evaluation step always logs a row
+  after_save(view, step)        the checkpoint of `step` is complete on disk
+  should_stop(view)             after the step's checkpoint: True ends the loop, which saves
+                                first; every rank must answer alike, from view.tally
+  close(view)                   always, however the loop ended, in reverse order, before the log
+                                closes
   state_dict() / load_state_dict(train_state)   the hook's keys of the checkpoint's train state
-A hook that needs a checkpoint kept from checkpoint.keep's pruning adds a predicate to
-run.checkpoint_in_use; one that skips data batches reads them away with run.skip_batch().
+                                (load: at resume, and at a rollback's reload)
 """
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 UPDATE, SKIP, ROLLBACK = "update", "skip", "rollback"   # what vote() says about an update
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a hook asks of the step about to run (before_step)."""
+    skip_batches: int = 0     # data batches the loop reads and throws away first
+    probe: bool = False       # probe this step in full, whatever probe.every says
 
 
 class Hook:
     """A feature around the loop; override the points it needs (the module docstring)."""
 
-    def start(self, run) -> None: ...
-    def before_step(self, run, step: int) -> None: ...
-    def after_backward(self, run, step: int) -> dict: return {}
-    def vote(self, run, step: int) -> str: return UPDATE
-    def after_step(self, run, step: int) -> None: ...
-    def metrics(self, run, row: dict) -> None: ...
-    def after_save(self, run, step: int) -> None: ...
-    def should_stop(self, run) -> bool: return False
-    def close(self, run) -> None: ...
+    def start(self, view) -> None: ...
+    def before_step(self, view, step: int) -> Optional[Request]: return None
+    def after_backward(self, view, step: int) -> dict: return {}
+    def vote(self, view, step: int) -> str: return UPDATE
+    def after_step(self, view, step: int) -> None: ...
+    def metrics(self, view, row: dict) -> None: ...
+    def after_save(self, view, step: int) -> None: ...
+    def should_stop(self, view) -> bool: return False
+    def close(self, view) -> None: ...
     def state_dict(self) -> dict: return {}
     def load_state_dict(self, train_state: dict) -> None: ...
 
 
 class Hooks(Hook):
-    """The run's hooks called as one, in order."""
+    """The run's hooks called as one, in order (before_step is the loop's: it acts on each
+    hook's Request before asking the next)."""
 
     def __init__(self, hooks: Iterable[Hook] = ()):
         self.hooks = list(hooks)
@@ -59,34 +78,32 @@ class Hooks(Hook):
         for hook in self.hooks:
             getattr(hook, name)(*args)
 
-    def start(self, run): self._each("start", run)
-    def before_step(self, run, step): self._each("before_step", run, step)
-    def after_step(self, run, step): self._each("after_step", run, step)
-    def metrics(self, run, row): self._each("metrics", run, row)
-    def after_save(self, run, step): self._each("after_save", run, step)
+    def start(self, view): self._each("start", view)
+    def after_step(self, view, step): self._each("after_step", view, step)
+    def metrics(self, view, row): self._each("metrics", view, row)
+    def after_save(self, view, step): self._each("after_save", view, step)
     def load_state_dict(self, train_state): self._each("load_state_dict", train_state)
 
-    def after_backward(self, run, step: int) -> dict:
+    def after_backward(self, view, step: int) -> dict:
         counts = {}
         for hook in self.hooks:
-            counts.update(hook.after_backward(run, step) or {})
+            counts.update(hook.after_backward(view, step) or {})
         return counts
 
-    def vote(self, run, step: int) -> str:
-        # The first objection wins; a hook after a ROLLBACK is not asked (the run moved back).
-        for hook in self.hooks:
-            decision = hook.vote(run, step)
+    def vote(self, view, step: int) -> str:
+        for hook in self.hooks:   # the first objection wins
+            decision = hook.vote(view, step)
             if decision != UPDATE:
                 return decision
         return UPDATE
 
-    def should_stop(self, run) -> bool:
-        # Not short-circuited: a hook may save or log before it answers.
-        return any([hook.should_stop(run) for hook in self.hooks])
+    def should_stop(self, view) -> bool:
+        # Not short-circuited: a hook may log before it answers.
+        return any([hook.should_stop(view) for hook in self.hooks])
 
-    def close(self, run) -> None:
+    def close(self, view) -> None:
         for hook in reversed(self.hooks):
-            hook.close(run)
+            hook.close(view)
 
     def state_dict(self) -> dict:
         return {key: value for hook in self.hooks for key, value in hook.state_dict().items()}

@@ -103,6 +103,12 @@ MUTANTS = [
            "perm = torch.argsort(row_keys, stable=True)",
            "perm = torch.argsort(row_keys, stable=True).roll(1)",
            (f"{F8_MOE}[ep2]",)),
+    Mutant("hook_request_ignored", "the loop ignores a hook's Request to skip data batches (a "
+           "rollback's range would be trained on again)",
+           "lingua/train/loop.py",
+           "for _ in range(0 if self.rerun is not None else request.skip_batches):",
+           "for _ in range(0):",
+           ("tests/test_spikes.py::test_rollback_reloads_and_skips_the_batches_around_the_spike",)),
     Mutant("spike_window_off_by_one", "a spike judged one step before its window is full",
            "lingua/optim/spikes.py",
            "        if len(window) < window.maxlen:",

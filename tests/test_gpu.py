@@ -52,18 +52,18 @@ class ForbidSyncs(Hook):
     def __init__(self, after: int):
         self.after = after
 
-    def before_step(self, run, step: int) -> None:
+    def before_step(self, view, step: int) -> None:
         if step > self.after:
             torch.cuda.set_sync_debug_mode("error")
 
-    def close(self, run) -> None:
+    def close(self, view) -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 
 class AllowSyncs(Hook):
     """Placed before the evaluation hooks, which read their results on the host."""
 
-    def after_step(self, run, step: int) -> None:
+    def after_step(self, view, step: int) -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 

@@ -210,14 +210,14 @@ def hf_dir(corpus, tmp_path_factory):
 def hf_loss(corpus, hf_dir, tmp_path_factory):
     """The exported model's loss on the first global batch (8 sequences), loaded independently."""
     from lingua import data
-    from lingua.eval import evaluation
+    from lingua.model.loss import token_loss_sum
     from lingua.models.llama.hf import load_hf
 
     cfg = config.load("llama", train.TrainArgs, tiny_args(corpus, tmp_path_factory.mktemp("ref")))
     model, _ = load_hf(str(hf_dir))
     (batch,) = data.build_train_loader(cfg.data, 0, 1, cfg.seed).next_step()
     with torch.no_grad():
-        return (evaluation.token_loss_sum(model(batch.tokens), batch.labels).item()
+        return (token_loss_sum(model(batch.tokens), batch.labels).item()
                 / batch.labels.numel())
 
 

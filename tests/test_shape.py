@@ -75,3 +75,70 @@ def test_the_hook_protocol_is_ten_points_each_used_twice_or_a_seam():
     lonely = {p: users for p, users in points.items() if len(users) < 2 and p not in SEAMS}
     assert not lonely, f"hook points with fewer than two users (merge them): {lonely}"
     assert all(points[seam] for seam in SEAMS), points   # a seam nobody uses is a point to drop
+
+
+def view_members() -> set:
+    """The public members of lingua.train.loop.RunView: all a hook sees of the run."""
+    from lingua.train.loop import RunView
+
+    return {name for name in vars(RunView) if not name.startswith("_")}
+
+
+def test_hooks_see_the_run_read_only_through_a_few_members():
+    """Hooks decide and the loop acts (lingua/hooks.py): a hook's points read the run through
+    RunView's members only and assign none of them; the view refuses an assignment."""
+    from types import SimpleNamespace
+
+    from lingua.train.loop import RunView
+
+    members = view_members()
+    assert len(members) <= 12, sorted(members)
+    points = set(hook_points()) - {"state_dict"}   # every point that takes the view
+    used, assigned, unknown = set(), [], []
+    for top in ("lingua", "apps"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            for cls in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(cls, ast.ClassDef) and cls.name != "Hooks" and any(
+                        getattr(b, "id", getattr(b, "attr", None)) == "Hook" for b in cls.bases)):
+                    continue
+                for fn in cls.body:
+                    if not (isinstance(fn, ast.FunctionDef) and len(fn.args.args) > 1):
+                        continue
+                    view = fn.args.args[1].arg   # the view, in every point that takes one
+                    for node in ast.walk(fn):
+                        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                                and node.value.id == view and fn.name in points | {"_made"}):
+                            used.add(node.attr)
+                            where = f"{path.relative_to(REPO)}:{node.lineno} {view}.{node.attr}"
+                            if isinstance(node.ctx, ast.Store):
+                                assigned.append(where)
+                            elif node.attr not in members:
+                                unknown.append(where)
+    assert not assigned, f"hooks assign to the run (return a Request or a vote): {assigned}"
+    assert not unknown, f"hooks read the run beyond RunView: {unknown}"
+    assert used >= {"step", "parts", "tally", "decision", "rerun"}, used   # the scan sees them
+    view = RunView(SimpleNamespace(step=3))
+    assert view.step == 3
+    try:
+        view.step = 0
+    except AttributeError as err:
+        assert "hooks decide" in str(err)
+    else:
+        raise AssertionError("RunView let a hook move the run's step")
+
+
+def test_only_the_loop_assigns_to_the_run():
+    """No `run.X = ...` outside lingua/train/: a change to the run's state is a Run method."""
+    found = []
+    for top in ("lingua", "apps"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            if path.is_relative_to(REPO / "lingua" / "train"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets = (node.targets if isinstance(node, ast.Assign) else
+                           [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                           else [])
+                found += [f"{path.relative_to(REPO)}:{node.lineno}" for t in targets
+                          if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                          and t.value.id in ("run", "view")]
+    assert not found, f"assignments to the run outside lingua/train/: {found}"

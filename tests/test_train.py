@@ -193,7 +193,7 @@ def test_wandb_offline_run_and_no_secret_on_disk(corpus, tmp_path, monkeypatch):
 
 def test_init_from_a_hugging_face_directory_starts_from_its_weights(corpus, tmp_path):
     from lingua import data
-    from lingua.eval import evaluation
+    from lingua.model.loss import token_loss_sum
     from lingua.models.llama.hf import export, load_hf
 
     first = tmp_path / "first"
@@ -207,7 +207,7 @@ def test_init_from_a_hugging_face_directory_starts_from_its_weights(corpus, tmp_
     model, _ = load_hf(str(hf_dir))
     cfg = train.config.load("llama", train.TrainArgs, args)
     (batch,) = data.build_train_loader(cfg.data, 0, 1, cfg.seed).next_step()
-    want = (evaluation.token_loss_sum(model(batch.tokens), batch.labels).item()
+    want = (token_loss_sum(model(batch.tokens), batch.labels).item()
             / batch.labels.numel())
     assert read_metrics(tuned)[0]["loss"] == pytest.approx(want, rel=1e-5)
     assert want < read_metrics(first)[0]["loss"] - 0.5  # it did start from trained weights

@@ -284,26 +284,31 @@ class DownstreamHook(Hook):
 
     def __init__(self):
         self.tokenizer = None     # built for the first evaluation
+        self.fields: dict = {}    # the evaluation step's results, for its row
 
-    def after_step(self, run, step: int) -> None:
-        e = run.args.eval
-        if e.tasks and e.mode == "inline" and evaluates_at(run.args, step):
-            run.eval_fields.update(self.downstream_metrics(run))
+    def after_step(self, view, step: int) -> None:
+        e = view.args.eval
+        if e.tasks and e.mode == "inline" and evaluates_at(view.args, step):
+            self.fields = self.downstream_metrics(view)
 
-    def downstream_metrics(self, run) -> dict:
-        args, env = run.args, run.env
+    def metrics(self, view, row: dict) -> None:
+        row.update(self.fields)
+        self.fields = {}
+
+    def downstream_metrics(self, view) -> dict:
+        args, env, dump_dir = view.args, view.env, view.args.dump_dir
         # Every rank must run the same tasks: rank 0 reads what is already there.
-        todo = broadcast_object(missing_tasks(run.dump_dir, run.step, args.eval.tasks))
+        todo = broadcast_object(missing_tasks(dump_dir, view.step, args.eval.tasks))
         if todo:
             if self.tokenizer is None:
                 self.tokenizer = build_tokenizer(args.data.tokenizer)
             results = evaluate_tasks(
-                run.parts[0], self.tokenizer, env, args.eval, args.model.max_seq_len, todo,
-                autocast=lambda: mixed_precision(args, env, run.parts))
+                view.parts[0], self.tokenizer, env, args.eval, args.model.max_seq_len, todo,
+                autocast=lambda: mixed_precision(args, env, view.parts))
             if env.is_main:
-                write_results(run.dump_dir, run.step, results,
+                write_results(dump_dir, view.step, results,
                               {"inline": True, "layout": str(env.dims), "limit": args.eval.limit,
                                "num_fewshot": args.eval.num_fewshot})
         if not env.is_main:
             return {}
-        return flat_metrics(read_results(run.dump_dir, run.step), args.eval.tasks)
+        return flat_metrics(read_results(dump_dir, view.step), args.eval.tasks)

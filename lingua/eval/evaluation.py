@@ -8,14 +8,12 @@ from typing import List, Optional
 
 import torch
 
+from lingua.data import build_val_batches
 from lingua.errors import ConfigError
 from lingua.hooks import Hook
-from lingua.model.loss import IGNORE_INDEX, token_loss_sum
+from lingua.model.loss import IGNORE_INDEX
 from lingua.parallel.distributed import DistEnv, all_reduce_sum
-from lingua.parallel.tensor_parallel import loss_parallel_context
-from lingua.train.build import mixed_precision
 from lingua.train.loop import evaluates_at
-from lingua.train.microbatch import sequence_shard
 
 EVAL_MODES = ("inline", "async")
 logger = logging.getLogger("eval")
@@ -83,27 +81,23 @@ class ValidationHook(Hook):
     """val_loss / val_ppl at evaluation steps (eval.every, the end), in their rows; none with
     data.val_sequences=0, which the run says once."""
 
-    def start(self, run) -> None:
-        e = run.args.eval
-        if not run.val_batches and (e.every or e.at_end) and run.env.is_main:
+    def __init__(self, args, env: DistEnv):
+        self.batches = build_val_batches(args.data, env.dp_rank, env.dp_size)
+        self.fields: dict = {}   # the evaluation step's results, for its row
+
+    def start(self, view) -> None:
+        e = view.args.eval
+        if not self.batches and (e.every or e.at_end) and view.env.is_main:
             logger.info("no validation loss: data.val_sequences=0%s",
                         " (eval.tasks still run at evaluation steps)" if e.tasks else "")
 
-    def after_step(self, run, step: int) -> None:
-        if run.val_batches and evaluates_at(run.args, step):
-            run.eval_fields.update(self.validation_loss(run))
+    def after_step(self, view, step: int) -> None:
+        if self.batches and evaluates_at(view.args, step):
+            self.fields = self.validation_loss(view)
 
-    def validation_loss(self, run) -> dict:
-        args, env = run.args, run.env
+    def validation_loss(self, view) -> dict:
+        return evaluate(view.parts, self.batches, view.env, view.eval_loss)
 
-        def batch_loss(batch):
-            with sequence_shard(run.parts, batch, args, env) as mb:
-                with mixed_precision(args, env, run.parts):
-                    if run.pipe is not None:
-                        return run.pipe.eval_loss(mb.tokens, mb.target, mb.doc_ids,
-                                                  loss_fn=token_loss_sum)
-                    logits = run.parts[0](mb.tokens, doc_ids=mb.doc_ids, positions=mb.positions)
-                    return token_loss_sum(logits, mb.target)
-
-        with loss_parallel_context(run.loss_parallel):
-            return evaluate(run.parts, run.val_batches, env, batch_loss)
+    def metrics(self, view, row: dict) -> None:
+        row.update(self.fields)
+        self.fields = {}

@@ -197,9 +197,9 @@ class Float8ScalesHook(Hook):
         self.enabled = (uses_fsdp_float8_all_gather(args.distributed, env.dims, env.device.type)
                         and not args.distributed.cpu_offload)
 
-    def before_step(self, run, step: int) -> None:
+    def before_step(self, view, step: int) -> None:
         if self.enabled:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-            for part in run.parts:
+            for part in view.parts:
                 precompute_float8_dynamic_scale_for_fsdp(part)

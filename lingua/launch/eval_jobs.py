@@ -320,19 +320,16 @@ class EvalJob:
 
 
 class AsyncEvalHook(Hook):
-    """eval.mode=async in the loop: a complete checkpoint of an evaluation step gets its job,
-    and pruning (checkpoint.keep) leaves a checkpoint alone while its job has not read it."""
+    """eval.mode=async in the loop: a complete checkpoint of an evaluation step gets its job
+    (pruning leaves it alone while its job has not read it: checkpoint_in_use, given to the
+    run by lingua.launch.run)."""
 
     def __init__(self, args, app_package: str):
         self.args, self.app_package = args, app_package
-        self.in_use = checkpoint_in_use(args.dump_dir)
 
-    def start(self, run) -> None:
-        run.checkpoint_in_use.append(self.in_use)
-
-    def after_save(self, run, step: int) -> None:
+    def after_save(self, view, step: int) -> None:
         e = self.args.eval
-        if e.tasks and e.mode == "async" and evaluates_at(self.args, step) and run.env.is_main:
+        if e.tasks and e.mode == "async" and evaluates_at(self.args, step) and view.env.is_main:
             # a job evaluates the checkpoint; training goes on
             submit(self.args, self.app_package, step,
-                   checkpoint.checkpoints_dir(run.dump_dir) / str(step))
+                   checkpoint.checkpoints_dir(self.args.dump_dir) / str(step))

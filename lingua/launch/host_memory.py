@@ -87,13 +87,13 @@ class GarbageCollection(Hook):
         self.young_every, self.full_every = young_every, full_every
         self.was_enabled: Optional[bool] = None
 
-    def start(self, run) -> None:
+    def start(self, view) -> None:
         self.was_enabled = gc.isenabled()
         gc.disable()
 
-    def after_step(self, run, step: int) -> None:
+    def after_step(self, view, step: int) -> None:
         collect_garbage(step, self.young_every, self.full_every)
 
-    def close(self, run) -> None:
+    def close(self, view) -> None:
         if self.was_enabled:
             gc.enable()

@@ -130,16 +130,15 @@ def _checks(check, args, app: App, data_files: bool) -> None:
 
 def hooks(args, env: DistEnv, app: App) -> Hooks:
     """What runs around the loop, in the order each step calls it (lingua/hooks.py)."""
-    probe = ProbeHook(args, spikes_on=args.spikes.policy != "off")
     return Hooks([
         *app.hooks(args, env),
         GarbageCollection(args.gc_every, args.gc_full_every),
         Float8ScalesHook(args, env),
         StopHook(args.slurm.max_requeues),
-        SpikeHook(args, env, probe),
+        SpikeHook(args, env),
         ProfilerHook(args),
-        probe,
-        evaluation.ValidationHook(),
+        ProbeHook(args, spikes_on=args.spikes.policy != "off"),
+        evaluation.ValidationHook(args, env),
         downstream.DownstreamHook(),
         # The app's package, whose eval module the jobs run: its TrainArgs is defined there.
         eval_jobs.AsyncEvalHook(args, type(args).__module__.rsplit(".", 1)[0]),
@@ -158,7 +157,8 @@ def run(args, app: App) -> int:
     checkpoint.prepare_async_saves(args.checkpoint, env.world_size)   # fails now, not mid-run
     parts, stage_ids = build_model_parts(args, env, app)
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
-    training = Run(args, env, app, parts, stage_ids, optimizers, hooks(args, env, app))
+    training = Run(args, env, app, parts, stage_ids, optimizers, hooks(args, env, app),
+                   eval_jobs.checkpoint_in_use(args.dump_dir))
     training.resume()                 # from the newest intact checkpoint of dump_dir, if any
     if env.device.type == "cpu":
         release_freed_memory()        # setup's transient copies (see keep_freed_memory)

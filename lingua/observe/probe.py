@@ -396,66 +396,55 @@ class Probe:
 class ProbeHook(Hook):
     """probe.every in the loop: hooks the model on sampled steps, records after backward
     (gradients before clipping), counts alerts into the metrics row, sends plots to wandb at the
-    end. The spike hook asks for more: the step after a spike (probe_in_full) and a rolled-back
-    spiking batch again (probe_batch)."""
+    end. A step another hook asks for (view.probe_requested: the step after a spike) is probed in
+    full, and so is a rolled-back step's batch run again (view.rerun), recorded under its step
+    after the lines of the steps past the checkpoint are dropped."""
 
     def __init__(self, args, spikes_on: bool):
         self.args, self.spikes_on = args.probe, spikes_on
-        self.probe: Probe | None = None   # made at start when probe.every, else at a spike
+        self.probe: Probe | None = None   # made at start when probe.every, else when asked
         self.alerts = 0        # since the last metrics row
         self.probing = False   # this step's forwards are hooked
-        self.in_full = False   # the next step is probed whatever probe.every says
 
-    def start(self, run) -> None:
-        if not self.args.every and self.spikes_on and run.env.is_main:
+    def start(self, view) -> None:
+        dump_dir = Path(view.args.dump_dir)
+        if not self.args.every and self.spikes_on and view.env.is_main:
             # A probe made later at a spike is too late to drop the lines of the steps about to
             # run again (Probe does when probe.every is set): drop them now.
-            drop_rows_after(run.dump_dir / "probe" / "probe.jsonl", run.step)
+            drop_rows_after(dump_dir / "probe" / "probe.jsonl", view.step)
         if self.args.every:
-            self.probe = Probe(self.args, run.parts, run.env, run.dump_dir, run.step)
+            self.probe = Probe(self.args, view.parts, view.env, dump_dir, view.step)
 
-    def _made(self, run) -> Probe:
+    def _made(self, view) -> Probe:
         """The probe, made on first use when probe.every=0 (it has no hooks until started)."""
         if self.probe is None:
-            self.probe = Probe(self.args, run.parts, run.env, run.dump_dir, run.step)
-            if run.env.is_main:
+            self.probe = Probe(self.args, view.parts, view.env, Path(view.args.dump_dir),
+                               view.step)
+            if view.env.is_main:
                 self.probe.dir.mkdir(parents=True, exist_ok=True)
         return self.probe
 
-    def probe_in_full(self, run) -> None:
-        self._made(run)
-        self.in_full = True
-
-    def before_step(self, run, step: int) -> None:
-        self.probing = (self.probe is not None and self.probe.active(step)) or self.in_full
-        self.in_full = False
+    def before_step(self, view, step: int) -> None:
+        if view.probe_requested:
+            self._made(view)
+            if view.rerun is not None and view.env.is_main:
+                drop_rows_after(self.probe.path, view.rerun)
+        self.probing = view.probe_requested or (self.probe is not None
+                                                and self.probe.active(step))
         if self.probing:
             self.probe.start()
 
-    def after_backward(self, run, step: int) -> dict:
+    def after_backward(self, view, step: int) -> dict:
         if self.probing:  # weights and gradients as the optimizer will see them, before clipping
             self.probe.stop()
-            self.alerts += self.probe.finish_step(step, run.log.wandb_run)
+            self.alerts += self.probe.finish_step(step, view.wandb_run)
+            self.probing = False
         return {}
 
-    def probe_batch(self, run, step: int, micro_batches, back_to: int) -> None:
-        """A spiking batch again on the weights that produced the spike, probed and recorded as
-        step `step`, its gradients thrown away. Lines after the checkpoint `back_to` go first."""
-        probe = self._made(run)
-        if run.env.is_main:
-            drop_rows_after(probe.path, back_to)
-        probe.start()
-        run.train_step(micro_batches)
-        probe.stop()
-        self.alerts += probe.finish_step(step, run.log.wandb_run)
-        for optimizer in run.optimizers.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-
-    def metrics(self, run, row: dict) -> None:
+    def metrics(self, view, row: dict) -> None:
         if self.probe is not None:
             row["probe_alerts"], self.alerts = self.alerts, 0
 
-    def close(self, run) -> None:
-        wandb_run = getattr(getattr(run, "log", None), "wandb_run", None)   # no log: failed early
-        if self.probe is not None and run.env.is_main and wandb_run is not None:
-            self.probe.log_plots(wandb_run)
+    def close(self, view) -> None:
+        if self.probe is not None and view.env.is_main and view.wandb_run is not None:
+            self.probe.log_plots(view.wandb_run)

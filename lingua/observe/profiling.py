@@ -243,18 +243,18 @@ class ProfilerHook(Hook):
         self.args = args.profiling
         self.profiler: Optional[StepProfiler] = None
 
-    def start(self, run) -> None:
-        env = run.env
-        self.profiler = StepProfiler(
-            self.args, run.dump_dir, env.rank, env.device,
-            run.flops_per_token * run.global_tokens / env.world_size, run.peak)
+    def start(self, view) -> None:
+        env = view.env
+        self.profiler = StepProfiler(self.args, view.args.dump_dir, env.rank, env.device,
+                                     *view.mfu_basis)
 
-    def before_step(self, run, step: int) -> None:
-        self.profiler.step_begin(step)
+    def before_step(self, view, step: int) -> None:
+        if view.rerun is None:   # a rolled-back batch run again is no step of the window
+            self.profiler.step_begin(step)
 
-    def after_step(self, run, step: int) -> None:
+    def after_step(self, view, step: int) -> None:
         self.profiler.step_end(step)
 
-    def close(self, run) -> None:
+    def close(self, view) -> None:
         if self.profiler is not None:
             self.profiler.close()

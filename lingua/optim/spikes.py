@@ -26,7 +26,7 @@ import torch
 
 from lingua import checkpoint
 from lingua.errors import ConfigError, RunError
-from lingua.hooks import ROLLBACK, SKIP, UPDATE, Hook
+from lingua.hooks import ROLLBACK, SKIP, UPDATE, Hook, Request
 
 logger = logging.getLogger("train")
 
@@ -278,24 +278,27 @@ def append_record(dump_dir, record: dict) -> None:
 
 
 class SpikeHook(Hook):
-    """spikes.policy in the loop: judge each step (vote), skip or roll back, skip a rollback's
-    batches (before_step), probe at a spike (`probe`: the run's ProbeHook), metrics, and the
+    """spikes.policy in the loop: judge each step (vote), skip, or ask the loop to roll back;
+    ask it to skip a rollback's batches and to probe the step after a spike (before_step);
+    record a rollback when the loop reruns its batch, before the reload; metrics, and the
     "spikes" key of the train state. Always in the hook list: hand-written ranges in
     spikes.jsonl are skipped with spikes.policy=off too."""
 
-    def __init__(self, args, env, probe):
+    def __init__(self, args, env):
         self.monitor = SpikeMonitor(args.spikes, env.is_main)
-        self.policy, self.env, self.probe = args.spikes.policy, env, probe
+        self.policy, self.env, self.dump_dir = args.spikes.policy, env, args.dump_dir
         self.values: Optional[dict] = None    # the step's values, accepted after its update
+        # (the spike, the data batch it ran on) while the loop rolls back from it
+        self.rolling_back: Optional[tuple] = None
         self.keep_records = False             # a rollback's reload keeps the records it knows
 
-    def start(self, run) -> None:
+    def start(self, view) -> None:
         """Rank 0 reads spikes.jsonl (rollbacks after the newest checkpoint) and tells the others,
         or its error (none may wait alone)."""
         outcome = [None]
         if self.env.is_main:
             try:
-                outcome = [read_records(run.dump_dir)]
+                outcome = [read_records(view.args.dump_dir)]
             except RunError as err:
                 outcome = [str(err)]
         if self.env.world_size > 1:
@@ -304,20 +307,23 @@ class SpikeHook(Hook):
             raise RunError(outcome[0])
         self.monitor.merge_records(outcome[0])
 
-    def before_step(self, run, step: int) -> None:
-        while (record := self.monitor.skips_batch(run.batches_consumed + 1)) is not None:
+    def before_step(self, view, step: int) -> Optional[Request]:
+        if view.rerun is not None:   # the loop rolls back to checkpoint view.rerun
+            self._record_rollback(view.rerun)
+            return None
+        skip, batch = 0, view.batches_consumed + 1
+        while (record := self.monitor.skips_batch(batch + skip)) is not None:
             if self.env.is_main:
                 logger.info("data batch %d skipped (range %d..%d, from the loss spike at step %s)",
-                            run.batches_consumed + 1, *record["skip"], record.get("step", "?"))
-            run.skip_batch()
+                            batch + skip, *record["skip"], record.get("step", "?"))
+            skip += 1
         # log, skip: the step after a spike is probed in full, whatever probe.every says.
-        if self.monitor.probe_next:
-            self.monitor.probe_next = False
-            self.probe.probe_in_full(run)
+        probe, self.monitor.probe_next = self.monitor.probe_next, False
+        return Request(skip_batches=skip, probe=probe)
 
-    def vote(self, run, step: int) -> str:
+    def vote(self, view, step: int) -> str:
         # The step's tally, the same on every rank: all vote alike.
-        monitor, tally = self.monitor, run.tally
+        monitor, tally = self.monitor, view.tally
         self.values = ({"loss": tally["loss"], "grad_norm": tally["grad_norm"]}
                        if monitor.on else None)
         spike = None if self.values is None else monitor.check(step, self.values)
@@ -325,7 +331,8 @@ class SpikeHook(Hook):
             return UPDATE
         monitor.since_row = True
         if self.policy == "rollback":
-            return ROLLBACK if self._roll_back(run, spike) else SKIP
+            self.rolling_back = (spike, view.batches_consumed)
+            return ROLLBACK
         monitor.probe_next = True
         if self.policy == "skip":
             monitor.skipped(spike)
@@ -333,59 +340,39 @@ class SpikeHook(Hook):
         monitor.logged(spike)
         return UPDATE
 
-    def after_step(self, run, step: int) -> None:
-        if self.values is not None and run.decision == UPDATE:
+    def after_step(self, view, step: int) -> None:
+        if self.rolling_back is not None:   # the loop found no checkpoint before it: skipped
+            spike, self.rolling_back = self.rolling_back[0], None
+            self.monitor.probe_next = True
+            self.monitor.skipped(spike, "spikes.policy=rollback, but no checkpoint was saved "
+                                        "before it yet")
+        elif self.values is not None and view.decision == UPDATE:
             self.monitor.accept(self.values)
 
-    def _roll_back(self, run, spike: Spike) -> bool:
-        """spikes.policy=rollback: record the batches to skip (spikes.jsonl first), run the spiking
-        batch again with the probe on, and reload the newest intact checkpoint on every rank.
-        False (the update skipped instead) when no checkpoint from before the spike exists."""
-        env, monitor = self.env, self.monitor
-        run.finish_save(block=True)   # the checkpoint being written is the newest one
-        target = checkpoint.newest_verified(run.dump_dir, env.rank, env.world_size,
-                                            set_aside=True)
-        if target is None or int(target.name) >= spike.step:
-            monitor.probe_next = True
-            monitor.skipped(spike, "spikes.policy=rollback, but no checkpoint was saved before it "
-                                   "yet")
-            return False
-        back_to = int(target.name)
-        record = monitor.record_rollback(spike, run.batches_consumed, back_to, str(target))
-        if env.is_main:
-            append_record(run.dump_dir, record)
+    def _record_rollback(self, back_to: int) -> None:
+        """The loop goes back to checkpoint `back_to`: record the batches to skip (spikes.jsonl,
+        fsynced, before the reload); RunError after spikes.max_rollbacks to it."""
+        (spike, batch), self.rolling_back = self.rolling_back, None
+        target = checkpoint.checkpoints_dir(self.dump_dir) / str(back_to)
+        record = self.monitor.record_rollback(spike, batch, back_to, str(target))
+        if self.env.is_main:
+            append_record(self.dump_dir, record)
             logger.warning("%s; rolling back to %s and skipping data batches %d..%d (rollback "
                            "%d, recorded in %s)", spike, target, *record["skip"],
-                           len(monitor.rollbacks), records_path(run.dump_dir))
-        for optimizer in run.optimizers.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        self.probe.probe_batch(run, spike.step, run.micro_batches, back_to)
-        self._reload(run, target)
-        return True
-
-    def _reload(self, run, target) -> None:
-        state = checkpoint.load(target, run.parts, run.optimizers.optimizers, self.env.rank,
-                                self.env.world_size)
+                           len(self.monitor.rollbacks), records_path(self.dump_dir))
         self.keep_records = True
-        try:
-            run.restore_train_state(state)
-        finally:
-            self.keep_records = False
-        run.step = state["step"]
-        self.monitor.since_row = True  # the next row (the checkpoint's next step) says so
-        run.log.rewind(run.step)   # steps after the checkpoint run again: their rows go
-        run.window.reset()
 
-    def metrics(self, run, row: dict) -> None:
+    def metrics(self, view, row: dict) -> None:
         monitor = self.monitor
         if monitor.on or monitor.rollbacks:
             # loss_spike: a spike since the previous row (whatever was done about it)
             row["loss_spike"], monitor.since_row = int(monitor.since_row), False
-            row.update(monitor.metrics(skipped_batches=run.batches_consumed - run.step))
+            row.update(monitor.metrics(skipped_batches=view.batches_consumed - view.step))
 
     def state_dict(self) -> dict:
         return {"spikes": self.monitor.state_dict()}
 
     def load_state_dict(self, train_state: dict) -> None:
         self.monitor.load_state_dict(train_state.get("spikes", {}), self.keep_records)
-
+        if self.keep_records:   # a rollback's reload: the next row (the checkpoint's next step)
+            self.monitor.since_row, self.keep_records = True, False   # says so

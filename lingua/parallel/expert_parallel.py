@@ -50,25 +50,25 @@ class RoutingHook(Hook):
     aux-loss-free expert-bias update (model.bias_update_rate) after an applied update, and the
     routing metrics of logged rows, summed over the data, context and pipeline ranks."""
 
-    def before_step(self, run, step: int) -> None:
-        layers = [m for part in run.parts for m in moe_layers(part)]
+    def before_step(self, view, step: int) -> None:
+        layers = [m for part in view.parts for m in moe_layers(part)]
         reset_routing(layers)
         # The bias update counts this step's tokens only: a skipped or rolled-back step's counts
         # (no update cleared them) must not reach the next one, nor do they after a resume.
         for m in layers:
             m.step_counts = None
 
-    def after_step(self, run, step: int) -> None:
-        rate = run.parts[0].args.bias_update_rate
-        if rate > 0 and run.decision == UPDATE:
-            update_expert_bias([m for part in run.parts for m in moe_layers(part)], rate)
+    def after_step(self, view, step: int) -> None:
+        rate = view.parts[0].args.bias_update_rate
+        if rate > 0 and view.decision == UPDATE:
+            update_expert_bias([m for part in view.parts for m in moe_layers(part)], rate)
 
-    def metrics(self, run, row: dict) -> None:
+    def metrics(self, view, row: dict) -> None:
         """Routing health of each MoE layer over the whole step: every micro-batch, the global
         batch and every pipeline stage (lingua.model.moe.routing_metrics); tensor-parallel ranks
         hold copies."""
-        args, env = run.parts[0].args, run.env
-        layers = {int(name): block.moe for part in run.parts
+        args, env = view.parts[0].args, view.env
+        layers = {int(name): block.moe for part in view.parts
                   for name, block in part.layers.items() if getattr(block, "moe", None) is not None}
         values = routing_metrics(
             layers, args.n_layers, args.n_experts, device=env.device,

@@ -36,22 +36,22 @@ logger = logging.getLogger("train")
 
 def train_loop(run: "Run") -> bool:
     """Train from run.step to args.steps; False when a hook stopped the run early (saved)."""
-    hooks, steps = run.hooks, run.args.steps
+    hooks, steps, view = run.hooks, run.args.steps, run.view
     run.open()
-    hooks.start(run)
+    hooks.start(view)
     while run.step < steps:
         step = run.step + 1
         data_before = run.data_position_to_undo()
         run.phases.start_step(timed=run.logs_at(step))
         t0 = time.perf_counter()
-        hooks.before_step(run, step)               # skips a rollback's batches, probe on, ...
+        run.before_step(step)                      # the hooks' requests: skip batches, probe
         t_fetch = time.perf_counter()
         with torch.profiler.record_function("data"):
             micro_batches = run.next_batches()
         t_data = time.perf_counter() - t_fetch
 
         run.train_step(micro_batches)              # forward and backward (or the pipeline)
-        counts = hooks.after_backward(run, step)
+        counts = hooks.after_backward(view, step)
 
         grad_norm, lr, decision = run.clip_and_update(step, data_before, counts)
         if decision == ROLLBACK:
@@ -59,12 +59,12 @@ def train_loop(run: "Run") -> bool:
         run.step = step
         run.window.add(time.perf_counter() - t0, t_data, run.global_tokens,
                        run.phases.step_seconds())
-        hooks.after_step(run, step)                # evaluation at eval.every, gc, ...
+        hooks.after_step(view, step)               # evaluation at eval.every, gc, ...
 
         if run.logs_at(step):
             run.log_row(grad_norm, lr)
         run.save_if_due()
-        if hooks.should_stop(run):                 # a signal: saved, stop
+        if run.stops():                            # a signal: saved, stop
             break
     return run.step == steps
 
@@ -75,11 +75,46 @@ def evaluates_at(args, step: int) -> bool:
     return bool((e.every and step % e.every == 0) or (step == args.steps and e.at_end))
 
 
+class RunView:
+    """What a hook sees of the run (lingua/hooks.py), read-only: hooks decide, the loop acts."""
+
+    def __init__(self, run: "Run"):
+        object.__setattr__(self, "_run", run)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a hook cannot set run.{name}: hooks decide and the loop acts "
+                             f"(lingua/hooks.py); return a Request, a vote or a stop instead.")
+
+    args = property(lambda self: self._run.args, doc="the run's whole config")
+    env = property(lambda self: self._run.env, doc="ranks, mesh and device (DistEnv)")
+    step = property(lambda self: self._run.step, doc="steps done")
+    parts = property(lambda self: self._run.parts, doc="this rank's model parts")
+    tally = property(lambda self: self._run.tally,
+                     doc="the step's numbers summed over the ranks (train/tally.py)")
+    decision = property(lambda self: self._run.decision, doc="the step's vote, as carried out")
+    batches_consumed = property(lambda self: self._run.batches_consumed,
+                                doc="data batches read so far, skipped ones included")
+    probe_requested = property(lambda self: self._run.probe_requested,
+                               doc="a hook's Request, or a rerun, asks to probe this step")
+    rerun = property(lambda self: self._run.rerun,
+                     doc="a rollback's checkpoint step while its batch runs again, else None")
+    wandb_run = property(lambda self: getattr(getattr(self._run, "log", None), "wandb_run", None),
+                         doc="None without wandb (or before the log opened)")
+    mfu_basis = property(lambda self: (self._run.flops_per_token * self._run.global_tokens
+                                       / self._run.env.world_size, self._run.peak),
+                         doc="(FLOPs of one step on this rank, the peak MFU divides by)")
+
+    def eval_loss(self, batch):
+        """The summed token loss of a validation batch, in the run's layout (Run.eval_loss)."""
+        return self._run.eval_loss(batch)
+
+
 class Run(Checkpointing):
     """One training run's state: model parts, optimizers, data, pipeline, logging, position."""
 
     def __init__(self, args, env: DistEnv, app: App, parts: list, stage_ids: list,
-                 optimizers: optim.Optimizers, hooks: Hooks = None):
+                 optimizers: optim.Optimizers, hooks: Hooks = None,
+                 checkpoint_in_use: Optional[checkpoint.InUse] = None):
         self.args, self.env, self.app = args, env, app
         self.parts, self.optimizers = parts, optimizers
         self.hooks = hooks if hooks is not None else Hooks()
@@ -89,7 +124,6 @@ class Run(Checkpointing):
         self.loss = loss_module.for_training(app.loss, d.compile, d.compile_backend,
                                              self.loss_parallel)
         self.train_loader = data.build_train_loader(args.data, env.dp_rank, env.dp_size, args.seed)
-        self.val_batches = data.build_val_batches(args.data, env.dp_rank, env.dp_size)
         self.global_batch = args.data.batch_size * env.dp_size * args.data.grad_accum
         self.global_tokens = self.global_batch * args.data.seq_len
         self.loss_denominator = self.global_tokens   # the step's counted targets (train_step)
@@ -109,9 +143,11 @@ class Run(Checkpointing):
         self.tally: dict = {}     # the current step's tally over the ranks (lingua/train/tally.py)
         self.decision = UPDATE    # what the current step did with its update (hooks.py)
         self.micro_batches: list = []   # the current step's (next_batches)
-        self.eval_fields: dict = {}     # evaluation results for this step's row (after_step)
-        # step -> True while a hook still needs that checkpoint (checkpoint.keep skips it)
-        self.checkpoint_in_use: list = []
+        self.probe_requested = False    # a hook's Request for this step (before_step)
+        self.rerun: Optional[int] = None   # a rollback's checkpoint step while its batch reruns
+        self.view = RunView(self)
+        # step -> True while that checkpoint must outlive checkpoint.keep (an evaluation job's)
+        self.checkpoint_in_use = checkpoint_in_use
 
     def _build_pipeline(self, stage_ids):
         d = self.args.distributed
@@ -138,7 +174,7 @@ class Run(Checkpointing):
         try:
             completed = train_loop(self)
         finally:
-            self.hooks.close(self)
+            self.hooks.close(self.view)
         self.close()
         return completed
 
@@ -170,18 +206,38 @@ class Run(Checkpointing):
                         (out.loss_sum / self.loss_denominator).backward()
                     self.step_loss.add(out)
 
+    def before_step(self, step: int) -> None:
+        """The hooks' before_step, each Request carried out before the next hook is asked: data
+        batches read and thrown away (a rollback's range), the probe asked for. A rerun (a
+        rolled-back batch again) reads no data."""
+        self.probe_requested = self.rerun is not None
+        for hook in self.hooks:
+            request = hook.before_step(self.view, step)
+            if request is None:
+                continue
+            for _ in range(0 if self.rerun is not None else request.skip_batches):
+                self.train_loader.next_step()
+                self.batches_consumed += 1
+            self.probe_requested |= request.probe
+
     def next_batches(self) -> list:
-        """This step's micro-batches (also self.micro_batches, for a hook that runs them
-        again)."""
+        """This step's micro-batches (also self.micro_batches, for a rollback's rerun)."""
         self.micro_batches = self.train_loader.next_step()
         self.batches_consumed += 1
         return self.micro_batches
 
-    def skip_batch(self) -> None:
-        """Read the next data batch and throw it away (a rollback's range): the loader's
-        position stays its own business."""
-        self.train_loader.next_step()
-        self.batches_consumed += 1
+    def eval_loss(self, batch):
+        """The summed token loss of this rank's share of a validation batch, through the
+        training layout (CP shards, the pipeline: None on stages before the last)."""
+        args, env = self.args, self.env
+        with loss_parallel_context(self.loss_parallel), \
+                sequence_shard(self.parts, batch, args, env) as mb, \
+                mixed_precision(args, env, self.parts):
+            if self.pipe is not None:
+                return self.pipe.eval_loss(mb.tokens, mb.target, mb.doc_ids,
+                                           loss_fn=loss_module.token_loss_sum)
+            logits = self.parts[0](mb.tokens, doc_ids=mb.doc_ids, positions=mb.positions)
+            return loss_module.token_loss_sum(logits, mb.target)
 
     def data_position_to_undo(self) -> Optional[tuple]:
         """Where the data stood before this step, when a step may have to be undone (non-finite
@@ -192,10 +248,10 @@ class Run(Checkpointing):
 
     def clip_and_update(self, step: int, data_before, counts: dict) -> tuple:
         """Clip, then update, unless the gradient norm is not finite (optim.nonfinite: skip, or
-        stop) or a hook votes otherwise (SKIP; ROLLBACK: nothing applied, the hook moved the
-        run back). `counts`: the hooks' part of the step's tally. Returns (pre-clip
-        gradient norm, the step's learning rate, the decision), the decision also in
-        self.decision."""
+        stop) or a hook votes otherwise (SKIP; ROLLBACK: nothing applied, the run moved back by
+        roll_back, or SKIP where it cannot). `counts`: the hooks' part of the step's tally.
+        Returns (pre-clip gradient norm, the step's learning rate, the decision), the decision
+        also in self.decision."""
         with self.phases.phase("optim"):
             norm = optim.clip_grad_norm(self.parts, self.args.optim.clip, self.pp_group)
             lr = self.optimizers.lr
@@ -207,7 +263,9 @@ class Run(Checkpointing):
             self._skip_nonfinite(grad_norm, data_before)
             self.decision = SKIP
         else:   # outside the optim phase: a rollback runs a batch again and reloads
-            self.decision = self.hooks.vote(self, step)
+            self.decision = self.hooks.vote(self.view, step)
+            if self.decision == ROLLBACK and not self.roll_back(step):
+                self.decision = SKIP
         with self.phases.phase("optim"):
             if self.decision == SKIP:
                 self.optimizers.skip()
@@ -297,9 +355,7 @@ class Run(Checkpointing):
                "nonfinite_steps": self.nonfinite_steps, **self._skipped_data(),
                "eta_s": window.eta_s(self.args.steps - self.step)}
         row.update(losses)    # the app's loss metrics (LossOutput.metrics)
-        self.hooks.metrics(self, row)
-        row.update(self.eval_fields)   # this step's evaluation (an evaluation step always logs)
-        self.eval_fields = {}
+        self.hooks.metrics(self.view, row)   # evaluation's fields too, at evaluation steps
         window.reset()
         self.log.log(row)
         if env.is_main:

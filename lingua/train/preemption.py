@@ -35,6 +35,7 @@ from typing import Callable, Optional
 
 # No torch here: stool's job listens for signals before it imports torch (seconds of start-up,
 # during which Slurm's time-limit warning may already arrive).
+from lingua import checkpoint
 from lingua.hooks import Hook
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,14 @@ SIGNALS = StopSignals()
 RESUME_COMMAND_VAR = "LINGUA_RESUME_COMMAND"
 
 
+def where_to_resume(dump_dir) -> str:
+    """Where a stopped run is and the command that goes on from there."""
+    newest = checkpoint.newest(dump_dir)
+    if newest is None:
+        return f"no checkpoint saved yet; to start over, run again: {resume_command()}"
+    return f"checkpoint {newest} saved; to resume, run again: {resume_command()}"
+
+
 def resume_command() -> str:
     """The command that resumes this run, as its launcher was given it: what a wrapper script
     that knows its user's command put in LINGUA_RESUME_COMMAND (setup/quickstart.sh), else
@@ -181,33 +190,36 @@ def requeue_job(max_requeues: int) -> bool:
 
 class StopHook(Hook):
     """Signals in the loop: Ctrl-C caught once the loop runs, and at each step boundary the
-    ranks agree on a signal; then the run saves (unless this step's checkpoint is written
-    already), says where it is and how to go on, requeues the Slurm job when asked, and stops."""
+    ranks agree on a signal; then the run stops, the loop saving first (unless this step's
+    checkpoint is written already), and this hook says where it is and how to go on, and
+    requeues the Slurm job when asked."""
 
     def __init__(self, max_requeues: int):
         self.max_requeues = max_requeues
         self.signals = SIGNALS
+        self.stopping = NONE   # the signal the run stopped for, acted on at close
 
-    def start(self, run) -> None:
-        self.signals = SIGNALS.catch_interrupts(run.where_to_resume)
+    def start(self, view) -> None:
+        self.signals = SIGNALS.catch_interrupts(lambda: where_to_resume(view.args.dump_dir))
 
-    def after_backward(self, run, step: int) -> dict:
+    def after_backward(self, view, step: int) -> dict:
         return self.signals.counts()
 
-    def should_stop(self, run) -> bool:
+    def should_stop(self, view) -> bool:
         # Ranks act on the step's tally (a signal caught since waits for the next step); one
         # process needs no tally and stops on the signal at once.
-        action = (self.signals.received if run.env.world_size == 1
-                  else self.signals.outcome(run.tally))
-        if action == NONE or run.step == run.args.steps:
+        action = (self.signals.received if view.env.world_size == 1
+                  else self.signals.outcome(view.tally))
+        if action == NONE or view.step == view.args.steps:
             return False
-        run.save_now()   # stop with the checkpoint written
-        if run.env.is_main:   # one line for the job: where the run is and how to go on
-            how = "interrupted (Ctrl-C)" if self.signals.interrupted else "stopped by a signal"
-            train_logger.warning("%s after step %d; %s", how, run.step, run.where_to_resume())
-            if action == REQUEUE:
-                self.signals.job_ends = not requeue_job(self.max_requeues)
+        self.stopping = action
         return True
 
-    def close(self, run) -> None:
+    def close(self, view) -> None:
         SIGNALS.stop_listening()
+        if self.stopping != NONE and view.env.is_main:   # saved by now: one line for the job
+            how = "interrupted (Ctrl-C)" if self.signals.interrupted else "stopped by a signal"
+            train_logger.warning("%s after step %d; %s", how, view.step,
+                                 where_to_resume(view.args.dump_dir))
+            if self.stopping == REQUEUE:
+                self.signals.job_ends = not requeue_job(self.max_requeues)

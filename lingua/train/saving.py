@@ -6,7 +6,6 @@ import logging
 from typing import Optional
 
 from lingua import checkpoint
-from lingua.train import preemption
 
 logger = logging.getLogger("train")
 
@@ -29,12 +28,44 @@ class Checkpointing:
         # checkpoint.keep never deletes an intact one for them.
         resume_from = checkpoint.newest_verified(self.dump_dir, self.env.rank, self.env.world_size,
                                                  set_aside=True)
-        if resume_from is None:
-            return 0
-        state = checkpoint.load(resume_from, self.parts, self.optimizers.optimizers,
+        return 0 if resume_from is None else self._load(resume_from)
+
+    def _load(self, target) -> int:
+        """Weights, optimizer and train state (the hooks' too) of checkpoint `target`; its step.
+        Resume and a rollback both come here."""
+        state = checkpoint.load(target, self.parts, self.optimizers.optimizers,
                                 self.env.rank, self.env.world_size)
         self.restore_train_state(state)
         return state["step"]
+
+    def roll_back(self, step: int) -> bool:
+        """A hook voted ROLLBACK at `step`: the step's batch runs again on the weights that made
+        it, for the hooks (view.rerun: the probe records it), its gradients thrown away; then the
+        newest intact checkpoint from before `step` is loaded as resume does, and the steps after
+        it run again (their metrics rows go). False, nothing done, when there is no such
+        checkpoint."""
+        self.finish_save(block=True)   # the checkpoint being written is the newest one
+        target = checkpoint.newest_verified(self.dump_dir, self.env.rank, self.env.world_size,
+                                            set_aside=True)
+        if target is None or int(target.name) >= step:
+            return False
+        self._zero_grads()
+        self.rerun = int(target.name)
+        try:
+            self.before_step(step)
+            self.train_step(self.micro_batches)
+            self.hooks.after_backward(self.view, step)
+        finally:
+            self.rerun = None
+        self._zero_grads()
+        self.step = self._load(target)
+        self.log.rewind(self.step)     # steps after the checkpoint run again: their rows go
+        self.window.reset()
+        return True
+
+    def _zero_grads(self) -> None:
+        for optimizer in self.optimizers.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
     def restore_train_state(self, state: dict) -> None:
         self.train_loader.load_state_dict(state["data"])
@@ -56,15 +87,19 @@ class Checkpointing:
         if self.saved_now:   # the last step's save is written before the run ends
             self._save(wait=last)
             if self.pending_save is None:
-                self.hooks.after_save(self, self.step)
+                self.hooks.after_save(self.view, self.step)
         else:       # a save in flight (checkpoint.async_save) is finished once written
             self.finish_save(block=last)
 
-    def save_now(self) -> None:
-        """A hook stops the run: the state after this step on disk, written, before it leaves."""
+    def stops(self) -> bool:
+        """A hook stops the run (should_stop): the state after this step on disk, written,
+        before it leaves."""
+        if not self.hooks.should_stop(self.view):
+            return False
         if not self.saved_now:
             self._save()
         self.finish_save(block=True)
+        return True
 
     def _save(self, before: Optional[tuple] = None, wait: bool = True) -> None:
         """`before`: (data state, batches consumed) to save instead of the current ones. With
@@ -80,13 +115,11 @@ class Checkpointing:
                        "scheduler": self.optimizers.scheduler_state(),
                        "nonfinite_steps": self.nonfinite_steps, "batches_consumed": batches,
                        **self.hooks.state_dict()}
-        def in_use(step: int) -> bool:
-            return any(keeps(step) for keeps in self.checkpoint_in_use)
-
         background = args.checkpoint.async_save and not wait
         saved = checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
                                 train_state, self.config_yaml, env.rank, env.world_size,
-                                args.checkpoint.keep, in_use, self.base, background=background)
+                                args.checkpoint.keep, self.checkpoint_in_use, self.base,
+                                background=background)
         if background:
             self.pending_save = saved
 
@@ -106,11 +139,5 @@ class Checkpointing:
         all_written = self.tally.get("ranks_writing") == 0
         if self.pending_save.finish(block, all_written) is not None:
             step, self.pending_save = self.pending_save.step, None
-            self.hooks.after_save(self, step)
+            self.hooks.after_save(self.view, step)
 
-    def where_to_resume(self) -> str:
-        newest = checkpoint.newest(self.dump_dir)
-        if newest is None:
-            return (f"no checkpoint saved yet; to start over, run again: "
-                    f"{preemption.resume_command()}")
-        return f"checkpoint {newest} saved; to resume, run again: {preemption.resume_command()}"

@@ -58,15 +58,15 @@ class CountCollectives(Hook):
             self.per_step[self.step] = self.mode.counts
             self.mode = None
 
-    def before_step(self, run, step: int) -> None:
+    def before_step(self, view, step: int) -> None:
         self._close_window()
         self.mode, self.step = CommCounter(), step
         CountCollectives.current_step = step
         self.mode.__enter__()
 
-    def close(self, run) -> None:
+    def close(self, view) -> None:
         self._close_window()
-        path = Path(run.dump_dir) / f"collectives_rank{os.environ.get('RANK', '0')}.json"
+        path = Path(view.args.dump_dir) / f"collectives_rank{os.environ.get('RANK', '0')}.json"
         path.write_text(json.dumps(self.per_step))
 
 
