@@ -63,8 +63,8 @@ MOVED = {"optim.spike": "spikes.policy", "logging.spike_factor": "spikes.factor"
 
 
 def _moved_error(key: str) -> ConfigError:
-    return ConfigError(f"{key} was moved to {MOVED[key]} (the `spikes` section: README, \"Loss "
-                       f"spikes\"). Write {MOVED[key]}=... instead.")
+    return ConfigError(f"{key} was moved to {MOVED[key]} (the `spikes` section: "
+                       f"docs/training.md, \"Loss spikes\"). Write {MOVED[key]}=... instead.")
 
 
 def migrate(saved: DictConfig) -> DictConfig:

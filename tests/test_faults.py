@@ -1,6 +1,6 @@
 """Faults: damaged checkpoints, a disk that is full or read-only, non-finite values, a rank that
 dies. Each test damages or kills something real and checks that nothing already saved is lost
-and that the run goes on (or stops) as described in the README's "When things go wrong"."""
+and that the run goes on (or stops) as docs/training.md's "When things go wrong" describes."""
 
 import math
 import os

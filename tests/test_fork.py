@@ -1,8 +1,8 @@
-"""README "Forking an app", applied literally: its shell block and its diff (QK-norm) run on a
-copy of the repository. The fork must change nothing outside apps/myarch/ and configs/myarch/,
-train with `python -m apps.myarch.train`, match one process under tp, fsdp x tp and pp (through
-tests/equivalence.py), and export its new weights to Hugging Face. Without the recipe's hf.py
-hunk, the export must refuse and name the weight."""
+"""docs/forking.md, "Forking an app", applied literally: its shell block and its diff (QK-norm)
+run on a copy of the repository. The fork must change nothing outside apps/myarch/ and
+configs/myarch/, train with `python -m apps.myarch.train`, match one process under tp, fsdp x tp
+and pp (through tests/equivalence.py), and export its new weights to Hugging Face. Without the
+recipe's hf.py hunk, the export must refuse and name the weight."""
 
 import hashlib
 import json
@@ -23,15 +23,17 @@ FORK_DIRS = ("apps/myarch/", "configs/myarch/")
 NEW_WEIGHTS = ("layers.0.attention.q_norm.weight", "layers.0.attention.k_norm.weight")
 
 
-def readme_recipe() -> tuple:
-    """(shell block, diff) of the README's "## Forking an app" section: its first ```bash and
-    first ```diff fence."""
-    text = (REPO / "README.md").read_text()
-    assert "\n## Forking an app\n" in text, "README.md has no '## Forking an app' section"
-    section = text.split("\n## Forking an app\n", 1)[1].split("\n## ", 1)[0]
-    shell = re.search(r"^```bash\n(.*?)^```", section, re.S | re.M)
-    diff = re.search(r"^```diff\n(.*?)^```", section, re.S | re.M)
-    assert shell and diff, "README 'Forking an app' needs a ```bash block and a ```diff block"
+def fork_recipe() -> tuple:
+    """(shell block, diff) of docs/forking.md, the page "Forking an app": its first ```bash and
+    first ```diff fence, before the page's next section."""
+    page = REPO / "docs" / "forking.md"
+    assert page.is_file(), "docs/forking.md, the fork recipe this test applies, is missing"
+    text = page.read_text()
+    assert text.startswith("# Forking an app\n"), "docs/forking.md must start '# Forking an app'"
+    recipe = text.split("\n## ", 1)[0]      # the steps, before "A bigger fork" and the rest
+    shell = re.search(r"^```bash\n(.*?)^```", recipe, re.S | re.M)
+    diff = re.search(r"^```diff\n(.*?)^```", recipe, re.S | re.M)
+    assert shell and diff, "docs/forking.md needs a ```bash block and a ```diff block"
     return shell.group(1), diff.group(1)
 
 
@@ -39,7 +41,7 @@ def diff_without(diff: str, path: str) -> str:
     """The diff less its hunks for `path` (files start at their '--- a/...' line)."""
     files = re.split(r"(?m)^(?=--- )", diff)
     kept = [f for f in files if not f.startswith(f"--- a/{path}")]
-    assert len(kept) == len(files) - 1, f"the README's diff has no part for {path}"
+    assert len(kept) == len(files) - 1, f"the recipe's diff has no part for {path}"
     return "".join(kept)
 
 
@@ -67,16 +69,16 @@ def apply_patch(root: Path, diff: str) -> None:
     else:
         cmd = ["git", "apply", "-p1", "-"]
     proc = subprocess.run(cmd, cwd=root, input=diff, capture_output=True, text=True)
-    assert proc.returncode == 0, (f"the README's diff does not apply to the tree its shell block "
+    assert proc.returncode == 0, (f"the recipe's diff does not apply to the tree its shell block "
                                   f"made ({' '.join(cmd)}):\n{proc.stdout}{proc.stderr}")
 
 
 def apply_recipe(root: Path, diff: str) -> Path:
-    """Run the README's shell block from `root`, then apply `diff` there."""
-    shell, _ = readme_recipe()
+    """Run the recipe's shell block from `root`, then apply `diff` there."""
+    shell, _ = fork_recipe()
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", shell], cwd=root,
                           capture_output=True, text=True)
-    assert proc.returncode == 0, (f"the README's shell block failed:\n{shell}\n"
+    assert proc.returncode == 0, (f"the recipe's shell block failed:\n{shell}\n"
                                   f"{proc.stdout}{proc.stderr}")
     apply_patch(root, diff)
     return root
@@ -106,10 +108,10 @@ def run_in(root: Path, args: list, nproc: int = 1, module: str = "apps.myarch.tr
 
 @pytest.fixture(scope="module")
 def fork(tmp_path_factory):
-    """(copy of the repo with the README's recipe applied, file hashes before, after)."""
+    """(copy of the repo with the recipe's recipe applied, file hashes before, after)."""
     root = copy_repo(tmp_path_factory.mktemp("fork"))
     before = hashes(root)
-    apply_recipe(root, readme_recipe()[1])
+    apply_recipe(root, fork_recipe()[1])
     return root, before, hashes(root)
 
 
@@ -121,20 +123,21 @@ def reference(fork, corpus, tmp_path_factory):
     return dump
 
 
-def test_readme_diff_matches_lingua_models_llama_line_for_line(tmp_path):
+def test_recipe_diff_matches_lingua_models_llama_line_for_line(tmp_path):
     """Each hunk applies at the line its header names: patch/git apply would still apply a diff
     whose numbers went stale (an offset), but a reader following them by hand would not."""
     shutil.copytree(REPO / "lingua" / "models" / "llama", tmp_path / "apps" / "myarch",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    diff = readme_recipe()[1]
+    diff = fork_recipe()[1]
     if shutil.which("patch"):
         cmd = ["patch", "-p1", "--dry-run", "--batch", "--fuzz=0"]
     else:
         cmd = ["git", "apply", "--check", "-v", "-p1", "-"]
     proc = subprocess.run(cmd, cwd=tmp_path, input=diff, capture_output=True, text=True)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"the README's diff does not apply to lingua/models/llama:\n{out}"
-    assert "offset" not in out and "fuzz" not in out, f"the README's line numbers are stale:\n{out}"
+    assert proc.returncode == 0, f"the recipe's diff does not apply to lingua/models/llama:\n{out}"
+    assert "offset" not in out and "fuzz" not in out, (f"docs/forking.md's diff line numbers are "
+                                                       f"stale:\n{out}")
 
 
 def test_recipe_changes_only_the_fork(fork):
@@ -142,7 +145,7 @@ def test_recipe_changes_only_the_fork(fork):
     changed = sorted(p for p in before if after.get(p) != before[p])
     added = sorted(set(after) - set(before))
     outside = [p for p in changed + added if not p.startswith(FORK_DIRS)]
-    assert not outside, f"the README's recipe changed or made files outside {FORK_DIRS}: {outside}"
+    assert not outside, f"the recipe's recipe changed or made files outside {FORK_DIRS}: {outside}"
     made = {"apps/myarch/model.py", "apps/myarch/parallelize.py", "apps/myarch/train.py"}
     assert made <= set(added)
     for path in (root / "apps" / "myarch").glob("*.py"):
@@ -183,9 +186,9 @@ def diff_part(diff: str, path: str) -> str:
 
 @pytest.mark.distributed
 def test_tp_without_the_plan_hunk_is_refused_naming_its_lines(corpus, tmp_path):
-    """lingua/parallel/coverage.py asks, at start, for exactly the lines the README's parallelize.py
+    """lingua/parallel/coverage.py asks, at start, for exactly the lines the recipe's parallelize.py
     hunk adds."""
-    diff = readme_recipe()[1]
+    diff = fork_recipe()[1]
     hunk = diff_part(diff, "apps/myarch/parallelize.py").splitlines()
     added = [line[1:].strip().rstrip(",") for line in hunk
              if line.startswith("+") and not line.startswith("+++")
@@ -249,7 +252,7 @@ def test_export_maps_the_new_weights(fork, reference, tmp_path):
 @pytest.mark.slow
 def test_export_without_the_hf_hunk_refuses_naming_the_weight(fork, reference, tmp_path):
     root = apply_recipe(copy_repo(tmp_path / "fork"),
-                        diff_without(readme_recipe()[1], "apps/myarch/hf.py"))
+                        diff_without(fork_recipe()[1], "apps/myarch/hf.py"))
     out = tmp_path / "hf"
     proc = run_in(root, ["export", str(final_checkpoint(reference, STEPS)), str(out)],
                   module="apps.myarch.hf", check=False)
@@ -272,7 +275,7 @@ def shared_runs(a_lines, b_lines, length):
 
 # What the composition rule lets a fork copy from the architecture it forks.
 ARCHITECTURE_FILES = ("model.py", "parallelize.py", "hf.py")
-# A bound on what a QK-norm fork copies (non-blank lines of every file the README's shell block
+# A bound on what a QK-norm fork copies (non-blank lines of every file the recipe's shell block
 # makes, configs included), so plumbing that should be lingua/'s does not creep back into
 # apps/llama or lingua/models/llama.
 FORK_LINES_LIMIT = 250
@@ -330,7 +333,7 @@ def imported_apps(path: Path) -> set:
 
 def test_no_app_imports_another_app():
     """The composition rule: an app imports lingua/ and itself, never another app. A fork copies
-    model.py, parallelize.py, hf.py, train.py and its thin entry points (README "Forking an app"),
+    model.py, parallelize.py, hf.py, train.py and its thin entry points (docs/forking.md),
     so a change to one app never reaches another unseen."""
     offenders = []
     for path in sorted((REPO / "apps").glob("*/*.py")):
@@ -349,7 +352,7 @@ def test_imported_apps_reads_every_form(tmp_path):
 
 
 def test_a_qk_norm_fork_copies_under_the_limit(fork):
-    """Counted: the non-blank lines of every file the README's shell block makes (after its diff),
+    """Counted: the non-blank lines of every file the recipe's shell block makes (after its diff),
     configs included."""
     root, before, after = fork
     made = sorted(p for p in set(after) - set(before) if p.startswith(FORK_DIRS))

@@ -1,5 +1,5 @@
 """The core's imports, read with ast (module level and inside functions alike): lingua/ never
-imports an app, every import points down the layers (README "Architecture"), and no lingua module
+imports an app, every import points down the layers (docs/ARCHITECTURE.md), and no lingua module
 imports itself through others (no circle)."""
 
 import ast
@@ -85,7 +85,7 @@ def upward_imports(graph: dict) -> set:
 def test_lingua_imports_point_down_the_layers():
     upward = upward_imports(import_graph("lingua"))
     new = sorted(upward - KNOWN_UPWARD)
-    assert not new, "imports against the layering rule (README 'Architecture'): " + ", ".join(new)
+    assert not new, "imports against the layering rule (docs/ARCHITECTURE.md): " + ", ".join(new)
     assert not KNOWN_UPWARD - upward, ("gone, remove from KNOWN_UPWARD: "
                                        + ", ".join(sorted(KNOWN_UPWARD - upward)))
 

@@ -1,5 +1,5 @@
-"""apps/mtp: multi-token prediction (DeepSeek-V3 style), a fork of apps/llama made by the README's
-recipe with no edit under lingua/ (its objective goes through the trainer's loss seam).
+"""apps/mtp: multi-token prediction (DeepSeek-V3 style), a fork of apps/llama made by the recipe
+of docs/forking.md with no edit under lingua/ (its objective goes through the trainer's loss seam).
 
 Checked here: the targets and the loss against a hand-written reference (explicit shifts, no
 shared code with apps/mtp/train.py), the main path against apps/llama's model with the same

@@ -41,8 +41,8 @@ def check_state(p, expected_local_params: int, pp_rank: int = 0):
 
 
 # ---------------------------------------------------------------------------------------------
-# The shipped presets at their scale (README: 8B on 64 H100s, 70B on 256 with tp=8; the presets'
-# own comments name the rest)
+# The shipped presets at their scale (docs/parallelism.md: 8B on 64 H100s, 70B on 256 with
+# tp=8; the presets' own comments name the rest)
 
 
 def llama_layer(h, hk, f, tp=1, fsdp=1):
@@ -96,8 +96,8 @@ def test_llama_70b_on_256_gpus_with_tp8(data, tmp_path):
 
 @pytest.mark.slow
 def test_llama_70b_pipelined_on_256_gpus(data, tmp_path):
-    """The README's alternative for slow networks: pp=4 tp=8 dp_shard=8, interleaved with two
-    virtual stages: rank 0 holds stages 0 and 4 (layers 0-9, 40-49) and the embedding, the last
+    """The slow-network alternative of docs/parallelism.md: pp=4 tp=8 dp_shard=8, interleaved with
+    two virtual stages: rank 0 holds stages 0 and 4 (layers 0-9, 40-49) and the embedding, the last
     pipeline rank stages 3 and 7 (layers 30-39, 70-79), the final norm and the output."""
     p = run_plan("apps.llama.train", "llama_70b", data, tmp_path, 256, "distributed.pp=4",
                  "distributed.pp_schedule=Interleaved1F1B", "distributed.pp_virtual_stages=2",

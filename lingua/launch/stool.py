@@ -413,8 +413,8 @@ def parse_cli(argv: List[str]) -> tuple:
     if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("-") or "=" in argv[0]:
         raise ConfigError("usage: stool <app train module> [--multirun] [key=value ...], e.g. "
                           "`stool apps.llama.train config=llama_1b slurm.nodes=2 "
-                          "slurm.gpus_per_node=8` (one task per GPU). See the README, "
-                          "'Running on Slurm'.")
+                          "slurm.gpus_per_node=8` (one task per GPU). "
+                          "See docs/slurm.md, 'Running on Slurm'.")
     module, rest = argv[0], argv[1:]
     multirun = any(a in ("--multirun", "-m") for a in rest)
     return module, [a for a in rest if a not in ("--multirun", "-m")], multirun

@@ -174,4 +174,4 @@ def check_model_contract(model: nn.Module, where: str, context_parallel: bool = 
         raise ConfigError(
             f"The model of {where} does not keep the contract the trainer relies on: "
             f"{'; '.join(problems)}. See the docstring of lingua/model/decoder.py (subclassing "
-            f"lingua.model.decoder.Decoder keeps it) and README \"Forking an app\".")
+            f"lingua.model.decoder.Decoder keeps it) and docs/forking.md.")

@@ -1,3 +1,3 @@
 """Architectures that several apps train unchanged, kept once (apps/llama and apps/sft both train
 models/llama). A fork that changes an architecture copies it into its own app folder instead
-(README "Forking an app")."""
+(docs/forking.md, "Forking an app")."""

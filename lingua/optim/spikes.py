@@ -1,5 +1,5 @@
 """Loss spikes: `spikes.policy=off|log|skip|rollback` and the running statistics that find them
-(what each policy does, for users: README "Loss spikes").
+(what each policy does, for users: docs/training.md, "Loss spikes").
 
 A step is a spike when its loss or gradient norm (`spikes.on`) is above a threshold from the
 accepted steps before it (`spikes.rule`), or when its loss is non-finite with a finite
@@ -38,7 +38,7 @@ COUNTERS = {"spike_steps": 0, "skipped_steps": 0, "in_a_row": 0, "since_row": Fa
 
 @dataclass
 class SpikeArgs:
-    """`spikes.*`: what a loss spike does (README "Loss spikes")."""
+    """`spikes.*`: what a loss spike does (docs/training.md, "Loss spikes")."""
     policy: str = "log"             # off | log | skip | rollback
     on: str = "loss"                # loss | grad_norm | both: what is judged
     rule: str = "median"            # median: above factor x the running median;
@@ -60,7 +60,7 @@ def validate_args(args: SpikeArgs) -> None:
     for key, allowed in choices.items():
         if getattr(args, key) not in allowed:
             raise ConfigError(f"spikes.{key}={getattr(args, key)!r} is unknown: use one of "
-                              f"{' | '.join(allowed)} (README, \"Loss spikes\").")
+                              f"{' | '.join(allowed)} (docs/training.md, \"Loss spikes\").")
     if not (args.factor > 1 and math.isfinite(args.factor)):
         raise ConfigError(f"spikes.factor={args.factor} must be above 1 (a spike is a value "
                           f"above factor x the running median), e.g. 2.0.")

@@ -22,7 +22,7 @@ from lingua.model.layers import (
 
 @dataclass
 class LlamaArgs(TransformerArgs):
-    """LLaMA needs nothing beyond the shared decoder shape (transformer.TransformerArgs)."""
+    """LLaMA needs nothing beyond the shared decoder shape (lingua.model.layers.TransformerArgs)."""
 
 
 def validate_model_args(args: LlamaArgs) -> None:
