@@ -278,8 +278,9 @@ def test_generate_command_decodes_a_run(reference, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# The planner's count of MLA's activations (apps/deepseek/parallelize.py: attention_activations)
-# against what real blocks keep on CPU, as tests/test_plan.py checks lingua's blocks
+# The planner's count of MLA's activations (the core's rule for the shape App.block_shape
+# declares: apps/deepseek/train.py) against what real blocks keep on CPU, as tests/test_plan.py
+# checks lingua's blocks
 
 
 def plan_model(dtype, q_lora_rank, moe):
@@ -300,7 +301,7 @@ def plan_model(dtype, q_lora_rank, moe):
 @pytest.mark.parametrize("kind, q_lora_rank, moe", [("fp32", None, False), ("bf16", 32, True),
                                                     ("autocast", 32, False), ("fp32", 32, True)])
 def test_plan_counts_what_mla_blocks_keep(kind, q_lora_rank, moe, ac):
-    from apps.deepseek.parallelize import attention_activations
+    from apps.deepseek.train import APP
     from lingua.launch.plan_activations import block_activation_bytes
     from lingua.parallel.distributed import apply_ac
     from tests.test_plan import per_layer_bytes_per_token
@@ -310,9 +311,9 @@ def test_plan_counts_what_mla_blocks_keep(kind, q_lora_rank, moe, ac):
     apply_ac(model.layers, ac)
     x = torch.randn(2, 64, args.dim, dtype=dtype, requires_grad=True)
     measured = per_layer_bytes_per_token(model, x, (2, 64), autocast=kind == "autocast")
-    predicted = block_activation_bytes(args, moe, ac, 4 if kind == "fp32" else 2,
-                                       fp32_residual=kind == "autocast",
-                                       attention=attention_activations)
+    predicted = block_activation_bytes(APP.block_shape(args), moe, ac,
+                                       4 if kind == "fp32" else 2,
+                                       fp32_residual=kind == "autocast")
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
 
 
@@ -321,7 +322,8 @@ def test_plan_counts_what_mla_keeps_under_tensor_parallel(ac):
     """tp=2 on the fake process group with real CPU tensors: the heads split, the latents whole."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from apps.deepseek.parallelize import attention_activations, parallelize_deepseek
+    from apps.deepseek.parallelize import parallelize_deepseek
+    from apps.deepseek.train import APP
     from lingua.launch import plan_memory
     from lingua.launch.plan_activations import block_activation_bytes
     from lingua.parallel import distributed
@@ -337,7 +339,7 @@ def test_plan_counts_what_mla_keeps_under_tensor_parallel(ac):
         local = torch.randn(2, 32, args.dim, dtype=torch.bfloat16, requires_grad=True)
         x = DTensor.from_local(local, env.mesh["tp"], (Shard(1),), run_check=False)
         measured = per_layer_bytes_per_token(model, x, (2, 64))
-    predicted = block_activation_bytes(args, True, ac, 2, tp=2, attention=attention_activations)
+    predicted = block_activation_bytes(APP.block_shape(args), True, ac, 2, tp=2)
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
 
 

@@ -143,16 +143,14 @@ def test_the_plan_counts_the_float8_experts():
         class distributed:
             float8 = "tensorwise"
 
-    class App:
-        class APP:
-            from apps.moe.parallelize import float8_filter
+    from apps.moe.train import APP
 
     model = tiny_moe()
     linears = sum(6 * m.weight.numel() for n, m in model.named_modules()
                   if isinstance(m, torch.nn.Linear) and n.split(".")[-1] not in ("output", "gate"))
     # a token meets top_k=2 experts of 3 * 64 * 32 weights in the one MoE layer
-    assert float8_flops_per_token(Args, App, model) == linears + 6 * 2 * 3 * 64 * 32
-    apply_float8(model, "tensorwise", App.APP.float8_filter, emulate=True)
+    assert float8_flops_per_token(Args, APP, model) == linears + 6 * 2 * 3 * 64 * 32
+    apply_float8(model, "tensorwise", APP.float8_filter, emulate=True)
     experts_copy = 2 * 16 * 3 * 64 * 32   # bf16 column-major copy, kept for backward
     assert _float8_cast_bytes([model]) >= 2 * experts_copy
 

@@ -129,8 +129,7 @@ def test_lora_styles_follow_the_base_linear(corpus, base, tmp_path):
                          "distributed.dp_shard=1", "data.batch_size=4")
     app, args, _ = planner.load_args("apps.sft.train", overrides, 2, "cpu")
     with plan_memory._quiet(), plan_memory.fake_process_group(0, 2):
-        parts, _ = plan_memory._build_parts(args, app.APP, parallel_dims(args.distributed, 2), 0,
-                                            2)
+        parts, _ = plan_memory._build_parts(args, app, parallel_dims(args.distributed, 2), 0, 2)
         params = dict(parts[0].named_parameters())
     col, row = ((Replicate(),), (Shard(0),)), ((Shard(1),), (Replicate(),))
     want = {"attention.wq": col, "feed_forward.w3": col, "attention.wo": row,

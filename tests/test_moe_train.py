@@ -217,5 +217,5 @@ def test_each_step_starts_its_routing_sums_and_bias_counts_from_zero():
     model(torch.randint(0, 64, (2, 16)))
     layers = moe_layers(model)
     assert layers and all(m.step_counts is not None and m.routing is not None for m in layers)
-    train.RoutingHook().before_step(SimpleNamespace(parts=[model]), 2)
+    train.RoutingHook(0.0, 4).before_step(SimpleNamespace(parts=[model]), 2)
     assert all(m.step_counts is None and m.routing is None for m in layers)

@@ -50,8 +50,7 @@ def build(data, tmp_path, app_module: str, world: int, *overrides, parallelize=N
     what the coverage check raises."""
     app, args, _ = planner.load_args(app_module, [*data, f"dump_dir={tmp_path / 'run'}",
                                                   *overrides], world, "cpu")
-    app_desc = app.APP if parallelize is None else dataclasses.replace(app.APP,
-                                                                       parallelize=parallelize)
+    app_desc = app if parallelize is None else dataclasses.replace(app, parallelize=parallelize)
     dims = parallel_dims(args.distributed, world)
     with plan_memory._quiet(), plan_memory.fake_process_group(0, world):
         parts, _ = plan_memory._build_parts(args, app_desc, dims, 0, world)

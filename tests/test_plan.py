@@ -348,6 +348,11 @@ def small_model(app, dtype, **extra):
 MOE_SHAPES = dict(n_experts=8, top_k=2, n_shared_experts=1, expert_hidden_dim=64)
 
 
+def block_shape(app, args):
+    """The planner's view of the app's block (App.block_shape), as lingua.plan takes it."""
+    return __import__(f"apps.{app}.train", fromlist=["APP"]).APP.block_shape(args)
+
+
 @pytest.mark.parametrize("ac", ["none", "op", "full"])
 @pytest.mark.parametrize("case", ["llama-bf16", "llama-fp32", "llama-autocast", "moe-bf16",
                                   "moe-noshared-fp32", "moe-autocast"])
@@ -366,8 +371,9 @@ def test_activation_formula_matches_what_blocks_keep(case, ac):
     measured = per_layer_bytes_per_token(model, x, tokens, autocast=kind == "autocast")
     e = 4 if kind == "fp32" or kind == "noshared-fp32" else 2
     # On CPU k/v reach sdpa with their own heads (lingua.model.layers.grouped_kv_ok).
-    predicted = plan_activations.block_activation_bytes(args, app == "moe", ac, e,
-                                               fp32_residual=kind == "autocast", grouped_kv=True)
+    predicted = plan_activations.block_activation_bytes(block_shape(app, args), app == "moe", ac,
+                                                        e, fp32_residual=kind == "autocast",
+                                                        grouped_kv=True)
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
 
 
@@ -384,10 +390,11 @@ def test_activation_formula_with_kv_repeated_as_on_gpu(monkeypatch, ac):
     tokens = (2, 64)
     x = torch.randn(*tokens, args.dim, dtype=torch.bfloat16, requires_grad=True)
     measured = per_layer_bytes_per_token(model, x, tokens)
-    predicted = plan_activations.block_activation_bytes(args, False, ac, 2, grouped_kv=False)
+    shape = block_shape("llama", args)
+    predicted = plan_activations.block_activation_bytes(shape, False, ac, 2, grouped_kv=False)
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
     if ac == "none":   # the repeated k/v are what differs: 2 x (h - hk) x 2 bytes a token
-        grouped = plan_activations.block_activation_bytes(args, False, ac, 2, grouped_kv=True)
+        grouped = plan_activations.block_activation_bytes(shape, False, ac, 2, grouped_kv=True)
         assert predicted - grouped == 2 * 2 * (args.dim
                                                - args.dim // args.n_heads * args.n_kv_heads)
 
@@ -416,8 +423,8 @@ def test_activation_formula_under_tensor_parallel(app, ac):
         local = torch.randn(2, 32, args.dim, dtype=torch.bfloat16, requires_grad=True)
         x = DTensor.from_local(local, env.mesh["tp"], (Shard(1),), run_check=False)
         measured = per_layer_bytes_per_token(model, x, tokens)
-    predicted = plan_activations.block_activation_bytes(args, app == "moe", ac, 2, tp=2,
-                                                        grouped_kv=True)
+    predicted = plan_activations.block_activation_bytes(block_shape(app, args), app == "moe", ac,
+                                                        2, tp=2, grouped_kv=True)
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
 
 
@@ -633,6 +640,7 @@ def test_lora_activation_formula_matches_what_blocks_keep(ac, targets):
     x = torch.randn(*tokens, args.dim, requires_grad=True)
     measured = per_layer_bytes_per_token(model, x, tokens)
     block = model.layers["0"]
-    predicted = (plan_activations.block_activation_bytes(args, False, ac, 4, grouped_kv=True)
-                 + plan_activations.lora_activation_bytes(block, args, False, ac, 4))
+    shape = block_shape("llama", args)
+    predicted = (plan_activations.block_activation_bytes(shape, False, ac, 4, grouped_kv=True)
+                 + plan_activations.lora_activation_bytes(block, shape, False, ac, 4))
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)

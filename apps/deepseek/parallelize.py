@@ -33,8 +33,7 @@ from lingua.parallel.tensor_parallel import (
 )
 from lingua.parallel.tp_plan import decoder_root_plan, gathered_input, validate_whole_heads
 
-__all__ = ["attention_activations", "float8_filter", "parallelize_deepseek", "tp_plans",
-           "validate_tp"]
+__all__ = ["float8_filter", "parallelize_deepseek", "tp_plans", "validate_tp"]
 validate_tp = validate_whole_heads   # the query and wkv_b are sharded by head
 
 
@@ -74,26 +73,6 @@ def tp_plans(model: nn.Module, loss_parallel: bool) -> dict:
         for name in ("enorm", "hnorm", "eh_proj", "head_norm"):
             root[f"mtp.{k}.{name}"] = SequenceParallel()
     return root
-
-
-def attention_activations(a, ac: str, e: int, tp: int, fp32_residual: bool, grouped_kv: bool,
-                          cp: int = 1) -> float:
-    """The planner's count of what MLA keeps per token for backward (App.attention_activations;
-    tests/test_deepseek.py checks it against real blocks). Under this file's TP the latents are
-    whole on every rank and the heads split. ac none: the input (a bf16 copy per input matmul
-    under autocast), the latent norms' fp32 normalised inputs and outputs (the kv latent is what
-    decoding caches), q and k, wkv_b's decompressed output (v is a view of it), the attention
-    output and logsumexp; op: the matmul and attention outputs. Under cp the gathered k and v."""
-    nh, dn, dr, dv = a.n_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
-    qr, kv = a.q_lora_rank or 0, a.kv_lora_rank
-    gathered_kv = e * nh * (dn + dr + dv) / tp * cp if cp > 1 else 0
-    if ac == "op":
-        heads = e * nh * ((dn + dr) + (dn + dv) + dv) + 4 * nh   # wq(_b); wkv_b; attention out
-        return e * (qr + kv + dr) + heads / tp + gathered_kv
-    attn_in = 2 if fp32_residual else 1   # wq (or wq_a) and wkv_a
-    latents = (4 * qr + 4 + e * qr if qr else 0) + 4 * kv + 4 + e * kv
-    heads = e * nh * (2 * (dn + dr) + (dn + dv) + dv) + 4 * nh
-    return attn_in * e * a.dim + latents + heads / tp + gathered_kv
 
 
 def blocks(model: nn.Module) -> list:

@@ -13,21 +13,16 @@ from dataclasses import dataclass, field
 import torch
 
 from apps.deepseek.hf import export_problems, load_hf
-from apps.deepseek.model import DeepSeekArgs, Transformer, validate_model_args
+from apps.deepseek.model import DeepSeekArgs, Transformer, dense_hidden, validate_model_args
 from apps.deepseek.model import flops_per_token as model_flops_per_token
-from apps.deepseek.parallelize import (
-    attention_activations,
-    float8_filter,
-    parallelize_deepseek,
-    validate_tp,
-)
+from apps.deepseek.parallelize import float8_filter, parallelize_deepseek, validate_tp
 from lingua import config
 from lingua.checkpoint import hf as lingua_hf
 from lingua.launch import run
 from lingua.model.loss import IGNORE_INDEX, LossOutput, token_loss_sum
 from lingua.parallel import distributed
 from lingua.parallel.expert_parallel import RoutingHook, validate_ep
-from lingua.train.app import App
+from lingua.train.app import App, BlockShape
 
 
 @dataclass
@@ -77,14 +72,23 @@ def flops_per_token(args: TrainArgs) -> float:
     return model_flops_per_token(args.model, args.data.seq_len)
 
 
+def block_shape(a: DeepSeekArgs) -> BlockShape:
+    """A block as the planner counts it (App.block_shape): MLA's heads and latents, the dense
+    FFN's width and the experts."""
+    return BlockShape(a.dim, a.n_heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim,
+                      a.n_heads, dense_hidden(a), a.expert_hidden_dim, a.n_experts, a.top_k,
+                      a.n_shared_experts, q_latent=a.q_lora_rank or 0, kv_latent=a.kv_lora_rank,
+                      rope_head_dim=a.qk_rope_head_dim)
+
+
 def make_app(model_args: DeepSeekArgs) -> App:
     depth = model_args.mtp_depth
     mtp = {"batch_inputs": lambda tokens, labels: batch_inputs(tokens, labels, depth)}
     return App(
         model_class=Transformer, parallelize=parallelize_deepseek,
         validate_model=validate_deepseek, load_hf=load_hf, flops_per_token=flops_per_token,
-        hooks=lambda args, env: [RoutingHook()], float8_filter=float8_filter,
-        attention_activations=attention_activations,
+        hooks=lambda args, env: [RoutingHook(args.model.bias_update_rate, args.model.n_experts)],
+        float8_filter=float8_filter, block_shape=block_shape,
         loss=lambda output, target: loss(output, target, model_args.mtp_loss_weight),
         **(mtp if depth else {}))
 

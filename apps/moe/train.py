@@ -6,10 +6,11 @@ over the data- and context-parallel ranks), the aux-loss-free bias update after 
 per-layer routing metrics.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from apps.moe.hf import export_problems, load_hf
-from apps.moe.model import MoEArgs, Transformer, validate_moe_args
+from apps.moe.model import MoEArgs, Transformer, expert_hidden, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.moe.parallelize import float8_filter, parallelize_moe, validate_tp
 from lingua import config
@@ -18,7 +19,7 @@ from lingua.launch import run
 from lingua.model.loss import LossOutput, cross_entropy
 from lingua.parallel import distributed
 from lingua.parallel.expert_parallel import RoutingHook, validate_ep
-from lingua.train.app import App
+from lingua.train.app import App, BlockShape, default_block_shape
 
 
 @dataclass
@@ -54,10 +55,22 @@ def loss(output, target) -> LossOutput:
     return LossOutput(ce.loss_sum + balance_loss.sum(), ce.tokens, logged_sum=ce.loss_sum)
 
 
+def block_shape(a: MoEArgs) -> BlockShape:
+    """A block as the planner counts it (App.block_shape): LLaMA's attention and dense FFN, and
+    the experts."""
+    return dataclasses.replace(default_block_shape(a), expert_hidden=expert_hidden(a),
+                               experts=a.n_experts, experts_per_token=a.top_k,
+                               shared_experts=a.n_shared_experts)
+
+
+def hooks(args: TrainArgs, env) -> list:
+    return [RoutingHook(args.model.bias_update_rate, args.model.n_experts)]
+
+
 APP = App(model_class=Transformer, parallelize=parallelize_moe,
           validate_model=validate_moe, load_hf=load_hf,
-          flops_per_token=flops_per_token, hooks=lambda args, env: [RoutingHook()], loss=loss,
-          float8_filter=float8_filter)
+          flops_per_token=flops_per_token, hooks=hooks, loss=loss,
+          float8_filter=float8_filter, block_shape=block_shape)
 
 
 def validate(args: TrainArgs) -> None:

@@ -126,7 +126,7 @@ def transform_model(model, args: TrainArgs) -> None:
 
 
 APP = App(model_class=Transformer, parallelize=parallelize_llama, validate_model=validate_sft,
-          load_hf=load_hf, transform_model=transform_model)
+          load_hf=load_hf, transform_model=transform_model, check_init_from=check_init_from)
 
 
 def validate(args: TrainArgs) -> None:

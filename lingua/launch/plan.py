@@ -26,7 +26,7 @@ and the rank fits when the sum is at most 90% of the GPU's memory (the rest: CUD
 fragmentation). With distributed.cpu_offload parameters, gradients and optimizer state are listed
 as host memory, not counted. A LoRA run also prints its busiest rank at lora.rank=0.
 
-FLOPs per token are the app's (APP.flops_per_token, else lingua.observe.metrics.flops_per_token,
+FLOPs per token are the app's (App.flops_per_token, else lingua.observe.metrics.flops_per_token,
 as MFU is logged); tokens/s = MFU x peak / FLOPs per token, with the dense bf16 (or fp32) peak of
 metrics.GPU_PEAK_FLOPS. The MFU is an assumption (--mfu, default 40%), bubbles and communication
 included. When the run does not fit, the planner re-plans the cheapest changes in order (ac=op,
@@ -45,11 +45,12 @@ from typing import List, Optional
 
 import torch
 
-from lingua import config, data
+from lingua import data
 from lingua.data.tokenizer import TokenizerArgs
 from lingua.errors import ConfigError
 from lingua.launch import run
 from lingua.launch.plan_memory import RankPlan, quiet, rank_plan
+from lingua.model.moe import moe_layers
 from lingua.observe import metrics
 from lingua.parallel import distributed, pipeline
 from lingua.train import app as app_checks
@@ -83,6 +84,7 @@ class Plan:
     microbatch: int           # sequences per micro-batch
     in_flight: List[float]    # micro-batches (pipeline chunks) in flight per pipeline rank
     float8_flops_per_token: float = 0.0   # of flops_per_token: the matmuls float8 converts
+    moe: bool = False         # the model has MoE layers
     full_finetune_bytes: Optional[int] = None   # LoRA: the busiest rank at lora.rank=0
     notes: List[str] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)   # data a job needs and this plan does not
@@ -136,10 +138,7 @@ def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
               device_type: str):
     """(app module, validated args, world size): composed and checked as the job will be, but
     for the corpus and tokenizer files (data_warnings)."""
-    app = config.import_app(app_module)
-    if not hasattr(app, "APP"):
-        raise ConfigError(f"{app_module} has no APP (a lingua.train.app.App): the planner "
-                          f"builds the model and its parallel plan from it, as the trainer does.")
+    app = app_checks.load_app(app_module)
     raw = app.load_config(list(overrides), check=False)
     world = world_size or job_world_size(raw.slurm)
     if world < 1:
@@ -150,17 +149,17 @@ def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
         checked = dataclasses.replace(raw, checkpoint=dataclasses.replace(raw.checkpoint,
                                                                           init_from=None))
     with distributed.job_view(world, device_type):
-        run.validate(checked, app.APP, data_files=False)
+        run.validate(checked, app, data_files=False)
     return app, raw, world
 
 
 def data_warnings(args, app=None) -> List[str]:
     """What a job would refuse to start without and a plan does without: the corpus (data.root,
     its val/), the tokenizer file and the checkpoint.init_from directory (the app module's own
-    check_init_from where it has one: apps/sft's), each problem once."""
+    App.check_init_from where it has one: apps/sft's), each problem once."""
     found, corpus = [], args.data
     init_from = args.checkpoint.init_from
-    if getattr(app, "check_init_from", None) is not None:
+    if app is not None and app.check_init_from is not None:
         try:
             app.check_init_from(args)
         except ConfigError as err:
@@ -186,10 +185,10 @@ def model_on_meta(args, app) -> torch.nn.Module:
     """The whole model on the meta device as the trainer builds it: the app's transform_model
     applied (apps/sft: LoRA adapters, the base frozen)."""
     with torch.device("meta"):
-        model = app.APP.model_class(args.model)
-    if app.APP.transform_model is not None:
+        model = app.model_class(args.model)
+    if app.transform_model is not None:
         with quiet():
-            app.APP.transform_model(model, args)
+            app.transform_model(model, args)
     return model
 
 
@@ -216,14 +215,14 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
         n_mb = d.pp_microbatches or pipeline.default_microbatches(d.pp, d.pp_virtual_stages)
         microbatch = args.data.batch_size // n_mb
     per_stage = world // dims.pp   # the first rank of each stage holds the largest shards
-    built = [rank_plan(args, app.APP, dims, pp_rank * per_stage, n_mb, microbatch, device_type)
+    built = [rank_plan(args, app, dims, pp_rank * per_stage, n_mb, microbatch, device_type)
              for pp_rank in range(dims.pp)]
     ranks, flights = [one for one, _ in built], [flight for _, flight in built]
     whole, m = model_on_meta(args, app), args.model
     n_params = sum(p.numel() for p in whole.parameters())
     n_trainable = sum(p.numel() for p in whole.parameters() if p.requires_grad)
-    if app.APP.flops_per_token is not None:
-        flops = app.APP.flops_per_token(args)
+    if app.flops_per_token is not None:
+        flops = app.flops_per_token(args)
     else:
         flops = metrics.flops_per_token(whole, m.n_layers, m.dim, args.data.seq_len,
                                         m.tie_embeddings)
@@ -234,7 +233,8 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
                   peak_flops=metrics.GPU_PEAK_FLOPS[dtype][gpu],
                   tokens_per_step=args.data.batch_size * dims.dp * args.data.grad_accum
                   * args.data.seq_len, microbatch=microbatch, in_flight=flights,
-                  float8_flops_per_token=float8_flops_per_token(args, app, whole))
+                  float8_flops_per_token=float8_flops_per_token(args, app, whole),
+                  moe=bool(moe_layers(whole)))
     if suggest:   # the candidates of _cheapest_fix change the layout only, not the data
         result.warnings = data_warnings(args, app)
     if suggest and lora_rank(args):   # what the adapters save: the same run, every weight trained
@@ -266,17 +266,16 @@ def float8_flops_per_token(args, app, model) -> float:
         return 0.0
     from lingua import float8
     from lingua.float8 import moe as float8_moe
-    from lingua.model.moe import MoE
+    from lingua.model.moe import MoE, routed_params_per_token
 
-    convert = getattr(app.APP, "float8_filter", None) or float8.default_filter
+    convert = app.float8_filter or float8.default_filter
     total = 0.0
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and convert(name, m):
             total += (6.0 if m.weight.requires_grad else 4.0) * m.weight.numel()
         elif (isinstance(m, MoE) and convert(f"{name}.experts", m.experts)
               and float8_moe.converts_experts(m.experts)):
-            total += 6.0 * m.top_k * sum(w[0].numel() for w in (m.experts.w1, m.experts.w2,
-                                                                 m.experts.w3))
+            total += 6.0 * routed_params_per_token(m)
     return total
 
 
@@ -362,7 +361,7 @@ def _memory_rows(p: Plan, shown: list, e_name: str) -> list:
     if any(r.autocast for r in shown):
         rows.append(("autocast bf16 weight copies", lambda r: r.autocast))
     if any(r.float8 for r in shown):
-        experts = ", experts' bf16 copies" if getattr(a.model, "n_experts", 0) else ""
+        experts = ", experts' bf16 copies" if p.moe else ""
         rows.append((f"float8 casts (a block's weights, scales{experts})", lambda r: r.float8))
     rows.append((f"activations (ac={d.ac})", lambda r: r.activations))
     rows.append(("total", lambda r: r.total))

@@ -1,8 +1,8 @@
 """The planner's activation estimate (lingua.launch.plan): the bytes a block and the last stage's
 output keep per token for backward, and the micro-batches a pipeline rank holds at once.
 
-Counted from what lingua.model's blocks save (the per-layer accounting of Korthikanti et al.
-2022, redone for this code: fp32 RMSNorm with its written-out backward, GQA keys and values
+Counted for an app's block shape (App.block_shape) from what such blocks save (Korthikanti et
+al. 2022's accounting redone for this code: fp32 RMSNorm with its written-out backward, GQA k, v
 repeated to all heads before flash attention on GPU, SwiGLU, torch's TP + sequence parallel, the
 op-level checkpointing policy of lingua.parallel.distributed); tests/test_plan.py checks it
 against the live tensors of real blocks on CPU. Assumed: a flash attention kernel (no seq x seq
@@ -11,33 +11,19 @@ torch.compile fusion (compile only lowers it). Under tp, torch keeps the all-gat
 attention and FFN, and ac=op also the full-sequence partial sums of wo and w2, so ac=op can keep
 MORE than ac=none; ac=full is the one that shrinks activations."""
 
-from lingua.model.layers import ffn_hidden_dim
 from lingua.parallel import pipeline
+from lingua.train.app import BlockShape
 
 
-def block_shape(a) -> dict:
-    """h, heads, k/v width, FFN and expert widths, experts and top-k, from the model args."""
-    # an explicit dense width (apps/deepseek's dense_hidden_dim), else Meta's recipe
-    ffn = getattr(a, "dense_hidden_dim", 0) or ffn_hidden_dim(a.dim, a.multiple_of,
-                                                              a.ffn_dim_multiplier)
-    expert = getattr(a, "expert_hidden_dim", 0) or ffn
-    n_kv = a.n_kv_heads or a.n_heads
-    return dict(h=a.dim, nh=a.n_heads, hk=a.dim // a.n_heads * n_kv, f=ffn, he=expert,
-                hs=expert * getattr(a, "n_shared_experts", 0), E=getattr(a, "n_experts", 0),
-                k=getattr(a, "top_k", 0))
-
-
-def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
+def block_activation_bytes(s: BlockShape, moe: bool, ac: str, e: int, tp: int = 1,
                            fp32_residual: bool = False, grouped_kv: bool = False,
-                           attention=None, cp: int = 1) -> float:
-    """Bytes one block keeps per token of the sequence for its backward. e: bytes of the compute
-    dtype; ac: none | op | full (layer is none or full per block). fp32_residual: autocast,
-    where the residual stream and norms stay fp32 and every matmul keeps its own bf16 copy of its
-    input. grouped_kv: k/v reach attention with their own heads (sdpa's GQA, on CPU only).
-    attention: the app's count of its attention half (App.attention_activations, same
-    arguments as gqa_attention_bytes); default the grouped-query attention of lingua's blocks."""
-    s = block_shape(model_args)
-    h, f = s["h"], s["f"]
+                           cp: int = 1) -> float:
+    """Bytes one block of shape `s` (App.block_shape) keeps per token of the sequence for its
+    backward. e: bytes of the compute dtype; ac: none | op | full (layer is none or full per
+    block). fp32_residual: autocast, where the residual stream and norms stay fp32 and every
+    matmul keeps its own bf16 copy of its input. grouped_kv: k/v reach attention with their own
+    heads (sdpa's GQA, on CPU only)."""
+    h, f = s.dim, s.ffn_hidden
     t = tp
     gathered = t > 1   # TP + SP: attention / FFN / MoE inputs are all-gathered full sequences
     r = 4 if fp32_residual else e                           # residual stream, norm outputs
@@ -46,16 +32,16 @@ def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
         return r * h / t                                    # the block's input
     if ac not in ("none", "op"):
         raise ValueError(f"ac={ac!r}: use none, op or full (layer is a mix of none and full)")
-    attn = (attention or gqa_attention_bytes)(model_args, ac, e, t, fp32_residual, grouped_kv, cp)
+    attn = attention_bytes(s, ac, e, t, fp32_residual, grouped_kv, cp)
     if ac == "none":
         out = 2 * _norm_bytes(h, r, t) / t + attn           # the two norms; attention
         if not moe:
             return out + ffn_in * e * h + 4 * e * f / t     # FFN input(s); w1, silu, w3, product
-        k, he, hs = s["k"], s["he"], s["hs"]
+        k, he, hs = s.experts_per_token, s.expert_hidden, s.expert_hidden * s.shared_experts
         # the router's fp32 input; per routed slot: gathered row, w1, silu, w3, product, and
         # the expert output gathered back to slot order (the combine's bmm input); router
         # scores / indices; shared experts (with their input).
-        out += 4 * h + k * (2 * e * h + 4 * e * he) + 4 * s["E"] + 28 * k
+        out += 4 * h + k * (2 * e * h + 4 * e * he) + 4 * s.experts + 28 * k
         # in fp32 the router's input is the norm output itself, which the shared experts keep
         shared_in = 0 if e == 4 and not fp32_residual else ffn_in * e * h
         return out + (shared_in + 4 * e * hs if hs else 0)
@@ -65,26 +51,37 @@ def block_activation_bytes(model_args, moe: bool, ac: str, e: int, tp: int = 1,
     out = r * h / t + attn + e * h + (r * h if gathered else 0)
     if not moe:
         return out + 2 * e * f / t + e * h + (r * h if gathered else 0)   # w1 w3; w2; FFN in
-    hs = s["hs"]
+    hs = s.expert_hidden * s.shared_experts
     # router gate; the combine's bmm output (a matmul's, so kept; full sequence under tp, like
     # the MoE input); shared w1 w3 w2
-    out += 4 * s["E"] + e * h + (2 * e * hs + e * h if hs else 0)
+    out += 4 * s.experts + e * h + (2 * e * hs + e * h if hs else 0)
     return out + (r * h if gathered else 0)                 # all-gathered MoE input
 
 
-def gqa_attention_bytes(model_args, ac: str, e: int, tp: int, fp32_residual: bool,
-                        grouped_kv: bool, cp: int = 1) -> float:
-    """What grouped-query attention keeps per token between the block's norm and wo (ac none:
-    its input copies, q, k, v, output, logsumexp; op: q, k, v, output, logsumexp), plus under
-    cp > 1 the all-gathered keys and values of the whole sequence."""
-    s = block_shape(model_args)
-    h, nh, hk, t = s["h"], s["nh"], s["hk"], tp
-    gathered_kv = 2 * e * hk / t * cp if cp > 1 else 0
+def attention_bytes(s: BlockShape, ac: str, e: int, tp: int, fp32_residual: bool,
+                    grouped_kv: bool, cp: int = 1) -> float:
+    """What attention keeps per token between the block's norm and wo. Grouped-query (ac none:
+    its input copies, q, k, v, output, logsumexp; op: q, k, v, output, logsumexp). Latent (ac
+    none: the input copies, each latent norm's fp32 input and its output, q and k, the
+    decompressed k/v that v is a view of, output, logsumexp; op: every matmul's output, the
+    attention's). Heads split over tp, latents whole; under cp > 1 the all-gathered k and v."""
+    nh, dq, dv, t = s.n_heads, s.head_dim, s.value_head_dim, tp
+    lse, hk, hv = 4 * nh, s.n_kv_heads * dq, s.n_kv_heads * dv
+    gathered_kv = e * (hk + hv) / t * cp if cp > 1 else 0
+    if s.kv_latent:
+        qr, kv, dr = s.q_latent, s.kv_latent, s.rope_head_dim
+        decompressed = dq - dr + dv                          # the kv latent's matmul, per head
+        if ac == "op":
+            return e * (qr + kv + dr) + (e * nh * (dq + decompressed + dv) + lse) / t + gathered_kv
+        latents = sum(4 * w + 4 + e * w for w in (qr, kv) if w)
+        heads = e * nh * (2 * dq + decompressed + dv) + lse
+        attn_in = 2 if fp32_residual else 1                  # the q and kv matmuls' copies
+        return attn_in * e * s.dim + latents + heads / t + gathered_kv
     if ac == "op":
-        return e * (2 * h + 2 * hk) / t + 4 * nh / t + gathered_kv
+        return (e * (nh * dq + hk + hv + nh * dv) + lse) / t + gathered_kv
     attn_in = 3 if fp32_residual else 1                     # wq, wk, wv: a bf16 copy each
-    kv = 2 * hk if grouped_kv else 2 * h                    # repeated to all heads unless grouped
-    return attn_in * e * h + (e * (2 * h + kv) + 4 * nh) / t + gathered_kv
+    kv = hk + hv if grouped_kv else nh * (dq + dv)          # repeated to all heads unless grouped
+    return attn_in * e * s.dim + (e * (nh * dq + kv + nh * dv) + lse) / t + gathered_kv
 
 
 def _norm_bytes(h: int, r: int, tp: int) -> int:
@@ -119,7 +116,7 @@ def chunks_in_flight(schedule: str, pp: int, virtual: int, n_mb: int, pp_rank: i
     return chunks / virtual
 
 
-def lora_activation_bytes(block, model_args, moe: bool, ac: str, e: int, tp: int = 1,
+def lora_activation_bytes(block, s: BlockShape, moe: bool, ac: str, e: int, tp: int = 1,
                           fp32_residual: bool = False) -> float:
     """What a block with frozen Linears or LoRA adapters keeps per token beyond
     block_activation_bytes (negative: less). A frozen Linear keeps no input for its (absent)
@@ -141,15 +138,14 @@ def lora_activation_bytes(block, model_args, moe: bool, ac: str, e: int, tp: int
         m = linears.get(name)
         return m is not None and not isinstance(m, LoRALinear) and not m.weight.requires_grad
 
-    s = block_shape(model_args)
     if all(frozen(n) for n in ("wq", "wk", "wv")):
-        out -= (3 if fp32_residual else 1) * e * s["h"]
+        out -= (3 if fp32_residual else 1) * e * s.dim
     if not moe:
         ffn_frozen = [frozen(n) for n in ("w1", "w3")]
         if all(ffn_frozen):
-            out -= (2 if fp32_residual else 1) * e * s["h"]
+            out -= (2 if fp32_residual else 1) * e * s.dim
         elif fp32_residual and any(ffn_frozen):   # autocast: one copy of the input each
-            out -= e * s["h"]
+            out -= e * s.dim
         if frozen("w2"):
-            out -= e * s["f"] / tp
+            out -= e * s.ffn_hidden / tp
     return out

@@ -20,6 +20,7 @@ from lingua.launch.plan_activations import (
     lora_activation_bytes,
     output_activation_bytes,
 )
+from lingua.model.moe import moe_layers
 from lingua.parallel import distributed, groups
 from lingua.parallel.distributed import DistEnv
 from lingua.train import build
@@ -228,11 +229,12 @@ def _optimizer_bytes(args, parts, adamw_bytes: int) -> tuple:
     return adamw_bytes - muon_bytes, 6 * largest * ns_bytes
 
 
-def _block_bytes(block, m, moe: bool, mode: str, e: int, tp: int, fp32_residual: bool,
-                 attention=None, cp: int = 1) -> float:
+def _block_bytes(block, shape, mode: str, e: int, tp: int, fp32_residual: bool,
+                 cp: int = 1) -> float:
     """Activation bytes a token that one block keeps, its LoRA adapters' included."""
-    return (block_activation_bytes(m, moe, mode, e, tp, fp32_residual, attention=attention, cp=cp)
-            + lora_activation_bytes(block, m, moe, mode, e, tp, fp32_residual))
+    moe = bool(moe_layers(block))
+    return (block_activation_bytes(shape, moe, mode, e, tp, fp32_residual, cp=cp)
+            + lora_activation_bytes(block, shape, moe, mode, e, tp, fp32_residual))
 
 
 def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch,
@@ -257,16 +259,14 @@ def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch,
     # Activations: the layers of each stage this rank holds.
     pp_rank = rank // (dims.world_size // dims.pp)
     tokens = microbatch * args.data.seq_len / dims.cp
-    per_mb, worst_block, layer_ids = 0.0, 0.0, []
+    per_mb, worst_block, layer_ids, shape = 0.0, 0.0, [], app.block_shape(m)
     for part in parts:
         for name, block in part.layers.items():
             layer_ids.append(int(name))
-            moe = getattr(block, "moe", None) is not None
             mode = d.ac if d.ac != "layer" else ("none" if int(name) % d.ac_every else "full")
-            per_mb += _block_bytes(block, m, moe, mode, e, dims.tp, fp32_residual,
-                                   app.attention_activations, dims.cp)
-            worst_block = max(worst_block, _block_bytes(block, m, moe, "none", e, dims.tp,
-                                                        fp32_residual, app.attention_activations))
+            per_mb += _block_bytes(block, shape, mode, e, dims.tp, fp32_residual, dims.cp)
+            worst_block = max(worst_block, _block_bytes(block, shape, "none", e, dims.tp,
+                                                        fp32_residual))
     flight = chunks_in_flight(d.pp_schedule, dims.pp, d.pp_virtual_stages, n_mb, pp_rank)
     act = per_mb * flight
     if d.ac != "none":

@@ -499,7 +499,9 @@ def active_params_per_token(model: nn.Module) -> float:
     n_experts of each layer's routed experts. Not the embedding lookup; a tied output matrix is
     no nn.Linear, so callers add it."""
     total = float(sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)))
-    for m in moe_layers(model):
-        routed = sum(p.numel() for p in m.experts.parameters())
-        total += routed * m.top_k / m.n_experts
-    return total
+    return total + sum(routed_params_per_token(m) for m in moe_layers(model))
+
+
+def routed_params_per_token(m: MoE) -> float:
+    """The routed experts' parameters one token goes through: top_k of n_experts."""
+    return sum(p.numel() for p in m.experts.parameters()) * m.top_k / m.n_experts

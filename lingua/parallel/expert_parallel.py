@@ -46,9 +46,12 @@ def apply_global_counts(model: nn.Module, env) -> None:
 
 
 class RoutingHook(Hook):
-    """An MoE app's hook (apps/moe, apps/deepseek): each step's routing sums from zero, the
-    aux-loss-free expert-bias update (model.bias_update_rate) after an applied update, and the
-    routing metrics of logged rows, summed over the data, context and pipeline ranks."""
+    """An MoE app's hook (apps/moe, apps/deepseek; numbers from the app): each step's routing sums
+    from zero, the aux-loss-free expert-bias update (bias_update_rate, 0: off) after an applied
+    update, and the routing metrics of logged rows, summed over the data, context and pp ranks."""
+
+    def __init__(self, bias_update_rate: float, n_experts: int):
+        self.bias_update_rate, self.n_experts = bias_update_rate, n_experts
 
     def before_step(self, view, step: int) -> None:
         layers = [m for part in view.parts for m in moe_layers(part)]
@@ -59,19 +62,19 @@ class RoutingHook(Hook):
             m.step_counts = None
 
     def after_step(self, view, step: int) -> None:
-        rate = view.parts[0].args.bias_update_rate
-        if rate > 0 and view.decision == UPDATE:
-            update_expert_bias([m for part in view.parts for m in moe_layers(part)], rate)
+        if self.bias_update_rate > 0 and view.decision == UPDATE:
+            layers = [m for part in view.parts for m in moe_layers(part)]
+            update_expert_bias(layers, self.bias_update_rate)
 
     def metrics(self, view, row: dict) -> None:
         """Routing health of each MoE layer over the whole step: every micro-batch, the global
         batch and every pipeline stage (lingua.model.moe.routing_metrics); tensor-parallel ranks
         hold copies."""
         args, env = view.parts[0].args, view.env
-        layers = {int(name): block.moe for part in view.parts
-                  for name, block in part.layers.items() if getattr(block, "moe", None) is not None}
+        layers = {int(name): moe for part in view.parts
+                  for name, block in part.layers.items() for moe in moe_layers(block)}
         values = routing_metrics(
-            layers, args.n_layers, args.n_experts, device=env.device,
+            layers, args.n_layers, self.n_experts, device=env.device,
             reduce=lambda t: all_reduce_sum(t, env, dims=("dp_cp", "pp")))
         row.update({f"moe/{key}": value for key, value in values.items()})
 

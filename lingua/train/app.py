@@ -1,13 +1,43 @@
-"""What an app tells the shared trainer about its model (`App`), and the checks that need it."""
+"""What an app tells the shared trainer (`App`, found by `load_app`); the checks that need it."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from lingua import config
 from lingua.data.tokenizer import build_tokenizer
+from lingua.errors import ConfigError
 from lingua.model import loss as loss_module
+from lingua.model.layers import ffn_hidden_dim
 from lingua.parallel import distributed
 from lingua.parallel.parallelize import uses_loss_parallel
+
+
+@dataclass
+class BlockShape:
+    """What one block is made of, for the planner's count of what it keeps for backward
+    (lingua/launch/plan_activations.py: the core's rule for AC, autocast, TP and CP)."""
+    dim: int
+    n_heads: int
+    head_dim: int              # a query's (and key's) width per head
+    value_head_dim: int
+    n_kv_heads: int            # key/value heads as projected (grouped-query: fewer than n_heads)
+    ffn_hidden: int            # the dense FFN's hidden width
+    expert_hidden: int = 0     # an MoE block's experts: hidden width, count, routed to, shared
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    # Latent attention (apps/deepseek's MLA; 0: none): the normed q and kv latents' widths, whole
+    # on every TP rank, each head's k and v decompressed from the kv one, and a rope key shared.
+    q_latent: int = 0
+    kv_latent: int = 0
+    rope_head_dim: int = 0
+
+
+def default_block_shape(a) -> BlockShape:
+    """lingua's blocks (lingua/models/llama): grouped-query attention, Meta's SwiGLU width."""
+    head = a.dim // a.n_heads
+    return BlockShape(a.dim, a.n_heads, head, head, a.n_kv_heads or a.n_heads,
+                      ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier))
 
 
 @dataclass
@@ -30,14 +60,24 @@ class App:
     # (model on the meta device, train args) -> None: changes the model in place before the
     # pipeline split and any parallelism (apps/sft: LoRA adapters, the base frozen)
     transform_model: Optional[Callable] = None
-    # The planner's count of what one block's attention keeps per token (lingua.launch.
-    # plan_activations.gqa_attention_bytes' arguments); None: lingua's grouped-query attention
-    attention_activations: Optional[Callable] = None
+    block_shape: Callable = default_block_shape   # (model args) -> BlockShape, for the planner
+    check_init_from: Optional[Callable] = None    # (train args): apps/sft's, a plan's warning
+    load_config: Optional[Callable] = None        # (argv, check) -> args; load_app fills it
     # The loss seam (lingua/model/loss.py): how the model's output becomes the summed loss, and what
     # else the forward and the loss take, made from the whole batch before any sharding.
     loss: Callable = loss_module.cross_entropy    # (output, target) -> LossOutput
     # (tokens, labels) -> (kwargs, target)
     batch_inputs: Callable = loss_module.default_batch_inputs
+
+
+def load_app(module_name: str) -> App:
+    """The App of a train module (`apps.llama.train`: its `APP`), with its load_config."""
+    module = config.import_app(module_name)   # checks it has load_config and main
+    app = getattr(module, "APP", None)
+    if not isinstance(app, App):
+        raise ConfigError(f"{module_name} has no APP (a lingua.train.app.App), which says what "
+                          f"lingua needs of its model: define one as apps/llama/train.py does.")
+    return replace(app, load_config=app.load_config or module.load_config)
 
 
 def device_type() -> str:
