@@ -218,6 +218,18 @@ def test_bad_optimizer_settings_are_refused(corpus, tmp_path, override, needle):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_run_directory_with_the_flat_muon_keys_reads_under_the_nested_ones():
+    """config.yaml of a run from before optim.muon.*: lingua.config.migrate moves its keys."""
+    from omegaconf import OmegaConf
+
+    from lingua import config
+
+    saved = OmegaConf.create({"optim": {"name": "muon", "muon_lr": 0.02, "muon_ns_dtype": "fp32",
+                                        "muon_nesterov": False}})
+    args = config.from_dict(OptimArgs, config.migrate(saved).optim)
+    assert args.muon == MuonArgs(lr=0.02, ns_dtype="fp32", nesterov=False)
+
+
 # --- sharded runs against one process ---------------------------------------------------------
 
 @pytest.fixture(scope="module")

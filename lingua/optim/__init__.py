@@ -1,9 +1,8 @@
 """The optimizers (OPTIMIZERS: a file each, adamw.py and muon.py, with its OptimizerSpec, spec.py),
 their shared settings optim.*, and the learning-rate schedules researchers usually compare."""
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from functools import partial
 
 import torch
@@ -37,10 +36,9 @@ class SharedOptimArgs:
 
 
 # `optim.*`: the shared settings, then each optimizer's own section (optim.muon.*) from OPTIMIZERS.
-OptimArgs = dataclasses.make_dataclass(
-    "OptimArgs", [(name, spec.args, field(default_factory=spec.args))
-                  for name, spec in OPTIMIZERS.items() if spec.args is not None],
-    bases=(SharedOptimArgs,), namespace={"__module__": __name__})
+OptimArgs = make_dataclass("OptimArgs", [(name, spec.args, field(default_factory=spec.args))
+                                         for name, spec in OPTIMIZERS.items() if spec.args],
+                           bases=(SharedOptimArgs,), namespace={"__module__": __name__})
 
 
 def validate_args(args: OptimArgs, steps: int) -> None:

@@ -1,6 +1,5 @@
-"""AdamW (torch's, fused where the device has one) with weight-decay groups: optim.name=adamw,
-and the half of Muon's optimizer that trains what is not a block's matrix. Its settings are the
-shared optim.lr, beta1, beta2, eps and weight_decay: it has no section of its own."""
+"""AdamW (torch's, fused where the device has one) with weight-decay groups: optim.name=adamw, and
+Muon's optimizer for the rest. Its settings are optim.lr, beta1, beta2, eps and weight_decay."""
 
 import torch
 from torch import nn

@@ -7,9 +7,8 @@ from typing import Callable, Optional
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    build: Callable     # (model part, OptimArgs, fused) -> its torch.optim.Optimizer
-    # The planner's memory rule: (a rank's parts, parallelised on meta; OptimArgs) -> (bytes of
-    # state kept all run, bytes of workspace held only during the step, after the activations).
+    build: Callable         # (model part, OptimArgs, fused) -> its torch.optim.Optimizer
+    # The planner's rule: (a rank's parts on meta, OptimArgs) -> (state, step's workspace) bytes
     state_bytes: Callable
     label: str                      # the planner's row; "{only}" takes ", trainable only"
     args: Optional[type] = None     # its own section optim.<name>.*, a dataclass
