@@ -46,7 +46,8 @@ def validate_args(args: OptimArgs, steps: int) -> None:
         raise ConfigError(f"optim.name={args.name!r} is unknown: use one of "
                           f"{', '.join(OPTIMIZERS)} (muon: Muon for the transformer blocks' "
                           f"matrices, AdamW for the rest).")
-    OPTIMIZERS[args.name].validate(args)
+    for spec in OPTIMIZERS.values():   # unused sections too: a bad value never waits for its run
+        spec.validate(args)
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise ConfigError(f"optim.lr={args.lr} must be a positive finite number, e.g. "
                           f"optim.lr=3e-4.")
