@@ -35,6 +35,7 @@ from lingua import checkpoint, optim
 from lingua.checkpoint import integrity
 from lingua.models.llama.model import LlamaArgs, Transformer
 from lingua.observe import metrics
+from lingua.optim import adamw
 
 MODES = ("sync", "async", "none")
 
@@ -46,7 +47,7 @@ class Trainer:
     def __init__(self, args: LlamaArgs, dtype: str, batch: int, seq_len: int):
         torch.manual_seed(0)
         self.model = Transformer(args)
-        self.optimizer = torch.optim.AdamW(optim.param_groups(self.model, 0.1), lr=1e-4,
+        self.optimizer = torch.optim.AdamW(adamw.param_groups(self.model, 0.1), lr=1e-4,
                                            fused=True)
         self.tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1))
         self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16,

@@ -14,7 +14,7 @@ other work on a shared machine):
 Prints each, the ratios Muon / AdamW, Newton-Schulz's FLOPs per step and the rate they ran at,
 and this CPU's model and bf16 flags (Newton-Schulz runs in bf16 by default whatever the model
 dtype, as torch.optim.Muon does: on a CPU without avx512_bf16/amx_bf16 that bf16 is emulated and
-slow; --ns-dtype fp32 is optim.muon_ns_dtype=fp32).
+slow; --ns-dtype fp32 is optim.muon.ns_dtype=fp32).
 """
 
 import argparse
@@ -28,7 +28,7 @@ from llama_cpu import SHAPE, cpu_description, median  # run as python benchmarks
 from lingua import optim
 from lingua.models.llama.model import LlamaArgs, Transformer
 from lingua.observe import metrics
-from lingua.optim.muon import muon_flops, split_params
+from lingua.optim.muon import MuonArgs, muon_flops, split_params
 
 
 def timed(fn) -> tuple:
@@ -81,7 +81,7 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--ns-dtype", choices=["bf16", "fp32"], default="bf16",
-                        help="optim.muon_ns_dtype (bf16: torch.optim.Muon's)")
+                        help="optim.muon.ns_dtype (bf16: torch.optim.Muon's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's). On a shared machine 1 thread keeps "
                              "other load from stalling OpenMP barriers, which hits Newton-Schulz's "
@@ -97,8 +97,8 @@ def main():
     base = Transformer(args)
     models = {name: copy.deepcopy(base) for name in ("adamw", "muon")}
     total = 10_000  # far beyond the run: the lr stays near its peak
-    optimizers = {name: optim.Optimizers([m], optim.OptimArgs(name=name, warmup=0,
-                                                              muon_ns_dtype=cli.ns_dtype),
+    muon_args = MuonArgs(ns_dtype=cli.ns_dtype)
+    optimizers = {name: optim.Optimizers([m], optim.OptimArgs(name=name, warmup=0, muon=muon_args),
                                          total, torch.device("cpu")) for name, m in models.items()}
     tokens = torch.randint(0, args.vocab_size, (cli.batch, cli.seq_len + 1))
     muon_params = [p for _, p in split_params(base)[0]]

@@ -57,14 +57,17 @@ def _unalias(override: str) -> str:
 # a run directory's config.yaml that has it is read under the new name (`migrate`).
 _SPIKE_KEYS = ("on", "rule", "factor", "sigmas", "window", "warmup", "skip_before", "skip_after",
                "max_rollbacks", "max_skips")
+_MUON_KEYS = ("lr", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "ns_dtype")
 MOVED = {"optim.spike": "spikes.policy", "logging.spike_factor": "spikes.factor",
          "logging.spike_window": "spikes.window",
-         **{f"optim.spike_{k}": f"spikes.{k}" for k in _SPIKE_KEYS}}
+         **{f"optim.spike_{k}": f"spikes.{k}" for k in _SPIKE_KEYS},
+         **{f"optim.muon_{k}": f"optim.muon.{k}" for k in _MUON_KEYS}}
 
 
 def _moved_error(key: str) -> ConfigError:
-    return ConfigError(f"{key} was moved to {MOVED[key]} (the `spikes` section: "
-                       f"docs/training.md, \"Loss spikes\"). Write {MOVED[key]}=... instead.")
+    new = MOVED[key]
+    return ConfigError(f"{key} was moved to {new} (the `{new.rpartition('.')[0]}` section). "
+                       f"Write {new}=... instead.")
 
 
 def migrate(saved: DictConfig) -> DictConfig:

@@ -235,7 +235,7 @@ def test_resume_on_nccl_skips_a_checkpoint_damaged_in_rank_1s_share(corpus, tmp_
 def test_muon_under_fsdp2_x_tp2_on_nccl_matches_one_gpu(corpus, tmp_path):
     """Muon's strided shards (FSDP2 over TP's column-parallel weights) orthogonalised through
     all-to-alls on NCCL, where gloo all-gathers instead (lingua/optim/muon.py)."""
-    muon = ["optim.name=muon", "optim.muon_ns_dtype=fp32"]
+    muon = ["optim.name=muon", "optim.muon.ns_dtype=fp32"]
     one = tmp_path / "one"
     train.main(tiny_args(corpus, one, *muon, steps=5))
     four = tmp_path / "four"

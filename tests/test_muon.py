@@ -24,8 +24,8 @@ import torch
 
 from lingua import optim
 from lingua.errors import ConfigError
-from lingua.optim import OptimArgs, lr_factor
-from lingua.optim.muon import MuonAdamW, split_params
+from lingua.optim import OptimArgs, adamw, lr_factor
+from lingua.optim.muon import MuonAdamW, MuonArgs, split_params
 from tests.conftest import run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent, assert_resumed, read_rows
 
@@ -35,7 +35,7 @@ MUON = ["optim.name=muon"]
 # differs from one process's in its last fp32 bit (the order of a sharded sum) can round to
 # another bf16 value, and after 5 steps losses and norms differ by up to ~1e-4 instead of ~1e-7.
 # The sharding code is the same in both; test_bf16_sharded_run_tracks_one_process covers bf16.
-MUON_FP32 = ["optim.name=muon", "optim.muon_ns_dtype=fp32"]
+MUON_FP32 = ["optim.name=muon", "optim.muon.ns_dtype=fp32"]
 # Measured: <= 7e-5 after 5 steps; the local-shard mutant is off by 2e-3 at step 2.
 BF16_RTOL = 5e-4
 MUTANT = "local_shards_only"
@@ -92,9 +92,9 @@ def test_one_process_equals_torch_muon_plus_adamw(adjust, nesterov, fused):
     """optim.Optimizers (one MuonAdamW + LambdaLR) against torch.optim.Muon on the Muon
     parameters and torch.optim.AdamW on the rest, each with the same schedule: bit-equal."""
     total = 6
-    args = OptimArgs(name="muon", lr=1e-2, muon_lr=2e-2, weight_decay=0.1, warmup=2,
-                     scheduler="cosine", muon_momentum=0.9, muon_nesterov=nesterov,
-                     muon_adjust_lr_fn=adjust, fused=fused)
+    args = OptimArgs(name="muon", lr=1e-2, weight_decay=0.1, warmup=2, scheduler="cosine",
+                     fused=fused, muon=MuonArgs(lr=2e-2, momentum=0.9, nesterov=nesterov,
+                                                adjust_lr_fn=adjust))
     ours_model = tiny_llama()
     ref_model = copy.deepcopy(ours_model)
     ours = optim.Optimizers([ours_model], args, total, torch.device("cpu"))
@@ -102,10 +102,10 @@ def test_one_process_equals_torch_muon_plus_adamw(adjust, nesterov, fused):
 
     muon_names = {n for n, _ in split_params(ref_model)[0]}
     named = dict(ref_model.named_parameters())
-    ref_muon = torch.optim.Muon([named[n] for n in sorted(muon_names)], lr=args.muon_lr,
-                                weight_decay=args.weight_decay, momentum=args.muon_momentum,
+    ref_muon = torch.optim.Muon([named[n] for n in sorted(muon_names)], lr=args.muon.lr,
+                                weight_decay=args.weight_decay, momentum=args.muon.momentum,
                                 nesterov=nesterov, adjust_lr_fn=adjust)
-    ref_adamw = torch.optim.AdamW(optim.param_groups([p for n, p in named.items()
+    ref_adamw = torch.optim.AdamW(adamw.param_groups([p for n, p in named.items()
                                                       if n not in muon_names],
                                                      args.weight_decay),
                                   lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
@@ -200,19 +200,34 @@ def test_state_dict_round_trip_continues_exactly():
 
 @pytest.mark.parametrize("override,needle", [
     ("optim.name=sgd", "optim.name='sgd'"),
-    ("optim.muon_adjust_lr_fn=rms", "optim.muon_adjust_lr_fn='rms'"),
-    ("optim.muon_momentum=1.0", "optim.muon_momentum=1.0"),
-    ("optim.muon_ns_steps=0", "optim.muon_ns_steps=0"),
-    ("optim.muon_lr=-0.02", "optim.muon_lr=-0.02"),
-    ("optim.muon_ns_dtype=fp16", "optim.muon_ns_dtype='fp16'"),
+    ("optim.muon.adjust_lr_fn=rms", "optim.muon.adjust_lr_fn='rms'"),
+    ("optim.muon.momentum=1.0", "optim.muon.momentum=1.0"),
+    ("optim.muon.ns_steps=0", "optim.muon.ns_steps=0"),
+    ("optim.muon.lr=-0.02", "optim.muon.lr=-0.02"),
+    ("optim.muon.ns_dtype=fp16", "optim.muon.ns_dtype='fp16'"),
+    # The flat keys before Muon had its own section: refused, naming the new key.
+    ("optim.muon_lr=0.02", "optim.muon_lr was moved to optim.muon.lr"),
+    ("optim.muon_ns_dtype=fp32", "Write optim.muon.ns_dtype=... instead"),
 ])
 def test_bad_optimizer_settings_are_refused(corpus, tmp_path, override, needle):
     from apps.llama import train
 
     with pytest.raises(ConfigError, match=re.escape(needle)) as err:
         train.load_config(tiny_args(corpus, tmp_path / "x", *MUON, override))
-    assert "use" in str(err.value) or "must" in str(err.value)  # and it says what to set
+    assert any(w in str(err.value) for w in ("use", "must", "Write"))  # and it says what to set
     assert not (tmp_path / "x").exists()
+
+
+def test_a_run_directory_with_the_flat_muon_keys_reads_under_the_nested_ones():
+    """config.yaml of a run from before optim.muon.*: lingua.config.migrate moves its keys."""
+    from omegaconf import OmegaConf
+
+    from lingua import config
+
+    saved = OmegaConf.create({"optim": {"name": "muon", "muon_lr": 0.02, "muon_ns_dtype": "fp32",
+                                        "muon_nesterov": False}})
+    args = config.from_dict(OptimArgs, config.migrate(saved).optim)
+    assert args.muon == MuonArgs(lr=0.02, ns_dtype="fp32", nesterov=False)
 
 
 # --- sharded runs against one process ---------------------------------------------------------

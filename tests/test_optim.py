@@ -5,7 +5,7 @@ import torch
 
 from lingua import optim
 from lingua.errors import ConfigError
-from lingua.optim import OptimArgs, lr_factor
+from lingua.optim import OptimArgs, adamw, lr_factor
 
 
 def test_warmup_is_linear_then_each_schedule_reaches_its_end():
@@ -31,7 +31,7 @@ def test_cosine_midpoint_and_wsd_plateau():
 def test_weight_decay_groups_split_matrices_from_vectors():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.LayerNorm(4),
                                 torch.nn.Linear(4, 3))
-    decay, no_decay = optim.param_groups(model, 0.1)
+    decay, no_decay = adamw.param_groups(model, 0.1)
     assert {p.shape for p in decay["params"]} == {torch.Size([10, 4]), torch.Size([3, 4])}
     assert {p.ndim for p in no_decay["params"]} == {1}
     assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
@@ -82,3 +82,43 @@ def test_scheduler_position_restores_into_a_different_number_of_groups():
     other.step()
     one.step()
     assert other.lr == pytest.approx(one.lr)
+
+
+def test_a_registered_optimizer_trains_and_the_planner_counts_it_by_its_rule(corpus, tmp_path,
+                                                                             monkeypatch):
+    """The optimizer seam: SGD with momentum, registered in OPTIMIZERS from here as a new file's
+    line would register it, trains the debug llama for 2 steps through the real trainer, and
+    `lingua.plan` counts its state by its own rule (one fp32 buffer a parameter, not AdamW's two)
+    under its own label."""
+    from apps.llama import train
+    from lingua.launch import plan as planner
+    from lingua.models.llama.model import Transformer
+    from lingua.optim.spec import OptimizerSpec
+    from tests.conftest import read_metrics, tiny_args
+
+    built = []
+
+    def build(part, args, fused):
+        built.append(torch.optim.SGD(adamw.param_groups(part, args.weight_decay), lr=args.lr,
+                                     momentum=args.beta1))
+        return built[-1]
+
+    def state_bytes(parts, args):
+        return adamw.local_bytes(p for part in parts for p in part.parameters()), 0
+
+    monkeypatch.setitem(optim.OPTIMIZERS, "sgd_momentum", OptimizerSpec(
+        build=build, state_bytes=state_bytes, label="SGD momentum (1 x fp32{only})"))
+    train.main(tiny_args(corpus, tmp_path / "run", "optim.name=sgd_momentum", steps=2))
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    [sgd] = built   # the trainer stepped the optimizer the spec built: every buffer is there
+    assert all("momentum_buffer" in sgd.state[p] for g in sgd.param_groups for p in g["params"])
+
+    p = planner.plan("apps.llama.train", [f"data.root={corpus}", "data.prepare_embedded=false",
+                                          f"dump_dir={tmp_path / 'plan'}",
+                                          "optim.name=sgd_momentum"], 1, device_type="cpu")
+    with torch.device("meta"):
+        model = Transformer(p.args.model)
+    assert p.busiest.optim == sum(4 * t.numel() for t in model.parameters())
+    assert p.busiest.optim_workspace == 0
+    assert "SGD momentum (1 x fp32)" in planner.format_plan(p)

@@ -223,7 +223,7 @@ def test_process_groups_and_muon_state_are_the_trainers(corpus, tmp_path):
         matrices = split_params(Transformer(muon.args.model))[0]
     assert adamw.optim - muon.busiest.optim == sum(4 * p.numel() for _, p in matrices)
     largest = max(p.numel() for _, p in matrices)
-    assert muon.busiest.ns_workspace == 6 * largest * 2   # bf16 Newton-Schulz
+    assert muon.busiest.optim_workspace == 6 * largest * 2   # bf16 Newton-Schulz
     assert "Newton-Schulz" in planner.format_plan(muon)
 
 

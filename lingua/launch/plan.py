@@ -16,7 +16,7 @@ Memory of a rank (lingua.launch.plan_memory):
   parameters   local shards as stored, plus the buffers (RoPE tables, expert bias);
   gradients    the same shapes and dtype, of the trainable parameters only (a frozen weight,
                LoRA's base, has no gradient and no optimizer state);
-  optimizer    AdamW: two moments of each trainable local parameter in its dtype;
+  optimizer    its OptimizerSpec.state_bytes (AdamW: two moments of each trainable local shard);
   FSDP buffers compute-dtype copies FSDP gathers: the root unit (kept for the whole step) and
                two blocks in flight (every block with reshard_after_forward=false), plus the
                unsharded gradients of the root and one block and its fp32 reduce-scatter input;
@@ -52,6 +52,7 @@ from lingua.launch import run
 from lingua.launch.plan_memory import RankPlan, quiet, rank_plan
 from lingua.model.moe import moe_layers
 from lingua.observe import metrics
+from lingua.optim import OPTIMIZERS
 from lingua.parallel import distributed, pipeline
 from lingua.train import app as app_checks
 
@@ -333,12 +334,13 @@ def _count(n: float) -> str:
 
 
 def _beside_the_peak(p: Plan, fmt, unit: str) -> list:
-    """Lines on what the busiest rank needs besides its peak: Muon's workspace (its optimizer
-    step runs once the activations are freed) and its process groups."""
+    """Lines on what the busiest rank needs besides its peak: the optimizer's workspace (its step
+    runs once the activations are freed) and its process groups."""
     b, lines = p.busiest, []
-    if b.ns_workspace:
-        lines.append(f"  (Muon's Newton-Schulz at the optimizer step, once activations are freed: "
-                     f"{fmt(b.ns_workspace)} {unit} a rank)")
+    if b.optim_workspace:
+        what = OPTIMIZERS[p.args.optim.name].workspace_label
+        lines.append(f"  ({what} at the optimizer step, once activations are freed: "
+                     f"{fmt(b.optim_workspace)} {unit} a rank)")
     if p.world_size > 1:
         lines.append(f"  process groups a rank joins: {b.process_groups}, the default one included "
                      f"(one NCCL communicator each; a set of ranks that another group or a size-1 "
@@ -353,8 +355,7 @@ def _memory_rows(p: Plan, shown: list, e_name: str) -> list:
     rows = [("parameters (fp32 shards + buffers)" if e_name == "bf16" else "parameters (+ buffers)",
              lambda r: r.params + r.buffers),
             ("gradients (trainable only)" if only else "gradients", lambda r: r.grads),
-            (f"AdamW moments (2 x fp32{only})" if a.optim.name != "muon"
-             else f"optimizer state (Muon 1x, AdamW 2x{only})", lambda r: r.optim)]
+            (OPTIMIZERS[a.optim.name].label.format(only=only), lambda r: r.optim)]
     if any(r.fsdp for r in shown):
         what = "float8 weights, " if d.float8 == "tensorwise" else ""
         rows.append((f"FSDP gathered ({what}{e_name} root + 2 blocks)", lambda r: r.fsdp))

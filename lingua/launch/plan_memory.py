@@ -4,7 +4,6 @@ process group at its world size, its local shards read off, and the activation e
 import contextlib
 import dataclasses
 import logging
-import math
 import warnings
 from dataclasses import dataclass
 from typing import List
@@ -21,6 +20,7 @@ from lingua.launch.plan_activations import (
     output_activation_bytes,
 )
 from lingua.model.moe import moe_layers
+from lingua.optim import OPTIMIZERS
 from lingua.parallel import distributed, groups
 from lingua.parallel.distributed import DistEnv
 from lingua.train import build
@@ -44,7 +44,7 @@ class RankPlan:
     activations: int
     offloaded: int = 0       # params + grads + optimizer state in host memory (cpu_offload)
     process_groups: int = 1  # groups it joins, the default one included
-    ns_workspace: int = 0    # Muon's Newton-Schulz at the optimizer step (after activations)
+    optim_workspace: int = 0  # the optimizer step's (Muon's Newton-Schulz), after activations
     float8: int = 0          # float8 casts of one block's converted weights, and their scales
 
     @property
@@ -209,24 +209,8 @@ def rank_plan(args, app, dims, rank: int, n_mb: int, microbatch: int,
                                float8_gathers)
         if world > 1:   # the trainer's groups, built by the trainer's own code just now
             one.process_groups = groups.created() + int(args.checkpoint.async_save)
-        one.optim, one.ns_workspace = _optimizer_bytes(args, parts, one.optim)
         one.float8 = _float8_cast_bytes(parts)
         return one, flight
-
-
-def _optimizer_bytes(args, parts, adamw_bytes: int) -> tuple:
-    """(optimizer state, Muon's Newton-Schulz workspace) in bytes. AdamW keeps two moments a
-    parameter; Muon one for its matrices, and orthogonalises one whole matrix at a time: about 6
-    of the largest (sent and received stack, iterate, Gram matrix, polynomial, result)."""
-    if args.optim.name != "muon" or adamw_bytes == 0:   # 0: offloaded to host memory
-        return adamw_bytes, 0
-    from lingua.optim.muon import NS_DTYPES, matrix_shape, split_params
-
-    muon = [p for part in parts for _, p in split_params(part)[0]]
-    muon_bytes = sum(_local(p).nbytes for p in muon)
-    largest = max((math.prod(matrix_shape(p)) for p in muon), default=0)
-    ns_bytes = torch.empty((), dtype=NS_DTYPES[args.optim.muon_ns_dtype]).element_size()
-    return adamw_bytes - muon_bytes, 6 * largest * ns_bytes
 
 
 def _block_bytes(block, shape, mode: str, e: int, tp: int, fp32_residual: bool,
@@ -278,11 +262,12 @@ def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch,
     activations = int(act * tokens)
     trainable = [t for p, t in zip(params, locals_) if p.requires_grad]
     grads = sum(t.nbytes for t in trainable)
-    optim, offloaded = 2 * grads, 0
-    if d.cpu_offload:
-        offloaded, param_bytes, grads, optim = param_bytes + grads + optim, 0, 0, 0
+    optim, workspace = OPTIMIZERS[args.optim.name].state_bytes(parts, args.optim)
+    offloaded = 0
+    if d.cpu_offload:   # the optimizer steps in host memory: its workspace is there too
+        offloaded, param_bytes, grads, optim, workspace = param_bytes + grads + optim, 0, 0, 0, 0
     return RankPlan(rank=rank, pp_rank=pp_rank, stages=list(stage_ids), layers=layer_ids,
                     n_params=n_local, n_trainable=sum(t.numel() for t in trainable),
                     params=param_bytes, grads=grads, optim=optim,
                     buffers=buffer_bytes, fsdp=fsdp, autocast=autocast, activations=activations,
-                    offloaded=offloaded), flight
+                    offloaded=offloaded, optim_workspace=workspace), flight

@@ -1,25 +1,23 @@
-"""The optimizer (AdamW, or Muon for the blocks' matrices with AdamW for the rest:
-lingua/optim/muon.py) with weight-decay groups, and the learning-rate schedules researchers usually
-compare."""
+"""The optimizers (OPTIMIZERS: a file each, adamw.py and muon.py, with its OptimizerSpec, spec.py),
+their shared settings optim.*, and the learning-rate schedules researchers usually compare."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from functools import partial
-from typing import Optional
 
 import torch
-from torch import nn
 
 from lingua.errors import ConfigError
+from lingua.optim import adamw, muon
 
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = {"adamw": adamw.SPEC, "muon": muon.SPEC}
 
 
 @dataclass
-class OptimArgs:
-    # adamw, or muon: Muon for the transformer blocks' matrices, AdamW (the settings below) for
-    # embeddings, the output projection, norms and biases (lingua/optim/muon.py).
+class SharedOptimArgs:
+    # A key of OPTIMIZERS: adamw, or muon: Muon for the transformer blocks' matrices, AdamW (the
+    # settings below) for embeddings, the output projection, norms and biases.
     name: str = "adamw"
     lr: float = 3e-4
     weight_decay: float = 0.1
@@ -35,23 +33,21 @@ class OptimArgs:
     # A NaN/Inf gradient norm: "skip" the update (counted in metrics as nonfinite_steps; the lr
     # schedule and data move on) or "stop" after saving the state from before that step.
     nonfinite: str = "stop"
-    # Muon (optim.name=muon), as torch.optim.Muon names them; weight_decay and the schedule
-    # apply too. muon_lr: Muon's peak lr, null = optim.lr, which suits match_rms_adamw; with
-    # muon_adjust_lr_fn=original use about 0.02.
-    muon_lr: Optional[float] = None
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: int = 5          # Newton-Schulz iterations
-    muon_adjust_lr_fn: str = "match_rms_adamw"   # match_rms_adamw | original
-    # Newton-Schulz in bf16 (torch.optim.Muon's) or fp32 (for CPUs that emulate bf16).
-    muon_ns_dtype: str = "bf16"
+
+
+# `optim.*`: the shared settings, then each optimizer's own section (optim.muon.*) from OPTIMIZERS.
+OptimArgs = make_dataclass("OptimArgs", [(name, spec.args, field(default_factory=spec.args))
+                                         for name, spec in OPTIMIZERS.items() if spec.args],
+                           bases=(SharedOptimArgs,), namespace={"__module__": __name__})
 
 
 def validate_args(args: OptimArgs, steps: int) -> None:
     if args.name not in OPTIMIZERS:
-        raise ConfigError(f"optim.name={args.name!r} is unknown: use adamw, or muon (Muon for the "
-                          f"transformer blocks' matrices, AdamW for the rest).")
-    validate_muon_args(args)
+        raise ConfigError(f"optim.name={args.name!r} is unknown: use one of "
+                          f"{', '.join(OPTIMIZERS)} (muon: Muon for the transformer blocks' "
+                          f"matrices, AdamW for the rest).")
+    for spec in OPTIMIZERS.values():   # unused sections too: a bad value never waits for its run
+        spec.validate(args)
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise ConfigError(f"optim.lr={args.lr} must be a positive finite number, e.g. "
                           f"optim.lr=3e-4.")
@@ -71,29 +67,6 @@ def validate_args(args: OptimArgs, steps: int) -> None:
     for key in ("warmup", "weight_decay"):
         if getattr(args, key) < 0:
             raise ConfigError(f"optim.{key}={getattr(args, key)} must be 0 or more.")
-
-
-def validate_muon_args(args: OptimArgs) -> None:
-    from lingua.optim.muon import ADJUST_LR_FNS, NS_DTYPES
-
-    if args.muon_lr is not None and not (args.muon_lr > 0 and math.isfinite(args.muon_lr)):
-        raise ConfigError(f"optim.muon_lr={args.muon_lr} must be a positive finite number (e.g. "
-                          f"optim.muon_lr=0.02 with optim.muon_adjust_lr_fn=original), or null "
-                          f"to use optim.lr.")
-    if not 0 <= args.muon_momentum < 1:
-        raise ConfigError(f"optim.muon_momentum={args.muon_momentum} must lie in [0, 1), e.g. "
-                          f"optim.muon_momentum=0.95.")
-    if not 1 <= args.muon_ns_steps <= 99:
-        raise ConfigError(f"optim.muon_ns_steps={args.muon_ns_steps} must lie in [1, 99] "
-                          f"(Newton-Schulz iterations; 5 is the usual).")
-    if args.muon_adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ConfigError(f"optim.muon_adjust_lr_fn={args.muon_adjust_lr_fn!r} is unknown: use "
-                          f"match_rms_adamw (Muon's update at AdamW's RMS: optim.lr carries "
-                          f"over) or original (Keller Jordan's sqrt(max(1, out/in)) scaling: set "
-                          f"optim.muon_lr to about 0.02).")
-    if args.muon_ns_dtype not in NS_DTYPES:
-        raise ConfigError(f"optim.muon_ns_dtype={args.muon_ns_dtype!r} is unknown: use bf16 "
-                          f"(torch.optim.Muon's) or fp32 (for a CPU without avx512_bf16/amx).")
 
 
 def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
@@ -116,47 +89,13 @@ def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
     return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(model, weight_decay: float) -> list:
-    """Decay matrices, not vectors (norm gains, biases). Parameters on different meshes (or
-    none) go into separate groups: a fused kernel takes one kind per call. `model`: a module, or
-    a list of parameters."""
-    groups = {}
-    for param in (model.parameters() if isinstance(model, nn.Module) else model):
-        if param.requires_grad:
-            decay = param.ndim >= 2
-            mesh = getattr(param, "device_mesh", None)
-            key = (decay, None if mesh is None else mesh.mesh_dim_names)
-            groups.setdefault(key, {"params": [], "weight_decay": weight_decay if decay else 0.0})
-            groups[key]["params"].append(param)
-    return sorted(groups.values(), key=lambda g: -g["weight_decay"])
-
-
-def build_optimizer(part: nn.Module, args: OptimArgs, fused: bool) -> torch.optim.Optimizer:
-    """The optimizer of one model part: AdamW, or MuonAdamW (Muon's and AdamW's groups)."""
-    if args.name == "adamw":
-        return torch.optim.AdamW(param_groups(part, args.weight_decay), lr=args.lr,
-                                 betas=(args.beta1, args.beta2), eps=args.eps, fused=fused)
-    from lingua.optim.muon import MuonAdamW, split_params
-
-    muon, adamw = split_params(part)
-    muon_lr = args.lr if args.muon_lr is None else args.muon_lr
-    # One Muon group per mesh, like the AdamW groups (param_groups): weight decay on all.
-    muon_groups = [dict(g, lr=muon_lr)
-                   for g in param_groups([p for _, p in muon], args.weight_decay)]
-    return MuonAdamW(param_groups([p for _, p in adamw], args.weight_decay), muon_groups,
-                     lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps, fused=fused,
-                     momentum=args.muon_momentum, nesterov=args.muon_nesterov,
-                     ns_steps=args.muon_ns_steps, adjust_lr_fn=args.muon_adjust_lr_fn,
-                     ns_dtype=args.muon_ns_dtype)
-
-
 class Optimizers:
     """The optimizer + lr schedule of each model part (a pipeline rank may hold several),
     stepped together; one per part keeps each part's state keyed by its own parameter names."""
 
     def __init__(self, parts: list, args: OptimArgs, total_steps: int, device: torch.device):
         fused = args.fused and device.type in ("cuda", "cpu")
-        self.optimizers = [build_optimizer(part, args, fused) for part in parts]
+        self.optimizers = [OPTIMIZERS[args.name].build(part, args, fused) for part in parts]
         schedule = partial(lr_factor, args=args, total_steps=total_steps)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.optimizers]
 

@@ -32,6 +32,8 @@ all-to-all: correct, not cheaper.
 import functools
 import itertools
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -49,9 +51,49 @@ from torch.optim._muon import (
     _zeropower_via_newtonschulz,
 )
 
+from lingua.errors import ConfigError
+from lingua.optim.adamw import local_bytes, param_groups
+from lingua.optim.adamw import state_bytes as adamw_state_bytes
+from lingua.optim.spec import OptimizerSpec
+
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class MuonArgs:
+    """optim.muon.*, as torch.optim.Muon names them; weight decay and schedule are optim.*'s."""
+    # Muon's peak lr: null = optim.lr, which suits match_rms_adamw; with original use about 0.02.
+    lr: Optional[float] = None
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5                       # Newton-Schulz iterations
+    adjust_lr_fn: str = "match_rms_adamw"   # match_rms_adamw | original
+    # Newton-Schulz in bf16 (torch.optim.Muon's) or fp32 (for CPUs that emulate bf16).
+    ns_dtype: str = "bf16"
+
+
+def validate(optim_args) -> None:
+    args = optim_args.muon
+    if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ConfigError(f"optim.muon.lr={args.lr} must be a positive finite number (e.g. "
+                          f"optim.muon.lr=0.02 with optim.muon.adjust_lr_fn=original), or null "
+                          f"to use optim.lr.")
+    if not 0 <= args.momentum < 1:
+        raise ConfigError(f"optim.muon.momentum={args.momentum} must lie in [0, 1), e.g. "
+                          f"optim.muon.momentum=0.95.")
+    if not 1 <= args.ns_steps <= 99:
+        raise ConfigError(f"optim.muon.ns_steps={args.ns_steps} must lie in [1, 99] "
+                          f"(Newton-Schulz iterations; 5 is the usual).")
+    if args.adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ConfigError(f"optim.muon.adjust_lr_fn={args.adjust_lr_fn!r} is unknown: use "
+                          f"match_rms_adamw (Muon's update at AdamW's RMS: optim.lr carries "
+                          f"over) or original (Keller Jordan's sqrt(max(1, out/in)) scaling: set "
+                          f"optim.muon.lr to about 0.02).")
+    if args.ns_dtype not in NS_DTYPES:
+        raise ConfigError(f"optim.muon.ns_dtype={args.ns_dtype!r} is unknown: use bf16 "
+                          f"(torch.optim.Muon's) or fp32 (for a CPU without avx512_bf16/amx).")
 
 
 def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float,
@@ -320,3 +362,32 @@ def muon_flops(params: list, steps: int = 5) -> float:
         count = p.shape[0] if p.ndim == 3 else 1
         total += count * steps * (4 * m * m * n + 2 * m ** 3)
     return total
+
+
+def build(part: nn.Module, optim_args, fused: bool) -> torch.optim.Optimizer:
+    args = optim_args.muon
+    muon, rest = split_params(part)
+    muon_lr = optim_args.lr if args.lr is None else args.lr
+    # One Muon group per mesh, like the AdamW groups (adamw.param_groups): weight decay on all.
+    muon_groups = [dict(g, lr=muon_lr)
+                   for g in param_groups([p for _, p in muon], optim_args.weight_decay)]
+    return MuonAdamW(param_groups([p for _, p in rest], optim_args.weight_decay), muon_groups,
+                     lr=optim_args.lr, betas=(optim_args.beta1, optim_args.beta2),
+                     eps=optim_args.eps, fused=fused, momentum=args.momentum,
+                     nesterov=args.nesterov, ns_steps=args.ns_steps,
+                     adjust_lr_fn=args.adjust_lr_fn, ns_dtype=args.ns_dtype)
+
+
+def state_bytes(parts, optim_args) -> tuple:
+    """One momentum buffer for Muon's matrices, AdamW's two moments for the rest; Newton-Schulz
+    takes one whole matrix at a time: about 6 of the largest (sent and received stack, iterate,
+    Gram matrix, polynomial, result)."""
+    muon = [p for part in parts for _, p in split_params(part)[0]]
+    largest = max((math.prod(matrix_shape(p)) for p in muon), default=0)
+    ns_bytes = torch.empty((), dtype=NS_DTYPES[optim_args.muon.ns_dtype]).element_size()
+    return adamw_state_bytes(parts, optim_args)[0] - local_bytes(muon), 6 * largest * ns_bytes
+
+
+SPEC = OptimizerSpec(build=build, state_bytes=state_bytes, args=MuonArgs, validate=validate,
+                     label="optimizer state (Muon 1x, AdamW 2x{only})",
+                     workspace_label="Muon's Newton-Schulz")
