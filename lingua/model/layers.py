@@ -334,12 +334,13 @@ def softmax_attention(q, k, v, mask=None, scale: Optional[float] = None, sinks=N
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=k.shape[1] != q.shape[1], scale=scale)
-    scores = (q @ k.transpose(-1, -2)).float() * (q.shape[-1] ** -0.5 if scale is None else scale)
+    dtype = torch.promote_types(q.dtype, torch.float32)   # the softmax in at least fp32
+    scores = (q @ k.transpose(-1, -2)).to(dtype) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    out = (torch.softmax(scores, dim=-1) @ v.float()).to(v.dtype)
+    out = (torch.softmax(scores, dim=-1) @ v.to(dtype)).to(v.dtype)
     return with_sinks(out, scores.logsumexp(dim=-1), sinks)
 
 
@@ -354,7 +355,7 @@ _compiled_flex = None
 
 
 def _flex_attention(q, k, v, block_mask, scale=None, sinks=None):
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     global _compiled_flex
     if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
@@ -365,8 +366,9 @@ def _flex_attention(q, k, v, block_mask, scale=None, sinks=None):
     with warnings.catch_warnings():  # "use torch.compile" advice is moot for CPU evaluation
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         out = (_compiled_flex if q.device.type == "cuda" else flex_attention)(
-            q, k, v, block_mask=block_mask, scale=scale, return_lse=sinks is not None)
-    return out if sinks is None else with_sinks(*out, sinks)
+            q, k, v, block_mask=block_mask, scale=scale,
+            return_aux=None if sinks is None else AuxRequest(lse=True))
+    return out if sinks is None else with_sinks(out[0], out[1].lse, sinks)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
