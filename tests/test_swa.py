@@ -129,9 +129,9 @@ def test_the_window_changes_the_loss(corpus, tmp_path, reference):
     """Full causal attention from the same weights and batch: the first step's loss and gradient
     norm far outside assert_equivalent's tolerance, so a layout that lost the window (as cp did
     before the mask seam) fails below."""
-    train.main(tiny_args(corpus, tmp_path / "run", "data.batch_size=8", *MASKED, "model.window=null",
-                         steps=1))
-    got, want = read_rows(tmp_path / "run")[0], read_rows(reference)[0]
+    full = tmp_path / "run"
+    train.main(tiny_args(corpus, full, "data.batch_size=8", *MASKED, "model.window=null", steps=1))
+    got, want = read_rows(full)[0], read_rows(reference)[0]
     for key, factor in (("loss", 10), ("grad_norm", 100)):
         assert abs(got[key] - want[key]) > factor * RTOL * want[key], (key, got[key], want[key])
 
@@ -146,3 +146,15 @@ def test_layout_matches_one_process(corpus, tmp_path, reference, layout):
     dump = tmp_path / "run"
     run_torchrun(2, "apps.swa.train", tiny_args(corpus, dump, *MASKED, *layout, steps=STEPS))
     assert_equivalent(dump, reference)
+
+
+def test_mfu_counts_attention_over_the_window():
+    """FLOPs per token: the core's count with a row's attention cut to the window's keys."""
+    from lingua.observe import metrics
+
+    args = train.load_config(["model.window=16", "data.seq_len=64"], check=False)
+    with torch.device("meta"):
+        model = Transformer(args.model)
+    m = args.model
+    whole = metrics.flops_per_token(model, m.n_layers, m.dim, 64)
+    assert train.flops_per_token(args) == whole - 12 * m.n_layers * m.dim * (64 - 16)

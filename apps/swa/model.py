@@ -39,8 +39,8 @@ from lingua.model.masks import AttentionMask
 class SWAArgs(TransformerArgs):
     """LLaMA's decoder shape plus what this fork's attention sees."""
 
-    window: Optional[int] = 128   # positions each query sees, itself included; null: all before it
-    sink_tokens: int = 0          # first positions of the row every query also sees (needs a window)
+    window: Optional[int] = 128   # positions each query sees, itself included; null: all before
+    sink_tokens: int = 0          # first positions of the row every query also sees (with a window)
     sinks: bool = True            # a learned attention-sink logit per head
 
 

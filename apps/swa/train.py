@@ -8,10 +8,13 @@ this model needs, and its App. No Hugging Face map: the fork is trained and gene
 
 from dataclasses import dataclass, field
 
+import torch
+
 from apps.swa.model import SWAArgs, Transformer, validate_model_args
 from apps.swa.parallelize import parallelize_swa, validate_tp
 from lingua import config
 from lingua.launch import run
+from lingua.observe import metrics
 from lingua.train.app import App
 
 
@@ -35,7 +38,18 @@ def validate_swa(args: TrainArgs) -> None:
                    "window and the sinks would be lost. Use distributed.cp_backend=allgather.")
 
 
-APP = App(model_class=Transformer, parallelize=parallelize_swa, validate_model=validate_swa)
+def flops_per_token(args: TrainArgs) -> float:
+    """lingua's count (6 x parameters, plus attention as if every query saw `seen` keys) with
+    `seen` the window, not the row: MFU stays honest for a windowed model."""
+    m = args.model
+    with torch.device("meta"):
+        model = Transformer(m)
+    seen = min(m.window or args.data.seq_len, args.data.seq_len)
+    return metrics.flops_per_token(model, m.n_layers, m.dim, seen, m.tie_embeddings)
+
+
+APP = App(model_class=Transformer, parallelize=parallelize_swa, validate_model=validate_swa,
+          flops_per_token=flops_per_token)
 
 
 def load_config(argv=None, check: bool = True) -> TrainArgs:
