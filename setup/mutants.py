@@ -78,6 +78,13 @@ MUTANTS = [
            "yield CPBatch(tokens.index_select(1, positions), local_labels, positions)",
            "yield CPBatch(tokens.index_select(1, positions), local_labels, positions + ctx.rank)",
            ("tests/test_context_parallel.py::test_cp_matches_single_process",)),
+    Mutant("cp_mask_ignores_window", "context parallelism masks causally (and by document) "
+           "whatever the model's mask says: a sliding window is lost at cp>1",
+           "lingua/parallel/context_parallel.py",
+           "self.mask = self.spec.dense(positions, torch.arange(seq_len, device=device), doc_ids)",
+           "self.mask = AttentionMask().dense(positions, torch.arange(seq_len, device=device), "
+           "doc_ids)",
+           ("tests/test_swa.py::test_layout_matches_one_process[cp2]",)),
     Mutant("lora_scale", "LoRA's update scaled by alpha / (rank + 1), not alpha / rank",
            "lingua/model/lora.py",
            "self.rank, self.alpha, self.scale = rank, alpha, alpha / rank",

@@ -19,6 +19,9 @@ What the rest of lingua relies on, and a fork keeps (checked at start by `check_
   each layer's `init_weights(std, out_std)` its own weights.
 - every layer is called as `layer(h, rope, mask, cache)` and attends through
   `lingua.model.layers.CoreAttention` (context parallelism swaps it; the probe hooks it).
+- `mask_spec`, a lingua.model.masks.AttentionMask: what attention may see (plain causal unless
+  the model sets another, e.g. a sliding window); every backend and context parallelism build
+  their masks from it.
 """
 
 import math
@@ -39,6 +42,7 @@ from lingua.model.layers import (
     rope_tables,
     validate_transformer_args,
 )
+from lingua.model.masks import AttentionMask
 
 
 class Decoder(nn.Module):
@@ -55,6 +59,7 @@ class Decoder(nn.Module):
             check_attn_backend("xformers", "cuda" if torch.cuda.is_available() else "cpu")
         self.args = args
         self.attn_backend = args.attn_backend  # fixed at construction, like the layers' kernels
+        self.mask_spec = AttentionMask()   # a fork sets its own (apps/swa: a sliding window)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.make_layer(i, args)
                                      for i in range(args.n_layers)})
@@ -102,8 +107,8 @@ class Decoder(nn.Module):
         pos = positions if positions is not None else slice(start, start + seq_len)
         rope = (self.rope_cos[pos], self.rope_sin[pos])
         if cache is not None:
-            return rope, cache.attn_mask(seq_len, device)
-        return rope, make_attn_mask(self.attn_backend, doc_ids, seq_len, device)
+            return rope, cache.attn_mask(seq_len, device, self.mask_spec)
+        return rope, make_attn_mask(self.attn_backend, doc_ids, seq_len, device, self.mask_spec)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and output projection (the tied embedding with tie_embeddings); hidden

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lingua.errors import ConfigError
+from lingua.model.masks import AttentionMask
 
 ATTN_BACKENDS = ("sdpa", "flex", "xformers")
 
@@ -271,74 +272,115 @@ def check_attn_backend(name: str, device_type: str, training: bool = True) -> No
 
 
 @functools.lru_cache(maxsize=32)
-def _causal_block_mask(seq_len: int, device: str):
+def _block_mask(spec: AttentionMask, seq_len: int, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(lambda b, h, q, k: q >= k, None, None, seq_len, seq_len, device=device)
+    return create_block_mask(lambda b, h, q, k: spec.allowed(q, k), None, None, seq_len, seq_len,
+                             device=device)
+
+
+def check_xformers_mask(spec: AttentionMask, sinks: bool = False) -> None:
+    """Raise ConfigError for what xformers' attention biases cannot express."""
+    if not spec.causal or spec.sink_tokens or sinks:
+        raise ConfigError(f"model.attn_backend=xformers cannot apply the model's attention mask "
+                          f"({spec}{', learned sinks' if sinks else ''}): its biases cover causal, "
+                          "document-causal and sliding-window attention only. Use "
+                          "model.attn_backend=flex (or sdpa), which apply any mask.")
 
 
 def make_attn_mask(backend: str, doc_ids: Optional[torch.Tensor], seq_len: int,
-                   device: torch.device):
-    """The mask `attention` needs, built once per forward: causal, and within a document when
-    `doc_ids` [b, s] is given. None (plain causal, sdpa), a boolean [b, 1, s, s] mask (sdpa), a
-    flex BlockMask, or an xformers attention bias."""
+                   device: torch.device, spec: AttentionMask = AttentionMask()):
+    """The mask `attention` needs, built once per forward from the model's `spec` (lingua/model/
+    masks.py), within documents when `doc_ids` [b, s] is given. None (plain causal, sdpa), a
+    boolean [b or 1, 1, s, s] mask (sdpa), a flex BlockMask, or an xformers attention bias."""
     if backend == "sdpa":
-        if doc_ids is None:
+        if doc_ids is None and spec.plain_causal:
             return None
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-        same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-        return (causal & same_doc)[:, None]
+        pos = torch.arange(seq_len, device=device)
+        return spec.dense(pos, pos, doc_ids)
     if backend == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
         if doc_ids is None:
-            return _causal_block_mask(seq_len, str(device))
+            return _block_mask(spec, seq_len, str(device))
 
-        def doc_causal(b, h, q, k):
-            return (q >= k) & (doc_ids[b, q] == doc_ids[b, k])
+        def mask_mod(b, h, q, k):
+            return spec.allowed(q, k, doc_ids[b, q], doc_ids[b, k])
 
-        return create_block_mask(doc_causal, doc_ids.shape[0], None, seq_len, seq_len,
+        return create_block_mask(mask_mod, doc_ids.shape[0], None, seq_len, seq_len,
                                  device=str(device))
     if backend == "xformers":
         check_attn_backend("xformers", torch.device(device).type)
+        check_xformers_mask(spec)
         from xformers.ops import fmha
 
         if doc_ids is None:
-            return fmha.attn_bias.LowerTriangularMask()
+            return (fmha.attn_bias.LowerTriangularMask() if spec.window is None else
+                    fmha.attn_bias.LowerTriangularFromBottomRightLocalAttentionMask(spec.window))
         # A block-diagonal mask over the flattened batch: runs of equal doc id in each row.
         starts = torch.ones_like(doc_ids, dtype=torch.bool)
         starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
         idx = torch.nonzero(starts.flatten()).flatten()
         ends = torch.cat([idx[1:], idx.new_tensor([doc_ids.numel()])])
-        return fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens((ends - idx).tolist())
+        bias = fmha.attn_bias.BlockDiagonalCausalMask.from_seqlens((ends - idx).tolist())
+        return bias if spec.window is None else bias.make_local_attention(spec.window)
     check_attn_backend(backend, torch.device(device).type)  # raises for an unknown name
+
+
+def softmax_attention(q, k, v, mask=None, scale: Optional[float] = None, sinks=None,
+                      causal: bool = False) -> torch.Tensor:
+    """sdpa on q, k, v [b, h, s, d] (mask: boolean, True = attend); with `sinks` [h] written out,
+    as sdpa returns no log-sum-exp, and k, v must have q's heads."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=k.shape[1] != q.shape[1], scale=scale)
+    dtype = torch.promote_types(q.dtype, torch.float32)   # the softmax in at least fp32
+    scores = (q @ k.transpose(-1, -2)).to(dtype) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = (torch.softmax(scores, dim=-1) @ v.to(dtype)).to(v.dtype)
+    return with_sinks(out, scores.logsumexp(dim=-1), sinks)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's attention sinks: a learned logit per head in each softmax's denominator, a key
+    with no value. From the output and log-sum-exp [b, h, s] without it, exactly:
+    out * Z / (Z + e^sink) = out * sigmoid(lse - sink)."""
+    return out * torch.sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
 
 
 _compiled_flex = None
 
 
-def _flex_attention(q, k, v, block_mask, scale=None):
-    from torch.nn.attention.flex_attention import flex_attention
+def _flex_attention(q, k, v, block_mask, scale=None, sinks=None):
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     global _compiled_flex
-    if q.device.type != "cuda":
-        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
-            raise ConfigError(_FLEX_CPU_TRAINING)
-        with warnings.catch_warnings():  # "use torch.compile" advice is moot for CPU evaluation
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
-    if _compiled_flex is None:  # fused kernel on GPU needs compile; eager materializes scores
+    if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+        raise ConfigError(_FLEX_CPU_TRAINING)
+    if q.device.type == "cuda" and _compiled_flex is None:
+        # the fused kernel needs compile; eager materializes the scores (fine for CPU evaluation)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale)
+    with warnings.catch_warnings():  # "use torch.compile" advice is moot for CPU evaluation
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = (_compiled_flex if q.device.type == "cuda" else flex_attention)(
+            q, k, v, block_mask=block_mask, scale=scale,
+            return_aux=None if sinks is None else AuxRequest(lse=True))
+    return out if sinks is None else with_sinks(out[0], out[1].lse, sinks)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
-              mask=None, scale: Optional[float] = None) -> torch.Tensor:
+              mask=None, scale: Optional[float] = None, sinks=None) -> torch.Tensor:
     """q [b, s, h, d], k [b, s, h_kv, d], v [b, s, h_kv, d_v] -> [b, s, h, d_v]; scores scaled by
-    `scale` (None: 1/sqrt(d)). Only sdpa takes fewer k/v heads than q (enable_gqa); the other
-    backends take them repeated (repeat_kv)."""
+    `scale` (None: 1/sqrt(d)); `sinks` [h]: learned attention sinks (`with_sinks`). Only sdpa
+    without sinks takes fewer k/v heads than q (enable_gqa); the rest take them repeated."""
     if backend == "xformers":
         from xformers.ops import memory_efficient_attention
+
+        if sinks is not None:
+            check_xformers_mask(AttentionMask(), sinks=True)
 
         if not isinstance(mask, torch.Tensor) and type(mask).__name__.startswith("BlockDiagonal"):
             b, s = q.shape[:2]
@@ -349,10 +391,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
         return memory_efficient_attention(q, k, v, attn_bias=mask, scale=scale)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if backend == "flex":
-        out = _flex_attention(q, k, v, mask, scale)
+        out = _flex_attention(q, k, v, mask, scale, sinks)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=k.shape[1] != q.shape[1], scale=scale)
+        out = softmax_attention(q, k, v, mask, scale, sinks, causal=mask is None)
     return out.transpose(1, 2)
 
 
@@ -384,12 +425,14 @@ class KVCache:
         cv[:, self.pos:end] = v
         return ck[:, :end], cv[:, :end]
 
-    def attn_mask(self, seq_len: int, device=None) -> Optional[torch.Tensor]:
-        """Boolean [seq_len, pos + seq_len] mask: new query i sees cached keys and new keys <= i."""
-        if seq_len == 1:
+    def attn_mask(self, seq_len: int, device=None,
+                  spec: AttentionMask = AttentionMask()) -> Optional[torch.Tensor]:
+        """Boolean [1, 1, seq_len, pos + seq_len] mask of the new queries against the cached and
+        new keys, by the model's rule at global positions."""
+        if seq_len == 1 and spec.window is None:
             return None  # a single new token sees everything cached: no mask needed
         q_pos = self.pos + torch.arange(seq_len, device=device)
-        return torch.arange(self.pos + seq_len, device=device)[None, :] <= q_pos[:, None]
+        return spec.dense(q_pos, torch.arange(self.pos + seq_len, device=device))
 
 
 class CoreAttention(nn.Module):
@@ -398,21 +441,21 @@ class CoreAttention(nn.Module):
     probe hooks it. Takes q [b, s, h, head_dim] and k, v [b, s, h_kv, head_dim] after RoPE and
     the decoder's mask; repeats k/v to h heads unless the kernel groups them (`grouped_kv_ok`).
     When decoding (KV cache) it runs sdpa with the cache's mask on any backend. `scale` multiplies
-    the scores (None: 1/sqrt(head_dim); MLA's differs), and v's head size may differ from q's."""
+    the scores (None: 1/sqrt(head_dim); MLA's differs), and v's head size may differ from q's.
+    `sinks` [h] (this rank's heads): learned attention sinks, as gpt-oss's (apps/swa)."""
 
     def __init__(self, backend: str = "sdpa", scale: Optional[float] = None):
         super().__init__()
         self.backend, self.scale = backend, scale
 
-    def forward(self, q, k, v, mask=None, decoding: bool = False):
-        if decoding:
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1],
-                scale=self.scale).transpose(1, 2)
-        if k.shape[2] != q.shape[2] and not grouped_kv_ok(self, q, mask):
+    def forward(self, q, k, v, mask=None, decoding: bool = False, sinks=None):
+        grouped = sinks is None and (decoding or grouped_kv_ok(self, q, mask))
+        if k.shape[2] != q.shape[2] and not grouped:
             k, v = repeat_kv(k, v, q.shape[2])
-        return attention(q, k, v, self.backend, mask, self.scale)
+        if decoding:   # the cache's mask; None: one new token sees every cached key
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return softmax_attention(q, k, v, mask, self.scale, sinks).transpose(1, 2)
+        return attention(q, k, v, self.backend, mask, self.scale, sinks)
 
 
 def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:

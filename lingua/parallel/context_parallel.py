@@ -1,8 +1,9 @@
 """Context parallelism (CP): each rank of the cp group holds a slice of every sequence.
 
 Backends (`distributed.cp_backend`): "allgather" (CPU and CUDA, any mask; as in the Llama 3
-paper) all-gathers the keys and values of the whole sequence for the local queries; "ring" (CUDA,
-plain causal only) is torch's `context_parallel` ring attention. For load balance under a causal
+paper) all-gathers the keys and values of the whole sequence for the local queries, masked by the
+model's own rule (`mask_spec`, lingua/model/masks.py) at global positions; "ring" (CUDA, plain
+causal only) is torch's `context_parallel` ring attention. For load balance under a causal
 mask the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r, as torch's ring
 attention does.
 
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lingua.errors import ConfigError
-from lingua.model.layers import CoreAttention, repeat_kv
+from lingua.model.layers import CoreAttention, repeat_kv, softmax_attention
+from lingua.model.masks import AttentionMask
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +81,18 @@ def validate_cp(seq_len: int, cp: int, tp: int = 1, backend: str = "allgather",
             "distributed.cp_backend=allgather (any mask) or model.attn_mask=causal.")
 
 
+RING_MASK_ONLY = ("distributed.cp_backend=ring cannot apply {what}: torch's ring attention masks "
+                  "plain causal attention only. Use distributed.cp_backend=allgather, which "
+                  "applies the model's mask and sinks.")
+
+
 class CPContext:
     """What the CP attention modules of one model part need for the current micro-batch: set by
     `cp_batch` before the forward, cleared after the backward; the mask is built once for all
     layers."""
 
-    def __init__(self, mesh, backend: str):
-        self.mesh, self.group, self.backend = mesh, mesh.get_group(), backend
+    def __init__(self, mesh, backend: str, spec: AttentionMask = AttentionMask()):
+        self.mesh, self.group, self.backend, self.spec = mesh, mesh.get_group(), backend, spec
         self.rank, self.size = mesh.get_local_rank(), mesh.size()
         self.positions: Optional[torch.Tensor] = None   # [s_local] global positions of local tokens
         self.gather_order: Optional[torch.Tensor] = None  # puts all-gathered K/V in position order
@@ -104,12 +111,8 @@ class CPContext:
         gathered = torch.cat([shard_positions(seq_len, r, self.size, device)
                               for r in range(self.size)])
         self.gather_order = torch.argsort(gathered)
-        keys = torch.arange(seq_len, device=device)
-        mask = (positions[:, None] >= keys[None, :])[None]            # causal by global position
-        if doc_ids is not None:
-            same_doc = doc_ids[:, positions][:, :, None] == doc_ids[:, None, :]
-            mask = mask & same_doc
-        self.mask = mask[:, None]
+        # The model's own rule, by global position: each local query against every key.
+        self.mask = self.spec.dense(positions, torch.arange(seq_len, device=device), doc_ids)
 
     def clear(self) -> None:
         self.positions = self.gather_order = self.mask = None
@@ -132,7 +135,7 @@ class AllGatherKVAttention(_CPAttention):
     """Attention of the local queries against the keys/values of the whole sequence. The
     all-gather's autograd backward is a sum reduce-scatter back to each position's owner."""
 
-    def forward(self, q, k, v, mask=None, decoding: bool = False):  # never decoding under CP
+    def forward(self, q, k, v, mask=None, decoding: bool = False, sinks=None):  # never decoding
         # `mask` is ignored: the model built it for the shard as if it were a whole sequence; the
         # context's mask relates each query's global position (and document) to every key.
         ctx = self.ctx.require()
@@ -142,8 +145,7 @@ class AllGatherKVAttention(_CPAttention):
         k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         k, v = repeat_kv(k, v, q.shape[2])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask.to(q.device),
-                                             scale=self.scale)
+        out = softmax_attention(q, k, v, ctx.mask.to(q.device), self.scale, sinks)
         return out.transpose(1, 2)
 
     @staticmethod
@@ -160,8 +162,10 @@ class RingAttention(_CPAttention):
     """Plain causal sdpa on the local shard; torch's `context_parallel` (entered by `cp_batch`)
     patches sdpa into ring attention over the cp group (CUDA flash / efficient kernels only)."""
 
-    def forward(self, q, k, v, mask=None, decoding: bool = False):  # never decoding under CP
+    def forward(self, q, k, v, mask=None, decoding: bool = False, sinks=None):  # never decoding
         self.ctx.require()  # outside the context sdpa would silently attend within the shard only
+        if sinks is not None:
+            raise ConfigError(RING_MASK_ONLY.format(what="learned attention sinks"))
         k, v = repeat_kv(k, v, q.shape[2])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # Looked up at call time on purpose: torch's CP context replaces it.
@@ -179,7 +183,10 @@ def _fill_positions(module, args, kwargs):
 def apply_cp(model: nn.Module, cp_mesh, backend: str = "allgather") -> nn.Module:
     """Replace every CoreAttention in `model` by the context-parallel version; in place."""
     _check_backend(backend)
-    ctx = CPContext(cp_mesh, backend)
+    spec = getattr(model, "mask_spec", AttentionMask())
+    if backend == "ring" and not spec.plain_causal:
+        raise ConfigError(RING_MASK_ONLY.format(what=f"the model's mask {spec}"))
+    ctx = CPContext(cp_mesh, backend, spec)
     if backend == "ring":
         from torch.distributed.tensor.experimental._attention import set_rotate_method
 

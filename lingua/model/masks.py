@@ -1,0 +1,52 @@
+"""What a model's attention may see, said once: `AttentionMask` and its one rule, `allowed`, from
+which every backend builds its mask (lingua/model/layers.py: sdpa's dense mask, flex's mask_mod,
+xformers' biases, the KV cache's decoding mask; lingua/parallel/context_parallel.py: a shard's
+queries against every key). Positions are global (a token's place in its row, whichever shard or
+cache holds it), so a windowed model computes alike under context parallelism and when decoding.
+
+A model owns its mask (`Decoder.mask_spec`; apps/swa sets a window). Documents are not a field:
+the trainer passes doc_ids when model.attn_mask=block_causal, and a query then sees its own
+document's keys only.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from lingua.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    causal: bool = True            # keys at or before the query only
+    window: Optional[int] = None   # sliding window: the `window` nearest positions (self included)
+    sink_tokens: int = 0           # with a window, the row's first positions stay visible
+                                   # (StreamingLLM); documents still apply
+
+    def __post_init__(self):
+        if (self.window is not None and self.window < 1) or self.sink_tokens < 0:
+            raise ConfigError(f"{self}: the window must be at least 1 position (or None for no "
+                              "window) and sink_tokens at least 0; fix the model's mask_spec.")
+
+    @property
+    def plain_causal(self) -> bool:
+        return self == AttentionMask()
+
+    def allowed(self, q_pos, k_pos, q_doc=None, k_doc=None) -> torch.Tensor:
+        """Whether the query at q_pos may attend to the key at k_pos (tensors that broadcast),
+        given their documents when documents are masked."""
+        ok = k_pos <= q_pos if self.causal else torch.ones_like(q_pos - k_pos, dtype=torch.bool)
+        if self.window is not None:
+            ok = ok & (((q_pos - k_pos).abs() < self.window) | (k_pos < self.sink_tokens))
+        if q_doc is not None:
+            ok = ok & (q_doc == k_doc)
+        return ok
+
+    def dense(self, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Boolean [b or 1, 1, queries, keys] (True: attend) for sdpa, from global positions
+        q_pos [sq] and k_pos [sk], and doc_ids [b, S] of the whole rows when documents count."""
+        docs = () if doc_ids is None else (doc_ids[:, q_pos, None], doc_ids[:, None, k_pos])
+        ok = self.allowed(q_pos[:, None], k_pos[None, :], *docs)
+        return ok.view(-1, 1, *ok.shape[-2:])
