@@ -510,7 +510,7 @@ def test_jsonl_validate_errors(tmp_path):
     with pytest.raises(ConfigError, match="jsonl"):
         validate_data_args(jargs(tmp_path / "emptydir"))
     with pytest.raises(ConfigError, match="format"):
-        validate_data_args(DataArgs(root=str(root), format="parquet"))
+        validate_data_args(DataArgs(root=str(root), format="arrow"))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ another layout has no repeat and no gap.
 jsonl (streaming): `{"text": ...}` lines in `*.jsonl` chunk files, in source sub-directories
 mixed by weight, tokenized and packed on the fly. Rank r takes lines r, r + dp, r + 2dp, ... of
 a source's files concatenated in name order (jsonl.py), so every file is read whatever the number
-of ranks; every rank scans every line, but tokenizes only its own.
+of ranks; every rank scans every line, but tokenizes only its own. parquet: *.parquet rows alike.
 
 chat (supervised fine-tuning): conversations rendered with a chat template (chat.py).
 
@@ -35,6 +35,7 @@ from lingua.data.chat import ChatArgs, ChatLoader
 from lingua.data.jsonl import JsonlLoader
 from lingua.data.loader import Loader
 from lingua.data.memmap import MemmapLoader, write_memmap_corpus
+from lingua.data.parquet import ParquetLoader
 from lingua.data.tokenizer import TokenizerArgs, build_tokenizer, check_tokenizer_args
 from lingua.errors import ConfigError
 
@@ -45,12 +46,12 @@ logger = logging.getLogger(__name__)
 class DataArgs:
     root: str = "data/embedded"     # corpus directory (relative paths resolve against the cwd)
     format: str = "memmap"          # a key of FORMATS: memmap (pre-tokenized, global-index) |
-                                    # jsonl (streaming) | chat (conversations: chat.py)
+                                    # jsonl, parquet (streaming) | chat (conversations: chat.py)
     seq_len: int = 256
     batch_size: int = 8             # per-rank micro-batch, in sequences
     grad_accum: int = 1
     tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
-    sources: Dict[str, float] = field(default_factory=dict)  # jsonl: sub-directory -> weight
+    sources: Dict[str, float] = field(default_factory=dict)  # jsonl, parquet: sub-dir -> weight
     prepare_embedded: bool = False  # build the embedded debug corpus in `root` if it is missing
     val_sequences: int = 64         # size of the held-out validation set
     max_skipped_fraction: float = 0.1   # unusable lines (skipped, counted) above it: refused
@@ -61,6 +62,7 @@ class DataArgs:
 FORMATS: Dict[str, Type[Loader]] = {
     "memmap": MemmapLoader,     # memmap.py
     "jsonl": JsonlLoader,       # jsonl.py
+    "parquet": ParquetLoader,   # parquet.py
     "chat": ChatLoader,         # chat.py
 }
 
