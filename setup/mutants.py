@@ -58,7 +58,7 @@ MUTANTS = [
            "self.loss_denominator = (micro_batches[0].step_targets or self.global_tokens) + 1",
            ("tests/test_sft.py::test_the_gradient_is_that_of_the_mean_over_answer_tokens",)),
     Mutant("resume_data_one_batch_on", "resume restores the data position one global batch on",
-           "lingua/data/__init__.py",
+           "lingua/data/memmap.py",
            '        self.samples_consumed = state["samples_consumed"]\n',
            '        self.samples_consumed = state["samples_consumed"] + self.args.batch_size * '
            'self.args.grad_accum * self.dp_size\n',

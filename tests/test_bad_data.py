@@ -21,7 +21,6 @@ from lingua.data import (
     DataArgs,
     JsonlLoader,
     MemmapLoader,
-    check_jsonl_lines,
     validate_data_args,
 )
 from lingua.data.jsonl import SKIP_REASONS, BadLine, decode_line
@@ -99,9 +98,9 @@ def test_jsonl_bad_lines_counted_by_reason_and_logged_with_file_and_line(bad_sou
     loader.counter.skip = lambda path, line, err: skipped.append((path, line)) or skip(
         path, line, err)
     assert stream_docs(loader, len(texts)) == texts  # every good line, in order, once
-    assert loader.skipped_lines == N_BAD
-    assert loader.skipped_by_reason == {reason: len(lines) for reason, lines in BAD.items()}
-    assert set(loader.skipped_by_reason) == set(SKIP_REASONS)
+    assert sum(loader.skipped().values()) == N_BAD
+    assert loader.skipped() == {reason: len(lines) for reason, lines in BAD.items()}
+    assert set(loader.skipped()) == set(SKIP_REASONS)
     # each with the line number inside its own file (past file 0 too); the first warned of once
     assert skipped == bad_at and any(path == src / "1.jsonl" for path, _ in skipped)
     [message] = skip_warnings(caplog)
@@ -112,7 +111,7 @@ def test_jsonl_bad_lines_counted_by_reason_and_logged_with_file_and_line(bad_sou
     state = json.loads(json.dumps(loader.state_dict()))
     resumed = JsonlLoader(jargs(src), 0, 1, seed=0)
     resumed.load_state_dict(state)
-    assert resumed.skipped_lines == N_BAD and resumed.skipped_by_reason == loader.skipped_by_reason
+    assert sum(resumed.skipped().values()) == N_BAD and resumed.skipped() == loader.skipped()
 
 
 def test_jsonl_bad_lines_are_counted_once_over_many_epochs(bad_source, caplog):
@@ -122,8 +121,8 @@ def test_jsonl_bad_lines_are_counted_once_over_many_epochs(bad_source, caplog):
     loader = JsonlLoader(jargs(src), 0, 1, seed=0)
     assert stream_docs(loader, 3 * len(texts)) == texts * 3  # three epochs, in order
     assert loader.sources[0].state["epoch"] >= 2
-    assert loader.skipped_lines == N_BAD
-    assert loader.skipped_by_reason == {reason: len(lines) for reason, lines in BAD.items()}
+    assert sum(loader.skipped().values()) == N_BAD
+    assert loader.skipped() == {reason: len(lines) for reason, lines in BAD.items()}
     assert len(skip_warnings(caplog)) == 1
 
 
@@ -134,7 +133,7 @@ def test_jsonl_warnings_are_capped_with_summaries_and_too_many_bad_lines_refused
     caplog.set_level(logging.WARNING, logger="lingua.data")
     loader = JsonlLoader(jargs(src, max_skipped_fraction=1.0), 0, 1, seed=0)
     assert stream_docs(loader, 1) == ["good 0"]
-    assert loader.skipped_by_reason["invalid_json"] == loader.skipped_lines == 1234
+    assert loader.skipped()["invalid_json"] == sum(loader.skipped().values()) == 1234
     messages = skip_warnings(caplog)
     assert len(messages) == 1 + 2  # the first line, then summaries at 100 and 1000
     assert messages[1].startswith("100 lines skipped so far") and "line 100 of" in messages[1]
@@ -172,22 +171,22 @@ def test_check_jsonl_lines_fits_its_advice_to_the_case(tmp_path):
     write_lines(chunk, [b"", b"not json", b'{"txt": 1}'])
     for dp in (1, 4):
         with pytest.raises(ConfigError) as err:
-            check_jsonl_lines(jargs(root, val_sequences=2), dp)
+            JsonlLoader.check_ranks(jargs(root, val_sequences=2), dp)
         message = str(err.value)
         assert f"line 2 of {chunk}: invalid JSON" in message, message
         assert "'invalid_json': 1, 'no_text': 1" in message and "rank" not in message
     write_lines(chunk, [b"not json", good("one"), b"", good("three"), good("four")])
-    check_jsonl_lines(jargs(root, val_sequences=2), 1)
-    check_jsonl_lines(jargs(root, val_sequences=2), 2)   # lines 1, 3 (and 4, 0-based) read
+    JsonlLoader.check_ranks(jargs(root, val_sequences=2), 1)
+    JsonlLoader.check_ranks(jargs(root, val_sequences=2), 2)   # lines 1, 3 (and 4, 0-based) read
     with pytest.raises(ConfigError) as err:
-        check_jsonl_lines(jargs(root, val_sequences=2), 4)
+        JsonlLoader.check_ranks(jargs(root, val_sequences=2), 4)
     assert "has 3 usable line(s) for 4 data-parallel ranks" in str(err.value)
     assert "rank 2 would get none" in str(err.value)
     assert "fewer data-parallel ranks" in str(err.value)
     write_lines(root / "val" / "v.jsonl", [b'{"text": ""}'])
-    check_jsonl_lines(jargs(root, val_sequences=0), 1)   # no validation: val/ is not read
+    JsonlLoader.check_ranks(jargs(root, val_sequences=0), 1)   # no validation: val/ is not read
     with pytest.raises(ConfigError, match=r"validation data in .*'empty': 1.*val_sequences=0"):
-        check_jsonl_lines(jargs(root, val_sequences=2), 1)
+        JsonlLoader.check_ranks(jargs(root, val_sequences=2), 1)
 
 
 def test_jsonl_resume_from_a_state_without_file_start(bad_source):
@@ -262,7 +261,7 @@ def test_prepare_jsonl_counts_bad_lines_by_reason_once(bad_source, tmp_path, cap
     args = DataArgs(root=str(out), format="memmap", seq_len=16, batch_size=64, val_sequences=0)
     validate_data_args(args)
     loader = MemmapLoader(args, 0, 1, seed=0)
-    assert loader.skipped_lines == 0 and set(loader.skipped_by_reason) == set(SKIP_REASONS)
+    assert sum(loader.skipped().values()) == 0 and set(loader.skipped()) == set(SKIP_REASONS)
     batch = loader.next_step()[0]
     last_doc = len(train) - 1
     inside = (batch.doc_ids == last_doc).all(dim=1)

@@ -19,7 +19,7 @@ from lingua.data import (
     build_train_loader,
     build_val_batches,
     chat_template,
-    check_jsonl_lines,
+    loader_class,
     validate_data_args,
 )
 from lingua.data import chat as chat_data
@@ -27,7 +27,6 @@ from lingua.data.chat import (
     ChatArgs,
     ChatLoader,
     ChatTemplate,
-    chat_val_batches,
     parse_sample,
     write_debug_chat,
 )
@@ -306,11 +305,11 @@ def test_too_long_conversations_are_truncated_or_skipped_and_counted(tmp_path):
     args = chat_args(tmp_path / "c", seq_len=60, batch_size=1, val_sequences=0)
     cut = ChatLoader(args, 0, 1, seed=0)
     assert (len(cut.convs), cut.truncated_samples) == (3, 1)
-    assert cut.skipped_by_reason["too_long"] == 1
-    assert max(cut.convs.lengths) == 61 and cut.skipped_lines == 1
+    assert cut.skipped()["too_long"] == 1
+    assert max(cut.convs.lengths) == 61 and sum(cut.skipped().values()) == 1
     args.chat.too_long = "skip"
     skip = ChatLoader(args, 0, 1, seed=0)
-    assert (len(skip.convs), skip.truncated_samples, skip.skipped_by_reason["too_long"]) == \
+    assert (len(skip.convs), skip.truncated_samples, skip.skipped()["too_long"]) == \
         (2, 0, 2)
 
 
@@ -324,10 +323,10 @@ def test_malformed_lines_are_counted_by_reason_and_skipped(tmp_path, caplog):
     args = chat_args(root, seq_len=128, val_sequences=0, batch_size=4)
     caplog.set_level("INFO", logger="lingua.data.chat")
     loader = ChatLoader(args, 0, 1, seed=0)
-    assert len(loader.convs) == 3 and loader.skipped_lines == 4
+    assert len(loader.convs) == 3 and sum(loader.skipped().values()) == 4
     # the row length in its unit: seq_len inputs and the last one's target
     assert "cut to a row of data.seq_len+1 = 129 tokens: 128 inputs and the last" in caplog.text
-    assert {k: n for k, n in loader.skipped_by_reason.items() if n} == {
+    assert {k: n for k, n in loader.skipped().items() if n} == {
         "invalid_json": 1, "no_assistant": 1, "not_chat": 1, "invalid_utf8": 1}
     assert f"skipping unusable line 2 of {root / 'a.jsonl'} (invalid_json" in caplog.text
     # 3 conversations pack into 2 rows, for a global batch of 4: said once
@@ -338,8 +337,8 @@ def test_malformed_lines_are_counted_by_reason_and_skipped(tmp_path, caplog):
     assert "fewer than the global batch" not in caplog.text
     # every rank reads every line; the trainer sums over ranks, so rank 1 reports none
     other = ChatLoader(args, 1, 2, seed=0)
-    assert other.skipped_lines == 0 and set(other.skipped_by_reason.values()) == {0}
-    assert set(other.skipped_by_reason) == set(loader.skipped_by_reason)
+    assert sum(other.skipped().values()) == 0 and set(other.skipped().values()) == {0}
+    assert set(other.skipped()) == set(loader.skipped())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -402,11 +401,11 @@ def test_a_restored_loader_continues_exactly_on_any_layout(tmp_path):
 def test_validation_rows_are_in_file_order_and_split_across_ranks(tmp_path):
     root = make_corpus(tmp_path / "c", n_val=30)
     args = chat_args(root, seq_len=64, batch_size=2, val_sequences=7)
-    one = chat_val_batches(args, 0, 1)
+    one = ChatLoader.val_batches(args, 0, 1)
     assert sum(len(x.tokens) for x in one) == 7
     first = builtin_ids(parse_sample(conversation(1000)))[0]
     assert one[0].tokens[0, :len(first)].tolist() == first   # no shuffle
-    two = [chat_val_batches(args, r, 2) for r in range(2)]   # 7 -> 6 rows, 3 a rank
+    two = [ChatLoader.val_batches(args, r, 2) for r in range(2)]   # 7 -> 6 rows, 3 a rank
     rows = torch.cat([x.tokens for rank in two for x in rank])
     assert torch.equal(rows, torch.cat([x.tokens for x in one])[:6])
     assert [len(x.tokens) for x in two[1]] == [2, 1]
@@ -421,7 +420,7 @@ def test_data_py_dispatches_the_chat_format(tmp_path):
     root = make_corpus(tmp_path / "c")
     args = chat_args(root)
     validate_data_args(args)
-    check_jsonl_lines(args, dp_size=64)   # no per-rank share to check: every rank reads all
+    loader_class(args).check_ranks(args, dp_size=64)   # no per-rank share: every rank reads all
     assert isinstance(build_train_loader(args, 0, 1, seed=0), ChatLoader)
     assert DataArgs().chat == ChatArgs()
 
@@ -446,7 +445,7 @@ def test_a_line_that_is_no_conversation_is_skipped_and_counted_too_many_refused(
         write_lines(root / "part1.jsonl", [conversation(1), conversation(2), bad])
         validate_data_args(args)
         loader = ChatLoader(args, 0, 1, seed=0)
-        assert loader.skipped_by_reason[reason] == 1
+        assert loader.skipped()[reason] == 1
     # 20 conversations in part0, 100 in part1, then lines of no conversation: the 14th makes
     # more than a tenth of the lines read
     write_lines(root / "part1.jsonl", [conversation(i) for i in range(100)]
@@ -535,8 +534,8 @@ def test_tokenized_conversations_are_cached_and_read_back_alike(tmp_path, caplog
     again = ChatLoader(args, 0, 1, seed=0)
     assert len(calls) == 1   # read, not tokenized
     assert warned() == [warning]
-    assert again.skipped_by_reason == first.skipped_by_reason
-    assert again.skipped_by_reason["invalid_json"] == 1 and again.skipped_by_reason["too_long"]
+    assert again.skipped() == first.skipped()
+    assert again.skipped()["invalid_json"] == 1 and again.skipped()["too_long"]
     assert again.truncated_samples == first.truncated_samples
     for _ in range(3):
         a, b = first.next_step()[0], again.next_step()[0]

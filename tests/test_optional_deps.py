@@ -1,5 +1,6 @@
 """Training needs none of the optional heavy dependencies: lm-eval (downstream evaluation),
-wandb (logging.wandb) and submitit (stool, async evaluation) are imported where used."""
+wandb (logging.wandb), submitit (stool, async evaluation) and pyarrow (data.format=parquet) are
+imported where used."""
 
 import os
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 
 from tests.conftest import REPO, read_metrics, tiny_args
 
-OPTIONAL = ("lm_eval", "wandb", "submitit")
+OPTIONAL = ("lm_eval", "wandb", "submitit", "pyarrow")
 
 # Runs the trainer in a process where importing any OPTIONAL package (or a submodule) fails as
 # it would where the package is not installed. Each attempt is appended to the file named by
@@ -30,7 +31,7 @@ runpy.run_module("apps.llama.train", run_name="__main__", alter_sys=True)
 
 
 @pytest.mark.slow
-def test_the_debug_preset_trains_without_lm_eval_wandb_and_submitit(corpus, tmp_path):
+def test_the_debug_preset_trains_without_lm_eval_wandb_submitit_and_pyarrow(corpus, tmp_path):
     dump, attempts = tmp_path / "run", tmp_path / "import_attempts.txt"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)

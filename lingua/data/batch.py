@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
+import numpy as np
 import torch
 
 from lingua.errors import ConfigError
@@ -26,6 +27,23 @@ class Batch:
     # Labels that count (not IGNORE_INDEX) in the step's whole global batch, the same on every
     # rank: the loss is their mean. None: every label counts (seq_len x global batch).
     step_targets: Optional[int] = None
+
+
+def packed_batch(rows: np.ndarray, docs: np.ndarray) -> Batch:
+    """Rows of seq_len+1 tokens and their document ids, as inputs and next-token labels."""
+    rows = torch.from_numpy(rows.astype(np.int64))
+    docs = torch.from_numpy(docs.astype(np.int64))
+    return Batch(tokens=rows[:, :-1], labels=rows[:, 1:], doc_ids=docs[:, :-1])
+
+
+def val_share(rows: np.ndarray, docs: np.ndarray, dp_rank: int, dp_size: int,
+              batch_size: int) -> List[Batch]:
+    """Rank dp_rank's contiguous share of the validation rows, in micro-batches."""
+    share = len(rows) // dp_size
+    mine = slice(dp_rank * share, (dp_rank + 1) * share)
+    rows, docs = rows[mine], docs[mine]
+    return [packed_batch(rows[i:i + batch_size], docs[i:i + batch_size])
+            for i in range(0, share, batch_size)]
 
 
 def check_position(state: dict, now: dict, keys: str) -> None:

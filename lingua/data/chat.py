@@ -33,6 +33,7 @@ import torch
 from lingua.data.batch import VAL_DIR, Batch, check_position, stdlib_docstrings, write_once
 from lingua.data.chat_template import BUILTIN, ChatTemplate  # noqa: F401  (BUILTIN: callers)
 from lingua.data.jsonl import BadLine, SkipCounter, check_utf8, load_json
+from lingua.data.loader import Loader
 from lingua.data.tokenizer import Tokenizer, build_tokenizer
 from lingua.errors import ConfigError
 from lingua.model.loss import IGNORE_INDEX
@@ -274,7 +275,7 @@ def _read_cache(cache: Path, counter: SkipCounter) -> Conversations:
     return Conversations(ids, counted, lengths, np.load(cache / "targets.npy"), meta["truncated"])
 
 
-class ChatLoader:
+class ChatLoader(Loader):
     def __init__(self, args, dp_rank: int, dp_size: int, seed: int):
         self.args, self.dp_rank, self.dp_size, self.seed = args, dp_rank, dp_size, seed
         self.row_len = args.seq_len + 1
@@ -298,12 +299,7 @@ class ChatLoader:
                                "step repeats rows. Add conversations, or lower data.batch_size.",
                                rows, global_batch)
 
-    @property
-    def skipped_lines(self) -> int:
-        return self.counter.count if self.dp_rank == 0 else 0
-
-    @property
-    def skipped_by_reason(self) -> Dict[str, int]:
+    def skipped(self) -> Dict[str, int]:   # every rank reads every line: rank 0 reports them
         return {k: (n if self.dp_rank == 0 else 0) for k, n in self.counter.by_reason.items()}
 
     def _rows_of_epoch(self, epoch: int) -> List[list]:
@@ -354,18 +350,31 @@ class ChatLoader:
                            len(self.convs))
         self.rows_consumed = state["rows_consumed"]
 
+    @classmethod
+    def validate(cls, args, root: Path) -> None:
+        validate_chat_data(args)
 
-def chat_val_batches(args, dp_rank: int, dp_size: int) -> List[Batch]:
-    """This rank's share of the first val_sequences rows of root/val's conversations, packed (or
-    padded) in file order, rounded down to a multiple of dp_size as for the other formats."""
-    n = (args.val_sequences // dp_size) * dp_size
-    counter = chat_counter(args, dp_rank == 0, " of the validation data")
-    tokenizer, convs = _load(args, val_files(args), counter, "validation")
-    rows = pack_rows(np.arange(len(convs)), convs.lengths, args.seq_len + 1, args.chat.pack)
-    share = min(n, (len(rows) // dp_size) * dp_size) // dp_size
-    mine = rows[dp_rank * share:(dp_rank + 1) * share]
-    return [rows_to_batch(mine[i:i + args.batch_size], convs, args.seq_len + 1, tokenizer.eos_id)
-            for i in range(0, share, args.batch_size)]
+    @classmethod
+    def check_model(cls, args, model_args) -> None:
+        if args.chat.pack and model_args.attn_mask != "block_causal":
+            raise ConfigError(
+                "data.chat.pack=true puts several conversations in one row, and "
+                f"model.attn_mask={model_args.attn_mask} would let each attend to the ones before "
+                "it. Set model.attn_mask=block_causal, or data.chat.pack=false (one padded "
+                "conversation a row).")
+
+    @classmethod
+    def val_batches(cls, args, dp_rank: int, dp_size: int) -> List[Batch]:
+        """This rank's share of the first val_sequences rows of root/val's conversations, packed
+        (or padded) in file order, rounded down to a multiple of dp_size as for other formats."""
+        n = (args.val_sequences // dp_size) * dp_size
+        counter = chat_counter(args, dp_rank == 0, " of the validation data")
+        tokenizer, convs = _load(args, val_files(args), counter, "validation")
+        rows = pack_rows(np.arange(len(convs)), convs.lengths, args.seq_len + 1, args.chat.pack)
+        share = min(n, (len(rows) // dp_size) * dp_size) // dp_size
+        mine = rows[dp_rank * share:(dp_rank + 1) * share]
+        return [rows_to_batch(mine[i:i + args.batch_size], convs, args.seq_len + 1,
+                              tokenizer.eos_id) for i in range(0, share, args.batch_size)]
 
 
 LINE_FORMAT = ('one conversation a line: {"messages": [{"role": "system"|"user"|"assistant", '

@@ -1,10 +1,18 @@
-"""Reading jsonl chunk files: which lines hold a document to train on (the others skipped by
-reason), and one data-parallel rank's share of a source's lines, resumable by byte offset."""
+"""Reading jsonl chunk files (`data.format=jsonl`): which lines hold a document to train on (the
+others skipped by reason), one data-parallel rank's share of a source's lines, resumable by byte
+offset, and the loader that mixes the sources and packs their tokens into rows."""
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import Dict, List
 
+import numpy as np
+
+from lingua.data.batch import VAL_DIR, Batch, packed_batch, val_share
+from lingua.data.loader import Loader
+from lingua.data.tokenizer import build_tokenizer
 from lingua.errors import ConfigError
 
 # Why a line was skipped; the keys of `skipped_by_reason` (and of meta.json's, for memmap corpora).
@@ -128,10 +136,11 @@ def _count_lines(path: Path) -> int:
 
 class JsonlSource:
     """This rank's share of one source's lines, looping over epochs; resumable by byte offset."""
+    PATTERN, ROW = "*.jsonl", 'one {"text": ...} object a line'
 
     def __init__(self, name: str, directory: Path, dp_rank: int, dp_size: int, counter):
         self.name, self.dp_rank, self.dp_size, self.counter = name, dp_rank, dp_size, counter
-        self.files = sorted(directory.glob("*.jsonl"))
+        self.files = sorted(directory.glob(self.PATTERN))
         # line: index in this epoch's files concatenated (it picks the rank's lines);
         # file_start: the line index of the current file's first line (for messages)
         self.state = {"epoch": 0, "file": 0, "offset": 0, "line": 0, "file_start": 0}
@@ -141,36 +150,197 @@ class JsonlSource:
         if "file_start" not in self.state:  # a checkpoint from before file_start was kept
             self.state["file_start"] = sum(_count_lines(f) for f in self.files[:saved["file"]])
 
+    def read(self, path: Path, offset: int):
+        """(line, the offset after it) of each line of `path` from byte `offset` on."""
+        with open(path, "rb") as f:
+            f.seek(offset)
+            for raw in iter(f.readline, b""):
+                offset += len(raw)
+                yield raw, offset
+
+    @staticmethod
+    def decode(raw: bytes):
+        """The line's text, None for a blank line (not counted, it keeps its place), or BadLine."""
+        return decode_line(raw) if raw.strip() else None
+
     def next_text(self) -> str:
         s = self.state
         for _ in range(2 * len(self.files) + 2):  # give up after two empty passes over all files
             path = self.files[s["file"]]
-            with open(path, "rb") as f:
-                f.seek(s["offset"])
-                while True:
-                    raw = f.readline()
-                    if not raw:
-                        break
-                    s["offset"] += len(raw)
-                    line, s["line"] = s["line"], s["line"] + 1
-                    if line % self.dp_size != self.dp_rank or not raw.strip():
-                        continue
-                    try:
-                        text = decode_line(raw)
-                    except BadLine as err:
-                        if s["epoch"] == 0:  # count (and log) each bad line once, not per epoch
-                            self.counter.skip(path, line - s["file_start"] + 1, err)
-                        continue
-                    if s["epoch"] == 0:
-                        self.counter.used()
-                    return text
+            for raw, offset in self.read(path, s["offset"]):
+                s["offset"] = offset
+                line, s["line"] = s["line"], s["line"] + 1
+                if line % self.dp_size != self.dp_rank:
+                    continue
+                try:
+                    text = self.decode(raw)
+                except BadLine as err:
+                    if s["epoch"] == 0:  # count (and log) each bad line once, not per epoch
+                        self.counter.skip(path, line - s["file_start"] + 1, err)
+                    continue
+                if text is None:
+                    continue
+                if s["epoch"] == 0:
+                    self.counter.used()
+                return text
             s["file"], s["offset"], s["file_start"] = s["file"] + 1, 0, s["line"]
             if s["file"] == len(self.files):
                 s.update(file=0, line=0, file_start=0, epoch=s["epoch"] + 1)
-        # check_jsonl_lines refuses such a corpus at start: here only if the files changed since
+        # check_ranks refuses such a corpus at start: here only if the files changed since
         fix = ("Train on fewer data-parallel ranks than usable lines, or add documents."
-               if self.dp_size > 1 else "Fix the files: one {\"text\": ...} object a line.")
+               if self.dp_size > 1 else f"Fix the files: {self.ROW}.")
         raise ConfigError(f"Source {self.name or '(root)'} has no usable line for data-parallel "
                           f"rank {self.dp_rank} of {self.dp_size} in {len(self.files)} files "
                           f"({self.counter.count} lines skipped as bad, {self.counter.by_reason}). "
                           + fix)
+
+
+def source_dirs(args, pattern: str = "*.jsonl") -> Dict[str, Path]:
+    """Source name -> directory, with their weights taken from args.sources (default: all, 1)."""
+    root = Path(args.root)
+    if args.sources:
+        return {name: root / name for name in args.sources}
+    subdirs = sorted(p for p in root.iterdir()
+                     if p.is_dir() and p.name != VAL_DIR and any(p.glob(pattern)))
+    return {p.name: p for p in subdirs} if subdirs else {"": root}
+
+
+class JsonlLoader(Loader):
+    name, SOURCE = "jsonl", JsonlSource
+    checks_need_tokenizer = False
+
+    def __init__(self, args, dp_rank: int, dp_size: int, seed: int):
+        self.args, self.dp_rank, self.dp_size = args, dp_rank, dp_size
+        self.tokenizer = build_tokenizer(args.tokenizer)
+        self.counter = SkipCounter(SKIP_REASONS, args.max_skipped_fraction)
+        dirs = source_dirs(args, self.SOURCE.PATTERN)
+        self.sources = [self.SOURCE(n, d, dp_rank, dp_size, self.counter) for n, d in dirs.items()]
+        weights = np.array([args.sources.get(n, 1.0) if args.sources else 1.0 for n in dirs])
+        self.probs = weights / weights.sum()
+        self.rng = np.random.default_rng([seed, dp_rank])
+        # Tokens read but not yet emitted, and their document numbers: arrays, so that a long
+        # document is taken a row at a time by slicing.
+        self.buffer, self.buffer_docs, self.n_docs = np.zeros(0, np.int64), np.zeros(0, np.int64), 0
+
+    def _fill(self, n_tokens: int) -> None:
+        tokens, docs, have = [self.buffer], [self.buffer_docs], len(self.buffer)
+        while have < n_tokens:
+            source = self.sources[self.rng.choice(len(self.sources), p=self.probs)]
+            ids = np.asarray(self.tokenizer.encode(source.next_text()), dtype=np.int64)
+            tokens.append(ids)
+            docs.append(np.full(len(ids), self.n_docs, dtype=np.int64))
+            have += len(ids)
+            self.n_docs += 1
+        if len(tokens) > 1:
+            self.buffer, self.buffer_docs = np.concatenate(tokens), np.concatenate(docs)
+
+    def next_rows(self, n_rows: int):
+        """The next n_rows packed rows of seq_len+1 tokens, and their document ids."""
+        n = n_rows * (self.args.seq_len + 1)
+        self._fill(n)
+        rows, docs = self.buffer[:n].reshape(n_rows, -1), self.buffer_docs[:n].reshape(n_rows, -1)
+        self.buffer, self.buffer_docs = self.buffer[n:], self.buffer_docs[n:]
+        return rows, docs
+
+    def next_step(self) -> List[Batch]:
+        return [packed_batch(*self.next_rows(self.args.batch_size))
+                for _ in range(self.args.grad_accum)]
+
+    def state_dict(self) -> dict:
+        return {"format": self.name, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                "sources": [dict(s.state) for s in self.sources],
+                "rng": self.rng.bit_generator.state, "buffer": self.buffer.tolist(),
+                "buffer_docs": self.buffer_docs.tolist(), "n_docs": self.n_docs,
+                "skipped_lines": self.counter.count, "skipped_by_reason": self.skipped()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != self.name or state["dp_size"] != self.dp_size \
+                or state["dp_rank"] != self.dp_rank or len(state["sources"]) != len(self.sources):
+            raise ConfigError(
+                f"The checkpoint's {self.name} stream position was saved by data-parallel rank "
+                f"{state.get('dp_rank')} of {state.get('dp_size')} over "
+                f"{len(state.get('sources', []))} sources; this is rank {self.dp_rank} of "
+                f"{self.dp_size} over {len(self.sources)}. A {self.name} stream resumes only on "
+                f"the same data-parallel layout and sources: use that layout, or the memmap "
+                f"format (setup/prepare_data.py jsonl ...), which resumes on any layout.")
+        for source, saved in zip(self.sources, state["sources"]):
+            source.load_state(saved)
+        self.rng.bit_generator.state = state["rng"]
+        self.buffer = np.asarray(state["buffer"], dtype=np.int64)
+        self.buffer_docs = np.asarray(state["buffer_docs"], dtype=np.int64)
+        self.n_docs = state["n_docs"]
+        self.counter.by_reason.update(state.get("skipped_by_reason", {}))
+        self.counter.usable = self.n_docs   # documents read: the usable lines, near enough
+
+    @classmethod
+    def val_batches(cls, args, dp_rank: int, dp_size: int) -> List[Batch]:
+        """The first packed rows of root/val, read in order by a single reader."""
+        n = (args.val_sequences // dp_size) * dp_size
+        val_args = dataclasses.replace(args, root=str(Path(args.root) / VAL_DIR), sources={})
+        rows, docs = cls(val_args, 0, 1, seed=0).next_rows(n)
+        return val_share(rows, docs, dp_rank, dp_size, args.batch_size)
+
+    @classmethod
+    def validate(cls, args, root: Path) -> None:
+        files = cls.SOURCE.PATTERN
+        if args.sources:
+            for name, weight in args.sources.items():
+                if not (root / name).is_dir() or not any((root / name).glob(files)):
+                    raise ConfigError(f"data.sources names {name!r}, but {root / name} holds no "
+                                      f"{files} file. Fix the name or the directory.")
+                if weight <= 0:
+                    raise ConfigError(f"data.sources.{name}={weight} must be a positive weight.")
+        elif not any(any(d.glob(files)) for d in source_dirs(args, files).values()):
+            raise ConfigError(f"data.root={root} holds no {files} chunk file (nor "
+                              f"sub-directories with some). Point data.root at the chunk files' "
+                              f"directory.")
+        if args.val_sequences and not any((root / VAL_DIR).glob(files)):
+            raise ConfigError(f"Validation needs held-out data: {root / VAL_DIR} holds no {files} "
+                              f"file. Put a few chunk files there, or set data.val_sequences=0.")
+
+    @classmethod
+    def check_ranks(cls, args, dp_size: int) -> None:
+        """Every data-parallel rank has a usable line in every source, and validation one in
+        val/ (read until each has one), so that a corpus of bad lines is refused before any
+        process starts or any file of the run is written."""
+        readers = [(f"source {name} ({d})" if name else f"the corpus in {d}", d, dp_size, "")
+                   for name, d in source_dirs(args, cls.SOURCE.PATTERN).items()]
+        if args.val_sequences:   # one reader, in order (val_batches)
+            val = Path(args.root) / VAL_DIR
+            readers.append((f"the validation data in {val}", val, 1,
+                            ", or set data.val_sequences=0 to train without validation"))
+        for what, directory, ranks, hint in readers:
+            _check_lines(what, cls.SOURCE("", directory, 0, 1, None), ranks, hint)
+
+
+def _check_lines(what: str, source: JsonlSource, dp_size: int, hint: str) -> None:
+    """ConfigError unless each of dp_size readers, taking every dp_size-th line of the source's
+    files as JsonlSource does (blank lines keep their place), finds a usable one."""
+    missing, first_bad, usable = set(range(dp_size)), None, 0
+    counter = SkipCounter(SKIP_REASONS, log=False)
+    index = -1
+    for path in source.files:
+        for line_no, (raw, _) in enumerate(source.read(path, 0), 1):
+            index += 1
+            try:
+                if source.decode(raw) is None:
+                    continue
+            except BadLine as err:
+                counter.skip(path, line_no, err)
+                first_bad = first_bad or f"line {line_no} of {path}: {err}"
+                continue
+            usable += 1
+            missing.discard(index % dp_size)
+            if not missing:
+                return
+    if usable:
+        ranks = ", ".join(map(str, sorted(missing)[:8])) + (", ..." if len(missing) > 8 else "")
+        raise ConfigError(f"{what} has {usable} usable line(s) for {dp_size} data-parallel "
+                          f"ranks, and rank r reads lines r, r+{dp_size}, r+{2 * dp_size}, ... "
+                          f"only, so rank {ranks} would get none. Train on fewer data-parallel "
+                          f"ranks than usable lines, or add documents.")
+    found = (f"its {counter.count} line(s) with text are all bad ({counter.nonzero}), the first "
+             f"being {first_bad}" if first_bad else "its lines are all blank")
+    raise ConfigError(f"{what} has no usable line in its {len(source.files)} {source.PATTERN} "
+                      f"files: {found}. Fix the files ({source.ROW}) or point data.root at "
+                      f"another corpus{hint}.")

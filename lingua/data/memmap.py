@@ -1,16 +1,22 @@
 """The memmap corpus on disk: meta.json and the files it describes, their checks (a damaged or
 mismatched corpus is refused naming the file and how to rebuild it), the windows of tokens training
-reads, and writing such a corpus."""
+reads, its loader (`data.format=memmap`), and writing such a corpus."""
 
 import json
+import logging
 import shlex
 from pathlib import Path
-from typing import Dict, Iterator
+from typing import Dict, Iterator, List
 
 import numpy as np
 
+from lingua.data.batch import Batch, check_position, packed_batch, val_share
+from lingua.data.jsonl import SKIP_REASONS, SkipCounter
+from lingua.data.loader import Loader
 from lingua.data.tokenizer import Tokenizer, TokenizerArgs, build_tokenizer
 from lingua.errors import ConfigError
+
+logger = logging.getLogger("lingua.data")
 
 FORMAT_VERSION = 1
 
@@ -159,6 +165,51 @@ def validate_memmap_corpus(args, root: Path) -> None:
             raise ConfigError(f"The {split} split of {root} has {len(windows.tokens)} tokens, not "
                               f"enough for one sequence of data.seq_len={args.seq_len} + 1. Use a "
                               f"shorter data.seq_len or a larger corpus.")
+
+
+class MemmapLoader(Loader):
+    builds_embedded, validate = True, staticmethod(validate_memmap_corpus)
+
+    def __init__(self, args, dp_rank: int, dp_size: int, seed: int):
+        self.args, self.dp_rank, self.dp_size, self.seed = args, dp_rank, dp_size, seed
+        self.windows = TokenWindows(args.root, "train", args.seq_len)
+        # Bad lines were dropped when the corpus was prepared (meta.json counts them): none here.
+        self.samples_consumed, self.counter = 0, SkipCounter(SKIP_REASONS)
+        prepared = self.windows.meta.get("skipped_lines")
+        if prepared and dp_rank == 0:
+            logger.info("%s was prepared from jsonl with %d lines skipped (%s)", args.root,
+                        prepared, self.windows.meta.get("skipped_by_reason", "no reasons kept"))
+        self._perm_epoch, self._perm = -1, None
+
+    def _window_of(self, sample: int) -> int:
+        epoch, j = divmod(sample, self.windows.n_windows)
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm, self._perm_epoch = rng.permutation(self.windows.n_windows), epoch
+        return self._perm[j]
+
+    def next_step(self) -> List[Batch]:
+        a = self.args
+        per_rank = a.batch_size * a.grad_accum
+        first = self.samples_consumed + self.dp_rank * per_rank
+        self.samples_consumed += per_rank * self.dp_size
+        windows = np.array([self._window_of(i) for i in range(first, first + per_rank)])
+        return [packed_batch(*self.windows.rows(w)) for w in np.split(windows, a.grad_accum)]
+
+    def state_dict(self) -> dict:
+        return {"format": "memmap", "samples_consumed": self.samples_consumed,
+                "seq_len": self.args.seq_len, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_position(state, {"format": "memmap", "seq_len": self.args.seq_len, "seed": self.seed},
+                       "data.format, data.seq_len and seed")
+        self.samples_consumed = state["samples_consumed"]
+
+    @classmethod
+    def val_batches(cls, args, dp_rank: int, dp_size: int) -> List[Batch]:
+        windows = TokenWindows(args.root, "val", args.seq_len)
+        n = min(args.val_sequences // dp_size, windows.n_windows // dp_size) * dp_size
+        return val_share(*windows.rows(np.arange(n)), dp_rank, dp_size, args.batch_size)
 
 
 def write_memmap_corpus(out: Path, splits: Dict[str, Iterator[str]], tokenizer: Tokenizer,

@@ -172,7 +172,7 @@ def data_warnings(args, app=None) -> List[str]:
         app_checks.check_vocab(args)
     except ConfigError as err:
         found.append(str(err))
-        if corpus.format == "jsonl":   # its checks need no tokenizer: a missing val/ shows too
+        if not data.loader_class(corpus).checks_need_tokenizer:   # a missing val/ shows too
             corpus = dataclasses.replace(corpus, tokenizer=TokenizerArgs())
     try:
         data.validate_data_args(corpus)

@@ -45,7 +45,7 @@ def start_process(args, env: DistEnv) -> None:
             logger.info(f"malloc: left as set by {user} (the trainer would keep freed blocks "
                         "for reuse on CPU; lingua.launch.host_memory.keep_freed_memory)")
     preemption.SIGNALS.listen()
-    if args.data.prepare_embedded and args.data.format == "memmap":   # chat: apps/sft/prepare.py
+    if args.data.prepare_embedded and data.loader_class(args.data).builds_embedded:
         if env.local_rank == 0:
             data.ensure_embedded_corpus(args.data.root)
         distributed.barrier(env)

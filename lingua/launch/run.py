@@ -84,13 +84,7 @@ def _checks(check, args, app: App, data_files: bool) -> None:
     check(data.validate_data_args, args.data, files=data_files)
     if data_files:
         check(check_vocab, args)
-    # One rule for every app: packed conversations must not see each other.
-    packed = args.data.format == "chat" and args.data.chat.pack
-    require(not packed or args.model.attn_mask == "block_causal",
-            "data.chat.pack=true puts several conversations in one row, and "
-            f"model.attn_mask={args.model.attn_mask} would let each attend to the ones before "
-            "it. Set model.attn_mask=block_causal, or data.chat.pack=false (one padded "
-            "conversation a row).")
+    check(data.loader_class(args.data).check_model, args.data, args.model)   # chat: pack
     require(args.data.seq_len <= args.model.max_seq_len,
             f"data.seq_len={args.data.seq_len} is longer than model.max_seq_len="
             f"{args.model.max_seq_len}. Raise model.max_seq_len or shorten data.seq_len.")
@@ -105,7 +99,7 @@ def _checks(check, args, app: App, data_files: bool) -> None:
     d = args.distributed
     dims = check(distributed.parallel_dims, d, distributed.world_size_from_env())
     if dims is not None and data_files:   # jsonl: a usable line for every data-parallel rank
-        check(data.check_jsonl_lines, args.data, dims.dp)
+        check(data.loader_class(args.data).check_ranks, args.data, dims.dp)
     check(pipeline.validate_pp, args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
           d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings, d.pp_split)
     check(validate_cp, args.data.seq_len, d.cp, d.tp, d.cp_backend, device_type(),

@@ -364,9 +364,8 @@ class Run(Checkpointing):
     def _skipped_data(self) -> dict:
         """Bad data lines skipped so far, in total and by reason, summed over the data-parallel
         ranks (each reads its own lines; cp/tp/pp peers read the same ones)."""
-        reasons = self.train_loader.skipped_by_reason
-        counts = torch.tensor([float(self.train_loader.skipped_lines),
-                               *map(float, reasons.values())],
+        reasons = self.train_loader.skipped()
+        counts = torch.tensor([float(sum(reasons.values())), *map(float, reasons.values())],
                               dtype=torch.float64, device=self.env.device)
         counts = distributed.all_reduce_sum(counts, self.env, dims=("dp",))
         return {"skipped_lines": int(counts[0]),
