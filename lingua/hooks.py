@@ -1,38 +1,29 @@
 """How features attach to the training loop (lingua/train/loop.py): a Hook's methods are called
-at fixed points of every step, in the order of the run's hook list (lingua.launch.run.hooks:
-the app's hooks, then the core's). Each method here does nothing, so a hook defines only the
-points it needs. docs/ARCHITECTURE.md has the table of who uses which point.
-
-Hooks decide; the loop acts. A hook sees the run through `view`, a read-only RunView
-(lingua/train/loop.py), and changes nothing of the run: it returns what it wants done (a
-Request from before_step, a vote, a stop) and the loop does it. A hook keeps its own state
-(and its keys of the checkpoint's train state), and never takes or calls another hook. `step`
-is the 1-based number of the step being run, as metrics.jsonl counts it.
+at fixed points of every step, in the order of the run's hook list (lingua.launch.run.hooks: the
+app's hooks, then the core's); each does nothing here. docs/ARCHITECTURE.md has who uses which.
+Hooks decide; the loop acts: a hook reads the run through `view` (a read-only RunView) and
+returns what it wants done. It keeps its own state, and never takes or calls another hook.
+`step` is the 1-based number of the step being run, as metrics.jsonl counts it.
 
   start(view)                   once, resumed and the log open, before the first step
-  before_step(view, step)       before the step's data is read; may return a Request (data
-                                batches to skip, probe this step in full), seen by later hooks
-                                as view.probe_requested. Also called, with view.rerun set, when
-                                the loop runs a rolled-back step's batch again (see vote)
+  before_step(view, step)       before the step's data is read; may return a Request, carried
+                                out before the next hook is asked (view.probe_requested)
   after_backward(view, step)    gradients complete, not clipped; returns {name: count} this rank
                                 adds to the step's tally (train/tally.py; same names everywhere)
-  vote(view, step)              gradient norm finite: UPDATE, SKIP or ROLLBACK, from view.tally
-                                (the step's loss, grad_norm and counts summed over the ranks, host
-                                floats); the first objection wins. On ROLLBACK the loop runs the
-                                step's batch again (view.rerun: the checkpoint it goes back to)
-                                for the probe, then loads the newest intact checkpoint from before
-                                the step the way resume does (load_state_dict is called); with no
-                                such checkpoint the step is skipped instead (view.decision: SKIP)
+  vote(view, step)              gradient norm finite: UPDATE, SKIP or ROLLBACK from view.tally,
+                                the first objection wins. ROLLBACK: the loop runs the step's
+                                batch again (before_step, after_backward with view.rerun set: the
+                                checkpoint step), then loads the newest intact checkpoint before
+                                it as resume does; with none, the step is skipped (SKIP)
   after_step(view, step)        view.step == step; view.decision: UPDATE (applied) or SKIP
-  metrics(view, row)            a logged step's metrics.jsonl row: add fields (every rank calls);
-                                an evaluation step always logs a row
+  metrics(view, row)            a logged row of metrics.jsonl (evaluation steps always log): add
+                                fields (every rank calls)
   after_save(view, step)        the checkpoint of `step` is complete on disk
   should_stop(view)             after the step's checkpoint: True ends the loop, which saves
                                 first; every rank must answer alike, from view.tally
-  close(view)                   always, however the loop ended, in reverse order, before the log
-                                closes
+  close(view)                   always, however the loop ended, in reverse order
   state_dict() / load_state_dict(train_state)   the hook's keys of the checkpoint's train state
-                                (load: at resume, and at a rollback's reload)
+                                (loaded at resume and at a rollback)
 """
 
 from dataclasses import dataclass

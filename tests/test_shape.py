@@ -81,7 +81,7 @@ def view_members() -> set:
     """The public members of lingua.train.loop.RunView: all a hook sees of the run."""
     from lingua.train.loop import RunView
 
-    return {name for name in vars(RunView) if not name.startswith("_")}
+    return set(RunView.members())
 
 
 def test_hooks_see_the_run_read_only_through_a_few_members():

@@ -76,37 +76,35 @@ def evaluates_at(args, step: int) -> bool:
 
 
 class RunView:
-    """What a hook sees of the run (lingua/hooks.py), read-only: hooks decide, the loop acts."""
+    """What a hook sees of the run (lingua/hooks.py), read-only: hooks decide, the loop acts.
+    MEMBERS are read from Run (whose __init__ says what each holds)."""
+    MEMBERS = ("args", "env", "step", "parts", "tally", "decision", "batches_consumed",
+               "probe_requested", "rerun", "eval_loss")
 
     def __init__(self, run: "Run"):
         object.__setattr__(self, "_run", run)
+
+    def __getattr__(self, name):
+        if name not in RunView.MEMBERS:
+            raise AttributeError(f"hooks see only {', '.join(self.members())} of the run")
+        return getattr(self._run, name)
 
     def __setattr__(self, name, value):
         raise AttributeError(f"a hook cannot set run.{name}: hooks decide and the loop acts "
                              f"(lingua/hooks.py); return a Request, a vote or a stop instead.")
 
-    args = property(lambda self: self._run.args, doc="the run's whole config")
-    env = property(lambda self: self._run.env, doc="ranks, mesh and device (DistEnv)")
-    step = property(lambda self: self._run.step, doc="steps done")
-    parts = property(lambda self: self._run.parts, doc="this rank's model parts")
-    tally = property(lambda self: self._run.tally,
-                     doc="the step's numbers summed over the ranks (train/tally.py)")
-    decision = property(lambda self: self._run.decision, doc="the step's vote, as carried out")
-    batches_consumed = property(lambda self: self._run.batches_consumed,
-                                doc="data batches read so far, skipped ones included")
-    probe_requested = property(lambda self: self._run.probe_requested,
-                               doc="a hook's Request, or a rerun, asks to probe this step")
-    rerun = property(lambda self: self._run.rerun,
-                     doc="a rollback's checkpoint step while its batch runs again, else None")
-    wandb_run = property(lambda self: getattr(getattr(self._run, "log", None), "wandb_run", None),
-                         doc="None without wandb (or before the log opened)")
-    mfu_basis = property(lambda self: (self._run.flops_per_token * self._run.global_tokens
-                                       / self._run.env.world_size, self._run.peak),
-                         doc="(FLOPs of one step on this rank, the peak MFU divides by)")
+    @classmethod
+    def members(cls) -> tuple:
+        return cls.MEMBERS + ("wandb_run", "mfu_basis")
 
-    def eval_loss(self, batch):
-        """The summed token loss of a validation batch, in the run's layout (Run.eval_loss)."""
-        return self._run.eval_loss(batch)
+    @property
+    def wandb_run(self):   # None without wandb, or before the log opened
+        return getattr(getattr(self._run, "log", None), "wandb_run", None)
+
+    @property
+    def mfu_basis(self) -> tuple:   # (FLOPs of one step on this rank, the peak MFU divides by)
+        run = self._run
+        return run.flops_per_token * run.global_tokens / run.env.world_size, run.peak
 
 
 class Run(Checkpointing):
