@@ -88,8 +88,7 @@ class Hooks(Hook):
                 return decision
         return UPDATE
 
-    def should_stop(self, view) -> bool:
-        # Not short-circuited: a hook may log before it answers.
+    def should_stop(self, view) -> bool:   # every hook asked: each notes its own reason
         return any([hook.should_stop(view) for hook in self.hooks])
 
     def close(self, view) -> None:

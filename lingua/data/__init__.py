@@ -10,11 +10,8 @@ grad_accum, and data-parallel rank r reads its contiguous slice: the same sequen
 layout with the same G, the loader's whole state is the samples consumed, and a resume on
 another layout has no repeat and no gap.
 
-jsonl (streaming): `{"text": ...}` lines in `*.jsonl` chunk files, in source sub-directories
-mixed by weight, tokenized and packed on the fly. Rank r takes lines r, r + dp, r + 2dp, ... of
-a source's files concatenated in name order (jsonl.py), so every file is read whatever the number
-of ranks; every rank scans every line, but tokenizes only its own. parquet: *.parquet rows alike.
-
+jsonl, parquet (streaming, jsonl.py, parquet.py): rows of text in source sub-directories mixed by
+weight, tokenized and packed on the fly; rank r takes rows r, r + dp, r + 2dp, ... of a source.
 chat (supervised fine-tuning): conversations rendered with a chat template (chat.py).
 
 Unusable lines are skipped and counted by reason, and too many stop the run: jsonl.SkipCounter,
@@ -129,8 +126,7 @@ def validate_data_args(args: DataArgs, files: bool = True) -> None:
 
 
 def loader_class(args: DataArgs) -> Type[Loader]:
-    """The format's Loader; for an unknown one (validate_data_args's to report), the contract's
-    checks, which pass."""
+    """The format's Loader; for an unknown one (validate_data_args reports it), the contract's."""
     return FORMATS.get(args.format, Loader)
 
 

@@ -1,9 +1,7 @@
-"""The loader contract: all the trainer asks of a data format. A format is a Loader in a file of
-its own, registered by one line in lingua.data.FORMATS; nothing else dispatches on data.format.
-A loader, cls(data_args, dp_rank, dp_size, seed), is one data-parallel rank's reader: next_step()
-gives its micro-batches of a step, state_dict() its position (resumed exactly), skipped() its
-unusable lines by reason (the trainer sums over ranks). The class methods run before any loader
-exists: the checks at start (ConfigError naming the fix) and the validation rows."""
+"""The loader contract: all the trainer asks of a data format (a file of its own and one line in
+lingua.data.FORMATS). cls(data_args, dp_rank, dp_size, seed) reads one data-parallel rank's share:
+a step's micro-batches, its exact position, its unusable lines by reason. The class methods run
+before any loader exists: the checks at start (ConfigError naming the fix), the validation rows."""
 
 from pathlib import Path
 from typing import Dict, List

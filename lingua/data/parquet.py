@@ -1,6 +1,5 @@
-"""Parquet text (`data.format=parquet`): the "text" column of `*.parquet` files, read as jsonl is
-(jsonl.py: sources, rank r's rows r, r + dp, ..., packing, SkipCounter's rule for null and empty
-rows) a row group at a time, resumable by row number. pyarrow is imported here only."""
+"""`data.format=parquet`: the "text" column of `*.parquet` files read as jsonl is (sources, rank r's
+rows r, r + dp, ..., packing, the bad-row rule), a row group at a time. pyarrow is imported here."""
 
 from pathlib import Path
 

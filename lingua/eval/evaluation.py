@@ -93,10 +93,7 @@ class ValidationHook(Hook):
 
     def after_step(self, view, step: int) -> None:
         if self.batches and evaluates_at(view.args, step):
-            self.fields = self.validation_loss(view)
-
-    def validation_loss(self, view) -> dict:
-        return evaluate(view.parts, self.batches, view.env, view.eval_loss)
+            self.fields = evaluate(view.parts, self.batches, view.env, view.eval_loss)
 
     def metrics(self, view, row: dict) -> None:
         row.update(self.fields)

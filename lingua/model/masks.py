@@ -1,13 +1,7 @@
-"""What a model's attention may see, said once: `AttentionMask` and its one rule, `allowed`, from
-which every backend builds its mask (lingua/model/layers.py: sdpa's dense mask, flex's mask_mod,
-xformers' biases, the KV cache's decoding mask; lingua/parallel/context_parallel.py: a shard's
-queries against every key). Positions are global (a token's place in its row, whichever shard or
-cache holds it), so a windowed model computes alike under context parallelism and when decoding.
-
-A model owns its mask (`Decoder.mask_spec`; apps/swa sets a window). Documents are not a field:
-the trainer passes doc_ids when model.attn_mask=block_causal, and a query then sees its own
-document's keys only.
-"""
+"""What a model's attention may see, said once (`Decoder.mask_spec`; apps/swa sets a window):
+`AttentionMask` and its one rule, `allowed`, from which every backend (layers.py) and context
+parallelism build their masks, at global positions (a token's place in its row, whichever shard or
+cache holds it). Documents are not a field: doc_ids come with model.attn_mask=block_causal."""
 
 from dataclasses import dataclass
 from typing import Optional

@@ -394,11 +394,9 @@ class Probe:
 
 
 class ProbeHook(Hook):
-    """probe.every in the loop: hooks the model on sampled steps, records after backward
-    (gradients before clipping), counts alerts into the metrics row, sends plots to wandb at the
-    end. A step another hook asks for (view.probe_requested: the step after a spike) is probed in
-    full, and so is a rolled-back step's batch run again (view.rerun), recorded under its step
-    after the lines of the steps past the checkpoint are dropped."""
+    """probe.every in the loop: hooks the model on sampled steps and on asked-for ones
+    (view.probe_requested: after a spike, a rollback's rerun), records after backward (gradients
+    before clipping), counts alerts into the metrics row, sends plots to wandb at the end."""
 
     def __init__(self, args, spikes_on: bool):
         self.args, self.spikes_on = args.probe, spikes_on

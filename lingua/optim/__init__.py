@@ -16,9 +16,7 @@ OPTIMIZERS = {"adamw": adamw.SPEC, "muon": muon.SPEC}
 
 @dataclass
 class SharedOptimArgs:
-    # A key of OPTIMIZERS: adamw, or muon: Muon for the transformer blocks' matrices, AdamW (the
-    # settings below) for embeddings, the output projection, norms and biases.
-    name: str = "adamw"
+    name: str = "adamw"             # a key of OPTIMIZERS: adamw, or muon (muon.py: which weights)
     lr: float = 3e-4
     weight_decay: float = 0.1
     beta1: float = 0.9

@@ -1,5 +1,4 @@
-"""What lingua needs of an optimizer: a file of lingua/optim/ with an OptimizerSpec and a line in
-OPTIMIZERS (lingua/optim/__init__.py). The trainer and the planner call the spec, never a name."""
+"""What lingua needs of an optimizer: a file with an OptimizerSpec and a line in OPTIMIZERS."""
 
 from dataclasses import dataclass
 from typing import Callable, Optional

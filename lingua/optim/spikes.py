@@ -278,18 +278,15 @@ def append_record(dump_dir, record: dict) -> None:
 
 
 class SpikeHook(Hook):
-    """spikes.policy in the loop: judge each step (vote), skip, or ask the loop to roll back;
-    ask it to skip a rollback's batches and to probe the step after a spike (before_step);
-    record a rollback when the loop reruns its batch, before the reload; metrics, and the
-    "spikes" key of the train state. Always in the hook list: hand-written ranges in
-    spikes.jsonl are skipped with spikes.policy=off too."""
+    """spikes.policy in the loop: judge each step (vote: skip, or a rollback the loop does),
+    ask to skip a rollback's batches and to probe after a spike (before_step), metrics, the
+    "spikes" train state. Always listed: spikes.jsonl's ranges are skipped with policy=off too."""
 
     def __init__(self, args, env):
         self.monitor = SpikeMonitor(args.spikes, env.is_main)
         self.policy, self.env, self.dump_dir = args.spikes.policy, env, args.dump_dir
         self.values: Optional[dict] = None    # the step's values, accepted after its update
-        # (the spike, the data batch it ran on) while the loop rolls back from it
-        self.rolling_back: Optional[tuple] = None
+        self.rolling_back: Optional[tuple] = None   # (spike, its data batch) while rolling back
         self.keep_records = False             # a rollback's reload keeps the records it knows
 
     def start(self, view) -> None:

@@ -111,7 +111,6 @@ class CPContext:
         gathered = torch.cat([shard_positions(seq_len, r, self.size, device)
                               for r in range(self.size)])
         self.gather_order = torch.argsort(gathered)
-        # The model's own rule, by global position: each local query against every key.
         self.mask = self.spec.dense(positions, torch.arange(seq_len, device=device), doc_ids)
 
     def clear(self) -> None:

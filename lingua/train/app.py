@@ -26,8 +26,8 @@ class BlockShape:
     experts: int = 0
     experts_per_token: int = 0
     shared_experts: int = 0
-    # Latent attention (apps/deepseek's MLA; 0: none): the normed q and kv latents' widths, whole
-    # on every TP rank, each head's k and v decompressed from the kv one, and a rope key shared.
+    # Latent attention (MLA; 0: none): the q and kv latents' widths (whole on every TP rank, each
+    # head's k and v decompressed from the kv one) and the shared rope key's.
     q_latent: int = 0
     kv_latent: int = 0
     rope_head_dim: int = 0

@@ -18,7 +18,7 @@ import torch
 
 from lingua import checkpoint, config, data, optim
 from lingua.errors import RunError
-from lingua.hooks import ROLLBACK, SKIP, UPDATE, Hooks
+from lingua.hooks import ROLLBACK, SKIP, UPDATE, Hooks, Request
 from lingua.model import loss as loss_module
 from lingua.model.layers import inferring_shapes
 from lingua.observe import metrics, profiling
@@ -79,23 +79,19 @@ class RunView:
     """What a hook sees of the run (lingua/hooks.py), read-only: hooks decide, the loop acts.
     MEMBERS are read from Run (whose __init__ says what each holds)."""
     MEMBERS = ("args", "env", "step", "parts", "tally", "decision", "batches_consumed",
-               "probe_requested", "rerun", "eval_loss")
+               "probe_requested", "rerun", "eval_loss")   # and wandb_run, mfu_basis below
 
     def __init__(self, run: "Run"):
         object.__setattr__(self, "_run", run)
 
     def __getattr__(self, name):
         if name not in RunView.MEMBERS:
-            raise AttributeError(f"hooks see only {', '.join(self.members())} of the run")
+            raise AttributeError(f"hooks see only {RunView.MEMBERS}, wandb_run and mfu_basis")
         return getattr(self._run, name)
 
     def __setattr__(self, name, value):
         raise AttributeError(f"a hook cannot set run.{name}: hooks decide and the loop acts "
                              f"(lingua/hooks.py); return a Request, a vote or a stop instead.")
-
-    @classmethod
-    def members(cls) -> tuple:
-        return cls.MEMBERS + ("wandb_run", "mfu_basis")
 
     @property
     def wandb_run(self):   # None without wandb, or before the log opened
@@ -205,14 +201,11 @@ class Run(Checkpointing):
                     self.step_loss.add(out)
 
     def before_step(self, step: int) -> None:
-        """The hooks' before_step, each Request carried out before the next hook is asked: data
-        batches read and thrown away (a rollback's range), the probe asked for. A rerun (a
-        rolled-back batch again) reads no data."""
+        """The hooks' before_step, each Request carried out before the next hook is asked (a
+        rerun, a rolled-back batch again, skips no data)."""
         self.probe_requested = self.rerun is not None
         for hook in self.hooks:
-            request = hook.before_step(self.view, step)
-            if request is None:
-                continue
+            request = hook.before_step(self.view, step) or Request()
             for _ in range(0 if self.rerun is not None else request.skip_batches):
                 self.train_loader.next_step()
                 self.batches_consumed += 1
@@ -284,8 +277,7 @@ class Run(Checkpointing):
         """optim.nonfinite=stop: nothing was updated yet, so the weights and optimizer state are
         those after the previous step; save them with the data position before this step (the
         same state a checkpoint at the previous step holds) and stop."""
-        for optimizer in self.optimizers.optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         saved = "nothing was saved (no step had run)"
         if self.step > 0:
             self._save(before=data_before)

@@ -189,10 +189,8 @@ def requeue_job(max_requeues: int) -> bool:
 
 
 class StopHook(Hook):
-    """Signals in the loop: Ctrl-C caught once the loop runs, and at each step boundary the
-    ranks agree on a signal; then the run stops, the loop saving first (unless this step's
-    checkpoint is written already), and this hook says where it is and how to go on, and
-    requeues the Slurm job when asked."""
+    """Signals in the loop: Ctrl-C caught, the ranks agreeing on a signal at a step boundary; the
+    loop then saves and stops, and at close this hook says how to go on and requeues if asked."""
 
     def __init__(self, max_requeues: int):
         self.max_requeues = max_requeues

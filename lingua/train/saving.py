@@ -31,32 +31,27 @@ class Checkpointing:
         return 0 if resume_from is None else self._load(resume_from)
 
     def _load(self, target) -> int:
-        """Weights, optimizer and train state (the hooks' too) of checkpoint `target`; its step.
-        Resume and a rollback both come here."""
+        """Checkpoint `target` (weights, optimizer, train state), for resume and rollback alike."""
         state = checkpoint.load(target, self.parts, self.optimizers.optimizers,
                                 self.env.rank, self.env.world_size)
         self.restore_train_state(state)
         return state["step"]
 
     def roll_back(self, step: int) -> bool:
-        """A hook voted ROLLBACK at `step`: the step's batch runs again on the weights that made
-        it, for the hooks (view.rerun: the probe records it), its gradients thrown away; then the
-        newest intact checkpoint from before `step` is loaded as resume does, and the steps after
-        it run again (their metrics rows go). False, nothing done, when there is no such
-        checkpoint."""
+        """A ROLLBACK vote at `step`: its batch again for the hooks (view.rerun), gradients thrown
+        away, then the newest intact checkpoint before `step` loaded as resume does. False (nothing
+        done) when there is none."""
         self.finish_save(block=True)   # the checkpoint being written is the newest one
         target = checkpoint.newest_verified(self.dump_dir, self.env.rank, self.env.world_size,
                                             set_aside=True)
         if target is None or int(target.name) >= step:
             return False
         self._zero_grads()
-        self.rerun = int(target.name)
-        try:
-            self.before_step(step)
-            self.train_step(self.micro_batches)
-            self.hooks.after_backward(self.view, step)
-        finally:
-            self.rerun = None
+        self.rerun = int(target.name)   # what the hooks see while the batch runs again
+        self.before_step(step)
+        self.train_step(self.micro_batches)
+        self.hooks.after_backward(self.view, step)
+        self.rerun = None
         self._zero_grads()
         self.step = self._load(target)
         self.log.rewind(self.step)     # steps after the checkpoint run again: their rows go

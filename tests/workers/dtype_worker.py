@@ -3,7 +3,7 @@
 `python -m tests.workers.dtype_worker OUT_DIR APP [train overrides]`, in one process or under
 torchrun. APP is `llama` or `moe`: the worker runs `apps.<APP>.train.main(overrides)` unchanged,
 having wrapped `lingua.train.loop.Run.train`, `Run.train_step` and
-`lingua.eval.evaluation.ValidationHook.validation_loss` (class attributes, in this process only),
+`lingua.train.loop.Run.eval_loss` (class attributes, in this process only),
 and each rank writes OUT_DIR/rank<r>.json with:
 
   ops          matmul-family ops (mm, addmm, bmm, baddbmm, _grouped_mm, linear, matmul and the
@@ -46,7 +46,6 @@ from torch.optim.optimizer import (
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lingua.eval import evaluation
 from lingua.parallel import distributed
 from lingua.train import loop
 
@@ -138,7 +137,7 @@ def instrument(rec: Recorder) -> None:
     """Wrap the real trainer's Run methods (class attributes, this process only)."""
     run = loop.Run
     run_train, run_step = run.train, run.train_step
-    run_val = evaluation.ValidationHook.validation_loss
+    run_val = run.eval_loss
 
     def train(self):
         rec.names = {id(m): n or "<root>" for part in self.parts for n, m in part.named_modules()}
@@ -167,7 +166,7 @@ def instrument(rec: Recorder) -> None:
 
     loop.Run.train = train
     loop.Run.train_step = phased(run_step, "train_step")
-    evaluation.ValidationHook.validation_loss = phased(run_val, "validation")
+    loop.Run.eval_loss = phased(run_val, "validation")
 
 
 def main(out_dir: str, app: str, argv: list) -> int:
