@@ -285,6 +285,16 @@ def test_rollback_reloads_and_skips_the_batches_around_the_spike(corpus, tmp_pat
     assert rows_by_step(told)[12]["rollbacks"] == 0
 
 
+def test_rollback_with_no_checkpoint_before_the_spike_skips_it(corpus, tmp_path, skip_run):
+    """The loop finds no checkpoint to go back to (Run.roll_back): each spike's update is skipped
+    and the next step probed, as spikes.policy=skip does; nothing is recorded."""
+    dump = tmp_path / "no_checkpoint"
+    train_with_spikes(spike_args(corpus, dump, "rollback", "checkpoint.every=50"), SKIP_SPIKES)
+    assert spikes.read_records(dump) == []
+    assert_equivalent(dump, skip_run, rtol=0, keys=("loss", "grad_norm", "loss_spike") + COUNTS)
+    assert probe_steps(dump) == [9, 11]
+
+
 def test_a_crash_after_a_rollback_resumes_with_the_range_applied(corpus, tmp_path, rollback_run,
                                                                    capfd):
     """Checkpoints after the rollback lost: the run resumes from the one before the spike, whose
