@@ -369,3 +369,27 @@ def test_sft_lora_fsdp_on_two_gpus_matches_one_gpu(tmp_path):
     run_torchrun(2, "apps.sft.train", _sft_args(tmp_path, two, "steps=5",
                                                 "distributed.dp_shard=2", "data.batch_size=2"))
     assert_equivalent(two, one, rtol=GPU_RTOL)
+
+
+def test_compiled_flex_with_a_window_and_sinks_equals_the_dense_reference():
+    """apps/swa's attention on CUDA: compiled flex_attention with a sliding window, documents and
+    learned sinks (its log-sum-exp through AuxRequest), forward and backward, equals the
+    written-out reference of tests/test_swa.py in fp32 (CPU checks flex forward only)."""
+    from lingua.model.layers import CoreAttention, make_attn_mask
+    from lingua.model.masks import AttentionMask
+    from tests.test_swa import inputs, reference_attention
+
+    (q, k, v, sinks), doc_ids = inputs(s=128)
+    q, k, v, sinks, doc_ids = (t.cuda() for t in (q, k, v, sinks, doc_ids))
+    for t in (q, k, v, sinks):
+        t.requires_grad_(True)
+    spec = AttentionMask(window=5, sink_tokens=2)
+    mask = make_attn_mask("flex", doc_ids, q.shape[1], q.device, spec)
+    out = CoreAttention("flex")(q, k, v, mask, sinks=sinks)
+    ref = reference_attention(*(t.cpu() for t in (q, k, v, doc_ids)), 5, 2, sinks.cpu())
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, sinks), grad)
+    want = torch.autograd.grad(ref, (q, k, v, sinks), grad.cpu())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)
