@@ -24,9 +24,23 @@ def app_train_modules() -> list:
     return sorted(f"apps.{p.parent.name}.train" for p in (REPO / "apps").glob("*/train.py"))
 
 
+def core_dataclass_fields() -> set:
+    """The field names of every dataclass lingua/ defines (AttentionMask.window, SpikeArgs.window,
+    ...): the core's own words, which an app may reuse for its own field."""
+    names = set()
+    for path in (REPO / "lingua").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    "dataclass" in ast.unparse(d) for d in node.decorator_list):
+                names |= {item.target.id for item in node.body if isinstance(item, ast.AnnAssign)
+                          and isinstance(item.target, ast.Name)}
+    return names
+
+
 def app_only_fields() -> set:
-    """Fields of every app's model args (TrainArgs.model) that the shared shell does not have."""
-    shell = {f.name for f in dataclasses.fields(TransformerArgs)}
+    """Fields of every app's model args (TrainArgs.model) that neither the shared shell nor any
+    other core dataclass has."""
+    shell = {f.name for f in dataclasses.fields(TransformerArgs)} | core_dataclass_fields()
     names = set()
     for module in app_train_modules():
         train_args = importlib.import_module(module).TrainArgs

@@ -40,6 +40,7 @@ from lingua.train.app import App, check_vocab, device_type
 from lingua.train.build import build_model_parts
 from lingua.train.loop import Run
 from lingua.train.preemption import StopHook
+from lingua.train.saving import where_to_resume
 
 
 @dataclass
@@ -128,7 +129,7 @@ def hooks(args, env: DistEnv, app: App) -> Hooks:
         *app.hooks(args, env),
         GarbageCollection(args.gc_every, args.gc_full_every),
         Float8ScalesHook(args, env),
-        StopHook(args.slurm.max_requeues),
+        StopHook(args.slurm.max_requeues, lambda: where_to_resume(args.dump_dir)),
         SpikeHook(args, env),
         ProfilerHook(args),
         ProbeHook(args, spikes_on=args.spikes.policy != "off"),

@@ -314,8 +314,7 @@ class SpikeHook(Hook):
                 logger.info("data batch %d skipped (range %d..%d, from the loss spike at step %s)",
                             batch + skip, *record["skip"], record.get("step", "?"))
             skip += 1
-        # log, skip: the step after a spike is probed in full, whatever probe.every says.
-        probe, self.monitor.probe_next = self.monitor.probe_next, False
+        probe, self.monitor.probe_next = self.monitor.probe_next, False   # after a spike: in full
         return Request(skip_batches=skip, probe=probe)
 
     def vote(self, view, step: int) -> str:

@@ -35,7 +35,6 @@ from typing import Callable, Optional
 
 # No torch here: stool's job listens for signals before it imports torch (seconds of start-up,
 # during which Slurm's time-limit warning may already arrive).
-from lingua import checkpoint
 from lingua.hooks import Hook
 
 logger = logging.getLogger(__name__)
@@ -138,14 +137,6 @@ SIGNALS = StopSignals()
 RESUME_COMMAND_VAR = "LINGUA_RESUME_COMMAND"
 
 
-def where_to_resume(dump_dir) -> str:
-    """Where a stopped run is and the command that goes on from there."""
-    newest = checkpoint.newest(dump_dir)
-    if newest is None:
-        return f"no checkpoint saved yet; to start over, run again: {resume_command()}"
-    return f"checkpoint {newest} saved; to resume, run again: {resume_command()}"
-
-
 def resume_command() -> str:
     """The command that resumes this run, as its launcher was given it: what a wrapper script
     that knows its user's command put in LINGUA_RESUME_COMMAND (setup/quickstart.sh), else
@@ -190,15 +181,15 @@ def requeue_job(max_requeues: int) -> bool:
 
 class StopHook(Hook):
     """Signals in the loop: Ctrl-C caught, the ranks agreeing on a signal at a step boundary; the
-    loop then saves and stops, and at close this hook says how to go on and requeues if asked."""
+    loop then saves and stops; at close this hook says how to go on and requeues if asked."""
 
-    def __init__(self, max_requeues: int):
-        self.max_requeues = max_requeues
+    def __init__(self, max_requeues: int, where_to_resume: Callable[[], str]):
+        self.max_requeues, self.where_to_resume = max_requeues, where_to_resume
         self.signals = SIGNALS
         self.stopping = NONE   # the signal the run stopped for, acted on at close
 
     def start(self, view) -> None:
-        self.signals = SIGNALS.catch_interrupts(lambda: where_to_resume(view.args.dump_dir))
+        self.signals = SIGNALS.catch_interrupts(self.where_to_resume)
 
     def after_backward(self, view, step: int) -> dict:
         return self.signals.counts()
@@ -217,7 +208,6 @@ class StopHook(Hook):
         SIGNALS.stop_listening()
         if self.stopping != NONE and view.env.is_main:   # saved by now: one line for the job
             how = "interrupted (Ctrl-C)" if self.signals.interrupted else "stopped by a signal"
-            train_logger.warning("%s after step %d; %s", how, view.step,
-                                 where_to_resume(view.args.dump_dir))
+            train_logger.warning("%s after step %d; %s", how, view.step, self.where_to_resume())
             if self.stopping == REQUEUE:
                 self.signals.job_ends = not requeue_job(self.max_requeues)

@@ -6,8 +6,17 @@ import logging
 from typing import Optional
 
 from lingua import checkpoint
+from lingua.train.preemption import resume_command
 
 logger = logging.getLogger("train")
+
+
+def where_to_resume(dump_dir) -> str:
+    """Where a stopped run is and the command that goes on from there."""
+    newest = checkpoint.newest(dump_dir)
+    if newest is None:
+        return f"no checkpoint saved yet; to start over, run again: {resume_command()}"
+    return f"checkpoint {newest} saved; to resume, run again: {resume_command()}"
 
 
 class Checkpointing:
