@@ -295,7 +295,7 @@ class SpikeHook(Hook):
         outcome = [None]
         if self.env.is_main:
             try:
-                outcome = [read_records(view.args.dump_dir)]
+                outcome = [read_records(self.dump_dir)]
             except RunError as err:
                 outcome = [str(err)]
         if self.env.world_size > 1:
