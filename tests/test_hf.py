@@ -259,7 +259,8 @@ def test_fork_export_problems_warn_at_start_and_refuse(
     (64, 100, 100, 100 / 170),  # anything else still reproduces the width exactly
 ])
 def test_ffn_recipe_recovered_from_hf_config(tmp_path, dim, hidden, multiple_of, mult):
-    cfg = {"hidden_size": dim, "intermediate_size": hidden, "num_hidden_layers": 1,
+    cfg = {"model_type": "llama", "hidden_size": dim, "intermediate_size": hidden,
+           "num_hidden_layers": 1,
            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
            "rope_theta": 500000.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -102,6 +102,9 @@ def validate_model_args(args: DeepSeekArgs) -> None:
     if args.n_kv_heads not in (None, args.n_heads):
         raise ConfigError(f"model.n_kv_heads={args.n_kv_heads}: MLA has no grouped key/value "
                           "heads (every head decompresses its own from the latent). Remove it.")
+    if args.head_dim is not None:
+        raise ConfigError(f"model.head_dim={args.head_dim}: MLA's head widths are "
+                          "model.qk_nope_head_dim, qk_rope_head_dim and v_head_dim. Remove it.")
     if args.rope_scaling:
         raise ConfigError("model.rope_scaling=true is Llama 3.1's RoPE scaling; DeepSeek uses "
                           "YaRN: set model.yarn=true with model.rope_scale_factor and "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from lingua import config
 from lingua.checkpoint import hf as lingua_hf
 from lingua.launch import run
-from lingua.models.llama.hf import export_problems, load_hf
+from lingua.models.llama.hf import args_from_hf_config, export_problems, load_hf
 from lingua.models.llama.model import LlamaArgs, Transformer, validate_model_args
 from lingua.models.llama.parallelize import parallelize_llama, validate_tp
 from lingua.train.app import App
@@ -44,7 +44,11 @@ def validate(args: TrainArgs) -> None:
 
 def load_config(argv=None, check: bool = True) -> TrainArgs:
     """Compose (and check) the config exactly as a run would; stool calls this before submitting."""
-    return config.load("llama", TrainArgs, argv, validate if check else None)
+    args = config.load("llama", TrainArgs, argv)
+    lingua_hf.shape_from_init_from(args, argv, args_from_hf_config)   # continued pretraining
+    if check:
+        validate(args)
+    return args
 
 
 def main(argv=None) -> int:

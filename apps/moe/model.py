@@ -1,9 +1,7 @@
-"""The MoE decoder: LLaMA's attention with mixture-of-experts FFNs (lingua.model.moe.MoE), in
-lingua's decoder shell (lingua/model/decoder.py, whose contract this keeps).
-
-The first `n_dense_layers` blocks keep a dense SwiGLU `feed_forward`; the others have a `moe`.
-The attention was forked from lingua/models/llama/model.py (a fork copies what it changes), and
-apps/moe/parallelize.py and apps/moe/hf.py shard and name it as LLaMA's are.
+"""The MoE decoder: LLaMA's attention (lingua/models/llama/model.py's, with its Qwen options) and
+mixture-of-experts FFNs (lingua.model.moe.MoE), in lingua's decoder shell (lingua/model/decoder.py,
+whose contract this keeps). The first `n_dense_layers` blocks keep a dense SwiGLU `feed_forward`;
+the others have a `moe`.
 """
 
 from dataclasses import dataclass
@@ -14,16 +12,8 @@ from torch import nn
 
 from lingua.errors import ConfigError
 from lingua.model.decoder import Decoder
-from lingua.model.layers import (
-    CoreAttention,
-    FeedForward,
-    KVCache,
-    RMSNorm,
-    TransformerArgs,
-    apply_rope,
-    ffn_hidden_dim,
-    validate_transformer_args,
-)
+from lingua.model.layers import FeedForward, KVCache, RMSNorm, ffn_hidden_dim, head_dim
+from lingua.model.masks import AttentionMask
 from lingua.model.moe import (
     EXPERT_IMPLS,
     SCORE_FUNCS,
@@ -32,10 +22,11 @@ from lingua.model.moe import (
     balance_loss_sum,
     check_grouped_alignment,
 )
+from lingua.models.llama.model import Attention, AttentionArgs, validate_attention_args
 
 
 @dataclass
-class MoEArgs(TransformerArgs):
+class MoEArgs(AttentionArgs):
     n_experts: int = 8
     top_k: int = 2
     n_shared_experts: int = 0
@@ -60,7 +51,7 @@ def expert_hidden(args: MoEArgs) -> int:
 
 def validate_moe_args(args: MoEArgs) -> None:
     """The dense decoder's checks plus the experts'; raises ConfigError before any allocation."""
-    validate_transformer_args(args)
+    validate_attention_args(args)
     if args.n_experts < 1 or not 1 <= args.top_k <= args.n_experts:
         raise ConfigError(
             f"model.top_k={args.top_k} with model.n_experts={args.n_experts}: each token picks "
@@ -84,39 +75,11 @@ def validate_moe_args(args: MoEArgs) -> None:
         check_grouped_alignment(args.dim, expert_hidden(args))
 
 
-class Attention(nn.Module):
-    """Grouped-query attention with RoPE, under the names (wq/wk/wv/wo) apps/moe/hf.py maps and
-    apps/moe/parallelize.py shards by head."""
-
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, backend: str = "sdpa"):
-        super().__init__()
-        self.head_dim = dim // n_heads
-        self.core = CoreAttention(backend)
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
-
-    def forward(self, x, rope, mask=None, cache: Optional[KVCache] = None, cache_key: str = ""):
-        # Head counts come from the tensors: under tensor parallelism this rank holds some heads.
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if cache is not None:
-            k, v = cache.update(cache_key, k, v)
-        out = self.core(q, k, v, mask, decoding=cache is not None)
-        return self.wo(out.reshape(b, s, -1))
-
-
 class MoEBlock(nn.Module):
     def __init__(self, layer_id: int, args: MoEArgs):
         super().__init__()
         self.layer_id, self.is_moe = layer_id, layer_id >= args.n_dense_layers
-        self.attention = Attention(
-            args.dim, args.n_heads, args.n_kv_heads or args.n_heads, args.attn_backend
-        )
+        self.attention = Attention(args)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if self.is_moe:
@@ -139,13 +102,12 @@ class MoEBlock(nn.Module):
     def init_weights(self, std: float, out_std: float):
         """Inputs-side matrices normal(std); residual outputs (wo, w2) normal(out_std), shrunk with
         depth so the residual stream's variance does not grow; router gate normal(std); bias 0."""
-        att = self.attention
+        self.attention.init_weights(std, out_std)
         ffns = [self.feed_forward] if not self.is_moe else [self.moe.experts] + (
             [self.moe.shared_experts] if self.moe.shared_experts is not None else [])
-        ins = [att.wq.weight, att.wk.weight, att.wv.weight]
-        ins += [getattr(f.w1, "weight", f.w1) for f in ffns]
+        ins = [getattr(f.w1, "weight", f.w1) for f in ffns]
         ins += [getattr(f.w3, "weight", f.w3) for f in ffns]
-        outs = [att.wo.weight] + [getattr(f.w2, "weight", f.w2) for f in ffns]
+        outs = [getattr(f.w2, "weight", f.w2) for f in ffns]
         if self.is_moe:
             ins.append(self.moe.router.gate.weight)
             self.moe.router.expert_bias.zero_()
@@ -164,6 +126,8 @@ class Transformer(Decoder):
     def __init__(self, args: MoEArgs):
         validate_moe_args(args)
         super().__init__(args)
+        if args.window is not None:   # Mixtral's sliding window, as LLaMA's (Mistral's)
+            self.mask_spec = AttentionMask(window=args.window)
         self.balancing = args.aux_loss_coef > 0 or args.z_loss_coef > 0
 
     def make_layer(self, layer_id: int, args: MoEArgs) -> nn.Module:
@@ -190,10 +154,10 @@ class Transformer(Decoder):
 def flops_per_token(args: MoEArgs, seq_len: int) -> float:
     """Training FLOPs per token counting active parameters only (see
     lingua.model.moe.active_params_per_token): 6 per active matmul parameter plus attention's
-    12 * n_layers * dim * seq_len."""
+    12 * n_layers * attention width * seq_len."""
     with torch.device("meta"):
         model = Transformer(args)
     active = active_params_per_token(model)
     if args.tie_embeddings:
         active += model.tok_embeddings.weight.numel()
-    return 6.0 * active + 12.0 * args.n_layers * args.dim * seq_len
+    return 6.0 * active + 12.0 * args.n_layers * args.n_heads * head_dim(args) * seq_len

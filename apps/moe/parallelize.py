@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lingua.errors import ConfigError
 from lingua.float8 import default_filter
 from lingua.model.moe import moe_layers
+from lingua.models.llama.parallelize import attention_plan
 from lingua.parallel.distributed import DistEnv, DistributedArgs
 from lingua.parallel.expert_parallel import apply_ep, apply_global_counts, ep_meshes
 from lingua.parallel.parallelize import apply_cp_ac_compile_fsdp, uses_loss_parallel
@@ -50,15 +51,11 @@ def validate_tp(model_args, tp: int, seq_len: int | None = None) -> None:
     validate_decoder_tp(model_args, tp, seq_len)
 
 
-def block_plan(is_moe: bool) -> dict:
-    """A block's TP plan: sequence-parallel norms, attention sharded by head (q/k/v column-wise,
-    wo row-wise back to Shard(1)); then the dense SwiGLU sharded alike, or the MoE replicated."""
-    plan = {
-        "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-        "attention": gathered_input(),
-        **{f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-    }
+def block_plan(model: nn.Module, is_moe: bool) -> dict:
+    """A block's TP plan: sequence-parallel norms, LLaMA's attention plan (by head); then the dense
+    SwiGLU sharded alike, or the MoE replicated."""
+    plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            **attention_plan(model)}
     if is_moe:
         # ReplicatedCompute: Shard(1) in -> whole sequence, Replicate -> Shard(1) out.
         return {**plan, "moe": ReplicatedCompute()}
@@ -69,7 +66,8 @@ def block_plan(is_moe: bool) -> dict:
 
 def tp_plans(model: nn.Module, loss_parallel: bool) -> tuple:
     """(root_plan, dense_block_plan, moe_block_plan) for tensor_parallel.apply_tp."""
-    return decoder_root_plan(model, loss_parallel), block_plan(False), block_plan(True)
+    return (decoder_root_plan(model, loss_parallel), block_plan(model, False),
+            block_plan(model, True))
 
 
 def parallelize_moe(model: nn.Module, env: DistEnv, args: DistributedArgs) -> nn.Module:

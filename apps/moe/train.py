@@ -9,7 +9,7 @@ per-layer routing metrics.
 import dataclasses
 from dataclasses import dataclass, field
 
-from apps.moe.hf import export_problems, load_hf
+from apps.moe.hf import args_from_hf_config, export_problems, load_hf
 from apps.moe.model import MoEArgs, Transformer, expert_hidden, validate_moe_args
 from apps.moe.model import flops_per_token as model_flops_per_token
 from apps.moe.parallelize import float8_filter, parallelize_moe, validate_tp
@@ -81,7 +81,11 @@ def validate(args: TrainArgs) -> None:
 
 def load_config(argv=None, check: bool = True) -> TrainArgs:
     """Compose (and check) the config exactly as a run would; stool calls this before submitting."""
-    return config.load("moe", TrainArgs, argv, validate if check else None)
+    args = config.load("moe", TrainArgs, argv)
+    lingua_hf.shape_from_init_from(args, argv, args_from_hf_config)   # continued pretraining
+    if check:
+        validate(args)
+    return args
 
 
 def main(argv=None) -> int:

@@ -62,9 +62,10 @@ class Attention(nn.Module):
     """Grouped-query attention with RoPE. Parameter names mirror Meta's llama (wq/wk/wv/wo), which
     apps/mtp/hf.py maps to Hugging Face's and apps/mtp/parallelize.py shards by head."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, backend: str = "sdpa"):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, backend: str = "sdpa",
+                 head_dim: Optional[int] = None):
         super().__init__()
-        self.head_dim = dim // n_heads
+        self.head_dim = head_dim or dim // n_heads
         self.core = CoreAttention(backend)
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -89,7 +90,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads or args.n_heads,
-                                   args.attn_backend)
+                                   args.attn_backend, args.head_dim)
         hidden_dim = ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
         self.feed_forward = FeedForward(args.dim, hidden_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)

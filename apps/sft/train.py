@@ -44,28 +44,6 @@ config.register_schema("sft_schema", TrainArgs)
 
 
 
-def command_line_keys(argv, section: str) -> set:
-    """The keys of `section` that overrides on the command line set (`model.dim=..`, `+`/`++`)."""
-    keys = (item.lstrip("+").split("=", 1)[0] for item in argv if "=" in item)
-    return {key[len(section) + 1:] for key in keys if key.startswith(section + ".")}
-
-
-def shape_from_init_from(args: TrainArgs, argv) -> None:
-    """With checkpoint.init_from a Llama directory, the model's shape is its config.json's, not
-    the preset's: a user fine-tuning a model types no model.* value. One the command line sets
-    is kept, so that check_init_from refuses it if it differs."""
-    path = args.checkpoint.init_from
-    config_json = Path(path) / "config.json" if path is not None else None
-    if config_json is None or not config_json.is_file():
-        return   # check_init_from says what is wrong (or the debug preset makes it first)
-    if lingua_hf.read_config(config_json).get("model_type") != "llama":
-        return
-    given = command_line_keys(argv, "model")
-    for key, value in config.to_dict(args_from_hf_config(config_json)).items():
-        if key not in lingua_hf.RUNTIME_KEYS and key not in given:
-            setattr(args.model, key, value)
-
-
 def check_init_from(args: TrainArgs) -> None:
     """checkpoint.init_from is a Llama directory whose weights have model.*'s shapes: said now,
     not after the process group and the model exist."""
@@ -141,7 +119,7 @@ def load_config(argv=None, check: bool = True) -> TrainArgs:
     """Compose (and check) the config exactly as a run would; stool calls this before submitting."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = config.load("sft", TrainArgs, argv)
-    shape_from_init_from(args, argv)
+    lingua_hf.shape_from_init_from(args, argv, args_from_hf_config)
     if check:
         validate(args)
     return args

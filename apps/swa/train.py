@@ -14,6 +14,7 @@ from apps.swa.model import SWAArgs, Transformer, validate_model_args
 from apps.swa.parallelize import parallelize_swa, validate_tp
 from lingua import config
 from lingua.launch import run
+from lingua.model.layers import head_dim
 from lingua.observe import metrics
 from lingua.train.app import App
 
@@ -45,7 +46,8 @@ def flops_per_token(args: TrainArgs) -> float:
     with torch.device("meta"):
         model = Transformer(m)
     seen = min(m.window or args.data.seq_len, args.data.seq_len)
-    return metrics.flops_per_token(model, m.n_layers, m.dim, seen, m.tie_embeddings)
+    return metrics.flops_per_token(model, m.n_layers, m.n_heads * head_dim(m), seen,
+                                   m.tie_embeddings)
 
 
 APP = App(model_class=Transformer, parallelize=parallelize_swa, validate_model=validate_swa,

@@ -29,7 +29,7 @@ from lingua import config
 from lingua.checkpoint import _dcp_load, hf_files, read_run_config, resolve, verified, verified_base
 from lingua.errors import ConfigError, RunError
 from lingua.model import weights
-from lingua.model.layers import ffn_hidden_dim
+from lingua.model.layers import ffn_hidden_dim, head_dim
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -238,7 +238,7 @@ def decoder_config(args, dtype: torch.dtype) -> dict:
         "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
         "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads or args.n_heads,
-        "head_dim": args.dim // args.n_heads, "vocab_size": args.vocab_size,
+        "head_dim": head_dim(args), "vocab_size": args.vocab_size,
         "hidden_act": "silu", "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta, "rope_scaling": rope_scaling,
         "max_position_embeddings": args.max_seq_len,
@@ -260,20 +260,16 @@ def read_config(config_path: Path) -> dict:
 
 def decoder_problems(cfg: dict) -> List[str]:
     """What in a config makes its model compute something lingua's decoder shape does not."""
-    dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    bad = []
-    if cfg.get("hidden_act", "silu") != "silu":
-        bad.append(f"hidden_act={cfg['hidden_act']}")
-    if cfg.get("head_dim") not in (None, dim // n_heads):
-        bad.append(f"head_dim={cfg['head_dim']} != hidden_size/num_attention_heads")
-    return bad
+    return [f"hidden_act={cfg['hidden_act']}"] if cfg.get("hidden_act", "silu") != "silu" else []
 
 
 def decoder_args(cfg: dict, config_path: Path) -> dict:
     """TransformerArgs fields from a config (the FFN's widths aside: they are the app's); a
     missing key raises KeyError, which the app's reader turns into "not a <arch> config"."""
-    return dict(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-                n_heads=cfg["num_attention_heads"],
+    dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    width = cfg.get("head_dim")   # None where it is dim / n_heads, so such args read back equal
+    return dict(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
+                head_dim=None if width in (None, dim // n_heads) else width,
                 n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                 vocab_size=cfg["vocab_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
                 max_seq_len=cfg.get("max_position_embeddings", 4096),
@@ -455,6 +451,22 @@ def wrote(ckpt_dir, out_dir) -> str:
 # Training from a Hugging Face checkpoint (checkpoint.init_from): the trainer's side of it.
 # RUNTIME_KEYS: model.* keys that say how the model runs, not its shape (config.json has none).
 RUNTIME_KEYS = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_len"}
+
+
+def shape_from_init_from(args, argv, args_from_hf_config: Callable) -> None:
+    """With checkpoint.init_from a Hugging Face directory, model.* takes its config.json's shape
+    (`args_from_hf_config`, which refuses a family the app does not read): nothing is typed. A
+    key the command line sets is kept, so that the check against the weights names it."""
+    path = args.checkpoint.init_from
+    config_json = Path(path) / "config.json" if path is not None else None
+    if config_json is None or not config_json.is_file():
+        return   # the app's checks say what is wrong (or apps/sft's debug inputs make it first)
+    argv = sys.argv[1:] if argv is None else argv
+    keys = (item.lstrip("+").split("=", 1)[0] for item in argv if "=" in item)
+    given = {key.removeprefix("model.") for key in keys if key.startswith("model.")}
+    for key, value in config.to_dict(args_from_hf_config(config_json)).items():
+        if key not in RUNTIME_KEYS and key not in given:
+            setattr(args.model, key, value)
 
 
 def load_init_from(args, app, env):

@@ -50,6 +50,7 @@ from lingua.data.tokenizer import TokenizerArgs
 from lingua.errors import ConfigError
 from lingua.launch import run
 from lingua.launch.plan_memory import RankPlan, quiet, rank_plan
+from lingua.model.layers import head_dim
 from lingua.model.moe import moe_layers
 from lingua.observe import metrics
 from lingua.optim import OPTIMIZERS
@@ -225,8 +226,8 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
     if app.flops_per_token is not None:
         flops = app.flops_per_token(args)
     else:
-        flops = metrics.flops_per_token(whole, m.n_layers, m.dim, args.data.seq_len,
-                                        m.tie_embeddings)
+        flops = metrics.flops_per_token(whole, m.n_layers, m.n_heads * head_dim(m),
+                                        args.data.seq_len, m.tie_embeddings)
     dtype = "bf16" if d.model_dtype == "bf16" else "fp32"
     result = Plan(module=app_module, overrides=overrides, args=args, world_size=world, dims=dims,
                   device_type=device_type, gpu=gpu, gpu_mem_gib=gpu_mem_gib, mfu=mfu, ranks=ranks,

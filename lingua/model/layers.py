@@ -46,6 +46,7 @@ class TransformerArgs:
     n_layers: int = 4
     n_heads: int = 8
     n_kv_heads: Optional[int] = None      # None -> n_heads (grouped-query attention when smaller)
+    head_dim: Optional[int] = None        # None -> dim / n_heads (Qwen3 and Mistral Nemo set it)
     vocab_size: int = 258                 # bytes tokenizer: 256 bytes + BOS(256) + EOS(257)
     multiple_of: int = 256
     ffn_dim_multiplier: Optional[float] = None
@@ -74,19 +75,19 @@ def validate_transformer_args(args: TransformerArgs) -> None:
                           "n_heads).")
     if args.init_std <= 0 or args.norm_eps <= 0 or args.rope_theta <= 0:
         raise ConfigError("model.init_std, model.norm_eps and model.rope_theta must be positive.")
-    if args.dim % args.n_heads:
+    if args.head_dim is None and args.dim % args.n_heads:
         raise ConfigError(f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}: "
                           "each head gets dim / n_heads channels. Pick n_heads dividing dim (e.g. "
-                          "dim=256 with n_heads=8).")
+                          "dim=256 with n_heads=8), or set model.head_dim.")
     n_kv = args.n_kv_heads or args.n_heads
     if args.n_heads % n_kv:
         raise ConfigError(f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads="
                           f"{n_kv}: in grouped-query attention each key/value head serves the same "
                           f"number of query heads. Set n_kv_heads to a divisor of {args.n_heads}.")
-    if (args.dim // args.n_heads) % 2:
-        raise ConfigError(f"head_dim = model.dim / model.n_heads = {args.dim // args.n_heads} is "
-                          "odd; RoPE rotates channel pairs, so it must be even. Change dim or "
-                          "n_heads.")
+    if head_dim(args) <= 0 or head_dim(args) % 2:
+        raise ConfigError(f"The head width ({head_dim(args)}: model.head_dim, or model.dim / "
+                          "model.n_heads when unset) must be positive and even: RoPE rotates "
+                          "channel pairs. Change head_dim, dim or n_heads.")
     if args.attn_backend not in ATTN_BACKENDS:
         raise ConfigError(f"model.attn_backend={args.attn_backend!r} is not one of "
                           f"{', '.join(ATTN_BACKENDS)}.")
@@ -96,6 +97,11 @@ def validate_transformer_args(args: TransformerArgs) -> None:
         raise ConfigError(f"model.rope_high_freq_factor={args.rope_high_freq_factor} must exceed "
                           f"model.rope_low_freq_factor={args.rope_low_freq_factor} (Llama 3.1 "
                           "uses 4 and 1).")
+
+
+def head_dim(args: TransformerArgs) -> int:
+    """Each attention head's width: model.head_dim, else dim / n_heads (Meta's LLaMA)."""
+    return args.head_dim or args.dim // args.n_heads
 
 
 def _eager_plain(*tensors) -> bool:
@@ -222,11 +228,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def rope_tables(args: "TransformerArgs", device=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The model's cos, sin tables [max_seq_len, head_dim] from its args (empty on meta)."""
-    head_dim = args.dim // args.n_heads
+    width = head_dim(args)
     if device is not None and torch.device(device).type == "meta":
-        cos = torch.empty(args.max_seq_len, head_dim, device="meta")
+        cos = torch.empty(args.max_seq_len, width, device="meta")
         return cos, torch.empty_like(cos)
-    inv_freq = rope_inv_freq(head_dim, args.rope_theta, args.rope_scaling, args.rope_scale_factor,
+    inv_freq = rope_inv_freq(width, args.rope_theta, args.rope_scaling, args.rope_scale_factor,
                              args.rope_low_freq_factor, args.rope_high_freq_factor,
                              args.rope_original_max_seq_len)
     return rope_cos_sin(inv_freq, args.max_seq_len, device)

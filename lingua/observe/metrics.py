@@ -46,7 +46,7 @@ class LoggingArgs:
     quiet: bool = False             # no progress lines on stderr (python -m apps.<app>.eval)
 
 
-def flops_per_token(model: nn.Module, n_layers: int, dim: int, seq_len: int,
+def flops_per_token(model: nn.Module, n_layers: int, attn_width: int, seq_len: int,
                     tied_embeddings: bool = False) -> float:
     """6 x trainable + 4 x frozen (LoRA's base: no weight gradient) matmul parameters, plus
     attention's QK^T and AV (PaLM's convention, as if not causal). Counted: every matrix an
@@ -58,7 +58,7 @@ def flops_per_token(model: nn.Module, n_layers: int, dim: int, seq_len: int,
         matrices.append(model.tok_embeddings.weight)
     trainable = sum(p.numel() for p in matrices if p.requires_grad)
     frozen = sum(p.numel() for p in matrices if not p.requires_grad)
-    return 6.0 * trainable + 4.0 * frozen + 12.0 * n_layers * dim * seq_len
+    return 6.0 * trainable + 4.0 * frozen + 12.0 * n_layers * attn_width * seq_len
 
 
 # A measured matmul's work is capped (its rows cut) to stay well under a second on a CPU.

@@ -7,7 +7,7 @@ from lingua import config
 from lingua.data.tokenizer import build_tokenizer
 from lingua.errors import ConfigError
 from lingua.model import loss as loss_module
-from lingua.model.layers import ffn_hidden_dim
+from lingua.model.layers import ffn_hidden_dim, head_dim
 from lingua.parallel import distributed
 from lingua.parallel.parallelize import uses_loss_parallel
 
@@ -35,7 +35,7 @@ class BlockShape:
 
 def default_block_shape(a) -> BlockShape:
     """lingua's blocks (lingua/models/llama): grouped-query attention, Meta's SwiGLU width."""
-    head = a.dim // a.n_heads
+    head = head_dim(a)
     return BlockShape(a.dim, a.n_heads, head, head, a.n_kv_heads or a.n_heads,
                       ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier))
 

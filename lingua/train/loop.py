@@ -20,7 +20,7 @@ from lingua import checkpoint, config, data, optim
 from lingua.errors import RunError
 from lingua.hooks import ROLLBACK, SKIP, UPDATE, Hooks, Request
 from lingua.model import loss as loss_module
-from lingua.model.layers import inferring_shapes
+from lingua.model.layers import head_dim, inferring_shapes
 from lingua.observe import metrics, profiling
 from lingua.parallel import distributed, pipeline
 from lingua.parallel.distributed import DistEnv
@@ -328,8 +328,8 @@ class Run(Checkpointing):
             model = self.app.model_class(m)
             if self.app.transform_model is not None:   # LoRA: which weights are frozen
                 self.app.transform_model(model, self.args)
-            return metrics.flops_per_token(model, m.n_layers, m.dim, self.args.data.seq_len,
-                                           m.tie_embeddings)
+            return metrics.flops_per_token(model, m.n_layers, m.n_heads * head_dim(m),
+                                           self.args.data.seq_len, m.tie_embeddings)
 
     def log_row(self, grad_norm, lr) -> None:
         """The metrics.jsonl row of this step (every rank joins its collectives)."""
