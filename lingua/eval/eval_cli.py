@@ -3,13 +3,8 @@
     python -m apps.<app>.eval <dump_dir or dump_dir/checkpoints/STEP> [key=value ...]
     torchrun --nproc-per-node N -m apps.<app>.eval <...> distributed.dp_shard=N [...]
 
-A dump_dir means its newest complete checkpoint. The run's config comes from the checkpoint; the
-command line may change the evaluation (`eval.tasks=[lingua_continuation] eval.limit=100 ...`),
-the layout (`distributed.*`: DCP reshards the checkpoint to it, without pipeline or context
-parallelism), logging, slurm and data.tokenizer, not the model. Everything is checked before the
-model is built; results go to <dump_dir>/evals/<step>/results.json and metrics.jsonl, and tasks
-that step already has results for are not run again. Rank 0 says on stderr how far it is
-(logging.quiet=true silences it). The jobs of eval.mode=async run this too.
+The run's config comes from the checkpoint; the command line may change the evaluation, the
+layout (DCP reshards the checkpoint), logging, slurm and data.tokenizer, not the model.
 """
 
 import os
@@ -57,8 +52,7 @@ def run_config(schema, ckpt: Path, overrides: Sequence[str]):
 
 
 def check_eval_args(args, where: str, progress: downstream.Progress) -> None:
-    """Before any work: tasks named and known, a layout an evaluation runs on. `progress` hears
-    of the slow part, lm-eval's task index."""
+    """Before any work: tasks named and known, a layout an evaluation runs on."""
     evaluation.validate_args(args.eval)
     if not args.eval.tasks:
         raise ConfigError(f"{where}: no task to evaluate. Name some, e.g. "
