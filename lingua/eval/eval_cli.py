@@ -3,8 +3,13 @@
     python -m apps.<app>.eval <dump_dir or dump_dir/checkpoints/STEP> [key=value ...]
     torchrun --nproc-per-node N -m apps.<app>.eval <...> distributed.dp_shard=N [...]
 
-The run's config comes from the checkpoint; the command line may change the evaluation, the
-layout (DCP reshards the checkpoint), logging, slurm and data.tokenizer, not the model.
+A dump_dir means its newest complete checkpoint. The run's config comes from the checkpoint; the
+command line may change the evaluation (`eval.tasks=[lingua_continuation] eval.limit=100 ...`),
+the layout (`distributed.*`: DCP reshards the checkpoint to it, without pipeline or context
+parallelism), logging, slurm and data.tokenizer, not the model. Everything is checked before the
+model is built; results go to <dump_dir>/evals/<step>/results.json and metrics.jsonl, and tasks
+that step already has results for are not run again. Rank 0 says on stderr how far it is
+(logging.quiet=true silences it). The jobs of eval.mode=async run this too.
 """
 
 import os
