@@ -1,11 +1,7 @@
-"""Errors for bad user input, and how their message reaches the person once.
-
-A ConfigError's message says what was wrong and how to fix it; entry points print it alone (no
-traceback), before any process group, checkpoint write or job submission. Under torchrun every
-rank usually hits the same error, and torchrun's summary of the first failure would say only "To
-enable traceback see ...": `report` prints the message once for the job (the first rank to fail
-claims it in torchrun's TCP store) and writes it to the rank's TORCHELASTIC_ERROR_FILE, so the root
-cause torchrun prints is that message.
+"""Errors for bad user input, and how their message reaches the person once. Under torchrun every
+rank usually hits the same error, and torchrun's summary would say only "To enable traceback see
+...": `report` prints the message once for the job (the first rank claims it in torchrun's TCP
+store) and writes it to the rank's TORCHELASTIC_ERROR_FILE, so torchrun prints that message.
 """
 
 import datetime
@@ -31,9 +27,7 @@ STORE_TIMEOUT_S = 10
 
 
 def report(message: str) -> None:
-    """Print `message` (an error's paragraph) on stderr once for the job, and make it the failure
-    torchrun reports for this rank. A rank whose message another rank already printed stays
-    quiet; one with a different message prints its own."""
+    """Print `message` once for the job, and make it the failure torchrun reports for this rank."""
     rank = os.environ.get("RANK", "0")
     now = time.time()
     first = _first_report(rank, message, now)
@@ -48,10 +42,8 @@ def report(message: str) -> None:
 
 
 def _first_report(rank: str, message: str, now: float):
-    """None when this rank is the one to print `message` (the first to fail, or alone, or with
-    another message than the first); else (rank, time) of the report that printed it. The first
-    writes its error file before telling the others, so torchrun finds it however soon it stops
-    the job."""
+    """None when this rank is the one to print `message`; else (rank, time) of the report that
+    printed it. The first writes its error file before telling the others, so torchrun finds it."""
     store = _job_store()
     if store is None:
         _write_error_file(message, now)
@@ -73,9 +65,7 @@ def _first_report(rank: str, message: str, now: float):
 
 
 def _job_store():
-    """A client of the TCP store torchrun's agent serves to its workers (None outside torchrun,
-    or alone): it works before any process group exists, so errors at config load are reported
-    once too."""
+    """torchrun's agent store (None outside torchrun): it works before any process group exists."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or \
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -89,9 +79,8 @@ def _job_store():
 
 
 def _write_error_file(message: str, timestamp: float) -> None:
-    """The failure torchrun reports for this rank: its error file, in the form torch's @record
-    writes (ErrorHandler.record_exception), the message where the traceback goes, which is the
-    line torchrun's summary prints (the plain {"message": str} form costs two warnings)."""
+    """In the form torch's @record writes, the message where the traceback goes, which is the line
+    torchrun's summary prints (the plain {"message": str} form costs two warnings)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return

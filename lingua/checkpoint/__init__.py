@@ -1,15 +1,8 @@
 """Distributed checkpoints (DCP) that are either complete or invisible, and resume from the newest.
 
-`<dump_dir>/checkpoints/<step>/` holds the DCP files of {"model", "optim"} (full parameter names:
-DCP reshards into any layout), `train_state_rank<r>.pt` (step, data position, scheduler, RNG;
-loaded with weights_only=True), the run's `config.yaml`, `base.json` when a LoRA run left its
-frozen base out (frozen_base.py), and `manifest.json` (size and CRC-32 of every file), written
-last. Everything is written into `<step>.tmp-<nonce>/` and renamed by rank 0 once every rank is
-done, so a crash leaves only a `.tmp` directory, which resume ignores. Resume checks the newest
-checkpoint against its manifest (every rank reading its share) and falls back to the one before
-a damaged one, setting it aside; a checkpoint asked for by name that fails `verify()` is an error
-(integrity.py). With checkpoint.async_save the files are written by a thread while training goes
-on (`save(background=True)`), with the same guarantee.
+Everything is written into `<step>.tmp-<nonce>/` and renamed by rank 0 once every rank is done
+(manifest.json, sizes and CRC-32s, last), so a crash leaves only a `.tmp` directory, which resume
+ignores; resume falls back past a damaged checkpoint (integrity.py).
 """
 
 import io
@@ -92,9 +85,8 @@ def list_complete(dump_dir) -> list:
 
 
 def newest(dump_dir, warn: bool = True) -> Optional[Path]:
-    """The newest checkpoint whose files have the manifest's sizes (a quick look, e.g. before any
-    process group; resume checksums through `newest_verified`); damaged newer ones are skipped,
-    with a warning if `warn`."""
+    """The newest checkpoint whose files have the manifest's sizes (a quick look, before any
+    process group; resume checksums through `newest_verified`)."""
     for ckpt in reversed(step_dirs(checkpoints_dir(dump_dir))):
         problem = verify(ckpt, checksums=False)
         if problem is None:
@@ -106,10 +98,8 @@ def newest(dump_dir, warn: bool = True) -> Optional[Path]:
 
 
 def resolve(target, in_run: bool = False) -> Path:
-    """The checkpoint directory a command line means (generate, export, eval): a run directory
-    (dump_dir, or its checkpoints/) means its newest complete checkpoint, a checkpoint directory
-    itself. `in_run`: it must sit in its run, <dump_dir>/checkpoints/<step> (eval writes results
-    beside the run's metrics). Else ConfigError saying what exists instead."""
+    """The checkpoint a command line means: a run directory means its newest complete one.
+    `in_run`: it must sit in its run (eval writes results beside the run's metrics)."""
     path = Path(target)
     in_checkpoints = path.parent.name == "checkpoints" and STEP_DIR.match(path.name)
     if not path.exists():
@@ -153,10 +143,8 @@ def read_run_config(ckpt_dir) -> DictConfig:
 
 
 def quiet_single_process_dcp() -> None:
-    """Ignore DCP's warning, at every one-process save and load even with no_dist=True, that it
-    assumes a single process: that is our intent. A filter, not catch_warnings (dcp.async_save
-    saves in its own thread), installed before each call (pytest resets the filters between
-    tests; an identical filter replaces itself)."""
+    """Ignore DCP's one-process warning (our intent). A filter, not catch_warnings: dcp.async_save
+    saves in its own thread; installed before each call as pytest resets filters."""
     warnings.filterwarnings("ignore", r"torch\.distributed is disabled, unavailable or "
                             r"uninitialized, assuming the intent is to (save|load) in a single "
                             r"process", UserWarning, r"torch\.distributed\.checkpoint")
@@ -245,13 +233,10 @@ def _union(dicts) -> dict:
 def save(dump_dir, step: int, parts: list, optimizers: list, train_state: dict,
          config_yaml: str, rank: int, world_size: int, keep: int,
          in_use: Optional[InUse] = None, base: Optional[dict] = None, background: bool = False):
-    """Collective. Returns the checkpoint directory, after pruning to the newest `keep` intact
-    ones, except those `in_use` (step -> bool, e.g. a pending evaluation job's). If any rank cannot
-    write, every rank raises RunError after the half-written directory is removed. `base`
-    (frozen_base's record): the frozen weights are left out, base.json names them.
-    `background` (`save_async`): returns the PendingSave once the state is copied to new CPU
-    memory; a thread writes and checksums the files, visible once every rank called `finish` at
-    the same step boundary (one save finished before the next starts)."""
+    """Collective. If any rank cannot write, every rank raises RunError after the half-written
+    directory is removed. `base`: the frozen weights are left out, base.json names them.
+    `background`: returns the PendingSave once the state is copied to CPU memory; the checkpoint
+    is visible once every rank called `finish` at the same step boundary."""
     ckpt = PendingSave(dump_dir, step, train_state, config_yaml, rank, world_size, keep, in_use,
                        base)
     error = ckpt.open()
@@ -296,9 +281,8 @@ def save_async(*args, **kwargs) -> "PendingSave":
 
 
 class PendingSave:
-    """One checkpoint from `<step>.tmp-<nonce>/` to `<step>/`: `open` makes the directory, the DCP
-    shards and `write_own` fill it (in the calling thread, or in the background after `start`,
-    finished by `finish`), and `close` makes it visible or removes it."""
+    """One checkpoint from `<step>.tmp-<nonce>/` to `<step>/`: `open`, fill (here or after
+    `start`, in the background), then `close` makes it visible or removes it."""
 
     def __init__(self, dump_dir, step: int, train_state: dict, config_yaml: str, rank: int,
                  world_size: int, keep: int, in_use: Optional[InUse] = None,
@@ -330,8 +314,7 @@ class PendingSave:
         return _first_error(error, self.world_size)
 
     def write_own(self) -> dict:
-        """This rank's train state file; then, for the manifest, the size and CRC-32 of every
-        file this rank wrote."""
+        """This rank's train state file; then the manifest entries of every file it wrote."""
         (self.tmp / f"train_state_rank{self.rank}.pt").write_bytes(self.own_state)
         mine = [p for p in self.tmp.iterdir()
                 if p.name.startswith((f"__{self.rank}_", f"train_state_rank{self.rank}."))]
@@ -350,8 +333,7 @@ class PendingSave:
 
     def finish(self, block: bool, all_written: bool = False) -> Optional[Path]:
         """Collective while the write is pending (every rank, same step boundaries). Without
-        `block`, None unless every rank's write is done (`all_written`, the step's tally);
-        then, or after waiting (`block`), `close`: the checkpoint's directory, or RunError."""
+        `block`, None unless every rank's write is done (`all_written`); then `close`."""
         if self.writing is None:
             return self.final
         if block:
@@ -368,9 +350,8 @@ class PendingSave:
         return self.writing is None or self.writing.done()
 
     def close(self, error: Optional[BaseException], described: dict) -> Path:
-        """Collective: with no error on any rank, rank 0 writes config.yaml and the manifest and
-        renames the directory to `<step>/`, then, once every rank has passed the closing barrier,
-        prunes to `keep`; else every rank raises RunError after the directory is removed."""
+        """Collective: with no error on any rank, rank 0 writes config.yaml and the manifest,
+        renames to `<step>/` and prunes; else every rank raises RunError, the directory removed."""
         rank, world_size, tmp, final = self.rank, self.world_size, self.tmp, self.final
         error = _first_error(error, world_size)
         if error is None:
@@ -409,8 +390,7 @@ class PendingSave:
         return final
 
     def _prune(self) -> None:
-        """Down to `keep`, never this checkpoint nor those in use. A failure only costs disk
-        space (the next save prunes again): the run goes on."""
+        """A failure only costs disk space (the next save prunes again): the run goes on."""
         try:
             prune(self.root, self.keep, self.in_use, newest=self.final)
         except Exception as err:   # a vanished directory, a failing in_use, ...
@@ -425,8 +405,7 @@ _ASYNC_GROUP: list = [None, None]   # [default group it belongs to, the gloo gro
 
 
 def prepare_async_saves(args: CheckpointArgs, world_size: int) -> None:
-    """Collective before training: with checkpoint.async_save on several ranks, the background
-    writes' gloo group now, so that a rank that cannot open it fails at start, not mid-run."""
+    """Collective: the background writes' gloo group now, so a rank fails at start, not mid-run."""
     if args.async_save and world_size > 1:
         _async_group()
 
@@ -460,8 +439,7 @@ def _first_error(error: Optional[BaseException], world_size: int) -> Optional[Ba
 
 
 def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: int) -> dict:
-    """Collective: restore model parts, optimizers and RNG (`load_model`); return this rank's
-    train state."""
+    """Collective: restore model parts, optimizers and RNG; return this rank's train state."""
     load_model(ckpt_dir, parts, optimizers)
     train_state = torch.load(ckpt_dir / "train_state_rank0.pt", weights_only=True)
     same_layout = train_state["world_size"] == world_size
@@ -477,9 +455,8 @@ def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: i
 
 
 def load_model(ckpt_dir: Path, parts: list, optimizers: Optional[list] = None) -> None:
-    """Collective: the checkpoint's weights, and with `optimizers` their states, into model parts
-    sharded for any layout (DCP reshards). A checkpoint without its frozen base (base.json) loads
-    over parts that hold the base already (build_model_parts loaded checkpoint.init_from)."""
+    """Collective: weights (and optimizer states) into parts of any layout (DCP reshards). A
+    checkpoint without its frozen base loads over parts that hold the base already."""
     without_base = read_base(ckpt_dir) is not None
     strict = StateDictOptions(strict=not without_base)
     models = [_model_state(part, without_base) for part in parts]

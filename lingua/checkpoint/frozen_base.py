@@ -1,7 +1,5 @@
 """Checkpoints of a run that froze weights it started from (LoRA on checkpoint.init_from) leave
-those weights out: `base.json` in the checkpoint names the base they go with (its path, and a
-fingerprint: the size of its safetensors files, a CRC-32 of their headers and first MiB), which
-resume and every reader load first and check unchanged (lingua/checkpoint/__init__.py)."""
+those weights out: `base.json` names the base (path and fingerprint), loaded first and checked."""
 
 import json
 import zlib
@@ -14,9 +12,8 @@ BASE_RECORD = "base.json"
 
 
 def base_fingerprint(init_from) -> dict:
-    """What identifies a Hugging Face directory's weights, a few MB read: the total size of its
-    *.safetensors files and a CRC-32 of its index, each file's header (names, shapes, dtypes,
-    offsets) and first MiB of weights (two fine-tunes of one architecture share the headers)."""
+    """A Hugging Face directory's weights, a few MB read: sizes, and a CRC-32 of the headers and
+    first MiB of weights (two fine-tunes of one architecture share the headers)."""
     root = Path(init_from)
     files = sorted(root.glob("*.safetensors"))
     crc = 0
@@ -33,8 +30,7 @@ def base_fingerprint(init_from) -> dict:
 
 
 def frozen_base(parts: list, init_from: Optional[str]) -> Optional[dict]:
-    """The base.json record when checkpoints leave the frozen weights out: a run started from
-    init_from with some parameters frozen (LoRA); else None (checkpoints hold every weight)."""
+    """The base.json record for a run from init_from with frozen parameters (LoRA), else None."""
     if init_from is None or all(p.requires_grad for part in parts for p in part.parameters()):
         return None
     return base_fingerprint(init_from)
@@ -46,9 +42,8 @@ def read_base(ckpt_dir) -> Optional[dict]:
 
 
 def verified_base(ckpt_dir, init_from: Optional[str] = None, key: str = "") -> Optional[str]:
-    """The base a checkpoint without its frozen weights (base.json) was trained on, checked to
-    be unchanged on disk (the directory base.json names, or `init_from`, as `key` says); None
-    for a checkpoint that holds every weight."""
+    """The base a checkpoint without its frozen weights was trained on, checked unchanged on
+    disk; None for a checkpoint that holds every weight."""
     saved = read_base(ckpt_dir)
     if saved is None:
         return None

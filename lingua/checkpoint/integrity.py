@@ -1,6 +1,5 @@
-"""What makes a checkpoint directory intact: its manifest (size and CRC-32 of every file), the
-checks against it (whole, or one rank's share), the ranks' agreement on the newest intact one
-(`newest_verified`), damaged checkpoints set aside and old ones pruned."""
+"""What makes a checkpoint intact: its manifest (size and CRC-32 of every file), the checks
+against it, the ranks' agreement on the newest intact one, and pruning."""
 
 import heapq
 import json
@@ -63,8 +62,7 @@ def read_manifest(ckpt_dir) -> tuple:
 
 
 def _check(ckpt_dir, pick, checksums: bool, manifest=None) -> Optional[str]:
-    """The manifest (`manifest`: what read_manifest gave another rank; None: read it here), then
-    the size and (`checksums`) the CRC-32 of the files pick(manifest's files) names."""
+    """`manifest`: what read_manifest gave another rank (None: read it here)."""
     ckpt_dir = Path(ckpt_dir)
     files, problem = read_manifest(ckpt_dir) if manifest is None else manifest
     if problem is not None:
@@ -100,10 +98,8 @@ def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
 
 
 def crc_share(files: dict, rank: int, world_size: int) -> list:
-    """The manifest's files whose CRC-32 `rank` checks when `world_size` ranks verify together:
-    largest first, each to the rank with the fewest bytes so far (ties to the lower rank), so no
-    rank reads more than 1/world_size of the bytes plus one file. From the manifest alone: any
-    world size can check any checkpoint."""
+    """The files `rank` checksums: largest first, each to the rank with the fewest bytes so far,
+    so no rank reads more than 1/world_size of the bytes plus one file."""
     loads = [(0, r) for r in range(world_size)]
     mine = []
     for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
@@ -115,9 +111,8 @@ def crc_share(files: dict, rank: int, world_size: int) -> list:
 
 
 def verify_share(ckpt_dir, rank: int, world_size: int, manifest=None) -> Optional[str]:
-    """`verify` of this rank's share of the files (`crc_share`), so that no rank stats or reads
-    every file (at 1,000 ranks, a metadata storm). `manifest`: read_manifest's answer on rank 0,
-    sent to all (None: read it here)."""
+    """`verify` of this rank's share, so that no rank stats every file (at 1,000 ranks, a
+    metadata storm). `manifest`: read_manifest's answer on rank 0 (None: read it here)."""
     if not Path(ckpt_dir).is_dir():   # a rank with nothing to check must still see it
         return f"{ckpt_dir} is missing"
     return _check(ckpt_dir, lambda files: crc_share(files, rank, world_size), True, manifest)
@@ -130,8 +125,8 @@ def step_dirs(root: Path) -> list:
 
 
 def move_aside(ckpt: Path) -> str:
-    """Rename a damaged checkpoint to `<step>.damaged` (`.damaged-2`, ... if taken): only digit
-    names are checkpoints, so nothing lists it and `keep` no longer counts it. What was done."""
+    """Rename a damaged checkpoint to `<step>.damaged`: only digit names are checkpoints, so
+    `keep` no longer counts it. Returns what was done."""
     target, n = ckpt.with_name(f"{ckpt.name}.damaged"), 1
     while target.exists():
         n += 1
@@ -145,10 +140,8 @@ def move_aside(ckpt: Path) -> str:
 
 def prune(root: Path, keep: int, in_use: Optional[InUse] = None,
           newest: Optional[Path] = None) -> None:
-    """Rank 0, after a save: delete the checkpoints older than the newest `keep` intact ones,
-    except those `in_use`. One damaged since resume (sizes against its manifest: nothing read)
-    is moved aside, uncounted. `newest`, the checkpoint just written, counts as intact unchecked:
-    a passing stat error must not set aside the one the run resumes from."""
+    """Rank 0, after a save. `newest`, just written, counts as intact unchecked: a passing stat
+    error must not set aside the one the run resumes from."""
     if keep <= 0:
         return
     intact = []
@@ -181,13 +174,10 @@ def _from_rank0(obj):
 
 def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None,
                     set_aside: bool = False) -> Optional[Path]:
-    """The newest checkpoint that passes every rank's `verify_share` (together, a full `verify`
-    with checksums), the same on every rank; None if there is none. Collective when world_size >
-    1. `gather(obj)`: every rank's obj in rank order (default: all_gather_object; rank 0's lists
-    and manifests then go out by broadcast). Rank 0 alone lists and reads manifests, each rank
-    reads its share of the files: neither metadata load nor time grows with the world size.
-    Damaged checkpoints are skipped, newest first, with a warning from rank 0; with `set_aside`
-    (resume) rank 0 also moves each to `<step>.damaged/`, which pruning no longer counts."""
+    """The newest checkpoint that passes every rank's `verify_share`, the same on every rank.
+    Collective when world_size > 1. `gather(obj)`: every rank's obj in rank order. Rank 0 alone
+    lists and reads manifests, so metadata load does not grow with the world size. `set_aside`
+    (resume): rank 0 also moves damaged ones aside."""
     if gather is None:
         gather = _all_gather if world_size > 1 else (lambda obj: [obj])
 
@@ -222,9 +212,8 @@ def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None,
 
 
 def verified(ckpt_dir, rank: int = 0, world_size: int = 1) -> None:
-    """For a checkpoint asked for by name, damage is an error, not a silent fallback: ConfigError
-    on every rank unless it passes every rank's `verify_share` (together, a full `verify` with
-    checksums). Collective when world_size > 1."""
+    """For a checkpoint asked for by name, damage is a ConfigError on every rank, not a silent
+    fallback. Collective when world_size > 1."""
     if world_size == 1:
         problems = [verify_share(ckpt_dir, rank, world_size)]
     else:   # one rank reads the manifest (newest_verified says why)

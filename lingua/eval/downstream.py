@@ -1,24 +1,8 @@
-"""Downstream tasks (HellaSwag, ARC, PIQA, ... or the shipped lingua_continuation) through
-EleutherAI's lm-evaluation-harness, on the model as it is sharded for training.
-
-lm-eval builds the requests and `LinguaLM` (lm_eval_model.py) scores them on every rank, no rank
-gathering a full copy of the model. lm-eval is told it runs in one process, so every rank builds
-the same requests in the same order; each batch of `eval.batch_size x dp` requests is split over
-the data-parallel ranks (tensor-parallel peers score the same share), and the results are summed
-over them, so every rank computes the same metrics and rank 0 writes them. The batches are the
-same whatever the layout, and so are the results, up to float rounding (tests/test_downstream.py).
-Pipeline and context parallelism are not supported: an evaluation job reshards the checkpoint to a
-layout without them.
-
-    loglikelihood          longest first, right-padded (causal attention: no mask needed),
-                           left-truncated to model.max_seq_len as HFLM does
-    loglikelihood_rolling  lm-eval's disjoint rolling windows, BOS as the first context
-    generate_until         greedy decoding with the KV cache, one request per data-parallel rank
-                           at a time, in lockstep (FSDP needs every rank in every forward)
-
-Results go to <dump_dir>/evals/<step>/results.json (each task of a step is computed once: a later
-evaluation adds the tasks it lacks; eval.log_samples writes samples/<task>.jsonl beside it) and as
-eval/<task>/<metric> values in metrics.jsonl and wandb.
+"""Downstream tasks through EleutherAI's lm-evaluation-harness, on the model as it is sharded for
+training (no rank gathers a full copy). lm-eval is told it runs in one process, so every rank
+builds the same requests in the same order; `LinguaLM` (lm_eval_model.py) splits each batch over
+the data-parallel ranks and sums the results, so every rank computes the same metrics. Results go
+to <dump_dir>/evals/<step>/results.json, each task of a step computed once.
 """
 
 import difflib
@@ -48,8 +32,7 @@ SECTIONS = ("n-shot", "versions", "higher_is_better", "n-samples")
 
 
 def quiet_lm_eval() -> None:
-    """lm-eval's warnings and errors only: its INFO lines and progress bars would bury the
-    training log."""
+    """Warnings and errors only: lm-eval's INFO lines and bars would bury the training log."""
     import lm_eval.api.task
     import tqdm
 
@@ -66,8 +49,8 @@ def quiet_lm_eval() -> None:
 
 @functools.lru_cache(maxsize=8)
 def task_manager(include_path: Optional[str] = None, lm_eval_tasks: bool = True):
-    """lm-eval's task index of ours (lingua/eval/tasks), eval.include_path's and, with
-    lm_eval_tasks, lm-eval's own (slow: it reads thousands of YAMLs, so once a process)."""
+    """Ours, eval.include_path's and, with lm_eval_tasks, lm-eval's own (slow: it reads thousands
+    of YAMLs, so once a process)."""
     from lm_eval.tasks import TaskManager
 
     from lingua.eval.tasks import TASKS_DIR
@@ -81,8 +64,7 @@ def task_manager(include_path: Optional[str] = None, lm_eval_tasks: bool = True)
 
 
 def _load(names: List[str], include_path: Optional[str]) -> dict:
-    """task_manager(...).load(names) from the index of ours and the user's tasks when it holds
-    every name, else (a task of lm-eval's, or one of ours that includes one) from the whole."""
+    """From the small index of ours and the user's tasks when it holds every name (fast)."""
     own = task_manager(include_path, lm_eval_tasks=False)
     if all(name in own.all_tasks for name in names):
         try:
@@ -138,7 +120,6 @@ def results_path(dump_dir, step: int) -> Path:
 
 
 def read_results(dump_dir, step: int) -> dict:
-    """The results already written for `step` ({} if none): {"results": {task: {...}}, ...}."""
     path = results_path(dump_dir, step)
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -149,9 +130,8 @@ def missing_tasks(dump_dir, step: int, names: List[str]) -> List[str]:
 
 
 def flat_metrics(results: dict, names: Optional[List[str]] = None) -> Dict[str, float]:
-    """lm-eval's {"results": {task: {"acc,none": v, "acc_stderr,none": s, ...}}} ->
-    {"eval/<task>/acc": v, "eval/<task>/acc_stderr": s}; a filter other than "none" is kept as a
-    suffix (exact_match,strict-match -> exact_match_strict-match). Non-numbers are left out."""
+    """{"acc,none": v} -> {"eval/<task>/acc": v}; another filter is kept as a suffix
+    (exact_match,strict-match -> exact_match_strict-match). Non-numbers are left out."""
     flat = {}
     for task, values in results.get("results", {}).items():
         if names is not None and task not in names:
@@ -172,8 +152,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def write_results(dump_dir, step: int, new: dict, meta: dict) -> None:
-    """Add the new tasks' results to evals/<step>/results.json (atomically: a reader sees the
-    old file or the new one). Tasks already there are kept as they are."""
+    """Atomically (a reader sees the old file or the new one); tasks already there are kept."""
     path = results_path(dump_dir, step)
     merged = read_results(dump_dir, step) or {
         "step": step, **{section: {} for section in ("results",) + SECTIONS}, "runs": []}
@@ -190,8 +169,7 @@ def write_results(dump_dir, step: int, new: dict, meta: dict) -> None:
 
 
 def append_metrics_row(dump_dir, row: dict) -> None:
-    """One metrics.jsonl line from an evaluation job: a single O_APPEND write, so it never
-    interleaves with the trainer's lines on a POSIX file system."""
+    """A single O_APPEND write, so it never interleaves with the trainer's lines."""
     line = (json.dumps(row) + "\n").encode()
     fd = os.open(Path(dump_dir) / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -201,8 +179,7 @@ def append_metrics_row(dump_dir, row: dict) -> None:
 
 
 class Progress:
-    """Progress lines of an evaluation on `stream` (None: silent): per request type, one after
-    its first batch, then one every EVERY_S seconds at most, and one at its end."""
+    """Progress lines on `stream` (None: silent), one every EVERY_S seconds at most."""
 
     EVERY_S = 10.0
 
@@ -234,8 +211,7 @@ class Progress:
 def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: int,
                    names: List[str], autocast: Callable = None,
                    progress: Optional[Progress] = None) -> dict:
-    """Run lm-eval's tasks `names` (checked by load_tasks) with the model as this rank holds
-    it, in eval mode; every rank calls it and gets the results ({"results": {task: {...}}})."""
+    """Collective: every rank calls it and gets the same results."""
     from lm_eval import evaluator
 
     from lingua.eval.lm_eval_model import LinguaLM  # lm-eval is optional: only evaluation needs it
@@ -279,8 +255,7 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
 
 
 class DownstreamHook(Hook):
-    """eval.tasks with eval.mode=inline, as eval/<task>/<metric> in the rows of evaluation steps;
-    tasks the step already has results for (a resumed run) are read back, not run again."""
+    """eval.mode=inline; tasks the step already has results for (a resume) are not run again."""
 
     def __init__(self):
         self.tokenizer = None     # built for the first evaluation

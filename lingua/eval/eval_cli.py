@@ -57,8 +57,7 @@ def run_config(schema, ckpt: Path, overrides: Sequence[str]):
 
 
 def check_eval_args(args, where: str, progress: downstream.Progress) -> None:
-    """Before any work: tasks named and known, a layout an evaluation runs on. `progress` hears
-    of the slow part, lm-eval's task index."""
+    """Before any work: tasks named and known, a layout an evaluation runs on."""
     evaluation.validate_args(args.eval)
     if not args.eval.tasks:
         raise ConfigError(f"{where}: no task to evaluate. Name some, e.g. "

@@ -53,8 +53,7 @@ def different_requests_error(everyone: list) -> ConfigError:
 
 
 class LinguaLM(TemplateLM):
-    """lm-eval's view of our model (module docstring). `model` is the whole (unpipelined) model
-    as this rank holds it: a plain module, or sharded by FSDP2 / TP."""
+    """`model`: the whole (unpipelined) model as this rank holds it, maybe sharded by FSDP2 / TP."""
 
     def __init__(self, model, tokenizer, env: DistEnv, args: EvalArgs, max_length: int,
                  autocast: Callable, progress, tasks: Optional[dict] = None):
@@ -91,10 +90,8 @@ class LinguaLM(TemplateLM):
         return super().loglikelihood(requests, disable_tqdm=True)   # no bar in a training log
 
     def _same_on_every_rank(self, kind: str, requests) -> None:
-        """Before the first collective of each request type: every rank built the same requests
-        (these, and all the tasks' of every type), or every rank raises the same ConfigError. A
-        rank with other requests would otherwise take another number of batches, or another
-        request type, and the ranks would hang in mismatched collectives."""
+        """Every rank built the same requests, or every rank raises the same ConfigError: else
+        the ranks would hang in mismatched collectives."""
         if self.env.world_size == 1:
             return
         if self._all_requests is None:

@@ -1,11 +1,8 @@
-"""Float8 training with torchao (`distributed.float8`: tensorwise, rowwise, rowwise_with_gw_hp):
-the Linears an app's filter picks become torchao `Float8Linear`s (float8 operands in their three
-matmuls, high-precision master weights that checkpoints and the optimizer see); MoE experts go
-through lingua.float8.moe. Order (torchtitan's): conversion on meta per pipeline part, TP with
-torchao's float8 styles (`float8_tp_plan`), AC, compile, then FSDP2, which all-gathers weights in
-float8 under tensorwise (Float8ScalesHook). CUDA needs bf16 and torch.compile; the CPU runs
-emulated matmuls with high-precision collectives (`moves_float8`), which is what the tests train.
-torchao is imported where used.
+"""Float8 training with torchao (`distributed.float8`): the Linears an app's filter picks become
+torchao `Float8Linear`s (high-precision master weights that checkpoints and the optimizer see).
+Order: conversion on meta per pipeline part, TP with torchao's float8 styles, AC, compile, then
+FSDP2. CUDA needs bf16 and torch.compile; the CPU runs emulated matmuls with high-precision
+collectives, which is what the tests train.
 """
 
 import dataclasses
@@ -57,9 +54,8 @@ def validate_float8(args, device_type: str) -> None:
 
 
 def default_filter(fqn: str, module: nn.Module) -> bool:
-    """True converts `module` (named `fqn`): a Linear other than `output` (the logits need the
-    precision) with in and out features multiples of 16, as float8 kernels require; or MoE
-    grouped experts the float8 grouped GEMM can run."""
+    """A Linear other than `output` (the logits need the precision) with features multiples of
+    16, as float8 kernels require; or MoE experts the float8 grouped GEMM can run."""
     if isinstance(module, nn.Linear):
         return (fqn.split(".")[-1] != "output"
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
@@ -85,10 +81,8 @@ def uses_fsdp_float8_all_gather(args, dims, device_type: str) -> bool:
 
 def apply_float8(model: nn.Module, recipe: str, convert: Callable = default_filter,
                  fsdp_float8_all_gather: bool = False, emulate: bool = False) -> list:
-    """Swap the Linears `convert(fqn, module)` picks for torchao Float8Linears of `recipe`, and
-    make the MoE experts it picks compute in float8, in place (names and values unchanged); return
-    their names. Call it before TP, AC, compile and FSDP. `emulate` (off CUDA) multiplies the
-    float8 values in fp32, not with torch._scaled_mm (slow on CPU): equal up to summation order."""
+    """In place (names and values unchanged), before TP, AC, compile and FSDP; returns the names.
+    `emulate` (off CUDA) multiplies the float8 values in fp32, not with torch._scaled_mm."""
     if recipe == "none":
         return []
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -140,10 +134,8 @@ def _is_float8(module: nn.Module, tensorwise_only: bool = True) -> bool:
 
 
 def float8_tp_plan(module: nn.Module, plan: dict, device_type: str) -> dict:
-    """`plan` (a TP plan keyed by FQNs under `module`) with torchao's float8 styles, layouts
-    kept, on Float8Linears and on a PrepareModuleInput feeding only float8 Linears (the input is
-    cast once, then all-gathered in float8). Unchanged when nothing was converted or collectives
-    cannot move float8."""
+    """`plan` with torchao's float8 styles on Float8Linears, and on a PrepareModuleInput feeding
+    only float8 Linears (the input is cast once, then all-gathered in float8)."""
     from torch.distributed.tensor import parallel as tp
 
     if not moves_float8(device_type) or not any(

@@ -1,29 +1,9 @@
-"""eval.mode=async: each evaluation step's checkpoint is evaluated by its own Slurm job, and the
-training never waits for it.
+"""eval.mode=async: each evaluation step's checkpoint is evaluated by its own Slurm job (files
+under evals/<step>/: docs/evaluation.md), and the training never waits for it.
 
-    python -m apps.llama.train eval.mode=async eval.tasks=[hellaswag] eval.every=1000 \\
-        checkpoint.every=1000 eval.slurm.gpus_per_node=8 eval.slurm.partition=learn
-
-Right after the checkpoint of an evaluation step is saved, rank 0 calls `submit`: one sbatch through
-stool's submitit path (`launch.slurm.make_executor`, the `eval.slurm.*` resources). The job runs
-`python -m apps.<app>.eval <checkpoint> eval.mode=inline ...` (lingua/eval/eval_cli.py) with FSDP
-over all its tasks, from the run's code snapshot when stool made one, and writes beside the run:
-
-    evals/<step>/job.json       the job id, when it was submitted, the command to run it by hand
-    evals/<step>/pending        until the job wrote the results (or gave up): checkpoint.keep
-                                does not prune the checkpoint meanwhile
-    evals/<step>/slurm/         the job's logs
-    evals/<step>/results.json   and eval/<task>/<metric> rows in metrics.jsonl (eval_cli)
-
-A failed submission is a warning naming the command to evaluate by hand; training goes on.
-
-Retries: each Slurm task runs `EvalJob`, a parent process that runs the evaluation as a child and
-looks at how it ended (`decide`), so even a child killed outright (OOM, segfault) is seen. SIGTERM
-(Slurm requeues or cancels the job): the parent does nothing more. SIGUSR2 before the time limit,
-or a crash: the job requeues itself (`scontrol requeue`) while SLURM_RESTART_COUNT is below
-eval.slurm.max_requeues, then gives up. A ConfigError (exit code 2) gives up at once. A requeued
-job reads the same checkpoint, and eval_cli skips the tasks the step already has results for.
-Giving up removes the pending marker and says in the job's log how to evaluate by hand.
+Each Slurm task runs `EvalJob`, a parent that runs the evaluation as a child and looks at how it
+ended (`decide`), so even a child killed outright (OOM, segfault) is seen and the job requeued
+(up to eval.slurm.max_requeues); a requeued job skips the tasks the step already has results for.
 """
 
 import datetime
@@ -78,8 +58,8 @@ def pending_marker(dump_dir, step: int) -> Path:
 
 
 def checkpoint_in_use(dump_dir) -> Callable[[int], bool]:
-    """For checkpoint pruning: a step whose evaluation job has not read its checkpoint yet. A job
-    that never runs leaves it on disk: delete evals/<step>/pending to let it go."""
+    """For pruning: a job that never runs leaves its checkpoint on disk until evals/<step>/pending
+    is deleted."""
     return lambda step: pending_marker(dump_dir, step).exists()
 
 
@@ -98,8 +78,7 @@ def _eval_slurm_error(err: ConfigError) -> ConfigError:
 
 
 def evaluated_steps_are_saved(args) -> Optional[str]:
-    """None when every evaluation step saves a checkpoint (the trainer's rules in
-    lingua.train.loop.evaluates_at and Run.save_if_due), else what is wrong and how to fix it."""
+    """None when every evaluation step saves a checkpoint, else what is wrong and the fix."""
     e, c = args.eval, args.checkpoint
     if e.every:
         if not c.every:
@@ -119,8 +98,7 @@ def evaluated_steps_are_saved(args) -> Optional[str]:
 
 
 def check_async(args) -> None:
-    """For lingua.launch.run.validate (eval.mode=async with eval.tasks): evaluation steps are
-    checkpoint steps, the eval.slurm.* resources are valid, and Slurm is here."""
+    """Evaluation steps are checkpoint steps, eval.slurm.* is valid, and Slurm is here."""
     problem = evaluated_steps_are_saved(args)
     if problem:
         raise ConfigError(f"eval.mode=async evaluates the checkpoint of each evaluation step in "
@@ -144,8 +122,7 @@ def check_async(args) -> None:
 
 
 def job_overrides(args, world_size: int) -> List[str]:
-    """What the job changes of the checkpoint's config: evaluate here (eval.mode=inline) with the
-    run's eval settings, FSDP over all its tasks (the checkpoint reshards to any layout)."""
+    """Evaluate inline with the run's eval settings, FSDP over all the job's tasks."""
     e = args.eval
     values = {"mode": "inline", "tasks": list(e.tasks), "limit": e.limit,
               "batch_size": e.batch_size, "num_fewshot": e.num_fewshot,
@@ -173,8 +150,7 @@ def code_dir(dump_dir) -> Path:
 
 
 def submit(args, app_package: str, step: int, ckpt_dir) -> Optional[str]:
-    """Rank 0, once the checkpoint of evaluation step `step` is saved: submit its job; the job
-    id, or None. Never raises: training must not stop for an evaluation."""
+    """Rank 0: the job id, or None. Never raises: training must not stop for an evaluation."""
     dump_dir, ckpt_dir = Path(args.dump_dir).resolve(), Path(ckpt_dir).resolve()
     tasks = list(args.eval.tasks)
     by_hand = hand_command(app_package, ckpt_dir, tasks)
@@ -220,9 +196,7 @@ def submit(args, app_package: str, step: int, ckpt_dir) -> Optional[str]:
 
 
 def decide(code: int, signals: List[int], restarts: int, max_requeues: int) -> str:
-    """What a task does after its evaluation process ended with `code` (negative: killed by that
-    signal), having received `signals`: "done", "stop" (Slurm requeues or cancels the job: leave
-    everything), "requeue" or "give_up"."""
+    """"done", "stop" (SIGTERM: Slurm requeues or cancels the job), "requeue" or "give_up"."""
     if code == 0:
         return "done"
     if signal.SIGTERM in signals:
@@ -233,8 +207,7 @@ def decide(code: int, signals: List[int], restarts: int, max_requeues: int) -> s
 
 
 class EvalJob:
-    """What each task of an evaluation job runs (submitit pickles it): the evaluation as a child
-    process, then what `decide` says."""
+    """Each task of an evaluation job: the evaluation as a child process, then `decide`."""
 
     def __init__(self, module: str, ckpt_dir: str, step: int, overrides: List[str],
                  max_requeues: int, by_hand: str):
@@ -320,9 +293,7 @@ class EvalJob:
 
 
 class AsyncEvalHook(Hook):
-    """eval.mode=async in the loop: a complete checkpoint of an evaluation step gets its job
-    (pruning leaves it alone while its job has not read it: checkpoint_in_use, given to the
-    run by lingua.launch.run)."""
+    """eval.mode=async in the loop: a complete checkpoint of an evaluation step gets its job."""
 
     def __init__(self, args, app_package: str):
         self.args, self.app_package = args, app_package

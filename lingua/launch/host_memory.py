@@ -28,8 +28,7 @@ USER_MALLOC_TUNABLES = ("glibc.malloc.mmap_max", "glibc.malloc.mmap_threshold",
 
 
 def user_malloc_setting() -> Optional[str]:
-    """The user's own setting of what keep_freed_memory tunes (a MALLOC_*_ variable or a
-    glibc.malloc tunable in GLIBC_TUNABLES), or None."""
+    """A MALLOC_*_ variable or glibc.malloc tunable the user set, or None."""
     import os
 
     for key in USER_MALLOC_VARS:
@@ -45,15 +44,9 @@ def user_malloc_setting() -> Optional[str]:
 def keep_freed_memory() -> bool:
     """CPU training: let glibc's malloc keep freed blocks for reuse, as CUDA's caching allocator
     does on GPU. By default glibc unmaps large blocks when freed, so every step's activations
-    (the logits above all) take freshly zeroed pages again (BENCHMARKS.md, "Then: page faults").
-    So: no mmap for any size (M_MMAP_MAX=0) and no trimming of the heap's top
-    (M_TRIM_THRESHOLD=-1), for the main thread's arena, where training allocates. glibc's
-    memalign can still leave a small tail in its per-thread cache between a freed block and the
-    heap's top; GLIBC_TUNABLES=glibc.malloc.tcache_max=0 lifts that (tests/test_benchmarks.py).
-    What it costs: the process keeps the memory it freed (release_freed_memory gives back what
-    setup used once), and fragmentation can raise the resident peak. Process-wide, and it stays
-    after run() returns. Returns False, and changes nothing, where the C library has no mallopt
-    or the user set one of its knobs (user_malloc_setting, e.g. MALLOC_TOP_PAD_=131072)."""
+    take freshly zeroed pages again (BENCHMARKS.md). So: no mmap (M_MMAP_MAX=0) and no trimming
+    (M_TRIM_THRESHOLD=-1). The cost: the process keeps the memory it freed, process-wide. False,
+    changing nothing, without mallopt or where the user set one of its knobs."""
     import ctypes
 
     if user_malloc_setting():
@@ -67,8 +60,7 @@ def keep_freed_memory() -> bool:
 
 
 def release_freed_memory() -> None:
-    """Give the OS back the heap memory free now (glibc's malloc_trim): called once setup is done,
-    so that its transient copies do not stay resident under keep_freed_memory's no-trim setting."""
+    """malloc_trim once setup is done, so its transient copies do not stay resident."""
     import ctypes
 
     try:
@@ -78,10 +70,8 @@ def release_freed_memory() -> None:
 
 
 class GarbageCollection(Hook):
-    """gc_every / gc_full_every: automatic GC off while the loop runs (its pauses land at random
-    steps, and on one rank they stall all); the young generations collected every gc_every steps,
-    all of them every gc_full_every (a cycle that outlived two young collections is only freed by
-    a full one). The collector is back to its previous state however the loop ends."""
+    """Automatic GC off while the loop runs (its pauses land at random steps, and on one rank they
+    stall all); young generations every gc_every steps, all of them every gc_full_every."""
 
     def __init__(self, young_every: int, full_every: int):
         self.young_every, self.full_every = young_every, full_every

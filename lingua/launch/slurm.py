@@ -1,6 +1,5 @@
-"""Slurm job settings (the `slurm.*` config group): their defaults and checks, the check against
-the nodes `sinfo` reports (a job that cannot fit is refused before it is queued), and the
-submitit executor. Used by stool and by launch.eval_jobs; submitit is imported where used."""
+"""Slurm job settings (`slurm.*`), the check against the nodes `sinfo` reports (a job that cannot
+fit is refused before it is queued), and the submitit executor."""
 
 import re
 import shlex
@@ -49,8 +48,7 @@ GPU_JOB_CPUS = 8
 
 
 def slurm_defaults(s: SlurmArgs) -> List[str]:
-    """Overrides that fill in the slurm.* values left at 0, so that stool's validation,
-    config.yaml and the job's config all hold the real numbers."""
+    """Fill in the slurm.* values left at 0, so config.yaml holds the real numbers."""
     fills = []
     if s.tasks_per_node == 0:
         fills.append(f"slurm.tasks_per_node={max(s.gpus_per_node, 1)}")
@@ -109,8 +107,7 @@ SINFO_NODES = ["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"]
 
 
 def parse_count(text: str) -> Optional[int]:
-    """A CPU count or a memory size (MB) from sinfo. "64+" (sinfo's "at least", for groups of
-    unequal nodes) and anything else but a plain number is unknown."""
+    """A plain number from sinfo, else unknown ("64+" is sinfo's "at least")."""
     text = text.strip()
     return int(text) if text.isdigit() else None
 
@@ -132,8 +129,7 @@ GRES_SCALE = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
 
 
 def parse_gpus(gres: str) -> Optional[int]:
-    """GPUs per node from sinfo's GRES (%G): `(null)` -> 0, `gpu:8`, `gpu:h100:8(S:0-1)`,
-    `gpu:a100:4,gpu:v100:2` -> 6; None when a gpu entry's count cannot be read."""
+    """GPUs per node from sinfo's GRES: `gpu:a100:4,gpu:v100:2(S:0-1)` -> 6; None if unreadable."""
     gres = gres.strip()
     if gres in ("", "(null)", "N/A", "none"):
         return 0
@@ -153,8 +149,7 @@ def parse_gpus(gres: str) -> Optional[int]:
 
 
 def parse_sinfo_nodes(text: str) -> List[Node]:
-    """`sinfo -N -o '%N|%P|%c|%m|%G'` lines to Nodes; a line that is not five fields is skipped
-    (a site's sinfo wrapper may add notes)."""
+    """A line that is not five fields is skipped (a site's sinfo wrapper may add notes)."""
     nodes = []
     for line in text.splitlines():
         fields = line.split("|")
@@ -167,8 +162,7 @@ def parse_sinfo_nodes(text: str) -> List[Node]:
 
 
 def mem_request_mb(mem: Optional[str]) -> Optional[int]:
-    """slurm.mem in MB (Slurm's default unit); None when it asks for nothing in particular
-    (unset, or 0: all of a node's memory)."""
+    """slurm.mem in MB; None when unset, or 0 (all of a node's memory)."""
     if mem is None or not MEM.match(str(mem)):
         return None
     text = str(mem)
@@ -179,8 +173,7 @@ def mem_request_mb(mem: Optional[str]) -> Optional[int]:
 
 
 def cluster_nodes() -> Optional[List[Node]]:
-    """The cluster's nodes per partition from sinfo; None where there is no sinfo, or it fails
-    (the controller is down): then nothing is checked and sbatch has the last word."""
+    """None where sinfo is missing or fails: then sbatch has the last word."""
     if shutil.which("sinfo") is None:
         return None
     try:
@@ -251,9 +244,8 @@ def resource_problems(s: SlurmArgs, partition: str, nodes: List[Node]) -> List[s
 
 def check_resources(s: SlurmArgs, chosen: List[str] = (),
                     nodes: Optional[List[Node]] = None) -> bool:
-    """Refuse, before anything is written or queued, a job that no node of its partition can
-    hold: Slurm would queue it and it would pend forever (reason PartitionConfig). Also checks the
-    partition exists. Returns whether sinfo was there to check against."""
+    """Refuse a job no node of its partition can hold: Slurm would let it pend forever (reason
+    PartitionConfig). Returns whether sinfo was there to check against."""
     nodes = cluster_nodes() if nodes is None else nodes
     if nodes is None:
         return False

@@ -1,18 +1,10 @@
-"""stool: submit any app's training run to Slurm in one command, through submitit.
+"""stool: submit any app's training run to Slurm in one command, through submitit (docs/slurm.md).
 
-    stool apps.llama.train config=llama_8b dump_dir=/checkpoints/me/8b \\
-        slurm.nodes=8 slurm.gpus_per_node=8 slurm.partition=learn    # 8 tasks a node, one per GPU
-    stool apps.llama.train slurm.dry_run=true ...           # print the batch script, submit nothing
-    stool apps.llama.train --multirun optim.lr=1e-3,3e-3    # one job per value, as one job array
-
-The config is first composed and validated exactly as the job will, for the job's world size and
-device, so a typo fails in a second instead of after hours in the queue. Then stool copies the
-code (git's tracked and not-ignored files) to `<dump_dir>/code`, where the job runs from (editing
-the checkout changes no queued or requeued job), writes `<dump_dir>/config.yaml`, submits one task
-per process with `--signal=USR2@<delay>` before the time limit (the job checkpoints and requeues
-itself: lingua/train/preemption.py), and prints the job id, the log paths and how to follow it.
-Config values never pass through a shell (the overrides reach the job pickled), and the
-environment reaches the job through sbatch, never through a file: secrets are not written.
+The config is validated exactly as the job will see it (its world size and device), so a typo
+fails in a second, not after hours in the queue. The job runs from a code snapshot in
+`<dump_dir>/code`, so editing the checkout changes no queued or requeued job. Config values never
+pass through a shell (they reach the job pickled), and the environment goes through sbatch, never
+a file: secrets are not written.
 """
 
 import contextlib
@@ -80,8 +72,8 @@ class TrainJob:
 
 
 def wait_for_peers(limit_s: float) -> None:
-    """Until this node's other tasks (srun's children of one slurmstepd, as this one) have
-    exited, at most limit_s; tasks on other nodes cannot be seen from here, so then the whole."""
+    """Until this node's other tasks have exited, at most limit_s (other nodes' cannot be seen
+    from here, so then the whole)."""
     parent = os.getppid()
     children = Path(f"/proc/{parent}/task/{parent}/children")
     one_node = os.environ.get("SLURM_NNODES", "1") == "1" and children.is_file()
@@ -94,7 +86,6 @@ def wait_for_peers(limit_s: float) -> None:
 
 @dataclass
 class Submission:
-    """One job (or one task of a job array): its overrides, validated args and dump dir."""
     overrides: List[str]
     args: object
     dump_dir: Path
@@ -124,16 +115,14 @@ DOUBLE_QUOTE_SPECIAL = re.compile(r'["$`\\!]')
 
 
 def shell_join(argv: List[str]) -> str:
-    """argv as a person would type it into a shell: bare where that is safe, else in single
-    quotes, or in double quotes when the word holds a single quote (Hydra's quoted values) and
-    nothing a shell expands there; shlex.quote's '"'"' only where neither will do."""
+    """argv as a person would type it: double quotes around Hydra's quoted values where a shell
+    expands nothing there; shlex.quote's '"'"' only where neither will do."""
     return " ".join(f'"{arg}"' if "'" in arg and not DOUBLE_QUOTE_SPECIAL.search(arg)
                     else shlex.quote(arg) for arg in argv)
 
 
 def sweep_overrides(overrides: List[str]) -> tuple:
-    """Hydra's sweep syntax (`optim.lr=1e-3,3e-3`, `range(...)`, `choice(...)`) to one override
-    list per combination (the cartesian product, in Hydra's order), and the swept positions."""
+    """One override list per combination of Hydra's sweep syntax, and the swept positions."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -161,8 +150,7 @@ PATH_KEYS = ("dump_dir", "data.root", "data.tokenizer.path", "checkpoint.init_fr
 
 
 def absolute_paths(args) -> List[str]:
-    """Overrides that make the config's relative paths absolute: the job runs from the snapshot
-    (`<dump_dir>/code`), not from where stool was called."""
+    """Relative paths made absolute: the job runs from the snapshot, not from where stool was."""
     fixes = []
     for key in PATH_KEYS:
         value = functools.reduce(getattr, key.split("."), args)
@@ -172,8 +160,7 @@ def absolute_paths(args) -> List[str]:
 
 
 def compose(app, overrides: List[str]):
-    """The validated args for these overrides, checked for the job's world size and device.
-    slurm.* values left at 0 must be filled in first (`slurm_defaults`; `plan` does it)."""
+    """Validated for the job's world size and device; needs `slurm_defaults` applied first."""
     # Not at the top: a job unpickles this module and must listen for signals before torch loads.
     from lingua.parallel import distributed
 
@@ -262,8 +249,7 @@ def check_dump_dir(sub: Submission) -> None:
 
 
 def snapshot_code(dest: Path) -> int:
-    """Copy the checkout's code into dest (replacing an older snapshot); returns the file count.
-    The copy is made beside dest and renamed into place, so a job never sees half a snapshot."""
+    """Made beside dest and renamed into place, so a job never sees half a snapshot."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                             cwd=REPO_ROOT, capture_output=True)
     if listed.returncode == 0:
@@ -320,8 +306,7 @@ def accounting_enabled() -> Optional[bool]:
 
 
 def status_hint(job_ids: List[str]) -> str:
-    """How to follow the jobs: sacct where the cluster has accounting; where it has none, sacct
-    fails ("accounting storage is disabled") and Slurm forgets a job MinJobAge after it ends."""
+    """sacct where the cluster has accounting; without, Slurm forgets a job after MinJobAge."""
     ids = ",".join(dict.fromkeys(str(j).split("_")[0] for j in job_ids))  # an array: its id
     if accounting_enabled() is False:
         return (f"  follow it: squeue -j {ids}; scontrol show job {ids} (this cluster has no "
@@ -336,8 +321,7 @@ def job_overrides(sub) -> List[str]:
 
 
 def dry_run_plan(module: str, sub, sweep: bool) -> str:
-    """lingua.launch.plan's per-rank memory and time for the job, as comment lines of the dry
-    run."""
+    """lingua.launch.plan's per-rank memory and time, as comment lines of the dry run."""
     from lingua.launch import plan as planner
 
     s = sub.args.slurm

@@ -23,8 +23,7 @@ Number = Union[torch.Tensor, float, int]
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in fp32 of logits [b, s, vocab] against labels [b, s].
-    `logits` may be a DTensor sharded over the vocabulary on a 1-D tp mesh (call inside
+    """In fp32. `logits` may be a DTensor sharded over the vocabulary (call inside
     `loss_parallel_context(True)`); the sum then comes back as a plain tensor."""
     if torch.compiler.is_compiling() and not hasattr(logits, "full_tensor"):
         return _CompiledCrossEntropySum.apply(logits.flatten(0, 1), labels.flatten())
@@ -38,10 +37,8 @@ IGNORE_INDEX = -100  # F.cross_entropy's default: a target that counts for nothi
 
 
 class _CompiledCrossEntropySum(torch.autograd.Function):
-    """F.cross_entropy(logits.float(), labels, reduction="sum") for torch.compile, same values
-    and gradient, written out so inductor compiles its backward well on CPU: softmax * g in one
-    pass over the logits with the target's entry written over it, instead of a traced one-hot
-    (BENCHMARKS.md). Keeps the logits in their own dtype and one logsumexp per row."""
+    """F.cross_entropy(logits.float(), labels, reduction="sum") for torch.compile, written out so
+    inductor compiles its backward in one pass over the logits on CPU, not a traced one-hot."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -80,8 +77,7 @@ class LossOutput:
 
 
 def cross_entropy(output: torch.Tensor, labels: torch.Tensor) -> LossOutput:
-    """Summed next-token cross-entropy of logits [b, s, vocab] against labels [b, s], every
-    app's default loss. Labels set to IGNORE_INDEX count for nothing, in the sum and the count."""
+    """Every app's default loss. IGNORE_INDEX labels count for nothing, in the sum and count."""
     return LossOutput(token_loss_sum(output, labels), (labels != IGNORE_INDEX).sum())
 
 
@@ -90,9 +86,8 @@ def default_batch_inputs(tokens: torch.Tensor, labels: torch.Tensor) -> tuple:
 
 
 def for_training(loss: Callable, compile: bool, backend: str, loss_parallel: bool) -> Callable:
-    """The app's loss as training calls it: compiled too under distributed.compile=true (eager
-    cross-entropy copies the logits to fp32 and keeps fp32 log-probabilities; compiled, it
-    fuses). Left eager under loss parallelism, whose DTensor logits we do not trace."""
+    """Compiled too under distributed.compile=true (eager cross-entropy keeps fp32 log-probs;
+    compiled, it fuses); eager under loss parallelism, whose DTensor logits we do not trace."""
     if not compile or loss_parallel:
         return loss
     return torch.compile(loss, backend=backend)

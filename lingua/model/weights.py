@@ -1,16 +1,11 @@
-"""A model part's first weights: materialised on its device, drawn from per-tensor seeded streams,
-or filled from rank 0's copy of a Hugging Face model. The trainer builds every model on the meta
-device and splits and shards it before any weight exists:
-  materialize(part, device, seed)     storage on `device`, then the model's own init_weights
-  load_full_state(parts, state, ...)  rank 0's full tensors, one at a time, into every rank's shards
+"""A model part's first weights, given after it was built on the meta device, split and sharded:
+drawn from per-tensor seeded streams, or filled from rank 0's copy of a Hugging Face model.
 
 Layout-independent initialisation: while init_weights runs, every random init of a parameter or
-buffer draws the whole tensor from a generator seeded from (seed, the tensor's checkpoint name),
-and a DTensor keeps its own slice; so a layer starts from the same numbers in every layout (one
-process, FSDP, TP, PP, EP), two layers never start alike, and the model file needs no
-distributed code. The cost: for a moment a rank holds one full tensor beside its shards. The
-global RNG would not do: every pipeline stage would replay the same stream, and on CUDA the first
-random op on a DTensor broadcasts rank 0's RNG state (torch's OffsetBasedRNGTracker).
+buffer draws the whole tensor from a generator seeded from (seed, its checkpoint name), and a
+DTensor keeps its own slice; so a layer starts from the same numbers in every layout, and the
+model file needs no distributed code. The global RNG would not do: every pipeline stage would
+replay the same stream, and on CUDA torch's OffsetBasedRNGTracker broadcasts rank 0's state.
 """
 
 import hashlib
@@ -37,8 +32,7 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 
 
 def canonical_name(name: str) -> str:
-    """A parameter's name without wrapper prefixes (activation checkpointing, compile): the name
-    its checkpoint entry has."""
+    """Without wrapper prefixes (checkpointing, compile): the name its checkpoint entry has."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
@@ -65,9 +59,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class PerTensorStreams(TorchFunctionMode):
-    """While active, every random init of one of `module`'s parameters or buffers draws the whole
-    tensor from its own generator on `device` (stream_seed(seed, name)); a DTensor then copies in
-    its local slice. Random ops on other tensors keep the global RNG (logged once)."""
+    """While active, every random init of one of `module`'s tensors draws the whole tensor from
+    its own generator; a DTensor then copies in its local slice."""
 
     def __init__(self, module: nn.Module, seed: int, device: torch.device):
         super().__init__()
@@ -127,9 +120,8 @@ def _shard_of(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def materialize(part: nn.Module, device, seed: int, param_device=None) -> nn.Module:
-    """Give a part built on the meta device (and split, sharded) its storage and first weights:
-    parameters on `param_device` (default `device`; the CPU under FSDP's CPU offload), buffers on
-    `device`, values from the model's init_weights(buffer_device) through PerTensorStreams."""
+    """Storage and first weights (the model's init_weights through PerTensorStreams) for a part
+    built on the meta device; parameters on `param_device` (CPU offload), buffers on `device`."""
     device = torch.device(device)
     part.to_empty(device=torch.device(param_device) if param_device is not None else device)
     with torch.no_grad(), PerTensorStreams(part, seed, device):
@@ -142,8 +134,7 @@ def materialize(part: nn.Module, device, seed: int, param_device=None) -> nn.Mod
 
 
 def check_placement(parts, device, param_device=None) -> None:
-    """Raise RunError naming any parameter or buffer that is not where the run computes (it
-    would fail at the first forward, far from its cause)."""
+    """A tensor not where the run computes would fail at the first forward, far from its cause."""
     device = torch.device(device)
     param_device = torch.device(param_device) if param_device is not None else device
 
@@ -177,14 +168,10 @@ def broadcast_object(obj, src: int = 0):
 
 def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device,
                     keep: Callable[[str], bool] = lambda name: False) -> None:
-    """Fill every rank's parts from rank 0's `state` (the whole model's persistent tensors by
-    checkpoint name, any device and dtype, e.g. safetensors' memory map); other ranks pass None.
-
-    One tensor at a time: rank 0 broadcasts it and each rank copies the slice it holds, so no
-    rank holds more than its shards plus one full tensor. Like torch's set_model_state_dict(
-    broadcast_from_rank0=True), but without rank 0's state as one dict up front and with a strict
-    check per pipeline part. Tensors where keep(name) is true may be absent from `state` and keep
-    their values (LoRA adapters)."""
+    """Fill every rank's parts from rank 0's `state` (other ranks pass None), one tensor at a
+    time, so no rank holds more than its shards plus one full tensor (unlike torch's
+    set_model_state_dict(broadcast_from_rank0=True)). Tensors where keep(name) is true may be
+    absent from `state` and keep their values (LoRA adapters)."""
     device = torch.device(device)
     world = _world()
     rank = dist.get_rank() if world else 0

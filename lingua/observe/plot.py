@@ -1,13 +1,7 @@
 """Compare training runs from their metrics.jsonl against step: `python -m lingua.plot runs/a
-runs/b [--out DIR]` writes DIR/compare.png (loss and val_loss, lr, grad_norm, tokens/s, MFU, peak
-memory; default DIR: the first run's dump_dir/plots/) and, when any run has `eval/<task>/<metric>`
-keys, DIR/downstream.png (the loss, then one panel per task and metric), printing each path.
-
-Figures for a report: a title naming the runs, units on every axis, one legend above the panels,
-each run its own colour, line style and marker (identical curves stay visible), log-scale loss
-and grad norm ending on labelled ticks, MFU never drawn above 100%, and a chance line for
-multiple-choice accuracies. `save_figure` is the one place figures are written, so every plot's
-pixel size depends only on its figure size.
+runs/b [--out DIR]` writes compare.png and, when any run has `eval/<task>/<metric>` keys,
+downstream.png. Each run has its own colour, line style and marker, so identical curves stay
+visible; MFU is never drawn above 100%.
 """
 
 import argparse
@@ -84,8 +78,7 @@ PANELS = [  # a 2 x 3 grid, in this order
 
 
 def read_metrics(dump_dir) -> List[dict]:
-    """The rows of dump_dir/metrics.jsonl, blank lines skipped. ConfigError (a ValueError) naming
-    the path or the line that is missing or not a JSON object with a `step`."""
+    """The rows of dump_dir/metrics.jsonl, blank lines skipped."""
     dump_dir = Path(dump_dir)
     path = dump_dir / "metrics.jsonl"
     if not dump_dir.is_dir():
@@ -118,8 +111,7 @@ def read_metrics(dump_dir) -> List[dict]:
 
 
 def run_labels(dump_dirs: Sequence) -> List[str]:
-    """Each run's directory name; runs with equal names get as many parent dirs as tell them
-    apart."""
+    """Each run's directory name, with as many parent dirs as tell equal names apart."""
     parts = [Path(d).resolve().parts for d in dump_dirs]
     depth = [1] * len(parts)
     while True:
@@ -136,8 +128,7 @@ def run_labels(dump_dirs: Sequence) -> List[str]:
 
 
 def series(rows: Sequence[dict], key: str, scale: float = 1.0):
-    """(steps, values) for key, sorted by step, each step once (its last row), rows without a
-    numeric value skipped."""
+    """(steps, values) for key, sorted by step, each step once (its last row)."""
     by_step = {row["step"]: row[key] * scale for row in rows if _number(row.get(key))}
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
@@ -147,10 +138,8 @@ Series = Tuple[List[int], List[float], Optional[List[float]]]
 
 
 def downstream_series(rows: Sequence[dict]) -> Dict[Tuple[str, str], Series]:
-    """{(task, metric): (steps, values, stderrs)} from the rows' eval/<task>/<metric> keys, sorted
-    by (task, metric) and step. Rows come out of step order and may repeat a step: the last row
-    wins, stderr from that same row. stderrs is None when no row has one, else NaN where a row
-    has none. Non-numeric values (a task alias, lm-eval's "N/A" stderr) are skipped."""
+    """{(task, metric): (steps, values, stderrs)} from eval/<task>/<metric> keys. A repeated step:
+    the last row wins, stderr from that same row. Non-numeric values ("N/A" stderr) are skipped."""
     by_key: Dict[Tuple[str, str], Dict[int, Tuple[float, Optional[float]]]] = {}
     for row in rows:
         for key, value in row.items():
@@ -184,8 +173,7 @@ def run_styles(runs: Mapping[str, Sequence[dict]]) -> Dict[str, dict]:
 
 
 def plot_run(ax, steps, values, style: dict, index: int, n_runs: int, **kwargs):
-    """One run's curve in its style, markers at about MARKERS_PER_LINE steps, shifted per run so
-    that identical curves show every run's markers."""
+    """Markers shifted per run so that identical curves show every run's markers."""
     every = max(n_runs, len(steps) // MARKERS_PER_LINE, 1)
     return ax.plot(steps, values, color=style["color"], linestyle=style["linestyle"],
                    marker=style["marker"], markersize=5, linewidth=1.4,
@@ -193,8 +181,7 @@ def plot_run(ax, steps, values, style: dict, index: int, n_runs: int, **kwargs):
 
 
 def draw_loss(ax, runs: Mapping[str, Sequence[dict]], styles: Mapping[str, dict]) -> bool:
-    """The loss panel: each run's train loss and val_loss (rings on a thin line, in the run's
-    colour). Returns whether any val_loss was drawn."""
+    """Each run's loss and val_loss; returns whether any val_loss was drawn."""
     drawn = has_val = False
     for i, (label, rows) in enumerate(runs.items()):
         steps, values = series(rows, "loss")
@@ -215,7 +202,6 @@ def draw_loss(ax, runs: Mapping[str, Sequence[dict]], styles: Mapping[str, dict]
 
 
 def legend_handles(runs, styles: Mapping[str, dict], has_val: bool) -> List[Line2D]:
-    """One entry per run (colour, line style, marker), then val_loss's look when it is drawn."""
     handles = [Line2D([], [], color=st["color"], linestyle=st["linestyle"], marker=st["marker"],
                       linewidth=2, markersize=6, label=label) for label, st in styles.items()
                if label in runs]
@@ -240,8 +226,8 @@ def style_panel(ax, title: str, drawn: bool, ylabel: Optional[str] = None) -> No
 
 
 def log_scale(ax, values=None) -> None:
-    """A log y axis where every value drawn (or given) is positive (else linear stays), ending on
-    major ticks labelled with plain numbers (0.6, 0.8, 1, 1.2: not 6x10^-1)."""
+    """A log y axis where every value is positive, ending on ticks labelled with plain numbers
+    (0.6, 0.8, 1, 1.2: not 6x10^-1)."""
     values = list(values or [y for line in ax.get_lines() for y in line.get_ydata()])
     if not values or min(values) <= 0:
         return
@@ -257,10 +243,8 @@ def log_scale(ax, values=None) -> None:
 
 
 def log_ticks(low: float, high: float) -> List[float]:
-    """3 to MAX_LOG_TICKS major ticks for a log axis over [low, high], the first at or below low
-    and the last at or above high (up to TICK_SLACK): of the grids of LOG_SUBS (and, under a
-    decade, round numbers) the one spanning the least, then the one with more ticks. [] where
-    none fits (many decades)."""
+    """3 to MAX_LOG_TICKS ticks enclosing [low, high]: of the grids of LOG_SUBS the one spanning
+    the least, then the one with more ticks. [] where none fits (many decades)."""
     decades = range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
     grids = [sorted(m * 10.0 ** k for k in decades for m in subs) for subs in LOG_SUBS]
     if math.log10(high / low) < 1:
@@ -293,7 +277,7 @@ def runs_title(labels: Sequence[str], what: str) -> str:
 
 
 def figure_header(fig, title: str, handles: List[Line2D], height: float) -> None:
-    """Title and legend in the band above the panels (hiding no curve), the panels below it."""
+    """Title and legend above the panels, hiding no curve."""
     fig.suptitle(title, y=1 - 0.06 / height, va="top", fontsize=13)
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), LEGEND_COLS) or 1,
                frameon=False, fontsize=11, bbox_to_anchor=(0.5, 1 - TITLE_INCHES / height))
@@ -301,7 +285,6 @@ def figure_header(fig, title: str, handles: List[Line2D], height: float) -> None
 
 
 def draw_panel(ax, panel: Panel, runs, styles) -> None:
-    """The panel's key for every run."""
     drawn, dropped, nulls = False, 0, 0
     for i, (label, rows) in enumerate(runs.items()):
         # Nulls (MFU with no credible peak) are counted: a line that stops is not a run stopping.
@@ -330,8 +313,6 @@ def draw_panel(ax, panel: Panel, runs, styles) -> None:
 
 
 def compare_figure(runs: Mapping[str, Sequence[dict]]) -> Figure:
-    """One panel per metric in PANELS against step, each run (label -> rows) in its own style,
-    val_loss in the loss panel, one legend above the panels."""
     fig, axes = plt.subplots(2, 3, figsize=FIGSIZE, dpi=DPI)
     styles = run_styles(runs)
     has_val = draw_loss(axes[0, 0], runs, styles)   # PANELS[0]
@@ -343,8 +324,7 @@ def compare_figure(runs: Mapping[str, Sequence[dict]]) -> Figure:
 
 
 def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
-    """The loss panel, then one panel per (task, metric) any run logged (draw_task), one legend
-    above the grid. None when no run has eval/ keys."""
+    """The loss, then one panel per (task, metric); None when no run has eval/ keys."""
     per_run = {label: downstream_series(rows) for label, rows in runs.items()}
     task_metrics = sorted({tm for s in per_run.values() for tm in s})
     if not task_metrics:
@@ -376,16 +356,14 @@ def downstream_figure(runs: Mapping[str, Sequence[dict]]) -> Optional[Figure]:
 
 
 def task_choices(task: str, metric: str) -> Optional[int]:
-    """Choices per question (TASK_CHOICES) for an accuracy's chance line; None where unknown or
-    the metric is no accuracy."""
+    """Choices per question for an accuracy's chance line; None where unknown."""
     if metric not in CHANCE_METRICS:
         return None
     return TASK_CHOICES.get("mmlu" if task.startswith("mmlu_") else task)  # mmlu_<subject>
 
 
 def draw_task(ax, task: str, metric: str, per_run, styles) -> None:
-    """One (task, metric) panel: each run's evaluated steps in its style (accuracies in %),
-    stderr bars where logged, and the chance level where the task's choices are known."""
+    """Each run's evaluated steps (accuracies in %), stderr bars, and the chance level."""
     scale, ylabel = (100.0, f"{metric} (%)") if metric in PERCENT_METRICS else (1.0, metric)
     for label, run_series in per_run.items():
         if (task, metric) not in run_series:
@@ -412,8 +390,8 @@ def draw_task(ax, task: str, metric: str, per_run, styles) -> None:
 
 
 def save_figure(fig: Figure, path) -> Path:
-    """Write fig to path (format from the suffix) at DPI, close it, return the absolute path.
-    No bbox_inches="tight": the image size stays figsize x DPI whatever the labels are."""
+    """The one place figures are written. No bbox_inches="tight": the image size stays figsize x
+    DPI whatever the labels are."""
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -424,8 +402,7 @@ def save_figure(fig: Figure, path) -> Path:
 
 
 def plot_runs(dump_dirs: Sequence, out_dir=None) -> List[Path]:
-    """Write out_dir/compare.png (default: the first run's dump_dir/plots/), and downstream.png
-    when any run has eval/ keys. Returns the paths written."""
+    """Write compare.png (and downstream.png) to out_dir (default: first run's dump_dir/plots/)."""
     if not dump_dirs:
         raise ConfigError("no run directory given: pass one or more dump_dirs, e.g. "
                           "`python -m lingua.plot runs/a runs/b`.")

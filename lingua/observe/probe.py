@@ -1,29 +1,12 @@
-"""Activation, weight and gradient statistics during training: `probe.every=N`.
-
-Every N steps the probe records, for each selected module, statistics of its input and output,
-its weights and their gradients; attention max logit and entropy on sampled queries; and MoE
-router load and entropy: one JSON line per probe step in `dump_dir/probe/probe.jsonl`. The math
-is in probe_stats.py, reading and plotting (`python -m lingua.probe plot`) in probe_report.py.
-Hooks exist only during a probe step (about one more forward); otherwise the model has none.
+"""Activation, weight and gradient statistics during training: `probe.every=N`, one JSON line per
+probe step in `dump_dir/probe/probe.jsonl` (stats: docs/observing.md). Hooks exist only during a
+probe step; otherwise the model has none.
 
 Every parallel layout records the statistic of the whole logical tensor over the global batch:
-each rank reduces its local part to fixed-size vectors of sums (moments, zeros, a histogram on a
-fixed log grid) and maxima, summed (maxed) over the ranks holding distinct parts. Weights and
-gradients are DTensors whose placements say which; activations are distinct over dp and cp, and
-over tp either sharded or identical copies (told apart by comparing the vectors). Pipeline stages
-send their results to rank 0, which writes. Quantiles and the fraction beyond 6 std come from the
-histogram (64 bins per decade of |x| from 1e-8 to 1e8): accurate to about 2% of the value.
-
-Schema of a line of probe.jsonl:
-    {"step": int, "alerts": [str, ...],
-     "stats": {"<module>/<tensor>": {"<stat>": float, ...}, ...}}
-<tensor> is input, output, a parameter's name (`layers.0.attention.wq/weight`), its gradient
-(`layers.0.attention.wq/weight.grad`), attention (stats `max_logit`, `entropy`, `entropy_frac` =
-entropy / log(keys seen)) or router (`load_min`, `load_max`, `load_cv` = std/mean of the tokens
-each expert got, `entropy` of the routing scores). Activation/weight stats: count, mean, std,
-rms, min, max, abs_max, kurtosis (Pearson: 3 for a normal distribution), zero_frac, outlier_frac
-(beyond 6 std of the mean), nonfinite (NaN/Inf count, excluded from the rest), q<quantile> (e.g.
-q0.99).
+each rank reduces its local part to fixed-size vectors of sums (moments, a histogram on a fixed
+log grid) and maxima, summed (maxed) over the ranks holding distinct parts. Weights and gradients
+are DTensors whose placements say which; activations over tp are either sharded or identical
+copies (told apart by comparing the vectors).
 """
 
 import fnmatch
@@ -106,14 +89,12 @@ WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_modul
 
 
 def clean_name(name: str) -> str:
-    """A module's name without wrapper segments (activation checkpointing, compile), so every
-    layout names it alike."""
+    """Without wrapper segments (checkpointing, compile), so every layout names it alike."""
     return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
 
 
 def _skip_call(module_inputs) -> bool:
-    """Forward calls not to record: activation checkpointing's re-run during backward, and a
-    pipeline stage's shape inference (inferring_shapes; meta tensors in older torch)."""
+    """Activation checkpointing's re-run during backward, and a pipeline's shape inference."""
     if torch._C._current_graph_task_id() != -1 or inferring_shapes():
         return True
     first = _first_tensor(module_inputs)
@@ -135,8 +116,6 @@ def _first_tensor(value):
 
 
 class Probe:
-    """Records one training step's statistics when `active(step)`; see the module docstring."""
-
     def __init__(self, args: ProbeArgs, parts: List[nn.Module], env, dump_dir,
                  resumed_step: int = 0):
         self.args, self.parts, self.env = args, parts, env
@@ -210,8 +189,7 @@ class Probe:
         return hook
 
     def _summarize_once(self, x: torch.Tensor) -> tuple:
-        """summarize(), computed once per tensor object: one module's output is often the next
-        one's input (wq, wk and wv share theirs), which would otherwise be summarized again."""
+        """Once per tensor object: one module's output is often the next one's input."""
         cached = self.seen.get(id(x))
         if cached is not None and cached[0]() is x:
             return cached[1].clone(), cached[2].clone()
@@ -269,8 +247,7 @@ class Probe:
 
     @staticmethod
     def _param_summary(tensor) -> tuple:
-        """Full-tensor sums of a parameter or gradient, whatever its placements: the shards' sums
-        are added over the mesh dimensions it is sharded on (replicated ones hold copies)."""
+        """Full-tensor sums: the shards' sums added over the mesh dimensions it is sharded on."""
         if not isinstance(tensor, DTensor):
             return summarize(tensor)
         if any(isinstance(p, Partial) for p in tensor.placements):
@@ -318,8 +295,7 @@ class Probe:
             self.acc[key][0], self.acc[key][1] = s, m
 
     def finish_step(self, step: int, wandb_run=None) -> int:
-        """Reduce, write the line (rank 0), check alerts, send a summary to wandb if it is on.
-        Returns the number of alerts (for metrics' probe_alerts)."""
+        """Reduce, write the line (rank 0), check alerts; returns the number of alerts."""
         self._record_params()
         act_keys = sorted(k for k, v in self.acc.items() if v[2] != "param")
         self._reduce_activations(act_keys)
@@ -394,9 +370,8 @@ class Probe:
 
 
 class ProbeHook(Hook):
-    """probe.every in the loop: hooks the model on sampled steps and on asked-for ones
-    (view.probe_requested: after a spike, a rollback's rerun), records after backward (gradients
-    before clipping), counts alerts into the metrics row, sends plots to wandb at the end."""
+    """probe.every in the loop, and steps a hook asks for (after a spike, a rollback's rerun);
+    records after backward (gradients before clipping)."""
 
     def __init__(self, args, spikes_on: bool):
         self.args, self.spikes_on = args.probe, spikes_on
@@ -414,7 +389,6 @@ class ProbeHook(Hook):
             self.probe = Probe(self.args, view.parts, view.env, dump_dir, view.step)
 
     def _made(self, view) -> Probe:
-        """The probe, made on first use when probe.every=0 (it has no hooks until started)."""
         if self.probe is None:
             self.probe = Probe(self.args, view.parts, view.env, Path(view.args.dump_dir),
                                view.step)

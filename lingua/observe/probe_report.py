@@ -1,9 +1,5 @@
-"""Reading and plotting what the probe recorded: `python -m lingua.probe plot <dump_dir>`.
-
-`read(dump_dir)` returns `dump_dir/probe/probe.jsonl` as a pandas DataFrame (one row per step,
-module, tensor and stat); `plot(dump_dir)` draws its PNGs to `dump_dir/probe/plots/`; `main` is
-the command line. The collection and the schema are in probe.py; this module imports neither
-torch nor training code, so reading a run's probe stays cheap.
+"""Reading and plotting what the probe recorded: `python -m lingua.probe plot <dump_dir>`. This
+module imports neither torch nor training code, so reading a run's probe stays cheap.
 """
 
 import argparse
@@ -116,8 +112,7 @@ def check_stats(stats, lines, path) -> None:
 
 
 def select_modules(patterns, lines, path) -> List[str]:
-    """The recorded modules matching any of the names or fnmatch patterns; ConfigError for a
-    pattern that matches none, with the modules there are."""
+    """ConfigError for a pattern that matches none, with the modules there are."""
     modules = recorded_modules(lines)
     chosen = []
     for pattern in patterns:
@@ -131,11 +126,9 @@ def select_modules(patterns, lines, path) -> List[str]:
 
 
 def plot(dump_dir, out_dir=None, stats=None, modules=None) -> List[Path]:
-    """PNGs titled with the run's name, their paths returned: per stat, layer x step heatmaps per
-    sub-module kind (colour_limits) and lines per module; attention entropy and max logit; the
-    loss with the probe steps marked. `stats`: names the run recorded (default: those of
-    DEFAULT_STATS); `modules`: names or glob patterns choosing the modules drawn (default: block
-    outputs in lines, DEFAULT_KINDS in heatmaps). An unknown stat or module is a ConfigError."""
+    """PNGs, their paths returned: per stat, layer x step heatmaps and lines per module; attention
+    entropy and max logit; the loss with the probe steps marked. `modules`: names or glob
+    patterns (default: block outputs in lines, DEFAULT_KINDS in heatmaps)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,8 +187,7 @@ def _kinds_of(modules, by_kind) -> list:
 
 
 def _line_series(stat, chosen, by_kind, by_module) -> dict:
-    """{panel title: {line label: [(step, value), ...]}}: the block outputs one line per layer by
-    default; with --modules one panel per tensor, one line per chosen module."""
+    """{panel title: {line label: [(step, value), ...]}}."""
     out = {}
     if chosen is None:
         cells = by_kind.get(("block", "output"), {})
@@ -307,8 +299,7 @@ def _attention(plt, attention, steps):
 
 
 def _loss(plt, rows, probe_steps):
-    """The train loss (log scale), val_loss as circles on a thin line, and each probe step as a
-    red band and a marker on the loss curve, so the probe's plots can be read against it."""
+    """The loss with each probe step marked, so the probe's plots can be read against it."""
     fig, ax = plt.subplots(figsize=(10, 4.2), constrained_layout=True)
     loss = {r["step"]: r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))}
     ax.plot(list(loss), list(loss.values()), color="C0", linewidth=1.4, label="train loss")

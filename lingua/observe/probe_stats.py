@@ -142,11 +142,9 @@ def _quantile(hist: torch.Tensor, n: float, q: float, vmin: float, vmax: float) 
 
 def attention_summary(q: torch.Tensor, k: torch.Tensor, mask, n_queries: int,
                       scale: Optional[float] = None) -> tuple:
-    """Max logit and entropy for `n_queries` evenly spaced query positions of every sequence
-    and head. q [b, s, h, d], k [b, s, h_kv, d] (grouped-query: h_kv divides h); causal, or
-    `mask` a boolean [s, s] / [b, 1, s, s] tensor (True = may attend); other mask objects (flex,
-    xformers) are taken as plain causal. Returns (sums [3], maxes [1]): sums = entropy total,
-    log(keys seen) total, number of (query, head) rows."""
+    """Max logit and entropy for `n_queries` evenly spaced query positions of every sequence and
+    head; `mask` a boolean tensor (True = may attend), other mask objects taken as plain causal.
+    Returns (sums [3], maxes [1]): entropy total, log(keys seen) total, (query, head) rows."""
     b, s, h, d = q.shape
     # CoreAttention's inputs keep their grouped-query k heads: repeat them for the summary.
     if k.shape[2] != h:

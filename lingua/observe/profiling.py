@@ -1,11 +1,6 @@
-"""Where a step's time goes: per-phase timings for metrics.jsonl, and a torch.profiler window.
-
-`PhaseTimer` splits every step into forward / backward / optimizer (`fwd_s`, `bwd_s`, `optim_s`
-in metrics.jsonl) and labels the phases with `record_function` for any profiler trace.
-`StepProfiler` (`profiling.enabled=true`, through ProfilerHook) runs torch.profiler over a few
-steps and writes per rank a Chrome trace, a summary of the costliest operators and, on CUDA, a
-memory snapshot under `dump_dir/profiling/`. Steps are numbered as in metrics.jsonl (from 1): the
-recorded ones are start_step + wait + warmup ... + active - 1, the files named after the last.
+"""Where a step's time goes: per-phase timings for metrics.jsonl (`PhaseTimer`), and a
+torch.profiler window (`StepProfiler`, `profiling.enabled=true`) writing under
+`dump_dir/profiling/`. Steps are numbered as in metrics.jsonl (from 1).
 """
 
 import contextlib
@@ -84,9 +79,8 @@ def last_active_step(args: ProfilingArgs) -> int:
 
 
 class PhaseTimer:
-    """Seconds per phase of the current step, summed over its micro-batches. CUDA phases are
-    timed (synchronized at each boundary: else only the launches are timed) only on steps marked
-    `timed`, the logged ones, so other steps keep their overlap; on CPU every step is timed."""
+    """Seconds per phase of the current step. CUDA phases are synchronized (else only launches
+    are timed) only on `timed` steps, the logged ones, so other steps keep their overlap."""
 
     def __init__(self, device: torch.device):
         self.synchronize = torch.cuda.synchronize if device.type == "cuda" else None
@@ -119,11 +113,9 @@ class PhaseTimer:
 
 
 class StepProfiler:
-    """torch.profiler over one window of steps, driven by `step_begin(k)` / `step_end(k)`.
-    Writes under dump_dir/profiling/, per rank r: trace_rank<r>_step<k>.json (Chrome trace),
-    summary_rank<r>.txt (top_ops operators by self time, + memory on CPU) and, on CUDA with
-    memory=true, memory_snapshot_rank<r>.pickle. With `flops_per_step` (this device's model
-    FLOPs per step) and `peak_flops` (metrics.Peak or FLOP/s), rank 0 logs the window's MFU.
+    """torch.profiler over one window of steps: per rank a Chrome trace, the top operators and,
+    on CUDA with memory=true, a memory snapshot. With `flops_per_step` and `peak_flops`, rank 0
+    logs the window's MFU.
     """
 
     def __init__(self, args: ProfilingArgs, dump_dir, rank: int, device: torch.device,

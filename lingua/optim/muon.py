@@ -1,32 +1,15 @@
-"""Muon for the transformer blocks' matrices, AdamW for everything else, in one optimizer that
-works on plain tensors (one process) and on DTensors sharded by FSDP2, TP and EP.
+"""Muon for the transformer blocks' matrices (2-D and more, stacked experts one matrix each, but
+not embeddings nor `output`), AdamW for everything else, in one optimizer that works on plain
+tensors and on DTensors sharded by FSDP2, TP and EP. The update is torch.optim.Muon's (the
+reference; Newton-Schulz and the lr adjustment are torch's own). An expert's matrix is stored
+[in, out], so its (out, in) is read transposed (NS(M^T) = NS(M)^T).
 
-`split_params`: Muon takes every parameter of two or more dimensions (attention and FFN
-projections, router gates, stacked [E, in, out] experts: one matrix per expert) except
-`nn.Embedding` weights and the model's `output`; AdamW takes those and the vectors.
-
-The update is torch.optim.Muon's (the single-process reference; Newton-Schulz is torch's own):
-    B <- momentum * B + (1 - momentum) * G             (B: the momentum buffer, sharded like G)
-    U <- G + momentum * (B - G) if nesterov else B       (lerp, as torch writes it)
-    O <- NS(U)        (5 quintic Newton-Schulz steps, bf16 by default, on the WHOLE matrix)
-    W <- W * (1 - lr * weight_decay) - adjust(lr, shape) * O
-adjust is torch's: "original" lr * sqrt(max(1, out/in)) (use a Muon lr of about 0.02),
-"match_rms_adamw" lr * 0.2 * sqrt(max(out, in)) (AdamW's lr and weight decay carry over). An
-expert's matrix is stored [in, out], so its (out, in) is read transposed (NS(M^T) = NS(M)^T).
-
-Sharding. Only NS needs the whole matrix; the rest is elementwise on each rank's shard (the
-momentum buffer is a DTensor placed like the parameter, which DCP reshards). Each matrix is
-orthogonalised ONCE, on one rank of its mesh: matrices of one shape and placement are stacked N
-at a time (N: the ranks that shard them) and redistributed, one all-to-all per sharding mesh dim,
-so each rank holds one whole matrix; NS runs there and the results go back to the parameters'
-placements. FSDP2 x TP's _StridedShard is read as a Shard (a row reordering, which NS commutes
-with); where its rows do not divide evenly, torch's route through Replicate is taken. Matrices a
-rank already holds whole (plain tensors, replicated ones, experts split only along the expert
-dim) need no communication. Against all-gathering every matrix everywhere, NS work per rank drops
-to 1/N, and per chunk of N matrices of M elements a rank sends and receives about 2 M elements
-per sharding mesh dim (in NS's dtype) instead of receiving (N-1) M.
-Replicating mesh dims (HSDP's dp_replicate) take no part. On gloo DTensor all-gathers instead of
-all-to-all: correct, not cheaper.
+Sharding. Only NS needs the whole matrix; the rest is elementwise on each rank's shard. Each
+matrix is orthogonalised ONCE, on one rank of its mesh: matrices of one shape and placement are
+stacked N at a time (N: the ranks that shard them) and redistributed by all-to-all so each rank
+holds one whole matrix, then sent back: NS work per rank is 1/N of all-gathering everywhere.
+FSDP2 x TP's _StridedShard is read as a Shard (a row reordering, which NS commutes with); where
+its rows do not divide evenly, torch's route through Replicate is taken.
 """
 
 import functools
@@ -98,9 +81,8 @@ def validate(optim_args) -> None:
 
 def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float,
                   dtype: str) -> torch.Tensor:
-    """torch.optim.Muon's orthogonalisation of one matrix: torch's own function in bf16, or the
-    same iteration in fp32 (for CPUs that emulate bf16; and a sharded run then equals one process
-    to fp32 rounding)."""
+    """torch's own function in bf16, or the same iteration in fp32 (for CPUs that emulate bf16;
+    a sharded run then equals one process to fp32 rounding)."""
     if dtype == "bf16":
         return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
     a, b, c = coefficients
@@ -132,8 +114,7 @@ def split_params(model: nn.Module) -> tuple[list, list]:
 
 
 def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
-    """(out, in) of the matrix (or each expert's) for the lr adjustment: nn.Linear stores
-    [out, in], stacked experts [E, in, out]."""
+    """(out, in) for the lr adjustment: nn.Linear stores [out, in], stacked experts [E, in, out]."""
     if param.ndim == 2:
         return param.shape[0], param.shape[1]
     if param.ndim == 3:
@@ -218,9 +199,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def orthogonalize(params: list, updates: list, ns, dtype=torch.bfloat16) -> list:
-    """This rank's shard of ns(whole update) for each parameter; updates are local shards placed
-    like their parameters, sent in `dtype` (ns's). Collective over each sharded parameter's mesh:
-    its ranks call it with the same parameters in the same order."""
+    """This rank's shard of ns(whole update) for each parameter. Collective over each sharded
+    parameter's mesh: its ranks call it with the same parameters in the same order."""
     out = [None] * len(params)
     buckets = {}
     for i, (p, u) in enumerate(zip(params, updates)):
@@ -246,8 +226,7 @@ def orthogonalize(params: list, updates: list, ns, dtype=torch.bfloat16) -> list
 
 
 def _holds_whole_matrices(p: DTensor) -> bool:
-    """Every rank holds whole matrices: nothing is split but (stacked experts) the expert dim.
-    Read from the placements, so every rank decides alike."""
+    """Nothing is split but (stacked experts) the expert dim; from placements: ranks agree."""
     for size, pl in zip(p.device_mesh.shape, p.placements):
         if size == 1 or isinstance(pl, Replicate):
             continue
@@ -258,7 +237,6 @@ def _holds_whole_matrices(p: DTensor) -> bool:
 
 
 def _ns_each(u: torch.Tensor, ns) -> torch.Tensor:
-    """NS of a matrix, or of each matrix of a stack [k, m, n] (k may be 0)."""
     if u.ndim == 2:
         return ns(u)
     if u.shape[0] == 0:
@@ -267,7 +245,6 @@ def _ns_each(u: torch.Tensor, ns) -> torch.Tensor:
 
 
 def _shifted(pl):
-    """The placement of a parameter's shard once its matrices are stacked along a new dim 0."""
     if isinstance(pl, _StridedShard):
         return _StridedShard(pl.dim + 1, split_factor=pl.split_factor)
     if isinstance(pl, Shard):
@@ -278,8 +255,7 @@ def _shifted(pl):
 
 
 def _ns_on_owners(local_stack: torch.Tensor, mesh, placements, shape: tuple, ns) -> torch.Tensor:
-    """local_stack: this rank's shard, placed `placements` on `mesh`, of matrices `shape` =
-    (k, m, n). Each matrix goes whole to one rank of the mesh dims that shard it, is
+    """Each matrix of the stack goes whole to one rank of the mesh dims that shard it, is
     orthogonalised there, and comes back as this rank's shard of the results."""
     plain = _plain_shards(tuple(mesh.shape), tuple(placements), tuple(shape))
     if plain is not None:
@@ -297,10 +273,8 @@ def _ns_on_owners(local_stack: torch.Tensor, mesh, placements, shape: tuple, ns)
 
 @functools.lru_cache
 def _plain_shards(mesh_shape: tuple, placements: tuple, shape: tuple):
-    """The placements of a stack [k, m, n] with each _StridedShard read as a Shard; None where
-    the stack dim is split, or where a Shard would give some rank a shard of another shape (on
-    any mesh coordinate, so all ranks decide alike). Read as a Shard, a rank's rows are the
-    matrix's with its row blocks reordered, and NS(P M) = P NS(M): the same rows come back."""
+    """Each _StridedShard read as a Shard (NS(P M) = P NS(M): the same rows come back); None
+    where the stack dim is split, or where some rank's shard would change shape."""
     if any(not isinstance(pl, Replicate) and pl.dim == 0 for pl in placements):
         return None
     plain = tuple(Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for pl in placements)
@@ -318,11 +292,9 @@ def _plain_shards(mesh_shape: tuple, placements: tuple, shape: tuple):
 
 def _ns_by_all_to_all(local_stack: torch.Tensor, mesh, placements, shape: tuple,
                       ns) -> torch.Tensor:
-    """_ns_on_owners for Shard and Replicate placements that leave the stack dim whole: one
-    all-to-all per sharding mesh dim there, and one back. The stack, zero-padded to q N
-    matrices, is viewed [s_1, ..., s_j, q, m, n] with a stack dim per sharding mesh dim, to
-    which each mesh dim moves its shard (one at a time: at once, torch's planner would go
-    through Replicate where two shard the same dim)."""
+    """The stack, zero-padded to q N matrices, is viewed [s_1, ..., s_j, q, m, n], and each
+    sharding mesh dim moves its shard to its own stack dim, one at a time (at once, torch's
+    planner would go through Replicate where two shard the same dim)."""
     dims = [i for i, pl in enumerate(placements) if isinstance(pl, Shard)]
     sizes = [mesh.size(i) for i in dims]
     k, n = shape[0], math.prod(sizes)
@@ -353,8 +325,7 @@ def _contiguous_stride(shape: tuple) -> tuple:
 
 
 def muon_flops(params: list, steps: int = 5) -> float:
-    """FLOPs of one Newton-Schulz pass over these parameters: per step X X^T (2 m^2 n),
-    B = bA + cA^2 (2 m^3) and B X (2 m^2 n), with m <= n."""
+    """Per NS step X X^T (2 m^2 n), B = bA + cA^2 (2 m^3) and B X (2 m^2 n), with m <= n."""
     total = 0.0
     for p in params:
         out_dim, in_dim = matrix_shape(p)
@@ -379,9 +350,8 @@ def build(part: nn.Module, optim_args, fused: bool) -> torch.optim.Optimizer:
 
 
 def state_bytes(parts, optim_args) -> tuple:
-    """One momentum buffer for Muon's matrices, AdamW's two moments for the rest; Newton-Schulz
-    takes one whole matrix at a time: about 6 of the largest (sent and received stack, iterate,
-    Gram matrix, polynomial, result)."""
+    """Newton-Schulz's workspace: about 6 of the largest matrix (stacks, iterate, Gram matrix,
+    polynomial, result)."""
     muon = [p for part in parts for _, p in split_params(part)[0]]
     largest = max((math.prod(matrix_shape(p)) for p in muon), default=0)
     ns_bytes = torch.empty((), dtype=NS_DTYPES[optim_args.muon.ns_dtype]).element_size()

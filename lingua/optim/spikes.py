@@ -1,15 +1,8 @@
 """Loss spikes: `spikes.policy=off|log|skip|rollback` and the running statistics that find them
-(what each policy does, for users: docs/training.md, "Loss spikes").
-
-A step is a spike when its loss or gradient norm (`spikes.on`) is above a threshold from the
-accepted steps before it (`spikes.rule`), or when its loss is non-finite with a finite
-gradient norm (a non-finite gradient norm is optim.nonfinite's business). Every rank decides
-alone on the same numbers (the step's tally, lingua/train/tally.py, all-reduces them);
-the windows and counts are in the checkpoint's train state, so a resumed run decides as the
-uninterrupted one would. A rollback's batch range counts next_step() calls
-(Run.batches_consumed), the same in every layout; it is recorded in `<dump_dir>/spikes.jsonl`
-(fsynced before the reload) and in later checkpoints, and read back from both at start. The step
-after a spike (log, skip), or the spiking batch replayed (rollback), is probed in full.
+(docs/training.md, "Loss spikes"). Every rank decides alone on the same numbers (the step's
+tally); the windows are in the train state, so a resumed run decides as the uninterrupted one
+would. A rollback's batch range counts next_step() calls (the same in every layout) and is
+recorded in `<dump_dir>/spikes.jsonl`, fsynced before the reload.
 """
 
 import json
@@ -91,8 +84,7 @@ class Spike:
 
 
 class SpikeMonitor:
-    """The running statistics, counts and rollback records of one run (`args`: its SpikeArgs).
-    Deterministic: the same values in the same order give the same decisions."""
+    """Deterministic: the same values in the same order give the same decisions."""
 
     def __init__(self, args, verbose: bool = True):
         self.args, self.verbose = args, verbose   # verbose: this rank logs (rank 0)
@@ -124,8 +116,7 @@ class SpikeMonitor:
                                              f"steps")
 
     def check(self, step: int, values: dict) -> Optional[Spike]:
-        """The spike of `step` (1-based) given its {"loss": .., "grad_norm": ..}, or None.
-        Changes nothing: the caller then calls accept() or skipped()."""
+        """Changes nothing: the caller then calls accept() or skipped()."""
         if not self.on or step <= self.args.warmup:
             return None
         for name in self.windows:
@@ -138,9 +129,8 @@ class SpikeMonitor:
         return None
 
     def accept(self, values: dict) -> None:
-        """The step's update was applied: its values join the windows. Under `log` a spike's join
-        too (a loss at a new level must become the new normal, not warn forever); under skip and
-        rollback a spike never gets here, so it cannot raise the threshold after it."""
+        """Under `log` a spike's values join too (a new level must become the new normal, not warn
+        forever); under skip and rollback a spike never gets here."""
         self.in_a_row = 0
         for name, window in self.windows.items():
             if math.isfinite(values[name]):
@@ -153,8 +143,7 @@ class SpikeMonitor:
                            "next step, probed in full: it shows which module moved.", spike)
 
     def skipped(self, spike: Spike, reason: str = "spikes.policy=skip") -> None:
-        """The spike's update was not applied; stop the run after more than
-        spikes.max_skips in a row (skipping forever would freeze the weights)."""
+        """Stops after more than spikes.max_skips in a row (skipping forever freezes weights)."""
         self.spike_steps += 1
         self.skipped_steps += 1
         self.in_a_row += 1
@@ -175,8 +164,7 @@ class SpikeMonitor:
 
     def record_rollback(self, spike: Spike, batch: int, checkpoint_step: int,
                         checkpoint_dir: str) -> dict:
-        """The record of a rollback from `spike` (on data batch `batch`) to a checkpoint; RunError
-        when the run already went back there spikes.max_rollbacks times."""
+        """RunError when the run already went back there spikes.max_rollbacks times."""
         a = self.args
         before = sum(1 for r in self.rollbacks if r.get("checkpoint") == checkpoint_step)
         if before >= a.max_rollbacks:
@@ -198,7 +186,6 @@ class SpikeMonitor:
         return record
 
     def skips_batch(self, batch: int) -> Optional[dict]:
-        """The rollback record whose range holds data batch `batch` (1-based), if any."""
         for record in self.rollbacks:
             first, last = record["skip"]
             if first <= batch <= last:
@@ -220,8 +207,7 @@ class SpikeMonitor:
                 **{key: getattr(self, key) for key in COUNTERS}}
 
     def load_state_dict(self, state: dict, keep_records: bool = False) -> None:
-        """Restore what a checkpoint saved (a shorter window keeps the newest values).
-        `keep_records`: a rollback keeps the records it knows, adding the checkpoint's."""
+        """`keep_records`: a rollback keeps the records it knows, adding the checkpoint's."""
         for name, window in self.windows.items():
             window.clear()
             window.extend(state.get("windows", {}).get(name, []))
@@ -247,8 +233,7 @@ def records_path(dump_dir) -> Path:
 
 
 def read_records(dump_dir) -> list:
-    """The rollback records of spikes.jsonl (none without the file). An unreadable line is an
-    error: dropping it would train on batches a rollback meant to skip."""
+    """An unreadable line is an error: dropping it would train on batches meant to be skipped."""
     path = records_path(dump_dir)
     if not path.is_file():
         return []
@@ -278,9 +263,8 @@ def append_record(dump_dir, record: dict) -> None:
 
 
 class SpikeHook(Hook):
-    """spikes.policy in the loop: judge each step (vote: skip, or a rollback the loop does),
-    ask to skip a rollback's batches and to probe after a spike (before_step), metrics, the
-    "spikes" train state. Always listed: spikes.jsonl's ranges are skipped with policy=off too."""
+    """spikes.policy in the loop. Always listed: spikes.jsonl's ranges are skipped with
+    policy=off too."""
 
     def __init__(self, args, env):
         self.monitor = SpikeMonitor(args.spikes, env.is_main)
@@ -290,8 +274,7 @@ class SpikeHook(Hook):
         self.keep_records = False             # a rollback's reload keeps the records it knows
 
     def start(self, view) -> None:
-        """Rank 0 reads spikes.jsonl (rollbacks after the newest checkpoint) and tells the others,
-        or its error (none may wait alone)."""
+        """Rank 0 reads spikes.jsonl and tells the others, or its error (none may wait alone)."""
         outcome = [None]
         if self.env.is_main:
             try:
@@ -346,8 +329,6 @@ class SpikeHook(Hook):
             self.monitor.accept(self.values)
 
     def _record_rollback(self, back_to: int) -> None:
-        """The loop goes back to checkpoint `back_to`: record the batches to skip (spikes.jsonl,
-        fsynced, before the reload); RunError after spikes.max_rollbacks to it."""
         (spike, batch), self.rolling_back = self.rolling_back, None
         target = checkpoint.checkpoints_dir(self.dump_dir) / str(back_to)
         record = self.monitor.record_rollback(spike, batch, back_to, str(target))

@@ -1,17 +1,10 @@
 """Context parallelism (CP): each rank of the cp group holds a slice of every sequence.
 
-Backends (`distributed.cp_backend`): "allgather" (CPU and CUDA, any mask; as in the Llama 3
-paper) all-gathers the keys and values of the whole sequence for the local queries, masked by the
-model's own rule (`mask_spec`, lingua/model/masks.py) at global positions; "ring" (CUDA, plain
-causal only) is torch's `context_parallel` ring attention. For load balance under a causal
-mask the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r, as torch's ring
-attention does.
-
-`validate_cp` at config time; `apply_cp` once per model part (after TP, before AC, compile and
-FSDP); then every cp rank runs each micro-batch's forward AND backward inside
-`with cp_batch(parts, tokens, labels, doc_ids) as b:` on b.tokens, b.positions and b.labels
-(activation checkpointing recomputes attention in backward, and ring attention's backward needs
-torch's CP context). Gradients are this rank's share, summed over the cp group by FSDP.
+Backends: "allgather" (CPU and CUDA, any mask; as in the Llama 3 paper) all-gathers the keys and
+values of the whole sequence, masked by the model's own rule at global positions; "ring" (CUDA,
+plain causal only) is torch's `context_parallel`. For load balance under a causal mask rank r
+holds chunks r and 2*cp-1-r of 2*cp. Forward AND backward run inside `cp_batch` (activation
+checkpointing recomputes attention in backward, and ring attention's backward needs its context).
 """
 
 import contextlib
@@ -87,9 +80,8 @@ RING_MASK_ONLY = ("distributed.cp_backend=ring cannot apply {what}: torch's ring
 
 
 class CPContext:
-    """What the CP attention modules of one model part need for the current micro-batch: set by
-    `cp_batch` before the forward, cleared after the backward; the mask is built once for all
-    layers."""
+    """Set by `cp_batch` before the forward, cleared after the backward; the mask is built once
+    for all layers."""
 
     def __init__(self, mesh, backend: str, spec: AttentionMask = AttentionMask()):
         self.mesh, self.group, self.backend, self.spec = mesh, mesh.get_group(), backend, spec
@@ -216,8 +208,7 @@ class CPBatch:
 @contextlib.contextmanager
 def cp_batch(models: Union[nn.Module, Iterable[nn.Module]], tokens: torch.Tensor,
              labels: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None):
-    """Shard one micro-batch (the full [b, S] batch, identical on every cp rank) for this rank and
-    set the attention context of `models` (a model or its pipeline parts); yields a CPBatch."""
+    """Shard one micro-batch for this rank and set the attention context of `models`."""
     parts = [models] if isinstance(models, nn.Module) else list(models)
     contexts = [m.cp_context for m in parts if hasattr(m, "cp_context")]
     if not contexts:

@@ -1,9 +1,5 @@
 """Process groups, the parallel layout (ParallelDims + one named DeviceMesh) and data parallelism.
-
-Several processes get their rank variables from torchrun or, in a Slurm job step, from Slurm's;
-one process needs no process group. The mesh has a named dimension for every degree of
-ParallelDims, size 1 included, and callers ask it for the sub-meshes they need.
-"""
+Rank variables come from torchrun or, in a Slurm job step, from Slurm's."""
 
 import contextlib
 import datetime
@@ -144,8 +140,7 @@ def validate_args(args: DistributedArgs) -> None:
 
 
 def job_device_type() -> str:
-    """The device the run will train on: JOB_DEVICE_VAR when set (stool validating on a login
-    node for a job that runs elsewhere), else this machine's."""
+    """JOB_DEVICE_VAR when set (stool validating on a login node for a job elsewhere), else ours."""
     return os.environ.get(JOB_DEVICE_VAR) or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -153,8 +148,7 @@ JOB_DEVICE_VAR = "LINGUA_JOB_DEVICE"
 
 
 def slurm_step_vars() -> dict:
-    """torchrun's variables for a process in a Slurm job step of several tasks, else {} (a batch
-    script's own shell is one process). The port comes from the job id."""
+    """torchrun's variables for a process in a Slurm job step of several tasks, else {}."""
     tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
     if tasks <= 1:
         return {}
@@ -215,8 +209,7 @@ class DistEnv:
 
 
 def _device(local_rank: int) -> torch.device:
-    """This process's device: the local rank's GPU among those it can see (modulo: a task given
-    its own GPU sees only cuda:0), else the CPU (also under LINGUA_JOB_DEVICE=cpu)."""
+    """The local rank's GPU modulo those visible (a task given its own GPU sees only cuda:0)."""
     if job_device_type() == "cuda" and torch.cuda.is_available():
         index = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
@@ -225,8 +218,8 @@ def _device(local_rank: int) -> torch.device:
 
 
 def process_group_backend(args: DistributedArgs, device_type: str) -> str:
-    """The backend string for init_process_group: under cpu_offload the gradient norm and the
-    probe reduce CPU tensors, which NCCL cannot move, so nccl gets gloo for the CPU too."""
+    """Under cpu_offload the gradient norm and the probe reduce CPU tensors, which NCCL cannot
+    move, so nccl gets gloo for the CPU too."""
     backend = args.backend if args.backend != "auto" else (
         "nccl" if device_type == "cuda" else "gloo")
     if backend == "nccl" and args.cpu_offload:
@@ -235,8 +228,7 @@ def process_group_backend(args: DistributedArgs, device_type: str) -> str:
 
 
 def param_device(args: DistributedArgs, device: torch.device) -> torch.device:
-    """Where parameters are materialised after sharding: the CPU under cpu_offload (FSDP2's
-    CPUOffloadPolicy requires it); buffers (RoPE tables) still belong on `device`."""
+    """The CPU under cpu_offload (FSDP2's CPUOffloadPolicy needs it); buffers stay on `device`."""
     return torch.device("cpu") if args.cpu_offload else device
 
 
@@ -264,11 +256,8 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 def build_mesh(dims: ParallelDims, device_type: str):
     """One named mesh over all degrees (size-1 dimensions included, so code never branches on
-    which exist) plus the flattened views the rest needs:
-      dp          = dp_replicate x dp_shard       ranks that read different batches
-      dp_shard_cp = dp_shard x cp                 ranks that shard parameters (FSDP)
-      dp_cp       = dp_replicate x dp_shard x cp  ranks whose loss and token counts add up
-    Each distinct set of ranks gets one group, with the default group's timeout (groups.py)."""
+    which exist) plus flattened views: dp (different batches), dp_shard_cp (FSDP shards), dp_cp
+    (ranks whose loss and token counts add up)."""
     sizes = dict(zip(MESH_DIMS, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)))
     root = groups.root_mesh(device_type, sizes)
     flat = {name: groups.flatten(root, parts, name) for name, parts in FLATTENED.items()}
@@ -281,8 +270,7 @@ FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp
 
 class Mesh:
     """The root DeviceMesh plus its flattened meshes (torch deprecates slicing those from the
-    root), indexed like a DeviceMesh: `mesh["tp"]`, `mesh[("dp_replicate", "dp_shard_cp")]`.
-    Every other attribute is the root mesh's."""
+    root), indexed like a DeviceMesh: `mesh[("dp_replicate", "dp_shard_cp")]`."""
 
     def __init__(self, root, flat: dict):
         self.root, self.flat, self._slices = root, flat, {}
@@ -332,8 +320,8 @@ def barrier(env: DistEnv) -> None:
 
 
 def all_reduce_sum(value: torch.Tensor, env: DistEnv, dims=("dp_cp", "pp")) -> torch.Tensor:
-    """Sum over the named mesh dimensions (default: every rank that holds a distinct part of the
-    loss; tensor-parallel ranks hold copies, so they are left out)."""
+    """Sum over the named mesh dimensions (default: all but tensor-parallel ranks, which hold
+    copies)."""
     if env.world_size > 1:
         for name in dims:
             if env.mesh[name].size() > 1:
@@ -343,9 +331,8 @@ def all_reduce_sum(value: torch.Tensor, env: DistEnv, dims=("dp_cp", "pp")) -> t
 
 def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs,
                own_mesh_units=()) -> nn.Module:
-    """FSDP2 per block and at the root over dp_shard x cp (HSDP when dp_replicate > 1 too), after
-    `own_mesh_units`' (module, mesh) pairs (experts). Gradients are reduced as a SUM: the loss is
-    already divided by the global token count."""
+    """FSDP2 per block and at the root (HSDP when dp_replicate > 1), after `own_mesh_units`'
+    (module, mesh) pairs. Gradients are reduced as a SUM: the loss is already a global mean."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         FSDPModule,
@@ -406,8 +393,7 @@ def _save_matmuls_policy():
 
 
 def apply_ac(layers: nn.ModuleDict, mode: str, every: int = 1) -> None:
-    """Activation checkpointing of transformer blocks, in place (parameter names unchanged).
-    full: every block; layer: every `every`-th by layer id; op: all, keeping matmul outputs."""
+    """In place. full: every block; layer: every `every`-th; op: all, keeping matmul outputs."""
     if mode == "none":
         return
     from functools import partial
@@ -429,8 +415,7 @@ def apply_ac(layers: nn.ModuleDict, mode: str, every: int = 1) -> None:
 
 
 def apply_compile(layers: nn.ModuleDict, backend: str = "inductor") -> None:
-    """torch.compile each block in place (Module.compile keeps parameter names unchanged).
-    Blocks are identical, so they share one compiled graph."""
+    """In place (Module.compile keeps parameter names); identical blocks share one graph."""
     for block in layers.values():
         block.compile(backend=backend)
     logger.info("compiled %d transformer blocks (backend %s)", len(layers), backend)

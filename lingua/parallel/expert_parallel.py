@@ -1,15 +1,8 @@
 """Expert parallelism (EP) for lingua.model.moe: each EP rank holds n_experts / ep of every MoE
-layer's routed experts and processes, for every rank of its EP group, the tokens routed to them.
-
-`apply_ep` turns each `GroupedExperts` module's `w1`, `w3`, `w2` into DTensors Shard(0) over the
-EP mesh (same names, so checkpoints reshard between layouts) and its forward into `ep_dispatch`.
-Routing, sorting and combining stay in `MoE.forward`, which never knows EP is on.
-
-EP borrows its ranks from "dp_shard_cp" (as torchtitan), unflattened into ("dp_shard_mod_ep",
-"ep") with "ep" inner. An expert weight's gradient is summed over "ep" by the token exchange and
-then by FSDP over ("dp_replicate", "dp_shard_mod_ep"), the ranks holding the same expert shard:
-the trainer gives FSDP that mesh for the experts (`ep_meshes`), from the same root mesh. Not
-covered: EP x TP inside the experts, EP over ranks other than dp_shard x cp.
+layer's routed experts (DTensors Shard(0), same names: checkpoints reshard) and processes the
+tokens routed to them; `MoE.forward` never knows EP is on. EP borrows its ranks from
+"dp_shard_cp", unflattened into ("dp_shard_mod_ep", "ep"); FSDP then shards the experts over
+("dp_replicate", "dp_shard_mod_ep"), the ranks holding the same expert shard.
 """
 
 import inspect
@@ -46,9 +39,8 @@ def apply_global_counts(model: nn.Module, env) -> None:
 
 
 class RoutingHook(Hook):
-    """An MoE app's hook (apps/moe, apps/deepseek; numbers from the app): each step's routing sums
-    from zero, the aux-loss-free expert-bias update (bias_update_rate, 0: off) after an applied
-    update, and the routing metrics of logged rows, summed over the data, context and pp ranks."""
+    """An MoE app's hook: the aux-loss-free expert-bias update (bias_update_rate, 0: off) after an
+    applied update, and the routing metrics of logged rows."""
 
     def __init__(self, bias_update_rate: float, n_experts: int):
         self.bias_update_rate, self.n_experts = bias_update_rate, n_experts
@@ -67,9 +59,7 @@ class RoutingHook(Hook):
             update_expert_bias(layers, self.bias_update_rate)
 
     def metrics(self, view, row: dict) -> None:
-        """Routing health of each MoE layer over the whole step: every micro-batch, the global
-        batch and every pipeline stage (lingua.model.moe.routing_metrics); tensor-parallel ranks
-        hold copies."""
+        """Over the whole step: every micro-batch, the global batch and every pipeline stage."""
         args, env = view.parts[0].args, view.env
         layers = {int(name): moe for part in view.parts
                   for name, block in part.layers.items() for moe in moe_layers(block)}
@@ -98,9 +88,8 @@ def validate_ep(n_experts: int, ep: int, dp_shard: int, cp: int = 1) -> None:
 
 
 def ep_meshes(mesh, ep: int):
-    """(ep_mesh, expert_fsdp_mesh) from the trainer's mesh: the 1D "ep" mesh for `apply_ep`, and
-    ("dp_replicate", "dp_shard_mod_ep") (1D without replicas) for the experts' `fully_shard`.
-    Collective the first time for a mesh and ep; kept on the mesh, so pipeline parts share it."""
+    """(ep_mesh, expert_fsdp_mesh). Collective the first time for a mesh and ep; kept on the mesh,
+    so pipeline parts share it."""
     cache = mesh.__dict__.setdefault("_ep_meshes", {})
     if ep not in cache:
         cache[ep] = _split_for_ep(mesh, ep)
@@ -132,9 +121,7 @@ def is_grouped_experts(module: nn.Module) -> bool:
 
 
 def apply_ep(model: nn.Module, ep_mesh) -> list[str]:
-    """Shard every grouped-experts module's weights over `ep_mesh` (1D) along the expert dimension
-    and make its forward expert-parallel; returns the modules' names. Every rank must hold the
-    same full weights, or meta ones."""
+    """Returns the modules' names. Every rank must hold the same full weights, or meta ones."""
     from torch.distributed.tensor import DTensor, Shard
 
     if ep_mesh.ndim != 1:
@@ -187,10 +174,8 @@ def _install_dispatch(module: nn.Module, ep_mesh) -> None:
 
 
 def ep_dispatch(x: torch.Tensor, counts: torch.Tensor, compute, ep: int, group) -> torch.Tensor:
-    """x [T, dim] grouped by global expert, counts [n_experts] -> compute applied by the ranks
-    that hold the experts, [T, dim] in x's order. compute(x_local, local_counts) runs this rank's
-    experts on rows grouped by local expert. The counts go first (even all-to-all), then the rows
-    (uneven, autograd), regrouped from (source rank, expert) to (expert, source rank) and back."""
+    """x [T, dim] grouped by global expert -> compute applied by the ranks that hold the experts,
+    in x's order. The counts go first (even all-to-all), then the rows (uneven, autograd)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     n_local = counts.numel() // ep

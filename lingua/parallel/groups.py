@@ -89,11 +89,9 @@ def unflatten(source, sizes: tuple, names: tuple):
 
 
 def _make_groups(mesh, sizes: tuple) -> None:
-    """Give `mesh` (built with _init_backend=False) one process group per dimension, except that
-    a dimension splitting the ranks as one of the same root mesh already does reuses its group.
-    Collective: the choice depends on the layouts only, so every rank makes the same groups.
-    Ours because torch has no public way to choose a dimension's group and makes 1.3-4x as many
-    (BENCHMARKS.md, "Mesh process groups"); built as torch's own slicing builds sub-meshes."""
+    """One process group per dimension, except that a dimension splitting the ranks as one of the
+    same root mesh already does reuses its group. Ours because torch has no public way to choose
+    a dimension's group and makes more of them (BENCHMARKS.md, "Mesh process groups")."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.distributed_c10d import _resolve_process_group
 

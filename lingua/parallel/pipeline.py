@@ -1,12 +1,6 @@
 """Pipeline parallelism: split a model into stages and run them with torch's pipelining schedules.
-
-The flow: validate_pp at config time; then (lingua/train) split_model for each of this rank's
-stage_ids_of_rank, with its stage_layer_ids; parallelize each part; build_schedule, whose
-Pipeline.step runs forward + backward of every micro-batch.
-
 Parts keep the full model's parameter names, so checkpoints are layout-independent. Gradients
-are the SUM over micro-batches (scale_grads=False): loss_fn already divides by the global batch's
-token count.
+are the SUM over micro-batches (scale_grads=False): loss_fn already divides by the global count.
 """
 
 import copy
@@ -60,8 +54,8 @@ def default_microbatches(pp: int, virtual: int) -> int:
 
 
 def stage_layer_ids(n_layers: int, n_stages: int, pp_split: Sequence[int] = ()) -> list[list[int]]:
-    """The layer indices of each of the n_stages stages. pp_split lists the first layer of
-    stages 1..n_stages-1; empty: an even split, remainder to the first stages (not the last)."""
+    """pp_split lists the first layer of stages 1..n_stages-1; empty: an even split, remainder
+    to the first stages (the last holds the output)."""
     if n_stages < 1:
         raise ConfigError(f"The pipeline needs at least one stage, got {n_stages}.")
     if n_stages > n_layers:
@@ -105,8 +99,7 @@ def stage_ids_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> lis
 
 def split_model(model: nn.Module, layer_ids: Sequence[int], is_first: bool,
                 is_last: bool) -> nn.Module:
-    """A copy of `model` (normally on the meta device) keeping only one stage's modules, under
-    the full model's parameter names."""
+    """A copy of `model` keeping one stage's modules, under the full model's parameter names."""
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     if tied and not (is_first and is_last):
         raise _tied_refusal("pipeline parallelism")
@@ -135,8 +128,7 @@ def _tied_refusal(what: str) -> ConfigError:
 
 def validate_pp(n_layers: int, pp: int, virtual: int, schedule: str, n_microbatches: int,
                 batch_size: int, tie_embeddings: bool, pp_split: Sequence[int] = ()) -> None:
-    """Every pipeline-parallel check that needs no process group; raises ConfigError.
-    batch_size is the per-rank batch that each step splits into n_microbatches (0: default)."""
+    """Every pipeline-parallel check that needs no process group."""
     name = schedule_name(schedule)
     if pp < 1 or virtual < 1:
         raise ConfigError(f"distributed.pp={pp} and distributed.pp_virtual_stages={virtual} "
@@ -268,9 +260,7 @@ class Pipeline:
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None,
              model_kwargs: dict | None = None) -> torch.Tensor | None:
-        """Forward and backward; gradients accumulate (summed over micro-batches). Returns the
-        detached sum of loss_fn over this rank's micro-batches on the rank holding the last
-        stage, None elsewhere."""
+        """Forward and backward; the detached sum of loss_fn on the last stage, else None."""
         self._check_batch(tokens)
         # doc_ids and model_kwargs ([b, ...]) go to every stage. Contiguous: tokens are a [:, :-1]
         # view, and torch 2.11's stages compare input strides with the ones they inferred.
@@ -290,9 +280,8 @@ class Pipeline:
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor,
                   doc_ids: torch.Tensor | None = None, loss_fn=None) -> torch.Tensor | None:
-        """Forward only: the sum of loss_fn (default: the training one) over micro-batches on the
-        rank holding the last stage, None elsewhere. Stages run in global order with blocking
-        send/recv, not torch's `schedule.eval()`, which fails on V schedules in torch 2.13."""
+        """Forward only: the sum of loss_fn on the last stage, else None. Blocking send/recv in
+        stage order, not torch's `schedule.eval()`, which fails on V schedules in torch 2.13."""
         self._check_batch(tokens)
         loss_fn = loss_fn or self.loss_fn
         modules = {stage.stage_index: stage.submod for stage in self.stages}
@@ -342,8 +331,8 @@ def _recv_tensor(group, group_src: int, device) -> torch.Tensor:
 def build_schedule(stage_modules: Sequence[nn.Module], stage_ids: Sequence[int], n_stages: int,
                    pp_group, device, schedule: str, n_microbatches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
-    """PipelineStages for this rank's parts and the schedule that runs them. pp_group: the
-    pipeline ProcessGroup or a 1-D DeviceMesh. loss_fn is summed, never averaged."""
+    """pp_group: the pipeline ProcessGroup or a 1-D DeviceMesh. loss_fn is summed, never
+    averaged."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 

@@ -18,14 +18,9 @@ logger = logging.getLogger("train")
 
 
 def build_model_parts(args, env: DistEnv, app: App) -> tuple:
-    """The parts of the model this rank holds (one, or its pipeline stages), parallelized and
-    with weights: from a Hugging Face directory or freshly initialised from the seed.
-
-    The same path on every device and layout: the model is built on the meta device, split into
-    this rank's pipeline stages and sharded, and only then gets storage on env.device (so no
-    rank ever holds the whole model) and its weights. A fresh init draws each tensor whole from
-    its own stream seeded by (seed, name) and keeps this rank's slice (lingua.model.weights): every
-    layout starts from the same weights as one process, and no two layers start alike.
+    """The parts of the model this rank holds, parallelized and with weights (from a Hugging Face
+    directory or fresh from the seed). The same path on every device and layout: storage comes
+    only after splitting and sharding, so no rank ever holds the whole model.
     """
     torch.manual_seed(args.seed)
     hf_state = hf.load_init_from(args, app, env) if args.checkpoint.init_from else None
@@ -45,10 +40,8 @@ def build_model_parts(args, env: DistEnv, app: App) -> tuple:
 
 
 def parallelized_parts_on_meta(args, env: DistEnv, app: App) -> tuple:
-    """(parts, stage ids): this rank's pipeline stages of the model built on the meta device,
-    parallelized by the app's plan and checked for parameters the plan leaves out of a gradient
-    reduction; no storage yet. The trainer and the planner (lingua.launch.plan) both build this
-    way."""
+    """(parts, stage ids) on the meta device, parallelized and checked for parameters the plan
+    leaves out of a gradient reduction. The trainer and the planner both build this way."""
     with torch.device("meta"):
         model = app.model_class(args.model)
     if app.transform_model is not None:
@@ -79,14 +72,9 @@ def parallelized_parts_on_meta(args, env: DistEnv, app: App) -> tuple:
 
 
 def mixed_precision(args, env: DistEnv, parts: list):
-    """Where distributed.model_dtype=bf16 needs autocast: bf16 compute, fp32 master weights.
-
-    FSDP2, where the app applied it (data- or context-parallel ranks: apply_fsdp), already casts
-    the parameters to bf16 for compute and reduces gradients in fp32 (its MixedPrecisionPolicy).
-    Every other layout (one process, tp only, pp only, tp x pp) has nothing that casts, and would
-    silently compute in fp32: autocast casts the matmuls' inputs there (FSDP layouts keep their
-    all-bf16 compute; autocast keeps the residual stream and norms in fp32). Parameters,
-    gradients and optimizer state stay fp32 either way (tests/test_dtypes.py checks every layout).
+    """Where distributed.model_dtype=bf16 needs autocast: FSDP2 casts parameters to bf16 itself,
+    but every other layout (one process, tp only, pp only) has nothing that casts, and would
+    silently compute in fp32. Parameters, gradients and optimizer state stay fp32 either way.
     """
     from torch.distributed.fsdp import FSDPModule
 

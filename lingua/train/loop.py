@@ -1,11 +1,6 @@
 """The training loop: `train_loop(run)` is one step after another, read top to bottom; `Run` is
-the state it moves (model parts, optimizers, data, pipeline, metrics log, step).
-
-What happens around a step (loss-spike skips and rollbacks, probing, validation and downstream
-evaluation, profiling windows, preemption and time limits, garbage collection) is no branch of
-the loop: each is a Hook (lingua/hooks.py) in the run's hook list, called at the step's
-fixed points, owning its state and its keys of the checkpoint's train state. lingua.launch.run
-builds that list and calls Run.train.
+the state it moves. What happens around a step (spikes, probing, evaluation, preemption, ...) is
+no branch of the loop but a Hook (lingua/hooks.py) called at the step's fixed points.
 """
 
 import logging
@@ -125,9 +120,8 @@ class Run(Checkpointing):
         self.phases = profiling.PhaseTimer(env.device)   # fwd_s, bwd_s, optim_s in metrics
         self.step_loss = StepLoss(env.device)   # the current step's losses (train_step)
         self.nonfinite_steps = 0  # steps skipped for NaN/Inf gradients (optim.nonfinite=skip)
-        # next_step() calls so far, the data batches skipped by rollbacks included: a rollback's
-        # skip range is in these numbers, the same on every layout (the global batch of a call
-        # does not depend on it), while the jsonl loader has no global index of its own.
+        # next_step() calls so far, rollbacks' skips included: a rollback's skip range is in these
+        # numbers, the same on every layout (the jsonl loader has no global index of its own).
         self.batches_consumed = 0
         self.step = 0             # steps done; resume() moves it to the newest checkpoint's
         self.pending_save: Optional[checkpoint.PendingSave] = None  # checkpoint.async_save's write
@@ -163,8 +157,7 @@ class Run(Checkpointing):
 
     def train(self) -> bool:
         """Train up to args.steps; False when a signal stopped it early (after saving). Every
-        hook's close() runs however the loop ends (an exception included), before the log
-        closes."""
+        hook's close() runs however the loop ends, before the log closes."""
         try:
             completed = train_loop(self)
         finally:
@@ -173,11 +166,8 @@ class Run(Checkpointing):
         return completed
 
     def train_step(self, micro_batches) -> None:
-        """Forward/backward over this rank's micro-batches; their losses add up in
-        self.step_loss. Each micro-batch's summed loss is divided by the global batch's count of
-        targets (every token, or those the data counts: Batch.step_targets) and gradients are
-        summed over ranks, so the gradient is that of the mean loss over the global batch,
-        whatever the layout."""
+        """Each micro-batch's summed loss is divided by the global batch's count of targets
+        and gradients are summed over ranks: the gradient of the mean loss, whatever the layout."""
         args, env = self.args, self.env
         self.step_loss = StepLoss(env.device)   # this step's losses only
         self.loss_denominator = micro_batches[0].step_targets or self.global_tokens
@@ -185,12 +175,9 @@ class Run(Checkpointing):
             for batch in micro_batches:
                 with sequence_shard(self.parts, batch, args, env, self.app) as mb:
                     if self.pipe is not None:
-                        # The schedule interleaves micro-batches' forwards and backwards (and
-                        # the stages' sends), so only their sum can be timed: fwd_bwd_s.
-                        # For the same reason autocast (where needed) covers the backwards too.
-                        # Harmless: backward ops run in the dtypes their forwards saved (checked
-                        # on the LLaMA model: the same gradients, bit for bit, as outside it).
-                        # The schedule calls the app's loss (loss_fn above) on the last stage.
+                        # The schedule interleaves forwards and backwards, so only their sum is
+                        # timed, and autocast covers the backwards too (harmless: backward ops
+                        # run in the dtypes their forwards saved).
                         with self.phases.phase("fwd_bwd"), mixed_precision(args, env, self.parts):
                             self.pipe.step(mb.tokens, mb.target, mb.doc_ids, mb.model_kwargs)
                         continue
@@ -201,8 +188,7 @@ class Run(Checkpointing):
                     self.step_loss.add(out)
 
     def before_step(self, step: int) -> None:
-        """The hooks' before_step, each Request carried out before the next hook is asked (a
-        rerun, a rolled-back batch again, skips no data)."""
+        """Each hook's Request carried out before the next hook is asked (a rerun skips no data)."""
         self.probe_requested = self.rerun is not None
         for hook in self.hooks:
             request = hook.before_step(self.view, step) or Request()
@@ -218,8 +204,8 @@ class Run(Checkpointing):
         return self.micro_batches
 
     def eval_loss(self, batch):
-        """The summed token loss of this rank's share of a validation batch, through the
-        training layout (CP shards, the pipeline: None on stages before the last)."""
+        """Summed token loss of this rank's share of a validation batch, through the training
+        layout (None on pipeline stages before the last)."""
         args, env = self.args, self.env
         with loss_parallel_context(self.loss_parallel), \
                 sequence_shard(self.parts, batch, args, env) as mb, \
@@ -231,18 +217,14 @@ class Run(Checkpointing):
             return loss_module.token_loss_sum(logits, mb.target)
 
     def data_position_to_undo(self) -> Optional[tuple]:
-        """Where the data stood before this step, when a step may have to be undone (non-finite
-        gradients with optim.nonfinite=stop save it as if it never ran)."""
+        """Where the data stood before this step, for optim.nonfinite=stop to save."""
         if self.args.optim.nonfinite != "stop":
             return None
         return self.train_loader.state_dict(), self.batches_consumed
 
     def clip_and_update(self, step: int, data_before, counts: dict) -> tuple:
-        """Clip, then update, unless the gradient norm is not finite (optim.nonfinite: skip, or
-        stop) or a hook votes otherwise (SKIP; ROLLBACK: nothing applied, the run moved back by
-        roll_back, or SKIP where it cannot). `counts`: the hooks' part of the step's tally.
-        Returns (pre-clip gradient norm, the step's learning rate, the decision), the decision
-        also in self.decision."""
+        """Clip, then update, unless the gradient norm is not finite or a hook votes otherwise
+        (ROLLBACK becomes SKIP where it cannot roll back). Returns (grad_norm, lr, decision)."""
         with self.phases.phase("optim"):
             norm = optim.clip_grad_norm(self.parts, self.args.optim.clip, self.pp_group)
             lr = self.optimizers.lr
@@ -274,9 +256,8 @@ class Run(Checkpointing):
                            self.step + 1, grad_norm, self.nonfinite_steps)
 
     def _stop_on_nonfinite(self, grad_norm, data_before: tuple) -> None:
-        """optim.nonfinite=stop: nothing was updated yet, so the weights and optimizer state are
-        those after the previous step; save them with the data position before this step (the
-        same state a checkpoint at the previous step holds) and stop."""
+        """Nothing was updated yet: save the previous step's state with the data position
+        before this step, and stop."""
         self._zero_grads()
         saved = "nothing was saved (no step had run)"
         if self.step > 0:
@@ -292,17 +273,14 @@ class Run(Checkpointing):
             f"steps, and run the same command to resume.")
 
     def logs_at(self, step: int) -> bool:
-        """A row every logging.every steps, at the end, and at every evaluation step (its
-        validation and downstream results go in that step's row, whatever logging.every is)."""
+        """Also at every evaluation step: its results go in that step's row."""
         return (step % self.args.logging.every == 0 or step == self.args.steps
                 or evaluates_at(self.args, step))
 
     def open(self) -> None:
-        """What the loop keeps between steps: metrics log, timers, the run's FLOPs and peak."""
         args, env = self.args, self.env
         self.flops_per_token = self._flops_per_token()
-        # Measured now, once for the run, on this model's shapes (or the GPU's data sheet):
-        # every row's MFU is divided by it. Rank 0 writes peak.json.
+        # Measured once for the run, on this model's shapes: every row's MFU divides by it.
         self.peak = metrics.run_peak(env.device, args.distributed.model_dtype, self.parts,
                                      args.data.batch_size * args.data.seq_len, self.step,
                                      self.dump_dir if env.is_main else None)
@@ -332,7 +310,7 @@ class Run(Checkpointing):
                                            self.args.data.seq_len, m.tie_embeddings)
 
     def log_row(self, grad_norm, lr) -> None:
-        """The metrics.jsonl row of this step (every rank joins its collectives)."""
+        """Collective: the metrics.jsonl row of this step."""
         env, window = self.env, self.window
         tokens_per_s = window.tokens_per_s()
         losses = self.step_loss.reduced(env, self.pipe is None or self.pipe.has_last)
@@ -352,8 +330,8 @@ class Run(Checkpointing):
             logger.info(metrics.format_line(row, self.args.steps))
 
     def _skipped_data(self) -> dict:
-        """Bad data lines skipped so far, in total and by reason, summed over the data-parallel
-        ranks (each reads its own lines; cp/tp/pp peers read the same ones)."""
+        """Bad data lines skipped so far, summed over data-parallel ranks (cp/tp/pp peers read
+        the same lines)."""
         reasons = self.train_loader.skipped()
         counts = torch.tensor([float(sum(reasons.values())), *map(float, reasons.values())],
                               dtype=torch.float64, device=self.env.device)

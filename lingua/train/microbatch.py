@@ -1,6 +1,5 @@
-"""A step's data as the model takes it: this rank's share of a micro-batch (sequence_shard, with
-context parallelism's cut), one forward and loss (forward_loss), and the step's summed losses
-(StepLoss)."""
+"""A step's data as the model takes it: this rank's share of a micro-batch, one forward and loss,
+and the step's summed losses."""
 
 import contextlib
 from dataclasses import dataclass
@@ -32,10 +31,8 @@ class MicroBatch:
 
 @contextlib.contextmanager
 def sequence_shard(parts, batch, args, env: DistEnv, app: Optional[App] = None):
-    """This rank's MicroBatch of a data micro-batch. The app's extra inputs and target are made
-    from the whole sequence first (a target may look ahead across the cut). With context
-    parallelism each rank keeps a head and a tail chunk of the sequence, and the attention
-    context (global positions, document ids) is set for the forward and backward inside."""
+    """The app's extra inputs and target are made from the whole sequence first (a target may
+    look ahead across context parallelism's cut)."""
     tokens, labels = to_device(batch.tokens, env.device), to_device(batch.labels, env.device)
     model_kwargs, target = ({}, labels) if app is None else app.batch_inputs(tokens, labels)
     doc_ids = doc_ids_of(batch, args)
@@ -66,12 +63,9 @@ def forward_loss(loss: Callable, model, mb: MicroBatch) -> "loss_module.LossOutp
 
 
 class StepLoss:
-    """The step's loss and the app's loss metrics, summed over micro-batches (detached, fp64)
-    until logged: `loss` is the sum of logged_sum (the cross-entropy) over the sum of tokens,
-    over every micro-batch and every rank holding distinct tokens (data and context parallel,
-    the last pipeline stage), and so is each metric's sum / count. A number the loss gave as a
-    host number (a token count, mostly) stays one: copying it to the GPU per micro-batch would
-    wait for the GPU each time."""
+    """The step's losses, summed over micro-batches (detached, fp64) until logged. A host number
+    the loss gave (a token count) stays one: copying it to the GPU per micro-batch would wait for
+    the GPU each time."""
 
     def __init__(self, device):
         self.device = device

@@ -1,28 +1,12 @@
 """Stop a run cleanly on a signal: every rank saves a checkpoint at the next step boundary, then,
-on Slurm's time-limit warning, the job requeues itself.
+on Slurm's time-limit warning (SIGUSR2), the job requeues itself; on SIGTERM nothing more.
 
-Slurm sends SIGUSR2 `slurm.signal_delay_s` seconds before the time limit (stool asks for it with
-`--signal=USR2@N`) and SIGTERM on preemption, `scontrol requeue` and `scancel`. A handler can run
-in the middle of a step, even inside a collective, so it only records the signal; the loop looks at
-it between steps. The ranks agree with one all-reduce (a signal reaches them at slightly different
-moments), save one complete checkpoint together, and stop. submitit's own USR2 handler cannot be
-used for this: it calls `checkpoint()` on rank 0 alone, and a sharded (FSDP/DCP) save needs every
-rank; ours replaces it once the trainer starts. In the loop: StopHook, below.
+A handler can run in the middle of a step, even inside a collective, so it only records the
+signal; the ranks agree at a step boundary through the step's tally. submitit's own USR2 handler
+cannot be used: it checkpoints on rank 0 alone, and a sharded save needs every rank.
 
-After the save:
-  - SIGUSR2 (time limit): rank 0 requeues the job (`scontrol requeue`, as submitit would) while
-    `slurm.max_requeues` allows; the requeued job resumes from this checkpoint.
-  - SIGTERM: nothing more. Slurm requeues a preempted or `scontrol requeue`d job itself, and a
-    cancelled job should end; either way the work so far is on disk.
-
-Ctrl-C (SIGINT) is treated like SIGTERM once the training loop runs (`catch_interrupts`): the
-run saves at the next step boundary and stops with one line saying where and how to resume.
-torchrun starts its workers in sessions of their own, so a terminal's Ctrl-C reaches torchrun
-alone, which sends each worker one SIGINT; on a second Ctrl-C it sends them SIGTERM. So a
-second interrupt (SIGINT, or any signal after a SIGINT) stops at once, without saving: one line,
-exit code 130. Before the loop, SIGINT keeps Python's KeyboardInterrupt, which the entry point
-(lingua.launch.run.exit_cli) turns into one line: nothing is lost there, and waiting for a first
-step to save it would make Ctrl-C during a long model build or data preparation feel ignored.
+Ctrl-C is treated like SIGTERM once the loop runs. torchrun turns a second Ctrl-C into SIGTERM,
+so a second interrupt (any signal after a SIGINT) stops at once, without saving (exit code 130).
 """
 
 import logging
@@ -50,14 +34,12 @@ EXIT_STOPPED = 3
 
 
 def is_rank0() -> bool:
-    """Whether this process prints for the job (from the launcher's variables: a handler may run
-    before any process group exists)."""
+    """From the launcher's variables: a handler may run before any process group exists."""
     return os.environ.get("RANK", "0") == "0"
 
 
 class StopSignals:
-    """Records SIGUSR2 / SIGTERM from `listen()`, and SIGINT from `catch_interrupts()`, until
-    `stop_listening()` (old handlers return)."""
+    """Records SIGUSR2 / SIGTERM from `listen()`, and SIGINT from `catch_interrupts()`."""
 
     def __init__(self):
         self.received = NONE
@@ -101,8 +83,7 @@ class StopSignals:
         return self
 
     def catch_interrupts(self, stop_now_line: Callable[[], str]) -> "StopSignals":
-        """From here (the training loop) SIGINT saves and stops like SIGTERM; `stop_now_line()`
-        says where the run is if a second one stops it without saving."""
+        """`stop_now_line()` says where the run is if a second SIGINT stops it without saving."""
         self.listen()
         self._stop_now_line = stop_now_line
         if signal.SIGINT not in self._previous:
@@ -122,8 +103,7 @@ class StopSignals:
 
     @staticmethod
     def outcome(tally: dict) -> int:
-        """What every rank should do now (NONE, STOP or REQUEUE): the strongest signal any got,
-        from the sums of every rank's `counts`."""
+        """The strongest signal any rank got, from the sums of every rank's `counts`."""
         if tally.get("ranks_requeueing"):
             return REQUEUE
         return STOP if tally.get("ranks_stopping") else NONE
@@ -138,10 +118,8 @@ RESUME_COMMAND_VAR = "LINGUA_RESUME_COMMAND"
 
 
 def resume_command() -> str:
-    """The command that resumes this run, as its launcher was given it: what a wrapper script
-    that knows its user's command put in LINGUA_RESUME_COMMAND (setup/quickstart.sh), else
-    `python -m <app> ...`, `torchrun --nproc-per-node N -m <app> ...` (one node), else "the same
-    command"."""
+    """LINGUA_RESUME_COMMAND (a wrapper script that knows its user's command sets it), else the
+    python -m or torchrun command line, else "the same command"."""
     if os.environ.get(RESUME_COMMAND_VAR):
         return os.environ[RESUME_COMMAND_VAR]
     main = sys.modules.get("__main__")
@@ -180,8 +158,7 @@ def requeue_job(max_requeues: int) -> bool:
 
 
 class StopHook(Hook):
-    """Signals in the loop: Ctrl-C caught, the ranks agreeing on a signal at a step boundary; the
-    loop then saves and stops; at close this hook says how to go on and requeues if asked."""
+    """Signals in the loop; at close it says how to go on and requeues if asked."""
 
     def __init__(self, max_requeues: int, where_to_resume: Callable[[], str]):
         self.max_requeues, self.where_to_resume = max_requeues, where_to_resume

@@ -23,18 +23,13 @@ class Checkpointing:
     """Run's checkpoint methods (a mixin: they use Run's parts, optimizers, data and hooks)."""
 
     def resume(self) -> int:
-        """Load the newest intact checkpoint of dump_dir, if any (weights, optimizer, data
-        position, scheduler, the hooks' state); returns the step the run continues from (0: a
-        fresh run)."""
+        """Load the newest intact checkpoint, if any; returns the step the run continues from."""
         self.step = self._load_newest()
         return self.step
 
     def _load_newest(self) -> int:
-        # Each rank checks the sizes and checksums of its share of the files (rank 0 alone lists
-        # the checkpoints and reads their manifests), and the ranks agree, so all resume from the
-        # same intact checkpoint without one rank reading all of it (hundreds of GB) while the
-        # others wait under the collective timeout. Damaged ones are moved aside, so that
-        # checkpoint.keep never deletes an intact one for them.
+        # Each rank checksums its share of the files and the ranks agree, so no rank reads all
+        # of it (hundreds of GB) while the others wait under the collective timeout.
         resume_from = checkpoint.newest_verified(self.dump_dir, self.env.rank, self.env.world_size,
                                                  set_aside=True)
         return 0 if resume_from is None else self._load(resume_from)
@@ -47,9 +42,8 @@ class Checkpointing:
         return state["step"]
 
     def roll_back(self, step: int) -> bool:
-        """A ROLLBACK vote at `step`: its batch again for the hooks (view.rerun), gradients thrown
-        away, then the newest intact checkpoint before `step` loaded as resume does. False (nothing
-        done) when there is none."""
+        """A ROLLBACK vote at `step`: its batch again for the hooks (view.rerun), then the newest
+        intact checkpoint before `step` loaded. False (nothing done) when there is none."""
         self.finish_save(block=True)   # the checkpoint being written is the newest one
         target = checkpoint.newest_verified(self.dump_dir, self.env.rank, self.env.world_size,
                                             set_aside=True)
@@ -80,10 +74,8 @@ class Checkpointing:
         self.hooks.load_state_dict(state)
 
     def save_if_due(self) -> None:
-        """Checkpoint when due (checkpoint.every, the last step's save_final). With
-        checkpoint.async_save a periodic save is written while the next steps run: a later step
-        boundary finishes it once every rank's write is done, and the next save, the last step
-        and a stop wait for it (the same boundaries on every rank: each check is a collective)."""
+        """With checkpoint.async_save a periodic save is written while the next steps run; the
+        next save, the last step and a stop wait for it (each check is a collective)."""
         args = self.args
         last = self.step == args.steps
         self.saved_now = bool((args.checkpoint.every and self.step % args.checkpoint.every == 0)
@@ -96,8 +88,7 @@ class Checkpointing:
             self.finish_save(block=last)
 
     def stops(self) -> bool:
-        """A hook stops the run (should_stop): the state after this step on disk, written,
-        before it leaves."""
+        """A hook stops the run: the state after this step written to disk before it leaves."""
         if not self.hooks.should_stop(self.view):
             return False
         if not self.saved_now:
@@ -107,10 +98,8 @@ class Checkpointing:
 
     def _save(self, before: Optional[tuple] = None, wait: bool = True) -> None:
         """`before`: (data state, batches consumed) to save instead of the current ones. With
-        checkpoint.async_save and wait=False (a periodic save) only the copy to CPU memory
-        happens now; the files are written while the next steps run, and a later step boundary
-        makes the checkpoint visible (finish_save). A save still being written is finished
-        first, so at most one is in flight."""
+        checkpoint.async_save and wait=False only the copy to CPU memory happens now. At most one
+        save is in flight."""
         args, env = self.args, self.env
         self.finish_save(block=True)
         data_state, batches = before if before is not None else (
@@ -128,16 +117,14 @@ class Checkpointing:
             self.pending_save = saved
 
     def writing_count(self) -> dict:
-        """For the step's tally: whether this rank still writes a checkpoint in the
-        background, so that no extra collective a step asks every rank about it."""
+        """Whether this rank still writes in the background, in the step's tally (no extra
+        collective)."""
         pending = self.pending_save
         return {"ranks_writing": float(pending is not None and not pending.written_here())}
 
     def finish_save(self, block: bool) -> None:
-        """checkpoint.async_save: make the checkpoint being written visible once every rank's
-        write is done, as the step's tally says (block: wait for it). Every rank calls this
-        at the same step boundaries (a collective once the write is done); a write that failed
-        on any rank raises RunError on every rank, with the previous checkpoint the newest."""
+        """Make the checkpoint being written visible once every rank's write is done (block: wait
+        for it). Collective; a write that failed on any rank raises RunError on every rank."""
         if self.pending_save is None:
             return
         all_written = self.tally.get("ranks_writing") == 0

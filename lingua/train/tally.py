@@ -1,15 +1,10 @@
-"""The step's tally: what every rank must decide alike once the gradients are complete (is the
-norm finite, is the step a loss spike, did any rank get a stop signal, has every rank written its
-part of a checkpoint) comes from ONE all-reduce of a few numbers, read on the host once.
+"""The step's tally: what every rank must decide alike once the gradients are complete (finite
+norm, loss spike, stop signal, checkpoint written) comes from ONE all-reduce of a few numbers,
+read on the host once: each host read of a GPU value waits for the GPU's queue to drain.
 
-Each read of a GPU value on the host waits for the GPU's queue to drain, and the next collective
-cannot be queued before it: one read a step instead of one per feature keeps the GPU fed. The
-numbers are the step's loss sum and token count, the gradient norm, and each hook's counts (its
-after_backward returns, lingua/hooks.py), summed over every rank of the default group:
-tensor-parallel peers hold copies of the same loss sum and count and earlier pipeline stages add
-zeros, so sum / count is the global mean either way; the norm is global already, so its sum
-over the ranks divided by the world size is the norm itself, exactly (a fp32 value times a rank
-count is exact in fp64).
+Summed over every rank: tensor-parallel peers hold copies of the same loss sum and count and
+earlier pipeline stages add zeros, so sum / count is the global mean either way; the norm is
+global already, so its sum divided by the world size is the norm itself, exactly (in fp64).
 """
 
 import math
@@ -21,10 +16,8 @@ from lingua.parallel.distributed import DistEnv
 
 
 def over_ranks(env: DistEnv, loss_pair, grad_norm: torch.Tensor, counts: dict) -> dict:
-    """{"loss", "grad_norm", **counts summed over the ranks}, the same floats on every rank.
-    loss_pair: this rank's (loss sum, token count) of the step, or None (a rank without the
-    loss: an earlier pipeline stage); the loss is NaN where no rank has a token. counts: host
-    numbers under the same names, in the same order, on every rank."""
+    """The same floats on every rank. loss_pair: None on a rank without the loss (an earlier
+    pipeline stage); the loss is NaN where no rank has a token."""
     names = list(counts)
     packed = torch.zeros(3 + len(names), dtype=torch.float64, device=grad_norm.device)
     if loss_pair is not None:
