@@ -141,6 +141,13 @@ MUTANTS = [
            "gets only this rank's heads' gradient", "apps/deepseek/parallelize.py",
            '        "attention.shared_key": SumGradOverTP(),\n', "",
            ("tests/test_deepseek.py::test_layout_matches_one_process[tp2]",)),
+    Mutant("qk_norm_grad_not_summed", "Qwen3's QK-norms marked computed whole under TP (the "
+           "coverage check accepts them): q_norm / k_norm get only this rank's heads' gradient",
+           "lingua/models/llama/parallelize.py",
+           "SequenceParallel(sequence_dim=2, use_local_output=True)",
+           '__import__("lingua.parallel.tensor_parallel", fromlist=["ComputedWhole"])'
+           ".ComputedWhole()",
+           ("tests/test_qwen_layouts.py::test_qwen3_shape_matches_one_process[tp2]",)),
     Mutant("group_limit_ignored", "group-limited routing falls back to plain top-k",
            "lingua/model/moe.py",
            "        if self.topk_groups < self.n_groups:", "        if False:",

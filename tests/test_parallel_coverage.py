@@ -71,6 +71,8 @@ LAYOUTS = [
     ("apps.llama.train", 2, ["distributed.cp=2"]),
     ("apps.llama.train", 4, ["distributed.cp=2", "distributed.tp=2"]),
     ("apps.llama.train", 8, ["distributed.tp=2", "distributed.pp=2", "distributed.dp_replicate=2"]),
+    ("apps.llama.train", 2, ["distributed.tp=2", "model.family=qwen3", "model.qk_norm=true",
+                             "model.head_dim=24"]),                     # Qwen3's shape
     ("apps.moe.train", 2, ["distributed.tp=2"]),
     ("apps.moe.train", 4, ["distributed.tp=2"]),                         # tp x fsdp
     ("apps.moe.train", 2, ["distributed.ep=2"]),

@@ -521,13 +521,15 @@ def _lora_counts(model_args, rank, targets):
     from lingua.model.layers import ffn_hidden_dim
 
     h, v = model_args.dim, model_args.vocab_size
-    hk = h // model_args.n_heads * model_args.n_kv_heads
+    hd = model_args.head_dim or h // model_args.n_heads   # Qwen3-32B: 128, not dim / n_heads
+    hq, hk = hd * model_args.n_heads, hd * model_args.n_kv_heads
     f = ffn_hidden_dim(h, model_args.multiple_of, model_args.ffn_dim_multiplier)
-    shapes = {"wq": (h, h), "wk": (h, hk), "wv": (h, hk), "wo": (h, h),
+    shapes = {"wq": (h, hq), "wk": (h, hk), "wv": (h, hk), "wo": (hq, h),
               "w1": (h, f), "w3": (h, f), "w2": (f, h)}   # (in, out)
     adapters = model_args.n_layers * sum(rank * (i + o) for t, (i, o) in shapes.items()
                                          if t in targets)
-    layer = sum(i * o for i, o in shapes.values()) + 2 * h   # matrices, two norms
+    norms = 2 * h + (2 * hd if model_args.qk_norm else 0)   # Qwen3's q_norm, k_norm: a head wide
+    layer = sum(i * o for i, o in shapes.values()) + norms
     frozen = model_args.n_layers * layer + v * h * (1 if model_args.tie_embeddings else 2) + h
     return adapters, frozen
 
@@ -622,6 +624,62 @@ def test_the_8b_lora_preset_fits_one_node_of_8_without_its_files(tmp_path):
     assert p.full_finetune_bytes - r.total > 14 * GIB   # full FT's fp32 grads and moments
     assert any("checkpoint.init_from is not set" in w for w in p.warnings)
     assert any("data.tokenizer.kind=hf" in w for w in p.warnings)
+
+
+# Qwen3-8B's and Qwen3-32B's published config.json (the fields the import reads, and those it
+# checks: no attention bias, no sliding window).
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=8,
+             head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000,
+             rope_scaling=None, max_position_embeddings=40960, tie_word_embeddings=False,
+             attention_bias=False, use_sliding_window=False, sliding_window=None,
+             hidden_act="silu", initializer_range=0.02, torch_dtype="bfloat16")
+QWEN3_PRESETS = {
+    # Qwen3-8B, 8.19B published. Embeddings 151936 x 4096 = 622,329,856, the untied lm_head as
+    # many; a layer: wq 4096 x 4096 + wk, wv 4096 x 1024 each + wo 4096 x 4096 = 41,943,040, q/k
+    # norms 2 x 128, SwiGLU 3 x 4096 x 12288 = 150,994,944, two norms 2 x 4096: 192,946,432,
+    # x 36 = 6,946,071,552; final norm 4096. Sum: 8,190,735,360.
+    # Adapters (rank 16): 36 x 16 x ((4096 + 4096) + 2 x (4096 + 1024) + (4096 + 4096)).
+    "qwen3_8b_lora": (dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                           intermediate_size=12288, max_window_layers=36),
+                      1, 8_190_735_360, 36 * 16 * 26624),
+    # Qwen3-32B, 32.8B published. Embeddings 151936 x 5120 = 777,912,320, the lm_head as many; a
+    # layer: wq 5120 x 8192 (64 heads of 128) + wk, wv 5120 x 1024 each + wo 8192 x 5120 =
+    # 94,371,840, q/k norms 2 x 128, SwiGLU 3 x 5120 x 25600 = 393,216,000, two norms 2 x 5120:
+    # 487,598,336, x 64 = 31,206,293,504; final norm 5120. Sum: 32,762,123,264.
+    # Adapters (rank 16): 64 x 16 x ((5120 + 8192) + 2 x (5120 + 1024) + (8192 + 5120)).
+    "qwen3_32b_lora": (dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                            intermediate_size=25600, max_window_layers=64),
+                       8, 32_762_123_264, 64 * 16 * 38912),
+}
+
+
+@pytest.mark.parametrize("preset", [
+    "qwen3_8b_lora",
+    pytest.param("qwen3_32b_lora", marks=pytest.mark.slow),   # 8 ranks, and full FT's: ~5 s
+])
+def test_the_qwen3_lora_presets_fit_and_are_the_published_models(preset, tmp_path):
+    """configs/sft/qwen3_{8b,32b}_lora.yaml planned as shipped, without their files: they fit
+    their GPUs (one H100; one node of 8), count the published parameters exactly, and their model
+    section is what checkpoint.init_from reads from the published config.json."""
+    import json
+
+    from lingua import config
+    from lingua.checkpoint.hf import RUNTIME_KEYS
+    from lingua.models.llama.hf import args_from_hf_config
+
+    fields, world, published, adapters = QWEN3_PRESETS[preset]
+    p = planner.plan("apps.sft.train", [f"config={preset}", f"dump_dir={tmp_path / 'run'}"])
+    assert (p.dims.dp_shard, p.world_size) == (world, world)
+    assert (adapters, published) == _lora_counts(p.args.model, 16, ["wq", "wk", "wv", "wo"])
+    assert (p.n_trainable, p.n_params) == (adapters, published + adapters)
+    assert p.fits and p.busiest.total < 0.9 * H100
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3, **fields}))
+    read = config.to_dict(args_from_hf_config(tmp_path / "config.json"))
+    shipped = config.to_dict(p.args.model)
+    assert {k: v for k, v in shipped.items() if k not in RUNTIME_KEYS} == {
+        k: v for k, v in read.items() if k not in RUNTIME_KEYS}
+    assert shipped["max_seq_len"] == QWEN3["max_position_embeddings"]
+    assert any("checkpoint.init_from is not set" in w for w in p.warnings)
 
 
 @pytest.mark.parametrize("ac", ["none", "op", "full"])
