@@ -1,9 +1,10 @@
 """lingua.parallel.coverage: a parameter that the app's parallel plan leaves out of a gradient
 reduction (tp, cp, dp, ep) is refused at start, on every rank, naming it and the plan line to add.
 
-The bug it prevents: a fork of apps/llama with QK-norm (tests/workers/qk_norm_train.py) trained
-under tp=2 with its q_norm / k_norm weights outside the TP plan; their gradients were per-rank
-partial sums never reduced over tp, and the ranks' copies drifted apart without a word.
+The bug it prevents: a model with QK-norm trained under tp=2 with its q_norm / k_norm weights
+outside the TP plan (tests/workers/qk_norm_train.py: model.qk_norm=true under a plan that forgot
+their lines); their gradients were per-rank partial sums never reduced over tp, and the ranks'
+copies drifted apart without a word.
 
 Unit tests build the real apps on meta on torch's fake process group through the planner's
 helpers (lingua.launch.plan, plan_memory: they run the same check as the trainer); distributed
@@ -27,11 +28,12 @@ from lingua.models.llama.model import Attention
 from lingua.parallel.distributed import parallel_dims
 from tests.conftest import TINY_MODEL, run_python, run_torchrun, tiny_args
 from tests.equivalence import assert_equivalent
-from tests.workers.qk_norm_train import PLAN_VAR, QKNormAttention, with_qk_norm_plan
+from tests.workers.qk_norm_train import without_qk_norm_lines
 
 QK_PLAN_LINES = ['"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True)',
                  '"attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)']
 QK_PARAMS = [f"layers.{i}.attention.{n}_norm.weight" for i in (0, 1) for n in ("q", "k")]
+QK_NORM = "model.qk_norm=true"
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +98,10 @@ def test_shipped_apps_pass(data, tmp_path, app_module, world, layout):
 
 @pytest.mark.parametrize("world", [2, 4])    # tp=2; tp=2 x fsdp=2
 def test_qk_norm_outside_the_tp_plan_is_refused(data, tmp_path, monkeypatch, world):
-    monkeypatch.setattr(llama_model, "Attention", QKNormAttention)
+    monkeypatch.setattr(llama_parallelize, "attention_plan",
+                        without_qk_norm_lines(llama_parallelize.attention_plan))
     with pytest.raises(ConfigError) as err:
-        build(data, tmp_path, "apps.llama.train", world, "distributed.tp=2")
+        build(data, tmp_path, "apps.llama.train", world, QK_NORM, "distributed.tp=2")
     message = str(err.value)
     for name in QK_PARAMS:
         assert f"{name} (not reduced over tp=2)" in message, message
@@ -106,11 +109,9 @@ def test_qk_norm_outside_the_tp_plan_is_refused(data, tmp_path, monkeypatch, wor
     assert ("Add to the block plan: " + ", ".join(QK_PLAN_LINES)) in message, message
 
 
-def test_qk_norm_with_the_suggested_plan_lines_passes(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(llama_model, "Attention", QKNormAttention)
-    monkeypatch.setattr(llama_parallelize, "tp_plans",
-                        with_qk_norm_plan(llama_parallelize.tp_plans))
-    parts = build(data, tmp_path, "apps.llama.train", 4, "distributed.tp=2")
+def test_qk_norm_with_the_suggested_plan_lines_passes(data, tmp_path):
+    """The shipped plan (attention_plan) has the lines the refusal names."""
+    parts = build(data, tmp_path, "apps.llama.train", 4, QK_NORM, "distributed.tp=2")
     weight = param(parts, "layers.0.attention.q_norm.weight")
     assert weight.device_mesh.mesh_dim_names == ("dp_shard_cp", "tp")
     assert weight.placements[1] == Replicate()
@@ -183,20 +184,20 @@ def test_every_rank_refuses_when_one_rank_finds_a_plain_parameter(tmp_path):
 
 
 @pytest.mark.distributed
-def test_qk_norm_fork_under_tp_refused_then_equivalent_with_the_plan_lines(corpus, tmp_path,
-                                                                            monkeypatch):
+def test_qk_norm_under_tp_refused_without_the_plan_lines_then_equivalent_with_them(corpus,
+                                                                                   tmp_path):
     refused = tmp_path / "refused"
     proc = run_torchrun(2, "tests.workers.qk_norm_train",
-                        tiny_args(corpus, refused, "distributed.tp=2"), check=False)
+                        tiny_args(corpus, refused, QK_NORM, "distributed.tp=2"), check=False)
     assert proc.returncode != 0
     assert "error: The parallel plan leaves 4 parameter(s)" in proc.stderr, proc.stderr[-3000:]
     for text in (*QK_PARAMS, *QK_PLAN_LINES):
         assert text in proc.stderr, proc.stderr[-3000:]
     assert not (refused / "metrics.jsonl").exists()       # refused before the first step
 
+    # The shipped plan: tp2 trains the QK-norm as one process does.
     one = tmp_path / "one"
-    run_python("tests.workers.qk_norm_train", tiny_args(corpus, one))
-    monkeypatch.setenv(PLAN_VAR, "1")
+    run_python("apps.llama.train", tiny_args(corpus, one, QK_NORM))
     tp = tmp_path / "tp"
-    run_torchrun(2, "tests.workers.qk_norm_train", tiny_args(corpus, tp, "distributed.tp=2"))
+    run_torchrun(2, "apps.llama.train", tiny_args(corpus, tp, QK_NORM, "distributed.tp=2"))
     assert_equivalent(tp, one)
