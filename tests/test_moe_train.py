@@ -122,7 +122,7 @@ def test_bad_moe_config_is_refused(corpus, tmp_path, monkeypatch, override, need
 def test_gpu_presets_compose(tmp_path):
     tok = tmp_path / "tok.model"
     tok.write_text("x")
-    presets = {"moe_1b": (8, 2, 0), "deepseek_16b": (64, 6, 2)}
+    presets = {"moe_1b": (8, 2, 0), "deepseek_16b": (64, 6, 2), "qwen3_30b_a3b": (128, 8, 0)}
     for preset, (experts, top_k, shared) in presets.items():
         cfg = train.config.compose_config("moe", [f"config={preset}", f"data.root={tmp_path}",
                                                   f"data.tokenizer.path={tok}"])
