@@ -166,9 +166,9 @@ def export_problems(args: MoEArgs) -> List[str]:
         # A zero bias would export (save_hf checks the weights), but training makes it non-zero.
         problems.append(f"model.bias_update_rate={args.bias_update_rate} with softmax routing "
                         "(the expert_bias it learns chooses experts; Mixtral, Qwen2-MoE and "
-                        "Qwen3-MoE route without one): train with bias_update_rate=0, or with score_func=sigmoid "
-                        "(DeepSeek-V3's router, exported as Glm4MoeForCausalLM with the bias as "
-                        "e_score_correction_bias)")
+                        "Qwen3-MoE route without one): train with bias_update_rate=0, or with "
+                        "score_func=sigmoid (DeepSeek-V3's router, exported as Glm4MoeForCausalLM "
+                        "with the bias as e_score_correction_bias)")
     return problems
 
 
@@ -511,8 +511,8 @@ def _ungate_shared(
 
 def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transformer, MoEArgs]:
     """Read a MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or Glm4MoeForCausalLM
-    directory into (Transformer on CPU, MoEArgs). dtype None keeps the file's; the routers' expert_bias stays
-    fp32."""
+    directory into (Transformer on CPU, MoEArgs). dtype None keeps the file's; the routers'
+    expert_bias stays fp32."""
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
