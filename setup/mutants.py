@@ -152,6 +152,11 @@ MUTANTS = [
            "lingua/model/moe.py",
            "        if self.topk_groups < self.n_groups:", "        if False:",
            ("tests/test_deepseek.py::test_logits_equal_transformers_both_ways",)),
+    Mutant("qwen3_moe_norm_topk_ignored", "a Qwen3-MoE directory's norm_topk_prob not read: its "
+           "top-k weights are not renormalised", "apps/moe/hf.py",
+           '"norm_topk": bool(cfg.get("norm_topk_prob", False)),',
+           '"norm_topk": kind == "qwen2_moe" and bool(cfg.get("norm_topk_prob", False)),',
+           ("tests/test_moe_hf.py::test_qwen3_moe_to_ours_and_back",)),
 ]
 
 

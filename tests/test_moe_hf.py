@@ -1,6 +1,7 @@
-"""apps/moe/hf.py against transformers' own MixtralForCausalLM, Qwen2MoeForCausalLM and
-Glm4MoeForCausalLM (tiny random models built from configs: nothing is downloaded), and the MoE
-debug preset trained, exported and compared with its Hugging Face model."""
+"""apps/moe/hf.py against transformers' own MixtralForCausalLM, Qwen2MoeForCausalLM,
+Qwen3MoeForCausalLM and Glm4MoeForCausalLM (tiny random models built from configs: nothing is
+downloaded), and the MoE debug preset trained, exported and compared with its Hugging Face
+model."""
 
 import json
 import os
@@ -19,13 +20,17 @@ from transformers import (
     MixtralForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from apps.moe.hf import args_from_hf_config, load_hf, save_hf
 from apps.moe.model import MoEArgs, Transformer
 from lingua.checkpoint import integrity
 from lingua.errors import ConfigError
+from lingua.eval.generation import generate
 from tests import launcher
+from tests.conftest import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -34,17 +39,18 @@ SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab
 # first layer dense; "plain" drops renormalisation, shared experts and dense layers.
 GLM_CASES = {
     "deepseek": dict(n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True),
-    "plain": dict(n_shared_experts=0, first_k_dense_replace=0, norm_topk_prob=False),
+    "plain": dict(n_shared_experts=0, first_k_dense_replace=0, norm_topk_prob=False,
+                  use_qk_norm=True, attention_bias=True),   # GLM-4.5's q/k/v biases
 }
 
 
-def _randomize(model, seed):
+def _randomize(model, seed, norm_noise=0.1):
     """Large random weights: sharp attention and confident routing make layout mistakes visible."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
+            p.copy_(1 + norm_noise * noise if "norm" in name else 0.2 * noise)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.5 * torch.randn(b.shape, generator=g))
@@ -81,35 +87,51 @@ def qwen(seed=0, gate=0.0, **extra):
     return model
 
 
+def qwen3(seed=0, **extra):
+    """Qwen3-MoE of a shape no preset has: 6 experts top-3 renormalised, heads 16 wide in a
+    48-wide model of 4 heads (not 12), the first layer dense (mlp_only_layers=[0], our
+    n_dense_layers=1), the QK-norms and the other norms far from 1."""
+    fields = dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-5,
+                  intermediate_size=80, moe_intermediate_size=24, num_experts=6,
+                  num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[0],
+                  num_hidden_layers=3, rope_theta=50000.0)
+    cfg = Qwen3MoeConfig(**{**fields, **extra}, attn_implementation="sdpa")
+    return _randomize(Qwen3MoeForCausalLM(cfg), seed, norm_noise=0.4)
+
+
 def x_tokens(vocab=300):
     return torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(3))
 
 
-def _round_trip(hf, cls, tmp_path):
+def _round_trip(hf, cls, tmp_path, atol=1e-4):
     """HF -> save_pretrained -> load_hf -> save_hf -> from_pretrained; all logits equal HF's."""
     hf.save_pretrained(tmp_path / "hf")
     ours, args = load_hf(tmp_path / "hf")
     x = x_tokens()
     with torch.no_grad():
         ref = hf(x).logits
-        torch.testing.assert_close(ours(x), ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours(x), ref, atol=atol, rtol=0)
     save_hf(ours, args, tmp_path / "ours")
     back = cls.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
     with torch.no_grad():
-        torch.testing.assert_close(back(x).logits, ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(back(x).logits, ref, atol=atol, rtol=0)
     assert load_hf(tmp_path / "ours")[1] == args  # the export reads back as the same MoEArgs
     return ours, args, json.loads((tmp_path / "ours" / "config.json").read_text())
 
 
-def test_mixtral_to_ours_and_back(tmp_path):
-    ours, args, cfg = _round_trip(mixtral(), MixtralForCausalLM, tmp_path)
+@pytest.mark.parametrize("window", [None, 5])
+def test_mixtral_to_ours_and_back(window, tmp_path):
+    """Mixtral's sliding window (5 positions of the 40 compared) is our model.window."""
+    ours, args, cfg = _round_trip(mixtral(sliding_window=window), MixtralForCausalLM, tmp_path)
+    assert args.window == window and cfg["sliding_window"] == window
     shape = (args.dim, args.n_heads, args.n_kv_heads, args.n_layers, args.rope_theta)
     assert shape == (64, 4, 2, 2, 1e6)
     assert (args.n_experts, args.top_k, args.score_func, args.norm_topk) == (4, 2, "softmax", True)
     assert (args.n_shared_experts, args.n_dense_layers, args.route_scale) == (0, 0, 1.0)
     assert ours.layers["0"].moe.experts.w1.shape == (4, 64, 96)
     assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["intermediate_size"] == 96
-    assert cfg["num_local_experts"] == 4 and cfg["sliding_window"] is None
+    assert cfg["num_local_experts"] == 4
 
 
 # HF's zero-width shared MLP
@@ -124,40 +146,140 @@ def test_glm4_moe_to_ours_and_back(case, tmp_path):
     assert hasattr(ours.layers["0"], "feed_forward") == deepseek
     assert hasattr(ours.layers["2"], "moe")
     assert cfg["architectures"] == ["Glm4MoeForCausalLM"] and cfg["partial_rotary_factor"] == 1.0
+    assert args.qk_norm == args.qkv_bias == (not deepseek)
+    assert (cfg["use_qk_norm"], cfg["attention_bias"]) == (not deepseek, not deepseek)
     widths = (cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["routed_scaling_factor"])
     assert widths == (96, 32, 2.5)
 
 
-def test_qwen2_moe_to_ours_and_back(tmp_path):
-    """Softmax routing with shared experts and a dense first layer (the debug preset's shape)."""
-    ours, args, cfg = _round_trip(qwen(), Qwen2MoeForCausalLM, tmp_path)
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_qwen2_moe_to_ours_and_back(qkv_bias, tmp_path):
+    """Softmax routing with shared experts and a dense first layer (the debug preset's shape);
+    Qwen's q/k/v biases are model.qkv_bias."""
+    ours, args, cfg = _round_trip(qwen(qkv_bias=qkv_bias), Qwen2MoeForCausalLM, tmp_path)
+    assert args.qkv_bias == cfg["qkv_bias"] == qkv_bias
     assert (args.score_func, args.norm_topk, args.route_scale) == ("softmax", False, 1.0)
     assert (args.n_experts, args.top_k, args.n_shared_experts, args.n_dense_layers) == (4, 2, 2, 1)
     assert args.expert_hidden_dim == 32
     assert ours.layers["1"].moe.shared_experts.w2.weight.shape == (64, 64)
-    assert cfg["architectures"] == ["Qwen2MoeForCausalLM"] and cfg["qkv_bias"] is False
+    assert cfg["architectures"] == ["Qwen2MoeForCausalLM"]
     assert cfg["mlp_only_layers"] == [0] and cfg["shared_expert_intermediate_size"] == 64
     with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as f:
         assert not f.get_tensor("model.layers.1.mlp.shared_expert_gate.weight").any()
 
 
 def test_qwen2_moe_refuses_what_ours_cannot_compute(tmp_path):
-    """A learned shared-expert gate, q/k/v biases (Qwen's default) and MoE every other layer are
-    named, not loaded into a model that would compute something else."""
+    """A learned shared-expert gate, sliding windows and MoE every other layer are named, not
+    loaded into a model that would compute something else."""
     qwen(gate=0.3).save_pretrained(tmp_path / "gated")
     with pytest.raises(ConfigError, match=r"shared_expert_gate.weight is non-zero .*ungated"):
         load_hf(tmp_path / "gated")
     qwen().save_pretrained(tmp_path)
     cfg_path = tmp_path / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    for change, message in [({"qkv_bias": True}, "qkv_bias=true"),
-                            ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    for change, message in [({"use_sliding_window": True}, "sliding-window attention"),
+                            ({"decoder_sparse_step": 2}, r"dense layers \[0, 2\] .*step=2"),
                             ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
                             ({"shared_expert_intermediate_size": 48},
                              "not a multiple of moe_intermediate_size")]:
         cfg_path.write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ConfigError, match=message):
             load_hf(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3-MoE: QK-norm attention with its own head width, renormalised softmax top-k, no shared
+# expert. One directory, saved once by transformers, serves the tests below.
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    hf = qwen3()
+    path = tmp_path_factory.mktemp("qwen3_moe") / "hf"
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def test_qwen3_moe_to_ours_and_back(qwen3_dir, tmp_path):
+    hf, path = qwen3_dir
+    ours, args = load_hf(path)
+    assert (args.dim, args.n_heads, args.n_kv_heads, args.head_dim) == (48, 4, 2, 16)
+    assert (args.qk_norm, args.qkv_bias, args.window) == (True, False, None)
+    assert (args.n_experts, args.top_k, args.score_func, args.norm_topk) == (6, 3, "softmax", True)
+    assert (args.n_shared_experts, args.n_dense_layers, args.expert_hidden_dim) == (0, 1, 24)
+    assert hasattr(ours.layers["0"], "feed_forward") and hasattr(ours.layers["1"], "moe")
+    x = x_tokens()
+    with torch.no_grad():
+        ref = hf(x).logits
+        torch.testing.assert_close(ours(x), ref, atol=1e-5, rtol=0)
+    save_hf(ours, args, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_experts"] == 6
+    assert (cfg["head_dim"], cfg["mlp_only_layers"], cfg["norm_topk_prob"]) == (16, [0], True)
+    back = Qwen3MoeForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, ref, atol=1e-5, rtol=0)
+        assert load_hf(tmp_path)[1] == args
+        for i in (1, 2):   # not vacuous: without the renormalisation the logits move
+            ours.layers[str(i)].moe.router.norm_topk = False
+        assert (ours(x) - ref).abs().max() > 1e-2
+
+
+def test_qwen3_moe_greedy_generation_equals_transformers(qwen3_dir):
+    hf, path = qwen3_dir
+    ours, _ = load_hf(path)
+    prompt = x_tokens()[0, :6].tolist()
+    ids = generate(ours, prompt, max_new_tokens=12)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                       attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert ids == want[0, len(prompt):].tolist() and len(set(ids)) > 3
+
+
+def test_qwen3_moe_refuses_what_ours_cannot_compute(qwen3_dir, tmp_path):
+    """Each refusal names the setting; an unknown model_type names the four it reads."""
+    import re
+
+    _, path = qwen3_dir
+    cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    read = ("MixtralForCausalLM ('mixtral'), Glm4MoeForCausalLM ('glm4_moe'), "
+            "Qwen2MoeForCausalLM ('qwen2_moe'), Qwen3MoeForCausalLM ('qwen3_moe')")
+    for change, message in [
+        ({"model_type": "qwen3_next"}, re.escape(f"'qwen3_next' is not supported by apps.moe, "
+                                                 f"which reads {read}")),
+        ({"attention_bias": True}, r"attention_bias=true \(biases on q/k/v and o_proj"),
+        ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window attention"),
+        ({"mlp_only_layers": [], "decoder_sparse_step": 2},
+         r"dense layers \[0, 2\] from mlp_only_layers=\[\] and decoder_sparse_step=2"),
+        ({"mlp_only_layers": [2]}, r"dense layers \[2\]"),
+    ]:
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ConfigError, match=message):
+            load_hf(tmp_path)
+
+
+def test_continued_pretraining_from_a_qwen3_moe_directory(qwen3_dir, corpus, tmp_path):
+    """checkpoint.init_from=<dir> with only the data and the run typed: model.* is the
+    directory's (over the debug preset's), and the first step's loss is transformers' own loss
+    on that batch."""
+    from apps.moe import train
+    from lingua import config, data
+    from lingua.checkpoint.hf import RUNTIME_KEYS
+    from lingua.model.loss import token_loss_sum
+
+    hf, path = qwen3_dir
+    dump = tmp_path / "run"
+    argv = [f"checkpoint.init_from={path}", f"dump_dir={dump}", f"data.root={corpus}",
+            "data.prepare_embedded=false", "data.seq_len=64", "data.batch_size=2",
+            "data.val_sequences=8", "steps=1", "checkpoint.every=0", "eval.every=0"]
+    args = train.load_config(argv)
+    expected = config.to_dict(args_from_hf_config(path / "config.json"))
+    assert {k: v for k, v in config.to_dict(args.model).items() if k not in RUNTIME_KEYS} == {
+        k: v for k, v in expected.items() if k not in RUNTIME_KEYS}
+    assert train.main(argv) == 0
+    (batch,) = data.build_train_loader(args.data, 0, 1, args.seed).next_step()
+    with torch.no_grad():
+        loss = token_loss_sum(hf(batch.tokens).logits, batch.labels).item() / batch.labels.numel()
+    assert read_metrics(dump)[0]["loss"] == pytest.approx(loss, rel=1e-5)
 
 
 def test_glm4_parity_is_not_vacuous(tmp_path):
@@ -181,7 +303,7 @@ def test_glm4_parity_is_not_vacuous(tmp_path):
         assert (ours(x) - ref).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("make", [mixtral, glm, qwen])
+@pytest.mark.parametrize("make", [mixtral, glm, qwen, qwen3])
 def test_fused_and_sharded_layouts(make, tmp_path):
     """transformers 5's fused experts (save_original_format=False) and bf16 shards load too."""
     hf = make()
@@ -210,9 +332,25 @@ def test_export_refuses_what_hf_cannot_express(tmp_path):
         cfg = json.loads((tmp_path / "qwen" / "config.json").read_text())
         assert cfg["model_type"] == "qwen2_moe"
         assert load_hf(tmp_path / "qwen")[1] == args
-    with pytest.raises(ConfigError, match="route_scale=2.0 with softmax routing"):
-        save_hf(Transformer(replace(base, route_scale=2.0)), replace(base, route_scale=2.0),
-                tmp_path)
+    # QK-norm under softmax routing is Qwen3-MoE, dense first layers and all
+    for change in [{"qk_norm": True}, {"qk_norm": True, "norm_topk": False, "n_dense_layers": 1}]:
+        args = replace(base, **change)
+        save_hf(Transformer(args), args, tmp_path / "qwen3")
+        cfg = json.loads((tmp_path / "qwen3" / "config.json").read_text())
+        assert cfg["model_type"] == "qwen3_moe"
+        assert load_hf(tmp_path / "qwen3")[1] == args
+    for change, message in [
+        ({"route_scale": 2.0}, "route_scale=2.0 with softmax routing"),
+        ({"qk_norm": True, "n_shared_experts": 1},
+         "n_shared_experts=1 with model.qk_norm=true and softmax routing"),
+        ({"qk_norm": True, "qkv_bias": True},
+         "model.qkv_bias=True: Qwen3MoeForCausalLM .* has no q/k/v projection biases alone"),
+        ({"window": 8, "n_dense_layers": 1}, "model.window=8: Qwen2MoeForCausalLM"),
+        ({"window": 8, "score_func": "sigmoid"}, "model.window=8: Glm4MoeForCausalLM"),
+    ]:
+        args = replace(base, **change)
+        with pytest.raises(ConfigError, match=message):
+            save_hf(Transformer(args), args, tmp_path)
     for args, arch in [(base, "MixtralForCausalLM"),
                        (replace(base, n_shared_experts=1), "Qwen2MoeForCausalLM")]:
         model = Transformer(args)
@@ -239,7 +377,8 @@ def test_load_errors_name_the_setting(tmp_path):
     for change, message in [
         ({"n_group": 2, "topk_group": 1}, "n_group=2, topk_group=1"),
         ({"rope_parameters": {**rope, "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
-        ({"use_qk_norm": True}, "use_qk_norm=true"),
+        # use_qk_norm is read; this model has no QK-norm weights
+        ({"use_qk_norm": True}, r"model.layers.0.self_attn.q_norm.weight is missing"),
         ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported"),
         ({"moe_intermediate_size": 40},
          (r"model.layers.1.mlp.experts.0.gate_proj.weight gives layers.1.moe.experts.w1 of shape "

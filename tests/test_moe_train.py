@@ -122,7 +122,7 @@ def test_bad_moe_config_is_refused(corpus, tmp_path, monkeypatch, override, need
 def test_gpu_presets_compose(tmp_path):
     tok = tmp_path / "tok.model"
     tok.write_text("x")
-    presets = {"moe_1b": (8, 2, 0), "deepseek_16b": (64, 6, 2)}
+    presets = {"moe_1b": (8, 2, 0), "deepseek_16b": (64, 6, 2), "qwen3_30b_a3b": (128, 8, 0)}
     for preset, (experts, top_k, shared) in presets.items():
         cfg = train.config.compose_config("moe", [f"config={preset}", f"data.root={tmp_path}",
                                                   f"data.tokenizer.path={tok}"])
@@ -219,3 +219,46 @@ def test_each_step_starts_its_routing_sums_and_bias_counts_from_zero():
     assert layers and all(m.step_counts is not None and m.routing is not None for m in layers)
     train.RoutingHook(0.0, 4).before_step(SimpleNamespace(parts=[model]), 2)
     assert all(m.step_counts is None and m.routing is None for m in layers)
+
+
+# Qwen3-MoE's shape (Qwen3MoeForCausalLM): QK-norm, heads wider than dim / n_heads, renormalised
+# softmax top-3 of 6 experts, no shared expert, the first layer dense, no balancing loss (so a
+# pipeline's micro-batches equal one process's whole batch). One reference for every layout.
+QWEN3 = ["model.n_layers=4", "model.head_dim=32", "model.qk_norm=true", "model.n_experts=6",
+         "model.top_k=3", "model.norm_topk=true", "model.n_shared_experts=0",
+         "model.expert_hidden_dim=32", "model.n_dense_layers=1", "model.aux_loss_coef=0",
+         "model.z_loss_coef=0"]
+QWEN3_LAYOUTS = {
+    "fsdp2": ["distributed.dp_shard=2", "data.batch_size=4"],
+    "tp2": ["distributed.tp=2", "distributed.dp_shard=1"],
+    "cp2": ["distributed.cp=2", "distributed.dp_shard=1"],
+    "pp2": ["distributed.pp=2", "distributed.dp_shard=1", "distributed.pp_microbatches=2"],
+    "ep2": ["distributed.ep=2", "distributed.dp_shard=2", "data.batch_size=4"],
+}
+
+
+def qwen3_args(corpus, dump, *extra):
+    return ["config=debug", *tiny_args(corpus, dump, *QWEN3, "data.batch_size=8", *extra,
+                                       steps=STEPS)]
+
+
+@pytest.fixture(scope="module")
+def qwen3_reference(corpus, tmp_path_factory):
+    from omegaconf import OmegaConf
+
+    from apps.moe.hf import layout_for
+    from apps.moe.model import MoEArgs
+
+    dump = tmp_path_factory.mktemp("qwen3_moe_reference") / "run"
+    train.main(qwen3_args(corpus, dump))
+    model = OmegaConf.load(dump / "config.yaml").model
+    assert layout_for(MoEArgs(**OmegaConf.to_container(model))) == "qwen3_moe"
+    return dump
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(QWEN3_LAYOUTS))
+def test_qwen3_moe_layouts_match_one_process(corpus, tmp_path, qwen3_reference, layout):
+    dump = tmp_path / "run"
+    run_torchrun(2, "apps.moe.train", qwen3_args(corpus, dump, *QWEN3_LAYOUTS[layout]))
+    assert_equivalent(dump, qwen3_reference, prefixes=ROUTING)

@@ -148,6 +148,46 @@ def test_deepseek_16b_on_64_gpus_with_ep8(data, tmp_path):
     assert p.fits and p.busiest.total < H100
 
 
+def test_qwen3_30b_a3b_on_one_node_of_8_with_ep8(data, tmp_path):
+    """The preset is the published Qwen3-30B-A3B: its model section is what apps.moe.hf reads
+    from Qwen's config.json (with a balancing loss to train with), and it plans on 8 H100s."""
+    import json
+
+    from apps.moe.hf import args_from_hf_config
+    from lingua import config
+
+    published = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                 "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768,
+                 "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8,
+                 "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                 "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                 "rope_scaling": None, "max_position_embeddings": 40960,
+                 "tie_word_embeddings": False, "attention_bias": False,
+                 "use_sliding_window": False, "sliding_window": None, "hidden_act": "silu",
+                 "initializer_range": 0.02, "router_aux_loss_coef": 0.001,
+                 "output_router_logits": False, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    read = config.to_dict(args_from_hf_config(tmp_path / "config.json"))
+    # the tiktoken file of the `data` fixture stands in for Qwen's tokenizer.json
+    p = run_plan("apps.moe.train", "qwen3_30b_a3b", data, tmp_path, 8,
+                 "data.tokenizer.kind=tiktoken")
+    assert config.to_dict(p.args.model) == {**read, "aux_loss_coef": 0.001}
+    assert (p.dims.dp_shard, p.args.distributed.ep) == (8, 8)
+    # A layer: q and o 2048 x (32 x 128) each, k and v 2048 x (4 x 128) each, the q/k norms 128
+    # each, two norms of 2048, the router 128 x 2048, 128 experts of 3 x 2048 x 768.
+    layer = (2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 128 + 2 * 2048 + 128 * 2048
+             + 128 * 3 * 2048 * 768)
+    assert layer == 623_120_640
+    # 48 layers, the untied embedding and output 151936 x 2048, the final norm.
+    total = 48 * layer + 2 * 151936 * 2048 + 2048
+    assert p.n_params == total == 30_532_122_624 and round(total / 1e9, 1) == 30.5
+    # Every dim divides by 8: experts 128 / ep 8 (then FSDP over 8 / 8 = 1), the rest FSDP over
+    # 8, so a rank holds exactly an eighth.
+    check_state(p, total // 8)
+    assert p.fits and p.busiest.total < H100
+
+
 @pytest.mark.slow
 def test_the_70b_preset_without_tp_does_not_fit_and_the_fix_is_named(data, tmp_path):
     """The preset with distributed.tp=1 (no tp, no ac): 145 GiB of activations and gathered

@@ -1,28 +1,33 @@
 """Hugging Face interop for the MoE model: config.json + safetensors directories <-> Transformer.
 
-Three Hugging Face architectures, chosen from the model args on export and from config.json's
+Four Hugging Face architectures, chosen from the model args on export and from config.json's
 `model_type` on import; each computes exactly what our model computes:
 
 * MixtralForCausalLM ("mixtral"): softmax over all experts, top-k, the top-k weights renormalised
   to sum to 1. So it needs score_func=softmax, norm_topk=True, route_scale=1, no shared experts,
-  no dense layers and a zero expert_bias.
+  no dense layers and a zero expert_bias. Its sliding_window is our model.window.
+* Qwen3MoeForCausalLM ("qwen3_moe", Qwen3-30B-A3B, Qwen3-235B-A22B) for softmax models with
+  QK-norm (model.qk_norm, which its attention always has): fp32 softmax over all experts, top-k,
+  renormalised when norm_topk_prob, no shared expert, dense layers by mlp_only_layers and
+  decoder_sparse_step (ours: the first n_dense_layers), head_dim free. Its attention_bias would
+  bias o_proj too, and its sliding window is not read: both are refused.
 * Qwen2MoeForCausalLM ("qwen2_moe", Qwen1.5-MoE / Qwen2-MoE) for the other softmax models (the
   debug preset's): softmax top-k with optional renormalisation (norm_topk_prob), a shared expert
   of width n_shared * expert width, the first layers dense (mlp_only_layers), no routed scaling
   and no selection bias. Its shared expert is gated, sigmoid(shared_expert_gate . x); ours is
   not, so the export writes a zero gate (sigmoid(0) = 1/2 for every token) and doubles the shared
   down projection: both are exact in floating point (powers of two), and the import undoes it,
-  refusing a learned (non-zero) gate. Its attention is ours once qkv_bias=False (Qwen's default
-  has q/k/v biases) and without sliding windows.
+  refusing a learned (non-zero) gate. Its qkv_bias (Qwen's default: q/k/v biases) is
+  model.qkv_bias; its sliding windows (some layers only) are refused.
 * Glm4MoeForCausalLM ("glm4_moe", GLM-4.5) for the DeepSeek-V3 router: sigmoid scores,
   `e_score_correction_bias` used only to choose the experts, optional renormalisation
   (norm_topk_prob), routed_scaling_factor, shared experts of width n_shared * expert width, the
   first `first_k_dense_replace` layers dense. DeepseekV3ForCausalLM has the same router but
   multi-head latent attention, which our model lacks; Dots1 has it too but always applies q/k
   RMSNorm; Qwen2-MoE gates its shared expert with a learned sigmoid. Glm4Moe's attention is ours
-  (GQA, rotate_half RoPE) once attention_bias=False, use_qk_norm=False and partial_rotary_factor=1
-  (its default rotates half of each head), and its group-limited routing is plain top-k when
-  every group is kept (n_group == topk_group, e.g. both 1).
+  (GQA, rotate_half RoPE; attention_bias is model.qkv_bias, use_qk_norm model.qk_norm) once
+  partial_rotary_factor=1 (its default rotates half of each head), and its group-limited routing
+  is plain top-k when every group is kept (n_group == topk_group, e.g. both 1).
 
 Hugging Face models route every token (dropless): a model trained with capacity_factor > 0 is
 exported as is and reads back with capacity_factor=0, which is what the HF model computes.
@@ -75,7 +80,18 @@ LAYOUTS = {
     "qwen2_moe": Layout(
         "Qwen2MoeForCausalLM", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
     ),
+    "qwen3_moe": Layout(
+        "Qwen3MoeForCausalLM", "mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    ),
 }
+# The layouts with shared experts: their module's name in a decoder layer's "mlp".
+SHARED = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts"}
+# The attention options (AttentionArgs) each layout's attention computes; the others are refused.
+ATTENTION_OPTIONS = {"mixtral": ("window",), "qwen2_moe": ("qkv_bias",),
+                     "qwen3_moe": ("qk_norm",), "glm4_moe": ("qk_norm", "qkv_bias")}
+ATTENTION_WHAT = {"qk_norm": "QK-norm", "window": "sliding window on every layer",
+                  "qkv_bias": "q/k/v projection biases alone (Qwen3-MoE's attention_bias biases "
+                              "o_proj too)"}
 # Qwen2-MoE's shared expert output is scaled by sigmoid(gate . x); a zero gate makes that exactly
 # this.
 QWEN_GATE = 0.5
@@ -84,10 +100,10 @@ QWEN_GATE = 0.5
 # State-dict tensors deliberately not exported: pattern (whole name) -> why. (The RoPE tables are
 # derived and registered non-persistent: not in the state dict.)
 NOT_EXPORTED: Dict[str, str] = {
-    # Glm4Moe exports it as gate.e_score_correction_bias; Mixtral and Qwen2-MoE leave it out.
+    # Glm4Moe exports it as gate.e_score_correction_bias; the softmax layouts leave it out.
     r"layers\.\d+\.moe\.router\.expert_bias":
-        "Mixtral and Qwen2-MoE route without a selection bias; save_hf refuses a non-zero one, "
-        "so none is lost",
+        "Mixtral, Qwen2-MoE and Qwen3-MoE route without a selection bias; save_hf refuses a "
+        "non-zero one, so none is lost",
 }
 
 # Tensors some HF files carry that load_hf deliberately does not read: pattern -> why.
@@ -103,31 +119,56 @@ def _where() -> str:
     return f"_plain_keys / _moe_keys / to_hf in {lingua_hf.app_file(__file__)}"
 
 
+def _kind(args: MoEArgs) -> str:
+    """The layout for `args` (its problems, if any, are _layout_problems')."""
+    if args.score_func == "sigmoid":
+        return "glm4_moe"
+    if args.qk_norm:
+        return "qwen3_moe"
+    if (args.norm_topk and not args.n_shared_experts and not args.n_dense_layers
+            and not args.qkv_bias):
+        return "mixtral"  # the simplest and most widely supported layout
+    return "qwen2_moe"
+
+
 def _layout_problems(args: MoEArgs) -> List[str]:
     """What no exported architecture can express, from the args (each reason with its fix)."""
-    if args.score_func == "sigmoid":
-        return []
-    if args.score_func != "softmax":
+    if args.score_func not in ("softmax", "sigmoid"):
         return [f"model.score_func={args.score_func!r}: only softmax and sigmoid routing export"]
-    if args.route_scale != 1.0:
-        return [f"model.route_scale={args.route_scale} with softmax routing (Mixtral and Qwen2-MoE "
-                "have no routed scaling): train with route_scale=1, or with score_func=sigmoid "
-                "(exported as Glm4MoeForCausalLM, which has routed_scaling_factor)"]
-    return []
+    kind, problems = _kind(args), []
+    arch = LAYOUTS[kind].arch
+    if args.score_func == "softmax" and args.route_scale != 1.0:
+        problems.append(f"model.route_scale={args.route_scale} with softmax routing (Mixtral, "
+                        "Qwen2-MoE and Qwen3-MoE have no routed scaling): train with "
+                        "route_scale=1, or with score_func=sigmoid (exported as "
+                        "Glm4MoeForCausalLM, which has routed_scaling_factor)")
+    if kind == "qwen3_moe" and args.n_shared_experts:
+        problems.append(f"model.n_shared_experts={args.n_shared_experts} with model.qk_norm=true "
+                        "and softmax routing (Qwen3MoeForCausalLM has no shared expert, "
+                        "Qwen2-MoE no QK-norm): train with n_shared_experts=0, qk_norm=false, or "
+                        "score_func=sigmoid (Glm4MoeForCausalLM has both)")
+    for option, what in ATTENTION_WHAT.items():
+        value = getattr(args, option)
+        if value not in (None, False) and option not in ATTENTION_OPTIONS[kind]:
+            problems.append(f"model.{option}={value}: {arch} (this model's layout) has no {what}: "
+                            "train without it, or with the routing of a layout that has it (a "
+                            "window: Mixtral; qkv_bias: Qwen2-MoE, or Glm4Moe under sigmoid "
+                            "routing; qk_norm: Qwen3-MoE, or Glm4Moe)")
+    return problems
 
 
 def export_problems(args: MoEArgs) -> List[str]:
     """Why `python -m apps.moe.hf export` would refuse a model trained with `args`, each reason
-    with its fix; empty when it exports. Sigmoid routing always exports (Glm4Moe); softmax
-    routing exports as Mixtral or Qwen2-MoE, neither of which scales or biases the routing."""
+    with its fix; empty when it exports. Sigmoid routing exports as Glm4Moe; softmax routing as
+    Mixtral, Qwen2-MoE or Qwen3-MoE, none of which scales or biases the routing."""
     problems = _layout_problems(args)
     if args.score_func == "softmax" and args.bias_update_rate > 0:
         # A zero bias would export (save_hf checks the weights), but training makes it non-zero.
         problems.append(f"model.bias_update_rate={args.bias_update_rate} with softmax routing "
-                        "(the expert_bias it learns chooses experts; Mixtral and Qwen2-MoE route "
-                        "without one): train with bias_update_rate=0, or with score_func=sigmoid "
-                        "(DeepSeek-V3's router, exported as Glm4MoeForCausalLM with the bias as "
-                        "e_score_correction_bias)")
+                        "(the expert_bias it learns chooses experts; Mixtral, Qwen2-MoE and "
+                        "Qwen3-MoE route without one): train with bias_update_rate=0, or with "
+                        "score_func=sigmoid (DeepSeek-V3's router, exported as Glm4MoeForCausalLM "
+                        "with the bias as e_score_correction_bias)")
     return problems
 
 
@@ -137,17 +178,12 @@ def layout_for(args: MoEArgs) -> str:
     problems = _layout_problems(args)
     if problems:
         raise ConfigError("save_hf: " + "; ".join(problems) + ".")
-    if args.score_func == "sigmoid":
-        return "glm4_moe"
-    if args.norm_topk and not args.n_shared_experts and not args.n_dense_layers:
-        return "mixtral"  # the simplest and most widely supported layout
-    return "qwen2_moe"
+    return _kind(args)
 
 
 def _shared_names(kind: str, hf: str) -> Dict[str, str]:
     """Our shared-expert FFN weight -> its HF name, in layer block `hf`."""
-    module = "shared_expert" if kind == "qwen2_moe" else "shared_experts"
-    return {w: f"{hf}.{module}.{name}.weight" for w, name in LAYOUTS[kind].proj.items()}
+    return {w: f"{hf}.{SHARED[kind]}.{name}.weight" for w, name in LAYOUTS[kind].proj.items()}
 
 
 def _moe_keys(args: MoEArgs, kind: str, i: int) -> Dict[str, str]:
@@ -158,7 +194,7 @@ def _moe_keys(args: MoEArgs, kind: str, i: int) -> Dict[str, str]:
     if kind == "glm4_moe":
         names[f"layers.{i}.moe.router.expert_bias"] = f"{hf}.gate.e_score_correction_bias"
     # Qwen2-MoE's shared down projection is doubled (QWEN_GATE)
-    if kind != "mixtral" and args.n_shared_experts:
+    if kind in SHARED and args.n_shared_experts:
         for ours, theirs in _shared_names(kind, hf).items():
             names[f"layers.{i}.moe.shared_experts.{ours}.weight"] = theirs
     return names
@@ -170,21 +206,25 @@ ATTENTION_KEYS = {
     "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
     "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+QK_NORM_KEYS = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
 DENSE_FFN_KEYS = {"feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
                   "feed_forward.w2": "mlp.down_proj"}
 
 
 def _plain_keys(args: MoEArgs, kind: str) -> Dict[str, str]:
-    """Our key -> HF key for every tensor copied as it is: embeddings, attention, norms, the dense
-    layers' FFNs, routers and shared experts."""
+    """Our key -> HF key for every tensor copied as it is: embeddings, attention (with its QK-norm
+    and q/k/v biases), norms, the dense layers' FFNs, routers and shared experts."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight",
              "norm.weight": "model.norm.weight"}
     if not args.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
+    attention = {**ATTENTION_KEYS, **(QK_NORM_KEYS if args.qk_norm else {})}
     for i in range(args.n_layers):
         dense = i < args.n_dense_layers
-        for ours, theirs in {**ATTENTION_KEYS, **(DENSE_FFN_KEYS if dense else {})}.items():
+        for ours, theirs in {**attention, **(DENSE_FFN_KEYS if dense else {})}.items():
             names[f"layers.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+        for ours in ("attention.wq", "attention.wk", "attention.wv") if args.qkv_bias else ():
+            names[f"layers.{i}.{ours}.bias"] = f"model.layers.{i}.{ATTENTION_KEYS[ours]}.bias"
         if not dense:
             names.update(_moe_keys(args, kind, i))
     return names
@@ -202,24 +242,28 @@ def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
         "model_type": kind,
         "num_experts_per_tok": args.top_k,
     }
+    # router_aux_loss_coef is HF's training option (read by transformers with
+    # output_router_logits=true); its loss is normalised over all layers at once, unlike ours.
     if kind == "mixtral":
         moe.update(intermediate_size=expert_hidden(args), num_local_experts=args.n_experts,
-                   sliding_window=None, router_jitter_noise=0.0,
+                   sliding_window=args.window, router_jitter_noise=0.0,
                    router_aux_loss_coef=args.aux_loss_coef)
-    elif kind == "qwen2_moe":
+    elif kind in ("qwen2_moe", "qwen3_moe"):
         moe.update(moe_intermediate_size=expert_hidden(args), num_experts=args.n_experts,
-                   shared_expert_intermediate_size=args.n_shared_experts * expert_hidden(args),
                    mlp_only_layers=list(range(args.n_dense_layers)), decoder_sparse_step=1,
-                   norm_topk_prob=args.norm_topk, qkv_bias=False, use_sliding_window=False,
+                   norm_topk_prob=args.norm_topk, use_sliding_window=False,
                    sliding_window=None, router_aux_loss_coef=args.aux_loss_coef)
-        del cfg["attention_bias"]  # Qwen2-MoE's is qkv_bias
+        if kind == "qwen2_moe":   # its attention_bias is qkv_bias
+            moe.update(qkv_bias=args.qkv_bias, shared_expert_intermediate_size=(
+                args.n_shared_experts * expert_hidden(args)))
+            del cfg["attention_bias"]
     else:
         moe.update(moe_intermediate_size=expert_hidden(args), n_routed_experts=args.n_experts,
                    n_shared_experts=args.n_shared_experts,
                    first_k_dense_replace=args.n_dense_layers,
                    norm_topk_prob=args.norm_topk, routed_scaling_factor=args.route_scale,
-                   n_group=1, topk_group=1, use_qk_norm=False, partial_rotary_factor=1.0,
-                   num_nextn_predict_layers=0)
+                   n_group=1, topk_group=1, use_qk_norm=args.qk_norm, partial_rotary_factor=1.0,
+                   num_nextn_predict_layers=0, attention_bias=args.qkv_bias)
     # HF needs none of these; they let load_hf give back the same MoEArgs.
     moe["lingua_moe"] = {"expert_hidden_dim": args.expert_hidden_dim,
                          **{k: getattr(args, k) for k in TRAINING_FIELDS}}
@@ -242,7 +286,7 @@ def _check_bias(bias: torch.Tensor, args: MoEArgs, kind: str, i: int) -> None:
 
 def to_hf(state, args: MoEArgs, dtype: Optional[torch.dtype], layer: Optional[int]) -> dict:
     """Layer `layer`'s tensors (None: embeddings, final norm, head) under their names in the
-    Mixtral, Qwen2-MoE or Glm4Moe layout (see the module docstring)."""
+    layout for `args` (see the module docstring)."""
     kind = layout_for(args)
     names = {o: t for o, t in _plain_keys(args, kind).items() if layer_of(o) == layer}
     out = {theirs: cast(state[ours], dtype) for ours, theirs in names.items()}
@@ -260,7 +304,7 @@ def to_hf(state, args: MoEArgs, dtype: Optional[torch.dtype], layer: Optional[in
         for e in range(stacked.shape[0]):  # HF Linear is [out, in]
             out[f"{hf}.experts.{e}.{name}.weight"] = stacked[e].t()
     like = out[f"{hf}.experts.0.{layout.proj['w1']}.weight"]
-    shared = _shared_names(kind, hf) if kind != "mixtral" else {}
+    shared = _shared_names(kind, hf) if kind in SHARED else {}
     if shared and not args.n_shared_experts:
         # Glm4Moe and Qwen2-MoE always build a shared MLP; width 0 makes it add nothing.
         for w, name in shared.items():
@@ -274,8 +318,8 @@ def to_hf(state, args: MoEArgs, dtype: Optional[torch.dtype], layer: Optional[in
 def save_hf(
     model: Transformer, model_args: MoEArgs, path, dtype: Optional[torch.dtype] = None
 ) -> None:
-    """Write `path/config.json` and the safetensors files (Mixtral, Qwen2-MoE or Glm4Moe layout,
-    see the module docstring)."""
+    """Write `path/config.json` and the safetensors files (the layout for `model_args`, see the
+    module docstring)."""
     lingua_hf.save_hf(model, model_args, path, dtype, to_hf=to_hf, hf_config=hf_config,
                       not_exported=NOT_EXPORTED, where=_where())
 
@@ -287,21 +331,15 @@ def save_hf(
 def _unsupported(cfg: dict, kind: str) -> list:
     """Settings of the HF config that would make its model compute something ours does not."""
     bad = lingua_hf.decoder_problems(cfg)
-    if kind == "mixtral":
-        window = cfg.get("sliding_window")
-        if window is not None and window < cfg.get("max_position_embeddings", 0):
-            bad.append(f"sliding_window={window} (our attention is full causal)")
+    if kind == "mixtral":   # its sliding_window is our model.window
         return bad
-    if kind == "qwen2_moe":
-        return bad + _qwen_unsupported(cfg)
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        return bad + _qwen_unsupported(cfg, kind)
     rope = cfg.get("rope_parameters") or {}
     # 0.5 is HF's default
     partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
     if partial != 1.0:
         bad.append(f"partial_rotary_factor={partial} (our RoPE rotates whole heads)")
-    for key in ("attention_bias", "use_qk_norm"):
-        if cfg.get(key):
-            bad.append(f"{key}=true")
     n_group, topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
     if n_group != topk_group:
         bad.append(f"group-limited routing n_group={n_group}, topk_group={topk_group} (our "
@@ -310,18 +348,30 @@ def _unsupported(cfg: dict, kind: str) -> list:
     return bad
 
 
-def _qwen_unsupported(cfg: dict) -> list:
+def _n_experts(cfg: dict) -> int:
+    # Qwen3MoeConfig's save_pretrained writes num_local_experts; the Hub's files num_experts.
+    return cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+
+
+def _qwen_dense_layers(cfg: dict) -> List[int]:
+    """The layers transformers' Qwen-MoE builds with a dense MLP: those in mlp_only_layers and
+    those whose index + 1 is not a multiple of decoder_sparse_step."""
+    only, step = cfg.get("mlp_only_layers") or [], cfg.get("decoder_sparse_step", 1)
+    return [i for i in range(cfg["num_hidden_layers"])
+            if i in only or _n_experts(cfg) <= 0 or (i + 1) % step]
+
+
+def _qwen_unsupported(cfg: dict, kind: str) -> list:
     bad = []
-    if cfg.get("qkv_bias", True):  # Qwen's default: Qwen1.5-MoE and Qwen2-57B-A14B have them
-        bad.append("qkv_bias=true (q/k/v projection biases; our attention has none)")
+    if kind == "qwen3_moe" and cfg.get("attention_bias"):
+        bad.append("attention_bias=true (biases on q/k/v and o_proj; ours has q/k/v biases only)")
     if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
-        bad.append("sliding-window attention (ours is full causal)")
-    if cfg.get("decoder_sparse_step", 1) != 1:
-        bad.append(f"decoder_sparse_step={cfg['decoder_sparse_step']} (ours: every layer after "
-                   "the dense first ones is MoE)")
-    dense = cfg.get("mlp_only_layers") or []
-    if list(dense) != list(range(len(dense))):
-        bad.append(f"mlp_only_layers={dense} (ours: the first n_dense_layers layers are dense)")
+        bad.append("sliding-window attention (not read for Qwen-MoE: train full causal)")
+    dense = _qwen_dense_layers(cfg)
+    if dense != list(range(len(dense))):
+        bad.append(f"dense layers {dense} from mlp_only_layers={cfg.get('mlp_only_layers')} and "
+                   f"decoder_sparse_step={cfg.get('decoder_sparse_step', 1)} (ours: the first "
+                   "n_dense_layers layers are dense, every later one MoE)")
     expert, shared = cfg.get("moe_intermediate_size"), cfg.get("shared_expert_intermediate_size")
     if expert and shared and shared % expert:
         bad.append(f"shared_expert_intermediate_size={shared} is not a multiple of "
@@ -359,14 +409,13 @@ def _moe_fields(cfg: dict, kind: str) -> dict:
         return {"n_experts": cfg["num_local_experts"], "top_k": cfg["num_experts_per_tok"],
                 "score_func": "softmax", "norm_topk": True, "route_scale": 1.0,
                 "n_shared_experts": 0, "n_dense_layers": 0}
-    if kind == "qwen2_moe":
-        return {"n_experts": cfg["num_experts"], "top_k": cfg["num_experts_per_tok"],
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        shared = (cfg["shared_expert_intermediate_size"] // cfg["moe_intermediate_size"]
+                  if kind == "qwen2_moe" else 0)
+        return {"n_experts": _n_experts(cfg), "top_k": cfg["num_experts_per_tok"],
                 "score_func": "softmax",
                 "norm_topk": bool(cfg.get("norm_topk_prob", False)), "route_scale": 1.0,
-                "n_shared_experts": (
-                    cfg["shared_expert_intermediate_size"] // cfg["moe_intermediate_size"]
-                ),
-                "n_dense_layers": len(cfg.get("mlp_only_layers") or [])}
+                "n_shared_experts": shared, "n_dense_layers": len(_qwen_dense_layers(cfg))}
     return {"n_experts": cfg["n_routed_experts"], "top_k": cfg["num_experts_per_tok"],
             "score_func": "sigmoid",
             "norm_topk": bool(cfg.get("norm_topk_prob", True)),
@@ -379,22 +428,33 @@ def args_from_hf_config(config_path: Path) -> MoEArgs:
     return _args_and_kind(config_path)[0]
 
 
+def _attention_fields(cfg: dict, kind: str) -> dict:
+    """AttentionArgs' options as the layout's config sets them (ATTENTION_OPTIONS)."""
+    if kind == "mixtral":
+        return {"window": cfg.get("sliding_window")}
+    if kind == "qwen2_moe":  # Qwen's default: Qwen1.5-MoE and Qwen2-57B-A14B have the biases
+        return {"qkv_bias": bool(cfg.get("qkv_bias", True))}
+    if kind == "qwen3_moe":
+        return {"qk_norm": True}
+    return {"qk_norm": bool(cfg.get("use_qk_norm")), "qkv_bias": bool(cfg.get("attention_bias"))}
+
+
 def _args_and_kind(config_path: Path) -> Tuple[MoEArgs, str]:
     """(MoEArgs, the config's model_type): the type decides the weight names, and a Qwen2-MoE
     directory whose args Mixtral could also express still has Qwen2-MoE's names."""
     cfg = lingua_hf.read_config(config_path)
     kind = cfg.get("model_type")
     if kind not in LAYOUTS:
+        read = ", ".join(f"{layout.arch} ({name!r})" for name, layout in LAYOUTS.items())
         raise ConfigError(f"{config_path}: model_type {kind!r} is not supported by apps.moe, "
-                          "which reads MixtralForCausalLM ('mixtral'), Qwen2MoeForCausalLM "
-                          "('qwen2_moe') and Glm4MoeForCausalLM ('glm4_moe') directories (dense "
-                          "LlamaForCausalLM ones: apps.llama.hf).")
+                          f"which reads {read} directories (dense Llama, Mistral, Qwen2 and "
+                          "Qwen3 ones: apps.llama.hf; DeepSeek-V3: apps.deepseek.hf).")
     try:
         bad = _unsupported(cfg, kind)
         if bad:
             raise ConfigError(f"{config_path}: {'; '.join(bad)}: not supported by apps.moe.")
         fields = dict(**lingua_hf.decoder_args(cfg, config_path), **_ffn_fields(cfg, kind),
-                      **_moe_fields(cfg, kind))
+                      **_moe_fields(cfg, kind), **_attention_fields(cfg, kind))
     except KeyError as e:
         raise ConfigError(
             f"{config_path} lacks {e}; it is not a complete {LAYOUTS[kind].arch} config."
@@ -422,7 +482,7 @@ def _consumed(names: Dict[str, Path], args: MoEArgs, kind: str) -> set:
                 for e in range(args.n_experts) for p in layout.proj.values()
             }
         # zero-width (what save_hf and HF write), checked on load
-        if kind != "mixtral" and not args.n_shared_experts:
+        if kind in SHARED and not args.n_shared_experts:
             used |= set(_shared_names(kind, hf).values())
         if kind == "qwen2_moe":  # checked zero on load
             used.add(f"{hf}.shared_expert_gate.weight")
@@ -450,9 +510,9 @@ def _ungate_shared(
 
 
 def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transformer, MoEArgs]:
-    """Read a MixtralForCausalLM, Qwen2MoeForCausalLM or Glm4MoeForCausalLM directory into
-    (Transformer on CPU, MoEArgs). dtype None keeps the file's; the routers' expert_bias stays
-    fp32."""
+    """Read a MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or Glm4MoeForCausalLM
+    directory into (Transformer on CPU, MoEArgs). dtype None keeps the file's; the routers'
+    expert_bias stays fp32."""
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -472,7 +532,7 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32) -> Tuple[Transfo
     tensors, origin = read_weights(path)
     tensors = {ours_for(k): t for k, t in tensors.items()}
     origin = {ours_for(k): f for k, f in origin.items()}
-    if kind != "mixtral" and not args.n_shared_experts:
+    if kind in SHARED and not args.n_shared_experts:
         for i in range(args.n_dense_layers, args.n_layers):
             for k in _shared_names(kind, f"model.layers.{i}.mlp").values():
                 if k in tensors and tensors[k].numel():

@@ -1,6 +1,6 @@
 """Hugging Face interop shared by the apps: save_hf, load_hf, export (one safetensors file at a
 time, hf_files) and its command, the decoder's config fields, init_from. Each architecture's hf.py
-(lingua/models/llama/hf.py; apps/moe/hf.py for Mixtral, Qwen2-MoE, GLM-4.5 MoE) holds its key
+(lingua/models/llama/hf.py; apps/moe/hf.py for Mixtral, Qwen2/3-MoE, GLM-4.5 MoE) holds its key
 table, its `to_hf(state, args, dtype, layer)` and its config mapping.
 
 Nothing is dropped silently: every state-dict tensor is mapped or on the app's NOT_EXPORTED list
