@@ -18,6 +18,7 @@ from apps.llama import train as llama_train
 from apps.sft import generate as sft_generate
 from apps.sft import hf as sft_hf
 from apps.sft import train as sft_train
+from lingua.checkpoint import hf_files
 from lingua.errors import ConfigError
 from lingua.models.llama.hf import ARCHITECTURES, load_hf, save_hf
 from tests.test_sft_hf import CONVERSATIONS, write_chat
@@ -158,11 +159,16 @@ def test_the_tokenizer_comes_from_init_from(dirs, tmp_path, caplog):
     assert args.data.tokenizer.path == str(dirs["root"] / "tokenizer.json")
     # Without tokenizer.json: the preset's, said in a warning
     shutil.copyfile(base / "config.json", tmp_path / "config.json")
+    preset = ["config=llama_8b_lora"]   # kind hf
     with caplog.at_level(logging.WARNING):
         args = sft_train.load_config([f"checkpoint.init_from={tmp_path}"], check=False)
     assert args.data.tokenizer.kind == "bytes"
     assert f"{tmp_path} has no tokenizer.json: training reads data with data.tokenizer." \
            "kind=bytes" in caplog.text
+    # The byte tokenizer's export (apps.llama's debug runs) reads back as the byte tokenizer
+    hf_files.byte_tokenizer_json().save(str(tmp_path / "tokenizer.json"))
+    args = sft_train.load_config([f"checkpoint.init_from={tmp_path}", *preset], check=False)
+    assert (args.data.tokenizer.kind, args.data.tokenizer.path) == ("bytes", None)
 
 
 # ---------------------------------------------------------------------------------------------

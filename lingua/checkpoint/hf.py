@@ -474,8 +474,9 @@ def shape_from_init_from(args, argv, args_from_hf_config: Callable) -> None:
     tokenizer_json, tok = Path(path) / "tokenizer.json", args.data.tokenizer
     if any(key == "data.tokenizer" or key.startswith("data.tokenizer.") for key in keys):
         return
-    if tokenizer_json.is_file():
-        tok.kind, tok.path = "hf", str(tokenizer_json)
+    if tokenizer_json.is_file():   # our byte tokenizer's export reads back as itself
+        byte = hf_files.is_byte_tokenizer(tokenizer_json)
+        tok.kind, tok.path = ("bytes", None) if byte else ("hf", str(tokenizer_json))
     elif _rank0():
         logging.getLogger(__name__).warning(
             "warning: %s has no tokenizer.json: training reads data with data.tokenizer.kind=%s "
