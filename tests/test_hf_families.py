@@ -314,3 +314,44 @@ def test_peft_adapter_gives_our_logits(dirs, sft_run, family, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(peft_model(x).logits, ours(x), atol=1e-5, rtol=0)
         assert (hf_model(dirs[family])(x).logits - ours(x)).abs().max() > 1e-3   # adapters moved
+
+
+# ---------------------------------------------------------------------------------------------
+# Continued pretraining (apps.llama) from a family's directory, exported back as that family
+
+
+@pytest.mark.slow   # a trainer run and an export (about 3 s)
+def test_continued_pretraining_trains_and_exports_the_family(dirs, tmp_path):
+    """apps.llama from the Qwen3 directory and a corpus of its tokenizer: nothing else typed. The
+    first step's loss is transformers' mean cross-entropy on that batch; the export is a
+    Qwen3ForCausalLM with the directory's tokenizer beside it and the trained weights."""
+    from apps.llama import hf as llama_hf
+    from lingua.data import build_train_loader, write_memmap_corpus
+    from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
+
+    base = dirs["qwen3"]
+    tok_args = TokenizerArgs("hf", str(base / "tokenizer.json"))
+    texts = (dirs["chat"] / "train.jsonl").read_text().splitlines()
+    corpus = tmp_path / "corpus"
+    write_memmap_corpus(corpus, {"train": iter(texts), "val": iter(texts[:8])},
+                        build_tokenizer(tok_args), tok_args, source="chat lines")
+    argv = [f"dump_dir={tmp_path / 'run'}", f"data.root={corpus}", f"checkpoint.init_from={base}",
+            "data.prepare_embedded=false", "steps=2", "data.seq_len=32", "data.batch_size=4",
+            "eval.every=0", "logging.every=1", "optim.lr=1e-2", "optim.warmup=0",
+            "distributed.model_dtype=fp32"]
+    assert llama_train.main(argv) == 0
+    config = llama_train.load_config(argv)
+    batch = build_train_loader(config.data, 0, 1, config.seed).next_step()[0]
+    with torch.no_grad():
+        logits = hf_model(base)(batch.tokens).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten())
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] == pytest.approx(expected.item(), abs=1e-5)
+
+    out = tmp_path / "export"
+    llama_hf.main(["export", str(tmp_path / "run"), str(out)])
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert (out / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
+    trained, before = hf_model(out).state_dict(), hf_model(base).state_dict()
+    assert trained.keys() == before.keys()
+    assert max((trained[k] - before[k]).abs().max().item() for k in before) > 1e-3

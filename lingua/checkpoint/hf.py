@@ -480,7 +480,8 @@ def shape_from_init_from(args, argv, args_from_hf_config: Callable) -> None:
     elif _rank0():
         logging.getLogger(__name__).warning(
             "warning: %s has no tokenizer.json: training reads data with data.tokenizer.kind=%s "
-            "(path %s); set data.tokenizer.path to the model's tokenizer.", path, tok.kind, tok.path)
+            "(path %s); set data.tokenizer.path to the model's tokenizer.", path, tok.kind,
+            tok.path)
 
 
 def load_init_from(args, app, env):
