@@ -5,10 +5,10 @@ The LLaMA app's model, plans and HF map, started from `checkpoint.init_from` (a 
 directory: its config.json gives model.*, its tokenizer.json data.tokenizer and the chat
 template beside it; lingua/checkpoint/hf.py shape_from_init_from), trained on
 `data.format=chat` (lingua/data/chat.py: only the assistant's tokens count in the loss), with
-LoRA adapters (`lora.rank` > 0; lingua/model/lora.py) or every weight
-(`lora.rank=0`). What is fine-tuning's own lives in this folder: the config schema and its
-checks, the App, the debug inputs (prepare.py), the export (hf.py: merged or a PEFT adapter)
-and chat generation (generate.py).
+LoRA adapters (`lora.rank` > 0; lingua/model/lora.py) or every weight (`lora.rank=0`). What is
+fine-tuning's own lives in this folder: the config schema and its checks, the App, the debug
+inputs (prepare.py), the export (hf.py: merged or a PEFT adapter) and chat generation
+(generate.py).
 """
 
 import sys
