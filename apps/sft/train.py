@@ -129,7 +129,6 @@ def main(argv=None) -> int:
     args = load_config(argv, check=False)
     if args.data.prepare_embedded:
         prepare.ensure_debug_inputs(args, train=base_pretraining)
-        args = load_config(argv, check=False)   # the tokenizer of the base it may have made
     validate(args)
     return run.run(args, APP)
 
