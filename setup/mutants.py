@@ -90,6 +90,20 @@ MUTANTS = [
            "self.rank, self.alpha, self.scale = rank, alpha, alpha / rank",
            "self.rank, self.alpha, self.scale = rank, alpha, alpha / (rank + 1)",
            ("tests/test_sft_hf.py::test_peft_adapter",)),
+    Mutant("lora_drops_the_bias", "a LoRA layer computes without its base Linear's bias (Qwen2's "
+           "q/k/v biases lost in fine-tuning)", "lingua/model/lora.py",
+           "return F.linear(x, self.weight, self.bias) + self.scale * update",
+           "return F.linear(x, self.weight) + self.scale * update",
+           ("tests/test_hf_families.py::test_peft_adapter_gives_our_logits[qwen2]",)),
+    Mutant("qk_norm_after_rope", "Qwen3's QK-norm applied after RoPE, not before (its per-channel "
+           "gain does not commute with the rotation)", "lingua/models/llama/model.py",
+           "            q, k = self.q_norm(q), self.k_norm(k)\n"
+           "        q, k = apply_rope(q, *rope), apply_rope(k, *rope)\n",
+           "            q, k = apply_rope(q, *rope), apply_rope(k, *rope)\n"
+           "            q, k = self.q_norm(q), self.k_norm(k)\n"
+           "        else:\n"
+           "            q, k = apply_rope(q, *rope), apply_rope(k, *rope)\n",
+           ("tests/test_hf_families.py::test_logits_equal_transformers_both_ways[qwen3]",)),
     Mutant("checksum_not_checked", "a checkpoint's CRC-32 computed but never compared",
            "lingua/checkpoint/integrity.py",
            'if crc != files[name]["crc32"]:',

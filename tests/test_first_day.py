@@ -327,7 +327,7 @@ def test_a_config_error_under_torchrun_is_printed_once_and_is_torchruns_root_cau
                         fresh=True)   # torchrun's own store and failure summary
     _assert_reported_once(proc, "model.dim=64 is not divisible by model.n_heads=3: each head "
                                 "gets dim / n_heads channels. Pick n_heads dividing dim (e.g. "
-                                "dim=256 with n_heads=8).")
+                                "dim=256 with n_heads=8), or set model.head_dim.")
     assert not (tmp_path / "run").exists()
 
 

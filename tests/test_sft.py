@@ -96,11 +96,12 @@ def test_a_directory_without_config_json_is_refused(tmp_path):
 
 
 def test_another_architecture_is_refused(debug_config_json, tmp_path):
+    """Llama, Mistral, Qwen2 and Qwen3 are read (tests/test_hf_families.py); Gemma 3 is not."""
     config = json.loads((debug_config_json / "config.json").read_text())
-    config.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    config.update(model_type="gemma3", architectures=["Gemma3ForCausalLM"])
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="holds a MistralForCausalLM .model_type=mistral.; "
-                                          "apps.sft fine-tunes LlamaForCausalLM only"):
+    with pytest.raises(ConfigError, match="model_type='gemma3' is not a family this model reads; "
+                                          "it reads llama, mistral, qwen2, qwen3"):
         validate(tmp_path)
 
 

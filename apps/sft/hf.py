@@ -3,14 +3,16 @@
 `python -m apps.sft.hf export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--adapter-only]`
 
 By default the merged model: every LoRA adapter folded into its base weight (W + alpha/rank B A),
-written as a LlamaForCausalLM directory through the key map below, with the tokenizer
+written as model.family's architecture (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+or Qwen3ForCausalLM: the family init_from was) through the key map below, with the tokenizer
 files, the run's chat template (tokenizer_config.json) and its stop tokens (generation_config.json)
 beside it. With --adapter-only, a PEFT LoRA adapter (adapter_config.json +
 adapter_model.safetensors) for the base model the run started from (checkpoint.init_from):
-`PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), out)`.
+`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)`; the base's own
+weights (Qwen2's q/k/v biases included) stay as they are.
 
-The LLaMA <-> LlamaForCausalLM map is lingua/models/llama/hf.py's, the one apps/llama exports
-with: fine-tuning changes the training, not the architecture.
+The map is lingua/models/llama/hf.py's, the one apps/llama exports with: fine-tuning changes the
+training, not the architecture.
 """
 
 import json
@@ -38,7 +40,7 @@ from lingua.models.llama.model import LlamaArgs, Transformer
 
 COMMAND = lingua_hf.command(__file__)
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."   # PeftModel wraps the LlamaForCausalLM as base_model.model
+PEFT_PREFIX = "base_model.model."   # PeftModel wraps the *ForCausalLM as base_model.model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,9 +149,9 @@ class Merged:
 
 
 def export_merged(ckpt_dir, out_dir, dtype=None) -> LlamaArgs:
-    """The merged model as a LlamaForCausalLM directory: lingua_hf.export reads the adapted
-    model's tensors file by file (the frozen base from the directory base.json names), merges
-    them and names them through the llama key map."""
+    """The merged model as a Hugging Face directory of model.family: lingua_hf.export reads the
+    adapted model's tensors file by file (the frozen base from the directory base.json names),
+    merges them and names them through the llama key map."""
     from lingua.checkpoint import read_run_config
 
     run_config = read_run_config(ckpt_dir)

@@ -1,11 +1,14 @@
-"""Fine-tune a Hugging Face Llama on conversations: `python -m apps.sft.train [config=PRESET] ...`.
+"""Fine-tune a Hugging Face Llama, Mistral, Qwen2/2.5 or Qwen3 on conversations:
+`python -m apps.sft.train checkpoint.init_from=DIR data.root=CHAT [config=PRESET] ...`.
 
 The LLaMA app's model, plans and HF map, started from `checkpoint.init_from` (a Hugging Face
-directory), trained on `data.format=chat` (lingua/data/chat.py: only the assistant's tokens
-count in the loss), with LoRA adapters (`lora.rank` > 0; lingua/model/lora.py) or every weight
-(`lora.rank=0`). What is fine-tuning's own lives in this folder: the config schema and its
-checks, the App, the debug inputs (prepare.py), the export (hf.py: merged or a PEFT adapter)
-and chat generation (generate.py).
+directory: its config.json gives model.*, its tokenizer.json data.tokenizer and the chat
+template beside it; lingua/checkpoint/hf.py shape_from_init_from), trained on
+`data.format=chat` (lingua/data/chat.py: only the assistant's tokens count in the loss), with
+LoRA adapters (`lora.rank` > 0; lingua/model/lora.py) or every weight (`lora.rank=0`). What is
+fine-tuning's own lives in this folder: the config schema and its checks, the App, the debug
+inputs (prepare.py), the export (hf.py: merged or a PEFT adapter) and chat generation
+(generate.py).
 """
 
 import sys
@@ -19,7 +22,7 @@ from lingua.checkpoint import hf as lingua_hf
 from lingua.launch import run
 from lingua.model import lora
 from lingua.model.lora import LoRAArgs
-from lingua.models.llama.hf import args_from_hf_config, export_problems, load_hf
+from lingua.models.llama.hf import ARCHITECTURES, args_from_hf_config, export_problems, load_hf
 from lingua.models.llama.model import LlamaArgs, Transformer, validate_model_args
 from lingua.models.llama.parallelize import (
     parallelize_llama,
@@ -30,7 +33,7 @@ from lingua.models.llama.parallelize import (
 from lingua.parallel.tensor_parallel import lora_tp_plans
 from lingua.train.app import App
 
-ARCHITECTURE = "LlamaForCausalLM"
+FAMILIES = ", ".join(ARCHITECTURES.values())   # what lingua/models/llama reads
 
 
 @dataclass
@@ -45,28 +48,22 @@ config.register_schema("sft_schema", TrainArgs)
 
 
 def check_init_from(args: TrainArgs) -> None:
-    """checkpoint.init_from is a Llama directory whose weights have model.*'s shapes: said now,
-    not after the process group and the model exist."""
+    """checkpoint.init_from is a directory of a family lingua/models/llama reads (its
+    args_from_hf_config refuses any other, naming them) whose weights have model.*'s shapes: said
+    now, not after the process group and the model exist."""
     path = args.checkpoint.init_from
     config.require(path is not None,
                    "apps.sft fine-tunes a Hugging Face checkpoint, and checkpoint.init_from is not "
                    "set. Set checkpoint.init_from=DIR, a directory with config.json and "
-                   "*.safetensors (e.g. a Llama 3 8B Instruct download).")
+                   "*.safetensors (e.g. a Llama 3.1 8B Instruct or Qwen3 0.6B download).")
     config.require(Path(path).exists(),
                    f"checkpoint.init_from={path} does not exist. Point it at a Hugging Face "
-                   f"model directory ({ARCHITECTURE}: config.json and *.safetensors), e.g. the "
+                   f"model directory ({FAMILIES}: config.json and *.safetensors), e.g. the "
                    f"output of `python -m apps.llama.hf export`.")
     config_json = Path(path) / "config.json"
     config.require(config_json.is_file(),
                    f"checkpoint.init_from={path} has no config.json: it is not a Hugging Face "
-                   f"model directory. Point it at one ({ARCHITECTURE}).")
-    hf_config = lingua_hf.read_config(config_json)
-    archs = hf_config.get("architectures") or []
-    config.require(hf_config.get("model_type") == "llama" and ARCHITECTURE in archs,
-                   f"checkpoint.init_from={path} holds a {', '.join(archs) or 'model'} "
-                   f"(model_type={hf_config.get('model_type')}); apps.sft fine-tunes "
-                   f"{ARCHITECTURE} only. Give a Llama directory, or fork apps/sft with your "
-                   f"architecture's app (model, parallelize, hf).")
+                   f"model directory. Point it at one ({FAMILIES}).")
     theirs = config.to_dict(args_from_hf_config(config_json))
     ours = config.to_dict(args.model)
     differing = {k: (ours[k], theirs.get(k)) for k in ours

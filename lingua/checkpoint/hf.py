@@ -197,11 +197,14 @@ def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: 
 def warn_unexportable(problems: List[str], command: str) -> None:
     """One warning line (rank 0) at the start of a run whose checkpoints `command` will refuse
     for `problems` (the app's `export_problems(model_args)`, which the export refuses with)."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before any process group
-    if problems and int(rank) == 0:
+    if problems and _rank0():
         logging.getLogger(__name__).warning(
             "warning: %s export will refuse this run's checkpoints: %s. Training goes on; change "
             "those options now if you need a Hugging Face model.", command, "; ".join(problems))
+
+
+def _rank0() -> bool:   # before any process group
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
 
 
 def refuse_unexportable(problems: List[str], command: str, ckpt_dir) -> None:
@@ -455,18 +458,30 @@ RUNTIME_KEYS = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_
 
 def shape_from_init_from(args, argv, args_from_hf_config: Callable) -> None:
     """With checkpoint.init_from a Hugging Face directory, model.* takes its config.json's shape
-    (`args_from_hf_config`, which refuses a family the app does not read): nothing is typed. A
-    key the command line sets is kept, so that the check against the weights names it."""
+    (`args_from_hf_config`, which refuses a family the app does not read) and data.tokenizer its
+    tokenizer.json (kind hf: the chat template beside it comes with it): nothing is typed. A key
+    the command line sets is kept, so that the check against the weights names it."""
     path = args.checkpoint.init_from
     config_json = Path(path) / "config.json" if path is not None else None
     if config_json is None or not config_json.is_file():
         return   # the app's checks say what is wrong (or apps/sft's debug inputs make it first)
     argv = sys.argv[1:] if argv is None else argv
-    keys = (item.lstrip("+").split("=", 1)[0] for item in argv if "=" in item)
+    keys = {item.lstrip("+").split("=", 1)[0] for item in argv if "=" in item}
     given = {key.removeprefix("model.") for key in keys if key.startswith("model.")}
     for key, value in config.to_dict(args_from_hf_config(config_json)).items():
         if key not in RUNTIME_KEYS and key not in given:
             setattr(args.model, key, value)
+    tokenizer_json, tok = Path(path) / "tokenizer.json", args.data.tokenizer
+    if any(key == "data.tokenizer" or key.startswith("data.tokenizer.") for key in keys):
+        return
+    if tokenizer_json.is_file():   # our byte tokenizer's export reads back as itself
+        byte = hf_files.is_byte_tokenizer(tokenizer_json)
+        tok.kind, tok.path = ("bytes", None) if byte else ("hf", str(tokenizer_json))
+    elif _rank0():
+        logging.getLogger(__name__).warning(
+            "warning: %s has no tokenizer.json: training reads data with data.tokenizer.kind=%s "
+            "(path %s); set data.tokenizer.path to the model's tokenizer.", path, tok.kind,
+            tok.path)
 
 
 def load_init_from(args, app, env):

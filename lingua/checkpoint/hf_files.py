@@ -160,6 +160,15 @@ def byte_tokenizer_json():
     return tok
 
 
+def is_byte_tokenizer(path: Path) -> bool:
+    """Whether a tokenizer.json is byte_tokenizer_json: what an export of a byte-tokenized run
+    writes, which init_from then reads as data.tokenizer.kind=bytes (its corpora match)."""
+    from tokenizers import Tokenizer as HFTok
+
+    ours = byte_tokenizer_json().to_str()
+    return path.stat().st_size < 4 * len(ours) and HFTok.from_file(str(path)).to_str() == ours
+
+
 def _bytes_to_unicode() -> Dict[int, str]:
     # GPT-2's printable stand-ins for bytes, the mapping `tokenizers`' ByteLevel uses.
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \

@@ -288,11 +288,14 @@ class ChatLoader(Loader):
         rows = len(self._rows_of_epoch(0))
         global_batch = args.batch_size * dp_size * args.grad_accum
         if dp_rank == 0:
+            tok = args.tokenizer
             logger.info("chat data: %d conversations (%d cut to a row of data.seq_len+1 = %d "
                         "tokens: %d inputs and the last one's target; %d lines skipped: %s), %d "
-                        "rows in the first epoch", len(self.convs), self.truncated_samples,
-                        self.row_len, args.seq_len, self.counter.count,
-                        self.counter.nonzero, rows)
+                        "rows in the first epoch; the %s tokenizer%s (%d tokens), template: %s",
+                        len(self.convs), self.truncated_samples, self.row_len, args.seq_len,
+                        self.counter.count, self.counter.nonzero, rows, tok.kind,
+                        f" {tok.path}" if tok.path else "", self.tokenizer.vocab_size,
+                        ChatTemplate.from_args(args).source)
             if rows < global_batch:
                 logger.warning("chat data: %d rows an epoch, fewer than the global batch of %d "
                                "(data.batch_size x data-parallel ranks x data.grad_accum): every "
