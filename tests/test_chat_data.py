@@ -188,6 +188,32 @@ def test_hf_template_renders_as_transformers_and_counts_each_assistant_turn(tmp_
     assert [i for i, c in zip(ids, counted) if c] == b("4") + [eot] + b("6") + [eot]
 
 
+# Qwen3's rule, written small: an assistant turn after the last user message gets an empty
+# <think> block, earlier ones lose it, so a render of messages[:i+1] is no prefix of the whole.
+THINK_DROPPING = (
+    "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}{%- for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{%- if m['role'] == 'assistant' and loop.index0 > ns.last %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{{ m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_counts_each_turns_content_and_closing(tmp_path):
+    """Qwen3's own template (multi-turn conversations): each assistant turn counts its content and
+    its <|im_end|>, the last one also its empty think block, and nothing of the user's (who here
+    quotes the first answer)."""
+    jinja = tmp_path / "qwen3_like.jinja"
+    jinja.write_text(THINK_DROPPING)
+    template = ChatTemplate.from_args(chat_args(tmp_path, template=str(jinja)))
+    msgs = [{"role": "user", "content": "say ok"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "and again?"}, {"role": "assistant", "content": "ok!"}]
+    ids, counted = template.encode(msgs, TOK)
+    assert ids == b(template.render(msgs)) and b"</think>" in bytes(ids)
+    assert bytes(i for i, c in zip(ids, counted) if c) == (
+        b"ok<|im_end|>\n<think>\n\n</think>\n\nok!<|im_end|>\n")
+
+
 def test_template_files_are_found_and_a_jinja_file_works_with_the_byte_tokenizer(tmp_path):
     hf_dir = write_hf_tokenizer(tmp_path / "tok")
     hf = TokenizerArgs("hf", str(hf_dir / "tokenizer.json"))
@@ -216,12 +242,12 @@ def test_special_tokens_are_read_as_text_or_added_token_form():
     assert chat_template._special_tokens(config) == {"bos_token": "<s>", "eos_token": "<|im_end|>"}
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+def test_a_template_whose_turns_cannot_be_found_is_refused(tmp_path):
     jinja = tmp_path / "reverse.jinja"   # renders the messages last first: no prefix chain
     jinja.write_text("{% for m in messages|reverse %}{{ m['content'] }}|{% endfor %}")
     template = ChatTemplate.from_args(chat_args(tmp_path, template=str(jinja)))
     msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-    with pytest.raises(ConfigError, match=f"chat template {jinja} does not render"):
+    with pytest.raises(ConfigError, match=f"chat template {jinja} renders assistant turn 1 of"):
         template.encode(msgs, TOK)
 
 

@@ -7,9 +7,10 @@ data.tokenizer.kind=hf and it has a template, else the built-in one: BOS, then
 "<|role|>\\n{content}\\n" a message, an assistant's closed by EOS instead of "\\n" (BOS and EOS
 are ids, not text); its generation prompt is "<|assistant|>\\n". A Jinja template renders as
 transformers' apply_chat_template does, and an assistant's turn is what rendering messages[:i+1]
-adds to messages[:i] with the generation prompt (each render must extend the one before). The
-texts of bos_token and eos_token (`<s>` and `</s>` without a tokenizer_config.json, the byte
-tokenizer's names in its export) encode as the tokenizer's BOS and EOS ids wherever written.
+adds to messages[:i] with the generation prompt; where a template rewrites earlier turns (Qwen3
+drops their reasoning), its content in the whole render through the closing it gets as the last
+turn. The texts of bos_token and eos_token (`<s>` and `</s>` without a tokenizer_config.json, the
+byte tokenizer's names in its export) encode as the tokenizer's BOS and EOS ids wherever written.
 """
 
 import json
@@ -84,23 +85,39 @@ class ChatTemplate:
 
     def _pieces(self, messages: List[dict], add_generation_prompt: bool) -> List[Piece]:
         full = self.render(messages, add_generation_prompt)
-        pieces, done = [], 0
+        pieces, done, seen = [], 0, 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             before, after = self.render(messages[:i], True), self.render(messages[:i + 1])
-            if not (before.startswith(full[:done]) and after.startswith(before)
-                    and full.startswith(after)):
-                raise ConfigError(
-                    f"The chat template {self.source} does not render a conversation as a "
-                    f"sequence of turns that each extend the text before (as rendered with "
-                    f"messages[:{i}] and the generation prompt, then messages[:{i + 1}]; a "
-                    f"template that rewrites earlier turns, such as one dropping old reasoning, "
-                    f"does this), so the assistant's tokens cannot be found. Use another "
-                    f"template (data.chat.template), or unset it for the built-in one.")
-            pieces += [(full[done:len(before)], False), (full[len(before):len(after)], True)]
-            done = len(after)
+            if before.startswith(full[:done]) and after.startswith(before) and \
+                    full.startswith(after):
+                start, end = len(before), len(after)
+            else:   # the template rewrites earlier turns (Qwen3 drops their <think> blocks)
+                start, end = self._turn_in(full, messages[seen:i], message, after, done, i)
+            pieces += [(full[done:start], False), (full[start:end], True)]
+            done, seen = end, i + 1
         return pieces + [(full[done:], False)]
+
+    def _turn_in(self, full: str, prompt: List[dict], message: dict, alone: str, done: int,
+                 i: int) -> Tuple[int, int]:
+        """Where assistant turn i lies in `full`: its content, found after the messages before it,
+        through the closing its own render (`alone`, where it is the last turn) writes after it."""
+        at = done
+        for m in prompt:   # past the user's (and system's) text, which may quote the answer
+            at = max(at, full.find(m["content"].strip(), at) + len(m["content"].strip()))
+        content = message["content"].strip()
+        start = full.find(content, at)
+        closing = alone[alone.rfind(content) + len(content):]
+        if not content or start < 0 or content not in alone or \
+                not full.startswith(closing, start + len(content)):
+            raise ConfigError(
+                f"The chat template {self.source} renders assistant turn {i} of a conversation "
+                f"neither as an extension of the turns before it nor as its content followed by "
+                f"the closing it writes when that turn is the last, so the assistant's tokens "
+                f"cannot be found. Use another template (data.chat.template), or unset it for the "
+                f"built-in one.")
+        return start, start + len(content) + len(closing)
 
     def _encode_text(self, text: str, tokenizer: Tokenizer) -> List[int]:
         specials = {self.special["eos_token"]: tokenizer.eos_id,
