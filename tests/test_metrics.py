@@ -12,11 +12,12 @@ def test_flops_per_token_counts_linears_and_attention():
     model.proj = torch.nn.Linear(8, 16, bias=False)
     model.output = torch.nn.Linear(8, 100, bias=False)
     n_matmul = 8 * 16 + 8 * 100  # embeddings excluded: a lookup is not a matmul
-    assert (metrics.flops_per_token(model, n_layers=2, dim=8, seq_len=32)
+    assert (metrics.flops_per_token(model, n_layers=2, attn_width=8, seq_len=32)
             == 6 * n_matmul + 12 * 2 * 8 * 32)
     del model.output
     model.output = None
-    tied = metrics.flops_per_token(model, n_layers=2, dim=8, seq_len=32, tied_embeddings=True)
+    tied = metrics.flops_per_token(model, n_layers=2, attn_width=8, seq_len=32,
+                                  tied_embeddings=True)
     assert tied == 6 * (8 * 16 + 100 * 8) + 12 * 2 * 8 * 32
 
 
@@ -50,6 +51,23 @@ def test_llama_flops_per_token_match_a_hand_count():
     with torch.device("meta"):
         model = Transformer(tied)
     assert metrics.flops_per_token(model, 2, 64, 64, tied_embeddings=True) == expected
+
+
+def test_attention_flops_count_the_heads_width_not_dim(corpus, tmp_path):
+    """Qwen3's heads are not dim / n_heads wide: q, k, v, wo and attention's QK^T and AV use
+    n_heads x head_dim (the planner's count, the trainer's expression)."""
+    from lingua.launch import plan as planner
+
+    shape = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+             "model.head_dim=24", "model.qk_norm=true", "model.family=qwen3",
+             "model.vocab_size=258", "model.multiple_of=32", "data.seq_len=64"]
+    p = planner.plan("apps.llama.train", [f"data.root={corpus}", "data.prepare_embedded=false",
+                                          f"dump_dir={tmp_path / 'run'}", *shape], 1,
+                     device_type="cpu")
+    width = 4 * 24
+    attention = 2 * 64 * width + 2 * 64 * 2 * 24                     # wq, wo; wk, wv (GQA)
+    n = 2 * (attention + 3 * 64 * 192) + 64 * 258
+    assert p.flops_per_token == 6 * n + attention_flops(2, width, 64)
 
 
 def test_moe_flops_per_token_count_active_experts_only():
