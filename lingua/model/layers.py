@@ -411,10 +411,12 @@ class KVCache:
     """Keys/values of the positions seen so far, per attention layer (keyed like `layers`). A
     layer's buffers are made at its first update, shaped like what it caches (under TP a rank
     holds n_kv_heads / tp heads, which only the layer's output knows; MLA caches its latent and
-    rope key, apps/deepseek)."""
+    rope key, apps/deepseek). A recurrent layer keeps its state in `states[key]`, a dict of its own
+    (apps/qwen3_next: the convolution's last inputs and the delta rule's state)."""
 
     def __init__(self, layer_keys, batch: int, max_len: int):
         self.kv: Dict[str, Optional[Tuple[torch.Tensor, torch.Tensor]]] = dict.fromkeys(layer_keys)
+        self.states: Dict[str, dict] = {key: {} for key in self.kv}
         self.batch, self.max_len = batch, max_len
         self.pos = 0  # positions already cached; the next token's absolute position
 
