@@ -171,6 +171,11 @@ MUTANTS = [
            '"norm_topk": bool(cfg.get("norm_topk_prob", False)),',
            '"norm_topk": kind == "qwen2_moe" and bool(cfg.get("norm_topk_prob", False)),',
            ("tests/test_moe_hf.py::test_qwen3_moe_to_ours_and_back",)),
+    Mutant("router_combine_detached", "the router learns nothing: its combine weights carry no "
+           "gradient (training from a Qwen3-MoE directory against transformers + AdamW)",
+           "lingua/model/moe.py",
+           "weights = scores.gather(-1, experts)", "weights = scores.detach().gather(-1, experts)",
+           ("tests/test_moe_hf.py::test_continued_pretraining_from_a_qwen3_moe_directory",)),
 ]
 
 

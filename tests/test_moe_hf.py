@@ -257,29 +257,75 @@ def test_qwen3_moe_refuses_what_ours_cannot_compute(qwen3_dir, tmp_path):
             load_hf(tmp_path)
 
 
+# The reference loop's optimizer, as the run below is given it (optim.*): torch's AdamW with decay
+# on matrices only (the router's and the experts' too), clipping at norm 1, and the lr factor of
+# each step under warmup=1 and cosine to 0.1: (step + 1) / 2, then 0.1 + 0.9 * (1 + cos(pi *
+# (step - 1) / 2)) / 2. eps 1e-6: at 1e-8 a weight with a ~0 gradient moves by float noise / eps
+# (the experts' weights then end 6e-6 apart, not 1.4e-6).
+LR, WD, EPS, FACTORS = 3e-3, 0.1, 1e-6, [0.5, 1.0, 0.55]
+
+
 def test_continued_pretraining_from_a_qwen3_moe_directory(qwen3_dir, corpus, tmp_path):
-    """checkpoint.init_from=<dir> with only the data and the run typed: model.* is the
-    directory's (over the debug preset's), and the first step's loss is transformers' own loss
-    on that batch."""
+    """checkpoint.init_from=<dir> with only the data, the run and its optimizer typed: model.* is
+    the directory's (over the debug preset's, whose balancing losses it turns off). Three steps in
+    fp32 equal transformers' Qwen3MoeForCausalLM (no router aux loss) trained by torch's AdamW on
+    the same batches: each step's loss is its mean cross-entropy over the batch's tokens, and the
+    run's export reads back in transformers as the reference's weights."""
+    from apps.moe import hf as moe_hf
     from apps.moe import train
     from lingua import config, data
     from lingua.checkpoint.hf import RUNTIME_KEYS
-    from lingua.model.loss import token_loss_sum
 
-    hf, path = qwen3_dir
+    _, path = qwen3_dir
     dump = tmp_path / "run"
     argv = [f"checkpoint.init_from={path}", f"dump_dir={dump}", f"data.root={corpus}",
             "data.prepare_embedded=false", "data.seq_len=64", "data.batch_size=2",
-            "data.val_sequences=8", "steps=1", "checkpoint.every=0", "eval.every=0"]
+            "data.val_sequences=8", f"steps={len(FACTORS)}", "checkpoint.every=0", "eval.every=0",
+            "eval.at_end=false", "logging.every=1", "distributed.model_dtype=fp32",
+            f"optim.lr={LR}", "optim.warmup=1",
+            "optim.scheduler=cosine", "optim.lr_min_ratio=0.1", f"optim.weight_decay={WD}",
+            f"optim.eps={EPS}", "optim.beta1=0.9", "optim.beta2=0.95", "optim.clip=1.0",
+            # Routing is discontinuous: the preset's seed 42 draws batches where a token's 3rd
+            # and 4th expert probabilities are 3e-6 apart; seed 54's closest are 3e-4 apart.
+            "seed=54"]
     args = train.load_config(argv)
     expected = config.to_dict(args_from_hf_config(path / "config.json"))
     assert {k: v for k, v in config.to_dict(args.model).items() if k not in RUNTIME_KEYS} == {
         k: v for k, v in expected.items() if k not in RUNTIME_KEYS}
+    assert (args.model.aux_loss_coef, args.model.z_loss_coef, args.model.bias_update_rate) == (
+        0, 0, 0)
     assert train.main(argv) == 0
-    (batch,) = data.build_train_loader(args.data, 0, 1, args.seed).next_step()
-    with torch.no_grad():
-        loss = token_loss_sum(hf(batch.tokens).logits, batch.labels).item() / batch.labels.numel()
-    assert read_metrics(dump)[0]["loss"] == pytest.approx(loss, rel=1e-5)
+
+    reference = Qwen3MoeForCausalLM.from_pretrained(path).train()
+    assert not reference.config.output_router_logits   # its loss is the cross-entropy alone
+    params = list(reference.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=EPS)
+    loader = data.build_train_loader(args.data, 0, 1, args.seed)
+    losses = []
+    for factor in FACTORS:
+        (batch,) = loader.next_step()
+        logits = reference(batch.tokens).logits   # labels are the tokens shifted: no HF shift
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten())
+        loss.backward()
+        losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for group in opt.param_groups:
+            group["lr"] = LR * factor
+        opt.step()
+        opt.zero_grad()
+    assert [r["loss"] for r in read_metrics(dump) if "loss" in r] == pytest.approx(
+        losses, rel=0, abs=1e-5)
+
+    moe_hf.main(["export", str(dump), str(tmp_path / "out")])
+    exported = dict(Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out").named_parameters())
+    base = dict(Qwen3MoeForCausalLM.from_pretrained(path).named_parameters())
+    assert exported.keys() == base.keys()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(exported[name], p, atol=1e-5, rtol=0, msg=name)
+    moved = max((p - base[n]).abs().max().item() for n, p in reference.named_parameters())
+    assert moved > 1e-3   # the steps changed the weights: equal is not equal to the base
 
 
 def test_glm4_parity_is_not_vacuous(tmp_path):
