@@ -101,7 +101,8 @@ def validate_model_args(args: Qwen3NextArgs) -> None:
         raise ConfigError(
             f"model.linear_value_heads={args.linear_value_heads} is not a multiple of "
             f"model.linear_key_heads={args.linear_key_heads}: each key head serves the same "
-            "number of value heads in the Gated DeltaNet. Pick value heads a multiple of key heads.")
+            "number of value heads in the Gated DeltaNet. Make the value heads a multiple of the "
+            "key heads.")
     rot = rotary_dim(args)
     if not 0 < args.partial_rotary_factor <= 1 or rot <= 0 or rot % 2:
         raise ConfigError(
