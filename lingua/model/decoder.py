@@ -17,8 +17,9 @@ What the rest of lingua relies on, and a fork keeps (checked at start by `check_
   keyword arguments named by the model's `stage_outputs` (apps/moe: the balancing losses).
 - `init_weights(buffer_device=None)` (re)initialises every parameter and buffer after `to_empty`;
   each layer's `init_weights(std, out_std)` its own weights.
-- every layer is called as `layer(h, rope, mask, cache)` and attends through
-  `lingua.model.layers.CoreAttention` (context parallelism swaps it; the probe hooks it).
+- every layer is called as `layer(h, rope, mask, cache)`; softmax attention goes through
+  `lingua.model.layers.CoreAttention` (context parallelism swaps it; the probe hooks it). A
+  recurrent layer keeps its decoding state in `cache.states` (apps/qwen3_next).
 - `mask_spec`, a lingua.model.masks.AttentionMask: what attention may see (plain causal unless
   the model sets another, e.g. a sliding window); every backend and context parallelism build
   their masks from it.
