@@ -9,6 +9,7 @@ What each test would catch:
      waits for the GPU more than once a step (the step's tally)
 """
 
+import functools
 import importlib.util
 
 import pytest
@@ -45,7 +46,8 @@ def test_fla_rule_equals_the_torch_chunked_rule_forward_and_backward():
     state = torch.randn(b, hv, d, d, device="cuda") * 0.1
     do = torch.randn(b, s, hv, d, device="cuda")
     results = []
-    for rule, dtype in ((chunk_gated_delta_rule, torch.float32), (_fla_rule, torch.bfloat16)):
+    fla = functools.partial(_fla_rule, keep_state=True)
+    for rule, dtype in ((chunk_gated_delta_rule, torch.float32), (fla, torch.bfloat16)):
         inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
         gates = [g.clone().requires_grad_(), beta.to(dtype).requires_grad_()]
         o, final = rule(*inputs, *gates, state.clone())
