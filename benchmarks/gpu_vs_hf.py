@@ -1,7 +1,8 @@
 """Tokens/s of our trainer against a Hugging Face training loop on the same model, on one CUDA GPU
 in bf16; also peak memory and MFU of each side.
 
-    python benchmarks/gpu_vs_hf.py [--shapes 8B-wide,1B,moe,deepseek] [--no-moe] [--rounds 2]
+    python benchmarks/gpu_vs_hf.py [--shapes 8B-wide,1B,moe,deepseek,qwen3-next] [--no-moe]
+        [--rounds 2]
         [--float8 tensorwise|rowwise|tensorwise,rowwise] [--float8-shapes 8B-wide]
         [--warmup 10] [--steps 20] [--ours compiled|eager|compiled,eager] [--ours-eager]
         [--hf compiled,eager|none] [--hf-experts default,eager] [--out results.json]
@@ -31,10 +32,13 @@ between steps, logging included).
 
 Shapes: "8B-wide" (the headline: Llama 3 8B's width with 8 of its layers, 2 x 4096 tokens), "1B",
 "moe", "deepseek" (DeepSeek-V3's width, MLA and routing, two layers, against
-DeepseekV3ForCausalLM), "125M", and tiny ones for the CPU tests. `--float8 RECIPE` runs each of
-our sides a second time with distributed.float8=RECIPE, in the same round, and reports
-float8/bf16 tokens/s; MFU
-stays over the bf16 peak for both (as torchtitan reports it), so float8's MFU can pass bf16's.
+DeepseekV3ForCausalLM), "qwen3-next" (Qwen3-Next-80B-A3B's width, 3 Gated DeltaNet layers and
+one gated full attention, 64 of its 512 experts, against Qwen3NextForCausalLM; ours with
+model.linear_kernel=fla, and transformers takes flash-linear-attention's kernels too where fla
+imports: `pip install fla-core`), "125M", and tiny ones for the CPU tests. `--float8 RECIPE`
+runs each of our sides a second time with distributed.float8=RECIPE, in the same round, and
+reports float8/bf16 tokens/s; MFU stays over the bf16 peak for both (as torchtitan reports
+it), so float8's MFU can pass bf16's.
 
 Hugging Face: `python benchmarks/gpu_vs_hf.py hf ...`, doing one `transformers.Trainer` step
 with bf16=True: LlamaForCausalLM / MixtralForCausalLM (attn_implementation="sdpa") built from the
@@ -102,7 +106,7 @@ from trainer_vs_hf import follow_trainer, hf_optimizer  # noqa: E402  (shared wi
 
 @dataclass(frozen=True)
 class Shape:
-    app: str        # "llama" | "moe" | "deepseek": apps.<app>.train and its model args
+    app: str        # "llama" | "moe" | "deepseek" | "qwen3_next": apps.<app>.train, its args
     model: dict     # model.* of the run (the dataclass's fields)
     seq_len: int
     batch: int
@@ -142,6 +146,12 @@ SHAPES = {
     "deepseek": Shape("deepseek", {**_preset_model("deepseek", "deepseek_v3_671b"), "n_layers": 2,
                                    "n_dense_layers": 1, "n_experts": 32, "mtp_depth": 0,
                                    "max_seq_len": 4096}, 4096, 1),
+    # Qwen3-Next-80B-A3B's width and layer kinds (configs/qwen3_next/qwen3_next_80b_a3b.yaml's
+    # model) on 4 layers (3 Gated DeltaNet, 1 gated full attention) of 64 experts instead of 512,
+    # no balancing loss (HF's side has none with output_router_logits=False): 1.57B parameters.
+    "qwen3-next": Shape("qwen3_next", {**_preset_model("qwen3_next", "qwen3_next_80b_a3b"),
+                                       "n_layers": 4, "n_experts": 64, "aux_loss_coef": 0.0,
+                                       "max_seq_len": 4096, "linear_kernel": "fla"}, 4096, 1),
     # For the tests (CPU).
     "tiny": Shape("llama", dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
                                 multiple_of=32, max_seq_len=64), 64, 2),
@@ -154,6 +164,10 @@ SHAPES = {
         dim=64, n_layers=2, vocab_size=512, max_seq_len=64, q_lora_rank=32, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, dense_hidden_dim=128,
         expert_hidden_dim=32, mtp_depth=0)}, 64, 2),
+    "tiny-qwen3-next": Shape("qwen3_next", {**_preset_model("qwen3_next", "debug"), **dict(
+        dim=64, n_layers=4, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+        vocab_size=512, max_seq_len=128, expert_hidden_dim=32, shared_expert_hidden_dim=32,
+        aux_loss_coef=0.0, z_loss_coef=0.0)}, 128, 2),
 }
 DEFAULT_SHAPES = "8B-wide,1B,moe,deepseek"
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")   # distributed.float8
@@ -175,6 +189,10 @@ def model_args(shape: Shape):
         from apps.deepseek.model import DeepSeekArgs
 
         return from_dict(DeepSeekArgs, shape.model)
+    if shape.app == "qwen3_next":
+        from apps.qwen3_next.model import Qwen3NextArgs
+
+        return from_dict(Qwen3NextArgs, shape.model)
     from lingua.models.llama.model import LlamaArgs
 
     return from_dict(LlamaArgs, shape.model)
@@ -186,6 +204,8 @@ def our_model(shape: Shape):
         from apps.moe.model import Transformer
     elif shape.app == "deepseek":
         from apps.deepseek.model import Transformer
+    elif shape.app == "qwen3_next":
+        from apps.qwen3_next.model import Transformer
     else:
         from lingua.models.llama.model import Transformer
     return Transformer(model_args(shape))
@@ -205,6 +225,13 @@ def flops_per_token(shape: Shape) -> float:
         from apps.deepseek.model import flops_per_token as deepseek_flops
 
         return deepseek_flops(args, shape.seq_len)
+    if shape.app == "qwen3_next":
+        from apps.qwen3_next.train import TrainArgs
+        from apps.qwen3_next.train import flops_per_token as qwen3_next_flops
+
+        train_args = TrainArgs(model=args)
+        train_args.data.seq_len = shape.seq_len
+        return qwen3_next_flops(train_args)
     from lingua.observe.metrics import flops_per_token as dense_flops
 
     with torch.device("meta"):
@@ -229,6 +256,10 @@ def hf_config(shape: Shape):
         from apps.deepseek.hf import hf_config as deepseek_config
 
         cfg = deepseek_config(model_args(shape), torch.float32)
+    elif shape.app == "qwen3_next":
+        from apps.qwen3_next.hf import hf_config as qwen3_next_config
+
+        cfg = qwen3_next_config(model_args(shape), torch.float32)
     else:
         from lingua.models.llama.hf import llama_hf_config
 
@@ -272,7 +303,7 @@ def hf_side(shape: Shape, mode: str, experts: str, device: str, warmup: int, ste
     forward = torch.compile(model) if mode == "compiled" else model
     # bf16 as Trainer(bf16=True) does it on a GPU: fp32 weights, autocast around forward + loss.
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda)
-    extra = {"output_router_logits": False} if shape.app == "moe" else {}
+    extra = {"output_router_logits": False} if shape.app in ("moe", "qwen3_next") else {}
     vocab = config.vocab_size
     pool = torch.randint(0, vocab, (4, shape.batch, shape.seq_len + 1), device=dev)
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in pool]

@@ -7,8 +7,9 @@
    with --target plus PYTHONPATH: the tests start subprocesses whose PYTHONPATH drops it);
 2. runs every `gpu` test (those that need two GPUs or more skip on one);
 3. runs the runbook's benchmarks (benchmarks/gpu_vs_hf.py): the 8B-wide shape in bf16 and in
-   float8 tensorwise and rowwise, the 1B, MoE and DeepSeek shapes, each against Hugging Face
-   compiled; then
+   float8 tensorwise and rowwise, the 1B, MoE, DeepSeek and Qwen3-Next shapes (the last with
+   flash-linear-attention's kernel, fla-core from .whl/), each against Hugging Face compiled;
+   then
    the MoE trainer of 02984d0 (the last commit before the sync removal, carried as a tarball)
    with the same harness, to set beside today's MoE figure;
 4. writes one JSON summary: $OUT/gpu_check.json where $OUT is set (the device tool brings it
@@ -195,7 +196,7 @@ def main() -> int:
     bench = [python, "benchmarks/gpu_vs_hf.py", "--rounds", "1", "--warmup", "10",
              "--steps", "10", "--hf", "compiled"]
     before_s = 75.0   # the step below: the environment probe and one MoE side
-    check.run("bench_vs_hf", [*bench, "--shapes", "8B-wide,1B,moe,deepseek",
+    check.run("bench_vs_hf", [*bench, "--shapes", "8B-wide,1B,moe,deepseek,qwen3-next",
                               "--float8", "tensorwise,rowwise", "--float8-shapes", "8B-wide",
                               "--out", out / "gpu_vs_hf.json",
                               "--time-limit", f"{max(check.left() - before_s - 10, 60):.0f}"],

@@ -5,13 +5,14 @@
 
 The image (../shared/DESIGN.md, "Facts checked on the lent GPU machine") has Python 3.12, torch
 2.11.0+cu130, transformers 5.17.0 and much else (IMAGE_HAS); it lacks hydra-core, omegaconf,
-antlr4-python3-runtime, submitit, lm-eval with datasets (lm-eval's task manager imports it) and
-torchao. pip's resolver, asked for the GPU tier's needs at this project's pins for CPython 3.12 on
-manylinux x86_64 (the image's torch and transformers as constraints, so that it picks what works
-beside them), names their whole closure; every wheel of it the image lacks is downloaded, the
-source-only ones (antlr4-python3-runtime 4.9.3, sqlitedict, word2number) built here. Beside them
-goes a tarball of 02984d0's tree, whose MoE trainer gpu_check.py measures beside today's (the
-GPU machine gets no .git). The device tool sends the folder when a run names it in `carry`.
+antlr4-python3-runtime, submitit, lm-eval with datasets (lm-eval's task manager imports it),
+torchao and fla-core (flash-linear-attention's kernels). pip's resolver, asked for the GPU tier's
+needs at this project's pins for CPython 3.12 on manylinux x86_64 (the image's torch and
+transformers as constraints, so that it picks what works beside them), names their whole
+closure; every wheel of it the image lacks is downloaded, the source-only ones
+(antlr4-python3-runtime 4.9.3, sqlitedict, word2number) built here. Beside them goes a tarball
+of 02984d0's tree, whose MoE trainer gpu_check.py measures beside today's (the GPU machine gets
+no .git). The device tool sends the folder when a run names it in `carry`.
 """
 
 import json
@@ -27,7 +28,10 @@ PYTHON, PLATFORMS = "3.12", ("manylinux_2_28_x86_64", "manylinux2014_x86_64",
                              "manylinux_2_17_x86_64")
 # The GPU tier's own needs, at the project's pins (pyproject.toml)
 WANTED = ["hydra-core==1.3.8", "omegaconf>=2.3,<2.4", "submitit==1.5.4", "lm-eval==0.4.13",
-          "datasets==5.2.0", "torchao==0.18.0", "peft==0.21.2", "accelerate==1.15.0"]
+          "datasets==5.2.0", "torchao==0.18.0", "peft==0.21.2", "accelerate==1.15.0",
+          # flash-linear-attention's kernels (apps/qwen3_next's model.linear_kernel=fla): pure
+          # Python and Triton, needing only einops beside the image's torch and triton
+          "fla-core==0.6.0"]
 # The image's torch and transformers: the resolver picks what works beside them. torch stands in
 # as a stub wheel of the image's version with no dependencies (its CUDA libraries are the image's).
 IMAGE = {"torch==2.11.0+image", "transformers==5.17.0"}

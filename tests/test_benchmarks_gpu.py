@@ -86,12 +86,13 @@ def test_sides():
         llama, True, "cuda", 1, "d", "r", "rowwise")
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-moe", "tiny-deepseek"])
+@pytest.fixture(scope="module",
+                params=["tiny", "tiny-moe", "tiny-deepseek", "tiny-qwen3-next"])
 def cpu_run(request, tmp_path_factory, corpus):
-    """One end-to-end run on CPU of one tiny shape (the LLaMA, the MoE, DeepSeek: a run each, so
-    that no test waits for another): ours and HF eager, one round; on the LLaMA ours in float8
-    too (--float8 adds a side whatever the shape: gpu_vs_hf.sides_for, tested above; the MoE's
-    float8 training is tests/test_float8_moe.py's)."""
+    """One end-to-end run on CPU of one tiny shape (the LLaMA, the MoE, DeepSeek, Qwen3-Next: a
+    run each, so that no test waits for another): ours and HF eager, one round; on the LLaMA ours
+    in float8 too (--float8 adds a side whatever the shape: gpu_vs_hf.sides_for, tested above;
+    the MoE's float8 training is tests/test_float8_moe.py's)."""
     work = tmp_path_factory.mktemp("gpu_vs_hf")
     out = work / "results.json"
     cmd = [sys.executable, "benchmarks/gpu_vs_hf.py", "--device", "cpu",
@@ -114,6 +115,7 @@ def test_runs_end_to_end_on_cpu(cpu_run):
     assert (results["settings"]["warmup"], results["settings"]["steps"]) == (10, 10)
     table = stdout[stdout.rindex("shape "):]   # the table comes last
     sides = {"tiny": ["ours_eager", "hf_eager"], "tiny-deepseek": ["ours_eager", "hf_eager"],
+             "tiny-qwen3-next": ["ours_eager", "hf_eager"],
              "tiny-moe": ["ours_eager", "hf_eager", "hf_eager_experts_eager"]}[name]
     assert list(results["shapes"]) == [name]
     shape = results["shapes"][name]

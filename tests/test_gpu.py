@@ -67,16 +67,12 @@ class AllowSyncs(Hook):
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("app", ["llama", "moe", "deepseek"])
-def test_a_compiled_bf16_step_reads_the_gpu_once(corpus, tmp_path, monkeypatch, app):
-    """issue 32: the MoE routing's counts, the loss-spike check, the stop flag and the token
-    counts no longer make a step wait for the GPU; only the step's tally does, once. DeepSeek:
-    MLA, group-limited routing, the expert-bias update and the MTP loss add no wait either."""
-    from apps.moe import train as moe_train
+def forbid_syncs_but_the_tally(monkeypatch, after: int = 3) -> None:
+    """From step `after` + 1 on (steps 1-3 compile), a host sync inside a training step raises,
+    but the step's tally's one read; the evaluation hooks after it may read."""
     from lingua.eval.evaluation import ValidationHook
     from lingua.launch import run
     from lingua.train import tally
-    from tests.test_moe_train import moe_args
 
     real_read, real_hooks = tally.read_on_host, run.hooks
 
@@ -92,11 +88,22 @@ def test_a_compiled_bf16_step_reads_the_gpu_once(corpus, tmp_path, monkeypatch, 
         made = real_hooks(args, env, app_)
         evaluation = next(i for i, hook in enumerate(made) if isinstance(hook, ValidationHook))
         made.hooks.insert(evaluation, AllowSyncs())
-        made.hooks.insert(0, ForbidSyncs(after=3))   # steps 1-3 compile
+        made.hooks.insert(0, ForbidSyncs(after=after))
         return made
 
     monkeypatch.setattr(tally, "read_on_host", allowed_read)
     monkeypatch.setattr(run, "hooks", hooks)
+
+
+@pytest.mark.parametrize("app", ["llama", "moe", "deepseek"])
+def test_a_compiled_bf16_step_reads_the_gpu_once(corpus, tmp_path, monkeypatch, app):
+    """issue 32: the MoE routing's counts, the loss-spike check, the stop flag and the token
+    counts no longer make a step wait for the GPU; only the step's tally does, once. DeepSeek:
+    MLA, group-limited routing, the expert-bias update and the MTP loss add no wait either."""
+    from apps.moe import train as moe_train
+    from tests.test_moe_train import moe_args
+
+    forbid_syncs_but_the_tally(monkeypatch)
     dump = tmp_path / "run"
     extra = ["distributed.model_dtype=bf16", "distributed.compile=true", "logging.every=8",
              "spikes.policy=log"]

@@ -188,6 +188,74 @@ def test_qwen3_30b_a3b_on_one_node_of_8_with_ep8(data, tmp_path):
     assert p.fits and p.busiest.total < H100
 
 
+QWEN3_NEXT_80B_A3B = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+    "num_hidden_layers": 48, "full_attention_interval": 4, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512,
+    "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "intermediate_size": 5120, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "norm_topk_prob": True, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000000, "rope_scaling": None, "max_position_embeddings": 262144,
+    "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+    "hidden_act": "silu", "initializer_range": 0.02, "router_aux_loss_coef": 0.001,
+    "output_router_logits": False, "torch_dtype": "bfloat16"}
+
+
+def test_qwen3_next_80b_a3b_on_one_node_of_8_with_ep8(data, tmp_path):
+    """The preset is the published Qwen3-Next-80B-A3B: its model section is what
+    apps.qwen3_next.hf reads from Qwen's config.json, its parameter count is the hand count and
+    transformers' (its Qwen3NextForCausalLM built on the meta device; neither has the MTP layer),
+    and it plans on 8 H100s, the fp32 state in host memory."""
+    import json
+
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    from apps.qwen3_next.hf import args_from_hf_config
+    from lingua import config
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT_80B_A3B))
+    read = config.to_dict(args_from_hf_config(tmp_path / "config.json"))
+    extra = ["data.tokenizer.kind=tiktoken"]   # the `data` fixture's file stands in for Qwen's
+    try:
+        p = run_plan("apps.qwen3_next.train", "qwen3_next_80b_a3b", data, tmp_path, 8, *extra)
+    except ConfigError as e:   # until apps/qwen3_next/parallelize.py has its expert-parallel plan
+        if "no expert-parallel plan" not in str(e):
+            raise
+        p = run_plan("apps.qwen3_next.train", "qwen3_next_80b_a3b", data, tmp_path, 8, *extra,
+                     "distributed.ep=1")
+    assert config.to_dict(p.args.model) == {**read, "aux_loss_coef": 0.001}
+    h = 2048
+    # Full attention: q_proj h x (16 heads x 256 x 2, the gate), k and v h x (2 x 256) each,
+    # o_proj (16 x 256) x h, the q/k norms 256 each.
+    full = h * 16 * 256 * 2 + 2 * h * 2 * 256 + 16 * 256 * h + 2 * 256
+    # Gated DeltaNet: q and k h x (16 x 128) each, v and z h x (32 x 128) each, b and a h x 32
+    # each, the depthwise conv (2 x 2048 + 4096 channels) x 4, A_log and dt_bias 32 each, the
+    # gated norm 128, out_proj (32 x 128) x h.
+    linear = (h * (2 * 2048 + 2 * 4096) + 2 * h * 32 + (2 * 2048 + 4096) * 4 + 2 * 32 + 128
+              + 4096 * h)
+    # Every layer: the router 512 x h, 512 experts of 3 x h x 512, the shared expert 3 x h x 512
+    # and its gate h, two norms of h.
+    moe = 512 * h + 512 * 3 * h * 512 + 3 * h * 512 + h + 2 * h
+    assert (full, linear, moe) == (27_263_488, 33_718_464, 1_614_813_184)
+    # 12 full and 36 linear layers, the untied embedding and output 151936 x h, the final norm.
+    total = 12 * full + 36 * linear + 48 * moe + 2 * 151936 * h + h
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(Qwen3NextConfig(**{
+            k: v for k, v in QWEN3_NEXT_80B_A3B.items() if k not in ("architectures",
+                                                                   "model_type")}))
+    assert p.n_params == total == sum(t.numel() for t in hf_model.parameters())
+    assert total == 79_674_391_296 and round(total / 1e9) == 80
+    # Every dim divides by 8 (experts 512 / ep 8, then FSDP over 8 / 8 = 1; the rest FSDP over
+    # 8) but the shared expert's gate, a 1 x h row that rank 0 holds whole.
+    r, gates = p.busiest, 48 * h
+    assert r.rank == 0 and r.n_params == (total - gates) // 8 + gates
+    # cpu_offload: fp32 parameters, gradients and two AdamW moments in host memory
+    assert (r.params, r.grads, r.optim, r.offloaded) == (0, 0, 0, 16 * r.n_params)
+    assert p.fits and p.busiest.total < H100
+
+
 @pytest.mark.slow
 def test_the_70b_preset_without_tp_does_not_fit_and_the_fix_is_named(data, tmp_path):
     """The preset with distributed.tp=1 (no tp, no ac): 145 GiB of activations and gathered

@@ -11,15 +11,24 @@ over active parameters with the linear layers' own count, and the MoE apps' rout
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from apps.qwen3_next.hf import args_from_hf_config, export_problems, load_hf
-from apps.qwen3_next.model import Qwen3NextArgs, Transformer, validate_model_args
-from apps.qwen3_next.model import flops_per_token as model_flops_per_token
+from apps.qwen3_next.model import (
+    CHUNK,
+    Qwen3NextArgs,
+    Transformer,
+    layer_is_full,
+    validate_model_args,
+)
 from apps.qwen3_next.parallelize import float8_filter, parallelize_qwen3_next, validate_layout
 from lingua import config
 from lingua.checkpoint import hf as lingua_hf
 from lingua.errors import ConfigError
 from lingua.launch import run
+from lingua.model.layers import head_dim
 from lingua.model.loss import LossOutput, cross_entropy
+from lingua.model.moe import active_params_per_token
 from lingua.parallel.expert_parallel import RoutingHook
 from lingua.train.app import App, BlockShape, default_block_shape, device_type
 
@@ -60,7 +69,28 @@ def validate_qwen3_next(args: TrainArgs) -> None:
 
 
 def flops_per_token(args: TrainArgs) -> float:
-    return model_flops_per_token(args.model, args.data.seq_len)
+    """Training FLOPs per token, 3 x the forward's (backward twice it): 2 per active matmul
+    parameter (top_k of the routed experts; a tied output once more), the full-attention
+    layers' QK^T and AV over the sequence (2 x 2 x heads x head_dim x seq_len, the causal half
+    not discounted, as for lingua's other models), the short convolutions (2 x kernel a
+    channel), and each Gated DeltaNet layer's delta rule as model.chunk_gated_delta_rule
+    computes it, per value head (q and k repeated to it) and chunk of C tokens:
+        k.k^T and q.k^T: 2 x 2 C^2 dk;  the two triangular solves (C^2 a right-hand column):
+        C^2 (dk + dv);  scores x u: 2 C^2 dv;  the state read for u and for q, and its
+        update: 3 x 2 C dk dv,
+    so 6 dk dv + C (5 dk + 3 dv) a token; norms, gates and decays (elementwise) not counted."""
+    a = args.model
+    with torch.device("meta"):
+        model = Transformer(a)
+    active = active_params_per_token(model)
+    if a.tie_embeddings:
+        active += model.tok_embeddings.weight.numel()
+    n_full = sum(layer_is_full(a, i) for i in range(a.n_layers))
+    dk, dv, c = a.linear_key_head_dim, a.linear_value_head_dim, CHUNK
+    conv = 2 * a.linear_conv_kernel * (2 * a.linear_key_heads * dk + a.linear_value_heads * dv)
+    rule = a.linear_value_heads * (6 * dk * dv + c * (5 * dk + 3 * dv))
+    attention = 4 * a.n_heads * head_dim(a) * args.data.seq_len
+    return 3.0 * (2 * active + n_full * attention + (a.n_layers - n_full) * (conv + rule))
 
 
 def loss(output, target) -> LossOutput:
@@ -72,13 +102,19 @@ def loss(output, target) -> LossOutput:
     return LossOutput(ce.loss_sum + balance_loss.sum(), ce.tokens, logged_sum=ce.loss_sum)
 
 
-def block_shape(a: Qwen3NextArgs) -> BlockShape:
-    """A block as the planner counts it (App.block_shape): every block as a full-attention one
-    (the planner has no rule for the Gated DeltaNet yet), the experts, and the shared expert in
-    units of the routed experts' width, rounded up."""
-    return dataclasses.replace(default_block_shape(a), expert_hidden=a.expert_hidden_dim,
-                               experts=a.n_experts, experts_per_token=a.top_k,
-                               shared_experts=-(-a.shared_expert_hidden_dim // a.expert_hidden_dim))
+def block_shape(a: Qwen3NextArgs) -> dict[int, BlockShape]:
+    """Each block as the planner counts it (App.block_shape), by layer: the gated full attention
+    or the Gated DeltaNet, the experts, and the shared expert in units of the routed experts'
+    width, rounded up."""
+    full = dataclasses.replace(
+        default_block_shape(a), expert_hidden=a.expert_hidden_dim, experts=a.n_experts,
+        experts_per_token=a.top_k, gated=True,
+        shared_experts=-(-a.shared_expert_hidden_dim // a.expert_hidden_dim))
+    linear = dataclasses.replace(
+        full, linear_key_heads=a.linear_key_heads, linear_value_heads=a.linear_value_heads,
+        linear_key_dim=a.linear_key_head_dim, linear_value_dim=a.linear_value_head_dim,
+        chunk=CHUNK)
+    return {i: full if layer_is_full(a, i) else linear for i in range(a.n_layers)}
 
 
 APP = App(model_class=Transformer, parallelize=parallelize_qwen3_next,

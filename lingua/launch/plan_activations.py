@@ -33,11 +33,15 @@ def block_activation_bytes(s: BlockShape, moe: bool, ac: str, e: int, tp: int = 
     if ac not in ("none", "op"):
         raise ValueError(f"ac={ac!r}: use none, op or full (layer is a mix of none and full)")
     attn = attention_bytes(s, ac, e, t, fp32_residual, grouped_kv, cp)
+    hs = s.expert_hidden * s.shared_experts
+    # Qwen3-Next's: zero-centred norms keep their fp32 input too; the shared expert's gate keeps
+    # its sigmoid and the expert's output (ac=op: the gate's matmul output)
+    gated = (8 * h / t + (e * h + e if hs else 0) if ac == "none" else e) if s.gated else 0
     if ac == "none":
-        out = 2 * _norm_bytes(h, r, t) / t + attn           # the two norms; attention
+        out = 2 * _norm_bytes(h, r, t) / t + attn + gated   # the two norms; attention
         if not moe:
             return out + ffn_in * e * h + 4 * e * f / t     # FFN input(s); w1, silu, w3, product
-        k, he, hs = s.experts_per_token, s.expert_hidden, s.expert_hidden * s.shared_experts
+        k, he = s.experts_per_token, s.expert_hidden
         # the router's fp32 input; per routed slot: gathered row, w1, silu, w3, product, and
         # the expert output gathered back to slot order (the combine's bmm input); router
         # scores / indices; shared experts (with their input).
@@ -48,10 +52,9 @@ def block_activation_bytes(s: BlockShape, moe: bool, ac: str, e: int, tp: int = 
     # op: the input, and every matmul / attention / all-gather output (_SAVE_OPS of
     # lingua.parallel.distributed): the attention's, wo's output (under tp a full-sequence
     # partial sum before its reduce-scatter), the all-gathered inputs.
-    out = r * h / t + attn + e * h + (r * h if gathered else 0)
+    out = r * h / t + attn + e * h + (r * h if gathered else 0) + gated
     if not moe:
         return out + 2 * e * f / t + e * h + (r * h if gathered else 0)   # w1 w3; w2; FFN in
-    hs = s.expert_hidden * s.shared_experts
     # router gate; the combine's bmm output (a matmul's, so kept; full sequence under tp, like
     # the MoE input); shared w1 w3 w2
     out += 4 * s.experts + e * h + (2 * e * hs + e * h if hs else 0)
@@ -65,8 +68,16 @@ def attention_bytes(s: BlockShape, ac: str, e: int, tp: int, fp32_residual: bool
     none: the input copies, each latent norm's fp32 input and its output, q and k, the
     decompressed k/v that v is a view of, output, logsumexp; op: every matmul's output, the
     attention's). Heads split over tp, latents whole; under cp > 1 the all-gathered k and v."""
+    if s.linear_value_heads:
+        return gated_deltanet_bytes(s, ac, e, tp)
     nh, dq, dv, t = s.n_heads, s.head_dim, s.value_head_dim, tp
     lse, hk, hv = 4 * nh, s.n_kv_heads * dq, s.n_kv_heads * dv
+    # Qwen3-Next's gate (the query projection's other half) and QK-norm: ac=op, the gate; none,
+    # each norm's fp32 input and normalised output and rsqrt, the gate's sigmoid and product (in
+    # fp32 the query is a view of the projection, so the gate's half is kept with it)
+    gate = e * nh * dq if ac == "op" else (4 * (nh + s.n_kv_heads) + 8 * (nh * dq + hk)
+                                           + (2 * e + (4 if e == 4 else 0)) * nh * dq)
+    gated = gate / t if s.gated else 0
     gathered_kv = e * (hk + hv) / t * cp if cp > 1 else 0
     if s.kv_latent:
         qr, kv, dr = s.q_latent, s.kv_latent, s.rope_head_dim
@@ -78,10 +89,33 @@ def attention_bytes(s: BlockShape, ac: str, e: int, tp: int, fp32_residual: bool
         attn_in = 2 if fp32_residual else 1                  # the q and kv matmuls' copies
         return attn_in * e * s.dim + latents + heads / t + gathered_kv
     if ac == "op":
-        return (e * (nh * dq + hk + hv + nh * dv) + lse) / t + gathered_kv
+        return (e * (nh * dq + hk + hv + nh * dv) + lse) / t + gathered_kv + gated
     attn_in = 3 if fp32_residual else 1                     # wq, wk, wv: a bf16 copy each
     kv = hk + hv if grouped_kv else nh * (dq + dv)          # repeated to all heads unless grouped
-    return attn_in * e * s.dim + (e * (nh * dq + kv + nh * dv) + lse) / t + gathered_kv
+    return attn_in * e * s.dim + (e * (nh * dq + kv + nh * dv) + lse) / t + gathered_kv + gated
+
+
+def gated_deltanet_bytes(s: BlockShape, ac: str, e: int, tp: int) -> float:
+    """What a Gated DeltaNet layer keeps per token as apps/qwen3_next's chunked delta rule in
+    torch computes it (fp32 inside, value heads served by repeated key heads; fla's kernel keeps
+    less). ac=op: the six projections' outputs, the chunk's q.k and k.k matmuls (C x C a head),
+    per chunk the state reads and writes (C x dv each, the state update dk x dv). none: the
+    input; each short convolution's padded input and output and its fp32 result; beta (with an
+    fp32 copy when e < 4) and the decay's softplus input and output; then in fp32 the l2 norms'
+    rsqrt, q and k repeated to the value heads, six C x C matrices a head (decays, k.k, the
+    triangular system, q.k, scores), the operands of those two matmuls (copied for bmm), the two
+    triangular solves, four per-position decays, the chunks' states (dk x dv a head per C
+    tokens), the written values u, two per-chunk operand copies; the gated norm's rsqrt,
+    normalised and scaled outputs, z in fp32 and its silu, and out_proj's input."""
+    hk, hv, c = s.linear_key_heads / tp, s.linear_value_heads / tp, s.chunk
+    dk, dv = s.linear_key_dim, s.linear_value_dim
+    key, value = hk * dk, hv * dv
+    if ac == "op":
+        return e * (2 * key + 2 * value + 2 * hv) + 4 * hv * (2 * c + 3 * dv + dk * dv / c)
+    convs = 2 * key + value
+    chunked = 2 * hk + hv * (6 * c + 9 * dk + 2 * dv + 4 + dk * dv / c)
+    gates = e * hv + (4 * hv if e < 4 else 0) + 8 * hv
+    return e * s.dim + (2 * e + 4) * convs + gates + 4 * chunked + 4 * hv + 16 * value + e * value
 
 
 def _norm_bytes(h: int, r: int, tp: int) -> int:

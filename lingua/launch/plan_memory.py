@@ -243,10 +243,11 @@ def _measure(args, app, dims, rank, parts, stage_ids, n_mb, microbatch,
     # Activations: the layers of each stage this rank holds.
     pp_rank = rank // (dims.world_size // dims.pp)
     tokens = microbatch * args.data.seq_len / dims.cp
-    per_mb, worst_block, layer_ids, shape = 0.0, 0.0, [], app.block_shape(m)
+    per_mb, worst_block, layer_ids, shapes = 0.0, 0.0, [], app.block_shape(m)
     for part in parts:
         for name, block in part.layers.items():
             layer_ids.append(int(name))
+            shape = shapes[int(name)] if isinstance(shapes, dict) else shapes
             mode = d.ac if d.ac != "layer" else ("none" if int(name) % d.ac_every else "full")
             per_mb += _block_bytes(block, shape, mode, e, dims.tp, fp32_residual, dims.cp)
             worst_block = max(worst_block, _block_bytes(block, shape, "none", e, dims.tp,

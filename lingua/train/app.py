@@ -31,6 +31,15 @@ class BlockShape:
     q_latent: int = 0
     kv_latent: int = 0
     rope_head_dim: int = 0
+    # Gated DeltaNet (linear attention, apps/qwen3_next; 0: none): key and value heads, their
+    # widths, and the chunk its delta rule is computed in. gated: Qwen3-Next's extras (norms
+    # that keep their fp32 input, a sigmoid output gate after QK-norm, a gated shared expert).
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    chunk: int = 64
+    gated: bool = False
 
 
 def default_block_shape(a) -> BlockShape:
@@ -60,7 +69,7 @@ class App:
     # (model on the meta device, train args) -> None: changes the model in place before the
     # pipeline split and any parallelism (apps/sft: LoRA adapters, the base frozen)
     transform_model: Optional[Callable] = None
-    block_shape: Callable = default_block_shape   # (model args) -> BlockShape, for the planner
+    block_shape: Callable = default_block_shape   # (model args) -> BlockShape or {layer: shape}
     check_init_from: Optional[Callable] = None    # (train args): apps/sft's, a plan's warning
     load_config: Optional[Callable] = None        # (argv, check) -> args; load_app fills it
     # The loss seam (lingua/model/loss.py): how the model's output becomes the summed loss, and what
