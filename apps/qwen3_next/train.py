@@ -1,0 +1,106 @@
+"""Train Qwen3-Next (Gated DeltaNet + gated attention on a sparse MoE):
+`python -m apps.qwen3_next.train [config=PRESET] [key=value ...]`.
+
+The same loop as every app (lingua/train/loop.py, run by lingua.launch.run.run); this file says
+what is Qwen3-Next's: the model and its checks (model.linear_kernel=fla needs
+flash-linear-attention and CUDA), the layouts it refuses (apps/qwen3_next/parallelize.py), FLOPs
+over active parameters with the linear layers' own count, and the MoE apps' routing hook
+(routing metrics; this router has no selection bias to update).
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+from apps.qwen3_next.hf import args_from_hf_config, export_problems, load_hf
+from apps.qwen3_next.model import Qwen3NextArgs, Transformer, validate_model_args
+from apps.qwen3_next.model import flops_per_token as model_flops_per_token
+from apps.qwen3_next.parallelize import float8_filter, parallelize_qwen3_next, validate_layout
+from lingua import config
+from lingua.checkpoint import hf as lingua_hf
+from lingua.errors import ConfigError
+from lingua.launch import run
+from lingua.model.loss import LossOutput, cross_entropy
+from lingua.parallel.expert_parallel import RoutingHook
+from lingua.train.app import App, BlockShape, default_block_shape, device_type
+
+
+@dataclass
+class TrainArgs(run.BaseTrainArgs):
+    model: Qwen3NextArgs = field(default_factory=Qwen3NextArgs)
+
+
+config.register_schema("qwen3_next_schema", TrainArgs)
+
+
+def check_linear_kernel(kernel: str, device: str) -> None:
+    """model.linear_kernel=fla: flash-linear-attention's Triton kernel, on CUDA only."""
+    if kernel != "fla":
+        return
+    if device != "cuda":
+        raise ConfigError(f"model.linear_kernel=fla needs a CUDA device, but this run is on "
+                          f"{device!r}: flash-linear-attention's kernels are Triton GPU code. Use "
+                          "model.linear_kernel=torch (the chunked form in plain torch).")
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"model.linear_kernel=fla but flash-linear-attention cannot be imported "
+                          f"({e}). Install it (`pip install flash-linear-attention`), or use "
+                          "model.linear_kernel=torch.") from e
+
+
+def validate_qwen3_next(args: TrainArgs) -> None:
+    validate_model_args(args.model)
+    validate_layout(args.distributed)
+    check_linear_kernel(args.model.linear_kernel, device_type())
+
+
+def flops_per_token(args: TrainArgs) -> float:
+    return model_flops_per_token(args.model, args.data.seq_len)
+
+
+def loss(output, target) -> LossOutput:
+    """Cross-entropy plus the MoE balancing losses when the model returns them (apps/moe's)."""
+    if not isinstance(output, tuple):
+        return cross_entropy(output, target)
+    logits, balance_loss = output
+    ce = cross_entropy(logits, target)
+    return LossOutput(ce.loss_sum + balance_loss.sum(), ce.tokens, logged_sum=ce.loss_sum)
+
+
+def block_shape(a: Qwen3NextArgs) -> BlockShape:
+    """A block as the planner counts it (App.block_shape): every block as a full-attention one
+    (the planner has no rule for the Gated DeltaNet yet), the experts, and the shared expert in
+    units of the routed experts' width, rounded up."""
+    return dataclasses.replace(default_block_shape(a), expert_hidden=a.expert_hidden_dim,
+                               experts=a.n_experts, experts_per_token=a.top_k,
+                               shared_experts=-(-a.shared_expert_hidden_dim // a.expert_hidden_dim))
+
+
+APP = App(model_class=Transformer, parallelize=parallelize_qwen3_next,
+          validate_model=validate_qwen3_next, load_hf=load_hf, flops_per_token=flops_per_token,
+          hooks=lambda args, env: [RoutingHook(0.0, args.model.n_experts)], loss=loss,
+          float8_filter=float8_filter, block_shape=block_shape)
+
+
+def validate(args: TrainArgs) -> None:
+    run.validate(args, APP)
+    lingua_hf.warn_unexportable(export_problems(args.model), "python -m apps.qwen3_next.hf")
+
+
+def load_config(argv=None, check: bool = True) -> TrainArgs:
+    """Compose (and check) the config exactly as a run would; stool calls this before submitting."""
+    args = config.load("qwen3_next", TrainArgs, argv)
+    lingua_hf.shape_from_init_from(args, argv, args_from_hf_config)   # continued pretraining
+    if check:
+        validate(args)
+    return args
+
+
+def main(argv=None) -> int:
+    """The config, then run.run: processes, model, optimizer, data, resume, loop."""
+    return run.run(load_config(argv), APP)
+
+
+if __name__ == "__main__":
+    run.exit_cli(main)
