@@ -312,8 +312,9 @@ class GatedDeltaNet(nn.Module):
         nn.init.normal_(self.out_proj.weight, std=out_std)
         for conv in (self.q_conv, self.k_conv, self.v_conv):
             conv.reset_parameters()
-        # transformers' initialisation: per-head decay rates exp(A_log) spread over [0.01, 16]
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
+        # transformers' initialisation: per-head decay rates exp(A_log) spread over [0.01, 16],
+        # drawn into A_log itself so that every layout draws the same numbers (its own stream)
+        self.A_log.uniform_(0.01, 16).log_()
         nn.init.ones_(self.dt_bias)
         self.norm.reset_parameters()
 
