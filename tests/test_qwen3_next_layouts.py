@@ -12,7 +12,7 @@ The decay parameters (A_log, dt_bias and wa, the decay's input projection) are h
 at transformers' initialisation the decay rates exp(A_log) reach 16, so most heads forget
 almost all their state at every token and these gradients are tiny sums of cancelling terms
 (1e-7..1e-4); any change in the order of sums (fsdp2 alone, with no tensor-parallel code, does it)
-moves them by ~2e-5 after 3 steps. A head's A_log or dt_bias on the wrong rank changes the
+moves them by up to ~3e-5 after 3 steps. A head's A_log or dt_bias on the wrong rank changes the
 forward, and the losses, by far more.
 """
 
@@ -40,7 +40,7 @@ HYBRID = ["model.n_layers=4", "model.full_attention_every=4", "model.head_dim=16
           "model.aux_loss_coef=0", "model.z_loss_coef=0"]
 ROUTING = {"moe/": 1e-4}
 DECAY = ("linear_attention.A_log", "linear_attention.dt_bias", "linear_attention.wa.weight")
-DECAY_RTOL = 1e-4
+DECAY_RTOL = 3e-4
 
 
 def qwen3_next_args(corpus, dump, *extra):
