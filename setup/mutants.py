@@ -178,6 +178,15 @@ MUTANTS = [
            '"norm_topk": bool(cfg.get("norm_topk_prob", False)),',
            '"norm_topk": kind == "qwen2_moe" and bool(cfg.get("norm_topk_prob", False)),',
            ("tests/test_moe_hf.py::test_qwen3_moe_to_ours_and_back",)),
+    Mutant("centred_norm_plus_one_dropped", "Qwen3-Next's zero-centred RMSNorm applies its "
+           "stored weight w instead of 1 + w", "apps/qwen3_next/model.py",
+           "(xf * (1.0 + self.weight.float()))", "(xf * self.weight.float())",
+           ("tests/test_qwen3_next.py::test_logits_equal_transformers_both_ways",)),
+    Mutant("qkvz_read_ungrouped", "transformers' in_proj_qkvz (and in_proj_ba) read as one block "
+           "per projection instead of per key-head group", "apps/qwen3_next/hf.py",
+           "split = t.reshape(args.linear_key_heads, sum(rows), t.shape[-1]).split(rows, dim=1)",
+           "split = t.split([r * args.linear_key_heads for r in rows])",
+           ("tests/test_qwen3_next.py::test_logits_equal_transformers_both_ways",)),
 ]
 
 

@@ -191,8 +191,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = Non
     g, beta = g.reshape(b, hv, n, chunk), beta.reshape(b, hv, n, chunk)
     cum = g.cumsum(-1)                                            # log G_i
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    # G_i / G_j for j <= i (0 above the diagonal; masked before exp so nothing overflows)
-    ratio = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    # log(G_i / G_j) = g_{j+1} + ... + g_i for j <= i, summed as such: cum_i - cum_j would lose
+    # the digits of a short segment to cum's magnitude (hundreds, with fast-decaying heads)
+    seg = g[..., :, None].expand(*g.shape, chunk).masked_fill(~causal.tril(-1), 0).cumsum(-2)
+    ratio = seg.masked_fill(~causal, float("-inf")).exp()          # 0 above the diagonal
     # T = I + strictly lower [beta_i (G_i/G_j) k_i.k_j]
     system = ((k @ k.transpose(-1, -2)) * ratio * beta[..., None]).tril(-1)
     system = system + torch.eye(chunk, device=q.device)
@@ -201,7 +203,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] = Non
     w_k = torch.linalg.solve_triangular(system, k * (beta * cum.exp())[..., None], upper=False)
     scores = (q @ k.transpose(-1, -2)) * ratio                    # (G_i/G_j) q_i.k_j, j <= i
     q_decayed = q * cum.exp()[..., None]                           # G_i q_i reads S0
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]          # G_C/G_j k_j writes the state
+    k_to_end = k * seg[..., -1, :].exp()[..., None]                # G_C/G_j k_j writes the state
     chunk_decay = cum[..., -1].exp()[..., None, None]
     S = q.new_zeros(b, hv, dk, dv) if state is None else state.float()
     outs = []
@@ -313,7 +315,7 @@ class GatedDeltaNet(nn.Module):
         for conv in (self.q_conv, self.k_conv, self.v_conv):
             conv.reset_parameters()
         # transformers' initialisation: per-head decay rates exp(A_log) spread over [0.01, 16],
-        # drawn into A_log itself so that every layout draws the same numbers (its own stream)
+        # drawn in place so the parameter's own random stream (lingua.model.weights) draws them
         self.A_log.uniform_(0.01, 16).log_()
         nn.init.ones_(self.dt_bias)
         self.norm.reset_parameters()

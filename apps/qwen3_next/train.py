@@ -11,7 +11,6 @@ over active parameters with the linear layers' own count, and the MoE apps' rout
 import dataclasses
 from dataclasses import dataclass, field
 
-
 from apps.qwen3_next.hf import args_from_hf_config, export_problems, load_hf
 from apps.qwen3_next.model import Qwen3NextArgs, Transformer, validate_model_args
 from apps.qwen3_next.model import flops_per_token as model_flops_per_token

@@ -69,8 +69,8 @@ def family_of(cfg: dict, config_path) -> str:
         raise ConfigError(
             f"{config_path}: model_type={family!r} is not a family this model reads; it reads "
             f"{', '.join(ARCHITECTURES)} (apps/moe reads mixtral, qwen2_moe, qwen3_moe and "
-            "glm4_moe; apps/deepseek deepseek_v3). Use a directory of one of those, or fork an "
-            "app for this architecture (docs/forking.md).")
+            "glm4_moe; apps/deepseek deepseek_v3; apps/qwen3_next qwen3_next). Use a directory "
+            "of one of those, or fork an app for this architecture (docs/forking.md).")
     return family
 
 
