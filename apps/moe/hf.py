@@ -448,7 +448,8 @@ def _args_and_kind(config_path: Path) -> Tuple[MoEArgs, str]:
         read = ", ".join(f"{layout.arch} ({name!r})" for name, layout in LAYOUTS.items())
         raise ConfigError(f"{config_path}: model_type {kind!r} is not supported by apps.moe, "
                           f"which reads {read} directories (dense Llama, Mistral, Qwen2 and "
-                          "Qwen3 ones: apps.llama.hf; DeepSeek-V3: apps.deepseek.hf).")
+                          "Qwen3 ones: apps.llama.hf; DeepSeek-V3: apps.deepseek.hf; Qwen3-Next: "
+                          "apps.qwen3_next.hf).")
     try:
         bad = _unsupported(cfg, kind)
         if bad:

@@ -101,7 +101,8 @@ def validate_model_args(args: Qwen3NextArgs) -> None:
         raise ConfigError(
             f"model.linear_value_heads={args.linear_value_heads} is not a multiple of "
             f"model.linear_key_heads={args.linear_key_heads}: each key head serves the same "
-            "number of value heads in the Gated DeltaNet. Pick value heads a multiple of key heads.")
+            "number of value heads in the Gated DeltaNet. Make the value heads a multiple of the "
+            "key heads.")
     rot = rotary_dim(args)
     if not 0 < args.partial_rotary_factor <= 1 or rot <= 0 or rot % 2:
         raise ConfigError(
@@ -232,15 +233,16 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state: Optional[torch.Tensor] =
     return torch.stack(outs, dim=1).to(out_dtype), S
 
 
-def _fla_rule(q, k, v, g, beta, state):
-    """flash-linear-attention's Triton kernel (model.linear_kernel=fla, CUDA), same contract."""
+def _fla_rule(q, k, v, g, beta, state, keep_state: bool):
+    """flash-linear-attention's Triton kernel (model.linear_kernel=fla, CUDA), chunk_gated_delta_
+    rule's contract; the final state only when `keep_state` (decoding's prefill)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
     rep = v.shape[2] // k.shape[2]
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     o, final = fla_chunk(q, k, v, g=g.float(), beta=beta, initial_state=state,
-                         output_final_state=state is not None, use_qk_l2norm_in_kernel=True)
+                         output_final_state=keep_state, use_qk_l2norm_in_kernel=True)
     return o, final
 
 
@@ -298,7 +300,7 @@ class GatedDeltaNet(nn.Module):
         if states is not None and s == 1:
             o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
         elif self.kernel == "fla" and x.is_cuda:
-            o, state = _fla_rule(q, k, v, g, beta, state)
+            o, state = _fla_rule(q, k, v, g, beta, state, keep_state=states is not None)
         else:
             o, state = chunk_gated_delta_rule(q, k, v, g, beta, state)
         if states is not None:

@@ -32,14 +32,19 @@ class TrainArgs(run.BaseTrainArgs):
 config.register_schema("qwen3_next_schema", TrainArgs)
 
 
-def check_linear_kernel(kernel: str, device: str) -> None:
-    """model.linear_kernel=fla: flash-linear-attention's Triton kernel, on CUDA only."""
+def check_linear_kernel(kernel: str, device: str, model_dtype: str) -> None:
+    """model.linear_kernel=fla: flash-linear-attention's Triton kernel, on CUDA, in bf16."""
     if kernel != "fla":
         return
     if device != "cuda":
         raise ConfigError(f"model.linear_kernel=fla needs a CUDA device, but this run is on "
                           f"{device!r}: flash-linear-attention's kernels are Triton GPU code. Use "
                           "model.linear_kernel=torch (the chunked form in plain torch).")
+    if model_dtype != "bf16":
+        raise ConfigError(f"model.linear_kernel=fla with distributed.model_dtype={model_dtype}: "
+                          "flash-linear-attention's chunked kernel takes bf16 / fp16 inputs, not "
+                          "fp32. Set distributed.model_dtype=bf16, or use "
+                          "model.linear_kernel=torch.")
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
     except ImportError as e:
@@ -51,7 +56,7 @@ def check_linear_kernel(kernel: str, device: str) -> None:
 def validate_qwen3_next(args: TrainArgs) -> None:
     validate_model_args(args.model)
     validate_layout(args.distributed, args.model, args.data.seq_len)
-    check_linear_kernel(args.model.linear_kernel, device_type())
+    check_linear_kernel(args.model.linear_kernel, device_type(), args.distributed.model_dtype)
 
 
 def flops_per_token(args: TrainArgs) -> float:
