@@ -162,6 +162,13 @@ MUTANTS = [
            '__import__("lingua.parallel.tensor_parallel", fromlist=["ComputedWhole"])'
            ".ComputedWhole()",
            ("tests/test_qwen_layouts.py::test_qwen3_shape_matches_one_process[tp2]",)),
+    Mutant("gated_norm_grad_not_summed", "Qwen3-Next's gated output norm (one weight for all "
+           "value heads) marked computed whole under TP (the coverage check accepts it): it gets "
+           "only this rank's heads' gradient", "apps/qwen3_next/parallelize.py",
+           '"linear_attention.norm": _per_head_norm(),',
+           '"linear_attention.norm": __import__("lingua.parallel.tensor_parallel", '
+           'fromlist=["ComputedWhole"]).ComputedWhole(),',
+           ("tests/test_qwen3_next_layouts.py::test_layout_matches_one_process[tp2]",)),
     Mutant("group_limit_ignored", "group-limited routing falls back to plain top-k",
            "lingua/model/moe.py",
            "        if self.topk_groups < self.n_groups:", "        if False:",

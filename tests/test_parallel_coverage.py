@@ -81,14 +81,18 @@ LAYOUTS = [
     ("apps.moe.train", 4, ["distributed.ep=2", "distributed.tp=2"]),
     ("apps.moe.train", 4, ["distributed.ep=2", "distributed.cp=2"]),
     ("apps.moe.train", 2, ["distributed.cp=2"]),
+    ("apps.qwen3_next.train", 2, ["distributed.tp=2"]),
+    ("apps.qwen3_next.train", 4, ["distributed.ep=2", "distributed.tp=2"]),
 ]
+# 4 layers: Qwen3-Next's fourth is its full-attention one
+EXTRA = {"apps.moe.train": ["model.n_experts=4"],
+         "apps.qwen3_next.train": ["model.n_experts=4", "model.n_layers=4"]}
 
 
 @pytest.mark.parametrize("app_module,world,layout", LAYOUTS,
                          ids=[f"{a.split('.')[1]}-{w}-{'-'.join(o)}" for a, w, o in LAYOUTS])
 def test_shipped_apps_pass(data, tmp_path, app_module, world, layout):
-    experts = ["model.n_experts=4"] if app_module == "apps.moe.train" else []
-    parts = build(data, tmp_path, app_module, world, *layout, *experts)
+    parts = build(data, tmp_path, app_module, world, *layout, *EXTRA.get(app_module, []))
     assert any(isinstance(p, DTensor) for part in parts for p in part.parameters())
 
 

@@ -164,7 +164,8 @@ def test_bad_model_args_and_layouts_are_refused(corpus, tmp_path):
                         (dict(rope_scaling=True), "rope_scaling")]:
         with pytest.raises(ConfigError, match=needle):
             Transformer(Qwen3NextArgs(**bad))
-    for extra, needle in [("distributed.cp=2", "recurrent state"), ("distributed.tp=2", "yet"),
+    for extra, needle in [("distributed.cp=2", "recurrent state"),
+                          ("distributed.tp=4", "linear_key_heads"),
                           ("model.linear_kernel=fla", "CUDA")]:
         with pytest.raises(ConfigError, match=needle):
             train.load_config(tiny_args(corpus, tmp_path, *MODEL, extra))

@@ -64,7 +64,7 @@ def check_linear_kernel(kernel: str, device: str, model_dtype: str) -> None:
 
 def validate_qwen3_next(args: TrainArgs) -> None:
     validate_model_args(args.model)
-    validate_layout(args.distributed)
+    validate_layout(args.distributed, args.model, args.data.seq_len)
     check_linear_kernel(args.model.linear_kernel, device_type(), args.distributed.model_dtype)
 
 
