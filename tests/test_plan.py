@@ -218,13 +218,8 @@ def test_qwen3_next_80b_a3b_on_one_node_of_8_with_ep8(data, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT_80B_A3B))
     read = config.to_dict(args_from_hf_config(tmp_path / "config.json"))
     extra = ["data.tokenizer.kind=tiktoken"]   # the `data` fixture's file stands in for Qwen's
-    try:
-        p = run_plan("apps.qwen3_next.train", "qwen3_next_80b_a3b", data, tmp_path, 8, *extra)
-    except ConfigError as e:   # until apps/qwen3_next/parallelize.py has its expert-parallel plan
-        if "no expert-parallel plan" not in str(e):
-            raise
-        p = run_plan("apps.qwen3_next.train", "qwen3_next_80b_a3b", data, tmp_path, 8, *extra,
-                     "distributed.ep=1")
+    p = run_plan("apps.qwen3_next.train", "qwen3_next_80b_a3b", data, tmp_path, 8, *extra)
+    assert p.args.distributed.ep == 8
     assert config.to_dict(p.args.model) == {**read, "aux_loss_coef": 0.001}
     h = 2048
     # Full attention: q_proj h x (16 heads x 256 x 2, the gate), k and v h x (2 x 256) each,
