@@ -102,12 +102,14 @@ class MoEBlock(nn.Module):
     def init_weights(self, std: float, out_std: float):
         """Inputs-side matrices normal(std); residual outputs (wo, w2) normal(out_std), shrunk with
         depth so the residual stream's variance does not grow; router gate normal(std); bias 0."""
-        self.attention.init_weights(std, out_std)
+        att = self.attention
         ffns = [self.feed_forward] if not self.is_moe else [self.moe.experts] + (
             [self.moe.shared_experts] if self.moe.shared_experts is not None else [])
-        ins = [getattr(f.w1, "weight", f.w1) for f in ffns]
+        ins = [att.wq.weight, att.wk.weight, att.wv.weight]
+        ins += [getattr(f.w1, "weight", f.w1) for f in ffns]
         ins += [getattr(f.w3, "weight", f.w3) for f in ffns]
-        outs = [getattr(f.w2, "weight", f.w2) for f in ffns]
+        outs = [att.wo.weight] + [getattr(f.w2, "weight", f.w2) for f in ffns]
+        att.init_extras()   # q/k/v biases 0, QK-norms 1
         if self.is_moe:
             ins.append(self.moe.router.gate.weight)
             self.moe.router.expert_bias.zero_()

@@ -84,13 +84,12 @@ class Attention(nn.Module):
         out = self.core(q, k, v, mask, decoding=cache is not None)
         return self.wo(out.reshape(b, s, -1))
 
-    def init_weights(self, std: float, out_std: float):
+    def init_extras(self):
+        """Biases from zero, QK-norms from one. The block draws the matrices, in the order LLaMA
+        always has (a seed gives the weights it gave before these options)."""
         for lin in (self.wq, self.wk, self.wv):
-            nn.init.normal_(lin.weight, std=std)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
-        # Residual-branch outputs start smaller: the residual stream's variance stays flat in depth.
-        nn.init.normal_(self.wo.weight, std=out_std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
@@ -115,10 +114,13 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
     def init_weights(self, std: float, out_std: float):
-        self.attention.init_weights(std, out_std)
-        for lin in (self.feed_forward.w1, self.feed_forward.w3):
+        attn, ffn = self.attention, self.feed_forward
+        for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
             nn.init.normal_(lin.weight, std=std)
-        nn.init.normal_(self.feed_forward.w2.weight, std=out_std)
+        # Residual-branch outputs start smaller: the residual stream's variance stays flat in depth.
+        for lin in (attn.wo, ffn.w2):
+            nn.init.normal_(lin.weight, std=out_std)
+        attn.init_extras()
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
 
