@@ -293,7 +293,7 @@ def test_killed_evaluations_are_retried_then_given_up(async_run, corpus, tmp_pat
         # The killed rank requeued the job, once; its peer's end (killed with the step) did not.
         assert "rank 1: the evaluation exited with -9: requeue" in crashed_log, crashed_log
         assert crashed_log.count(
-            f"requeued job {jobs['crashed']} (requeue 1 of at most 1)") == 1
+            f"requeueing job {jobs['crashed']} (requeue 1 of at most 1)") == 1
         # No retry left: given up, the marker gone (the checkpoint may be pruned), the way by
         # hand said.
         crashed = cases["exhausted"][0]

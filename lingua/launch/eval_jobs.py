@@ -277,6 +277,9 @@ class EvalJob:
         job_id = os.environ.get("SLURM_JOB_ID")
         if not job_id:
             return False
+        # Said first: the requeue ends this job's tasks, this process with them, at once.
+        print(f"eval job: requeueing job {job_id} (requeue {restarts + 1} of at most "
+              f"{self.max_requeues}); it evaluates step {self.step} again", flush=True)
         try:
             proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True,
                                   text=True, timeout=60)
@@ -286,10 +289,7 @@ class EvalJob:
         if problem is not None:
             print(f"eval job: `scontrol requeue {job_id}` failed: {problem}", file=sys.stderr,
                   flush=True)
-            return False
-        print(f"eval job: requeued job {job_id} (requeue {restarts + 1} of at most "
-              f"{self.max_requeues}); it evaluates step {self.step} again", flush=True)
-        return True
+        return problem is None
 
 
 class AsyncEvalHook(Hook):
