@@ -42,6 +42,11 @@ class Mutant:
 
 F8_MOE = "tests/test_float8_moe.py::test_float8_moe_layouts_equal_one_process"
 MUTANTS = [
+    Mutant("ft_gradients_not_summed", "a replica group keeps its own gradient (torchft: not "
+           "summed across groups)", "lingua/parallel/fault_tolerance.py",
+           "self.manager.allreduce(grad, reduce_op=ReduceOp.SUM).wait()", "grad.mul_(1.0)",
+           ("tests/test_fault_tolerance.py::test_two_groups_of_one_rank_equal_one_process",
+            "tests/test_fault_tolerance.py::test_two_fsdp_groups_of_two_ranks_equal_one_process")),
     Mutant("rank1_gradient_x1.01", "rank 1's gradient 1% too large (FSDP2 against one process)",
            "lingua/train/loop.py",
            "(out.loss_sum / self.loss_denominator).backward()",

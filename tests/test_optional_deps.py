@@ -1,6 +1,6 @@
 """Training needs none of the optional heavy dependencies: lm-eval (downstream evaluation),
-wandb (logging.wandb), submitit (stool, async evaluation) and pyarrow (data.format=parquet) are
-imported where used."""
+wandb (logging.wandb), submitit (stool, async evaluation), pyarrow (data.format=parquet) and
+torchft (fault_tolerance.enabled) are imported where used."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import REPO, read_metrics, tiny_args
 
-OPTIONAL = ("lm_eval", "wandb", "submitit", "pyarrow")
+OPTIONAL = ("lm_eval", "wandb", "submitit", "pyarrow", "torchft")
 
 # Runs the trainer in a process where importing any OPTIONAL package (or a submodule) fails as
 # it would where the package is not installed. Each attempt is appended to the file named by

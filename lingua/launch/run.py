@@ -31,9 +31,10 @@ from lingua.observe.probe import ProbeArgs, ProbeHook
 from lingua.observe.profiling import ProfilerHook, ProfilingArgs
 from lingua.optim import OptimArgs, spikes
 from lingua.optim.spikes import SpikeArgs, SpikeHook
-from lingua.parallel import distributed, pipeline
+from lingua.parallel import distributed, fault_tolerance, pipeline
 from lingua.parallel.context_parallel import validate_cp
 from lingua.parallel.distributed import DistEnv, DistributedArgs
+from lingua.parallel.fault_tolerance import FaultToleranceArgs, FaultToleranceHook
 from lingua.parallel.tensor_parallel import check_async_tp
 from lingua.train import preemption
 from lingua.train.app import App, check_vocab, device_type
@@ -63,6 +64,7 @@ class BaseTrainArgs:
     slurm: SlurmArgs = field(default_factory=SlurmArgs)    # read by stool; max_requeues by the job
     probe: ProbeArgs = field(default_factory=ProbeArgs)
     profiling: ProfilingArgs = field(default_factory=ProfilingArgs)
+    fault_tolerance: FaultToleranceArgs = field(default_factory=FaultToleranceArgs)
 
 
 def validate(args, app: App, data_files: bool = True) -> None:
@@ -97,6 +99,7 @@ def _checks(check, args, app: App, data_files: bool) -> None:
             "checkpoint.every=0 none is saved before the end. Set checkpoint.every=N (a rollback "
             "replays up to N steps), or use spikes.policy=skip.")
     check(distributed.validate_args, args.distributed)
+    check(fault_tolerance.validate_args, args.fault_tolerance, args.distributed)
     d = args.distributed
     dims = check(distributed.parallel_dims, d, distributed.world_size_from_env())
     if dims is not None and data_files:   # jsonl: a usable line for every data-parallel rank
@@ -126,6 +129,7 @@ def _checks(check, args, app: App, data_files: bool) -> None:
 def hooks(args, env: DistEnv, app: App) -> Hooks:
     """What runs around the loop, in the order each step calls it (lingua/hooks.py)."""
     return Hooks([
+        FaultToleranceHook(args.fault_tolerance, env),   # first: the others see summed gradients
         *app.hooks(args, env),
         GarbageCollection(args.gc_every, args.gc_full_every),
         Float8ScalesHook(args, env),
@@ -144,7 +148,7 @@ def run(args, app: App) -> int:
     """Train `app` with checked `args` from start (or the newest checkpoint) to args.steps:
     0 when done, EXIT_STOPPED (3) when a signal stopped it after saving (EXIT_INTERRUPTED, 130,
     when that signal was a Ctrl-C; both in lingua.train.preemption). Every app's main calls it."""
-    env = distributed.init(args.distributed)
+    env = fault_tolerance.join(args.fault_tolerance, distributed.init(args.distributed))
     start_process(args, env)
     if args.eval.tasks and args.eval.mode == "inline":   # a task's data unreadable: stop now
         downstream.load_tasks(args.eval.tasks, args.eval.include_path)

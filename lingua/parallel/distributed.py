@@ -187,6 +187,9 @@ class DistEnv:
     device: torch.device
     dims: ParallelDims
     mesh: Optional[object]   # DeviceMesh when world_size > 1
+    # fault_tolerance's replica groups: this group's dp ranks read part data_group of data_groups
+    data_groups: int = 1
+    data_group: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -195,7 +198,8 @@ class DistEnv:
     @property
     def dp_rank(self) -> int:
         """Which slice of the global batch this rank reads (shared by its cp, tp and pp peers)."""
-        return 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+        rank = 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+        return self.data_group * self.dims.dp + rank
 
     def size(self, name: str) -> int:
         return 1 if self.mesh is None else self.mesh[name].size()
@@ -205,7 +209,7 @@ class DistEnv:
 
     @property
     def dp_size(self) -> int:
-        return self.dims.dp
+        return self.data_groups * self.dims.dp
 
 
 def _device(local_rank: int) -> torch.device:
