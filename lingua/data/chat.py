@@ -1,21 +1,18 @@
-"""Chat data for supervised fine-tuning (`data.format=chat`): conversations in jsonl, rendered
-with a chat template (chat_template.py), trained on the tokens the assistant writes only.
+"""Chat data for supervised fine-tuning (`data.format=chat`): jsonl conversations rendered with a
+chat template (chat_template.py), trained on the tokens the assistant writes only.
 
-Each line of `data.root/*.jsonl` (training) and `data.root/val/*.jsonl` (validation) is one
-conversation, {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]} or
-{"prompt": "...", "completion": "..."}, with at least one assistant turn and no empty one. Other
-lines (and those the template fails on, or too long to keep) follow jsonl.SkipCounter's rule.
+A line of `data.root/*.jsonl` (`val/*.jsonl`: validation) is {"messages": [{"role": "system" |
+"user" | "assistant", "content": "..."}, ...]} or {"prompt": "...", "completion": "..."}, with at
+least one assistant turn and no empty one; other lines follow jsonl.SkipCounter's rule.
 
-Targets: the assistant's content and the token closing its turn; every other label is
-IGNORE_INDEX, and the loss is the mean over the step's counted labels (Batch.step_targets). A
+Targets: the assistant's content and the token closing its turn, all else IGNORE_INDEX. A
 conversation's first token is never a target, so no label crosses between conversations.
 
-Rows: every rank tokenizes all conversations at start (cached in data.root/.chat_cache); one over
+Every rank tokenizes all conversations at start (cached in data.root/.chat_cache); one over
 seq_len+1 tokens is truncated or skipped (data.chat.too_long). Epoch e orders them by a
-permutation seeded by (seed, e); pack=true fills rows of seq_len+1 tokens greedily in that order,
-pack=false puts one a row, and EOS pads the rest (uncounted, a doc_id of its own). As for memmap,
-step k's global batch is rows [k*G, (k+1)*G), so the loader's state is the rows consumed. Rank 0
-alone reports skipped lines (every rank reads them all; the trainer sums over ranks).
+permutation seeded by (seed, e); pack=true fills rows greedily in that order, pack=false puts one
+a row, and EOS pads the rest (uncounted, a doc_id of its own). As for memmap, step k's global batch
+is rows [k*G, (k+1)*G). Rank 0 alone reports skipped lines (the trainer sums over ranks).
 """
 
 import hashlib

@@ -1,16 +1,14 @@
 """Chat templates (data.format=chat): a conversation -> token ids, and which of them the assistant
 writes (the targets).
 
-data.chat.template names a Hugging Face tokenizer_config.json with a `chat_template`, or a .jinja
-file. Unset: the tokenizer_config.json (or chat_template.jinja) beside data.tokenizer.path when
-data.tokenizer.kind=hf and it has a template, else the built-in one: BOS, then
-"<|role|>\\n{content}\\n" a message, an assistant's closed by EOS instead of "\\n" (BOS and EOS
-are ids, not text); its generation prompt is "<|assistant|>\\n". A Jinja template renders as
-transformers' apply_chat_template does, and an assistant's turn is what rendering messages[:i+1]
-adds to messages[:i] with the generation prompt; where a template rewrites earlier turns (Qwen3
-drops their reasoning), its content in the whole render through the closing it gets as the last
-turn. The texts of bos_token and eos_token (`<s>` and `</s>` without a tokenizer_config.json, the
-byte tokenizer's names in its export) encode as the tokenizer's BOS and EOS ids wherever written.
+data.chat.template names a tokenizer_config.json with a `chat_template`, or a .jinja file. Unset:
+the one beside data.tokenizer.path when data.tokenizer.kind=hf and it has a template, else the
+built-in one: BOS, then "<|role|>\\n{content}\\n" a message, an assistant's closed by EOS instead
+of "\\n"; its generation prompt is "<|assistant|>\\n". A Jinja template renders as transformers'
+apply_chat_template does; an assistant's turn is what rendering messages[:i+1] adds to messages[:i]
+with the generation prompt, or, where a template rewrites earlier turns (Qwen3 drops their
+reasoning), its content in the whole render through the closing it gets as the last turn. The
+texts of bos_token and eos_token (`<s>`, `</s>` by default) encode as the BOS and EOS ids.
 """
 
 import json

@@ -23,9 +23,8 @@ from lingua.model.masks import AttentionMask
 
 ATTN_BACKENDS = ("sdpa", "flex", "xformers")
 
-# True while a pipeline schedule runs its first-step shape inference (an extra forward and loss
-# call on copies or uninitialised tensors): whatever counts forwards (MoE routing counts, probes)
-# asks `inferring_shapes()` and leaves those calls out.
+# True during a pipeline schedule's first-step shape inference (an extra forward on copies):
+# whatever counts forwards (MoE routing, probes) asks `inferring_shapes()` and leaves it out.
 _INFERRING_SHAPES = False
 
 
@@ -111,9 +110,8 @@ def _eager_plain(*tensors) -> bool:
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm with a written-out backward: the composite's arithmetic
-    (x * rsqrt(mean(x^2) + eps)).type_as(x) * weight in about half the memory passes, which are
-    the cost on CPU (BENCHMARKS.md; faster than F.rms_norm in eager)."""
+    """RMSNorm with a written-out backward: the composite's arithmetic in about half the memory
+    passes, which are the cost on CPU (faster than F.rms_norm in eager)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -191,9 +189,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _RopeFunction(torch.autograd.Function):
-    """x * cos + rotate_half(x) * sin, half by half in place, with the backward written out (the
-    rotation by minus the angle): only the tables are saved, and a third of the memory passes
-    go."""
+    """x * cos + rotate_half(x) * sin, half by half, with the backward written out (the rotation
+    by minus the angle): only the tables are saved, and a third of the memory passes go."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
@@ -296,9 +293,9 @@ def check_xformers_mask(spec: AttentionMask, sinks: bool = False) -> None:
 
 def make_attn_mask(backend: str, doc_ids: Optional[torch.Tensor], seq_len: int,
                    device: torch.device, spec: AttentionMask = AttentionMask()):
-    """The mask `attention` needs, built once per forward from the model's `spec` (lingua/model/
-    masks.py), within documents when `doc_ids` [b, s] is given. None (plain causal, sdpa), a
-    boolean [b or 1, 1, s, s] mask (sdpa), a flex BlockMask, or an xformers attention bias."""
+    """The mask `attention` needs, built once per forward from the model's `spec`, within
+    documents when `doc_ids` [b, s] is given: None (causal sdpa), a boolean [b or 1, 1, s, s]
+    mask, a flex BlockMask, or an xformers attention bias."""
     if backend == "sdpa":
         if doc_ids is None and spec.plain_causal:
             return None

@@ -1,11 +1,10 @@
 """A model part's first weights, given after it was built on the meta device, split and sharded:
 drawn from per-tensor seeded streams, or filled from rank 0's copy of a Hugging Face model.
 
-Layout-independent initialisation: while init_weights runs, every random init of a parameter or
-buffer draws the whole tensor from a generator seeded from (seed, its checkpoint name), and a
-DTensor keeps its own slice; so a layer starts from the same numbers in every layout, and the
-model file needs no distributed code. The global RNG would not do: every pipeline stage would
-replay the same stream, and on CUDA torch's OffsetBasedRNGTracker broadcasts rank 0's state.
+While init_weights runs, every random init draws the whole tensor from a generator seeded from
+(seed, its checkpoint name), and a DTensor keeps its slice: the same numbers in every layout, and no
+distributed code in the model file. The global RNG would not do: every pipeline stage would replay
+the same stream, and on CUDA torch's OffsetBasedRNGTracker broadcasts rank 0's state.
 """
 
 import hashlib

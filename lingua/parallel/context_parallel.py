@@ -2,9 +2,9 @@
 
 Backends: "allgather" (CPU and CUDA, any mask; as in the Llama 3 paper) all-gathers the keys and
 values of the whole sequence, masked by the model's own rule at global positions; "ring" (CUDA,
-plain causal only) is torch's `context_parallel`. For load balance under a causal mask rank r
-holds chunks r and 2*cp-1-r of 2*cp. Forward AND backward run inside `cp_batch` (activation
-checkpointing recomputes attention in backward, and ring attention's backward needs its context).
+plain causal only) is torch's `context_parallel`. Under a causal mask rank r holds chunks r and
+2*cp-1-r of 2*cp (load balance). Forward AND backward run inside `cp_batch` (recomputed attention
+and ring attention's backward need its context).
 """
 
 import contextlib

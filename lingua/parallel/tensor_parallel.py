@@ -1,9 +1,8 @@
 """Tensor (+ sequence) parallelism and loss parallelism, driven by plans the app supplies.
 
-An app gives two plans of torch ParallelStyles: one keyed by FQNs under the model root and one
-keyed by FQNs under a transformer block, applied to every block. Loss parallel: with logits
-sharded over the vocabulary (a Shard(-1) DTensor), the cross-entropy runs on the shards; its
-forward AND backward must run inside `loss_parallel_context(True)`.
+An app gives two plans of ParallelStyles, keyed by FQNs under the model root and under a block.
+Loss parallel: the cross-entropy runs on vocabulary-sharded logits (Shard(-1)); its forward AND
+backward must run inside `loss_parallel_context(True)`.
 """
 
 import contextlib

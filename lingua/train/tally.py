@@ -1,10 +1,9 @@
-"""The step's tally: what every rank must decide alike once the gradients are complete (finite
-norm, loss spike, stop signal, checkpoint written) comes from ONE all-reduce of a few numbers,
-read on the host once: each host read of a GPU value waits for the GPU's queue to drain.
+"""The step's tally: what every rank must decide alike (finite norm, loss spike, stop signal,
+checkpoint written) comes from ONE all-reduce, read on the host once (each read waits for the GPU).
 
-Summed over every rank: tensor-parallel peers hold copies of the same loss sum and count and
-earlier pipeline stages add zeros, so sum / count is the global mean either way; the norm is
-global already, so its sum divided by the world size is the norm itself, exactly (in fp64).
+Summed over every rank: TP peers hold copies of the same loss sum and count and earlier pipeline
+stages add zeros, so sum / count is the global mean either way; the norm is global already, so its
+sum divided by the world size is the norm itself, exactly (in fp64).
 """
 
 import math
