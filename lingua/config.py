@@ -217,8 +217,7 @@ def schema_keys(schema: Type, prefix: str = "") -> dict:
 
 def _open_maps(overrides: Sequence[str], maps: Sequence[str]) -> list:
     """`data.sources.books=2` or `data.sources={a:1,b:2}` as `++...`: a map's entries are not in
-    the schema, so struct mode would ask for Hydra's `+`; `++` adds or replaces the entry, which
-    is what an override of a map means."""
+    the schema, so struct mode would ask for Hydra's `+`; `++` adds or replaces the entry."""
     out = []
     for override in overrides:
         key = override.split("=", 1)[0]
@@ -320,9 +319,8 @@ RUN_DIRECTORY_MARKS = ("config.yaml", "metrics.jsonl", "checkpoints", "peak.json
 
 
 def check_dump_dir(dump_dir: str) -> None:
-    """Refuse a dump_dir that is a file or lies under one (its mkdir would fail only after the
-    processes and the model were started), or an existing directory that is neither empty nor a
-    run's (a run to resume): its files would be mixed with the run's. A new dump_dir is fine."""
+    """Refuse a dump_dir that is a file or lies under one (mkdir would fail only after the start),
+    or an existing directory neither empty nor a run's: its files would mix with the run's."""
     path = Path(dump_dir)
     found = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
     if found == path and path.is_dir():

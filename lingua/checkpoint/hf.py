@@ -113,10 +113,9 @@ def weight(tensors: Dict[str, torch.Tensor], key: str, path) -> torch.Tensor:
 
 def stacked_experts(tensors, prefix: str, n_experts: int, names: Dict[str, str],
                     path) -> Dict[str, Tuple[torch.Tensor, str]]:
-    """An MoE layer's routed experts as lingua's [E, in, out] stacks, each with the HF key it
-    came from, from per-expert Linears (`{prefix}.{e}.{names[w]}.weight`, the Hub layout that
-    save_pretrained writes) or transformers 5's fused `{prefix}.gate_up_proj` / `down_proj`.
-    `names` maps w1 (gate), w3 (up), w2 (down) to the architecture's per-expert names."""
+    """An MoE layer's routed experts as [E, in, out] stacks with the HF key each came from, from
+    per-expert Linears (`{prefix}.{e}.{names[w]}.weight`, the Hub layout) or transformers 5's fused
+    `{prefix}.gate_up_proj` / `down_proj`. `names`: w1, w3, w2 -> the per-expert names."""
     if f"{prefix}.gate_up_proj" in tensors:
         gate, up = tensors[f"{prefix}.gate_up_proj"].chunk(2, dim=1)   # [E, 2 hidden, dim]
         down = weight(tensors, f"{prefix}.down_proj", path)
@@ -151,9 +150,8 @@ def app_file(module_file: str) -> str:
 
 def check_export(state_keys: Iterable[str], exported: Iterable[str], *,
                  not_exported: Dict[str, str], where: str, out_dir) -> None:
-    """Refuse (before anything is written) a model with a state-dict tensor the export would leave
-    out: neither mapped (`exported`) nor on the app's NOT_EXPORTED list. `where` names the map:
-    "key_map in apps/llama/hf.py"."""
+    """Refuse, before anything is written, a state-dict tensor neither mapped (`exported`) nor on
+    the app's NOT_EXPORTED list. `where` names the map: "key_map in apps/llama/hf.py"."""
     exported = set(exported)
     unmapped = [k for k in state_keys if k not in exported and not _allowed(k, not_exported)]
     if unmapped:
@@ -227,9 +225,8 @@ def command(module_file: str) -> str:
 
 
 def decoder_config(args, dtype: torch.dtype) -> dict:
-    """config.json fields of lingua's decoder shape (TransformerArgs) and of the weights' dtype,
-    under the names the Llama family of Hugging Face configs shares; an app's mapping adds its
-    architecture's own."""
+    """config.json fields of TransformerArgs and the dtype, under the Llama family's shared names;
+    an app's mapping adds its architecture's own."""
     rope_scaling = None
     if args.rope_scaling:
         rope_scaling = {"rope_type": "llama3", "factor": args.rope_scale_factor,
@@ -282,9 +279,8 @@ def decoder_args(cfg: dict, config_path: Path) -> dict:
 
 def save_hf(model, model_args, path, dtype: Optional[torch.dtype], *, to_hf: Callable,
             hf_config: Callable, not_exported: Dict[str, str], where: str) -> None:
-    """Write the model as a Hugging Face directory: `to_hf` names its tensors layer by layer
-    (hf_files.write_hf), config.json from `hf_config(model_args, dtype)`. `where` names the map
-    in refusals ("key_map in apps/llama/hf.py")."""
+    """Write the model as a Hugging Face directory: `to_hf` names its tensors layer by layer,
+    config.json from `hf_config(model_args, dtype)`. `where` names the map in refusals."""
     state = model.state_dict()
     check = partial(check_export, state, not_exported=not_exported, where=where, out_dir=path)
     hf_files.write_hf(path, state, lambda keys: state, args=model_args, dtype=dtype, to_hf=to_hf,
@@ -353,9 +349,8 @@ def load_base(model, ckpt_dir, load_hf: Optional[Callable]) -> None:
 
 
 def checkpoint_reader(ckpt_dir, state: dict, base_key_map: Optional[Callable], args) -> Callable:
-    """read(keys) -> values of a training checkpoint, for hf_files.write_hf: only those tensors
-    are read. The frozen base a LoRA checkpoint leaves out (base.json) comes from the Hugging
-    Face directory it names, through `base_key_map` (our key -> HF name)."""
+    """read(keys) -> values of a training checkpoint (only those tensors are read); the frozen
+    base a LoRA checkpoint leaves out comes from the HF directory it names, via `base_key_map`."""
     verified(ckpt_dir)
     base = _frozen_base(ckpt_dir, base_key_map)
     saved = dcp.FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
@@ -377,9 +372,8 @@ def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args
            not_exported: Dict[str, str], where: str, command: str,
            base_key_map: Optional[Callable] = None, shard_bytes: Optional[int] = None):
     """A training checkpoint (a run directory: its newest complete one) -> a Hugging Face
-    directory with the tokenizer files beside it; returns the model args. Refused, before any
-    weight is read, for what `export_problems(args)` names. Read and written one safetensors
-    file (`shard_bytes`, default hf_files.SHARD_BYTES) at a time."""
+    directory with the tokenizer files; returns the model args. Refused, before any weight is
+    read, for what `export_problems(args)` names. One safetensors file at a time."""
     ckpt_dir = resolve(ckpt_dir)
     run_config = read_run_config(ckpt_dir)
     try:
@@ -458,9 +452,8 @@ RUNTIME_KEYS = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_
 
 def shape_from_init_from(args, argv, args_from_hf_config: Callable) -> None:
     """With checkpoint.init_from a Hugging Face directory, model.* takes its config.json's shape
-    (`args_from_hf_config`, which refuses a family the app does not read) and data.tokenizer its
-    tokenizer.json (kind hf: the chat template beside it comes with it): nothing is typed. A key
-    the command line sets is kept, so that the check against the weights names it."""
+    (`args_from_hf_config`) and data.tokenizer its tokenizer.json (and chat template). A key the
+    command line sets is kept, so that the check against the weights names it."""
     path = args.checkpoint.init_from
     config_json = Path(path) / "config.json" if path is not None else None
     if config_json is None or not config_json.is_file():
@@ -485,9 +478,8 @@ def shape_from_init_from(args, argv, args_from_hf_config: Callable) -> None:
 
 
 def load_init_from(args, app, env):
-    """Rank 0's state of the Hugging Face model in checkpoint.init_from (None on other ranks),
-    after every rank checked that it is the model of model.*. Only rank 0 reads it, in the files'
-    dtype: the tensors stay memory-mapped, read from disk when sent (weights.load_full_state)."""
+    """Rank 0's state of checkpoint.init_from's model (None elsewhere), after every rank checked
+    it is model.*'s; in the files' dtype, memory-mapped, read from disk when sent."""
     path = args.checkpoint.init_from
     hf_model, outcome = None, None
     if env.rank == 0:

@@ -98,9 +98,8 @@ def statements(tree: ast.AST):
 
 def write_once(root, marker: str, write: Callable, what: str):
     """Make the directory `root` with `write(tmp)` unless `root/marker` is there; safe when
-    processes race: `write` fills a private temporary directory, then renamed into place
-    (atomic), and a failure leaves nothing behind. Returns what `write` returned, or None where
-    `root` was already made. A `root` that exists without its marker is refused, naming `what`."""
+    processes race (a private temporary directory renamed into place; a failure leaves nothing).
+    Returns what `write` returned, or None; refuses a `root` without its marker, naming `what`."""
     root = Path(root)
     if (root / marker).is_file():
         return None

@@ -224,9 +224,8 @@ def cache_key(files: List[Path], args, template: ChatTemplate) -> str:
 
 def cached_conversations(files: List[Path], args, template: ChatTemplate, tokenizer: Tokenizer,
                          counter: SkipCounter) -> Conversations:
-    """The conversations of `files`, tokenized once and kept in data.root/.chat_cache/<key>/ for
-    later starts and the other ranks (rank 0 writes while they wait). Where data.root is
-    read-only, every start tokenizes (said once)."""
+    """The conversations of `files`, tokenized once by rank 0 into data.root/.chat_cache/<key>/
+    for later starts and the other ranks; a read-only data.root tokenizes at every start."""
     import torch.distributed as dist
 
     cache = Path(args.root) / CACHE_DIR / cache_key(files, args, template)

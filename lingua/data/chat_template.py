@@ -67,9 +67,8 @@ class ChatTemplate:
         return ids, counted
 
     def render(self, messages: List[dict], add_generation_prompt: bool = False) -> str:
-        """The Jinja template's text as transformers' apply_chat_template renders it (its own
-        renderer: we keep no Jinja environment of ours); BadLine when the template raises on this
-        conversation."""
+        """The text as transformers' apply_chat_template renders it (no Jinja environment of
+        ours); BadLine when the template raises on this conversation."""
         import jinja2
         from transformers.utils.chat_template_utils import render_jinja_template
 

@@ -140,10 +140,9 @@ class Decoder(nn.Module):
 
 
 def check_model_contract(model: nn.Module, where: str, context_parallel: bool = False) -> None:
-    """Raise ConfigError if `model` (built on meta, before any parallelism) lacks what the trainer
-    and pipeline parallelism rely on (module docstring), or, with `context_parallel`, has a layer
-    that does not attend through CoreAttention (whose attention CP could not reach: each rank
-    would attend within its own shard only). `where` names the app's model file."""
+    """Raise ConfigError if `model` (on meta, before any parallelism) lacks what the module
+    docstring lists, or, with `context_parallel`, has a layer that does not attend through
+    CoreAttention (each rank would attend within its own shard). `where`: the app's model file."""
     problems = []
     for name in ("tok_embeddings", "norm", "output", "layers", "args"):
         if not hasattr(model, name):

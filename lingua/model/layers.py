@@ -406,10 +406,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
 
 class KVCache:
     """Keys/values of the positions seen so far, per attention layer (keyed like `layers`). A
-    layer's buffers are made at its first update, shaped like what it caches (under TP a rank
-    holds n_kv_heads / tp heads, which only the layer's output knows; MLA caches its latent and
-    rope key, apps/deepseek). A recurrent layer keeps its state in `states[key]`, a dict of its own
-    (apps/qwen3_next: the convolution's last inputs and the delta rule's state)."""
+    layer's buffers are made at its first update, shaped like what it caches (under TP only the
+    layer's output knows its heads; MLA caches its latent and rope key). A recurrent layer keeps
+    its state in `states[key]`, a dict of its own (apps/qwen3_next)."""
 
     def __init__(self, layer_keys, batch: int, max_len: int):
         self.kv: Dict[str, Optional[Tuple[torch.Tensor, torch.Tensor]]] = dict.fromkeys(layer_keys)
@@ -441,13 +440,11 @@ class KVCache:
 
 
 class CoreAttention(nn.Module):
-    """softmax(QK^T)V: every app's attention block calls its kernel through this module (part
-    of the contract check_model_contract checks). Context parallelism replaces it by type; the
-    probe hooks it. Takes q [b, s, h, head_dim] and k, v [b, s, h_kv, head_dim] after RoPE and
-    the decoder's mask; repeats k/v to h heads unless the kernel groups them (`grouped_kv_ok`).
-    When decoding (KV cache) it runs sdpa with the cache's mask on any backend. `scale` multiplies
-    the scores (None: 1/sqrt(head_dim); MLA's differs), and v's head size may differ from q's.
-    `sinks` [h] (this rank's heads): learned attention sinks, as gpt-oss's (apps/swa)."""
+    """softmax(QK^T)V: every app's attention calls its kernel through this module (the model
+    contract); context parallelism replaces it by type, the probe hooks it. Takes q [b, s, h, d]
+    and k, v [b, s, h_kv, d] after RoPE, and the decoder's mask; repeats k/v to h heads unless the
+    kernel groups them (`grouped_kv_ok`). Decoding (KV cache) runs sdpa on any backend. `scale`:
+    None is 1/sqrt(d); v's head size may differ from q's; `sinks` [h]: this rank's heads' sinks."""
 
     def __init__(self, backend: str = "sdpa", scale: Optional[float] = None):
         super().__init__()
@@ -464,10 +461,9 @@ class CoreAttention(nn.Module):
 
 
 def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:
-    """Whether `core` may hand sdpa k/v with fewer heads than q (enable_gqa, saving repeat_kv's
-    copy): only a CoreAttention on plain sdpa, on CPU, with no mask. On CUDA sdpa groups heads in
-    its flash kernel only (bf16/fp16, sm80+) and would otherwise fall back to the slow math
-    kernel, so CUDA keeps repeat_kv. Independent of the probe, so probed steps compute alike."""
+    """Whether `core` may hand sdpa k/v with fewer heads than q (enable_gqa, no repeat_kv copy):
+    only plain sdpa on CPU with no mask. On CUDA sdpa groups heads in its flash kernel only and
+    would otherwise fall back to the slow math kernel. Independent of the probe."""
     return (q.device.type == "cpu" and mask is None and isinstance(core, CoreAttention)
             and core.backend == "sdpa")
 

@@ -167,10 +167,9 @@ def broadcast_object(obj, src: int = 0):
 
 def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device,
                     keep: Callable[[str], bool] = lambda name: False) -> None:
-    """Fill every rank's parts from rank 0's `state` (other ranks pass None), one tensor at a
-    time, so no rank holds more than its shards plus one full tensor (unlike torch's
-    set_model_state_dict(broadcast_from_rank0=True)). Tensors where keep(name) is true may be
-    absent from `state` and keep their values (LoRA adapters)."""
+    """Fill every rank's parts from rank 0's `state` (None elsewhere) one tensor at a time, so no
+    rank holds more than its shards plus one full tensor (unlike torch's broadcast_from_rank0).
+    Tensors where keep(name) is true may be absent and keep their values (LoRA adapters)."""
     device = torch.device(device)
     world = _world()
     rank = dist.get_rank() if world else 0

@@ -113,10 +113,8 @@ class PhaseTimer:
 
 
 class StepProfiler:
-    """torch.profiler over one window of steps: per rank a Chrome trace, the top operators and,
-    on CUDA with memory=true, a memory snapshot. With `flops_per_step` and `peak_flops`, rank 0
-    logs the window's MFU.
-    """
+    """torch.profiler over one window of steps: per rank a Chrome trace, the top operators and
+    (CUDA, memory=true) a memory snapshot; with `flops_per_step` and `peak_flops`, the MFU."""
 
     def __init__(self, args: ProfilingArgs, dump_dir, rank: int, device: torch.device,
                  flops_per_step: Optional[float] = None, peak_flops=None):

@@ -140,9 +140,8 @@ class SumGradOverTP(ParallelStyle):
 
 
 def lora_tp_plans(model: nn.Module, root_plan: dict, block_plan: dict, blocks) -> tuple:
-    """(root plan, [each block's plan]) with the LoRA styles swapped in, after refusing a
-    LoRALinear that the plans leave out (a ReplicatedCompute module covers those inside it) or
-    shard another way. Needs no process group: an app can call it at config time."""
+    """(root plan, [each block's plan]) with the LoRA styles swapped in, refusing a LoRALinear
+    the plans leave out (outside a ReplicatedCompute) or shard another way. No process group."""
     blocks, covered = list(blocks), set()
     for root, plan in [(model, root_plan)] + [(block, block_plan) for block in blocks]:
         for fqn, style in plan.items():
