@@ -202,8 +202,7 @@ def _type_mismatch(err: Exception, overrides: Sequence[str], schema: Optional[Ty
 
 
 def schema_keys(schema: Type, prefix: str = "") -> dict:
-    """Every dotted key of a dataclass schema (nested dataclasses walked, not listed) -> whether it
-    is a free-form map (a `Dict[...]` field, e.g. data.sources)."""
+    """Every dotted key of a dataclass schema -> whether it is a map (e.g. data.sources)."""
     keys = {}
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):

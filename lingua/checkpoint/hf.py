@@ -85,8 +85,7 @@ def _weight_files(path: Path) -> List[Path]:
 
 
 def tensor_names(path: Path) -> Dict[str, Path]:
-    """Every tensor name in the directory's safetensors files -> its file, from the headers alone
-    (no tensor data is read), so a refusal costs nothing however large the checkpoint."""
+    """Every tensor name in the directory's safetensors -> its file, read from the headers alone."""
     names = {}
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as handle:
@@ -139,8 +138,7 @@ def _allowed(name: str, allow_list: Dict[str, str]) -> bool:
 
 
 def app_file(module_file: str) -> str:
-    """An app's hf.py as the user would open it: relative to the repository when it lies inside
-    (apps/<app>/hf.py, a fork's own name included), else as given."""
+    """An app's hf.py as the user would open it: relative to the repository when inside it."""
     f = Path(module_file).resolve()
     try:
         return str(f.relative_to(Path(__file__).resolve().parents[2]))
@@ -193,8 +191,7 @@ def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: 
 
 
 def warn_unexportable(problems: List[str], command: str) -> None:
-    """One warning line (rank 0) at the start of a run whose checkpoints `command` will refuse
-    for `problems` (the app's `export_problems(model_args)`, which the export refuses with)."""
+    """One warning line (rank 0) at the start of a run whose checkpoints `command` will refuse."""
     if problems and _rank0():
         logging.getLogger(__name__).warning(
             "warning: %s export will refuse this run's checkpoints: %s. Training goes on; change "
@@ -217,8 +214,7 @@ TIED_NOT_IMPORTED = {
 
 
 def command(module_file: str) -> str:
-    """`python -m` and the hf module run as __main__ (apps/llama/hf.py runs models/llama's main),
-    else module_file's."""
+    """`python -m` and the hf module run as __main__, else module_file's."""
     running = getattr(sys.modules.get("__main__"), "__spec__", None)
     name = running.name if running is not None and running.name.endswith(".hf") else None
     return "python -m " + (name or app_file(module_file).removesuffix(".py").replace(os.sep, "."))
@@ -425,8 +421,7 @@ def export_cli(argv, prog: str, description: str, export, load_hf: Optional[Call
 
 
 def imported(hf_dir, load_hf: Callable) -> str:
-    """What `import` prints: the directory read in full (every tensor mapped, shapes checked) and
-    the model section of a config that trains from it."""
+    """What `import` prints: the directory read in full, and the model section training from it."""
     model, args = load_hf(hf_dir, dtype=None)
     n_params = sum(p.numel() for p in model.parameters())
     section = OmegaConf.to_yaml({"model": config.to_dict(args)})
@@ -435,8 +430,7 @@ def imported(hf_dir, load_hf: Callable) -> str:
 
 
 def wrote(ckpt_dir, out_dir) -> str:
-    """The line an export command prints, with the architecture read back from the config.json it
-    wrote: a fork that renames the architecture (Qwen3ForCausalLM, ...) is reported as written."""
+    """The export's line, with the architecture read back from the config.json it wrote."""
     try:
         archs = json.loads((Path(out_dir) / "config.json").read_text()).get("architectures")
     except (OSError, ValueError):

@@ -38,8 +38,7 @@ def describe(paths) -> dict:
 
 
 def write_manifest(ckpt_dir) -> None:
-    """Describe every file of a checkpoint directory made outside `save` (a conversion from
-    another format, a test): `verify` and resume then accept it."""
+    """Describe a checkpoint made outside `save` (a conversion, a test), so `verify` accepts it."""
     ckpt_dir = Path(ckpt_dir)
     files = describe(sorted(p for p in ckpt_dir.iterdir() if p.is_file() and p.name != MANIFEST))
     (ckpt_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
@@ -125,8 +124,7 @@ def step_dirs(root: Path) -> list:
 
 
 def move_aside(ckpt: Path) -> str:
-    """Rename a damaged checkpoint to `<step>.damaged`: only digit names are checkpoints, so
-    `keep` no longer counts it. Returns what was done."""
+    """Rename a damaged checkpoint to `<step>.damaged`, which `keep` no longer counts."""
     target, n = ckpt.with_name(f"{ckpt.name}.damaged"), 1
     while target.exists():
         n += 1
@@ -212,8 +210,7 @@ def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None,
 
 
 def verified(ckpt_dir, rank: int = 0, world_size: int = 1) -> None:
-    """For a checkpoint asked for by name, damage is a ConfigError on every rank, not a silent
-    fallback. Collective when world_size > 1."""
+    """A checkpoint asked for by name: damage is a ConfigError on every rank. Collective."""
     if world_size == 1:
         problems = [verify_share(ckpt_dir, rank, world_size)]
     else:   # one rank reads the manifest (newest_verified says why)

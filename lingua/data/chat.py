@@ -205,8 +205,7 @@ CACHE_DIR, CACHE_VERSION = ".chat_cache", 1
 
 
 def cache_key(files: List[Path], args, template: ChatTemplate) -> str:
-    """Everything the tokenized conversations depend on: the files (path and a CRC-32 of the
-    bytes), the tokenizer file, the template, seq_len and the too-long rule."""
+    """What the tokenized conversations depend on (files' CRC-32, tokenizer, template, ...)."""
     def stat(path) -> list:
         crc = 0
         with open(path, "rb") as f:
@@ -382,8 +381,7 @@ LINE_FORMAT = ('one conversation a line: {"messages": [{"role": "system"|"user"|
 
 
 def validate_chat_data(args) -> None:
-    """Cheap checks of a chat corpus (every line parsed, one conversation rendered): ConfigError
-    naming the file (and line) and the fix."""
+    """Cheap checks of a chat corpus (every line parsed, one conversation rendered)."""
     if args.chat.too_long not in TOO_LONG:
         raise ConfigError(f"data.chat.too_long={args.chat.too_long!r} is unknown: use truncate "
                           f"(cut a conversation to data.seq_len+1 tokens) or skip.")
@@ -441,8 +439,7 @@ def _check_template(args, template: ChatTemplate, path: Path, line_no: int, mess
 
 
 def write_debug_chat(out_dir, n_train: int = 2000, n_val: int = 100) -> Path:
-    """A small chat corpus from stdlib docstrings (user: the start of one of their words,
-    assistant: its end): out_dir/train.jsonl and out_dir/val/val.jsonl (batch.write_once)."""
+    """A small chat corpus from stdlib docstrings (user: a word's start, assistant: its end)."""
     def write(tmp: Path) -> None:
         (tmp / VAL_DIR).mkdir(parents=True)
         docs = stdlib_docstrings()

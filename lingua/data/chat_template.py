@@ -201,8 +201,7 @@ def _read_template(path: Path, tok: TokenizerArgs) -> Tuple[str, Dict[str, str]]
 
 
 def _check_syntax(text: str, source: str) -> None:
-    """Refuse a template that is not valid Jinja before any data is read (rendering is
-    transformers' own, which compiles it on first use)."""
+    """Refuse a template that is not valid Jinja before any data is read."""
     import jinja2
 
     try:

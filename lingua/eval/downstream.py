@@ -47,8 +47,7 @@ def quiet_lm_eval() -> None:
 
 @functools.lru_cache(maxsize=8)
 def task_manager(include_path: Optional[str] = None, lm_eval_tasks: bool = True):
-    """Ours, eval.include_path's and, with lm_eval_tasks, lm-eval's own (slow: it reads thousands
-    of YAMLs, so once a process)."""
+    """Ours, eval.include_path's and lm-eval's own (slow: thousands of YAMLs, so once a process)."""
     from lm_eval.tasks import TaskManager
 
     from lingua.eval.tasks import TASKS_DIR

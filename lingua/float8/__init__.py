@@ -73,8 +73,7 @@ def moves_float8(device_type: str) -> bool:
 
 
 def uses_fsdp_float8_all_gather(args, dims, device_type: str) -> bool:
-    """Whether FSDP2 all-gathers the converted weights in float8: tensorwise only (one scale per
-    tensor), where FSDP shards and the collectives move float8."""
+    """Whether FSDP2 all-gathers the converted weights in float8: tensorwise, where FSDP shards."""
     return (args.float8 == "tensorwise" and dims.dp_replicate * dims.fsdp > 1
             and moves_float8(device_type))
 

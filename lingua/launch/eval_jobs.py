@@ -58,8 +58,7 @@ def pending_marker(dump_dir, step: int) -> Path:
 
 
 def checkpoint_in_use(dump_dir) -> Callable[[int], bool]:
-    """For pruning: a job that never runs leaves its checkpoint on disk until evals/<step>/pending
-    is deleted."""
+    """For pruning: a job that never runs keeps its checkpoint until evals/<step>/pending goes."""
     return lambda step: pending_marker(dump_dir, step).exists()
 
 

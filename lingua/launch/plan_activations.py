@@ -132,8 +132,7 @@ def output_activation_bytes(model_args, e: int, tp: int, loss_parallel: bool,
 
 
 def chunks_in_flight(schedule: str, pp: int, virtual: int, n_mb: int, pp_rank: int) -> float:
-    """Micro-batches whose activations a pipeline rank holds at once, in units of its stages'
-    average (one unit = all its layers for one micro-batch when it holds one stage)."""
+    """Micro-batches a pipeline rank holds at once, in units of its stages' average."""
     if pp == 1:
         return 1.0
     name = pipeline.schedule_name(schedule)

@@ -108,8 +108,7 @@ class Decoder(nn.Module):
         return rope, make_attn_mask(self.attn_backend, doc_ids, seq_len, device, self.mask_spec)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and output projection (the tied embedding with tie_embeddings); hidden
-        states pass through on a pipeline stage before the last."""
+        """Final norm and output; hidden states pass through on a stage before the last."""
         if self.output is not None:
             return self.output(self.norm(h))
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.norm is not None:
@@ -118,8 +117,7 @@ class Decoder(nn.Module):
 
     def trunk(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
               cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None) -> tuple:
-        """Embeddings and layers: (hidden states, rope, mask) before the head (apps/mtp runs its
-        extra modules on them)."""
+        """Embeddings and layers: (hidden states, rope, mask) before the head (apps/mtp)."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         # Under sequence parallelism h is a DTensor shaped like the whole sequence, as attention
         # sees it after its all-gather.

@@ -236,8 +236,7 @@ def rope_tables(args: "TransformerArgs", device=None) -> Tuple[torch.Tensor, tor
 
 
 def repeat_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Repeat k/v [b, s, kv_heads, d] to the queries' n_heads (kv head j serves query heads
-    j*n_rep .. (j+1)*n_rep-1, as Meta and HF group them)."""
+    """Repeat k/v [b, s, kv_heads, d] to n_heads: kv head j serves query heads j*n_rep.. (as HF)."""
     n_rep = n_heads // k.shape[2]
     if n_rep == 1:
         return k, v
@@ -431,8 +430,7 @@ class KVCache:
 
     def attn_mask(self, seq_len: int, device=None,
                   spec: AttentionMask = AttentionMask()) -> Optional[torch.Tensor]:
-        """Boolean [1, 1, seq_len, pos + seq_len] mask of the new queries against the cached and
-        new keys, by the model's rule at global positions."""
+        """Boolean [1, 1, seq_len, pos + seq_len] mask: new queries against all keys."""
         if seq_len == 1 and spec.window is None:
             return None  # a single new token sees everything cached: no mask needed
         q_pos = self.pos + torch.arange(seq_len, device=device)
@@ -469,8 +467,7 @@ def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
-    """Meta llama's SwiGLU width: 2/3 of 4*dim (a 4*dim MLP's parameters), optionally scaled,
-    rounded up to a multiple of `multiple_of`."""
+    """Meta llama's SwiGLU width: 2/3 of 4*dim, optionally scaled, rounded up to `multiple_of`."""
     hidden = int(2 * 4 * dim / 3)
     if ffn_dim_multiplier is not None:
         hidden = int(ffn_dim_multiplier * hidden)

@@ -52,8 +52,7 @@ class LoRALinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + self.scale * update
 
     def init_adapter(self) -> None:
-        """A as nn.Linear initialises its weight (PEFT's default), B zero (called by
-        lingua.model.weights.materialize)."""
+        """A as nn.Linear initialises its weight (PEFT's default), B zero."""
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b)
 
@@ -104,8 +103,7 @@ def check_targets(model: nn.Module, args: LoRAArgs) -> None:
 
 
 def apply_lora(model: nn.Module, args: LoRAArgs) -> List[str]:
-    """Convert the targeted Linears in place and freeze everything else; returns the converted
-    module names. rank 0 does nothing (full fine-tuning)."""
+    """Convert the targeted Linears in place, freeze the rest; the converted names (rank 0: none)."""
     if not args.rank:
         return []
     check_targets(model, args)

@@ -432,8 +432,8 @@ def moe_layers(model: nn.Module):
 
 
 def balance_loss_sum(layers: Iterable[MoE], device) -> torch.Tensor:
-    """The last training forward's balancing losses of `layers`, summed ([1]; zeros if none).
-    Each layer lets go of its own (a tensor with a graph would make the module uncopyable)."""
+    """The last training forward's balancing losses, summed ([1]), each layer's then dropped (a
+    tensor with a graph would make the module uncopyable)."""
     total = torch.zeros(1, device=device)
     for m in layers:
         if m.balance_loss is not None:

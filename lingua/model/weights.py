@@ -58,8 +58,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class PerTensorStreams(TorchFunctionMode):
-    """While active, every random init of one of `module`'s tensors draws the whole tensor from
-    its own generator; a DTensor then copies in its local slice."""
+    """While active, every random init of `module`'s tensors draws the whole tensor from its own
+    generator; a DTensor then copies in its local slice."""
 
     def __init__(self, module: nn.Module, seed: int, device: torch.device):
         super().__init__()

@@ -65,8 +65,7 @@ PEAK_NAME = "peak.json"
 
 
 def largest_linear(parts) -> Optional[tuple]:
-    """(in_features, out_features) of the largest nn.Linear in the parts (a DTensor's logical
-    shape), or None where there is none."""
+    """(in, out) features of the parts' largest nn.Linear (a DTensor's logical shape), or None."""
     shapes = [tuple(m.weight.shape) for part in parts for m in part.modules()
               if isinstance(m, nn.Linear)]
     if not shapes:
@@ -121,8 +120,7 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Optional[frozenset]:
 
 
 def cpu_bf16_emulated() -> bool:
-    """True where this CPU has no bf16 instructions, so torch emulates bf16 matmuls (30-100x
-    slower than fp32); False where it has them, or is unknown."""
+    """True where this CPU has no bf16 instructions (emulated: 30-100x slower than fp32)."""
     flags = cpu_flags()
     return flags is not None and not flags & BF16_CPU_FLAGS
 
@@ -288,8 +286,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def peak_flops(device: torch.device, dtype_name: str) -> Optional[float]:
-    """Peak FLOP/s of one device in the dtype (benchmarks): the data-sheet value on a known GPU,
-    else a 1024^3 matmul measured now; None for bf16 emulated on this CPU."""
+    """Peak FLOP/s of one device in the dtype (benchmarks): data-sheet, else a 1024^3 matmul now."""
     if device.type == "cpu" and not (dtype_name == "bf16" and cpu_bf16_emulated()):
         return measure_cpu_peak(DTYPES[dtype_name])
     return _obtain_peak(device, dtype_name, (), 1024).flops_per_s

@@ -225,8 +225,7 @@ def style_panel(ax, title: str, drawn: bool, ylabel: Optional[str] = None) -> No
 
 
 def log_scale(ax, values=None) -> None:
-    """A log y axis where every value is positive, ending on ticks labelled with plain numbers
-    (0.6, 0.8, 1, 1.2: not 6x10^-1)."""
+    """A log y axis where every value is positive, its ticks plain numbers (0.6, 0.8, 1, 1.2)."""
     values = list(values or [y for line in ax.get_lines() for y in line.get_ydata()])
     if not values or min(values) <= 0:
         return
@@ -389,8 +388,7 @@ def draw_task(ax, task: str, metric: str, per_run, styles) -> None:
 
 
 def save_figure(fig: Figure, path) -> Path:
-    """The one place figures are written. No bbox_inches="tight": the image size stays figsize x
-    DPI whatever the labels are."""
+    """The one place figures are written; no bbox_inches="tight", so the image size stays fixed."""
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:

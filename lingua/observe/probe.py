@@ -370,8 +370,7 @@ class Probe:
 
 
 class ProbeHook(Hook):
-    """probe.every in the loop, and steps a hook asks for (after a spike, a rollback's rerun);
-    records after backward (gradients before clipping)."""
+    """probe.every and steps a hook asks for; records after backward (gradients before clipping)."""
 
     def __init__(self, args, spikes_on: bool):
         self.args, self.spikes_on = args.probe, spikes_on

@@ -348,8 +348,7 @@ def build(part: nn.Module, optim_args, fused: bool) -> torch.optim.Optimizer:
 
 
 def state_bytes(parts, optim_args) -> tuple:
-    """Newton-Schulz's workspace: about 6 of the largest matrix (stacks, iterate, Gram matrix,
-    polynomial, result)."""
+    """Newton-Schulz's workspace: about 6 of the largest matrix."""
     muon = [p for part in parts for _, p in split_params(part)[0]]
     largest = max((math.prod(matrix_shape(p)) for p in muon), default=0)
     ns_bytes = torch.empty((), dtype=NS_DTYPES[optim_args.muon.ns_dtype]).element_size()

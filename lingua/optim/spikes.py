@@ -262,8 +262,7 @@ def append_record(dump_dir, record: dict) -> None:
 
 
 class SpikeHook(Hook):
-    """spikes.policy in the loop. Always listed: spikes.jsonl's ranges are skipped with
-    policy=off too."""
+    """spikes.policy in the loop; always listed (policy=off skips spikes.jsonl's ranges too)."""
 
     def __init__(self, args, env):
         self.monitor = SpikeMonitor(args.spikes, env.is_main)

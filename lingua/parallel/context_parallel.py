@@ -80,8 +80,7 @@ RING_MASK_ONLY = ("distributed.cp_backend=ring cannot apply {what}: torch's ring
 
 
 class CPContext:
-    """Set by `cp_batch` before the forward, cleared after the backward; the mask is built once
-    for all layers."""
+    """Set by `cp_batch` before the forward, cleared after the backward."""
 
     def __init__(self, mesh, backend: str, spec: AttentionMask = AttentionMask()):
         self.mesh, self.group, self.backend, self.spec = mesh, mesh.get_group(), backend, spec

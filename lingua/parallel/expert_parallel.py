@@ -28,8 +28,7 @@ EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
 def apply_global_counts(model: nn.Module, env) -> None:
-    """Router token counts of every MoE layer summed over the data and context parallel ranks,
-    so balancing sees the global micro-batch, as one process would."""
+    """MoE router counts summed over the dp and cp ranks (the global micro-batch)."""
     def reduce_over_data_ranks(t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(t, env, dims=("dp_cp",))
 
@@ -87,8 +86,7 @@ def validate_ep(n_experts: int, ep: int, dp_shard: int, cp: int = 1) -> None:
 
 
 def ep_meshes(mesh, ep: int):
-    """(ep_mesh, expert_fsdp_mesh). Collective the first time for a mesh and ep; kept on the mesh,
-    so pipeline parts share it."""
+    """(ep_mesh, expert_fsdp_mesh); collective the first time, then kept on the mesh."""
     cache = mesh.__dict__.setdefault("_ep_meshes", {})
     if ep not in cache:
         cache[ep] = _split_for_ep(mesh, ep)

@@ -331,8 +331,7 @@ def _recv_tensor(group, group_src: int, device) -> torch.Tensor:
 def build_schedule(stage_modules: Sequence[nn.Module], stage_ids: Sequence[int], n_stages: int,
                    pp_group, device, schedule: str, n_microbatches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
-    """pp_group: the pipeline ProcessGroup or a 1-D DeviceMesh. loss_fn is summed, never
-    averaged."""
+    """pp_group: a ProcessGroup or a 1-D DeviceMesh. loss_fn is summed, never averaged."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 

@@ -23,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def check_async_tp(enabled: bool, device_type: str, compile: bool) -> None:
-    """Raise ConfigError unless async TP (an inductor pass over CUDA symmetric memory) can take
-    effect: it needs CUDA and torch.compile."""
+    """Raise ConfigError unless async TP can take effect: it needs CUDA and torch.compile."""
     if not enabled:
         return
     if device_type != "cuda":
