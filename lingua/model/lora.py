@@ -103,7 +103,7 @@ def check_targets(model: nn.Module, args: LoRAArgs) -> None:
 
 
 def apply_lora(model: nn.Module, args: LoRAArgs) -> List[str]:
-    """Convert the targeted Linears in place, freeze all else; the converted names (rank 0: none)."""
+    """Convert the targeted Linears in place, freeze the rest; their names (LoRA rank 0: none)."""
     if not args.rank:
         return []
     check_targets(model, args)
