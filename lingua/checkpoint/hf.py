@@ -221,8 +221,7 @@ def command(module_file: str) -> str:
 
 
 def decoder_config(args, dtype: torch.dtype) -> dict:
-    """config.json fields of TransformerArgs and the dtype, under the Llama family's shared names;
-    an app's mapping adds its architecture's own."""
+    """config.json fields of TransformerArgs and the dtype under the Llama family's shared names."""
     rope_scaling = None
     if args.rope_scaling:
         rope_scaling = {"rope_type": "llama3", "factor": args.rope_scale_factor,
@@ -326,8 +325,7 @@ def assign(model, state: dict, dtype: Optional[torch.dtype], *, sources: Dict[st
 
 
 def _frozen_base(ckpt_dir, reader: Optional[Callable]) -> Optional[str]:
-    """The base a LoRA checkpoint (base.json) leaves out, checked unchanged; ConfigError if this
-    command has no `reader` for it; None for a checkpoint that holds every weight."""
+    """The base a LoRA checkpoint leaves out, checked unchanged (None: it holds every weight)."""
     base = verified_base(ckpt_dir)
     if base is not None and reader is None:
         raise ConfigError(f"{ckpt_dir} holds the trained weights of a run over the frozen base "
@@ -337,8 +335,7 @@ def _frozen_base(ckpt_dir, reader: Optional[Callable]) -> Optional[str]:
 
 
 def load_base(model, ckpt_dir, load_hf: Optional[Callable]) -> None:
-    """A LoRA checkpoint holds the adapters only (base.json): the base it names (checked
-    unchanged) goes into `model` first, through the app's `load_hf`."""
+    """A LoRA checkpoint's base (base.json), checked unchanged, into `model` (app's load_hf)."""
     base = _frozen_base(ckpt_dir, load_hf)
     if base is not None:
         model.load_state_dict(load_hf(base)[0].state_dict(), strict=False)

@@ -1,6 +1,5 @@
-"""What every data format shares (so that __init__.py and chat.py need not import each other):
-the Batch a loader hands the trainer, the resume check, the validation directory's name, the
-debug corpora's text (stdlib docstrings), and how a prepared directory is written (`write_once`).
+"""What every data format shares (so __init__.py and chat.py need not import each other): Batch,
+the resume check, the validation directory, the debug corpora's text, and `write_once`.
 """
 
 import ast
@@ -47,8 +46,7 @@ def val_share(rows: np.ndarray, docs: np.ndarray, dp_rank: int, dp_size: int,
 
 
 def check_position(state: dict, now: dict, keys: str) -> None:
-    """ConfigError unless the checkpoint's data position `state` was saved with `now`'s values;
-    `keys` names the config keys to keep."""
+    """ConfigError unless the data position `state` was saved with `now`'s values of `keys`."""
     if any(state.get(k) != v for k, v in now.items()):
         saved = ", ".join(f"{k}={state.get(k)}" for k in now)
         this = ", ".join(f"{k}={v}" for k, v in now.items())
@@ -61,8 +59,7 @@ SKIP_STDLIB_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages"
 
 
 def stdlib_docstrings(min_chars: int = 200) -> List[str]:
-    """Long docstrings of the Python standard library: English prose on every machine with
-    Python."""
+    """Long docstrings of the Python standard library: English prose on every machine."""
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
     for dirpath, dirnames, filenames in os.walk(root):

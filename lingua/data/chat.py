@@ -404,8 +404,7 @@ def validate_chat_data(args) -> None:
 
 def _check_lines(args, files: List[Path], where: Path,
                  template: ChatTemplate) -> Tuple[Path, int, list]:
-    """The first usable conversation; ConfigError when there is none or too many lines are
-    unusable (the loader's rule). Files with a tokenized cache were judged when it was made."""
+    """The first usable conversation; ConfigError when none or too many lines are unusable."""
     counter, first = chat_counter(args, log=False, what=f" of {where}"), None
     cached = args.chat.cache and (Path(args.root) / CACHE_DIR / cache_key(files, args, template)
                                   / "meta.json").is_file()

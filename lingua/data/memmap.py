@@ -1,6 +1,5 @@
-"""The memmap corpus on disk: meta.json and the files it describes, their checks (a damaged or
-mismatched corpus is refused naming the file and how to rebuild it), the windows of tokens training
-reads, its loader (`data.format=memmap`), and writing such a corpus."""
+"""The memmap corpus (`data.format=memmap`): meta.json and its files, their checks (a damaged
+corpus is refused naming the file and the fix), the token windows, the loader, and the writer."""
 
 import json
 import logging
@@ -214,8 +213,7 @@ class MemmapLoader(Loader):
 
 def write_memmap_corpus(out: Path, splits: Dict[str, Iterator[str]], tokenizer: Tokenizer,
                         tokenizer_args: TokenizerArgs, source: str) -> dict:
-    """Tokenize each split's documents (BOS + text + EOS) into `<split>.bin` +
-    `<split>.docs.npy`."""
+    """Tokenize each split's documents (BOS + text + EOS) into `<split>.bin`, `<split>.docs.npy`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # meta.json is written last: until then a re-preparation stopped halfway reads as no corpus,

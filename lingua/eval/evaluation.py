@@ -78,8 +78,7 @@ def evaluate(parts, batches, env: DistEnv, batch_loss) -> dict:
 
 
 class ValidationHook(Hook):
-    """val_loss / val_ppl at evaluation steps (eval.every, the end), in their rows; none with
-    data.val_sequences=0, which the run says once."""
+    """val_loss / val_ppl at evaluation steps; none with data.val_sequences=0 (said once)."""
 
     def __init__(self, args, env: DistEnv):
         self.batches = build_val_batches(args.data, env.dp_rank, env.dp_size)

@@ -54,8 +54,7 @@ def _quantized(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class EmulatedFloat8GroupedMM(torch.autograd.Function):
-    """torchao's float8 rowwise grouped matmul with the float8 products summed in fp32 (the
-    tensor cores' accumulation), one expert at a time."""
+    """torchao's float8 rowwise grouped matmul, products summed in fp32, one expert at a time."""
 
     @staticmethod
     def forward(ctx, x, w, offs):

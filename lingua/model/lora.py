@@ -34,8 +34,7 @@ class LoRAArgs:
 
 
 class LoRALinear(nn.Linear):
-    """An nn.Linear with a low-rank adapter. Built from an existing Linear (its weight Parameter
-    is kept, not copied), so conversion works on the meta device."""
+    """An nn.Linear with a low-rank adapter, around an existing Linear's weight (meta works)."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         nn.Module.__init__(self)   # not nn.Linear.__init__: that would allocate a new weight
@@ -83,8 +82,7 @@ def linear_names(model: nn.Module) -> dict:
 
 
 def check_targets(model: nn.Module, args: LoRAArgs) -> None:
-    """Every target names a Linear of the model, no wider than min(in, out) at this rank;
-    ConfigError otherwise (before any weight exists: works on the meta device)."""
+    """Every target names a Linear no wider than min(in, out) at this rank, else ConfigError."""
     if not args.rank:
         return
     linears = linear_names(model)

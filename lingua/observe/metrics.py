@@ -140,8 +140,7 @@ def warn_once(key: str, message: str) -> None:
 
 
 def mfu(flops_per_s: float, peak) -> Optional[float]:
-    """One device's model FLOP/s over its peak, or None where no honest number exists (no credible
-    peak, or a value above 1: warned once, see mfu_fields)."""
+    """Model FLOP/s over the peak, or None where no honest number exists (see mfu_fields)."""
     return mfu_fields(flops_per_s, peak)["mfu"]
 
 

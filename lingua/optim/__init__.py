@@ -129,8 +129,7 @@ class Optimizers:
 
 
 def clip_grad_norm(parts: list, max_norm: float, pp_group=None) -> torch.Tensor:
-    """Global gradient norm over every shard and pipeline stage (returned), and clipping to
-    max_norm when > 0."""
+    """Global gradient norm over every shard and stage (returned), clipped to max_norm when > 0."""
     params = [p for part in parts for p in part.parameters() if p.grad is not None]
     # Gradients on different meshes cannot share a foreach kernel: norms per group, then combined.
     groups = {}

@@ -122,8 +122,7 @@ class _CPAttention(nn.Module):
 
 
 class AllGatherKVAttention(_CPAttention):
-    """Attention of the local queries against the keys/values of the whole sequence. The
-    all-gather's autograd backward is a sum reduce-scatter back to each position's owner."""
+    """Local queries against the whole sequence's keys/values; backward reduce-scatters."""
 
     def forward(self, q, k, v, mask=None, decoding: bool = False, sinks=None):  # never decoding
         # `mask` is ignored: the model built it for the shard as if it were a whole sequence; the

@@ -32,8 +32,7 @@ class LoRAColwiseParallel(_LoRAPartition, ColwiseParallel):
 
 
 class LoRARowwiseParallel(_LoRAPartition, RowwiseParallel):
-    """RowwiseParallel for a LoRALinear: weight and lora_a Shard(1), bias and lora_b
-    Replicate (the update's output is Partial, reduced with the base's)."""
+    """RowwiseParallel for a LoRALinear: weight and lora_a Shard(1), bias and lora_b Replicate."""
 
     PLACEMENTS = {"weight": Shard(1), "bias": Replicate(), "lora_a": Shard(1),
                   "lora_b": Replicate()}

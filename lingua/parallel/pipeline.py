@@ -208,10 +208,9 @@ class Pipeline:
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.device = stages[0].device
-        # torch's stages infer shapes on their first step with an extra forward, and torch 2.13
-        # ends the last stage's in an extra loss_fn call (from _prepare_backward_infra), on
-        # uninitialised tensors. Both are marked with inferring_shapes() while they run; loss_fn
-        # calls are told apart by where they come from, not by counting (2.11 makes none).
+        # torch's stages infer shapes on their first step with an extra forward (and torch 2.13 an
+        # extra loss_fn call from _prepare_backward_infra) on uninitialised tensors: both are marked
+        # with inferring_shapes(), loss_fn calls told apart by caller, not count (2.11 makes none).
         self.steps_run = 0
         self._preparing_backward = False
         for stage in stages:

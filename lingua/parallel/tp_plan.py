@@ -38,8 +38,7 @@ def validate_decoder_tp(model_args, tp: int, seq_len: int | None = None) -> None
 
 
 def validate_whole_heads(model_args, tp: int, seq_len: int | None = None) -> None:
-    """validate_decoder_tp plus, for a plan that shards attention by head, whole query and
-    key/value heads on every rank."""
+    """validate_decoder_tp plus whole query and key/value heads on every rank."""
     n_heads = model_args.n_heads
     n_kv = model_args.n_kv_heads or n_heads
     if tp > 1 and n_heads % tp:

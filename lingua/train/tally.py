@@ -15,8 +15,7 @@ from lingua.parallel.distributed import DistEnv
 
 
 def over_ranks(env: DistEnv, loss_pair, grad_norm: torch.Tensor, counts: dict) -> dict:
-    """The same floats on every rank. loss_pair: None on a rank without the loss (an earlier
-    pipeline stage); the loss is NaN where no rank has a token."""
+    """The same floats on every rank; loss_pair None without the loss; NaN with no token."""
     names = list(counts)
     packed = torch.zeros(3 + len(names), dtype=torch.float64, device=grad_norm.device)
     if loss_pair is not None:
