@@ -175,8 +175,7 @@ def check_filled(state_keys: Iterable[str], filled: Iterable[str], where: str, p
 
 def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: Dict[str, str],
                  where: str, path) -> None:
-    """Refuse a directory whose safetensors files hold a tensor the import would drop: neither
-    consumed by the app's map nor on its NOT_IMPORTED list. `names`: tensor_names(path)."""
+    """Refuse a directory holding a tensor neither consumed by the app's map nor on NOT_IMPORTED."""
     consumed = set(consumed)
     dropped = [k for k in names if k not in consumed and not _allowed(k, not_imported)]
     if dropped:
@@ -259,8 +258,7 @@ def decoder_problems(cfg: dict) -> List[str]:
 
 
 def decoder_args(cfg: dict, config_path: Path) -> dict:
-    """TransformerArgs fields from a config (the FFN's widths aside: they are the app's); a
-    missing key raises KeyError, which the app's reader turns into "not a <arch> config"."""
+    """TransformerArgs fields (not the FFN's) from a config; a missing key raises KeyError."""
     dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
     width = cfg.get("head_dim")   # None where it is dim / n_heads, so such args read back equal
     return dict(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
@@ -284,8 +282,7 @@ def save_hf(model, model_args, path, dtype: Optional[torch.dtype], *, to_hf: Cal
 
 def load_hf(path, dtype: Optional[torch.dtype], *, model_class, args_from_hf_config: Callable,
             key_map: Callable, not_imported: Dict[str, str], where: str):
-    """(model on CPU, args) from a Hugging Face directory: args from `args_from_hf_config(path to
-    config.json)`, each tensor from its name in `key_map(args)`. dtype None keeps the file's."""
+    """(model on CPU, args) from an HF directory via `args_from_hf_config` and `key_map(args)`."""
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():

@@ -91,14 +91,12 @@ def _check(ckpt_dir, pick, checksums: bool, manifest=None) -> Optional[str]:
 
 
 def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
-    """None if the checkpoint is intact, else what is wrong with it (one sentence).
-    Sizes are always checked; `checksums` also reads every file (as loading it would)."""
+    """None if the checkpoint is intact, else what is wrong; `checksums` also reads every file."""
     return _check(ckpt_dir, lambda files: files, checksums)
 
 
 def crc_share(files: dict, rank: int, world_size: int) -> list:
-    """The files `rank` checksums: largest first, each to the rank with the fewest bytes so far,
-    so no rank reads more than 1/world_size of the bytes plus one file."""
+    """The files `rank` checksums: largest first, each to the least loaded rank (balanced bytes)."""
     loads = [(0, r) for r in range(world_size)]
     mine = []
     for name in sorted(files, key=lambda n: (-files[n]["size"], n)):

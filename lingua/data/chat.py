@@ -363,8 +363,7 @@ class ChatLoader(Loader):
 
     @classmethod
     def val_batches(cls, args, dp_rank: int, dp_size: int) -> List[Batch]:
-        """This rank's share of the first val_sequences rows of root/val's conversations, packed
-        (or padded) in file order, rounded down to a multiple of dp_size as for other formats."""
+        """This rank's share of the first val_sequences rows of root/val, in file order."""
         n = (args.val_sequences // dp_size) * dp_size
         counter = chat_counter(args, dp_rank == 0, " of the validation data")
         tokenizer, convs = _load(args, val_files(args), counter, "validation")
@@ -452,9 +451,8 @@ def write_debug_chat(out_dir, n_train: int = 2000, n_val: int = 100) -> Path:
 
 
 def _debug_conversation(i: int, doc: str, pass_no: int) -> dict:
-    # Finish a word of the docstrings: a base that learned their words knows the rest, and what
-    # LoRA has to teach is the chat format, the answer in the assistant's turn and its end (EOS
-    # where the word ends, not a space and more text).
+    # Finish a word of the docstrings: a base that learned their words knows the rest, and LoRA
+    # has to teach the chat format, the answer in the assistant's turn and its end (EOS).
     words = re.findall(r"[A-Za-z]{6,}", doc) or ["function"]
     word = words[(i + pass_no) % len(words)]
     start, rest = word[:max(3, len(word) // 2)], word[max(3, len(word) // 2):]

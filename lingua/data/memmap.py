@@ -89,8 +89,7 @@ def _load_doc_starts(path: Path, n_docs: int, n_tokens: int, meta: dict) -> np.n
 
 
 class TokenWindows:
-    """The windows of seq_len+1 tokens of one split, read from the memory map. Every file is
-    checked against meta.json here, so a damaged corpus is refused when the run is validated."""
+    """A split's windows of seq_len+1 tokens; files checked against meta.json when validated."""
 
     def __init__(self, root, split: str, seq_len: int):
         root = Path(root)
@@ -130,8 +129,7 @@ class TokenWindows:
 
 
 def validate_memmap_corpus(args, root: Path) -> None:
-    """The prepared corpus at `root` against the data config `args` (a DataArgs): its format
-    version, tokenizer and vocabulary, and every split's files; ConfigError naming the fix."""
+    """The corpus at `root` against `args`: version, tokenizer, vocabulary, every split's files."""
     if not any(root.iterdir()):
         raise ConfigError(f"data.root={root} is empty. Prepare a corpus there with "
                           f"setup/prepare_data.py, or point data.root at a prepared one.")

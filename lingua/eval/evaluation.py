@@ -21,8 +21,7 @@ logger = logging.getLogger("eval")
 
 @dataclass
 class EvalArgs:
-    """Validation loss, and downstream tasks (lingua/eval/downstream.py) at the same steps: on the
-    training ranks (mode=inline) or in a Slurm job per checkpoint (async)."""
+    """Validation loss and downstream tasks at the same steps: inline or a Slurm job (async)."""
     every: int = 0                  # validation every N steps (0: only at the end)
     at_end: bool = True             # validation after the last step
     tasks: List[str] = field(default_factory=list)  # lm-eval task names; [] = validation loss only

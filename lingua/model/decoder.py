@@ -131,8 +131,7 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None,
                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens [b, s] (or hidden states [b, s, dim] on a later pipeline stage) -> logits
-        [b, s, vocab] (hidden states on a stage before the last)."""
+        """tokens [b, s] (later stages: hidden states) -> logits (earlier stages: hidden states)."""
         h, _, _ = self.trunk(tokens, doc_ids, cache, positions)
         return self.head(h)
 

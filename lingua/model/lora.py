@@ -2,11 +2,10 @@
 with s = alpha / rank. B starts at zero, so a converted model computes what the base model does
 until the first update.
 
-`apply_lora(model, args)` converts, on the meta device and before any parallelism, every Linear
-whose last name component is in `args.targets`, and freezes every other parameter. A converted
-layer stays an nn.Linear with its weight's name (`...wq.weight`), so TP plans and HF key maps
-still find it; its adapters are `...wq.lora_a` [rank, in] and `...wq.lora_b` [out, rank], laid
-out like their weight under TP (lingua/parallel/lora_tp.py).
+`apply_lora(model, args)` converts, on meta before any parallelism, every Linear whose last name
+is in `args.targets`, and freezes the rest. A converted layer stays an nn.Linear named as before
+(`...wq.weight`: TP plans and HF key maps find it), with `...wq.lora_a` [rank, in] and
+`...wq.lora_b` [out, rank], laid out like their weight under TP (lingua/parallel/lora_tp.py).
 """
 
 import logging

@@ -375,8 +375,8 @@ class MoE(nn.Module):
 
     def _balance(self, counts, scores, logits, n_dropped: int) -> None:
         counts_f = counts.float()
-        # Forwards re-run inside backward (activation checkpointing) and pipeline shape inference
-        # are not counted. A compiled forward's recompute is inside the compiled backward.
+        # Not counted: recomputes in backward (a compiled one's is inside the compiled backward)
+        # and pipeline shape inference.
         in_backward = (not torch.compiler.is_compiling()
                        and torch._C._current_graph_task_id() != -1)
         counted = self.training and not in_backward and not inferring_shapes()

@@ -119,8 +119,7 @@ def _shard_of(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def materialize(part: nn.Module, device, seed: int, param_device=None) -> nn.Module:
-    """Storage and first weights (the model's init_weights through PerTensorStreams) for a part
-    built on the meta device; parameters on `param_device` (CPU offload), buffers on `device`."""
+    """Storage and first weights of a meta part (parameters on `param_device`, buffers `device`)."""
     device = torch.device(device)
     part.to_empty(device=torch.device(param_device) if param_device is not None else device)
     with torch.no_grad(), PerTensorStreams(part, seed, device):

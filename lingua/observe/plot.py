@@ -137,8 +137,7 @@ Series = Tuple[List[int], List[float], Optional[List[float]]]
 
 
 def downstream_series(rows: Sequence[dict]) -> Dict[Tuple[str, str], Series]:
-    """{(task, metric): (steps, values, stderrs)} from eval/<task>/<metric> keys. A repeated step:
-    the last row wins, stderr from that same row. Non-numeric values ("N/A" stderr) are skipped."""
+    """{(task, metric): (steps, values, stderrs)} from eval/ keys; a step's last row wins."""
     by_key: Dict[Tuple[str, str], Dict[int, Tuple[float, Optional[float]]]] = {}
     for row in rows:
         for key, value in row.items():

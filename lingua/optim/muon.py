@@ -197,8 +197,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def orthogonalize(params: list, updates: list, ns, dtype=torch.bfloat16) -> list:
-    """This rank's shard of ns(whole update) for each parameter. Collective over each sharded
-    parameter's mesh: its ranks call it with the same parameters in the same order."""
+    """This rank's shard of ns(whole update) per parameter; collective over sharded ones' meshes."""
     out = [None] * len(params)
     buckets = {}
     for i, (p, u) in enumerate(zip(params, updates)):

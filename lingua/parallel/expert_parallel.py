@@ -37,8 +37,7 @@ def apply_global_counts(model: nn.Module, env) -> None:
 
 
 class RoutingHook(Hook):
-    """An MoE app's hook: the aux-loss-free expert-bias update (bias_update_rate, 0: off) after an
-    applied update, and the routing metrics of logged rows."""
+    """An MoE app's hook: the expert-bias update (bias_update_rate) and logged routing metrics."""
 
     def __init__(self, bias_update_rate: float, n_experts: int):
         self.bias_update_rate, self.n_experts = bias_update_rate, n_experts

@@ -54,8 +54,7 @@ def default_microbatches(pp: int, virtual: int) -> int:
 
 
 def stage_layer_ids(n_layers: int, n_stages: int, pp_split: Sequence[int] = ()) -> list[list[int]]:
-    """pp_split lists the first layer of stages 1..n_stages-1; empty: an even split, remainder
-    to the first stages (the last holds the output)."""
+    """pp_split: the first layer of stages 1..n-1; empty: even, remainder to the first stages."""
     if n_stages < 1:
         raise ConfigError(f"The pipeline needs at least one stage, got {n_stages}.")
     if n_stages > n_layers:
@@ -85,8 +84,7 @@ def _even_split(n_layers: int, n_stages: int) -> list[int]:
 
 
 def stage_ids_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    """The global stage indices pipeline rank pp_rank holds, in increasing order: r, r+pp, ...,
-    or r and 2pp-1-r for a V schedule. Must match torch's stage-to-rank mapping."""
+    """pp_rank's global stages as torch maps them: r, r+pp, ..., or r and 2pp-1-r (V schedules)."""
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1}")
     if _torch_schedules().get(schedule_name(schedule)) == "v":

@@ -52,8 +52,7 @@ def _check_plan(module: nn.Module, plan: dict, where: str) -> None:
 
 def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, blocks,
              async_tp: bool = False) -> nn.Module:
-    """Shard `model` over the 1-D `tp_mesh` in place: `root_plan` on the model, `block_plan` on
-    each module of `blocks`. Parameters become DTensors; their FQNs do not change."""
+    """Shard `model` over `tp_mesh` in place: `root_plan` on it, `block_plan` on each block."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if tp_mesh.ndim != 1:

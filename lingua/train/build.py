@@ -38,8 +38,7 @@ def build_model_parts(args, env: DistEnv, app: App) -> tuple:
 
 
 def parallelized_parts_on_meta(args, env: DistEnv, app: App) -> tuple:
-    """(parts, stage ids) on the meta device, parallelized and checked for parameters the plan
-    leaves out of a gradient reduction. The trainer and the planner both build this way."""
+    """(parts, stage ids) on meta, parallelized and coverage-checked (trainer and planner)."""
     with torch.device("meta"):
         model = app.model_class(args.model)
     if app.transform_model is not None:
