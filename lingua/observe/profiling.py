@@ -39,8 +39,7 @@ class ProfilingArgs:
 
 
 def validate_args(args: ProfilingArgs, steps: Optional[int] = None) -> None:
-    """Values are checked even when profiling is off (a typo shows before the run that turns it
-    on); the window must fit in the run only when it is on."""
+    """Checked even when profiling is off (a typo shows early); the window must fit only when on."""
     def bad(key, value, why_and_fix):
         raise ConfigError(f"profiling.{key}={value} {why_and_fix}")
 

@@ -88,8 +88,7 @@ def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
 
 
 class Optimizers:
-    """The optimizer + lr schedule of each model part (a pipeline rank may hold several),
-    stepped together; one per part keeps each part's state keyed by its own parameter names."""
+    """Each model part's optimizer + lr schedule, stepped together (state keyed by its names)."""
 
     def __init__(self, parts: list, args: OptimArgs, total_steps: int, device: torch.device):
         fused = args.fused and device.type in ("cuda", "cpu")
