@@ -1,9 +1,8 @@
 """lingua: the shared core (model blocks, parallelism, training, evaluation, launch).
 
-Importing it silences three known-harmless library messages at their source, so that a user sees
-only our lines: torchao (which transformers imports whenever it is installed) failing to load its
-optional CUDA kernel libraries on a CPU build, and saying Triton is missing; and torch deprecating
-the Enum registration that torchao still does. Each filter names its message."""
+Importing it silences three known-harmless messages at their source: torchao (imported by
+transformers) failing to load its optional CUDA kernels on a CPU build and missing Triton, and torch
+deprecating the Enum registration torchao still does. Each filter names its message."""
 
 import logging
 

@@ -1,9 +1,8 @@
 """Hydra glue: compose a run's config from a preset and command-line overrides, check it, dump it.
 
-Hydra's compose API, not `@hydra.main` (an output directory per process, the working directory
-changed: under torchrun, ranks racing). A preset (`configs/<app>/*.yaml`) starts its defaults list
-with the app's dataclass schema, so unknown keys and wrong types are refused while composing. The
-launcher (stool) calls the same `load`: a bad config fails before a job is queued.
+Hydra's compose API, not `@hydra.main` (under torchrun its per-process output directory and
+chdir race). A preset (`configs/<app>/*.yaml`) starts its defaults with the app's dataclass schema,
+so unknown keys and wrong types are refused; stool calls the same `load` before queueing a job.
 """
 
 import contextlib
@@ -202,8 +201,7 @@ def _type_mismatch(err: Exception, overrides: Sequence[str], schema: Optional[Ty
 
 
 def schema_keys(schema: Type, prefix: str = "") -> dict:
-    """Every dotted key of a dataclass schema (nested dataclasses walked, not listed) -> whether it
-    is a free-form map (a `Dict[...]` field, e.g. data.sources)."""
+    """Every dotted key of a dataclass schema -> whether it is a map (e.g. data.sources)."""
     keys = {}
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
@@ -217,8 +215,7 @@ def schema_keys(schema: Type, prefix: str = "") -> dict:
 
 def _open_maps(overrides: Sequence[str], maps: Sequence[str]) -> list:
     """`data.sources.books=2` or `data.sources={a:1,b:2}` as `++...`: a map's entries are not in
-    the schema, so struct mode would ask for Hydra's `+`; `++` adds or replaces the entry, which
-    is what an override of a map means."""
+    the schema, so struct mode would ask for Hydra's `+`; `++` adds or replaces the entry."""
     out = []
     for override in overrides:
         key = override.split("=", 1)[0]
@@ -230,9 +227,8 @@ def _open_maps(overrides: Sequence[str], maps: Sequence[str]) -> list:
 
 
 # A preset's switch that holds only at the preset's own value of another key: the debug presets
-# build the embedded corpus on first use at *their* data.root; a data.root given on the command
-# line names a corpus the user means to have, so a missing one there is an error, not a place to
-# build a toy corpus in (unless data.prepare_embedded=true is given too).
+# build the embedded corpus at *their* data.root; a data.root given on the command line names a
+# corpus the user means to have, missing there an error (unless data.prepare_embedded=true).
 PRESET_SCOPED = {"data.prepare_embedded": "data.root"}
 
 
@@ -253,8 +249,7 @@ def _scope_to_preset(cfg: DictConfig, overrides: Sequence[str], preset_alone: Ca
 
 def compose_config(app: str, argv: Sequence[str], default_preset: str = "debug",
                    schema: Optional[Type] = None) -> DictConfig:
-    """Compose (preset + overrides) into a typed DictConfig, or ConfigError. With the app's
-    `schema`, a map's entries need no `+`, and a misspelt key gets the closest real ones."""
+    """Compose (preset + overrides) into a typed DictConfig, or ConfigError."""
     keys = schema_keys(schema) if schema is not None else {}
     maps = [key for key, is_map in keys.items() if is_map]
     preset, overrides = split_argv(argv, default_preset)
@@ -274,8 +269,7 @@ def compose_config(app: str, argv: Sequence[str], default_preset: str = "debug",
 
 def load(app: str, schema: Type[T], argv: Optional[Sequence[str]] = None,
          validate: Optional[Callable[[T], None]] = None, default_preset: str = "debug") -> T:
-    """The one entry point: argv -> a validated dataclass instance of `schema`. `validate`: the
-    app's cross-field checks, raising ConfigError, touching no process group, device or dump_dir."""
+    """The one entry point: argv -> a dataclass instance of `schema`, checked by `validate`."""
     cfg = compose_config(app, sys.argv[1:] if argv is None else argv, default_preset, schema)
     try:
         args = OmegaConf.to_object(cfg)
@@ -320,9 +314,8 @@ RUN_DIRECTORY_MARKS = ("config.yaml", "metrics.jsonl", "checkpoints", "peak.json
 
 
 def check_dump_dir(dump_dir: str) -> None:
-    """Refuse a dump_dir that is a file or lies under one (its mkdir would fail only after the
-    processes and the model were started), or an existing directory that is neither empty nor a
-    run's (a run to resume): its files would be mixed with the run's. A new dump_dir is fine."""
+    """Refuse a dump_dir that is a file or lies under one (mkdir would fail only after the start),
+    or an existing directory neither empty nor a run's: its files would mix with the run's."""
     path = Path(dump_dir)
     found = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
     if found == path and path.is_dir():

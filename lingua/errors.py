@@ -1,7 +1,6 @@
-"""Errors for bad user input, and how their message reaches the person once. Under torchrun every
-rank usually hits the same error, and torchrun's summary would say only "To enable traceback see
-...": `report` prints the message once for the job (the first rank claims it in torchrun's TCP
-store) and writes it to the rank's TORCHELASTIC_ERROR_FILE, so torchrun prints that message.
+"""Errors for bad user input, and how their message reaches the person once: under torchrun
+every rank usually hits it, so `report` prints it once (the first rank claims it in the TCP
+store) and writes the rank's TORCHELASTIC_ERROR_FILE, so torchrun's summary prints it too.
 """
 
 import datetime

@@ -42,8 +42,7 @@ def read_base(ckpt_dir) -> Optional[dict]:
 
 
 def verified_base(ckpt_dir, init_from: Optional[str] = None, key: str = "") -> Optional[str]:
-    """The base a checkpoint without its frozen weights was trained on, checked unchanged on
-    disk; None for a checkpoint that holds every weight."""
+    """The frozen base a checkpoint left out, checked unchanged; None for a complete checkpoint."""
     saved = read_base(ckpt_dir)
     if saved is None:
         return None

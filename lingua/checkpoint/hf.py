@@ -85,8 +85,7 @@ def _weight_files(path: Path) -> List[Path]:
 
 
 def tensor_names(path: Path) -> Dict[str, Path]:
-    """Every tensor name in the directory's safetensors files -> its file, from the headers alone
-    (no tensor data is read), so a refusal costs nothing however large the checkpoint."""
+    """Every tensor name in the directory's safetensors -> its file, read from the headers alone."""
     names = {}
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as handle:
@@ -113,10 +112,9 @@ def weight(tensors: Dict[str, torch.Tensor], key: str, path) -> torch.Tensor:
 
 def stacked_experts(tensors, prefix: str, n_experts: int, names: Dict[str, str],
                     path) -> Dict[str, Tuple[torch.Tensor, str]]:
-    """An MoE layer's routed experts as lingua's [E, in, out] stacks, each with the HF key it
-    came from, from per-expert Linears (`{prefix}.{e}.{names[w]}.weight`, the Hub layout that
-    save_pretrained writes) or transformers 5's fused `{prefix}.gate_up_proj` / `down_proj`.
-    `names` maps w1 (gate), w3 (up), w2 (down) to the architecture's per-expert names."""
+    """An MoE layer's routed experts as [E, in, out] stacks with the HF key each came from, from
+    per-expert Linears (`{prefix}.{e}.{names[w]}.weight`, the Hub layout) or transformers 5's fused
+    `{prefix}.gate_up_proj` / `down_proj`. `names`: w1, w3, w2 -> the per-expert names."""
     if f"{prefix}.gate_up_proj" in tensors:
         gate, up = tensors[f"{prefix}.gate_up_proj"].chunk(2, dim=1)   # [E, 2 hidden, dim]
         down = weight(tensors, f"{prefix}.down_proj", path)
@@ -140,8 +138,7 @@ def _allowed(name: str, allow_list: Dict[str, str]) -> bool:
 
 
 def app_file(module_file: str) -> str:
-    """An app's hf.py as the user would open it: relative to the repository when it lies inside
-    (apps/<app>/hf.py, a fork's own name included), else as given."""
+    """An app's hf.py as the user would open it: relative to the repository when inside it."""
     f = Path(module_file).resolve()
     try:
         return str(f.relative_to(Path(__file__).resolve().parents[2]))
@@ -151,9 +148,8 @@ def app_file(module_file: str) -> str:
 
 def check_export(state_keys: Iterable[str], exported: Iterable[str], *,
                  not_exported: Dict[str, str], where: str, out_dir) -> None:
-    """Refuse (before anything is written) a model with a state-dict tensor the export would leave
-    out: neither mapped (`exported`) nor on the app's NOT_EXPORTED list. `where` names the map:
-    "key_map in apps/llama/hf.py"."""
+    """Refuse, before anything is written, a state-dict tensor neither mapped (`exported`) nor on
+    the app's NOT_EXPORTED list. `where` names the map: "key_map in apps/llama/hf.py"."""
     exported = set(exported)
     unmapped = [k for k in state_keys if k not in exported and not _allowed(k, not_exported)]
     if unmapped:
@@ -179,8 +175,7 @@ def check_filled(state_keys: Iterable[str], filled: Iterable[str], where: str, p
 
 def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: Dict[str, str],
                  where: str, path) -> None:
-    """Refuse a directory whose safetensors files hold a tensor the import would drop: neither
-    consumed by the app's map nor on its NOT_IMPORTED list. `names`: tensor_names(path)."""
+    """Refuse a directory holding a tensor neither consumed by the app's map nor on NOT_IMPORTED."""
     consumed = set(consumed)
     dropped = [k for k in names if k not in consumed and not _allowed(k, not_imported)]
     if dropped:
@@ -195,8 +190,7 @@ def check_import(names: Dict[str, Path], consumed: Iterable[str], not_imported: 
 
 
 def warn_unexportable(problems: List[str], command: str) -> None:
-    """One warning line (rank 0) at the start of a run whose checkpoints `command` will refuse
-    for `problems` (the app's `export_problems(model_args)`, which the export refuses with)."""
+    """One warning line (rank 0) at the start of a run whose checkpoints `command` will refuse."""
     if problems and _rank0():
         logging.getLogger(__name__).warning(
             "warning: %s export will refuse this run's checkpoints: %s. Training goes on; change "
@@ -219,17 +213,14 @@ TIED_NOT_IMPORTED = {
 
 
 def command(module_file: str) -> str:
-    """`python -m` and the hf module run as __main__ (apps/llama/hf.py runs models/llama's main),
-    else module_file's."""
+    """`python -m` and the hf module run as __main__, else module_file's."""
     running = getattr(sys.modules.get("__main__"), "__spec__", None)
     name = running.name if running is not None and running.name.endswith(".hf") else None
     return "python -m " + (name or app_file(module_file).removesuffix(".py").replace(os.sep, "."))
 
 
 def decoder_config(args, dtype: torch.dtype) -> dict:
-    """config.json fields of lingua's decoder shape (TransformerArgs) and of the weights' dtype,
-    under the names the Llama family of Hugging Face configs shares; an app's mapping adds its
-    architecture's own."""
+    """config.json fields of TransformerArgs and the dtype under the Llama family's shared names."""
     rope_scaling = None
     if args.rope_scaling:
         rope_scaling = {"rope_type": "llama3", "factor": args.rope_scale_factor,
@@ -267,8 +258,7 @@ def decoder_problems(cfg: dict) -> List[str]:
 
 
 def decoder_args(cfg: dict, config_path: Path) -> dict:
-    """TransformerArgs fields from a config (the FFN's widths aside: they are the app's); a
-    missing key raises KeyError, which the app's reader turns into "not a <arch> config"."""
+    """TransformerArgs fields (not the FFN's) from a config; a missing key raises KeyError."""
     dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
     width = cfg.get("head_dim")   # None where it is dim / n_heads, so such args read back equal
     return dict(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
@@ -282,9 +272,8 @@ def decoder_args(cfg: dict, config_path: Path) -> dict:
 
 def save_hf(model, model_args, path, dtype: Optional[torch.dtype], *, to_hf: Callable,
             hf_config: Callable, not_exported: Dict[str, str], where: str) -> None:
-    """Write the model as a Hugging Face directory: `to_hf` names its tensors layer by layer
-    (hf_files.write_hf), config.json from `hf_config(model_args, dtype)`. `where` names the map
-    in refusals ("key_map in apps/llama/hf.py")."""
+    """Write the model as a Hugging Face directory: `to_hf` names its tensors layer by layer,
+    config.json from `hf_config(model_args, dtype)`. `where` names the map in refusals."""
     state = model.state_dict()
     check = partial(check_export, state, not_exported=not_exported, where=where, out_dir=path)
     hf_files.write_hf(path, state, lambda keys: state, args=model_args, dtype=dtype, to_hf=to_hf,
@@ -293,8 +282,7 @@ def save_hf(model, model_args, path, dtype: Optional[torch.dtype], *, to_hf: Cal
 
 def load_hf(path, dtype: Optional[torch.dtype], *, model_class, args_from_hf_config: Callable,
             key_map: Callable, not_imported: Dict[str, str], where: str):
-    """(model on CPU, args) from a Hugging Face directory: args from `args_from_hf_config(path to
-    config.json)`, each tensor from its name in `key_map(args)`. dtype None keeps the file's."""
+    """(model on CPU, args) from an HF directory via `args_from_hf_config` and `key_map(args)`."""
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -334,8 +322,7 @@ def assign(model, state: dict, dtype: Optional[torch.dtype], *, sources: Dict[st
 
 
 def _frozen_base(ckpt_dir, reader: Optional[Callable]) -> Optional[str]:
-    """The base a LoRA checkpoint (base.json) leaves out, checked unchanged; ConfigError if this
-    command has no `reader` for it; None for a checkpoint that holds every weight."""
+    """The base a LoRA checkpoint leaves out, checked unchanged (None: it holds every weight)."""
     base = verified_base(ckpt_dir)
     if base is not None and reader is None:
         raise ConfigError(f"{ckpt_dir} holds the trained weights of a run over the frozen base "
@@ -345,17 +332,15 @@ def _frozen_base(ckpt_dir, reader: Optional[Callable]) -> Optional[str]:
 
 
 def load_base(model, ckpt_dir, load_hf: Optional[Callable]) -> None:
-    """A LoRA checkpoint holds the adapters only (base.json): the base it names (checked
-    unchanged) goes into `model` first, through the app's `load_hf`."""
+    """A LoRA checkpoint's base (base.json), checked unchanged, into `model` (app's load_hf)."""
     base = _frozen_base(ckpt_dir, load_hf)
     if base is not None:
         model.load_state_dict(load_hf(base)[0].state_dict(), strict=False)
 
 
 def checkpoint_reader(ckpt_dir, state: dict, base_key_map: Optional[Callable], args) -> Callable:
-    """read(keys) -> values of a training checkpoint, for hf_files.write_hf: only those tensors
-    are read. The frozen base a LoRA checkpoint leaves out (base.json) comes from the Hugging
-    Face directory it names, through `base_key_map` (our key -> HF name)."""
+    """read(keys) -> values of a training checkpoint (only those tensors are read); the frozen
+    base a LoRA checkpoint leaves out comes from the HF directory it names, via `base_key_map`."""
     verified(ckpt_dir)
     base = _frozen_base(ckpt_dir, base_key_map)
     saved = dcp.FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
@@ -377,9 +362,8 @@ def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype], *, model_class, args
            not_exported: Dict[str, str], where: str, command: str,
            base_key_map: Optional[Callable] = None, shard_bytes: Optional[int] = None):
     """A training checkpoint (a run directory: its newest complete one) -> a Hugging Face
-    directory with the tokenizer files beside it; returns the model args. Refused, before any
-    weight is read, for what `export_problems(args)` names. Read and written one safetensors
-    file (`shard_bytes`, default hf_files.SHARD_BYTES) at a time."""
+    directory with the tokenizer files; returns the model args. Refused, before any weight is
+    read, for what `export_problems(args)` names. One safetensors file at a time."""
     ckpt_dir = resolve(ckpt_dir)
     run_config = read_run_config(ckpt_dir)
     try:
@@ -431,8 +415,7 @@ def export_cli(argv, prog: str, description: str, export, load_hf: Optional[Call
 
 
 def imported(hf_dir, load_hf: Callable) -> str:
-    """What `import` prints: the directory read in full (every tensor mapped, shapes checked) and
-    the model section of a config that trains from it."""
+    """What `import` prints: the directory read in full, and the model section training from it."""
     model, args = load_hf(hf_dir, dtype=None)
     n_params = sum(p.numel() for p in model.parameters())
     section = OmegaConf.to_yaml({"model": config.to_dict(args)})
@@ -441,8 +424,7 @@ def imported(hf_dir, load_hf: Callable) -> str:
 
 
 def wrote(ckpt_dir, out_dir) -> str:
-    """The line an export command prints, with the architecture read back from the config.json it
-    wrote: a fork that renames the architecture (Qwen3ForCausalLM, ...) is reported as written."""
+    """The export's line, with the architecture read back from the config.json it wrote."""
     try:
         archs = json.loads((Path(out_dir) / "config.json").read_text()).get("architectures")
     except (OSError, ValueError):
@@ -458,9 +440,8 @@ RUNTIME_KEYS = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_
 
 def shape_from_init_from(args, argv, args_from_hf_config: Callable) -> None:
     """With checkpoint.init_from a Hugging Face directory, model.* takes its config.json's shape
-    (`args_from_hf_config`, which refuses a family the app does not read) and data.tokenizer its
-    tokenizer.json (kind hf: the chat template beside it comes with it): nothing is typed. A key
-    the command line sets is kept, so that the check against the weights names it."""
+    (`args_from_hf_config`) and data.tokenizer its tokenizer.json (and chat template). A key the
+    command line sets is kept, so that the check against the weights names it."""
     path = args.checkpoint.init_from
     config_json = Path(path) / "config.json" if path is not None else None
     if config_json is None or not config_json.is_file():
@@ -485,9 +466,8 @@ def shape_from_init_from(args, argv, args_from_hf_config: Callable) -> None:
 
 
 def load_init_from(args, app, env):
-    """Rank 0's state of the Hugging Face model in checkpoint.init_from (None on other ranks),
-    after every rank checked that it is the model of model.*. Only rank 0 reads it, in the files'
-    dtype: the tensors stay memory-mapped, read from disk when sent (weights.load_full_state)."""
+    """Rank 0's state of checkpoint.init_from's model (None elsewhere), after every rank checked
+    it is model.*'s; in the files' dtype, memory-mapped, read from disk when sent."""
     path = args.checkpoint.init_from
     hf_model, outcome = None, None
     if env.rank == 0:

@@ -228,8 +228,7 @@ def write_token_ids(run_config, out_dir) -> None:
 
 
 def write_generation_ids(out_dir, bos: int, eos, pad: int) -> None:
-    """`bos` and `eos` (an id, or a list of stop ids) into an export's config.json, and with
-    `pad` into its generation_config.json, which transformers' generate() reads."""
+    """`bos`, `eos` (an id or stop ids) into config.json, and with `pad` generation_config.json."""
     ids = {"bos_token_id": bos, "eos_token_id": eos}
     config = Path(out_dir) / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), **ids}, indent=2) + "\n")

@@ -38,8 +38,7 @@ def describe(paths) -> dict:
 
 
 def write_manifest(ckpt_dir) -> None:
-    """Describe every file of a checkpoint directory made outside `save` (a conversion from
-    another format, a test): `verify` and resume then accept it."""
+    """Describe a checkpoint made outside `save` (a conversion, a test), so `verify` accepts it."""
     ckpt_dir = Path(ckpt_dir)
     files = describe(sorted(p for p in ckpt_dir.iterdir() if p.is_file() and p.name != MANIFEST))
     (ckpt_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
@@ -92,14 +91,12 @@ def _check(ckpt_dir, pick, checksums: bool, manifest=None) -> Optional[str]:
 
 
 def verify(ckpt_dir, checksums: bool = True) -> Optional[str]:
-    """None if the checkpoint is intact, else what is wrong with it (one sentence).
-    Sizes are always checked; `checksums` also reads every file (as loading it would)."""
+    """None if the checkpoint is intact, else what is wrong; `checksums` also reads every file."""
     return _check(ckpt_dir, lambda files: files, checksums)
 
 
 def crc_share(files: dict, rank: int, world_size: int) -> list:
-    """The files `rank` checksums: largest first, each to the rank with the fewest bytes so far,
-    so no rank reads more than 1/world_size of the bytes plus one file."""
+    """The files `rank` checksums: largest first, each to the least loaded rank (balanced bytes)."""
     loads = [(0, r) for r in range(world_size)]
     mine = []
     for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
@@ -125,8 +122,7 @@ def step_dirs(root: Path) -> list:
 
 
 def move_aside(ckpt: Path) -> str:
-    """Rename a damaged checkpoint to `<step>.damaged`: only digit names are checkpoints, so
-    `keep` no longer counts it. Returns what was done."""
+    """Rename a damaged checkpoint to `<step>.damaged`, which `keep` no longer counts."""
     target, n = ckpt.with_name(f"{ckpt.name}.damaged"), 1
     while target.exists():
         n += 1
@@ -212,8 +208,7 @@ def newest_verified(dump_dir, rank: int = 0, world_size: int = 1, gather=None,
 
 
 def verified(ckpt_dir, rank: int = 0, world_size: int = 1) -> None:
-    """For a checkpoint asked for by name, damage is a ConfigError on every rank, not a silent
-    fallback. Collective when world_size > 1."""
+    """A checkpoint asked for by name: damage is a ConfigError on every rank. Collective."""
     if world_size == 1:
         problems = [verify_share(ckpt_dir, rank, world_size)]
     else:   # one rank reads the manifest (newest_verified says why)

@@ -1,6 +1,5 @@
-"""What every data format shares (so that __init__.py and chat.py need not import each other):
-the Batch a loader hands the trainer, the resume check, the validation directory's name, the
-debug corpora's text (stdlib docstrings), and how a prepared directory is written (`write_once`).
+"""What every data format shares (so __init__.py and chat.py need not import each other): Batch,
+the resume check, the validation directory, the debug corpora's text, and `write_once`.
 """
 
 import ast
@@ -47,8 +46,7 @@ def val_share(rows: np.ndarray, docs: np.ndarray, dp_rank: int, dp_size: int,
 
 
 def check_position(state: dict, now: dict, keys: str) -> None:
-    """ConfigError unless the checkpoint's data position `state` was saved with `now`'s values;
-    `keys` names the config keys to keep."""
+    """ConfigError unless the data position `state` was saved with `now`'s values of `keys`."""
     if any(state.get(k) != v for k, v in now.items()):
         saved = ", ".join(f"{k}={state.get(k)}" for k in now)
         this = ", ".join(f"{k}={v}" for k, v in now.items())
@@ -61,8 +59,7 @@ SKIP_STDLIB_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages"
 
 
 def stdlib_docstrings(min_chars: int = 200) -> List[str]:
-    """Long docstrings of the Python standard library: English prose on every machine with
-    Python."""
+    """Long docstrings of the Python standard library: English prose on every machine."""
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -87,8 +84,7 @@ STATEMENT_LISTS = {"body", "orelse", "finalbody", "handlers", "cases"}
 
 
 def statements(tree: ast.AST):
-    """ast.walk's nodes and order restricted to statements (and except/case clauses): a def is
-    always a statement, so this finds the same docstrings without visiting every expression."""
+    """ast.walk restricted to statements (and except/case clauses): the same docstrings, faster."""
     level = [tree]
     while level:
         yield from level
@@ -98,9 +94,8 @@ def statements(tree: ast.AST):
 
 def write_once(root, marker: str, write: Callable, what: str):
     """Make the directory `root` with `write(tmp)` unless `root/marker` is there; safe when
-    processes race: `write` fills a private temporary directory, then renamed into place
-    (atomic), and a failure leaves nothing behind. Returns what `write` returned, or None where
-    `root` was already made. A `root` that exists without its marker is refused, naming `what`."""
+    processes race (a private temporary directory renamed into place; a failure leaves nothing).
+    Returns what `write` returned, or None; refuses a `root` without its marker, naming `what`."""
     root = Path(root)
     if (root / marker).is_file():
         return None

@@ -1,21 +1,18 @@
-"""Chat data for supervised fine-tuning (`data.format=chat`): conversations in jsonl, rendered
-with a chat template (chat_template.py), trained on the tokens the assistant writes only.
+"""Chat data for supervised fine-tuning (`data.format=chat`): jsonl conversations rendered with a
+chat template (chat_template.py), trained on the tokens the assistant writes only.
 
-Each line of `data.root/*.jsonl` (training) and `data.root/val/*.jsonl` (validation) is one
-conversation, {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]} or
-{"prompt": "...", "completion": "..."}, with at least one assistant turn and no empty one. Other
-lines (and those the template fails on, or too long to keep) follow jsonl.SkipCounter's rule.
+A line of `data.root/*.jsonl` (`val/*.jsonl`: validation) is {"messages": [{"role": "system" |
+"user" | "assistant", "content": "..."}, ...]} or {"prompt": "...", "completion": "..."}, with at
+least one assistant turn and no empty one; other lines follow jsonl.SkipCounter's rule.
 
-Targets: the assistant's content and the token closing its turn; every other label is
-IGNORE_INDEX, and the loss is the mean over the step's counted labels (Batch.step_targets). A
+Targets: the assistant's content and the token closing its turn, all else IGNORE_INDEX. A
 conversation's first token is never a target, so no label crosses between conversations.
 
-Rows: every rank tokenizes all conversations at start (cached in data.root/.chat_cache); one over
+Every rank tokenizes all conversations at start (cached in data.root/.chat_cache); one over
 seq_len+1 tokens is truncated or skipped (data.chat.too_long). Epoch e orders them by a
-permutation seeded by (seed, e); pack=true fills rows of seq_len+1 tokens greedily in that order,
-pack=false puts one a row, and EOS pads the rest (uncounted, a doc_id of its own). As for memmap,
-step k's global batch is rows [k*G, (k+1)*G), so the loader's state is the rows consumed. Rank 0
-alone reports skipped lines (every rank reads them all; the trainer sums over ranks).
+permutation seeded by (seed, e); pack=true fills rows greedily in that order, pack=false puts one
+a row, and EOS pads the rest (uncounted, a doc_id of its own). As for memmap, step k's global batch
+is rows [k*G, (k+1)*G). Rank 0 alone reports skipped lines (the trainer sums over ranks).
 """
 
 import hashlib
@@ -208,8 +205,7 @@ CACHE_DIR, CACHE_VERSION = ".chat_cache", 1
 
 
 def cache_key(files: List[Path], args, template: ChatTemplate) -> str:
-    """Everything the tokenized conversations depend on: the files (path and a CRC-32 of the
-    bytes), the tokenizer file, the template, seq_len and the too-long rule."""
+    """What the tokenized conversations depend on (files' CRC-32, tokenizer, template, ...)."""
     def stat(path) -> list:
         crc = 0
         with open(path, "rb") as f:
@@ -227,9 +223,8 @@ def cache_key(files: List[Path], args, template: ChatTemplate) -> str:
 
 def cached_conversations(files: List[Path], args, template: ChatTemplate, tokenizer: Tokenizer,
                          counter: SkipCounter) -> Conversations:
-    """The conversations of `files`, tokenized once and kept in data.root/.chat_cache/<key>/ for
-    later starts and the other ranks (rank 0 writes while they wait). Where data.root is
-    read-only, every start tokenizes (said once)."""
+    """The conversations of `files`, tokenized once by rank 0 into data.root/.chat_cache/<key>/
+    for later starts and the other ranks; a read-only data.root tokenizes at every start."""
     import torch.distributed as dist
 
     cache = Path(args.root) / CACHE_DIR / cache_key(files, args, template)
@@ -368,8 +363,7 @@ class ChatLoader(Loader):
 
     @classmethod
     def val_batches(cls, args, dp_rank: int, dp_size: int) -> List[Batch]:
-        """This rank's share of the first val_sequences rows of root/val's conversations, packed
-        (or padded) in file order, rounded down to a multiple of dp_size as for other formats."""
+        """This rank's share of the first val_sequences rows of root/val, in file order."""
         n = (args.val_sequences // dp_size) * dp_size
         counter = chat_counter(args, dp_rank == 0, " of the validation data")
         tokenizer, convs = _load(args, val_files(args), counter, "validation")
@@ -386,8 +380,7 @@ LINE_FORMAT = ('one conversation a line: {"messages": [{"role": "system"|"user"|
 
 
 def validate_chat_data(args) -> None:
-    """Cheap checks of a chat corpus (every line parsed, one conversation rendered): ConfigError
-    naming the file (and line) and the fix."""
+    """Cheap checks of a chat corpus (every line parsed, one conversation rendered)."""
     if args.chat.too_long not in TOO_LONG:
         raise ConfigError(f"data.chat.too_long={args.chat.too_long!r} is unknown: use truncate "
                           f"(cut a conversation to data.seq_len+1 tokens) or skip.")
@@ -410,8 +403,7 @@ def validate_chat_data(args) -> None:
 
 def _check_lines(args, files: List[Path], where: Path,
                  template: ChatTemplate) -> Tuple[Path, int, list]:
-    """The first usable conversation; ConfigError when there is none or too many lines are
-    unusable (the loader's rule). Files with a tokenized cache were judged when it was made."""
+    """The first usable conversation; ConfigError when none or too many lines are unusable."""
     counter, first = chat_counter(args, log=False, what=f" of {where}"), None
     cached = args.chat.cache and (Path(args.root) / CACHE_DIR / cache_key(files, args, template)
                                   / "meta.json").is_file()
@@ -445,8 +437,7 @@ def _check_template(args, template: ChatTemplate, path: Path, line_no: int, mess
 
 
 def write_debug_chat(out_dir, n_train: int = 2000, n_val: int = 100) -> Path:
-    """A small chat corpus from stdlib docstrings (user: the start of one of their words,
-    assistant: its end): out_dir/train.jsonl and out_dir/val/val.jsonl (batch.write_once)."""
+    """A small chat corpus from stdlib docstrings (user: a word's start, assistant: its end)."""
     def write(tmp: Path) -> None:
         (tmp / VAL_DIR).mkdir(parents=True)
         docs = stdlib_docstrings()
@@ -460,9 +451,8 @@ def write_debug_chat(out_dir, n_train: int = 2000, n_val: int = 100) -> Path:
 
 
 def _debug_conversation(i: int, doc: str, pass_no: int) -> dict:
-    # Finish a word of the docstrings: a base that learned their words knows the rest, and what
-    # LoRA has to teach is the chat format, the answer in the assistant's turn and its end (EOS
-    # where the word ends, not a space and more text).
+    # Finish a word of the docstrings: a base that learned their words knows the rest, and LoRA
+    # has to teach the chat format, the answer in the assistant's turn and its end (EOS).
     words = re.findall(r"[A-Za-z]{6,}", doc) or ["function"]
     word = words[(i + pass_no) % len(words)]
     start, rest = word[:max(3, len(word) // 2)], word[max(3, len(word) // 2):]

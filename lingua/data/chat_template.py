@@ -1,16 +1,14 @@
 """Chat templates (data.format=chat): a conversation -> token ids, and which of them the assistant
 writes (the targets).
 
-data.chat.template names a Hugging Face tokenizer_config.json with a `chat_template`, or a .jinja
-file. Unset: the tokenizer_config.json (or chat_template.jinja) beside data.tokenizer.path when
-data.tokenizer.kind=hf and it has a template, else the built-in one: BOS, then
-"<|role|>\\n{content}\\n" a message, an assistant's closed by EOS instead of "\\n" (BOS and EOS
-are ids, not text); its generation prompt is "<|assistant|>\\n". A Jinja template renders as
-transformers' apply_chat_template does, and an assistant's turn is what rendering messages[:i+1]
-adds to messages[:i] with the generation prompt; where a template rewrites earlier turns (Qwen3
-drops their reasoning), its content in the whole render through the closing it gets as the last
-turn. The texts of bos_token and eos_token (`<s>` and `</s>` without a tokenizer_config.json, the
-byte tokenizer's names in its export) encode as the tokenizer's BOS and EOS ids wherever written.
+data.chat.template names a tokenizer_config.json with a `chat_template`, or a .jinja file. Unset:
+the one beside data.tokenizer.path when data.tokenizer.kind=hf and it has a template, else the
+built-in one: BOS, then "<|role|>\\n{content}\\n" a message, an assistant's closed by EOS instead
+of "\\n"; its generation prompt is "<|assistant|>\\n". A Jinja template renders as transformers'
+apply_chat_template does; an assistant's turn is what rendering messages[:i+1] adds to messages[:i]
+with the generation prompt, or, where a template rewrites earlier turns (Qwen3 drops their
+reasoning), its content in the whole render through the closing it gets as the last turn. The
+texts of bos_token and eos_token (`<s>`, `</s>` by default) encode as the BOS and EOS ids.
 """
 
 import json
@@ -69,9 +67,8 @@ class ChatTemplate:
         return ids, counted
 
     def render(self, messages: List[dict], add_generation_prompt: bool = False) -> str:
-        """The Jinja template's text as transformers' apply_chat_template renders it (its own
-        renderer: we keep no Jinja environment of ours); BadLine when the template raises on this
-        conversation."""
+        """The text as transformers' apply_chat_template renders it (no Jinja environment of
+        ours); BadLine when the template raises on this conversation."""
         import jinja2
         from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -204,8 +201,7 @@ def _read_template(path: Path, tok: TokenizerArgs) -> Tuple[str, Dict[str, str]]
 
 
 def _check_syntax(text: str, source: str) -> None:
-    """Refuse a template that is not valid Jinja before any data is read (rendering is
-    transformers' own, which compiles it on first use)."""
+    """Refuse a template that is not valid Jinja before any data is read."""
     import jinja2
 
     try:

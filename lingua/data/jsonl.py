@@ -30,10 +30,9 @@ CHECKED_FROM = 100   # lines read before the unusable fraction is judged
 
 
 class SkipCounter:
-    """The one policy for unusable lines, in every format: skipped and counted by reason, the
-    first warned of with its file and line (then a count at 100, 1000 and every 10,000), and
-    refused once more than `max_fraction` of the lines read are unusable, judged from the
-    CHECKED_FROM-th line on (a corpus mostly unusable is a wrong path or format, not noise)."""
+    """The one policy for unusable lines, in every format: counted by reason, the first warned of
+    with its file and line (then counts), refused once over `max_fraction` of the lines read from
+    the CHECKED_FROM-th on (a corpus mostly unusable is a wrong path or format, not noise)."""
 
     def __init__(self, reasons, max_fraction: float = 1.0, log: bool = True, what: str = ""):
         self.by_reason = dict.fromkeys(reasons, 0)
@@ -103,8 +102,7 @@ def load_json(raw: bytes):
 
 
 def check_utf8(text: str, what: str) -> None:
-    """BadLine unless `text` encodes: JSON escapes can encode lone surrogates, which no tokenizer
-    can."""
+    """BadLine unless `text` encodes (JSON escapes can hold lone surrogates)."""
     if not text.isascii():
         try:
             text.encode("utf-8")
@@ -300,9 +298,8 @@ class JsonlLoader(Loader):
 
     @classmethod
     def check_ranks(cls, args, dp_size: int) -> None:
-        """Every data-parallel rank has a usable line in every source, and validation one in
-        val/ (read until each has one), so that a corpus of bad lines is refused before any
-        process starts or any file of the run is written."""
+        """Every data-parallel rank has a usable line in every source (and val/): a corpus of bad
+        lines is refused before any process starts or any file is written."""
         readers = [(f"source {name} ({d})" if name else f"the corpus in {d}", d, dp_size, "")
                    for name, d in source_dirs(args, cls.SOURCE.PATTERN).items()]
         if args.val_sequences:   # one reader, in order (val_batches)

@@ -1,6 +1,5 @@
-"""The memmap corpus on disk: meta.json and the files it describes, their checks (a damaged or
-mismatched corpus is refused naming the file and how to rebuild it), the windows of tokens training
-reads, its loader (`data.format=memmap`), and writing such a corpus."""
+"""The memmap corpus (`data.format=memmap`): meta.json and its files, their checks (a damaged
+corpus is refused naming the file and the fix), the token windows, the loader, and the writer."""
 
 import json
 import logging
@@ -90,8 +89,7 @@ def _load_doc_starts(path: Path, n_docs: int, n_tokens: int, meta: dict) -> np.n
 
 
 class TokenWindows:
-    """The windows of seq_len+1 tokens of one split, read from the memory map. Every file is
-    checked against meta.json here, so a damaged corpus is refused when the run is validated."""
+    """A split's windows of seq_len+1 tokens; files checked against meta.json when validated."""
 
     def __init__(self, root, split: str, seq_len: int):
         root = Path(root)
@@ -131,8 +129,7 @@ class TokenWindows:
 
 
 def validate_memmap_corpus(args, root: Path) -> None:
-    """The prepared corpus at `root` against the data config `args` (a DataArgs): its format
-    version, tokenizer and vocabulary, and every split's files; ConfigError naming the fix."""
+    """The corpus at `root` against `args`: version, tokenizer, vocabulary, every split's files."""
     if not any(root.iterdir()):
         raise ConfigError(f"data.root={root} is empty. Prepare a corpus there with "
                           f"setup/prepare_data.py, or point data.root at a prepared one.")
@@ -214,8 +211,7 @@ class MemmapLoader(Loader):
 
 def write_memmap_corpus(out: Path, splits: Dict[str, Iterator[str]], tokenizer: Tokenizer,
                         tokenizer_args: TokenizerArgs, source: str) -> dict:
-    """Tokenize each split's documents (BOS + text + EOS) into `<split>.bin` +
-    `<split>.docs.npy`."""
+    """Tokenize each split's documents (BOS + text + EOS) into `<split>.bin`, `<split>.docs.npy`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # meta.json is written last: until then a re-preparation stopped halfway reads as no corpus,

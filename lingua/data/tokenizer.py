@@ -144,8 +144,7 @@ class HFTokenizer(Tokenizer):
 
 
 def special_tokens(config: dict) -> Dict[str, str]:
-    """bos_token, eos_token, ... of a tokenizer_config.json, as texts (also from the AddedToken
-    form {"content": ...})."""
+    """bos_token, eos_token, ... of a tokenizer_config.json as texts (also from AddedToken form)."""
     out = {}
     for key, value in config.items():
         if isinstance(value, dict):

@@ -1,8 +1,6 @@
-"""Downstream tasks through EleutherAI's lm-evaluation-harness, on the model as it is sharded for
-training (no rank gathers a full copy). lm-eval is told it runs in one process, so every rank
-builds the same requests in the same order; `LinguaLM` (lm_eval_model.py) splits each batch over
-the data-parallel ranks and sums the results, so every rank computes the same metrics. Results go
-to <dump_dir>/evals/<step>/results.json, each task of a step computed once.
+"""Downstream tasks through lm-evaluation-harness, on the model sharded as for training. lm-eval
+is told it runs in one process, so every rank builds the same requests; `LinguaLM` splits each
+batch over the data-parallel ranks and sums the results. Results: <dump_dir>/evals/<step>/.
 """
 
 import difflib
@@ -49,8 +47,7 @@ def quiet_lm_eval() -> None:
 
 @functools.lru_cache(maxsize=8)
 def task_manager(include_path: Optional[str] = None, lm_eval_tasks: bool = True):
-    """Ours, eval.include_path's and, with lm_eval_tasks, lm-eval's own (slow: it reads thousands
-    of YAMLs, so once a process)."""
+    """Ours, eval.include_path's and lm-eval's own (slow: thousands of YAMLs, so once a process)."""
     from lm_eval.tasks import TaskManager
 
     from lingua.eval.tasks import TASKS_DIR

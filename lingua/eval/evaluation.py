@@ -21,8 +21,7 @@ logger = logging.getLogger("eval")
 
 @dataclass
 class EvalArgs:
-    """Validation loss, and downstream tasks (lingua/eval/downstream.py) at the same steps: on the
-    training ranks (mode=inline) or in a Slurm job per checkpoint (async)."""
+    """Validation loss and downstream tasks at the same steps: inline or a Slurm job (async)."""
     every: int = 0                  # validation every N steps (0: only at the end)
     at_end: bool = True             # validation after the last step
     tasks: List[str] = field(default_factory=list)  # lm-eval task names; [] = validation loss only
@@ -78,8 +77,7 @@ def evaluate(parts, batches, env: DistEnv, batch_loss) -> dict:
 
 
 class ValidationHook(Hook):
-    """val_loss / val_ppl at evaluation steps (eval.every, the end), in their rows; none with
-    data.val_sequences=0, which the run says once."""
+    """val_loss / val_ppl at evaluation steps; none with data.val_sequences=0 (said once)."""
 
     def __init__(self, args, env: DistEnv):
         self.batches = build_val_batches(args.data, env.dp_rank, env.dp_size)

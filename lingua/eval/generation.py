@@ -72,8 +72,7 @@ def generate(model: torch.nn.Module, prompt: List[int], max_new_tokens: int,
 
 
 def load_model(target: str, model_class, args_class, device: str = "cpu"):
-    """(model, tokenizer) from a run directory (its newest complete checkpoint) or a checkpoint:
-    a `model_class(args_class(**config.yaml's model))` on `device`, in eval mode."""
+    """(model, tokenizer) from a run directory (newest checkpoint) or a checkpoint, in eval mode."""
     from lingua.checkpoint import load_model_state, read_run_config, resolve
     from lingua.data.tokenizer import TokenizerArgs, build_tokenizer
 

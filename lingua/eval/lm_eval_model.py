@@ -90,8 +90,7 @@ class LinguaLM(TemplateLM):
         return super().loglikelihood(requests, disable_tqdm=True)   # no bar in a training log
 
     def _same_on_every_rank(self, kind: str, requests) -> None:
-        """Every rank built the same requests, or every rank raises the same ConfigError: else
-        the ranks would hang in mismatched collectives."""
+        """Every rank built the same requests, or all raise the same ConfigError (no hang)."""
         if self.env.world_size == 1:
             return
         if self._all_requests is None:

@@ -1,8 +1,7 @@
 """Float8 training with torchao (`distributed.float8`): the Linears an app's filter picks become
 torchao `Float8Linear`s (high-precision master weights that checkpoints and the optimizer see).
-Order: conversion on meta per pipeline part, TP with torchao's float8 styles, AC, compile, then
-FSDP2. CUDA needs bf16 and torch.compile; the CPU runs emulated matmuls with high-precision
-collectives, which is what the tests train.
+Order: conversion on meta per pipeline part, TP (float8 styles), AC, compile, FSDP2. CUDA needs
+bf16 and torch.compile; the CPU (the tests) runs emulated matmuls, high-precision collectives.
 """
 
 import dataclasses
@@ -73,16 +72,14 @@ def moves_float8(device_type: str) -> bool:
 
 
 def uses_fsdp_float8_all_gather(args, dims, device_type: str) -> bool:
-    """Whether FSDP2 all-gathers the converted weights in float8: tensorwise only (one scale per
-    tensor), where FSDP shards and the collectives move float8."""
+    """Whether FSDP2 all-gathers the converted weights in float8: tensorwise, where FSDP shards."""
     return (args.float8 == "tensorwise" and dims.dp_replicate * dims.fsdp > 1
             and moves_float8(device_type))
 
 
 def apply_float8(model: nn.Module, recipe: str, convert: Callable = default_filter,
                  fsdp_float8_all_gather: bool = False, emulate: bool = False) -> list:
-    """In place (names and values unchanged), before TP, AC, compile and FSDP; returns the names.
-    `emulate` (off CUDA) multiplies the float8 values in fp32, not with torch._scaled_mm."""
+    """In place (names and values unchanged), before TP, AC, compile and FSDP; returns the names."""
     if recipe == "none":
         return []
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -134,8 +131,7 @@ def _is_float8(module: nn.Module, tensorwise_only: bool = True) -> bool:
 
 
 def float8_tp_plan(module: nn.Module, plan: dict, device_type: str) -> dict:
-    """`plan` with torchao's float8 styles on Float8Linears, and on a PrepareModuleInput feeding
-    only float8 Linears (the input is cast once, then all-gathered in float8)."""
+    """`plan` with float8 styles on Float8Linears and inputs (cast once, gathered in float8)."""
     from torch.distributed.tensor import parallel as tp
 
     if not moves_float8(device_type) or not any(

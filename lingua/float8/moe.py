@@ -1,8 +1,7 @@
 """Float8 for the MoE experts (`distributed.float8`, any recipe): a converted GroupedExperts runs
 its grouped matmuls with torchao's float8 rowwise grouped GEMM (e4m3, power-of-2 scales per row
-along the reduced dimension), with each expert's rows padded to a multiple of 16. torch has no
-CPU scaled grouped matmul, so off CUDA `EmulatedFloat8GroupedMM` does the same casts and
-multiplies in fp32: what the CPU tests train and tests/test_gpu.py compares torchao's kernel with.
+along the reduced dimension), each expert's rows padded to a multiple of 16. Off CUDA (no scaled
+grouped matmul) `EmulatedFloat8GroupedMM` does the same casts and multiplies in fp32.
 """
 
 import torch
@@ -55,8 +54,7 @@ def _quantized(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class EmulatedFloat8GroupedMM(torch.autograd.Function):
-    """torchao's float8 rowwise grouped matmul with the float8 products summed in fp32 (the
-    tensor cores' accumulation), one expert at a time."""
+    """torchao's float8 rowwise grouped matmul, products summed in fp32, one expert at a time."""
 
     @staticmethod
     def forward(ctx, x, w, offs):

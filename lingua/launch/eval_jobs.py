@@ -1,9 +1,8 @@
 """eval.mode=async: each evaluation step's checkpoint is evaluated by its own Slurm job (files
 under evals/<step>/: docs/evaluation.md), and the training never waits for it.
 
-Each Slurm task runs `EvalJob`, a parent that runs the evaluation as a child and looks at how it
-ended (`decide`), so even a child killed outright (OOM, segfault) is seen and the job requeued
-(up to eval.slurm.max_requeues); a requeued job skips the tasks the step already has results for.
+Each Slurm task runs `EvalJob`, a parent that runs the evaluation as a child and judges how it
+ended (`decide`): a child killed outright (OOM) requeues the job, which skips finished tasks.
 """
 
 import datetime
@@ -58,8 +57,7 @@ def pending_marker(dump_dir, step: int) -> Path:
 
 
 def checkpoint_in_use(dump_dir) -> Callable[[int], bool]:
-    """For pruning: a job that never runs leaves its checkpoint on disk until evals/<step>/pending
-    is deleted."""
+    """For pruning: a job that never runs keeps its checkpoint until evals/<step>/pending goes."""
     return lambda step: pending_marker(dump_dir, step).exists()
 
 

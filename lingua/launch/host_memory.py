@@ -43,9 +43,8 @@ def user_malloc_setting() -> Optional[str]:
 
 def keep_freed_memory() -> bool:
     """CPU training: let glibc's malloc keep freed blocks for reuse, as CUDA's caching allocator
-    does on GPU. By default glibc unmaps large blocks when freed, so every step's activations
-    take freshly zeroed pages again (BENCHMARKS.md). So: no mmap (M_MMAP_MAX=0) and no trimming
-    (M_TRIM_THRESHOLD=-1). The cost: the process keeps the memory it freed, process-wide. False,
+    does (glibc unmaps large blocks when freed, so every step's activations take fresh zeroed
+    pages): no mmap (M_MMAP_MAX=0), no trimming (M_TRIM_THRESHOLD=-1), process-wide. False,
     changing nothing, without mallopt or where the user set one of its knobs."""
     import ctypes
 

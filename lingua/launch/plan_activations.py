@@ -1,15 +1,12 @@
 """The planner's activation estimate (lingua.launch.plan): the bytes a block and the last stage's
 output keep per token for backward, and the micro-batches a pipeline rank holds at once.
 
-Counted for an app's block shape (App.block_shape) from what such blocks save (Korthikanti et
-al. 2022's accounting redone for this code: fp32 RMSNorm with its written-out backward, GQA k, v
-repeated to all heads before flash attention on GPU, SwiGLU, torch's TP + sequence parallel, the
-op-level checkpointing policy of lingua.parallel.distributed); tests/test_plan.py checks it
-against the live tensors of real blocks on CPU. Assumed: a flash attention kernel (no seq x seq
-matrix), MoE routing balanced across experts and EP ranks, no CPU expert padding, no
-torch.compile fusion (compile only lowers it). Under tp, torch keeps the all-gathered inputs of
-attention and FFN, and ac=op also the full-sequence partial sums of wo and w2, so ac=op can keep
-MORE than ac=none; ac=full is the one that shrinks activations."""
+Korthikanti et al. 2022's accounting redone for this code (fp32 RMSNorm, GQA k, v repeated before
+flash attention, SwiGLU, TP + sequence parallel, lingua.parallel.distributed's op-level
+checkpointing); tests/test_plan.py checks it against real blocks' tensors. Assumed: a flash kernel,
+balanced MoE routing, no CPU expert padding, no torch.compile fusion. Under tp, torch keeps the
+all-gathered inputs of attention and FFN, and ac=op also wo's and w2's full-sequence partial sums,
+so ac=op can keep MORE than ac=none; ac=full is the one that shrinks activations."""
 
 from lingua.parallel import pipeline
 from lingua.train.app import BlockShape
@@ -135,8 +132,7 @@ def output_activation_bytes(model_args, e: int, tp: int, loss_parallel: bool,
 
 
 def chunks_in_flight(schedule: str, pp: int, virtual: int, n_mb: int, pp_rank: int) -> float:
-    """Micro-batches whose activations a pipeline rank holds at once, in units of its stages'
-    average (one unit = all its layers for one micro-batch when it holds one stage)."""
+    """Micro-batches a pipeline rank holds at once, in units of its stages' average."""
     if pp == 1:
         return 1.0
     name = pipeline.schedule_name(schedule)

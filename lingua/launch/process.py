@@ -22,8 +22,7 @@ TESTED_TORCH = "2.13"   # pyproject.toml's pin: the version the suite runs on
 
 
 def torch_version_warning(version: str) -> Optional[str]:
-    """What to say when the run's torch is not the tested one (None when it is): clusters often
-    carry another build, and torch.distributed's private paths change between versions."""
+    """What to say when the run's torch is not the tested one (private distributed paths change)."""
     if version.split("+")[0].rsplit(".", 1)[0] == TESTED_TORCH:
         return None
     return (f"torch {version} is not the version lingua is tested with ({TESTED_TORCH}.x, "

@@ -1,28 +1,24 @@
-"""The decoder shell every app's model is: token embeddings, RoPE tables, the attention mask, the
-layer loop, the final norm and the output projection. An app subclasses `Decoder` and builds one
-layer in `make_layer` (lingua/models/llama/model.py, apps/moe/model.py).
+"""The decoder shell every app's model is: embeddings, RoPE tables, mask, layer loop, final norm
+and output projection. An app subclasses `Decoder` and builds one layer in `make_layer`.
 
 What the rest of lingua relies on, and a fork keeps (checked at start by `check_model_contract`):
 - `forward(tokens, doc_ids=None, cache=None, positions=None)`: tokens [b, s] -> logits
-  [b, s, vocab]. A pipeline stage without `tok_embeddings` takes hidden states [b, s, dim], and
-  one without `output` returns hidden states. doc_ids [b, s] keep attention inside documents;
-  `cache` is for decoding (lingua/eval/generation.py); `positions` [s] are the tokens' positions
-  when they are not 0..s-1 (a context-parallel shard).
+  [b, s, vocab]; a pipeline stage without `tok_embeddings` takes hidden states [b, s, dim], one
+  without `output` returns them. doc_ids [b, s] keep attention inside documents; `cache` is for
+  decoding; `positions` [s] are the tokens' positions when not 0..s-1 (a context-parallel shard).
 - `layers`, an nn.ModuleDict keyed "0".."n-1": pipeline parallelism deletes the entries a stage
-  does not hold, and sets the modules in `first_stage_modules` / `last_stage_modules` to None
-  where it does not own them.
-- the extra inputs of the app's loss seam (lingua/model/loss.py: `batch_inputs`) arrive as
-  keyword arguments of forward on every pipeline stage. In training a part may return a tuple
-  (output, extra tensors...); under pipeline parallelism each stage's extras reach the next as
-  keyword arguments named by the model's `stage_outputs` (apps/moe: the balancing losses).
+  does not hold and sets the `first_stage_modules` / `last_stage_modules` it does not own to None.
+- the loss seam's extra inputs (lingua/model/loss.py: `batch_inputs`) arrive as forward keyword
+  arguments on every pipeline stage. In training a part may return (output, extra tensors...);
+  under pipeline parallelism a stage's extras reach the next as keyword arguments named by the
+  model's `stage_outputs` (apps/moe: the balancing losses).
 - `init_weights(buffer_device=None)` (re)initialises every parameter and buffer after `to_empty`;
   each layer's `init_weights(std, out_std)` its own weights.
 - every layer is called as `layer(h, rope, mask, cache)`; softmax attention goes through
-  `lingua.model.layers.CoreAttention` (context parallelism swaps it; the probe hooks it). A
+  `lingua.model.layers.CoreAttention` (context parallelism swaps it; the probe hooks it); a
   recurrent layer keeps its decoding state in `cache.states` (apps/qwen3_next).
-- `mask_spec`, a lingua.model.masks.AttentionMask: what attention may see (plain causal unless
-  the model sets another, e.g. a sliding window); every backend and context parallelism build
-  their masks from it.
+- `mask_spec`, a lingua.model.masks.AttentionMask: what attention may see (causal unless the model
+  sets e.g. a sliding window); every backend and context parallelism build their masks from it.
 """
 
 import math
@@ -112,8 +108,7 @@ class Decoder(nn.Module):
         return rope, make_attn_mask(self.attn_backend, doc_ids, seq_len, device, self.mask_spec)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and output projection (the tied embedding with tie_embeddings); hidden
-        states pass through on a pipeline stage before the last."""
+        """Final norm and output; hidden states pass through on a stage before the last."""
         if self.output is not None:
             return self.output(self.norm(h))
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.norm is not None:
@@ -122,8 +117,7 @@ class Decoder(nn.Module):
 
     def trunk(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
               cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None) -> tuple:
-        """Embeddings and layers: (hidden states, rope, mask) before the head (apps/mtp runs its
-        extra modules on them)."""
+        """Embeddings and layers: (hidden states, rope, mask) before the head (apps/mtp)."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         # Under sequence parallelism h is a DTensor shaped like the whole sequence, as attention
         # sees it after its all-gather.
@@ -137,17 +131,15 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None,
                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens [b, s] (or hidden states [b, s, dim] on a later pipeline stage) -> logits
-        [b, s, vocab] (hidden states on a stage before the last)."""
+        """tokens [b, s] (later stages: hidden states) -> logits (earlier stages: hidden states)."""
         h, _, _ = self.trunk(tokens, doc_ids, cache, positions)
         return self.head(h)
 
 
 def check_model_contract(model: nn.Module, where: str, context_parallel: bool = False) -> None:
-    """Raise ConfigError if `model` (built on meta, before any parallelism) lacks what the trainer
-    and pipeline parallelism rely on (module docstring), or, with `context_parallel`, has a layer
-    that does not attend through CoreAttention (whose attention CP could not reach: each rank
-    would attend within its own shard only). `where` names the app's model file."""
+    """Raise ConfigError if `model` (on meta, before any parallelism) lacks what the module
+    docstring lists, or, with `context_parallel`, has a layer that does not attend through
+    CoreAttention (each rank would attend within its own shard). `where`: the app's model file."""
     problems = []
     for name in ("tok_embeddings", "norm", "output", "layers", "args"):
         if not hasattr(model, name):

@@ -23,9 +23,8 @@ from lingua.model.masks import AttentionMask
 
 ATTN_BACKENDS = ("sdpa", "flex", "xformers")
 
-# True while a pipeline schedule runs its first-step shape inference (an extra forward and loss
-# call on copies or uninitialised tensors): whatever counts forwards (MoE routing counts, probes)
-# asks `inferring_shapes()` and leaves those calls out.
+# True during a pipeline schedule's first-step shape inference (an extra forward on copies):
+# whatever counts forwards (MoE routing, probes) asks `inferring_shapes()` and leaves it out.
 _INFERRING_SHAPES = False
 
 
@@ -111,9 +110,8 @@ def _eager_plain(*tensors) -> bool:
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm with a written-out backward: the composite's arithmetic
-    (x * rsqrt(mean(x^2) + eps)).type_as(x) * weight in about half the memory passes, which are
-    the cost on CPU (BENCHMARKS.md; faster than F.rms_norm in eager)."""
+    """RMSNorm with a written-out backward: the composite's arithmetic in about half the memory
+    passes, which are the cost on CPU (faster than F.rms_norm in eager)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -191,9 +189,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _RopeFunction(torch.autograd.Function):
-    """x * cos + rotate_half(x) * sin, half by half in place, with the backward written out (the
-    rotation by minus the angle): only the tables are saved, and a third of the memory passes
-    go."""
+    """x * cos + rotate_half(x) * sin, half by half, with the backward written out (the rotation
+    by minus the angle): only the tables are saved, and a third of the memory passes go."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
@@ -239,8 +236,7 @@ def rope_tables(args: "TransformerArgs", device=None) -> Tuple[torch.Tensor, tor
 
 
 def repeat_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Repeat k/v [b, s, kv_heads, d] to the queries' n_heads (kv head j serves query heads
-    j*n_rep .. (j+1)*n_rep-1, as Meta and HF group them)."""
+    """Repeat k/v [b, s, kv_heads, d] to n_heads: kv head j serves query heads j*n_rep.. (as HF)."""
     n_rep = n_heads // k.shape[2]
     if n_rep == 1:
         return k, v
@@ -296,9 +292,9 @@ def check_xformers_mask(spec: AttentionMask, sinks: bool = False) -> None:
 
 def make_attn_mask(backend: str, doc_ids: Optional[torch.Tensor], seq_len: int,
                    device: torch.device, spec: AttentionMask = AttentionMask()):
-    """The mask `attention` needs, built once per forward from the model's `spec` (lingua/model/
-    masks.py), within documents when `doc_ids` [b, s] is given. None (plain causal, sdpa), a
-    boolean [b or 1, 1, s, s] mask (sdpa), a flex BlockMask, or an xformers attention bias."""
+    """The mask `attention` needs, built once per forward from the model's `spec`, within
+    documents when `doc_ids` [b, s] is given: None (causal sdpa), a boolean [b or 1, 1, s, s]
+    mask, a flex BlockMask, or an xformers attention bias."""
     if backend == "sdpa":
         if doc_ids is None and spec.plain_causal:
             return None
@@ -409,10 +405,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
 
 class KVCache:
     """Keys/values of the positions seen so far, per attention layer (keyed like `layers`). A
-    layer's buffers are made at its first update, shaped like what it caches (under TP a rank
-    holds n_kv_heads / tp heads, which only the layer's output knows; MLA caches its latent and
-    rope key, apps/deepseek). A recurrent layer keeps its state in `states[key]`, a dict of its own
-    (apps/qwen3_next: the convolution's last inputs and the delta rule's state)."""
+    layer's buffers are made at its first update, shaped like what it caches (under TP only the
+    layer's output knows its heads; MLA caches its latent and rope key). A recurrent layer keeps
+    its state in `states[key]`, a dict of its own (apps/qwen3_next)."""
 
     def __init__(self, layer_keys, batch: int, max_len: int):
         self.kv: Dict[str, Optional[Tuple[torch.Tensor, torch.Tensor]]] = dict.fromkeys(layer_keys)
@@ -435,8 +430,7 @@ class KVCache:
 
     def attn_mask(self, seq_len: int, device=None,
                   spec: AttentionMask = AttentionMask()) -> Optional[torch.Tensor]:
-        """Boolean [1, 1, seq_len, pos + seq_len] mask of the new queries against the cached and
-        new keys, by the model's rule at global positions."""
+        """Boolean [1, 1, seq_len, pos + seq_len] mask: new queries against all keys."""
         if seq_len == 1 and spec.window is None:
             return None  # a single new token sees everything cached: no mask needed
         q_pos = self.pos + torch.arange(seq_len, device=device)
@@ -444,13 +438,11 @@ class KVCache:
 
 
 class CoreAttention(nn.Module):
-    """softmax(QK^T)V: every app's attention block calls its kernel through this module (part
-    of the contract check_model_contract checks). Context parallelism replaces it by type; the
-    probe hooks it. Takes q [b, s, h, head_dim] and k, v [b, s, h_kv, head_dim] after RoPE and
-    the decoder's mask; repeats k/v to h heads unless the kernel groups them (`grouped_kv_ok`).
-    When decoding (KV cache) it runs sdpa with the cache's mask on any backend. `scale` multiplies
-    the scores (None: 1/sqrt(head_dim); MLA's differs), and v's head size may differ from q's.
-    `sinks` [h] (this rank's heads): learned attention sinks, as gpt-oss's (apps/swa)."""
+    """softmax(QK^T)V: every app's attention calls its kernel through this module (the model
+    contract); context parallelism replaces it by type, the probe hooks it. Takes q [b, s, h, d]
+    and k, v [b, s, h_kv, d] after RoPE, and the decoder's mask; repeats k/v to h heads unless the
+    kernel groups them (`grouped_kv_ok`). Decoding (KV cache) runs sdpa on any backend. `scale`:
+    None is 1/sqrt(d); v's head size may differ from q's; `sinks` [h]: this rank's heads' sinks."""
 
     def __init__(self, backend: str = "sdpa", scale: Optional[float] = None):
         super().__init__()
@@ -467,17 +459,15 @@ class CoreAttention(nn.Module):
 
 
 def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:
-    """Whether `core` may hand sdpa k/v with fewer heads than q (enable_gqa, saving repeat_kv's
-    copy): only a CoreAttention on plain sdpa, on CPU, with no mask. On CUDA sdpa groups heads in
-    its flash kernel only (bf16/fp16, sm80+) and would otherwise fall back to the slow math
-    kernel, so CUDA keeps repeat_kv. Independent of the probe, so probed steps compute alike."""
+    """Whether `core` may hand sdpa k/v with fewer heads than q (enable_gqa, no repeat_kv copy):
+    only plain sdpa on CPU with no mask. On CUDA sdpa groups heads in its flash kernel only and
+    would otherwise fall back to the slow math kernel. Independent of the probe."""
     return (q.device.type == "cpu" and mask is None and isinstance(core, CoreAttention)
             and core.backend == "sdpa")
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
-    """Meta llama's SwiGLU width: 2/3 of 4*dim (a 4*dim MLP's parameters), optionally scaled,
-    rounded up to a multiple of `multiple_of`."""
+    """Meta llama's SwiGLU width: 2/3 of 4*dim, optionally scaled, rounded up to `multiple_of`."""
     hidden = int(2 * 4 * dim / 3)
     if ffn_dim_multiplier is not None:
         hidden = int(ffn_dim_multiplier * hidden)

@@ -2,11 +2,10 @@
 with s = alpha / rank. B starts at zero, so a converted model computes what the base model does
 until the first update.
 
-`apply_lora(model, args)` converts, on the meta device and before any parallelism, every Linear
-whose last name component is in `args.targets`, and freezes every other parameter. A converted
-layer stays an nn.Linear with its weight's name (`...wq.weight`), so TP plans and HF key maps
-still find it; its adapters are `...wq.lora_a` [rank, in] and `...wq.lora_b` [out, rank], laid
-out like their weight under TP (lingua/parallel/lora_tp.py).
+`apply_lora(model, args)` converts, on meta before any parallelism, every Linear whose last name
+is in `args.targets`, and freezes the rest. A converted layer stays an nn.Linear named as before
+(`...wq.weight`: TP plans and HF key maps find it), with `...wq.lora_a` [rank, in] and
+`...wq.lora_b` [out, rank], laid out like their weight under TP (lingua/parallel/lora_tp.py).
 """
 
 import logging
@@ -34,8 +33,7 @@ class LoRAArgs:
 
 
 class LoRALinear(nn.Linear):
-    """An nn.Linear with a low-rank adapter. Built from an existing Linear (its weight Parameter
-    is kept, not copied), so conversion works on the meta device."""
+    """An nn.Linear with a low-rank adapter, around an existing Linear's weight (meta works)."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         nn.Module.__init__(self)   # not nn.Linear.__init__: that would allocate a new weight
@@ -52,8 +50,7 @@ class LoRALinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + self.scale * update
 
     def init_adapter(self) -> None:
-        """A as nn.Linear initialises its weight (PEFT's default), B zero (called by
-        lingua.model.weights.materialize)."""
+        """A as nn.Linear initialises its weight (PEFT's default), B zero."""
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b)
 
@@ -84,8 +81,7 @@ def linear_names(model: nn.Module) -> dict:
 
 
 def check_targets(model: nn.Module, args: LoRAArgs) -> None:
-    """Every target names a Linear of the model, no wider than min(in, out) at this rank;
-    ConfigError otherwise (before any weight exists: works on the meta device)."""
+    """Every target names a Linear no wider than min(in, out) at this rank, else ConfigError."""
     if not args.rank:
         return
     linears = linear_names(model)
@@ -104,8 +100,7 @@ def check_targets(model: nn.Module, args: LoRAArgs) -> None:
 
 
 def apply_lora(model: nn.Module, args: LoRAArgs) -> List[str]:
-    """Convert the targeted Linears in place and freeze everything else; returns the converted
-    module names. rank 0 does nothing (full fine-tuning)."""
+    """Convert the targeted Linears in place, freeze the rest; their names (LoRA rank 0: none)."""
     if not args.rank:
         return []
     check_targets(model, args)

@@ -5,11 +5,10 @@ An app gives the trainer (lingua.train.app.App):
   batch_inputs(tokens, labels) -> (model_kwargs, target)
                                           default ({}, labels): the model's extra keyword
                                           tensors [b, s, ...] and the loss's target
-The trainer shards both with the tokens (context parallelism, pipeline micro-batches), calls the
-loss where the output is (the last pipeline stage), and back-propagates `loss_sum / tokens of the
-global batch`, so every layout computes the same mean's gradient: a loss returns a SUM over
-tokens, never a mean. `loss` in metrics.jsonl (LossOutput.logged_sum) and validation are the
-next-token cross-entropy in every app, so runs of different apps compare.
+The trainer shards both with the tokens, calls the loss on the last pipeline stage and
+back-propagates `loss_sum / tokens of the global batch`, so every layout computes the same mean's
+gradient: a loss returns a SUM over tokens, never a mean. The logged `loss` (LossOutput.logged_sum)
+is the next-token cross-entropy in every app, so runs of different apps compare.
 """
 
 from dataclasses import dataclass, field

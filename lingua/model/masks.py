@@ -28,8 +28,7 @@ class AttentionMask:
         return self == AttentionMask()
 
     def allowed(self, q_pos, k_pos, q_doc=None, k_doc=None) -> torch.Tensor:
-        """Whether the query at q_pos may attend to the key at k_pos (tensors that broadcast),
-        given their documents when documents are masked."""
+        """May the query at q_pos attend to the key at k_pos (broadcast; documents when masked)?"""
         ok = k_pos <= q_pos if self.causal else torch.ones_like(q_pos - k_pos, dtype=torch.bool)
         if self.window is not None:
             ok = ok & (((q_pos - k_pos).abs() < self.window) | (k_pos < self.sink_tokens))

@@ -7,20 +7,18 @@ parallelism's swap point: any module with `forward(x_sorted [n, dim] grouped in 
 counts [n_experts]) -> [n, dim]`.
 
 Load balancing over the GLOBAL batch:
-  * `moe.count_reducer(t) -> Tensor` returns the sum of `t` over the ranks holding distinct tokens
-    of the micro-batch (an all-reduce that may work in place; identity by default, set by
-    lingua.parallel.expert_parallel). Called once per layer per training forward when
-    aux_loss_coef or z_loss_coef > 0 (recomputes included), once per step by update_expert_bias,
-    never in eval mode.
-  * The balancing losses are SUMS over this rank's tokens, like the trainer's cross-entropy
-    (lingua/model/loss.py). With f_e = reduced_count_e / sum(reduced_counts) (no gradient):
+  * `moe.count_reducer(t)` sums `t` over the ranks holding distinct tokens of the micro-batch
+    (may work in place; identity unless lingua.parallel.expert_parallel sets it). Called once per
+    layer per training forward when aux_loss_coef or z_loss_coef > 0 (recomputes included), once
+    per step by update_expert_bias, never in eval mode.
+  * The balancing losses are SUMS over this rank's tokens, like the cross-entropy. With
+    f_e = reduced_count_e / sum(reduced_counts) (no gradient):
       aux_sum = aux_loss_coef * n_experts * sum_e f_e * (sum over tokens of normalised scores_e)
       z_sum   = z_loss_coef * (sum over tokens of logsumexp(logits)^2)
     A training forward leaves `moe.balance_loss` = aux_sum + z_sum (None when both coefficients
-    are 0), which the app's loss adds (apps/moe); divided by the global token count this is the
-    global batch's loss computed in one process.
-  * `update_expert_bias(layers, rate)` after each optimizer step (DeepSeek-V3 aux-loss-free
-    balancing) reduces the step's accumulated counts with the layers' `count_reducer`.
+    are 0) for the app's loss (apps/moe) to add.
+  * `update_expert_bias(layers, rate)` (DeepSeek-V3 aux-loss-free balancing) runs after each
+    optimizer step on the counts reduced with the layers' `count_reducer`.
 """
 
 import math
@@ -122,12 +120,9 @@ class _Dispatch(torch.autograd.Function):
         return slots.view(-1, ctx.top_k, grad.shape[1]).sum(1), None, None, None
 
 
-# On CPU, oneDNN JIT-compiles and caches a bf16/fp16 kernel per matmul shape, and
-# torch._grouped_mm runs one matmul per expert, whose row count changes every step: kernel builds
-# dominate and the cache grows (BENCHMARKS.md, "MoE trainer vs Hugging Face Mixtral"). So there
-# each expert's rows are zero-padded to a multiple of CPU_GROUP_ROWS (16x fewer shapes), unless
-# the padding (CPU_GROUP_ROWS - 1 rows per expert) is over 10% of the rows. Not on GPU: its
-# grouped GEMM is one kernel for any split.
+# CPU oneDNN builds and caches a bf16/fp16 kernel per matmul shape, and each expert's row count
+# changes every step: so there each expert's rows are zero-padded to a multiple of CPU_GROUP_ROWS,
+# unless that padding is over 10% of the rows. A GPU's grouped GEMM is one kernel for any split.
 CPU_GROUP_ROWS = 16
 
 
@@ -184,13 +179,10 @@ def check_grouped_alignment(dim: int, hidden: int) -> None:
 
 
 class GroupedExperts(nn.Module):
-    """n_experts SwiGLU FFNs with stacked weights: y_e = (silu(x W1_e) * (x W3_e)) W2_e.
-
-    impl "grouped": one torch._grouped_mm per weight over all experts; "loop": one matmul per
-    expert (the reference). _grouped_mm needs int32 offsets, one dtype for both operands (cast
-    here: autocast does not cover it), 16-byte aligned rows, no stride-0 gradient and a non-empty
-    input (the loop takes that). Experts with zero tokens are fine.
-    """
+    """n_experts SwiGLU FFNs with stacked weights. impl "grouped": one torch._grouped_mm per
+    weight; "loop": one matmul per expert (the reference). _grouped_mm needs int32 offsets, one
+    dtype for both operands (cast here: autocast does not cover it), 16-byte aligned rows, no
+    stride-0 gradient and a non-empty input (the loop takes that)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, impl: str = "grouped"):
         super().__init__()
@@ -382,10 +374,9 @@ class MoE(nn.Module):
         return scores / scores.sum(-1, keepdim=True)
 
     def _balance(self, counts, scores, logits, n_dropped: int) -> None:
-        """Record statistics, accumulate counts for the bias update, compute balancing losses."""
         counts_f = counts.float()
-        # Forwards re-run inside backward (activation checkpointing) and pipeline shape inference
-        # are not counted. A compiled forward's recompute is inside the compiled backward.
+        # Not counted: recomputes in backward (a compiled one's is inside the compiled backward)
+        # and pipeline shape inference.
         in_backward = (not torch.compiler.is_compiling()
                        and torch._C._current_graph_task_id() != -1)
         counted = self.training and not in_backward and not inferring_shapes()
@@ -441,8 +432,8 @@ def moe_layers(model: nn.Module):
 
 
 def balance_loss_sum(layers: Iterable[MoE], device) -> torch.Tensor:
-    """The last training forward's balancing losses of `layers`, summed ([1]; zeros if none).
-    Each layer lets go of its own (a tensor with a graph would make the module uncopyable)."""
+    """The last training forward's balancing losses, summed ([1]), each layer's then dropped (a
+    tensor with a graph would make the module uncopyable)."""
     total = torch.zeros(1, device=device)
     for m in layers:
         if m.balance_loss is not None:
@@ -456,7 +447,7 @@ ROUTING_SUMS = ("dropped", "slots", "entropy", "tokens", "aux_loss", "z_loss")
 
 
 def reset_routing(layers: Iterable[MoE]) -> None:
-    """Start new routing sums (the trainer calls it before each step's forward passes)."""
+    """Start new routing sums (before each step's forward passes)."""
     for m in layers:
         m.routing = None
 
@@ -465,11 +456,8 @@ def reset_routing(layers: Iterable[MoE]) -> None:
 def routing_metrics(layers: Dict[int, MoE], n_layers: int, n_experts: int,
                     reduce: Callable[[torch.Tensor], torch.Tensor],
                     device: torch.device) -> Dict[str, float]:
-    """Routing health per MoE layer from the sums since reset_routing, as "<layer>/<name>".
-
-    `layers` maps a layer's index in the model to this rank's MoE module. Every rank builds the
-    same [n_layers, n_experts + 6] table and `reduce` sums it over the ranks holding different
-    tokens and pipeline stages, so a value covers the step's global batch. Collective.
+    """Routing health per MoE layer since reset_routing, as "<layer>/<name>". Collective: every
+    rank builds the same table and `reduce` sums it over ranks and pipeline stages.
       imbalance         max / mean of the tokens routed to each expert (1 = perfectly balanced)
       dropped_fraction  routed slots dropped by capacity / all routed slots
       router_entropy    mean over tokens of the entropy of the router's distribution (nats)

@@ -1,11 +1,10 @@
 """A model part's first weights, given after it was built on the meta device, split and sharded:
 drawn from per-tensor seeded streams, or filled from rank 0's copy of a Hugging Face model.
 
-Layout-independent initialisation: while init_weights runs, every random init of a parameter or
-buffer draws the whole tensor from a generator seeded from (seed, its checkpoint name), and a
-DTensor keeps its own slice; so a layer starts from the same numbers in every layout, and the
-model file needs no distributed code. The global RNG would not do: every pipeline stage would
-replay the same stream, and on CUDA torch's OffsetBasedRNGTracker broadcasts rank 0's state.
+While init_weights runs, every random init draws the whole tensor from a generator seeded from
+(seed, its checkpoint name), and a DTensor keeps its slice: the same numbers in every layout, and no
+distributed code in the model file. The global RNG would not do: every pipeline stage would replay
+the same stream, and on CUDA torch's OffsetBasedRNGTracker broadcasts rank 0's state.
 """
 
 import hashlib
@@ -59,8 +58,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class PerTensorStreams(TorchFunctionMode):
-    """While active, every random init of one of `module`'s tensors draws the whole tensor from
-    its own generator; a DTensor then copies in its local slice."""
+    """While active, every random init of `module`'s tensors draws the whole tensor from its own
+    generator; a DTensor then copies in its local slice."""
 
     def __init__(self, module: nn.Module, seed: int, device: torch.device):
         super().__init__()
@@ -120,8 +119,7 @@ def _shard_of(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def materialize(part: nn.Module, device, seed: int, param_device=None) -> nn.Module:
-    """Storage and first weights (the model's init_weights through PerTensorStreams) for a part
-    built on the meta device; parameters on `param_device` (CPU offload), buffers on `device`."""
+    """Storage and first weights of a meta part (parameters on `param_device`, buffers `device`)."""
     device = torch.device(device)
     part.to_empty(device=torch.device(param_device) if param_device is not None else device)
     with torch.no_grad(), PerTensorStreams(part, seed, device):
@@ -168,10 +166,9 @@ def broadcast_object(obj, src: int = 0):
 
 def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device,
                     keep: Callable[[str], bool] = lambda name: False) -> None:
-    """Fill every rank's parts from rank 0's `state` (other ranks pass None), one tensor at a
-    time, so no rank holds more than its shards plus one full tensor (unlike torch's
-    set_model_state_dict(broadcast_from_rank0=True)). Tensors where keep(name) is true may be
-    absent from `state` and keep their values (LoRA adapters)."""
+    """Fill every rank's parts from rank 0's `state` (None elsewhere) one tensor at a time, so no
+    rank holds more than its shards plus one full tensor (unlike torch's broadcast_from_rank0).
+    Tensors where keep(name) is true may be absent and keep their values (LoRA adapters)."""
     device = torch.device(device)
     world = _world()
     rank = dist.get_rank() if world else 0

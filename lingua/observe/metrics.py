@@ -1,13 +1,10 @@
 """Training metrics: FLOPs and MFU, memory, and where they go (stdout, metrics.jsonl, wandb).
 
-MFU = model FLOPs per token x tokens/s / peak FLOP/s, with model FLOPs per token = 6 x N +
-4 x N_frozen + 12 x n_layers x dim x seq_len (flops_per_token; MoE apps count active parameters
-only). The peak is a data-sheet value on a known GPU; on CPU (or an unknown GPU) it is measured
-once before the loop on the model's largest linear, in the run's dtype, and recorded in
-dump_dir/peak.json (`Peak`). One peak per run, never cached across runs (a busy machine would
-skew every later run). An MFU above 1 says the peak (or the FLOP count) is wrong: it is logged as
-null with the ratio under `mfu_above_peak`; with no credible peak (bf16 emulated on CPU) mfu is
-null too.
+MFU = model FLOPs per token (flops_per_token) x tokens/s / peak FLOP/s. The peak is a data-sheet
+value on a known GPU, else measured once before the loop on the model's largest linear in the run's
+dtype, recorded in dump_dir/peak.json (`Peak`); never cached across runs (a busy machine would skew
+every later run). An MFU above 1 says the peak (or the FLOP count) is wrong: it is logged as null
+with the ratio under `mfu_above_peak`; with no credible peak (bf16 emulated on CPU) mfu is null.
 """
 
 import collections
@@ -68,8 +65,7 @@ PEAK_NAME = "peak.json"
 
 
 def largest_linear(parts) -> Optional[tuple]:
-    """(in_features, out_features) of the largest nn.Linear in the parts (a DTensor's logical
-    shape), or None where there is none."""
+    """(in, out) features of the parts' largest nn.Linear (a DTensor's logical shape), or None."""
     shapes = [tuple(m.weight.shape) for part in parts for m in part.modules()
               if isinstance(m, nn.Linear)]
     if not shapes:
@@ -80,9 +76,8 @@ def largest_linear(parts) -> Optional[tuple]:
 
 def measure_matmul_peak(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
                         seconds: float = 0.5, max_repeats: int = 50) -> dict:
-    """Best FLOP/s of an [m, k] x [k, n] matmul on this device: two warm-up calls, then 3 to
-    `max_repeats` timed calls within `seconds`, the fastest kept (other load only slows a call).
-    Returns {"flops_per_s", "best_s", "repeats"}."""
+    """Best FLOP/s of an [m, k] x [k, n] matmul: after two warm-up calls, the fastest of 3 to
+    `max_repeats` timed calls within `seconds` (other load only slows a call)."""
     # A generator of its own: the global one is the run's (checkpointed, resumed).
     gen = torch.Generator(device).manual_seed(0)
     a = torch.randn(m, k, dtype=dtype, device=device, generator=gen)
@@ -112,8 +107,7 @@ BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Optional[frozenset]:
-    """This CPU's feature flags from /proc/cpuinfo ("flags" on x86, "Features" on Arm); None
-    where there is none (macOS). Tests replace this function."""
+    """This CPU's /proc/cpuinfo flags ("flags" on x86, "Features" on Arm); None without (macOS)."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
@@ -126,8 +120,7 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Optional[frozenset]:
 
 
 def cpu_bf16_emulated() -> bool:
-    """True where this CPU has no bf16 instructions, so torch emulates bf16 matmuls (30-100x
-    slower than fp32); False where it has them, or is unknown."""
+    """True where this CPU has no bf16 instructions (emulated: 30-100x slower than fp32)."""
     flags = cpu_flags()
     return flags is not None and not flags & BF16_CPU_FLAGS
 
@@ -147,9 +140,7 @@ def warn_once(key: str, message: str) -> None:
 
 
 def mfu(flops_per_s: float, peak) -> Optional[float]:
-    """One device's model FLOP/s over its peak (a run's Peak or FLOP/s), or None where no honest
-    number exists: no credible peak, or a value above 1, which says the peak or the FLOP count
-    is wrong (warned once; see mfu_fields)."""
+    """Model FLOP/s over the peak, or None where no honest number exists (see mfu_fields)."""
     return mfu_fields(flops_per_s, peak)["mfu"]
 
 
@@ -180,9 +171,8 @@ def _show_flops(value: float) -> str:
 
 @dataclass
 class Peak:
-    """The peak FLOP/s one device's MFU is divided by, and how it was obtained: what rank 0
-    writes to dump_dir/peak.json before the loop (a resumed run's earlier entries under
-    "earlier"). It does not change during a run."""
+    """The peak FLOP/s one device's MFU is divided by, and how it was obtained: rank 0 writes it to
+    dump_dir/peak.json before the loop (a resumed run's earlier entries under "earlier")."""
     flops_per_s: Optional[float]   # None: no credible peak, mfu is logged as null
     source: str                    # "datasheet" | "measured" | "none"
     dtype: str                     # the run's distributed.model_dtype
@@ -216,10 +206,9 @@ def _now() -> str:
 
 def run_peak(device: torch.device, dtype_name: str, parts=(), tokens: int = 1024,
              step: int = 0, dump_dir=None) -> Peak:
-    """The run's peak for MFU, obtained once before its loop: the data-sheet value on a known
-    GPU, else measured now on the model's largest linear over `tokens` (a micro-batch) in the
-    run's dtype (measure_rounds); None (source "none") for bf16 emulated on CPU. With dump_dir
-    (rank 0), written to dump_dir/peak.json, an earlier run's entry (a resume) kept."""
+    """The run's peak for MFU: the data-sheet value on a known GPU, else measured now on the
+    model's largest linear over `tokens` (a micro-batch); None (source "none") for bf16 emulated
+    on CPU. With dump_dir (rank 0), written to dump_dir/peak.json, an earlier entry kept."""
     peak = _obtain_peak(device, dtype_name, parts, tokens)
     peak.from_step = step
     if dump_dir is not None:
@@ -276,8 +265,7 @@ PEAK_ROUND_S = 0.2
 
 
 def measure_rounds(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """{"flops_per_s": the best round's, "best_s", "repeats": calls in all, "rounds": each
-    round's FLOP/s}: Peak's fields of a measured peak."""
+    """Peak's fields of a measured peak: the best round's FLOP/s, and each round's."""
     rounds, spent = [], 0.0
     for _ in range(PEAK_ROUNDS):
         time.sleep(spent)
@@ -297,8 +285,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def peak_flops(device: torch.device, dtype_name: str) -> Optional[float]:
-    """Peak FLOP/s of one device in the dtype (benchmarks): the data-sheet value on a known GPU,
-    else a 1024^3 matmul measured now; None for bf16 emulated on this CPU."""
+    """Peak FLOP/s of one device in the dtype (benchmarks): data-sheet, else a 1024^3 matmul now."""
     if device.type == "cpu" and not (dtype_name == "bf16" and cpu_bf16_emulated()):
         return measure_cpu_peak(DTYPES[dtype_name])
     return _obtain_peak(device, dtype_name, (), 1024).flops_per_s
@@ -341,8 +328,7 @@ class MetricLogger:
                                step=metrics["step"])
 
     def rewind(self, step: int) -> None:
-        """Forget the rows after `step` (a loss-spike rollback: those steps run again). wandb
-        keeps what it was sent."""
+        """Forget the rows after `step` (a loss-spike rollback; wandb keeps what it was sent)."""
         if not self.enabled:
             return
         self.file.close()
@@ -404,9 +390,8 @@ def format_duration(seconds: float) -> str:
 
 class Window:
     """Step times and token counts since the last logged step, and the ends of the last
-    RECENT_STEPS steps, which outlive a reset: the ETA's pace. That pace includes what happens
-    between steps (evaluation, checkpoints) and leaves out the first step (compilation, warm-up):
-    its end is where the first interval starts."""
+    RECENT_STEPS steps (the ETA's pace, which outlive a reset). The pace includes evaluation and
+    checkpoints between steps and leaves out the first step (compilation, warm-up)."""
 
     RECENT_STEPS = 50
 
@@ -419,8 +404,7 @@ class Window:
         self.timed_steps, self.phase_seconds = 0, {}
 
     def eta_s(self, steps_left: int) -> Optional[float]:
-        """Seconds until `steps_left` more steps are done at the recent pace; None until two
-        steps have ended (the first one's time is not a pace)."""
+        """Seconds for `steps_left` more steps at the recent pace; None until two steps ended."""
         if len(self.step_ends) < 2:
             return None
         pace = (self.step_ends[-1] - self.step_ends[0]) / (len(self.step_ends) - 1)
@@ -428,8 +412,7 @@ class Window:
 
     def add(self, step_seconds: float, data_seconds: float, tokens: int,
             phase_seconds: Optional[dict] = None, now: Optional[float] = None) -> None:
-        """`phase_seconds` ({"fwd": s, ...}) only for timed steps (profiling.PhaseTimer); `now`:
-        the step's end (time.perf_counter()), given by tests."""
+        """`phase_seconds` ({"fwd": s, ...}) only for timed steps; `now`: the step's end (tests)."""
         self.step_ends.append(time.perf_counter() if now is None else now)
         self.steps += 1
         self.seconds += step_seconds

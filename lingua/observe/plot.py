@@ -1,7 +1,6 @@
 """Compare training runs from their metrics.jsonl against step: `python -m lingua.plot runs/a
-runs/b [--out DIR]` writes compare.png and, when any run has `eval/<task>/<metric>` keys,
-downstream.png. Each run has its own colour, line style and marker, so identical curves stay
-visible; MFU is never drawn above 100%.
+runs/b [--out DIR]` writes compare.png (and downstream.png for `eval/<task>/<metric>` keys). Each
+run has its own colour, line style and marker, so identical curves stay visible.
 """
 
 import argparse
@@ -138,8 +137,7 @@ Series = Tuple[List[int], List[float], Optional[List[float]]]
 
 
 def downstream_series(rows: Sequence[dict]) -> Dict[Tuple[str, str], Series]:
-    """{(task, metric): (steps, values, stderrs)} from eval/<task>/<metric> keys. A repeated step:
-    the last row wins, stderr from that same row. Non-numeric values ("N/A" stderr) are skipped."""
+    """{(task, metric): (steps, values, stderrs)} from eval/ keys; a step's last row wins."""
     by_key: Dict[Tuple[str, str], Dict[int, Tuple[float, Optional[float]]]] = {}
     for row in rows:
         for key, value in row.items():
@@ -226,8 +224,7 @@ def style_panel(ax, title: str, drawn: bool, ylabel: Optional[str] = None) -> No
 
 
 def log_scale(ax, values=None) -> None:
-    """A log y axis where every value is positive, ending on ticks labelled with plain numbers
-    (0.6, 0.8, 1, 1.2: not 6x10^-1)."""
+    """A log y axis where every value is positive, its ticks plain numbers (0.6, 0.8, 1, 1.2)."""
     values = list(values or [y for line in ax.get_lines() for y in line.get_ydata()])
     if not values or min(values) <= 0:
         return
@@ -390,8 +387,7 @@ def draw_task(ax, task: str, metric: str, per_run, styles) -> None:
 
 
 def save_figure(fig: Figure, path) -> Path:
-    """The one place figures are written. No bbox_inches="tight": the image size stays figsize x
-    DPI whatever the labels are."""
+    """The one place figures are written; no bbox_inches="tight", so the image size stays fixed."""
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -1,12 +1,10 @@
-"""Activation, weight and gradient statistics during training: `probe.every=N`, one JSON line per
-probe step in `dump_dir/probe/probe.jsonl` (stats: docs/observing.md). Hooks exist only during a
-probe step; otherwise the model has none.
+"""Activation, weight and gradient statistics: `probe.every=N`, one JSON line per probe step in
+`dump_dir/probe/probe.jsonl` (docs/observing.md). Hooks exist only during a probe step.
 
-Every parallel layout records the statistic of the whole logical tensor over the global batch:
-each rank reduces its local part to fixed-size vectors of sums (moments, a histogram on a fixed
-log grid) and maxima, summed (maxed) over the ranks holding distinct parts. Weights and gradients
-are DTensors whose placements say which; activations over tp are either sharded or identical
-copies (told apart by comparing the vectors).
+Every layout records the statistic of the whole logical tensor over the global batch: each rank
+reduces its part to fixed-size vectors of sums (moments, a log-grid histogram) and maxima, summed
+(maxed) over the ranks holding distinct parts: DTensor placements say which for weights and
+gradients; activations over tp are sharded or identical copies (told apart by their vectors).
 """
 
 import fnmatch
@@ -370,8 +368,7 @@ class Probe:
 
 
 class ProbeHook(Hook):
-    """probe.every in the loop, and steps a hook asks for (after a spike, a rollback's rerun);
-    records after backward (gradients before clipping)."""
+    """probe.every and steps a hook asks for; records after backward (gradients before clipping)."""
 
     def __init__(self, args, spikes_on: bool):
         self.args, self.spikes_on = args.probe, spikes_on

@@ -1,6 +1,5 @@
 """Where a step's time goes: per-phase timings for metrics.jsonl (`PhaseTimer`), and a
-torch.profiler window (`StepProfiler`, `profiling.enabled=true`) writing under
-`dump_dir/profiling/`. Steps are numbered as in metrics.jsonl (from 1).
+torch.profiler window (`StepProfiler`, `profiling.enabled=true`) writing `dump_dir/profiling/`.
 """
 
 import contextlib
@@ -40,8 +39,7 @@ class ProfilingArgs:
 
 
 def validate_args(args: ProfilingArgs, steps: Optional[int] = None) -> None:
-    """Values are checked even when profiling is off (a typo shows before the run that turns it
-    on); the window must fit in the run only when it is on."""
+    """Checked even when profiling is off (a typo shows early); the window must fit only when on."""
     def bad(key, value, why_and_fix):
         raise ConfigError(f"profiling.{key}={value} {why_and_fix}")
 
@@ -113,10 +111,8 @@ class PhaseTimer:
 
 
 class StepProfiler:
-    """torch.profiler over one window of steps: per rank a Chrome trace, the top operators and,
-    on CUDA with memory=true, a memory snapshot. With `flops_per_step` and `peak_flops`, rank 0
-    logs the window's MFU.
-    """
+    """torch.profiler over one window of steps: per rank a Chrome trace, the top operators and
+    (CUDA, memory=true) a memory snapshot; with `flops_per_step` and `peak_flops`, the MFU."""
 
     def __init__(self, args: ProfilingArgs, dump_dir, rank: int, device: torch.device,
                  flops_per_step: Optional[float] = None, peak_flops=None):

@@ -88,8 +88,7 @@ def lr_factor(step: int, args: OptimArgs, total_steps: int) -> float:
 
 
 class Optimizers:
-    """The optimizer + lr schedule of each model part (a pipeline rank may hold several),
-    stepped together; one per part keeps each part's state keyed by its own parameter names."""
+    """Each model part's optimizer + lr schedule, stepped together (state keyed by its names)."""
 
     def __init__(self, parts: list, args: OptimArgs, total_steps: int, device: torch.device):
         fused = args.fused and device.type in ("cuda", "cpu")
@@ -129,8 +128,7 @@ class Optimizers:
 
 
 def clip_grad_norm(parts: list, max_norm: float, pp_group=None) -> torch.Tensor:
-    """Global gradient norm over every shard and pipeline stage (returned), and clipping to
-    max_norm when > 0."""
+    """Global gradient norm over every shard and stage (returned), clipped to max_norm when > 0."""
     params = [p for part in parts for p in part.parameters() if p.grad is not None]
     # Gradients on different meshes cannot share a foreach kernel: norms per group, then combined.
     groups = {}

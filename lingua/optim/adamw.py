@@ -9,9 +9,8 @@ from lingua.optim.spec import OptimizerSpec
 
 
 def param_groups(model, weight_decay: float) -> list:
-    """Decay matrices, not vectors (norm gains, biases). Parameters on different meshes (or
-    none) go into separate groups: a fused kernel takes one kind per call. `model`: a module, or
-    a list of parameters."""
+    """Decay matrices, not vectors (norm gains, biases). Parameters on different meshes (or none)
+    go into separate groups: a fused kernel takes one kind per call."""
     groups = {}
     for param in (model.parameters() if isinstance(model, nn.Module) else model):
         if param.requires_grad:

@@ -1,13 +1,11 @@
-"""Muon for the transformer blocks' matrices (2-D and more, stacked experts one matrix each, but
-not embeddings nor `output`), AdamW for everything else, in one optimizer that works on plain
-tensors and on DTensors sharded by FSDP2, TP and EP. The update is torch.optim.Muon's (the
-reference; Newton-Schulz and the lr adjustment are torch's own). An expert's matrix is stored
-[in, out], so its (out, in) is read transposed (NS(M^T) = NS(M)^T).
+"""Muon for the blocks' matrices (stacked experts one matrix each; not embeddings nor `output`),
+AdamW for everything else, in one optimizer for plain tensors and DTensors (FSDP2, TP, EP). The
+update is torch.optim.Muon's. An expert's matrix is stored [in, out], so it is read transposed
+(NS(M^T) = NS(M)^T).
 
-Sharding. Only NS needs the whole matrix; the rest is elementwise on each rank's shard. Each
-matrix is orthogonalised ONCE, on one rank of its mesh: matrices of one shape and placement are
+Sharding: only Newton-Schulz needs the whole matrix. Matrices of one shape and placement are
 stacked N at a time (N: the ranks that shard them) and redistributed by all-to-all so each rank
-holds one whole matrix, then sent back: NS work per rank is 1/N of all-gathering everywhere.
+orthogonalises one whole matrix, then sent back: 1/N of the work of all-gathering everywhere.
 FSDP2 x TP's _StridedShard is read as a Shard (a row reordering, which NS commutes with); where
 its rows do not divide evenly, torch's route through Replicate is taken.
 """
@@ -199,8 +197,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def orthogonalize(params: list, updates: list, ns, dtype=torch.bfloat16) -> list:
-    """This rank's shard of ns(whole update) for each parameter. Collective over each sharded
-    parameter's mesh: its ranks call it with the same parameters in the same order."""
+    """This rank's shard of ns(whole update) per parameter; collective over sharded ones' meshes."""
     out = [None] * len(params)
     buckets = {}
     for i, (p, u) in enumerate(zip(params, updates)):
@@ -350,8 +347,7 @@ def build(part: nn.Module, optim_args, fused: bool) -> torch.optim.Optimizer:
 
 
 def state_bytes(parts, optim_args) -> tuple:
-    """Newton-Schulz's workspace: about 6 of the largest matrix (stacks, iterate, Gram matrix,
-    polynomial, result)."""
+    """Newton-Schulz's workspace: about 6 of the largest matrix."""
     muon = [p for part in parts for _, p in split_params(part)[0]]
     largest = max((math.prod(matrix_shape(p)) for p in muon), default=0)
     ns_bytes = torch.empty((), dtype=NS_DTYPES[optim_args.muon.ns_dtype]).element_size()

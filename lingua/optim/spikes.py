@@ -1,8 +1,7 @@
 """Loss spikes: `spikes.policy=off|log|skip|rollback` and the running statistics that find them
-(docs/training.md, "Loss spikes"). Every rank decides alone on the same numbers (the step's
-tally); the windows are in the train state, so a resumed run decides as the uninterrupted one
-would. A rollback's batch range counts next_step() calls (the same in every layout) and is
-recorded in `<dump_dir>/spikes.jsonl`, fsynced before the reload.
+(docs/training.md). Every rank decides alone on the same numbers (the step's tally); the windows
+are in the train state, so a resumed run decides as before. A rollback's batch range counts
+next_step() calls (the same in every layout), recorded in `spikes.jsonl` before the reload.
 """
 
 import json
@@ -263,8 +262,7 @@ def append_record(dump_dir, record: dict) -> None:
 
 
 class SpikeHook(Hook):
-    """spikes.policy in the loop. Always listed: spikes.jsonl's ranges are skipped with
-    policy=off too."""
+    """spikes.policy in the loop; always listed (policy=off skips spikes.jsonl's ranges too)."""
 
     def __init__(self, args, env):
         self.monitor = SpikeMonitor(args.spikes, env.is_main)

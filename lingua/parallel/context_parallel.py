@@ -2,9 +2,9 @@
 
 Backends: "allgather" (CPU and CUDA, any mask; as in the Llama 3 paper) all-gathers the keys and
 values of the whole sequence, masked by the model's own rule at global positions; "ring" (CUDA,
-plain causal only) is torch's `context_parallel`. For load balance under a causal mask rank r
-holds chunks r and 2*cp-1-r of 2*cp. Forward AND backward run inside `cp_batch` (activation
-checkpointing recomputes attention in backward, and ring attention's backward needs its context).
+plain causal only) is torch's `context_parallel`. Under a causal mask rank r holds chunks r and
+2*cp-1-r of 2*cp (load balance). Forward AND backward run inside `cp_batch` (recomputed attention
+and ring attention's backward need its context).
 """
 
 import contextlib
@@ -80,8 +80,7 @@ RING_MASK_ONLY = ("distributed.cp_backend=ring cannot apply {what}: torch's ring
 
 
 class CPContext:
-    """Set by `cp_batch` before the forward, cleared after the backward; the mask is built once
-    for all layers."""
+    """Set by `cp_batch` before the forward, cleared after the backward."""
 
     def __init__(self, mesh, backend: str, spec: AttentionMask = AttentionMask()):
         self.mesh, self.group, self.backend, self.spec = mesh, mesh.get_group(), backend, spec
@@ -123,8 +122,7 @@ class _CPAttention(nn.Module):
 
 
 class AllGatherKVAttention(_CPAttention):
-    """Attention of the local queries against the keys/values of the whole sequence. The
-    all-gather's autograd backward is a sum reduce-scatter back to each position's owner."""
+    """Local queries against the whole sequence's keys/values; backward reduce-scatters."""
 
     def forward(self, q, k, v, mask=None, decoding: bool = False, sinks=None):  # never decoding
         # `mask` is ignored: the model built it for the shard as if it were a whole sequence; the

@@ -1,12 +1,9 @@
 """Refuse, at start, a parallel plan that leaves a parameter out of the layout's reductions.
 
-The trainer calls `check_parallel_coverage` on every rank right after the app's `parallelize`.
-A parameter is covered when its gradient is summed over every rank that computed a different
-part of it, i.e. when its DTensor mesh includes each of dp_replicate, dp_shard, cp (different
-tokens; apply_fsdp's root unit covers them) and tp (partial sums; the TP plan) of size > 1; a
-plain parameter inside a tensor_parallel.ReplicatedCompute module needs no tp. Under ep, every
-grouped-experts module's weights must be on the "ep" mesh (apply_ep). Every rank raises the same
-ConfigError, naming the parameters and the plan lines to add.
+`check_parallel_coverage` runs on every rank after the app's `parallelize`. A parameter is
+covered when its DTensor mesh includes each of dp_replicate, dp_shard, cp (different tokens) and
+tp (partial sums) of size > 1; a plain one inside a ReplicatedCompute module needs no tp. Under
+ep, grouped experts must be on the "ep" mesh. The ConfigError names the plan lines to add.
 """
 
 import torch.distributed as dist

@@ -1,8 +1,7 @@
-"""Expert parallelism (EP) for lingua.model.moe: each EP rank holds n_experts / ep of every MoE
-layer's routed experts (DTensors Shard(0), same names: checkpoints reshard) and processes the
-tokens routed to them; `MoE.forward` never knows EP is on. EP borrows its ranks from
-"dp_shard_cp", unflattened into ("dp_shard_mod_ep", "ep"); FSDP then shards the experts over
-("dp_replicate", "dp_shard_mod_ep"), the ranks holding the same expert shard.
+"""Expert parallelism (EP): each EP rank holds n_experts / ep of every MoE layer's routed experts
+(DTensors Shard(0): checkpoints reshard) and processes their tokens; `MoE.forward` never knows.
+EP's ranks come from "dp_shard_cp" unflattened into ("dp_shard_mod_ep", "ep"); FSDP shards the
+experts over ("dp_replicate", "dp_shard_mod_ep"), the ranks holding the same expert shard.
 """
 
 import inspect
@@ -29,8 +28,7 @@ EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
 def apply_global_counts(model: nn.Module, env) -> None:
-    """Router token counts of every MoE layer summed over the data and context parallel ranks,
-    so balancing sees the global micro-batch, as one process would."""
+    """MoE router counts summed over the dp and cp ranks (the global micro-batch)."""
     def reduce_over_data_ranks(t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(t, env, dims=("dp_cp",))
 
@@ -39,8 +37,7 @@ def apply_global_counts(model: nn.Module, env) -> None:
 
 
 class RoutingHook(Hook):
-    """An MoE app's hook: the aux-loss-free expert-bias update (bias_update_rate, 0: off) after an
-    applied update, and the routing metrics of logged rows."""
+    """An MoE app's hook: the expert-bias update (bias_update_rate) and logged routing metrics."""
 
     def __init__(self, bias_update_rate: float, n_experts: int):
         self.bias_update_rate, self.n_experts = bias_update_rate, n_experts
@@ -88,8 +85,7 @@ def validate_ep(n_experts: int, ep: int, dp_shard: int, cp: int = 1) -> None:
 
 
 def ep_meshes(mesh, ep: int):
-    """(ep_mesh, expert_fsdp_mesh). Collective the first time for a mesh and ep; kept on the mesh,
-    so pipeline parts share it."""
+    """(ep_mesh, expert_fsdp_mesh); collective the first time, then kept on the mesh."""
     cache = mesh.__dict__.setdefault("_ep_meshes", {})
     if ep not in cache:
         cache[ep] = _split_for_ep(mesh, ep)

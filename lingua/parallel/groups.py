@@ -89,9 +89,8 @@ def unflatten(source, sizes: tuple, names: tuple):
 
 
 def _make_groups(mesh, sizes: tuple) -> None:
-    """One process group per dimension, except that a dimension splitting the ranks as one of the
-    same root mesh already does reuses its group. Ours because torch has no public way to choose
-    a dimension's group and makes more of them (BENCHMARKS.md, "Mesh process groups")."""
+    """One process group per dimension, reused by a dimension splitting the ranks as another of
+    the root mesh does (torch has no public way to choose a dimension's group, and makes more)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.distributed_c10d import _resolve_process_group
 

@@ -1,10 +1,7 @@
-"""Tensor parallelism for LoRA layers (lingua/model/lora.py): the adapters follow their base
-Linear's sharding, so that the low-rank update lands on the same output layout as x W^T.
-
-ColwiseParallel: x A^T is whole on every rank, times this rank's rows of B gives its output
-columns. RowwiseParallel: x's shard times A's columns is a partial sum, which stays Partial
-through B and is reduced with the base's output. torch's own styles would give lora_a another
-placement, fixed by extra collectives each step, so `lora_tp_plan` swaps in the styles below.
+"""Tensor parallelism for LoRA layers: the adapters follow their base Linear's sharding, so the
+low-rank update lands on x W^T's output layout. Colwise: x A^T is whole on every rank, times this
+rank's rows of B. Rowwise: x's shard times A's columns is a partial sum, reduced with the base's
+output. torch's own styles would need extra collectives each step, hence the styles below.
 """
 
 from torch import nn
@@ -35,8 +32,7 @@ class LoRAColwiseParallel(_LoRAPartition, ColwiseParallel):
 
 
 class LoRARowwiseParallel(_LoRAPartition, RowwiseParallel):
-    """RowwiseParallel for a LoRALinear: weight and lora_a Shard(1), bias and lora_b
-    Replicate (the update's output is Partial, reduced with the base's)."""
+    """RowwiseParallel for a LoRALinear: weight and lora_a Shard(1), bias and lora_b Replicate."""
 
     PLACEMENTS = {"weight": Shard(1), "bias": Replicate(), "lora_a": Shard(1),
                   "lora_b": Replicate()}

@@ -26,9 +26,8 @@ def uses_loss_parallel(args: DistributedArgs) -> bool:
 
 def parallelize_decoder(model: nn.Module, env: DistEnv, args: DistributedArgs,
                         tp_plans: Callable, tp_blocks=None, extra_fsdp_units=()) -> nn.Module:
-    """Parallelize `model` (the decoder, or one pipeline part) in place. `tp_plans(model,
-    loss_parallel)` -> (root_plan, block_plan), called only under tp; the block plan goes to each
-    of `tp_blocks` (default: the transformer blocks)."""
+    """Parallelize `model` (the decoder, or a pipeline part) in place. `tp_plans(model,
+    loss_parallel)` -> (root_plan, block_plan) under tp; the block plan goes to each `tp_blocks`."""
     if args.tp > 1:
         root_plan, block_plan = tp_plans(model, uses_loss_parallel(args))
         blocks = model.layers.values() if tp_blocks is None else tp_blocks

@@ -54,8 +54,7 @@ def default_microbatches(pp: int, virtual: int) -> int:
 
 
 def stage_layer_ids(n_layers: int, n_stages: int, pp_split: Sequence[int] = ()) -> list[list[int]]:
-    """pp_split lists the first layer of stages 1..n_stages-1; empty: an even split, remainder
-    to the first stages (the last holds the output)."""
+    """pp_split: the first layer of stages 1..n-1; empty: even, remainder to the first stages."""
     if n_stages < 1:
         raise ConfigError(f"The pipeline needs at least one stage, got {n_stages}.")
     if n_stages > n_layers:
@@ -85,8 +84,7 @@ def _even_split(n_layers: int, n_stages: int) -> list[int]:
 
 
 def stage_ids_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    """The global stage indices pipeline rank pp_rank holds, in increasing order: r, r+pp, ...,
-    or r and 2pp-1-r for a V schedule. Must match torch's stage-to-rank mapping."""
+    """pp_rank's global stages as torch maps them: r, r+pp, ..., or r and 2pp-1-r (V schedules)."""
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} is outside 0..{pp - 1}")
     if _torch_schedules().get(schedule_name(schedule)) == "v":
@@ -208,10 +206,9 @@ class Pipeline:
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.device = stages[0].device
-        # torch's stages infer shapes on their first step with an extra forward, and torch 2.13
-        # ends the last stage's in an extra loss_fn call (from _prepare_backward_infra), on
-        # uninitialised tensors. Both are marked with inferring_shapes() while they run; loss_fn
-        # calls are told apart by where they come from, not by counting (2.11 makes none).
+        # torch's stages infer shapes on their first step with an extra forward (and torch 2.13 an
+        # extra loss_fn call from _prepare_backward_infra) on uninitialised tensors: both are marked
+        # with inferring_shapes(), loss_fn calls told apart by caller, not count (2.11 makes none).
         self.steps_run = 0
         self._preparing_backward = False
         for stage in stages:
@@ -331,8 +328,7 @@ def _recv_tensor(group, group_src: int, device) -> torch.Tensor:
 def build_schedule(stage_modules: Sequence[nn.Module], stage_ids: Sequence[int], n_stages: int,
                    pp_group, device, schedule: str, n_microbatches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
-    """pp_group: the pipeline ProcessGroup or a 1-D DeviceMesh. loss_fn is summed, never
-    averaged."""
+    """pp_group: a ProcessGroup or a 1-D DeviceMesh. loss_fn is summed, never averaged."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 

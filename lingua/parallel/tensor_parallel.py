@@ -1,9 +1,8 @@
 """Tensor (+ sequence) parallelism and loss parallelism, driven by plans the app supplies.
 
-An app gives two plans of torch ParallelStyles: one keyed by FQNs under the model root and one
-keyed by FQNs under a transformer block, applied to every block. Loss parallel: with logits
-sharded over the vocabulary (a Shard(-1) DTensor), the cross-entropy runs on the shards; its
-forward AND backward must run inside `loss_parallel_context(True)`.
+An app gives two plans of ParallelStyles, keyed by FQNs under the model root and under a block.
+Loss parallel: the cross-entropy runs on vocabulary-sharded logits (Shard(-1)); its forward AND
+backward must run inside `loss_parallel_context(True)`.
 """
 
 import contextlib
@@ -24,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def check_async_tp(enabled: bool, device_type: str, compile: bool) -> None:
-    """Raise ConfigError unless async TP (an inductor pass over CUDA symmetric memory) can take
-    effect: it needs CUDA and torch.compile."""
+    """Raise ConfigError unless async TP can take effect: it needs CUDA and torch.compile."""
     if not enabled:
         return
     if device_type != "cuda":
@@ -54,8 +52,7 @@ def _check_plan(module: nn.Module, plan: dict, where: str) -> None:
 
 def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, blocks,
              async_tp: bool = False) -> nn.Module:
-    """Shard `model` over the 1-D `tp_mesh` in place: `root_plan` on the model, `block_plan` on
-    each module of `blocks`. Parameters become DTensors; their FQNs do not change."""
+    """Shard `model` over `tp_mesh` in place: `root_plan` on it, `block_plan` on each block."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if tp_mesh.ndim != 1:
@@ -141,9 +138,8 @@ class SumGradOverTP(ParallelStyle):
 
 
 def lora_tp_plans(model: nn.Module, root_plan: dict, block_plan: dict, blocks) -> tuple:
-    """(root plan, [each block's plan]) with the LoRA styles swapped in, after refusing a
-    LoRALinear that the plans leave out (a ReplicatedCompute module covers those inside it) or
-    shard another way. Needs no process group: an app can call it at config time."""
+    """(root plan, [each block's plan]) with the LoRA styles swapped in, refusing a LoRALinear
+    the plans leave out (outside a ReplicatedCompute) or shard another way. No process group."""
     blocks, covered = list(blocks), set()
     for root, plan in [(model, root_plan)] + [(block, block_plan) for block in blocks]:
         for fqn, style in plan.items():

@@ -1,11 +1,9 @@
-"""Tensor + sequence parallelism (Megatron style) for lingua's decoder shell
-(lingua/model/decoder.py): the plan of its own modules, the checks that do not depend on an
-app's blocks, and pieces block plans share. Each app plans its blocks in its parallelize.py.
+"""Tensor + sequence parallelism (Megatron style) for the decoder shell: its own modules' plan,
+the checks independent of an app's blocks, and pieces block plans share (each app's parallelize.py).
 
-Between blocks the residual stream is a Shard(1) DTensor (sequence parallel), so that
-`h.shape[1]` gives the decoder the global length for the RoPE tables and the mask; each block
-half all-gathers its input, column-shards its input projections (whole heads per rank) and
-row-shards its output projection, which reduce-scatters back to Shard(1).
+Between blocks the residual stream is a Shard(1) DTensor, so `h.shape[1]` gives the decoder the
+global length for RoPE and the mask; each block half all-gathers its input, column-shards its input
+projections (whole heads per rank) and row-shards its output projection back to Shard(1).
 """
 
 from torch import nn
@@ -40,8 +38,7 @@ def validate_decoder_tp(model_args, tp: int, seq_len: int | None = None) -> None
 
 
 def validate_whole_heads(model_args, tp: int, seq_len: int | None = None) -> None:
-    """validate_decoder_tp plus, for a plan that shards attention by head, whole query and
-    key/value heads on every rank."""
+    """validate_decoder_tp plus whole query and key/value heads on every rank."""
     n_heads = model_args.n_heads
     n_kv = model_args.n_kv_heads or n_heads
     if tp > 1 and n_heads % tp:

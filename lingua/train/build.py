@@ -18,10 +18,8 @@ logger = logging.getLogger("train")
 
 
 def build_model_parts(args, env: DistEnv, app: App) -> tuple:
-    """The parts of the model this rank holds, parallelized and with weights (from a Hugging Face
-    directory or fresh from the seed). The same path on every device and layout: storage comes
-    only after splitting and sharding, so no rank ever holds the whole model.
-    """
+    """The parts of the model this rank holds, parallelized, with weights (HF or from the seed).
+    Storage comes only after splitting and sharding, so no rank ever holds the whole model."""
     torch.manual_seed(args.seed)
     hf_state = hf.load_init_from(args, app, env) if args.checkpoint.init_from else None
     parts, stage_ids = parallelized_parts_on_meta(args, env, app)
@@ -40,8 +38,7 @@ def build_model_parts(args, env: DistEnv, app: App) -> tuple:
 
 
 def parallelized_parts_on_meta(args, env: DistEnv, app: App) -> tuple:
-    """(parts, stage ids) on the meta device, parallelized and checked for parameters the plan
-    leaves out of a gradient reduction. The trainer and the planner both build this way."""
+    """(parts, stage ids) on meta, parallelized and coverage-checked (trainer and planner)."""
     with torch.device("meta"):
         model = app.model_class(args.model)
     if app.transform_model is not None:
@@ -72,10 +69,8 @@ def parallelized_parts_on_meta(args, env: DistEnv, app: App) -> tuple:
 
 
 def mixed_precision(args, env: DistEnv, parts: list):
-    """Where distributed.model_dtype=bf16 needs autocast: FSDP2 casts parameters to bf16 itself,
-    but every other layout (one process, tp only, pp only) has nothing that casts, and would
-    silently compute in fp32. Parameters, gradients and optimizer state stay fp32 either way.
-    """
+    """Where distributed.model_dtype=bf16 needs autocast: FSDP2 casts parameters itself, every
+    other layout would silently compute in fp32. Parameters, gradients and optimizer state: fp32."""
     from torch.distributed.fsdp import FSDPModule
 
     if args.distributed.model_dtype != "bf16" or all(isinstance(p, FSDPModule) for p in parts):

@@ -31,8 +31,7 @@ class MicroBatch:
 
 @contextlib.contextmanager
 def sequence_shard(parts, batch, args, env: DistEnv, app: Optional[App] = None):
-    """The app's extra inputs and target are made from the whole sequence first (a target may
-    look ahead across context parallelism's cut)."""
+    """Extra inputs and target come from the whole sequence (a target may look across cp's cut)."""
     tokens, labels = to_device(batch.tokens, env.device), to_device(batch.labels, env.device)
     model_kwargs, target = ({}, labels) if app is None else app.batch_inputs(tokens, labels)
     doc_ids = doc_ids_of(batch, args)

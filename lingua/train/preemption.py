@@ -1,12 +1,10 @@
 """Stop a run cleanly on a signal: every rank saves a checkpoint at the next step boundary, then,
 on Slurm's time-limit warning (SIGUSR2), the job requeues itself; on SIGTERM nothing more.
 
-A handler can run in the middle of a step, even inside a collective, so it only records the
-signal; the ranks agree at a step boundary through the step's tally. submitit's own USR2 handler
-cannot be used: it checkpoints on rank 0 alone, and a sharded save needs every rank.
-
-Ctrl-C is treated like SIGTERM once the loop runs. torchrun turns a second Ctrl-C into SIGTERM,
-so a second interrupt (any signal after a SIGINT) stops at once, without saving (exit code 130).
+A handler can run inside a collective, so it only records the signal; the ranks agree at a step
+boundary through the step's tally. (submitit's USR2 handler checkpoints on rank 0 alone.) Ctrl-C
+is SIGTERM once the loop runs; as torchrun turns a second Ctrl-C into SIGTERM, any signal after a
+SIGINT stops at once, without saving (exit code 130).
 """
 
 import logging

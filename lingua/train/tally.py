@@ -1,10 +1,9 @@
-"""The step's tally: what every rank must decide alike once the gradients are complete (finite
-norm, loss spike, stop signal, checkpoint written) comes from ONE all-reduce of a few numbers,
-read on the host once: each host read of a GPU value waits for the GPU's queue to drain.
+"""The step's tally: what every rank must decide alike (finite norm, loss spike, stop signal,
+checkpoint written) comes from ONE all-reduce, read on the host once (each read waits for the GPU).
 
-Summed over every rank: tensor-parallel peers hold copies of the same loss sum and count and
-earlier pipeline stages add zeros, so sum / count is the global mean either way; the norm is
-global already, so its sum divided by the world size is the norm itself, exactly (in fp64).
+Summed over every rank: TP peers hold copies of the same loss sum and count and earlier pipeline
+stages add zeros, so sum / count is the global mean either way; the norm is global already, so its
+sum divided by the world size is the norm itself, exactly (in fp64).
 """
 
 import math
@@ -16,8 +15,7 @@ from lingua.parallel.distributed import DistEnv
 
 
 def over_ranks(env: DistEnv, loss_pair, grad_norm: torch.Tensor, counts: dict) -> dict:
-    """The same floats on every rank. loss_pair: None on a rank without the loss (an earlier
-    pipeline stage); the loss is NaN where no rank has a token."""
+    """The same floats on every rank; loss_pair None without the loss; NaN with no token."""
     names = list(counts)
     packed = torch.zeros(3 + len(names), dtype=torch.float64, device=grad_norm.device)
     if loss_pair is not None:

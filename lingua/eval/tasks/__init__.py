@@ -1,9 +1,6 @@
-"""Downstream tasks that ship with lingua, in lm-evaluation-harness's YAML format: each subfolder
-is a task (its YAML, a utils.py whose `load` builds the docs, and their data file), loaded with no
-network by TaskManager(include_path=str(TASKS_DIR)).
-
-lingua_continuation: pick the true continuation of a held-out passage of the embedded corpus
-among four (acc, acc_norm), for tests and the quickstart; setup/make_eval_task.py makes its data.
+"""Downstream tasks that ship with lingua in lm-eval's YAML format, a subfolder each (YAML, a
+utils.py whose `load` builds the docs, a data file), loaded offline via include_path=TASKS_DIR.
+lingua_continuation: pick a held-out passage's true continuation among four (tests, quickstart).
 """
 
 from pathlib import Path

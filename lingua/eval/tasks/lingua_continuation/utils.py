@@ -9,8 +9,7 @@ DATA = Path(__file__).resolve().parent / "data.jsonl"
 
 
 def load(**kwargs) -> datasets.DatasetDict:
-    """The task's splits ("test", "train" for few-shot examples); lm-eval's keyword arguments
-    (custom_dataset(**metadata, **dataset_kwargs)) are ignored."""
+    """The task's splits ("test"; "train" for few-shot); lm-eval's keyword arguments are ignored."""
     splits = {}
     with open(DATA, encoding="utf-8") as f:
         for line in f:
