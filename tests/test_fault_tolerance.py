@@ -7,13 +7,20 @@ reference's, each group's gradient norm (global: the gradients are summed across
 the norm) and each group's final parameters (tests/equivalence.py).
 """
 
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
 from apps.llama import train
 from lingua.errors import ConfigError
-from tests.conftest import run_python, run_torchrun, tiny_args
+from tests.conftest import REPO, run_python, run_torchrun, tiny_args
 from tests.equivalence import (
     assert_same_checksums,
     assert_same_rows,
@@ -119,3 +126,70 @@ def test_the_layouts_fault_tolerance_cannot_take_are_refused(corpus, tmp_path):
     assert "group_id=2 must be in 0 .. replica_groups-1" in message
     assert "pipeline parallel across replica groups is not supported" in message
     assert "set fault_tolerance.replica_groups instead" in message
+
+
+HEALED = "healed from a live group at step"   # FaultToleranceHook's log line
+HEAL_STEPS = 300   # the survivor's steps must outlast the restart (~5 s)
+
+
+def start_group(corpus, dump, lighthouse, group_id, log_name) -> subprocess.Popen:
+    """One group's own interpreter (a fresh process, so that the test can SIGKILL it)."""
+    args = tiny_args(corpus, dump, "data.batch_size=2", *NO_VAL, *ft_args(lighthouse, group_id),
+                     "fault_tolerance.min_replicas=1", "fault_tolerance.quorum_timeout_s=20",
+                     "checkpoint.save_final=true", steps=HEAL_STEPS)
+    log = open(dump.parent / log_name, "w")
+    return subprocess.Popen([sys.executable, "-m", "apps.llama.train", *args], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=log, stderr=log)
+
+
+def steps_logged(dump) -> list:
+    path = dump / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] \
+        if path.is_file() else []
+
+
+@pytest.mark.distributed
+def test_a_killed_group_heals_from_the_live_one_and_both_finish(corpus, tmp_path):
+    """One group is SIGKILLed after step 3 and started again with the same command while the
+    other goes on alone (min_replicas=1); it loads the survivor's state through torchft and both
+    finish. The victim is a group that started with the run: one that started late has healed
+    once already, so the other, which began at step 1, survives."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000,
+                              quorum_tick_ms=50, heartbeat_timeout_ms=1000)
+    dumps = [tmp_path / f"group{g}" for g in range(2)]
+    try:
+        procs = [start_group(corpus, dumps[g], server.address(), g, f"group{g}.log")
+                 for g in range(2)]
+        deadline = time.monotonic() + 60
+        while min(max(steps_logged(d), default=0) for d in dumps) < 3:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        late = [HEALED in (tmp_path / f"group{g}.log").read_text() for g in range(2)]
+        victim = 0 if late[0] else 1
+        survivor = 1 - victim
+        procs[victim].send_signal(signal.SIGKILL)   # mid-run: no save, no goodbye
+        procs[victim].wait()
+        procs[victim] = start_group(corpus, dumps[victim], server.address(), victim,
+                                    "restart.log")   # the same command
+        for p in procs:
+            assert p.wait(timeout=90) == 0, (tmp_path / "restart.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        server.shutdown()
+    assert f"group {victim} {HEALED}" in (tmp_path / "restart.log").read_text(), (
+        "the restarted group did not heal: did the survivor finish before it joined? (the "
+        "survivor's steps, HEAL_STEPS, must outlast a restart)")
+    kept, healed = read_rows(dumps[survivor]), read_rows(dumps[victim])
+    assert [r["step"] for r in kept] == list(range(1, HEAL_STEPS + 1))   # none lost or twice
+    # The restart's log starts at the step it healed to, after the killed run's rows were dropped.
+    assert [r["step"] for r in healed] == list(range(healed[0]["step"], HEAL_STEPS + 1))
+    assert healed[0]["step"] > 3
+    assert all(math.isfinite(r["loss"]) for r in kept + healed)
+    # Equal to the last bit (exact checksums): the healed group took its peer's state, then the
+    # same summed gradient every step.
+    assert model_checksums(final_checkpoint(dumps[victim], HEAL_STEPS)) == \
+        model_checksums(final_checkpoint(dumps[survivor], HEAL_STEPS))

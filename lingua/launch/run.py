@@ -158,6 +158,8 @@ def run(args, app: App) -> int:
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
     training = Run(args, env, app, parts, stage_ids, optimizers, hooks(args, env, app),
                    eval_jobs.checkpoint_in_use(args.dump_dir))
+    for hook in (h for h in training.hooks if isinstance(h, FaultToleranceHook)):
+        hook.run = training   # a replica group behind the live ones heals into the run
     training.resume()                 # from the newest intact checkpoint of dump_dir, if any
     if env.device.type == "cpu":
         release_freed_memory()        # setup's transient copies (see keep_freed_memory)

@@ -9,10 +9,12 @@ scaled by replica_groups / live groups: when a group is lost, the batch shrinks 
 parts and the gradient is their mean (lr unchanged). Each group logs its part's loss (the run's:
 the groups' mean). Refused or absent: pipeline parallel across groups; HSDP in a group; the
 async quorum (no option: a reconfiguration during the forward can crash FSDP2, torchtitan
-#4754); healing (a group behind the others' step stops). torchft is imported only when enabled.
+#4754). A group that joins behind the live ones heals from a live peer (weights, optimizer,
+Run.train_state) through torchft's checkpoint transport. torchft is imported only when enabled.
 """
 
 import dataclasses
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -21,9 +23,13 @@ from urllib.parse import urlparse
 
 import torch
 from torch.distributed import ReduceOp
+from torch.distributed.checkpoint import state_dict as dcp
 
-from lingua.errors import ConfigError, RunError
+from lingua.errors import ConfigError
 from lingua.hooks import SKIP, UPDATE, Hook
+
+logger = logging.getLogger("train")
+_FLAT = dcp.StateDictOptions(flatten_optimizer_state_dict=True)   # keyed by parameter name
 
 
 @dataclass
@@ -80,7 +86,8 @@ class FaultToleranceHook(Hook):
     """A torchft Manager per rank: the quorum before the step, gradients summed, the commit."""
 
     def __init__(self, ft: FaultToleranceArgs, env):
-        self.ft, self.env, self.manager, self.store = ft, env, None, None
+        # run: what a group behind the others heals (lingua/launch/run.py sets it)
+        self.ft, self.env, self.manager, self.store, self.run = ft, env, None, None, None
 
     def start(self, view) -> None:
         if not self.ft.enabled:
@@ -95,7 +102,8 @@ class FaultToleranceHook(Hook):
             self.store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True)
             store = dict(store_addr="127.0.0.1", store_port=self.store.port)
         self.manager = Manager(
-            pg, None, None, min_replica_size=self.ft.min_replicas, use_async_quorum=False,
+            pg, self._heal, self._state, min_replica_size=self.ft.min_replicas,
+            use_async_quorum=False,
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
             rank=self.env.rank, world_size=self.env.world_size, **store,
             lighthouse_addr=self.ft.lighthouse, replica_id=f"group_{self.ft.group_id}",
@@ -107,16 +115,31 @@ class FaultToleranceHook(Hook):
         for unit in units:
             unit.set_all_reduce_hook(self._sum_across_groups)
         self.hook_grads = not units
+        # The first step's quorum: a group behind heals here, before the loop reads its step.
+        self.manager.start_quorum(allow_heal=True)
+        self.quorum_taken = True
 
     def before_step(self, view, step: int) -> None:
-        if self.manager is not None:
-            self.manager.start_quorum(allow_heal=False)
-            self.manager.wait_quorum()
-        if self.manager is not None and not self.manager.is_participating():
-            raise RunError(
-                f"Replica group {self.ft.group_id} is at step {view.step}, behind the live "
-                f"groups' step: healing a group from the others is not supported yet. Restart "
-                f"every group from the same checkpoint.")
+        if self.manager is not None and not self.quorum_taken:
+            self.manager.start_quorum(allow_heal=True)   # sync: a heal is applied on return
+        self.quorum_taken = False
+
+    def _state(self) -> dict:
+        """What a group behind this one loads (torchft's quorum thread calls it while the loop
+        waits in the quorum): each rank's own shards, as the groups share one layout."""
+        return {"model": [_local(dcp.get_model_state_dict(p)) for p in self.run.parts],
+                "optim": [_local(dcp.get_optimizer_state_dict(p, o, options=_FLAT))
+                          for p, o in zip(self.run.parts, self.run.optimizers.optimizers)],
+                "train": self.run.train_state()}
+
+    def _heal(self, state: dict) -> None:
+        for part, optimizer, model, optim in zip(self.run.parts, self.run.optimizers.optimizers,
+                                                 state["model"], state["optim"]):
+            dcp.set_model_state_dict(part, _into(dcp.get_model_state_dict(part), model))
+            own = dcp.get_optimizer_state_dict(part, optimizer, options=_FLAT)
+            dcp.set_optimizer_state_dict(part, optimizer, _into(own, optim), options=_FLAT)
+        self.run.restore_train_state(state["train"])   # jsonl's per-rank position: refused
+        logger.info("group %d healed from a live group at step %d", self.ft.group_id, self.run.step)
 
     def _sum_across_groups(self, grad: torch.Tensor) -> None:
         self.manager.allreduce(grad, reduce_op=ReduceOp.SUM).wait()
@@ -140,3 +163,17 @@ class FaultToleranceHook(Hook):
     def close(self, view) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
+
+
+def _local(state: dict) -> dict:
+    return {k: getattr(v, "_local_tensor", v) for k, v in state.items()}
+
+
+def _into(own: dict, received: dict) -> dict:
+    """`own` state dict with `received`'s values: tensors copied into this rank's shards."""
+    for key, value in received.items():
+        if isinstance(own[key], torch.Tensor):
+            getattr(own[key], "_local_tensor", own[key]).copy_(value)
+        else:
+            own[key] = value
+    return own

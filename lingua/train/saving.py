@@ -66,6 +66,7 @@ class Checkpointing:
             optimizer.zero_grad(set_to_none=True)
 
     def restore_train_state(self, state: dict) -> None:
+        self.step = state["step"]
         self.train_loader.load_state_dict(state["data"])
         self.optimizers.load_scheduler_state(state["scheduler"])
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
@@ -102,19 +103,22 @@ class Checkpointing:
         save is in flight."""
         args, env = self.args, self.env
         self.finish_save(block=True)
-        data_state, batches = before if before is not None else (
-            self.train_loader.state_dict(), self.batches_consumed)
-        train_state = {"step": self.step, "data": data_state,
-                       "scheduler": self.optimizers.scheduler_state(),
-                       "nonfinite_steps": self.nonfinite_steps, "batches_consumed": batches,
-                       **self.hooks.state_dict()}
         background = args.checkpoint.async_save and not wait
         saved = checkpoint.save(self.dump_dir, self.step, self.parts, self.optimizers.optimizers,
-                                train_state, self.config_yaml, env.rank, env.world_size,
-                                args.checkpoint.keep, self.checkpoint_in_use, self.base,
-                                background=background)
+                                self.train_state(before), self.config_yaml, env.rank,
+                                env.world_size, args.checkpoint.keep, self.checkpoint_in_use,
+                                self.base, background=background)
         if background:
             self.pending_save = saved
+
+    def train_state(self, before: Optional[tuple] = None) -> dict:
+        """Step, data, scheduler, hooks: in checkpoints, and sent to a group that heals."""
+        data_state, batches = before if before is not None else (
+            self.train_loader.state_dict(), self.batches_consumed)
+        return {"step": self.step, "data": data_state,
+                "scheduler": self.optimizers.scheduler_state(),
+                "nonfinite_steps": self.nonfinite_steps, "batches_consumed": batches,
+                **self.hooks.state_dict()}
 
     def writing_count(self) -> dict:
         """Whether this rank still writes in the background, in the step's tally (no extra
