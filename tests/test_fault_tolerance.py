@@ -98,9 +98,25 @@ def test_two_groups_of_one_rank_equal_one_process(corpus, tmp_path, reference, l
 
 
 @pytest.mark.distributed
-def test_two_fsdp_groups_of_two_ranks_equal_one_process(corpus, tmp_path, reference, lighthouse):
-    dumps = run_groups(lambda a: run_torchrun(2, "apps.llama.train", a, timeout=120), corpus,
-                       tmp_path, lighthouse, ["data.batch_size=1", "distributed.dp_shard=2"])
+def test_the_local_recipe_two_fsdp_groups_of_two_ranks_equal_one_process(corpus, tmp_path,
+                                                                         reference):
+    """docs/parallelism.md's local recipe as written: the `torchft_lighthouse` command, then a
+    real `torchrun` per group (FSDP over its 2 ranks)."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    command = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    server = subprocess.Popen([command, "--min_replicas", "2", "--quorum_tick_ms", "100",
+                               "--join_timeout_ms", "10000", "--bind", f"127.0.0.1:{port}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        dumps = run_groups(lambda a: run_torchrun(2, "apps.llama.train", a, timeout=120,
+                                                  fresh=True),
+                           corpus, tmp_path, f"http://127.0.0.1:{port}",
+                           ["data.batch_size=1", "distributed.dp_shard=2"])
+    finally:
+        server.kill()
+        server.wait()
     assert_groups_equal_one_process(dumps, reference)
 
 
