@@ -560,6 +560,24 @@ def test_cli_prints_the_table_and_exits_0_when_it_fits(tmp_path, capsys):
     assert planner.report_text("apps.llama.train", argv[1:], 64).strip() == out.strip()
 
 
+def test_fault_tolerance_plans_one_group_and_the_world_after_one_is_lost(tmp_path):
+    """With replica groups the plan is one group's (each is its own job, with its own shards);
+    a line gives the whole run and the world left when one group is lost (issue 57)."""
+    p = planner.plan("apps.llama.train", ["config=llama_8b", f"dump_dir={tmp_path / 'run'}",
+                                          "fault_tolerance.enabled=true",
+                                          "fault_tolerance.replica_groups=4"], 16)
+    one = planner.plan("apps.llama.train", ["config=llama_8b", f"dump_dir={tmp_path / 'run'}"],
+                       16)
+    assert p.busiest.total == one.busiest.total   # a group holds what a run of its size holds
+    tps, t = p.tokens_per_s_per_gpu * 16, p.tokens_per_step
+    line = [x for x in planner.format_plan(p).splitlines() if "fault tolerance:" in x][0]
+    assert line == (f"  fault tolerance: 4 replica groups of 16 ranks, {planner._count(4 * tps)} "
+                    f"tokens/s and {planner._count(4 * t)} tokens a step in all; one group lost: "
+                    f"48 ranks, {planner._count(3 * tps)} tokens/s, {planner._count(3 * t)} "
+                    f"tokens a step, the same {planner._gib(p.busiest.total)} GiB a rank")
+    assert "fault tolerance:" not in planner.format_plan(one)
+
+
 def test_a_cpu_job_is_planned_against_this_machine_in_a_unit_that_fits(tmp_path, capsys):
     """Not an H100's memory and peak: this machine's RAM and measured matmul rate; a short run
     in minutes, not "0.0 days"."""

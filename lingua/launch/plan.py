@@ -426,6 +426,13 @@ def format_plan(p: Plan) -> str:
                  f"{tps:,.0f} tokens/s {each}, {_count(tps * p.world_size)} tokens/s; "
                  f"{_count(p.tokens_per_step)} tokens a step, {a.steps} steps = "
                  f"{_count(a.steps * p.tokens_per_step)} tokens in {_duration(p.days * 86400)}")
+    ft = a.fault_tolerance
+    if ft.enabled:   # the plan is one group's; each group is its own job with its own shards
+        n, w, t = ft.replica_groups, p.world_size, p.tokens_per_step
+        lines.append(f"  fault tolerance: {n} replica groups of {w} ranks, {_count(tps * w * n)} "
+                     f"tokens/s and {_count(n * t)} tokens a step in all; one group lost: "
+                     f"{(n - 1) * w} ranks, {_count(tps * w * (n - 1))} tokens/s, "
+                     f"{_count((n - 1) * t)} tokens a step, the same {_gib(b.total)} GiB a rank")
     if p.float8_flops_per_token:
         lines.append(f"  (float8 {d.float8}: {p.float8_flops_per_token / p.flops_per_token:.0%} "
                      f"of the FLOPs at {FLOAT8_SPEEDUP:g}x the bf16 rate; MFU stays over the "
