@@ -46,7 +46,8 @@ MUTANTS = [
            "summed across groups)", "lingua/parallel/fault_tolerance.py",
            "self.manager.allreduce(grad, reduce_op=ReduceOp.SUM).wait()", "grad.mul_(1.0)",
            ("tests/test_fault_tolerance.py::test_two_groups_of_one_rank_equal_one_process",
-            "tests/test_fault_tolerance.py::test_two_fsdp_groups_of_two_ranks_equal_one_process")),
+            "tests/test_fault_tolerance.py::"
+            "test_the_local_recipe_two_fsdp_groups_of_two_ranks_equal_one_process")),
     Mutant("ft_heal_keeps_own_weights", "a healing replica group loads its peer's train state "
            "but keeps its own weights and optimizer state", "lingua/parallel/fault_tolerance.py",
            'getattr(own[key], "_local_tensor", own[key]).copy_(value)', "pass",
