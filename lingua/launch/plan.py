@@ -381,6 +381,16 @@ def _model_line(p: Plan) -> str:
             f"{p.flops_per_token:.3g} FLOPs/token")
 
 
+def _groups_line(p: Plan) -> str:
+    """The plan is one replica group's: each group is its own job, with its own shards."""
+    n, w, t = p.args.fault_tolerance.replica_groups, p.world_size, p.tokens_per_step
+    tps = p.tokens_per_s_per_gpu * w
+    return (f"  fault tolerance: {n} replica groups of {w} ranks, {_count(tps * n)} tokens/s and "
+            f"{_count(n * t)} tokens a step in all; one group lost: {(n - 1) * w} ranks, "
+            f"{_count(tps * (n - 1))} tokens/s, {_count((n - 1) * t)} tokens a step, the same "
+            f"{_gib(p.busiest.total)} GiB a rank")
+
+
 def format_plan(p: Plan) -> str:
     a, d, dims = p.args, p.args.distributed, p.dims
     e_name = "bf16" if d.model_dtype == "bf16" else "fp32"
@@ -426,13 +436,8 @@ def format_plan(p: Plan) -> str:
                  f"{tps:,.0f} tokens/s {each}, {_count(tps * p.world_size)} tokens/s; "
                  f"{_count(p.tokens_per_step)} tokens a step, {a.steps} steps = "
                  f"{_count(a.steps * p.tokens_per_step)} tokens in {_duration(p.days * 86400)}")
-    ft = a.fault_tolerance
-    if ft.enabled:   # the plan is one group's; each group is its own job with its own shards
-        n, w, t = ft.replica_groups, p.world_size, p.tokens_per_step
-        lines.append(f"  fault tolerance: {n} replica groups of {w} ranks, {_count(tps * w * n)} "
-                     f"tokens/s and {_count(n * t)} tokens a step in all; one group lost: "
-                     f"{(n - 1) * w} ranks, {_count(tps * w * (n - 1))} tokens/s, "
-                     f"{_count((n - 1) * t)} tokens a step, the same {_gib(b.total)} GiB a rank")
+    if a.fault_tolerance.enabled:
+        lines.append(_groups_line(p))
     if p.float8_flops_per_token:
         lines.append(f"  (float8 {d.float8}: {p.float8_flops_per_token / p.flops_per_token:.0%} "
                      f"of the FLOPs at {FLOAT8_SPEEDUP:g}x the bf16 rate; MFU stays over the "
