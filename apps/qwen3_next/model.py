@@ -47,7 +47,6 @@ from lingua.model.layers import (
 from lingua.model.moe import (
     EXPERT_IMPLS,
     MoE,
-    active_params_per_token,
     balance_loss_sum,
     check_grouped_alignment,
     moe_layers,
@@ -470,21 +469,3 @@ class Transformer(Decoder):
         total = balance_loss_sum(moe_layers(self), out.device)
         return out, (total if balance_loss is None else total + balance_loss)
 
-
-def flops_per_token(args: Qwen3NextArgs, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per active matmul parameter (top_k of the routed experts), plus
-    the full-attention layers' scores and weighted sum (12 x heads x head_dim x seq_len each,
-    the causal half not discounted, as for lingua's other models), plus each Gated DeltaNet
-    layer's, about 3 x value heads x (6 dk dv + 3 chunk (dk + dv)): per head and token the
-    state's read, correction and write (2 dk dv each) and the intra-chunk products, with
-    backward twice the forward."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    active = active_params_per_token(model)
-    if args.tie_embeddings:
-        active += model.tok_embeddings.weight.numel()
-    n_full = sum(layer_is_full(args, i) for i in range(args.n_layers))
-    hv, dk, dv = args.linear_value_heads, args.linear_key_head_dim, args.linear_value_head_dim
-    linear = 3.0 * hv * (6 * dk * dv + 3 * CHUNK * (dk + dv))
-    return (6.0 * active + 12.0 * n_full * args.n_heads * head_dim(args) * seq_len
-            + (args.n_layers - n_full) * linear)
