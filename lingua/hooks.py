@@ -7,7 +7,8 @@ returns what it wants done. It keeps its own state, and never takes or calls ano
 
   start(view)                   once, resumed and the log open, before the first step
   before_step(view, step)       before the step's data is read; may return a Request, carried
-                                out before the next hook is asked (view.probe_requested)
+                                out before the next hook is asked (view.probe_requested); after
+                                a Request's load the later hooks are asked for view.step + 1
   after_backward(view, step)    gradients complete, not clipped; returns {name: count} this rank
                                 adds to the step's tally (train/tally.py; same names everywhere)
   vote(view, step)              gradient norm finite: UPDATE, SKIP or ROLLBACK from view.tally,
@@ -37,6 +38,7 @@ class Request:
     """What a hook asks of the step about to run (before_step)."""
     skip_batches: int = 0     # data batches the loop reads and throws away first
     probe: bool = False       # probe this step in full, whatever probe.every says
+    load: Optional[dict] = None   # a peer's Run.snapshot() to load first (a replica group heals)
 
 
 class Hook:

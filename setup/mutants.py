@@ -45,14 +45,15 @@ MUTANTS = [
     Mutant("ft_gradients_not_summed", "a replica group keeps its own gradient (torchft: not "
            "summed across groups)", "lingua/parallel/fault_tolerance.py",
            "self.manager.allreduce(grad, reduce_op=ReduceOp.SUM).wait()", "grad.mul_(1.0)",
-           ("tests/test_fault_tolerance.py::test_two_groups_of_one_rank_equal_one_process",
+           ("tests/test_fault_tolerance.py::"
+            "test_two_groups_of_one_rank_equal_one_process_and_restart_exactly",
             "tests/test_fault_tolerance.py::"
             "test_the_local_recipe_two_fsdp_groups_of_two_ranks_equal_one_process")),
     Mutant("ft_heal_keeps_own_weights", "a healing replica group loads its peer's train state "
-           "but keeps its own weights and optimizer state", "lingua/parallel/fault_tolerance.py",
+           "but keeps its own weights and optimizer state", "lingua/train/saving.py",
            'getattr(own[key], "_local_tensor", own[key]).copy_(value)', "pass",
            ("tests/test_fault_tolerance.py::"
-            "test_a_killed_group_heals_from_the_live_one_and_both_finish",)),
+            "test_a_killed_group_heals_from_the_live_one_even_after_a_kill_during_its_heal",)),
     Mutant("rank1_gradient_x1.01", "rank 1's gradient 1% too large (FSDP2 against one process)",
            "lingua/train/loop.py",
            "(out.loss_sum / self.loss_denominator).backward()",

@@ -7,14 +7,18 @@ reference's, each group's gradient norm (global: the gradients are summed across
 the norm) and each group's final parameters (tests/equivalence.py).
 """
 
+import contextlib
+import functools
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -57,14 +61,17 @@ def ft_args(lighthouse, group_id):
             "fault_tolerance.min_replicas=2", "fault_tolerance.quorum_timeout_s=60"]
 
 
-def run_groups(launch, corpus, tmp_path, lighthouse, extra) -> list:
-    """Both groups at once (each blocks in its quorum until the other joins); their dump dirs."""
+def run_groups(launch, corpus, tmp_path, lighthouse, extra, outputs=None) -> list:
+    """Both groups at once (each blocks in its quorum until the other joins); their dump dirs.
+    outputs: a dict given gets each group's output."""
     dumps, errors = [tmp_path / f"group{g}" for g in range(2)], []
+    outputs = {} if outputs is None else outputs
 
     def one(g):
         try:
-            launch(tiny_args(corpus, dumps[g], *extra, *NO_VAL, *ft_args(lighthouse, g),
-                             steps=STEPS))
+            proc = launch(tiny_args(corpus, dumps[g], *extra, *NO_VAL, *ft_args(lighthouse, g),
+                                    steps=STEPS))
+            outputs[g] = proc.stdout + proc.stderr
         except Exception as err:   # re-raised below, in the test's thread
             errors.append(err)
 
@@ -91,9 +98,21 @@ def assert_groups_equal_one_process(dumps, reference) -> None:
 
 
 @pytest.mark.distributed
-def test_two_groups_of_one_rank_equal_one_process(corpus, tmp_path, reference, lighthouse):
-    dumps = run_groups(lambda a: run_python("apps.llama.train", a, timeout=120), corpus,
-                       tmp_path, lighthouse, ["data.batch_size=2"])
+def test_two_groups_of_one_rank_equal_one_process_and_restart_exactly(corpus, tmp_path,
+                                                                      reference, lighthouse):
+    """Then both groups are started again from their checkpoint of step 2 (the last one
+    removed, as if they had stopped after step 2): the same result."""
+    launch = functools.partial(run_groups, lambda a: run_python("apps.llama.train", a,
+                                                                timeout=120),
+                               corpus, tmp_path, lighthouse, ["data.batch_size=2",
+                                                              "checkpoint.every=2"])
+    dumps = launch()
+    assert_groups_equal_one_process(dumps, reference)
+    for d in dumps:
+        shutil.rmtree(d / "checkpoints" / str(STEPS))
+    outputs = {}
+    launch(outputs=outputs)
+    assert all("resumed from" in outputs[g] and "(step 2)" in outputs[g] for g in range(2))
     assert_groups_equal_one_process(dumps, reference)
 
 
@@ -137,25 +156,35 @@ def test_the_layouts_fault_tolerance_cannot_take_are_refused(corpus, tmp_path):
         train.main(tiny_args(corpus, tmp_path / "run", "fault_tolerance.enabled=true",
                              "fault_tolerance.lighthouse=http://127.0.0.1:1",
                              "fault_tolerance.replica_groups=2", "fault_tolerance.group_id=2",
-                             "distributed.pp=2", "distributed.dp_replicate=2", steps=1))
+                             "distributed.pp=2", "distributed.dp_replicate=2",
+                             "spikes.policy=rollback", "checkpoint.every=1", steps=1))
     message = str(err.value)
     assert "group_id=2 must be in 0 .. replica_groups-1" in message
     assert "pipeline parallel across replica groups is not supported" in message
     assert "set fault_tolerance.replica_groups instead" in message
+    assert "use spikes.policy=skip with fault_tolerance" in message
 
 
-HEALED = "healed from a live group at step"   # FaultToleranceHook's log line
-HEAL_STEPS = 300   # the survivor's steps must outlast the restart (~5 s)
+HEALING = "healing required"   # torchft's line, as a group starts fetching a peer's state
+HEALED = "heals from a live group: step"   # FaultToleranceHook's, once the state is received
+SAVE_EVERY = 5
 
 
 def start_group(corpus, dump, lighthouse, group_id, log_name) -> subprocess.Popen:
-    """One group's own interpreter (a fresh process, so that the test can SIGKILL it)."""
-    args = tiny_args(corpus, dump, "data.batch_size=2", *NO_VAL, *ft_args(lighthouse, group_id),
-                     "fault_tolerance.min_replicas=1", "fault_tolerance.quorum_timeout_s=20",
-                     "checkpoint.save_final=true", steps=HEAL_STEPS)
+    """One group: a real torchrun of 2 ranks (FSDP), in a session of its own so that the test can
+    kill it. Its steps are many: the test ends the run with SIGTERM once it has what it checks."""
+    args = tiny_args(corpus, dump, "data.batch_size=1", "distributed.dp_shard=2", *NO_VAL,
+                     *ft_args(lighthouse, group_id), "fault_tolerance.min_replicas=1",
+                     "fault_tolerance.quorum_timeout_s=20", f"checkpoint.every={SAVE_EVERY}",
+                     "checkpoint.keep=0", "logging.every=1", steps=100_000)
+    from tests.conftest import free_port
+
     log = open(dump.parent / log_name, "w")
-    return subprocess.Popen([sys.executable, "-m", "apps.llama.train", *args], cwd=REPO,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=log, stderr=log)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "apps.llama.train",
+         *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+        stdout=log, stderr=log, start_new_session=True)
 
 
 def steps_logged(dump) -> list:
@@ -164,48 +193,95 @@ def steps_logged(dump) -> list:
         if path.is_file() else []
 
 
+def workers(proc) -> list:
+    """The torchrun's rank processes (its children)."""
+    path = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    return [int(pid) for pid in path.read_text().split()] if path.is_file() else []
+
+
+def kill(proc, sig=signal.SIGKILL) -> None:
+    """The torchrun and its ranks (each rank is in a session of its own: not in the agent's)."""
+    for pid in [*workers(proc), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def wait_for(condition, procs, what, limit_s=90) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert all(p.poll() is None for p in procs), f"a group ended while waiting for {what}"
+        time.sleep(0.01)
+
+
 @pytest.mark.distributed
-def test_a_killed_group_heals_from_the_live_one_and_both_finish(corpus, tmp_path):
-    """One group is SIGKILLed after step 3 and started again with the same command while the
-    other goes on alone (min_replicas=1); it loads the survivor's state through torchft and both
-    finish. The victim is a group that started with the run: one that started late has healed
-    once already, so the other, which began at step 1, survives."""
+def test_a_killed_group_heals_from_the_live_one_even_after_a_kill_during_its_heal(corpus,
+                                                                                   tmp_path):
+    """Two groups of two FSDP ranks. One rank of a group is SIGKILLed mid-run; the group is
+    started again with the same command while the other trains alone (min_replicas=1) and is
+    SIGKILLed again as its heal starts (torchft's "healing required"); its checkpoints are all
+    intact. Started a third time, it heals from the live group; both then save the same weights
+    at the same steps. SIGTERM ends both (save and stop). The victim is the group that started
+    late and healed once already, so that the survivor's rows go from step 1."""
     from torchft.coordination import LighthouseServer
+
+    from lingua.checkpoint import integrity
 
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000,
                               quorum_tick_ms=50, heartbeat_timeout_ms=1000)
     dumps = [tmp_path / f"group{g}" for g in range(2)]
+    start = functools.partial(start_group, corpus, lighthouse=server.address())
+    procs = []
     try:
-        procs = [start_group(corpus, dumps[g], server.address(), g, f"group{g}.log")
-                 for g in range(2)]
-        deadline = time.monotonic() + 60
-        while min(max(steps_logged(d), default=0) for d in dumps) < 3:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-            time.sleep(0.05)
-        late = [HEALED in (tmp_path / f"group{g}.log").read_text() for g in range(2)]
-        victim = 0 if late[0] else 1
+        procs = [start(dumps[g], group_id=g, log_name=f"group{g}.log") for g in range(2)]
+        wait_for(lambda: min(max(steps_logged(d), default=0) for d in dumps) >= 3, procs,
+                 "3 steps in both groups")
+        victim = 0 if HEALED in (tmp_path / "group0.log").read_text() else 1
         survivor = 1 - victim
-        procs[victim].send_signal(signal.SIGKILL)   # mid-run: no save, no goodbye
+        os.kill(workers(procs[victim])[0], signal.SIGKILL)   # one rank: no save, no goodbye
+        procs[victim].wait(timeout=60)
+        killed_at = max(steps_logged(dumps[victim]))
+
+        procs[victim] = start(dumps[victim], group_id=victim, log_name="restart1.log")
+        wait_for(lambda: HEALING in (tmp_path / "restart1.log").read_text(), procs,
+                 "the restarted group's heal", limit_s=120)
+        kill(procs[victim])   # the whole group, while it heals
         procs[victim].wait()
-        procs[victim] = start_group(corpus, dumps[victim], server.address(), victim,
-                                    "restart.log")   # the same command
+        for ckpt in integrity.step_dirs(integrity.checkpoints_dir(dumps[victim])):
+            assert integrity.verify(ckpt) is None, f"{ckpt}: {integrity.verify(ckpt)}"
+
+        procs[victim] = start(dumps[victim], group_id=victim, log_name="restart2.log")
+        healed_line = lambda: [line for line in (tmp_path / "restart2.log").read_text()
+                               .splitlines() if HEALED in line]
+        wait_for(healed_line, procs, "the second restart's heal", limit_s=120)
+        healed_at = int(healed_line()[0].rsplit(" ", 1)[1])
+        common = (healed_at // SAVE_EVERY + 2) * SAVE_EVERY   # saved by both after the heal
+        wait_for(lambda: min(max(steps_logged(d), default=0) for d in dumps) >= common, procs,
+                 f"step {common} in both groups")
+        for p in procs:   # Slurm's way to stop a run: each rank saves and stops
+            for pid in workers(p):
+                os.kill(pid, signal.SIGTERM)
         for p in procs:
-            assert p.wait(timeout=90) == 0, (tmp_path / "restart.log").read_text()[-3000:]
+            p.wait(timeout=60)
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            kill(p)
         server.shutdown()
-    assert f"group {victim} {HEALED}" in (tmp_path / "restart.log").read_text(), (
-        "the restarted group did not heal: did the survivor finish before it joined? (the "
-        "survivor's steps, HEAL_STEPS, must outlast a restart)")
+    assert killed_at < healed_at
     kept, healed = read_rows(dumps[survivor]), read_rows(dumps[victim])
-    assert [r["step"] for r in kept] == list(range(1, HEAL_STEPS + 1))   # none lost or twice
-    # The restart's log starts at the step it healed to, after the killed run's rows were dropped.
-    assert [r["step"] for r in healed] == list(range(healed[0]["step"], HEAL_STEPS + 1))
-    assert healed[0]["step"] > 3
+    steps_kept = [r["step"] for r in kept]
+    assert steps_kept == list(range(1, steps_kept[-1] + 1))   # none lost or twice
+    # The healed group's rows: its own before the kill, then from the step after the heal on (the
+    # killed runs' rows past their checkpoint were dropped at each restart).
+    after = [r["step"] for r in healed if r["step"] > healed_at]
+    assert after == list(range(healed_at + 1, after[-1] + 1)) and after[-1] >= common
     assert all(math.isfinite(r["loss"]) for r in kept + healed)
-    # Equal to the last bit (exact checksums): the healed group took its peer's state, then the
-    # same summed gradient every step.
-    assert model_checksums(final_checkpoint(dumps[victim], HEAL_STEPS)) == \
-        model_checksums(final_checkpoint(dumps[survivor], HEAL_STEPS))
+    # The survivor trained alone while the other was down; a step a group died in is skipped
+    # (uncommitted) by the groups alive, counted in every row from then on.
+    assert {r["ft_live_groups"] for r in kept} == {1, 2}
+    assert kept[-1]["ft_uncommitted_steps"] == healed[-1]["ft_uncommitted_steps"] <= 3
+    # Bit for bit at the first checkpoints after the heal: the healed group took its peer's state,
+    # then the same summed gradient every step.
+    for step in (common - SAVE_EVERY, common):
+        assert model_checksums(final_checkpoint(dumps[victim], step)) == \
+            model_checksums(final_checkpoint(dumps[survivor], step)), step

@@ -199,14 +199,14 @@ def check_resume_compatible(dump_dir, run_config: dict, keys=("model",)) -> Opti
     return ckpt
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate((3, tuple(state["python"]), None))
     if "cuda" in state and torch.cuda.is_available():
@@ -294,7 +294,7 @@ class PendingSave:
         self.tmp: Optional[Path] = None
         # Serialized now: the train state of this step, whenever the files are written.
         buffer = io.BytesIO()
-        torch.save(dict(train_state, rng=_rng_state(), world_size=world_size), buffer)
+        torch.save(dict(train_state, rng=rng_state(), world_size=world_size), buffer)
         self.own_state = buffer.getvalue()
         self.writing: Optional[futures.Future] = None   # the background write (save_async)
 
@@ -449,7 +449,7 @@ def load(ckpt_dir: Path, parts: list, optimizers: list, rank: int, world_size: i
     if rank != 0 and same_layout and own.is_file():
         train_state = torch.load(own, weights_only=True)
     if same_layout:
-        _set_rng_state(train_state["rng"])
+        set_rng_state(train_state["rng"])
     logger.info("resumed from %s (step %d)", ckpt_dir, train_state["step"])
     return train_state
 

@@ -99,7 +99,7 @@ def _checks(check, args, app: App, data_files: bool) -> None:
             "checkpoint.every=0 none is saved before the end. Set checkpoint.every=N (a rollback "
             "replays up to N steps), or use spikes.policy=skip.")
     check(distributed.validate_args, args.distributed)
-    check(fault_tolerance.validate_args, args.fault_tolerance, args.distributed)
+    check(fault_tolerance.validate_args, args.fault_tolerance, args.distributed, args.spikes)
     d = args.distributed
     dims = check(distributed.parallel_dims, d, distributed.world_size_from_env())
     if dims is not None and data_files:   # jsonl: a usable line for every data-parallel rank
@@ -158,8 +158,6 @@ def run(args, app: App) -> int:
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
     training = Run(args, env, app, parts, stage_ids, optimizers, hooks(args, env, app),
                    eval_jobs.checkpoint_in_use(args.dump_dir))
-    for hook in (h for h in training.hooks if isinstance(h, FaultToleranceHook)):
-        hook.run = training   # a replica group behind the live ones heals into the run
     training.resume()                 # from the newest intact checkpoint of dump_dir, if any
     if env.device.type == "cpu":
         release_freed_memory()        # setup's transient copies (see keep_freed_memory)

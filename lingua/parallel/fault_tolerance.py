@@ -9,8 +9,10 @@ scaled by replica_groups / live groups: when a group is lost, the batch shrinks 
 parts and the gradient is their mean (lr unchanged). Each group logs its part's loss (the run's:
 the groups' mean). Refused or absent: pipeline parallel across groups; HSDP in a group; the
 async quorum (no option: a reconfiguration during the forward can crash FSDP2, torchtitan
-#4754). A group that joins behind the live ones heals from a live peer (weights, optimizer,
-Run.train_state) through torchft's checkpoint transport. torchft is imported only when enabled.
+#4754); spikes.policy=rollback (a group's checkpoints need not be its peers'). A group found
+behind the live ones in a quorum (restarted, or dropped by the lighthouse) heals from a live
+peer (Run.snapshot: its shards, optimizer, train state, RNG) through torchft's checkpoint
+transport. torchft is imported only when enabled.
 """
 
 import dataclasses
@@ -18,18 +20,17 @@ import logging
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import Optional
 from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch
 from torch.distributed import ReduceOp
-from torch.distributed.checkpoint import state_dict as dcp
 
 from lingua.errors import ConfigError
-from lingua.hooks import SKIP, UPDATE, Hook
+from lingua.hooks import SKIP, UPDATE, Hook, Request
 
 logger = logging.getLogger("train")
-_FLAT = dcp.StateDictOptions(flatten_optimizer_state_dict=True)   # keyed by parameter name
 
 
 @dataclass
@@ -42,7 +43,7 @@ class FaultToleranceArgs:
     quorum_timeout_s: int = 60      # wait for the lighthouse's quorum, and torchft's collectives
 
 
-def validate_args(ft: FaultToleranceArgs, dist_args) -> None:
+def validate_args(ft: FaultToleranceArgs, dist_args, spikes) -> None:
     """All of fault_tolerance's problems with this config, in one ConfigError."""
     if not ft.enabled:
         return
@@ -60,6 +61,10 @@ def validate_args(ft: FaultToleranceArgs, dist_args) -> None:
         problems.append(f"distributed.dp_replicate={dist_args.dp_replicate}: the replica groups "
                         f"take the replicate dimension's place; set "
                         f"fault_tolerance.replica_groups instead.")
+    if spikes.policy == "rollback":
+        problems.append("spikes.policy=rollback loads the group's own newest checkpoint, which a "
+                        "group that healed from a peer may not have; use spikes.policy=skip with "
+                        "fault_tolerance.")
     if problems:
         raise ConfigError(" ".join(problems))
 
@@ -83,11 +88,13 @@ def join(ft: FaultToleranceArgs, env):
 
 
 class FaultToleranceHook(Hook):
-    """A torchft Manager per rank: the quorum before the step, gradients summed, the commit."""
+    """A torchft Manager per rank: the quorum before the step, gradients summed, the commit. A
+    group behind the live ones is sent a live peer's Run.snapshot() in the quorum; the loop loads
+    it (a Request's load) and runs the step after the peer's."""
 
     def __init__(self, ft: FaultToleranceArgs, env):
-        # run: what a group behind the others heals (lingua/launch/run.py sets it)
-        self.ft, self.env, self.manager, self.store, self.run = ft, env, None, None, None
+        self.ft, self.env, self.manager, self.store, self.received = ft, env, None, None, None
+        self.uncommitted = 0   # steps every live group skipped: a group failed during them
 
     def start(self, view) -> None:
         if not self.ft.enabled:
@@ -101,8 +108,9 @@ class FaultToleranceHook(Hook):
         if self.env.world_size == 1:   # no process group, so no store: the Manager's own
             self.store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True)
             store = dict(store_addr="127.0.0.1", store_port=self.store.port)
+        # torchft's quorum thread asks for the snapshot while the loop waits in start_quorum.
         self.manager = Manager(
-            pg, self._heal, self._state, min_replica_size=self.ft.min_replicas,
+            pg, self._receive, view.snapshot, min_replica_size=self.ft.min_replicas,
             use_async_quorum=False,
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
             rank=self.env.rank, world_size=self.env.world_size, **store,
@@ -115,31 +123,20 @@ class FaultToleranceHook(Hook):
         for unit in units:
             unit.set_all_reduce_hook(self._sum_across_groups)
         self.hook_grads = not units
-        # The first step's quorum: a group behind heals here, before the loop reads its step.
-        self.manager.start_quorum(allow_heal=True)
-        self.quorum_taken = True
 
-    def before_step(self, view, step: int) -> None:
-        if self.manager is not None and not self.quorum_taken:
-            self.manager.start_quorum(allow_heal=True)   # sync: a heal is applied on return
-        self.quorum_taken = False
+    def before_step(self, view, step: int) -> Optional[Request]:
+        if self.manager is None:
+            return None
+        self.manager.start_quorum(allow_heal=True)   # sync: a heal's state is received on return
+        state, self.received = self.received, None
+        if state is None:
+            return None
+        logger.info("group %d heals from a live group: step %d", self.ft.group_id,
+                    state["train"]["step"])
+        return Request(load=state)
 
-    def _state(self) -> dict:
-        """What a group behind this one loads (torchft's quorum thread calls it while the loop
-        waits in the quorum): each rank's own shards, as the groups share one layout."""
-        return {"model": [_local(dcp.get_model_state_dict(p)) for p in self.run.parts],
-                "optim": [_local(dcp.get_optimizer_state_dict(p, o, options=_FLAT))
-                          for p, o in zip(self.run.parts, self.run.optimizers.optimizers)],
-                "train": self.run.train_state()}
-
-    def _heal(self, state: dict) -> None:
-        for part, optimizer, model, optim in zip(self.run.parts, self.run.optimizers.optimizers,
-                                                 state["model"], state["optim"]):
-            dcp.set_model_state_dict(part, _into(dcp.get_model_state_dict(part), model))
-            own = dcp.get_optimizer_state_dict(part, optimizer, options=_FLAT)
-            dcp.set_optimizer_state_dict(part, optimizer, _into(own, optim), options=_FLAT)
-        self.run.restore_train_state(state["train"])   # jsonl's per-rank position: refused
-        logger.info("group %d healed from a live group at step %d", self.ft.group_id, self.run.step)
+    def _receive(self, state: dict) -> None:
+        self.received = state
 
     def _sum_across_groups(self, grad: torch.Tensor) -> None:
         self.manager.allreduce(grad, reduce_op=ReduceOp.SUM).wait()
@@ -158,22 +155,23 @@ class FaultToleranceHook(Hook):
         return {}
 
     def vote(self, view, step: int) -> str:
-        return UPDATE if self.manager is None or self.committed else SKIP
+        if self.manager is None or self.committed:
+            return UPDATE
+        self.uncommitted += 1
+        return SKIP
+
+    def metrics(self, view, row: dict) -> None:
+        if self.manager is not None:
+            row.update(ft_live_groups=self.manager.num_participants(),
+                       ft_uncommitted_steps=self.uncommitted)
+
+    def state_dict(self) -> dict:
+        return {"ft_uncommitted_steps": self.uncommitted} if self.ft.enabled else {}
+
+    def load_state_dict(self, train_state: dict) -> None:
+        self.uncommitted = train_state.get("ft_uncommitted_steps", 0)
 
     def close(self, view) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
 
-
-def _local(state: dict) -> dict:
-    return {k: getattr(v, "_local_tensor", v) for k, v in state.items()}
-
-
-def _into(own: dict, received: dict) -> dict:
-    """`own` state dict with `received`'s values: tensors copied into this rank's shards."""
-    for key, value in received.items():
-        if isinstance(own[key], torch.Tensor):
-            getattr(own[key], "_local_tensor", own[key]).copy_(value)
-        else:
-            own[key] = value
-    return own

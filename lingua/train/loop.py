@@ -35,11 +35,9 @@ def train_loop(run: "Run") -> bool:
     run.open()
     hooks.start(view)
     while run.step < steps:
-        step = run.step + 1
-        data_before = run.data_position_to_undo()
-        run.phases.start_step(timed=run.logs_at(step))
+        run.phases.start_step(timed=run.logs_at(run.step + 1))
         t0 = time.perf_counter()
-        run.before_step(step)                      # the hooks' requests: skip batches, probe
+        step = run.before_step(run.step + 1)       # the hooks' requests: skip batches, probe, heal
         t_fetch = time.perf_counter()
         with torch.profiler.record_function("data"):
             micro_batches = run.next_batches()
@@ -48,7 +46,7 @@ def train_loop(run: "Run") -> bool:
         run.train_step(micro_batches)              # forward and backward (or the pipeline)
         counts = hooks.after_backward(view, step)
 
-        grad_norm, lr, decision = run.clip_and_update(step, data_before, counts)
+        grad_norm, lr, decision = run.clip_and_update(step, counts)
         if decision == ROLLBACK:
             continue   # from the checkpoint's step, with the spike's batches to be skipped
         run.step = step
@@ -74,7 +72,7 @@ class RunView:
     """What a hook sees of the run (lingua/hooks.py), read-only: hooks decide, the loop acts.
     MEMBERS are read from Run (whose __init__ says what each holds)."""
     MEMBERS = ("args", "env", "step", "parts", "tally", "decision", "batches_consumed",
-               "probe_requested", "rerun", "eval_loss")   # and wandb_run, mfu_basis below
+               "probe_requested", "rerun", "eval_loss", "snapshot")   # and wandb_run, mfu_basis
 
     def __init__(self, run: "Run"):
         object.__setattr__(self, "_run", run)
@@ -133,6 +131,7 @@ class Run(Checkpointing):
         self.micro_batches: list = []   # the current step's (next_batches)
         self.probe_requested = False    # a hook's Request for this step (before_step)
         self.rerun: Optional[int] = None   # a rollback's checkpoint step while its batch reruns
+        self.data_before = None   # where the data stood before this step (data_position_to_undo)
         self.view = RunView(self)
         # step -> True while that checkpoint must outlive checkpoint.keep (an evaluation job's)
         self.checkpoint_in_use = checkpoint_in_use
@@ -187,15 +186,21 @@ class Run(Checkpointing):
                         (out.loss_sum / self.loss_denominator).backward()
                     self.step_loss.add(out)
 
-    def before_step(self, step: int) -> None:
-        """Each hook's Request carried out before the next hook is asked (a rerun skips no data)."""
+    def before_step(self, step: int) -> int:
+        """Each hook's Request carried out before the next hook is asked (a rerun skips no data);
+        returns the step to run, which a peer's state loaded (a heal) moves."""
         self.probe_requested = self.rerun is not None
+        self.data_before = self.data_position_to_undo()
         for hook in self.hooks:
             request = hook.before_step(self.view, step) or Request()
+            if request.load is not None:
+                self.load_snapshot(request.load)
+                step, self.data_before = self.step + 1, self.data_position_to_undo()
             for _ in range(0 if self.rerun is not None else request.skip_batches):
                 self.train_loader.next_step()
                 self.batches_consumed += 1
             self.probe_requested |= request.probe
+        return step
 
     def next_batches(self) -> list:
         """This step's micro-batches (also self.micro_batches, for a rollback's rerun)."""
@@ -222,7 +227,7 @@ class Run(Checkpointing):
             return None
         return self.train_loader.state_dict(), self.batches_consumed
 
-    def clip_and_update(self, step: int, data_before, counts: dict) -> tuple:
+    def clip_and_update(self, step: int, counts: dict) -> tuple:
         """Clip, then update, unless the gradient norm is not finite or a hook votes otherwise
         (ROLLBACK becomes SKIP where it cannot roll back). Returns (grad_norm, lr, decision)."""
         with self.phases.phase("optim"):
@@ -233,7 +238,7 @@ class Run(Checkpointing):
                                           {**self.writing_count(), **counts})
         grad_norm = self.tally["grad_norm"]
         if not math.isfinite(grad_norm):
-            self._skip_nonfinite(grad_norm, data_before)
+            self._skip_nonfinite(grad_norm, self.data_before)
             self.decision = SKIP
         else:   # outside the optim phase: a rollback runs a batch again and reloads
             self.decision = self.hooks.vote(self.view, step)

@@ -5,10 +5,14 @@ loop.py) has these methods; the hooks' own train state comes in through Hooks.st
 import logging
 from typing import Optional
 
+import torch
+from torch.distributed.checkpoint import state_dict as dcp
+
 from lingua import checkpoint
 from lingua.train.preemption import resume_command
 
 logger = logging.getLogger("train")
+_FLAT = dcp.StateDictOptions(flatten_optimizer_state_dict=True)   # keyed by parameter name
 
 
 def where_to_resume(dump_dir) -> str:
@@ -111,6 +115,26 @@ class Checkpointing:
         if background:
             self.pending_save = saved
 
+    def snapshot(self) -> dict:
+        """This rank's whole state in memory, for a peer of the same layout to load (a replica
+        group that heals, lingua/parallel/fault_tolerance.py): its own shards, not gathered."""
+        return {"model": [_local(dcp.get_model_state_dict(p)) for p in self.parts],
+                "optim": [_local(dcp.get_optimizer_state_dict(p, o, options=_FLAT))
+                          for p, o in zip(self.parts, self.optimizers.optimizers)],
+                "train": self.train_state(), "rng": checkpoint.rng_state()}
+
+    def load_snapshot(self, state: dict) -> None:
+        """A peer's snapshot(), as a checkpoint is loaded; this run's log goes on from its step."""
+        for part, optimizer, model, optim in zip(self.parts, self.optimizers.optimizers,
+                                                 state["model"], state["optim"]):
+            dcp.set_model_state_dict(part, _into(dcp.get_model_state_dict(part), model))
+            own = dcp.get_optimizer_state_dict(part, optimizer, options=_FLAT)
+            dcp.set_optimizer_state_dict(part, optimizer, _into(own, optim), options=_FLAT)
+        self.restore_train_state(state["train"])
+        checkpoint.set_rng_state(state["rng"])
+        self.log.rewind(self.step)
+        self.window.reset()
+
     def train_state(self, before: Optional[tuple] = None) -> dict:
         """Step, data, scheduler, hooks: in checkpoints, and sent to a group that heals."""
         data_state, batches = before if before is not None else (
@@ -136,3 +160,17 @@ class Checkpointing:
             step, self.pending_save = self.pending_save.step, None
             self.hooks.after_save(self.view, step)
 
+
+
+def _local(state: dict) -> dict:
+    return {k: getattr(v, "_local_tensor", v) for k, v in state.items()}
+
+
+def _into(own: dict, received: dict) -> dict:
+    """`own` state dict with `received`'s values: tensors copied into this rank's shards."""
+    for key, value in received.items():
+        if isinstance(own[key], torch.Tensor):
+            getattr(own[key], "_local_tensor", own[key]).copy_(value)
+        else:
+            own[key] = value
+    return own
