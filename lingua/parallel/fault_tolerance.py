@@ -177,3 +177,48 @@ def _into(own: dict, received: dict) -> dict:
         else:
             own[key] = value
     return own
+
+
+
+def serve_lighthouse(min_replicas: int, root, poll_s: float = 2) -> None:
+    """stool's lighthouse job: its address goes to <root>/lighthouse (atomically: a group never
+    reads half of it); it serves while a job of <root>/lighthouse_jobs (the groups' ids, which
+    stool writes once it has submitted them) is in Slurm's queue."""
+    import time
+    from pathlib import Path
+
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=10000,
+                              quorum_tick_ms=100)
+    path, ids = Path(root) / "lighthouse", Path(root) / "lighthouse_jobs"
+    tmp = path.with_name(f".lighthouse.tmp-{os.getpid()}")
+    tmp.write_text(server.address())
+    os.replace(tmp, path)
+    print(f"lighthouse {server.address()} (min_replicas {min_replicas}) in {path}", flush=True)
+    try:
+        while not ids.is_file() or slurm_jobs_queued(ids.read_text().strip()):
+            time.sleep(poll_s)
+    finally:
+        server.shutdown()
+
+
+def slurm_jobs_queued(ids: str) -> bool:
+    import subprocess
+
+    out = subprocess.run(["squeue", "-h", "-o", "%i", "-j", ids], capture_output=True, text=True)
+    # Slurm forgets a finished job (MinJobAge): "Invalid job id" is gone, other errors are not.
+    return bool(out.stdout.strip()) or (out.returncode != 0
+                                         and "Invalid job id" not in out.stderr)
+
+
+def read_address(path, wait_s: float) -> str:
+    """What serve_lighthouse wrote to path, once there (it may start after a group); '' after
+    wait_s."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + wait_s
+    while not Path(path).is_file() and time.monotonic() < deadline:
+        time.sleep(1)
+    return Path(path).read_text().strip() if Path(path).is_file() else ""
