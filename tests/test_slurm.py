@@ -293,6 +293,37 @@ def test_a_fault_tolerant_run_is_a_lighthouse_job_and_a_job_per_group(corpus, tm
         model_checksums(final_checkpoint(dump / "group_1", steps))
 
 
+def test_a_requeued_group_heals_from_the_other_and_both_end_equal(corpus, tmp_path):
+    """`scontrol requeue` of one group (a preemption): it saves, is requeued on its own, resumes
+    and heals from the group that went on (min_replicas=1); both finish every step, equal."""
+    dump, steps = tmp_path / "ftrequeue", 400   # the survivor outlasts the restart
+    proc = stool("apps.llama.train", *slurm_args(
+        dump, corpus, "data.batch_size=2", "eval.at_end=false", "fault_tolerance.enabled=true",
+        "fault_tolerance.replica_groups=2", "fault_tolerance.quorum_timeout_s=20", steps=steps))
+    lighthouse, survivor, victim = job_ids(proc.stdout)
+    deadline = time.time() + 60
+    while not ((dump / "group_1" / "metrics.jsonl").is_file()
+               and len(read_metrics(dump / "group_1")) >= 3):
+        assert time.time() < deadline and job_field(victim, "JobState") not in FINISHED, \
+            dump_logs(dump / "slurm")
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "requeue", victim], check=True)
+    while job_field(victim, "JobState") != "PENDING":   # saved, stopped, requeued
+        assert time.time() < deadline, dump_logs(dump / "slurm")
+        time.sleep(0.2)
+    time.sleep(1)   # a later second than the run's end (release_if_requeued says why)
+    subprocess.run(["scontrol", "update", f"JobId={victim}", "StartTime=now"], check=True)
+    for job in (victim, survivor, lighthouse):
+        assert wait_for(job, timeout=120, logs=dump / "slurm") == "COMPLETED", \
+            dump_logs(dump / "slurm")
+    logs = (dump / "slurm" / f"{victim}_0_log.out").read_text()   # both of its runs
+    assert job_field(victim, "Restarts") == "1" and "requeues so far 1" in logs, logs[-3000:]
+    assert "group 1 healed from a live group" in logs, logs[-3000:]
+    assert [row["step"] for row in read_metrics(dump / "group_0")] == list(range(1, steps + 1))
+    assert model_checksums(final_checkpoint(dump / "group_0", steps)) == \
+        model_checksums(final_checkpoint(dump / "group_1", steps))
+
+
 # tests.test_slurm doubles as a stool app for the next test (stool needs load_config and main; the
 # job imports this module from its code snapshot): the llama config, and a main whose rank 1 fails
 # at once while rank 0 waits, as a rank blocked in a collective on a dead peer would.
