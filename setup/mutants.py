@@ -54,6 +54,12 @@ MUTANTS = [
            'getattr(own[key], "_local_tensor", own[key]).copy_(value)', "pass",
            ("tests/test_fault_tolerance.py::"
             "test_a_killed_group_heals_from_the_live_one_even_after_a_kill_during_its_heal",)),
+    Mutant("stool_ft_groups_share_an_id", "stool gives every replica group of a fault-tolerant "
+           "run group_id 0 (each group would read the same part of the batch)",
+           "lingua/launch/stool.py", 'f"fault_tolerance.group_id={g}"',
+           '"fault_tolerance.group_id=0"',
+           ("tests/test_stool.py::"
+            "test_a_fault_tolerant_run_is_a_lighthouse_job_and_one_job_per_group",)),
     Mutant("rank1_gradient_x1.01", "rank 1's gradient 1% too large (FSDP2 against one process)",
            "lingua/train/loop.py",
            "(out.loss_sum / self.loss_denominator).backward()",

@@ -135,7 +135,10 @@ write_config() {
   refuse_foreign "$CONF"
   refuse_foreign "$DBD_CONF"
   local cpus mem
-  cpus=$(usable_cpus)
+  # One CPU more than the machine gives: a fault-tolerant stool run's lighthouse job (one CPU,
+  # asleep in a poll) runs beside its replica groups, which must all run at once or wait in
+  # their first quorum; on 2 CPUs two one-CPU groups would leave it no room.
+  cpus=$(( $(usable_cpus) + 1 ))
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
   mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d" "$LOGS"
   cat >"$CONF.tmp" <<EOF
@@ -300,7 +303,7 @@ cmd_start() {
   config_hash >"$APPLIED"
   local acct="sacct works (accounting in slurmdbd)"
   [ "$ACCOUNTING" = slurmdbd ] || acct="no accounting: finished jobs are in $LOGS/jobcomp.log (sacct --completion)"
-  echo "slurm_local: up. Partition '$PARTITION' on $NODE with $(usable_cpus) CPUs; $acct;" \
+  echo "slurm_local: up. Partition '$PARTITION' on $NODE with $(usable_cpus) CPUs (+1 declared); $acct;" \
     "config $CONF, logs $LOGS."
 }
 

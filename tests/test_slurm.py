@@ -16,7 +16,7 @@ import pytest
 
 from tests import launcher
 from tests.conftest import REPO, read_metrics, run_torchrun, slurm_is_up, tiny_args
-from tests.equivalence import assert_equivalent, resumed_line
+from tests.equivalence import assert_equivalent, final_checkpoint, model_checksums, resumed_line
 
 NO_SLURM = slurm_is_up()
 # setup/test.sh sets LINGUA_REQUIRE_SLURM after starting Slurm: there a missing Slurm fails the
@@ -270,6 +270,60 @@ def test_time_limit_checkpoints_and_requeues(corpus, tmp_path):
     assert [row["step"] for row in read_metrics(dump)] == list(range(1, saved[1] + 1))
 
 
+def test_a_fault_tolerant_run_is_a_lighthouse_job_and_a_job_per_group(corpus, tmp_path):
+    """stool submits the lighthouse and one job per replica group; all run at once (the local
+    node declares a CPU for the lighthouse), both groups train every step to the same weights,
+    and the lighthouse job ends by itself once the groups' jobs have left the queue."""
+    dump, steps = tmp_path / "ft", 3
+    proc = stool("apps.llama.train", *slurm_args(
+        dump, corpus, "data.batch_size=2", "eval.at_end=false", "fault_tolerance.enabled=true",
+        "fault_tolerance.replica_groups=2", "fault_tolerance.min_replicas=2", steps=steps))
+    lighthouse, *groups = job_ids(proc.stdout)
+    assert len(groups) == 2 and f"scancel {lighthouse} " in proc.stdout, proc.stdout
+    for job in groups:
+        assert wait_for(job, timeout=120, logs=dump / "slurm") == "COMPLETED", \
+            dump_logs(dump / "slurm")
+    # Not cancelled, not timed out: it saw the groups leave the queue (it polls every 2 s).
+    assert wait_for(lighthouse, timeout=30, logs=dump / "slurm") == "COMPLETED"
+    served = (dump / "lighthouse").read_text()
+    assert served.startswith("http://") and served in dump_logs(dump / "slurm")
+    for g in range(2):
+        assert [row["step"] for row in read_metrics(dump / f"group_{g}")] == [1, 2, 3]
+    assert model_checksums(final_checkpoint(dump / "group_0", steps)) == \
+        model_checksums(final_checkpoint(dump / "group_1", steps))
+
+
+def test_a_requeued_group_heals_from_the_other_and_both_end_equal(corpus, tmp_path):
+    """`scontrol requeue` of one group (a preemption): it saves, is requeued on its own, resumes
+    and heals from the group that went on (min_replicas=1); both finish every step, equal."""
+    dump, steps = tmp_path / "ftrequeue", 400   # the survivor outlasts the restart
+    proc = stool("apps.llama.train", *slurm_args(
+        dump, corpus, "data.batch_size=2", "eval.at_end=false", "fault_tolerance.enabled=true",
+        "fault_tolerance.replica_groups=2", "fault_tolerance.quorum_timeout_s=20", steps=steps))
+    lighthouse, survivor, victim = job_ids(proc.stdout)
+    deadline = time.time() + 60
+    while not ((dump / "group_1" / "metrics.jsonl").is_file()
+               and len(read_metrics(dump / "group_1")) >= 3):
+        assert time.time() < deadline and job_field(victim, "JobState") not in FINISHED, \
+            dump_logs(dump / "slurm")
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "requeue", victim], check=True)
+    while job_field(victim, "JobState") != "PENDING":   # saved, stopped, requeued
+        assert time.time() < deadline, dump_logs(dump / "slurm")
+        time.sleep(0.2)
+    time.sleep(1)   # a later second than the run's end (release_if_requeued says why)
+    subprocess.run(["scontrol", "update", f"JobId={victim}", "StartTime=now"], check=True)
+    for job in (victim, survivor, lighthouse):
+        assert wait_for(job, timeout=120, logs=dump / "slurm") == "COMPLETED", \
+            dump_logs(dump / "slurm")
+    logs = (dump / "slurm" / f"{victim}_0_log.out").read_text()   # both of its runs
+    assert job_field(victim, "Restarts") == "1" and "requeues so far 1" in logs, logs[-3000:]
+    assert "group 1 healed from a live group" in logs, logs[-3000:]
+    assert [row["step"] for row in read_metrics(dump / "group_0")] == list(range(1, steps + 1))
+    assert model_checksums(final_checkpoint(dump / "group_0", steps)) == \
+        model_checksums(final_checkpoint(dump / "group_1", steps))
+
+
 # tests.test_slurm doubles as a stool app for the next test (stool needs load_config and main; the
 # job imports this module from its code snapshot): the llama config, and a main whose rank 1 fails
 # at once while rank 0 waits, as a rank blocked in a collective on a dead peer would.
@@ -384,8 +438,8 @@ def usable_cpus() -> int:
 def test_starting_the_local_slurm_again_changes_nothing():
     """`start` is idempotent: with the config unchanged the daemons keep running (their jobs
     with them), and the config they run is the one written (accounting through slurmdbd). The
-    node has the machine's CPUs, also when started from a shell with OMP_NUM_THREADS=1 (which
-    `nproc` follows)."""
+    node has the machine's CPUs and one for a lighthouse job, also when started from a shell
+    with OMP_NUM_THREADS=1 (which `nproc` follows)."""
     as_root = [] if os.geteuid() == 0 else ["sudo", "-n"]
     if as_root and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode != 0:
         pytest.skip("neither root nor passwordless sudo: cannot run setup/slurm_local.sh start")
@@ -399,9 +453,10 @@ def test_starting_the_local_slurm_again_changes_nothing():
     try:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         conf = Path("/etc/slurm/slurm.conf").read_text()
-        assert f" CPUs={usable_cpus()} " in conf and node_cpus() == usable_cpus(), conf
+        # One CPU more, for a fault-tolerant run's lighthouse job (setup/slurm_local.sh).
+        assert f" CPUs={usable_cpus() + 1} " in conf and node_cpus() == usable_cpus() + 1, conf
     finally:   # a node sized wrong would fail the other tests: give it back its size
-        if node_cpus() != usable_cpus():
+        if node_cpus() != usable_cpus() + 1:
             subprocess.run([*as_root, "env", "-u", "OMP_NUM_THREADS", *start], cwd=REPO,
                            capture_output=True, timeout=300)
     assert {name: (state / f"{name}.pid").read_text() for name in before} == before

@@ -406,6 +406,8 @@ def test_reusing_a_dump_dir_with_another_config_is_refused(corpus, tmp_path):
     stool.check_dump_dir(sub)  # same config: resubmitting resumes, allowed
     [same_but_slurm] = stool.plan(train, [*tiny_args(corpus, dump), "slurm.time=5"], False)
     stool.check_dump_dir(same_but_slurm)  # only slurm.* differs: allowed
+    [moved] = stool.plan(train, [*tiny_args(corpus, dump), "fault_tolerance.lighthouse=h:1"], False)
+    stool.check_dump_dir(moved)  # each run's own lighthouse address (a group's job writes it)
     [other] = stool.plan(train, [*tiny_args(corpus, dump), "optim.lr=1e-2"], multirun=False)
     with pytest.raises(ConfigError, match=r"optim.lr \(0.003 -> 0.01\).*slurm.reuse_dump_dir=true"):
         stool.check_dump_dir(other)
@@ -564,3 +566,78 @@ def test_a_dry_run_names_every_problem_at_once(tmp_path, monkeypatch):
                     "optim.lr=-1.0 must be", "data.seq_len=2048 is longer than model.max_seq_len"):
         assert problem in message, message
     assert not (tmp_path / "runs").exists()
+
+
+FT = ["fault_tolerance.enabled=true", "fault_tolerance.replica_groups=2",
+      "fault_tolerance.min_replicas=2"]
+
+
+def _fake_sbatch(tmp_path, monkeypatch) -> Path:
+    """An sbatch that keeps each script as <job id>.sh (ids from 100) and answers as Slurm does."""
+    bin_dir, kept = tmp_path / "sbatch_bin", tmp_path / "submitted"
+    bin_dir.mkdir()
+    kept.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\nid=$((100 + $(ls {kept} | wc -l)))\n'
+                                    f'cp "$1" {kept}/$id.sh\necho "Submitted batch job $id"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return kept
+
+
+def test_a_fault_tolerant_run_is_a_lighthouse_job_and_one_job_per_group(corpus, tmp_path,
+                                                                        monkeypatch, capsys):
+    import pickle
+
+    dump, kept = tmp_path / "ft", _fake_sbatch(tmp_path, monkeypatch)
+    args = [*tiny_args(corpus, dump, *FT), "slurm.time=30", "slurm.max_requeues=3"]
+    assert stool.submit("apps.llama.train", [*args, "slurm.dry_run=true"]) == []
+    dry = capsys.readouterr().out
+    assert not dump.exists() and not list(kept.iterdir())
+    lighthouse, groups = dry.split("# the lighthouse job, above")
+    light = _sbatch_lines(lighthouse)   # one CPU, for the groups' whole time with requeues
+    assert (light["job-name"], light["ntasks-per-node"], light["cpus-per-task"], light["mem"],
+            light["time"]) == ("ft-lighthouse", "1", "1", "1G", "120"), lighthouse
+    assert "dependency" not in light and "array" not in light
+    group = _sbatch_lines(groups)
+    assert group["dependency"] == "'after:<lighthouse job id>'", groups
+    assert group["array"].startswith("0-1"), groups
+    for g in range(2):
+        [line] = [ln for ln in groups.splitlines()
+                  if ln.startswith("# would run:") and f"group_id={g}" in ln]
+        assert f"dump_dir={dump / f'group_{g}'}" in line, line
+
+    jobs = stool.submit("apps.llama.train", args)
+    out = capsys.readouterr().out
+    assert [j.job_id for j in jobs] == ["100", "101_0", "101_1"], out
+    assert "submitted job 100: the lighthouse of 2 replica groups" in out
+    assert "scancel 100 101 101" in out and "submitted job 101_1" in out
+    assert "--dependency=after:100" in (kept / "101.sh").read_text()
+    assert "--dependency" not in (kept / "100.sh").read_text()
+    assert (dump / "lighthouse_jobs").read_text() == "101"   # what the lighthouse job polls
+    for g in range(2):
+        saved = OmegaConf.load(dump / f"group_{g}" / "config.yaml")
+        assert saved.fault_tolerance.group_id == g and saved.dump_dir == str(dump / f"group_{g}")
+        with open(dump / "slurm" / f"101_{g}_submitted.pkl", "rb") as f:
+            job = pickle.load(f).function
+        assert job.lighthouse == (dump / "lighthouse", 60) and f"fault_tolerance.group_id={g}" in \
+            job.overrides
+    with open(dump / "slurm" / "100_submitted.pkl", "rb") as f:
+        served = pickle.load(f)
+    assert served.function.__name__ == "serve_lighthouse" and served.args == (2, dump)
+
+
+def test_a_given_lighthouse_gets_no_lighthouse_job_and_refusals(corpus, tmp_path, capsys):
+    from apps.llama import train
+
+    dump = tmp_path / "given"
+    args = [*tiny_args(corpus, dump, *FT), "slurm.dry_run=true"]
+    stool.submit("apps.llama.train", [*args, "fault_tolerance.lighthouse=http://lh:29510"])
+    dry = capsys.readouterr().out
+    assert "lighthouse job" not in dry and "--dependency" not in dry and "--array=0-1" in dry
+    with pytest.raises(ConfigError, match="stool assigns the ids|assigns the ids"):
+        stool.plan_run(train, [*args, "fault_tolerance.group_id=1"], multirun=False)
+    with pytest.raises(ConfigError, match="--multirun with fault_tolerance.enabled=true"):
+        stool.plan_run(train, [*args, "optim.lr=1e-3,3e-3"], multirun=True)
+    # A group validates with its own id: a layout fault tolerance refuses is refused up front.
+    with pytest.raises(ConfigError, match="distributed.pp=2"):
+        stool.plan_run(train, [*args, "distributed.pp=2", "slurm.tasks_per_node=2"], False)

@@ -1,9 +1,7 @@
 """What this machine offers a training run: `python -m lingua.env` (the first thing to run on a new
-cluster, and what to paste into a bug report).
-
-Prints torch, CUDA and NCCL versions, GPUs, InfiniBand devices, Slurm, and the distributed
-variables; those whose names look like keys or tokens are shown as set / not set only.
-"""
+cluster, and what to paste into a bug report). Prints torch, CUDA and NCCL versions, GPUs,
+InfiniBand devices, Slurm, and the distributed variables; those whose names look like keys or
+tokens are shown as set / not set only."""
 
 import os
 import platform

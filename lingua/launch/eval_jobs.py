@@ -1,9 +1,7 @@
 """eval.mode=async: each evaluation step's checkpoint is evaluated by its own Slurm job (files
-under evals/<step>/: docs/evaluation.md), and the training never waits for it.
-
-Each Slurm task runs `EvalJob`, a parent that runs the evaluation as a child and judges how it
-ended (`decide`): a child killed outright (OOM) requeues the job, which skips finished tasks.
-"""
+under evals/<step>/: docs/evaluation.md) and training never waits for it. Each task runs
+`EvalJob`, a parent that runs the evaluation as a child and judges how it ended (`decide`): a
+child killed outright (OOM) requeues the job, which skips finished tasks."""
 
 import datetime
 import json

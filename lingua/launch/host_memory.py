@@ -1,7 +1,6 @@
 """The process's host-memory policy: when Python's garbage collector runs (the GarbageCollection
 hook: never at a random step) and how glibc's malloc keeps freed memory on CPU
-(keep_freed_memory: as CUDA's caching allocator does on GPU).
-"""
+(keep_freed_memory: as CUDA's caching allocator does on GPU)."""
 
 import gc
 from typing import Optional

@@ -4,35 +4,30 @@
     python -m lingua.plan apps.moe.train config=deepseek_16b ... --world-size 64 --mfu 0.3
 
 The config is composed and validated as the job's (lingua.launch.run.validate) for its world size
-and device, but without the data: a missing data.root, tokenizer file, val/ directory or
-checkpoint.init_from is a `warning:` line, and the vocabulary is model.vocab_size. Then, without a
-GPU, the real model is built on the meta device and parallelised with the app's own plan (TP, CP,
-EP, activation checkpointing, FSDP, pipeline stages) on torch's fake process group at the job's
-world size, and what a rank holds is read off the local shards of its parameters, never computed
-from a formula (a layer left replicated shows up here). The first rank of each pipeline stage is
-built (torch gives the first ranks the larger chunks of uneven splits); the busiest rank decides.
+and device, without the data: a missing data.root, tokenizer, val/ or checkpoint.init_from is a
+`warning:` line, the vocabulary model.vocab_size. Then the real model is built on the meta device
+and parallelised with the app's own plan (TP, CP, EP, AC, FSDP, pipeline stages) on torch's fake
+process group at the job's world size; what a rank holds is read off its parameters' local shards,
+not a formula (a layer left replicated shows). The first rank of each stage is built (torch gives
+the first ranks the larger chunks of uneven splits); the busiest rank decides.
 
-Memory of a rank (lingua.launch.plan_memory):
-  parameters   local shards as stored, plus the buffers (RoPE tables, expert bias);
-  gradients    the same shapes and dtype, of the trainable parameters only (a frozen weight,
-               LoRA's base, has no gradient and no optimizer state);
-  optimizer    its OptimizerSpec.state_bytes (AdamW: two moments of each trainable local shard);
-  FSDP buffers compute-dtype copies FSDP gathers: the root unit (kept for the whole step) and
-               two blocks in flight (every block with reshard_after_forward=false), plus the
-               unsharded gradients of the root and one block and its fp32 reduce-scatter input;
-  autocast     bf16 layouts without FSDP keep autocast's bf16 copy of every matmul weight;
-  activations  the estimate of lingua.launch.plan_activations, for the micro-batches in flight;
-and the rank fits when the sum is at most 90% of the GPU's memory (the rest: CUDA context, NCCL,
-fragmentation). With distributed.cpu_offload parameters, gradients and optimizer state are listed
-as host memory, not counted. A LoRA run also prints its busiest rank at lora.rank=0.
+A rank's memory (lingua.launch.plan_memory): parameters (local shards as stored, plus buffers);
+gradients (same shapes and dtype, trainable parameters only: LoRA's frozen base has neither
+gradient nor optimizer state); optimizer (OptimizerSpec.state_bytes; AdamW: two moments a shard);
+FSDP buffers (compute-dtype gathers of the root unit, kept all step, and of two blocks in flight,
+or every block with reshard_after_forward=false; the unsharded gradients of the root and one block
+and its fp32 reduce-scatter input); autocast (bf16 layouts without FSDP keep a bf16 copy of each
+matmul weight); activations (lingua.launch.plan_activations, for the micro-batches in flight). It
+fits at 90% of the GPU's memory at most (the rest: CUDA context, NCCL, fragmentation). Under
+distributed.cpu_offload parameters, gradients and optimizer state are host memory, not counted. A
+LoRA run also prints its busiest rank at lora.rank=0.
 
 FLOPs per token are the app's (App.flops_per_token, else lingua.observe.metrics.flops_per_token,
-as MFU is logged); tokens/s = MFU x peak / FLOPs per token, with the dense bf16 (or fp32) peak of
-metrics.GPU_PEAK_FLOPS. The MFU is an assumption (--mfu, default 40%), bubbles and communication
-included. When the run does not fit, the planner re-plans the cheapest changes in order (ac=op,
-ac=full, a larger tp inside a node up to 8, then 2x / 4x / 8x the nodes, each with each ac) and
-names the first that fits.
-"""
+as MFU is logged); tokens/s = MFU x peak / FLOPs per token, with metrics.GPU_PEAK_FLOPS's dense
+bf16 (or fp32) peak. The MFU is assumed (--mfu, default 40%), bubbles and communication included.
+When the run does not fit, the planner re-plans the cheapest changes in order (ac=op, ac=full, a
+larger tp inside a node up to 8, then 2x / 4x / 8x the nodes, each with each ac) and names the
+first that fits."""
 
 import argparse
 import dataclasses

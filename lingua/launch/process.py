@@ -1,6 +1,5 @@
 """A training process's start before the loop: logging, the torch version check, malloc tuning on
-CPU (host_memory.py), signal listening, the embedded corpus on first use, and the run's
-config.yaml.
+CPU (host_memory.py), signal listening, the embedded corpus on first use, the run's config.yaml.
 """
 
 import logging

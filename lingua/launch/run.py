@@ -3,8 +3,7 @@
 which reads top to bottom like a script. What differs between apps (model class, parallel plan,
 checks, loss, extra metrics, per-step updates) comes in through `App` (lingua/train/app.py), so
 fixes to the flow reach every app. It lives at the top layer because the schema and the hooks
-include evaluation's (lingua.eval).
-"""
+include evaluation's (lingua.eval)."""
 
 import functools
 from dataclasses import dataclass, field
@@ -50,8 +49,7 @@ class BaseTrainArgs:
     dump_dir: str = "runs/debug"
     steps: int = 100
     seed: int = 42
-    # Young generations collected every gc_every steps, all every gc_full_every (0: never); see
-    # launch.host_memory.GarbageCollection.
+    # Young generations every gc_every steps, all every gc_full_every (0: never): GarbageCollection.
     gc_every: int = 50
     gc_full_every: int = 1000
     data: DataArgs = field(default_factory=DataArgs)

@@ -289,8 +289,7 @@ def make_executor(slurm: SlurmArgs, folder: Path, code_dir: Path, job_name: str)
     from lingua.parallel.distributed import JOB_DEVICE_VAR
 
     setup = [f"cd {shlex.quote(str(code_dir))}", f"export PYTHONPATH={shlex.quote(str(code_dir))}",
-             # The device stool validated for, whatever the submitting shell (which sbatch
-             # exports) set LINGUA_JOB_DEVICE to.
+             # The device stool validated for, whatever LINGUA_JOB_DEVICE sbatch exports.
              f"unset {JOB_DEVICE_VAR}" if slurm.gpus_per_node else f"export {JOB_DEVICE_VAR}=cpu"]
     params = dict(job_name=job_name, nodes=slurm.nodes, ntasks_per_node=slurm.tasks_per_node,
                   time=slurm.time, signal_delay_s=slurm.signal_delay_s, setup=setup,

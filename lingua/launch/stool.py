@@ -1,13 +1,11 @@
 """stool: submit any app's training run to Slurm in one command, through submitit (docs/slurm.md).
-
-The config is validated exactly as the job will see it (its world size and device), so a typo
-fails in a second, not after hours in the queue. The job runs from a code snapshot in
-`<dump_dir>/code`, so editing the checkout changes no queued or requeued job. Config values never
-pass through a shell (they reach the job pickled), and the environment goes through sbatch, never
-a file: secrets are not written.
-"""
+The config is validated as the job will see it (its world size and device): a typo fails in a
+second, not after hours in the queue. The job runs from a code snapshot in `<dump_dir>/code`:
+editing the checkout changes no queued or requeued job. Config values never pass through a shell
+(they reach the job pickled), the environment goes through sbatch, never a file (no secrets)."""
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -36,9 +34,10 @@ STOP_GRACE_S = 5     # how long rank 0 of a stopped multi-rank job waits for its
 class TrainJob:
     """What each Slurm task runs (submitit pickles it): the app's main() with the overrides."""
 
-    def __init__(self, module: str, overrides: List[str]):
+    def __init__(self, module: str, overrides: List[str], lighthouse: Optional[tuple] = None):
         self.module = module
         self.overrides = list(overrides)
+        self.lighthouse = lighthouse   # (address file, wait s) of stool's lighthouse job, or None
 
     def __call__(self) -> int:
         # Before importing torch: Slurm's USR2 may come during start-up, where submitit's handler
@@ -48,6 +47,11 @@ class TrainJob:
 
         distributed.adopt_launcher_vars()
         app = importlib.import_module(self.module)
+        if self.lighthouse:   # the address stool's lighthouse job writes ('' is refused by name)
+            from lingua.parallel.fault_tolerance import read_address
+
+            address = hydra_quote(read_address(*self.lighthouse))
+            self.overrides.append(f"fault_tolerance.lighthouse={address}")
         print(f"stool job: {self.module} from {Path(app.__file__).resolve().parent}, rank "
               f"{os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '1')}, "
               f"requeues so far {preemption.requeues_so_far()}", flush=True)
@@ -237,7 +241,9 @@ def check_dump_dir(sub: Submission) -> None:
         raise ConfigError(f"{existing} cannot be read ({err}). Use another dump_dir, or pass "
                           f"slurm.reuse_dump_dir=true to replace it.") from None
     old, new = _flat(old), _flat(config.to_dict(sub.args))
+    # The lighthouse address is each run's own (a group's job writes it into config.yaml).
     differ = sorted(k for k in set(old) | set(new) if not k.startswith("slurm.")
+                    and k != "fault_tolerance.lighthouse"
                     and old.get(k, "<absent>") != new.get(k, "<absent>"))
     if differ:
         shown = ", ".join(f"{k} ({old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r})"
@@ -335,13 +341,85 @@ def dry_run_plan(module: str, sub, sweep: bool) -> str:
     return "\n".join(f"# {line}".rstrip() for line in [header, *text.splitlines()])
 
 
+def plan_run(app, overrides: List[str], multirun: bool) -> tuple:
+    """(jobs, run directory or None): with fault_tolerance.enabled, one job per replica group g,
+    in <dump_dir>/group_<g>, each validated with its group_id."""
+    combos = sweep_overrides(overrides)[0] if multirun else [overrides]
+    raws = [app.load_config(combo, check=False) for combo in combos]
+    ft = [r.fault_tolerance for r in raws if getattr(r, "fault_tolerance", None) is not None
+          and r.fault_tolerance.enabled]
+    if not ft:
+        return plan(app, overrides, multirun), None
+    if multirun:
+        raise ConfigError("stool --multirun with fault_tolerance.enabled=true is not supported "
+                          "(each run would need its own lighthouse and replica groups): submit "
+                          "one stool command per value.")
+    if any(o.lstrip("+").split("=", 1)[0] == "fault_tolerance.group_id" for o in overrides):
+        raise ConfigError("fault_tolerance.group_id is given, but stool submits every replica "
+                          "group itself (group g as a job of its own, in <dump_dir>/group_<g>) "
+                          "and assigns the ids. Leave fault_tolerance.group_id out.")
+    root = Path(raws[0].dump_dir).resolve()
+    return [plan(app, [*overrides, f"fault_tolerance.group_id={g}",
+                       path_override("dump_dir", root / f"group_{g}")], False)[0]
+            for g in range(ft[0].replica_groups)], root
+
+
+def lighthouse_executor(slurm, folder: Path, code_dir: Path, job_name: str):
+    """One CPU, little memory, the groups' time with all their requeues (it ends when they do)."""
+    alone = dataclasses.replace(slurm, nodes=1, tasks_per_node=1, gpus_per_node=0,
+                                cpus_per_task=1, mem="1G",
+                                time=slurm.time * (slurm.max_requeues + 1))
+    return make_executor(alone, folder, code_dir, f"{job_name}-lighthouse")
+
+
+def start_after(executor, job_id: str) -> None:
+    extra = dict(executor.parameters["additional_parameters"], dependency=f"after:{job_id}")
+    executor.update_parameters(additional_parameters=extra)
+
+
+def submit_jobs(module: str, submissions: list, executor, lighthouse, root: Path) -> list:
+    """The lighthouse job first where stool runs one (the groups start after it), then the
+    runs; what was queued is cancelled if Slurm refuses a job."""
+    from submitit.core.utils import FailedJobError
+
+    args, jobs = submissions[0].args, []
+    try:
+        if lighthouse is not None:
+            for name in ("lighthouse", "lighthouse_jobs"):   # a previous submission's
+                (root / name).unlink(missing_ok=True)
+            from lingua.parallel.fault_tolerance import serve_lighthouse
+
+            jobs.append(lighthouse.submit(serve_lighthouse, args.fault_tolerance.min_replicas,
+                                          root))
+            start_after(executor, jobs[0].job_id)
+        found = (root / "lighthouse", args.fault_tolerance.quorum_timeout_s) if lighthouse else None
+        with executor.batch() if len(submissions) > 1 else contextlib.nullcontext():
+            jobs += [executor.submit(TrainJob(module, sub.overrides, found))
+                     for sub in submissions]
+    except FailedJobError as err:
+        for job in jobs:
+            job.cancel(check=False)
+        chosen = submissions[0].filled if args.slurm.gpus_per_node else []  # CPU jobs: 1 task
+        hint = (f" stool chose {', '.join(chosen)} (slurm.* left at 0); if the nodes have fewer "
+                f"CPUs or GPUs, set those keys." if chosen else "")
+        raise ConfigError(f"Slurm refused the job: {str(err).strip()}\nCheck the slurm.* values "
+                          f"(partition, account, qos, time, resources) against `sinfo` and your "
+                          f"cluster's limits.{hint} The dump dir holds the config and the code "
+                          f"snapshot; nothing else was changed.") from None
+    if lighthouse is not None:   # the lighthouse serves while these are queued
+        ids = root / ".lighthouse_jobs.tmp"
+        ids.write_text(",".join(dict.fromkeys(str(j.job_id).split("_")[0] for j in jobs[1:])))
+        os.replace(ids, root / "lighthouse_jobs")
+    return jobs
+
+
 def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
     """Validate, snapshot, write config.yaml and submit; the submitit jobs ([] on a dry run)."""
     app = config.import_app(module)
-    submissions = plan(app, overrides, multirun)
+    submissions, ft_root = plan_run(app, overrides, multirun)
     slurm = submissions[0].args.slurm
     sweep = len(submissions) > 1
-    root = submissions[0].dump_dir.parent if sweep else submissions[0].dump_dir
+    root = ft_root or (submissions[0].dump_dir.parent if sweep else submissions[0].dump_dir)
     code_dir, folder = root / "code", root / "slurm"
     job_name = slurm.job_name or root.name or "lingua"
     if not slurm.dry_run and shutil.which("sbatch") is None:
@@ -350,9 +428,16 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
                           "or train without Slurm: `torchrun --nproc-per-node N -m " + module
                           + " ...`.")
     executor = make_executor(slurm, folder, code_dir, job_name)
+    # A fault-tolerant run with no lighthouse given gets a lighthouse job of its own.
+    lighthouse = (lighthouse_executor(slurm, folder, code_dir, job_name)
+                  if ft_root and not submissions[0].args.fault_tolerance.lighthouse else None)
     # Against the cluster's nodes, on a dry run too where sinfo answers.
     checked = check_resources(slurm, submissions[0].filled if slurm.gpus_per_node else [])
     if slurm.dry_run:
+        if lighthouse is not None:
+            print(batch_script(lighthouse, 1))
+            print("# the lighthouse job, above; the replica groups' jobs, below, start after it")
+            start_after(executor, "<lighthouse job id>")
         print(batch_script(executor, len(submissions)))
         for sub in submissions:   # as typed in a shell, it runs the job's config here
             print(f"# would run: {shell_join(['python', '-m', module, *job_overrides(sub)])}")
@@ -369,27 +454,20 @@ def submit(module: str, overrides: List[str], multirun: bool = False) -> list:
     n_files = snapshot_code(code_dir)
     for sub in submissions:
         config.dump(sub.args, sub.dump_dir / "config.yaml")
-    from submitit.core.utils import FailedJobError
-
-    try:
-        with executor.batch() if sweep else contextlib.nullcontext():
-            jobs = [executor.submit(TrainJob(module, sub.overrides)) for sub in submissions]
-    except FailedJobError as err:
-        chosen = submissions[0].filled if slurm.gpus_per_node else []  # CPU jobs: 1 task, as ever
-        hint = (f" stool chose {', '.join(chosen)} (slurm.* left at 0); if the nodes have fewer "
-                f"CPUs or GPUs, set those keys." if chosen else "")
-        raise ConfigError(f"Slurm refused the job: {str(err).strip()}\nCheck the slurm.* values "
-                          f"(partition, account, qos, time, resources) against `sinfo` and your "
-                          f"cluster's limits.{hint} The dump dir holds the config and the code "
-                          f"snapshot; nothing else was changed.") from None
+    jobs = submit_jobs(module, submissions, executor, lighthouse, root)
     n_tasks = slurm.nodes * slurm.tasks_per_node
     print(f"code snapshot: {code_dir} ({n_files} files)")
-    for job, sub in zip(jobs, submissions):
+    if lighthouse is not None:
+        print(f"submitted job {jobs[0].job_id}: the lighthouse of {len(submissions)} replica "
+              f"groups, its address in {root / 'lighthouse'}")
+    for job, sub in zip(jobs[len(jobs) - len(submissions):], submissions):
         print(f"submitted job {job.job_id}: {module}, {n_tasks} task(s) on {slurm.nodes} node(s)")
         print(f"  dump dir: {sub.dump_dir}")
         for path in log_paths(job, n_tasks):
             print(f"  log: {path}")
     print(status_hint([job.job_id for job in jobs]))
+    if ft_root:
+        print(f"  cancel the run: scancel {' '.join(str(j.job_id).split('_')[0] for j in jobs)}")
     return jobs
 
 

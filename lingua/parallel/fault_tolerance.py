@@ -19,9 +19,12 @@ import dataclasses
 import logging
 import os
 import socket
+import subprocess
+import time
 from dataclasses import dataclass, field
-from typing import Optional
 from datetime import timedelta
+from pathlib import Path
+from typing import Optional
 from urllib.parse import urlparse
 
 import torch
@@ -175,3 +178,38 @@ class FaultToleranceHook(Hook):
         if self.manager is not None:
             self.manager.shutdown(wait=False)
 
+
+def serve_lighthouse(min_replicas: int, root, poll_s: float = 2) -> None:
+    """stool's lighthouse job: its address goes to <root>/lighthouse (atomically: a group never
+    reads half of it); it serves while a job of <root>/lighthouse_jobs (the groups' ids, which
+    stool writes once it has submitted them) is in Slurm's queue."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=10000,
+                              quorum_tick_ms=100)
+    path, ids = Path(root) / "lighthouse", Path(root) / "lighthouse_jobs"
+    tmp = path.with_name(f".lighthouse.tmp-{os.getpid()}")
+    tmp.write_text(server.address())
+    os.replace(tmp, path)
+    print(f"lighthouse {server.address()} (min_replicas {min_replicas}) in {path}", flush=True)
+    try:
+        while not ids.is_file() or slurm_jobs_queued(ids.read_text().strip()):
+            time.sleep(poll_s)
+    finally:
+        server.shutdown()
+
+
+def slurm_jobs_queued(ids: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-o", "%i", "-j", ids], capture_output=True, text=True)
+    # Slurm forgets a finished job (MinJobAge): "Invalid job id" is gone, other errors are not.
+    return bool(out.stdout.strip()) or (out.returncode != 0
+                                         and "Invalid job id" not in out.stderr)
+
+
+def read_address(path, wait_s: float) -> str:
+    """What serve_lighthouse wrote to path, once there (it may start after a group); '' after
+    wait_s."""
+    deadline = time.monotonic() + wait_s
+    while not Path(path).is_file() and time.monotonic() < deadline:
+        time.sleep(1)
+    return Path(path).read_text().strip() if Path(path).is_file() else ""
