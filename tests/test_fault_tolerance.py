@@ -157,12 +157,14 @@ def test_the_layouts_fault_tolerance_cannot_take_are_refused(corpus, tmp_path):
                              "fault_tolerance.lighthouse=http://127.0.0.1:1",
                              "fault_tolerance.replica_groups=2", "fault_tolerance.group_id=2",
                              "distributed.pp=2", "distributed.dp_replicate=2",
-                             "spikes.policy=rollback", "checkpoint.every=1", steps=1))
+                             "spikes.policy=rollback", "checkpoint.every=1",
+                             "data.format=jsonl", steps=1))
     message = str(err.value)
     assert "group_id=2 must be in 0 .. replica_groups-1" in message
     assert "pipeline parallel across replica groups is not supported" in message
     assert "set fault_tolerance.replica_groups instead" in message
     assert "use spikes.policy=skip with fault_tolerance" in message
+    assert "data.format=jsonl: each data rank's position" in message
 
 
 HEALING = "healing required"   # torchft's line, as a group starts fetching a peer's state
@@ -200,7 +202,10 @@ def workers(proc) -> list:
 
 
 def kill(proc, sig=signal.SIGKILL) -> None:
-    """The torchrun and its ranks (each rank is in a session of its own: not in the agent's)."""
+    """The torchrun and its ranks (each rank is in a session of its own: not in the agent's).
+    Only while the torchrun is not reaped: after that its pid may be another process's."""
+    if proc.poll() is not None:
+        return
     for pid in [*workers(proc), proc.pid]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
@@ -251,8 +256,10 @@ def test_a_killed_group_heals_from_the_live_one_even_after_a_kill_during_its_hea
             assert integrity.verify(ckpt) is None, f"{ckpt}: {integrity.verify(ckpt)}"
 
         procs[victim] = start(dumps[victim], group_id=victim, log_name="restart2.log")
-        healed_line = lambda: [line for line in (tmp_path / "restart2.log").read_text()
-                               .splitlines() if HEALED in line]
+        def healed_line():
+            return [line for line in (tmp_path / "restart2.log").read_text().splitlines()
+                    if HEALED in line]
+
         wait_for(healed_line, procs, "the second restart's heal", limit_s=120)
         healed_at = int(healed_line()[0].rsplit(" ", 1)[1])
         common = (healed_at // SAVE_EVERY + 2) * SAVE_EVERY   # saved by both after the heal

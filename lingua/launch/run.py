@@ -97,7 +97,7 @@ def _checks(check, args, app: App, data_files: bool) -> None:
             "checkpoint.every=0 none is saved before the end. Set checkpoint.every=N (a rollback "
             "replays up to N steps), or use spikes.policy=skip.")
     check(distributed.validate_args, args.distributed)
-    check(fault_tolerance.validate_args, args.fault_tolerance, args.distributed, args.spikes)
+    check(fault_tolerance.validate_args, args)
     d = args.distributed
     dims = check(distributed.parallel_dims, d, distributed.world_size_from_env())
     if dims is not None and data_files:   # jsonl: a usable line for every data-parallel rank

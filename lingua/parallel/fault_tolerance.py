@@ -46,8 +46,9 @@ class FaultToleranceArgs:
     quorum_timeout_s: int = 60      # wait for the lighthouse's quorum, and torchft's collectives
 
 
-def validate_args(ft: FaultToleranceArgs, dist_args, spikes) -> None:
-    """All of fault_tolerance's problems with this config, in one ConfigError."""
+def validate_args(args) -> None:
+    """All of fault_tolerance's problems with the run's config `args`, in one ConfigError."""
+    ft, dist_args = args.fault_tolerance, args.distributed
     if not ft.enabled:
         return
     problems = []
@@ -64,7 +65,11 @@ def validate_args(ft: FaultToleranceArgs, dist_args, spikes) -> None:
         problems.append(f"distributed.dp_replicate={dist_args.dp_replicate}: the replica groups "
                         f"take the replicate dimension's place; set "
                         f"fault_tolerance.replica_groups instead.")
-    if spikes.policy == "rollback":
+    if args.data.format in ("jsonl", "parquet"):
+        problems.append(f"data.format={args.data.format}: each data rank's position in the "
+                        f"stream is its own, so a group that heals could not take its peer's; "
+                        f"use data.format=memmap (setup/prepare_data.py) or chat.")
+    if args.spikes.policy == "rollback":
         problems.append("spikes.policy=rollback loads the group's own newest checkpoint, which a "
                         "group that healed from a peer may not have; use spikes.policy=skip with "
                         "fault_tolerance.")
