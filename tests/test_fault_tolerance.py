@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from apps.llama import train
 from lingua.errors import ConfigError
@@ -136,6 +137,28 @@ def test_the_local_recipe_two_fsdp_groups_of_two_ranks_equal_one_process(corpus,
     finally:
         server.kill()
         server.wait()
+    assert_groups_equal_one_process(dumps, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_groups_on_two_gpus_over_nccl_equal_one_gpu(corpus, tmp_path, lighthouse):
+    """torchft's ProcessGroupNCCL between the groups (one GPU each, CUDA_VISIBLE_DEVICES)
+    against one GPU on the whole batch (GPU_RUNBOOK.md: two GPUs)."""
+    reference = tmp_path / "reference"
+    run_python("apps.llama.train", tiny_args(corpus, reference, "data.batch_size=4", *NO_VAL,
+                                             steps=STEPS), fresh=True)
+
+    def on_its_gpu(args):
+        group = next(a for a in args if a.startswith("fault_tolerance.group_id=")).split("=")[1]
+        proc = subprocess.run([sys.executable, "-m", "apps.llama.train", *args], cwd=REPO,
+                              env=dict(os.environ, PYTHONPATH=str(REPO),
+                                       CUDA_VISIBLE_DEVICES=group),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+
+    dumps = run_groups(on_its_gpu, corpus, tmp_path, lighthouse, ["data.batch_size=2"])
     assert_groups_equal_one_process(dumps, reference)
 
 
