@@ -140,6 +140,53 @@ def test_the_local_recipe_two_fsdp_groups_of_two_ranks_equal_one_process(corpus,
     assert_groups_equal_one_process(dumps, reference)
 
 
+@pytest.fixture(scope="module")
+def jsonl_corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jsonl_corpus")
+    (root / "val").mkdir()
+    for path, n in ((root / "0.jsonl", 120), (root / "val" / "0.jsonl", 8)):
+        path.write_text("".join(json.dumps({"text": f"Document {i}. " + " ".join(
+            f"w{(i * 7 + j) % 50}" for j in range(30))}) + "\n" for i in range(n)))
+    return root
+
+
+@pytest.mark.distributed
+def test_a_group_behind_heals_and_reads_its_own_jsonl_stream_forward(jsonl_corpus, tmp_path,
+                                                                     lighthouse):
+    """jsonl: each data rank's stream position is its own, so a healing group cannot take its
+    peer's. Both groups equal the reference; started again from different checkpoints (group 0
+    from step 2, group 1 from step 1), group 1 heals from group 0 at its first quorum, reads its
+    own stream one batch forward, and step 3 equals the reference's again. The reference is one
+    job of 2 data ranks: jsonl's rank r reads lines r, r + dp, ..., so one process's batch of 4
+    is packed from other lines."""
+    reference = tmp_path / "reference"
+    run_torchrun(2, "apps.llama.train", tiny_args(jsonl_corpus, reference, "data.format=jsonl",
+                                                  "data.batch_size=2", "distributed.dp_shard=2",
+                                                  *NO_VAL, steps=STEPS))
+    launch = functools.partial(
+        run_groups, lambda a: run_python("apps.llama.train", a, timeout=120), jsonl_corpus,
+        tmp_path, lighthouse, ["data.format=jsonl", "data.batch_size=2", "checkpoint.every=1",
+                               "checkpoint.keep=0"])
+    dumps = launch()
+    assert_groups_equal_one_process(dumps, reference)
+    shutil.rmtree(dumps[0] / "checkpoints" / str(STEPS))
+    for step in (2, 3):
+        shutil.rmtree(dumps[1] / "checkpoints" / str(step))
+    outputs = {}
+    launch(outputs=outputs)
+    assert "group 1 heals from a live group: step 2" in outputs[1], outputs[1][-3000:]
+    rows, want = [read_rows(d) for d in dumps], read_rows(reference)
+    assert [r["step"] for r in rows[1]] == [1, 3]   # step 2 was its peer's
+    assert_same_rows(rows[0], want, keys=("grad_norm",), what="group 0")
+    assert_same_rows(rows[1][1:], want[2:], keys=("grad_norm",), what="healed group 1")
+    # Each group's loss is its own part's: the healed group read the batch it should have.
+    mean = [dict(rows[0][2], loss=(rows[0][2]["loss"] + rows[1][1]["loss"]) / 2)]
+    assert_same_rows(mean, want[2:], keys=("loss",), what="groups' mean at step 3")
+    for d in dumps:
+        assert_same_checksums(model_checksums(final_checkpoint(d, STEPS)),
+                              model_checksums(final_checkpoint(reference, STEPS)), what="group")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_groups_on_two_gpus_over_nccl_equal_one_gpu(corpus, tmp_path, lighthouse):
@@ -180,14 +227,12 @@ def test_the_layouts_fault_tolerance_cannot_take_are_refused(corpus, tmp_path):
                              "fault_tolerance.lighthouse=http://127.0.0.1:1",
                              "fault_tolerance.replica_groups=2", "fault_tolerance.group_id=2",
                              "distributed.pp=2", "distributed.dp_replicate=2",
-                             "spikes.policy=rollback", "checkpoint.every=1",
-                             "data.format=jsonl", steps=1))
+                             "spikes.policy=rollback", "checkpoint.every=1", steps=1))
     message = str(err.value)
     assert "group_id=2 must be in 0 .. replica_groups-1" in message
     assert "pipeline parallel across replica groups is not supported" in message
     assert "set fault_tolerance.replica_groups instead" in message
     assert "use spikes.policy=skip with fault_tolerance" in message
-    assert "data.format=jsonl: each data rank's position" in message
 
 
 HEALING = "healing required"   # torchft's line, as a group starts fetching a peer's state

@@ -65,10 +65,6 @@ def validate_args(args) -> None:
         problems.append(f"distributed.dp_replicate={dist_args.dp_replicate}: the replica groups "
                         f"take the replicate dimension's place; set "
                         f"fault_tolerance.replica_groups instead.")
-    if args.data.format in ("jsonl", "parquet"):
-        problems.append(f"data.format={args.data.format}: each data rank's position in the "
-                        f"stream is its own, so a group that heals could not take its peer's; "
-                        f"use data.format=memmap (setup/prepare_data.py) or chat.")
     if args.spikes.policy == "rollback":
         problems.append("spikes.policy=rollback loads the group's own newest checkpoint, which a "
                         "group that healed from a peer may not have; use spikes.policy=skip with "

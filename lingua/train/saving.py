@@ -130,7 +130,15 @@ class Checkpointing:
             dcp.set_model_state_dict(part, _into(dcp.get_model_state_dict(part), model))
             own = dcp.get_optimizer_state_dict(part, optimizer, options=_FLAT)
             dcp.set_optimizer_state_dict(part, optimizer, _into(own, optim), options=_FLAT)
-        self.restore_train_state(state["train"])
+        train, behind = state["train"], 0
+        if train["data"].get("dp_rank", self.env.dp_rank) != self.env.dp_rank:
+            # jsonl/parquet: a data rank's position is its own, so this rank reads its stream
+            # forward by the batches it is behind (ours from the start or our checkpoint).
+            behind = train["batches_consumed"] - self.batches_consumed
+            train = dict(train, data=self.train_loader.state_dict())
+        self.restore_train_state(train)
+        for _ in range(behind):
+            self.train_loader.next_step()
         checkpoint.set_rng_state(state["rng"])
         self.log.rewind(self.step)
         self.window.reset()
