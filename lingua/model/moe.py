@@ -1,24 +1,19 @@
 """Mixture-of-experts layer: router, grouped experts, load-balancing losses. No distributed code.
 
-`MoE.forward` (x flattened to T tokens): router -> top-k experts and weights per token -> stable
-sort of the T*k assignments by expert -> optional capacity dropping -> `experts(x_sorted, counts)`
--> unsort -> weighted sum over the k slots -> plus shared experts. `experts` is expert
-parallelism's swap point: any module with `forward(x_sorted [n, dim] grouped in expert order,
-counts [n_experts]) -> [n, dim]`.
+`MoE.forward` (x flattened to T tokens): router -> top-k experts per token -> stable sort of the
+T*k assignments by expert -> optional capacity drop -> `experts(x_sorted, counts)` -> unsort ->
+weighted sum over the k slots -> plus shared experts. `experts` is expert parallelism's swap
+point: any module with `forward(x_sorted [n, dim] in expert order, counts [n_experts]) -> [n, dim]`.
 
-Load balancing over the GLOBAL batch:
-  * `moe.count_reducer(t)` sums `t` over the ranks holding distinct tokens of the micro-batch
-    (may work in place; identity unless lingua.parallel.expert_parallel sets it). Called once per
-    layer per training forward when aux_loss_coef or z_loss_coef > 0 (recomputes included), once
-    per step by update_expert_bias, never in eval mode.
-  * The balancing losses are SUMS over this rank's tokens, like the cross-entropy. With
-    f_e = reduced_count_e / sum(reduced_counts) (no gradient):
-      aux_sum = aux_loss_coef * n_experts * sum_e f_e * (sum over tokens of normalised scores_e)
-      z_sum   = z_loss_coef * (sum over tokens of logsumexp(logits)^2)
-    A training forward leaves `moe.balance_loss` = aux_sum + z_sum (None when both coefficients
-    are 0) for the app's loss (apps/moe) to add.
-  * `update_expert_bias(layers, rate)` (DeepSeek-V3 aux-loss-free balancing) runs after each
-    optimizer step on the counts reduced with the layers' `count_reducer`.
+Load balancing over the GLOBAL batch: `moe.count_reducer(t)` sums `t` (maybe in place) over the
+ranks holding distinct tokens of the micro-batch (identity unless lingua.parallel.expert_parallel
+sets it); called per layer per training forward when aux_loss_coef or z_loss_coef > 0 (recomputes
+included), once per step by update_expert_bias, never in eval mode. The balancing losses are SUMS
+over this rank's tokens, like the cross-entropy; with f_e = reduced_count_e / sum(reduced_counts):
+  aux_sum = aux_loss_coef * n_experts * sum_e f_e * (sum over tokens of normalised scores_e)
+  z_sum   = z_loss_coef * (sum over tokens of logsumexp(logits)^2)
+A training forward leaves `moe.balance_loss` = aux_sum + z_sum (None when both coefficients are 0)
+for apps/moe to add.
 """
 
 import math
@@ -120,9 +115,8 @@ class _Dispatch(torch.autograd.Function):
         return slots.view(-1, ctx.top_k, grad.shape[1]).sum(1), None, None, None
 
 
-# CPU oneDNN builds and caches a bf16/fp16 kernel per matmul shape, and each expert's row count
-# changes every step: so there each expert's rows are zero-padded to a multiple of CPU_GROUP_ROWS,
-# unless that padding is over 10% of the rows. A GPU's grouped GEMM is one kernel for any split.
+# CPU oneDNN caches a bf16/fp16 kernel per matmul shape and expert row counts change every step:
+# pad each expert's rows to a multiple of CPU_GROUP_ROWS unless that adds over 10% rows.
 CPU_GROUP_ROWS = 16
 
 
@@ -151,11 +145,9 @@ class _ScatterRows(torch.autograd.Function):
 
 
 def _pad_groups(x: torch.Tensor, counts: torch.Tensor, multiple: int):
-    """Expert-sorted rows x [n, dim], counts[e] per expert -> (padded_x, rows, offs): expert e's
-    rows start at a multiple of `multiple` with zero rows between groups, x[i] is
-    padded_x[rows[i]], offs are torch._grouped_mm's int32 group ends. padded_x has n + n_experts
-    * (multiple - 1) rows rounded up (independent of the routing, for torch.compile); the last
-    group runs to its end, as _grouped_mm leaves rows outside any group unwritten."""
+    """Expert-sorted x [n, dim] -> (padded_x, rows, offs): each group starts at a multiple of
+    `multiple`, x[i] is padded_x[rows[i]], offs are _grouped_mm's int32 group ends. The size does
+    not depend on the routing (torch.compile); the last group runs to the end (else unwritten)."""
     n, n_experts = x.shape[0], counts.numel()
     n_out = -(-(n + n_experts * (multiple - 1)) // multiple) * multiple
     padded = (counts + multiple - 1) // multiple * multiple
@@ -192,8 +184,7 @@ class GroupedExperts(nn.Module):
         if impl == "grouped":
             check_grouped_alignment(dim, hidden)
         self.impl = impl
-        # Swap points for lingua.float8.moe: a grouped matmul (x, w, offs), and the row multiple
-        # each expert's group is padded to (0: none).
+        # float8.moe's swap points: grouped matmul (x, w, offs), group row multiple (0: none).
         self.grouped_mm: Optional[Callable] = None
         self.group_multiple = 0
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
@@ -353,10 +344,9 @@ class MoE(nn.Module):
         return out.reshape(*shape[:-1], out.shape[-1])
 
     def _combine(self, y, order, inverse, weights) -> torch.Tensor:
-        """Expert outputs y [n, dim] (row i is slot order[i] = t * top_k + j) -> sum over j of
-        weights[t, j] * (slot (t, j)'s row), [T, dim] in y's dtype; dropped slots count as zero.
-        The rows go back to slot order by a gather (a scatter into zeros with drops), then one
-        batched [1, k] x [k, dim] product per token: deterministic on GPU (no index_add)."""
+        """y [n, dim] (row i is slot order[i] = t * top_k + j) -> sum_j weights[t, j] * y's slot
+        (t, j) row, [T, dim]; dropped slots count as zero. A gather then a batched [1, k] x [k, dim]
+        product per token: deterministic on GPU (no index_add)."""
         n_slots, dim = weights.numel(), y.shape[-1]
         if order.numel() == n_slots:
             slots = _GatherRows.apply(y, inverse, order)
@@ -375,8 +365,7 @@ class MoE(nn.Module):
 
     def _balance(self, counts, scores, logits, n_dropped: int) -> None:
         counts_f = counts.float()
-        # Not counted: recomputes in backward (a compiled one's is inside the compiled backward)
-        # and pipeline shape inference.
+        # Not counted: recomputes in backward (compiled ones too) and pipeline shape inference.
         in_backward = (not torch.compiler.is_compiling()
                        and torch._C._current_graph_task_id() != -1)
         counted = self.training and not in_backward and not inferring_shapes()
@@ -432,8 +421,7 @@ def moe_layers(model: nn.Module):
 
 
 def balance_loss_sum(layers: Iterable[MoE], device) -> torch.Tensor:
-    """The last training forward's balancing losses, summed ([1]), each layer's then dropped (a
-    tensor with a graph would make the module uncopyable)."""
+    """The last forward's balancing losses summed ([1]), then dropped (a graph blocks deepcopy)."""
     total = torch.zeros(1, device=device)
     for m in layers:
         if m.balance_loss is not None:
