@@ -121,8 +121,7 @@ def check_parallel_coverage(parts, env, ep: int = 1) -> None:
         for problem in rank_problems:
             first.setdefault(problem[0], problem)
     problems = list(first.values())
-    # Experts that are not grouped-experts modules escape the per-module rule: refuse when no
-    # parameter at all is expert-parallel (on the fake group, only this stage's part is known).
+    # Non-grouped experts escape the per-module rule: refuse when nothing is expert-parallel.
     known = len(everyone) > 1 or env.dims.pp == 1
     no_ep = ep > 1 and known and not any(has_ep for _, has_ep in everyone)
     if problems or no_ep:

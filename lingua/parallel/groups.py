@@ -28,9 +28,8 @@ def world_timeout() -> Optional[datetime.timedelta]:
 
 
 def subgroup_options():
-    """Backend options for a mesh sub-group that carry the default group's timeout (torch
-    otherwise gives sub-groups the backend's default). NCCL's options are the default group's,
-    copied; gloo's cannot be copied, so only the timeout is. None for other backends (fake)."""
+    """A sub-group's backend options, with the default group's timeout (else the backend's):
+    NCCL's copied from the default group; gloo's timeout only; None for others (fake)."""
     backends = _world_backends()
     if not set(backends) <= {"nccl", "gloo"}:
         return None
@@ -42,9 +41,8 @@ def subgroup_options():
 
 
 def override(size: int, options) -> tuple:
-    """The (backend, options) pair for one mesh dimension of `size` ranks. A world-wide one gets
-    none, so DeviceMesh reuses the default group; except under gloo on a machine with CUDA,
-    where DeviceMesh makes a new group anyway, which then needs the options."""
+    """(backend, options) for a mesh dimension of `size` ranks; none world-wide (DeviceMesh reuses
+    the default group), except gloo on a CUDA machine, where DeviceMesh makes one anyway."""
     world_wide = size == dist.get_world_size()
     cuda_gloo = torch.cuda.is_available() and dist.get_backend() == "gloo"
     return (None, None if world_wide and not cuda_gloo else options)

@@ -19,8 +19,7 @@ from lingua.parallel.tensor_parallel import apply_tp
 
 
 def uses_loss_parallel(args: DistributedArgs) -> bool:
-    # Vocabulary-sharded logits are DTensors; pipeline stages pass plain tensors, so with pp > 1
-    # the last stage gathers the logits instead.
+    # Vocabulary-sharded logits are DTensors, but stages pass plain tensors: pp > 1 gathers them.
     return args.loss_parallel and args.tp > 1 and args.pp == 1
 
 

@@ -16,8 +16,7 @@ from lingua.model.layers import set_inferring_shapes
 
 logger = logging.getLogger(__name__)
 
-# Schedule name (as torch spells it) -> stage layout: one per rank, looped (r + k*pp on rank r),
-# or V (r and 2*pp-1-r on rank r).
+# torch's schedule name -> stages on rank r: one, looped (r + k*pp), or V (r and 2*pp-1-r).
 SCHEDULE_STYLES = {"GPipe": "single", "1F1B": "single", "Interleaved1F1B": "loop",
                    "LoopedBFS": "loop", "InterleavedZeroBubble": "loop", "ZBVZeroBubble": "v",
                    "DualPipeV": "v"}
@@ -206,9 +205,8 @@ class Pipeline:
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.device = stages[0].device
-        # torch's stages infer shapes on their first step with an extra forward (and torch 2.13 an
-        # extra loss_fn call from _prepare_backward_infra) on uninitialised tensors: both are marked
-        # with inferring_shapes(), loss_fn calls told apart by caller, not count (2.11 makes none).
+        # torch's first step infers shapes with an extra forward (and in 2.13 a loss_fn call from
+        # _prepare_backward_infra) on garbage: both marked inferring_shapes(), by caller not count.
         self.steps_run = 0
         self._preparing_backward = False
         for stage in stages:
@@ -304,8 +302,7 @@ class Pipeline:
         return self.stage_to_rank[stage] == self.group.rank()
 
 
-# Hidden states cross ranks with a small header (dtype code, ndim, shape) so the receiver needs
-# no shape knowledge: sequence parallelism or context parallelism change the sequence length.
+# Hidden states cross ranks with a header (dtype, ndim, shape): SP and CP change the length.
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
