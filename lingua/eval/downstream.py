@@ -35,8 +35,7 @@ def quiet_lm_eval() -> None:
     import tqdm
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    # Bootstrapped stderrs in this process, not a pool forked from it (a fork can hang in CUDA,
-    # NCCL and gloo threads); the same values.
+    # Bootstrap in this process, not a forked pool (a fork can hang in CUDA, NCCL, gloo threads).
     os.environ["DISABLE_MULTIPROC"] = "1"
     logging.getLogger("lm_eval.api.task").addFilter(   # its advice at each load of our tasks
         lambda record: "Custom kwargs can be passed" not in record.getMessage())
@@ -231,15 +230,13 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
     lm.progress.say(f"building the requests of {', '.join(names)}")
     try:
-        # Every rank computes the metrics (lm-eval sees one process each); rank 0's are kept, so
-        # only rank 0 bootstraps stderrs (in this process: quiet_lm_eval).
+        # Every rank computes the metrics; only rank 0's are kept, so only it bootstraps stderrs.
         results = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit,
                                      log_samples=args.log_samples,
                                      bootstrap_iters=BOOTSTRAP_ITERS if env.rank == 0 else 0)
     finally:
         model.train(was_training)
-    # Every rank computed the same results; rank 0's plain sections (the configs hold
-    # functions) are everyone's.
+    # Every rank computed the same: rank 0's plain sections (configs hold functions) are everyone's.
     samples = (results or {}).get("samples") if env.rank == 0 else None
     if results is not None:
         results = {k: results[k] for k in SECTIONS + ("results",) if k in results}

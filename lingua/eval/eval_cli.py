@@ -3,13 +3,12 @@
     python -m apps.<app>.eval <dump_dir or dump_dir/checkpoints/STEP> [key=value ...]
     torchrun --nproc-per-node N -m apps.<app>.eval <...> distributed.dp_shard=N [...]
 
-A dump_dir means its newest complete checkpoint. The run's config comes from the checkpoint; the
-command line may change the evaluation (`eval.tasks=[lingua_continuation] eval.limit=100 ...`),
-the layout (`distributed.*`: DCP reshards the checkpoint to it, without pipeline or context
-parallelism), logging, slurm and data.tokenizer, not the model. Everything is checked before the
-model is built; results go to <dump_dir>/evals/<step>/results.json and metrics.jsonl, and tasks
-that step already has results for are not run again. Rank 0 says on stderr how far it is
-(logging.quiet=true silences it). The jobs of eval.mode=async run this too.
+A dump_dir means its newest complete checkpoint, whose config is the run's; the command line may
+change the evaluation (`eval.tasks=[lingua_continuation] eval.limit=100`), the layout
+(`distributed.*`: DCP reshards, no pipeline or context parallelism), logging, slurm and
+data.tokenizer, not the model. All is checked before the model is built; results go to
+<dump_dir>/evals/<step>/results.json and metrics.jsonl, skipping tasks the step already has.
+The jobs of eval.mode=async run this too.
 """
 
 import os
@@ -138,8 +137,8 @@ def record(dump_dir: Path, step: int, results: dict, args, ckpt: Path, env,
 
 
 def log_wandb(dump_dir: Path, step: int, flat: dict, args) -> None:
-    """An evaluation job's wandb run: one per evaluated step, grouped with the training run
-    (its id), with the trained step as the x axis of eval/* (jobs may finish out of order)."""
+    """A wandb run per evaluated step, grouped with the training run, the trained step as eval/*'s
+    x axis (jobs may finish out of order)."""
     if not args.logging.wandb:
         return
     import wandb
