@@ -12,8 +12,7 @@ from lingua.checkpoint import hf_files
 from lingua.errors import ConfigError
 from lingua.models.llama.model import LlamaArgs, Transformer
 
-# model.family -> its Hugging Face architecture, and the options its model computes with (each
-# family's attention: Qwen2's q/k/v biases, Qwen3's QK-norm, Mistral's sliding window).
+# model.family -> HF architecture and its attention options (biases, QK-norm, sliding window).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FAMILY_OPTIONS = {"llama": {"qk_norm": False, "qkv_bias": False},
