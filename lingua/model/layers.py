@@ -2,8 +2,7 @@
 xformers), a KV cache, SwiGLU, TransformerArgs. No distributed code: tensor parallelism shards
 Linears from outside, so apps read head counts from the tensors (`view(b, s, -1, head_dim)`).
 RoPE rotates the two *halves* of each head (HF's layout, not Meta's interleaved complex pairs):
-HF checkpoints load without permuting q/k rows, and cos/sin stay real tensors.
-"""
+HF checkpoints load without permuting q/k rows, and cos/sin stay real tensors."""
 
 import functools
 import math

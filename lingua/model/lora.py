@@ -4,8 +4,7 @@ B^T, s = alpha / rank; B starts at zero (the base model's outputs until the firs
 `apply_lora(model, args)` converts on meta, before parallelism, each Linear whose last name is in
 `args.targets`, and freezes the rest. It stays an nn.Linear named as before (`...wq.weight`: TP
 plans and HF key maps find it) with `...wq.lora_a` [rank, in] and `...wq.lora_b` [out, rank],
-laid out like their weight under TP (lingua/parallel/lora_tp.py).
-"""
+laid out like their weight under TP (lingua/parallel/lora_tp.py)."""
 
 import logging
 import math

@@ -5,8 +5,7 @@ An app gives the trainer (lingua.train.app.App) `loss(output, target) -> LossOut
 the model's extra keyword tensors [b, s, ...] and the loss's target). The trainer shards both with
 the tokens, calls the loss on the last stage and back-propagates `loss_sum / global batch tokens`,
 so every layout has the same gradient: a loss returns a SUM over tokens, never a mean. The logged
-`loss` (LossOutput.logged_sum) is the next-token cross-entropy in every app, so apps compare.
-"""
+`loss` (LossOutput.logged_sum) is the next-token cross-entropy in every app, so apps compare."""
 
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple, Union
@@ -81,8 +80,7 @@ def default_batch_inputs(tokens: torch.Tensor, labels: torch.Tensor) -> tuple:
 
 
 def for_training(loss: Callable, compile: bool, backend: str, loss_parallel: bool) -> Callable:
-    """Compiled under distributed.compile=true (fused, no fp32 log-probs kept); eager under loss
-    parallelism, whose DTensor logits we do not trace."""
+    """Compiled under distributed.compile (fuses away fp32 log-probs); eager under loss parallel."""
     if not compile or loss_parallel:
         return loss
     return torch.compile(loss, backend=backend)

@@ -13,8 +13,7 @@ over this rank's tokens, like the cross-entropy; with f_e = reduced_count_e / su
   aux_sum = aux_loss_coef * n_experts * sum_e f_e * (sum over tokens of normalised scores_e)
   z_sum   = z_loss_coef * (sum over tokens of logsumexp(logits)^2)
 A training forward leaves `moe.balance_loss` = aux_sum + z_sum (None when both coefficients are 0)
-for apps/moe to add.
-"""
+for apps/moe to add."""
 
 import math
 from typing import Callable, Dict, Iterable, Optional
@@ -227,10 +226,9 @@ class GroupedExperts(nn.Module):
 class Router(nn.Module):
     """Scores every expert, picks top_k per token. The gate runs in fp32 even under autocast:
     routing flips on small logit differences. `expert_bias` (DeepSeek-V3) only changes which
-    experts are chosen; the combine weights are their unbiased scores. With n_groups > 1
-    (DeepSeek-V3's group-limited routing) the experts form n_groups equal groups, each scored by
-    the sum of its two best biased scores, and a token picks its top_k among the topk_groups best
-    groups only."""
+    experts are chosen; the combine weights are their unbiased scores. n_groups > 1 (DeepSeek-V3's
+    group-limited routing): n_groups equal groups, each scored by its two best biased scores; a
+    token picks its top_k in the topk_groups best groups."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str = "softmax",
                  norm_topk: bool = False, route_scale: float = 1.0, n_groups: int = 1,
@@ -247,8 +245,7 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=True)
 
     def forward(self, x: torch.Tensor):
-        """x [T, dim] -> (weights [T, k] fp32, experts [T, k] long, scores [T, E] fp32,
-        logits [T, E] fp32)."""
+        """x [T, dim] -> (weights [T, k], experts [T, k] long, scores, logits [T, E]); fp32."""
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
@@ -449,8 +446,7 @@ def routing_metrics(layers: Dict[int, MoE], n_layers: int, n_experts: int,
       imbalance         max / mean of the tokens routed to each expert (1 = perfectly balanced)
       dropped_fraction  routed slots dropped by capacity / all routed slots
       router_entropy    mean over tokens of the entropy of the router's distribution (nats)
-      aux_loss, z_loss  the balancing losses added to the step's loss, per token
-    """
+      aux_loss, z_loss  the balancing losses added to the step's loss, per token"""
     table = torch.zeros(n_layers, n_experts + len(ROUTING_SUMS), device=device)
     for index, layer in layers.items():
         if layer.routing is not None:
@@ -471,9 +467,8 @@ def routing_metrics(layers: Dict[int, MoE], n_layers: int, n_experts: int,
 
 
 def active_params_per_token(model: nn.Module) -> float:
-    """Matmul parameters one token goes through, for FLOPs/MFU: every nn.Linear plus top_k /
-    n_experts of each layer's routed experts. Not the embedding lookup; a tied output matrix is
-    no nn.Linear, so callers add it."""
+    """Matmul parameters per token (FLOPs/MFU): every nn.Linear plus top_k / n_experts of routed
+    experts; not the embedding lookup nor a tied output (no nn.Linear: callers add it)."""
     total = float(sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)))
     return total + sum(routed_params_per_token(m) for m in moe_layers(model))
 

@@ -4,8 +4,7 @@ drawn from per-tensor seeded streams, or filled from rank 0's copy of a Hugging 
 In init_weights each random init draws the whole tensor from a generator seeded by (seed, its
 checkpoint name) and a DTensor keeps its slice: the same numbers in every layout, no distributed
 code in models. Not the global RNG: each pipeline stage would replay the same stream, and on CUDA
-torch's OffsetBasedRNGTracker broadcasts rank 0's state.
-"""
+torch's OffsetBasedRNGTracker broadcasts rank 0's state."""
 
 import hashlib
 import logging
