@@ -3,8 +3,7 @@
 MFU = flops_per_token x tokens/s / peak FLOP/s. The peak (`Peak`, dump_dir/peak.json) is a data
 sheet's on a known GPU, else measured before the loop on the model's largest linear in the run's
 dtype; never cached across runs (a busy machine would skew every later run). Above 1 (a wrong peak
-or FLOP count) mfu is null, the ratio under `mfu_above_peak`; null too for bf16 emulated on CPU.
-"""
+or FLOP count) mfu is null, the ratio under `mfu_above_peak`; null too for bf16 emulated on CPU."""
 
 import collections
 import json
@@ -44,9 +43,8 @@ class LoggingArgs:
 
 def flops_per_token(model: nn.Module, n_layers: int, attn_width: int, seq_len: int,
                     tied_embeddings: bool = False) -> float:
-    """6 x trainable + 4 x frozen (LoRA's base: no weight gradient) nn.Linear matrices (no bias;
-    a tied output counted once; no embedding lookup), plus attention's QK^T and AV (PaLM's
-    convention, as if not causal)."""
+    """6 x trainable + 4 x frozen (LoRA's base: no weight grad) nn.Linear matrices (no bias, tied
+    output once, no embedding), plus attention's QK^T and AV (PaLM's: as if not causal)."""
     matrices = [p for m in model.modules() if isinstance(m, nn.Linear)
                 for p in m.parameters(recurse=False) if p.dim() >= 2]
     if tied_embeddings:  # the output matmul reuses the embedding matrix, but still costs FLOPs
@@ -204,8 +202,7 @@ def _now() -> str:
 
 def run_peak(device: torch.device, dtype_name: str, parts=(), tokens: int = 1024,
              step: int = 0, dump_dir=None) -> Peak:
-    """The run's peak (module docstring), measured over `tokens` (a micro-batch) without a data
-    sheet. With dump_dir (rank 0), written to dump_dir/peak.json, an earlier entry kept."""
+    """The run's `Peak` (module docstring), measured over `tokens`; with dump_dir, in peak.json."""
     peak = _obtain_peak(device, dtype_name, parts, tokens)
     peak.from_step = step
     if dump_dir is not None:

@@ -3,8 +3,7 @@
 
 Every layout records the whole logical tensor's statistic over the global batch: each rank reduces
 its part to fixed-size vectors of sums (moments, log-grid histogram) and maxima, summed (maxed) over
-ranks holding distinct parts (DTensor placements say which; tp activations: sharded or copies).
-"""
+ranks holding distinct parts (DTensor placements say which; tp activations: sharded or copies)."""
 
 import fnmatch
 import json

@@ -1,6 +1,5 @@
 """Reading and plotting what the probe recorded: `python -m lingua.probe plot <dump_dir>`. This
-module imports neither torch nor training code, so reading a run's probe stays cheap.
-"""
+module imports neither torch nor training code, so reading a run's probe stays cheap."""
 
 import argparse
 import fnmatch

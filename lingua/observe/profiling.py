@@ -1,6 +1,5 @@
 """Where a step's time goes: per-phase timings for metrics.jsonl (`PhaseTimer`), and a
-torch.profiler window (`StepProfiler`, `profiling.enabled=true`) writing `dump_dir/profiling/`.
-"""
+torch.profiler window (`StepProfiler`, `profiling.enabled=true`) writing `dump_dir/profiling/`."""
 
 import contextlib
 import logging
