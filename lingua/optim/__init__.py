@@ -1,5 +1,4 @@
-"""The optimizers (OPTIMIZERS: a file each, adamw.py and muon.py, with its OptimizerSpec, spec.py),
-their shared settings optim.*, and the learning-rate schedules researchers usually compare."""
+"""The optimizers (OPTIMIZERS, a file each with its OptimizerSpec), optim.*, the lr schedules."""
 
 import math
 from dataclasses import dataclass, field, make_dataclass

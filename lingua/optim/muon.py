@@ -5,8 +5,7 @@ Experts are stored [in, out] and read transposed (NS(M^T) = NS(M)^T).
 Sharding: only Newton-Schulz needs whole matrices. Those of one shape and placement are stacked N
 at a time (N: the ranks sharding them) and all-to-all'd so each rank orthogonalises one whole
 matrix, then sent back: 1/N of the work of all-gathering everywhere. FSDP2 x TP's _StridedShard is
-read as a Shard (NS commutes with row reordering); uneven rows take torch's route via Replicate.
-"""
+read as a Shard (NS commutes with row reordering); uneven rows take torch's route via Replicate."""
 
 import functools
 import itertools
@@ -119,8 +118,7 @@ def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
 
 
 class MuonAdamW(torch.optim.AdamW):
-    """One torch optimizer holding AdamW groups (torch's AdamW step) and Muon groups
-    (`group["muon"] = True`), so the lr schedule scales both and DCP saves both by name."""
+    """One optimizer of AdamW and Muon (`group["muon"]`) groups: one lr schedule, DCP saves both."""
 
     def __init__(self, adamw_groups: list, muon_groups: list, *, lr: float, betas, eps: float,
                  fused, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
@@ -249,8 +247,7 @@ def _shifted(pl):
 
 
 def _ns_on_owners(local_stack: torch.Tensor, mesh, placements, shape: tuple, ns) -> torch.Tensor:
-    """Each matrix of the stack goes whole to one rank of the mesh dims that shard it, is
-    orthogonalised there, and comes back as this rank's shard of the results."""
+    """Each stacked matrix is orthogonalised whole on one sharding rank and comes back sharded."""
     plain = _plain_shards(tuple(mesh.shape), tuple(placements), tuple(shape))
     if plain is not None:
         return _ns_by_all_to_all(local_stack, mesh, plain, shape, ns)

@@ -1,7 +1,6 @@
 """Loss spikes (docs/training.md): every rank decides alone on the step's tally; the windows are in
 the train state (a resume decides as before). A rollback's batch range counts next_step() calls
-(the same in every layout), recorded in `spikes.jsonl` before the reload.
-"""
+(the same in every layout), recorded in `spikes.jsonl` before the reload."""
 
 import json
 import logging
@@ -125,8 +124,7 @@ class SpikeMonitor:
         return None
 
     def accept(self, values: dict) -> None:
-        """Under `log` a spike's values join too (a new level becomes the normal, not a warning
-        forever); skip and rollback never accept a spike."""
+        """Under `log` spikes join (a new level becomes normal); skip, rollback never accept one."""
         self.in_a_row = 0
         for name, window in self.windows.items():
             if math.isfinite(values[name]):
