@@ -3,8 +3,7 @@
 Backends: "allgather" (CPU and CUDA, any mask; Llama 3's) all-gathers the whole sequence's K/V,
 masked by the model's rule at global positions; "ring" (CUDA, plain causal) is torch's
 `context_parallel`. Causal: rank r holds chunks r and 2*cp-1-r of 2*cp (load balance). Forward AND
-backward run inside `cp_batch` (recomputed attention and ring backward need its context).
-"""
+backward run inside `cp_batch` (recomputed attention and ring backward need its context)."""
 
 import contextlib
 import logging

@@ -3,8 +3,7 @@
 `check_parallel_coverage` runs on every rank after the app's `parallelize`. A parameter is
 covered when its DTensor mesh includes each of dp_replicate, dp_shard, cp (different tokens) and
 tp (partial sums) of size > 1; a plain one inside a ReplicatedCompute module needs no tp. Under
-ep, grouped experts must be on the "ep" mesh. The ConfigError names the plan lines to add.
-"""
+ep, grouped experts must be on the "ep" mesh. The ConfigError names the plan lines to add."""
 
 import torch.distributed as dist
 from torch import nn
@@ -73,8 +72,7 @@ def _tp_fix(module_path: str, module: nn.Module) -> tuple:
 
 
 def _findings(parts, env, ep: int) -> tuple:
-    """(problems [(parameter name, missing dims, tp fix or None)], whether this rank holds
-    expert-parallel weights)."""
+    """(problems [(param, missing dims, tp fix or None)], whether this rank holds EP weights)."""
     dims = [d for d in REDUCED_DIMS if env.mesh[d].size() > 1]
     needed = {d: _ranks(env.mesh[d]) for d in dims}
     problems, has_ep, ranks_of = [], False, {}

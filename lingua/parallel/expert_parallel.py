@@ -1,8 +1,7 @@
 """Expert parallelism (EP): each EP rank holds n_experts / ep of every MoE layer's routed experts
 (DTensors Shard(0): checkpoints reshard) and processes their tokens; `MoE.forward` never knows.
 EP's ranks come from "dp_shard_cp" unflattened into ("dp_shard_mod_ep", "ep"); FSDP shards the
-experts over ("dp_replicate", "dp_shard_mod_ep"), the ranks holding the same expert shard.
-"""
+experts over ("dp_replicate", "dp_shard_mod_ep"), the ranks holding the same expert shard."""
 
 import inspect
 import logging

@@ -1,6 +1,5 @@
-"""The process groups behind the device mesh: each carries the default group's timeout
-(distributed.timeout_s), and a dimension whose ranks another already covers reuses its group
-(the size-1 dimensions share one)."""
+"""The device mesh's process groups: each has the default group's timeout (distributed.timeout_s),
+and a dimension whose ranks another already covers reuses its group (size-1 ones share one)."""
 
 import copy
 import datetime
@@ -107,8 +106,7 @@ def _make_groups(mesh, sizes: tuple) -> None:
 
 
 def _known_groups(root) -> dict:
-    """{partition: group name} of `root`'s dimensions and flattened views, kept on the root
-    (which torch may have built itself)."""
+    """{partition: group name} of `root`'s dims and flattened views, kept on it (torch's too)."""
     known = root.__dict__.get("_groups_by_partition")
     if known is None:
         known = root.__dict__["_groups_by_partition"] = {}

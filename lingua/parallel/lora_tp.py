@@ -1,7 +1,6 @@
 """Tensor parallelism for LoRA: adapters follow their base Linear's sharding (no extra collective,
 unlike torch's styles). Colwise: x A^T is whole on every rank, times this rank's rows of B.
-Rowwise: x's shard times A's columns is a partial sum, reduced with the base's output.
-"""
+Rowwise: x's shard times A's columns is a partial sum, reduced with the base's output."""
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor

@@ -1,7 +1,6 @@
 """The generic half of an app's parallelize.py: torchtitan's order of applying the parallelisms to a
 decoder (tensor, context, activation checkpointing, compile, then FSDP). The app supplies its
-plans: the tensor-parallel plan of its blocks and which modules are FSDP units.
-"""
+plans: the tensor-parallel plan of its blocks and which modules are FSDP units."""
 
 from typing import Callable
 

@@ -1,7 +1,6 @@
 """Pipeline parallelism: split a model into stages and run them with torch's pipelining schedules.
 Parts keep the full model's parameter names, so checkpoints are layout-independent. Gradients
-are the SUM over micro-batches (scale_grads=False): loss_fn already divides by the global count.
-"""
+are the SUM over micro-batches (scale_grads=False): loss_fn already divides by the global count."""
 
 import copy
 import itertools
@@ -232,8 +231,7 @@ class Pipeline:
             set_inferring_shapes(False)
 
     def _mark_first_forwards(self) -> None:
-        """Mark the first forward of each local stage (torch's shape inference, which runs before
-        any micro-batch on a process's first step) with inferring_shapes(); then unhook."""
+        """Mark each local stage's first forward (torch's shape inference) inferring_shapes()."""
         for stage in self.stages:
             handles, submod = [], stage.submod
 

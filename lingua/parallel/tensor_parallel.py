@@ -2,8 +2,7 @@
 
 An app gives two plans of ParallelStyles, keyed by FQNs under the model root and under a block.
 Loss parallel: the cross-entropy runs on vocabulary-sharded logits (Shard(-1)); its forward AND
-backward must run inside `loss_parallel_context(True)`.
-"""
+backward must run inside `loss_parallel_context(True)`."""
 
 import contextlib
 import logging
@@ -110,10 +109,9 @@ class ReplicatedCompute(PrepareModuleInputOutput):
 
 
 class ComputedWhole(ParallelStyle):
-    """For a module inside a block half that every tp rank runs whole on the half's gathered
-    input, before the head-sharded projections (MLA's latent projections and norms): its
-    parameters stay plain, and their gradients are whole and equal on every rank once what
-    follows returns whole gradients (ColwiseParallel's input does; see SumGradOverTP)."""
+    """For a module in a block half that every tp rank runs whole on the half's gathered input,
+    before head-sharded projections (MLA's latent projections, norms): plain parameters, whole and
+    equal gradients once what follows returns whole ones (ColwiseParallel's input does)."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         setattr(module, REPLICATED_MARK, True)
