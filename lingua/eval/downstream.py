@@ -1,7 +1,6 @@
 """Downstream tasks through lm-evaluation-harness, on the model sharded as for training. lm-eval
 is told it runs in one process, so every rank builds the same requests; `LinguaLM` splits each
-batch over the data-parallel ranks and sums the results. Results: <dump_dir>/evals/<step>/.
-"""
+batch over the data-parallel ranks and sums the results. Results: <dump_dir>/evals/<step>/."""
 
 import difflib
 import functools

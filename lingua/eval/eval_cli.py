@@ -8,8 +8,7 @@ change the evaluation (`eval.tasks=[lingua_continuation] eval.limit=100`), the l
 (`distributed.*`: DCP reshards, no pipeline or context parallelism), logging, slurm and
 data.tokenizer, not the model. All is checked before the model is built; results go to
 <dump_dir>/evals/<step>/results.json and metrics.jsonl, skipping tasks the step already has.
-The jobs of eval.mode=async run this too.
-"""
+The jobs of eval.mode=async run this too."""
 
 import os
 import sys

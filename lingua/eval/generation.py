@@ -3,8 +3,7 @@ whose model takes `forward(tokens, cache=...)`. Each app's generate.py is the co
 
     python -m apps.<app>.generate <run_dir or checkpoint_dir> --prompt "Once upon" [--prompt ...]
         [--prompts-file f.txt] [--max-new-tokens 64] [--temperature 0.8] [--top-k 50]
-        [--top-p 0.95] [--seed 0] [--device cpu]
-"""
+        [--top-p 0.95] [--seed 0] [--device cpu]"""
 
 import argparse
 import sys
