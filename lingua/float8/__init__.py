@@ -1,8 +1,7 @@
 """Float8 training with torchao (`distributed.float8`): the Linears an app's filter picks become
 torchao `Float8Linear`s (high-precision master weights that checkpoints and the optimizer see).
 Order: conversion on meta per pipeline part, TP (float8 styles), AC, compile, FSDP2. CUDA needs
-bf16 and torch.compile; the CPU (the tests) runs emulated matmuls, high-precision collectives.
-"""
+bf16 and torch.compile; the CPU (the tests) runs emulated matmuls, high-precision collectives."""
 
 import dataclasses
 import importlib.util
@@ -176,8 +175,7 @@ def _copy_style(style, cls):
 
 
 class Float8ScalesHook(Hook):
-    """Recompute float8 FSDP all-gather scales (all amaxes in one all-reduce) before each step's
-    forwards (after an update, resume or rollback)."""
+    """Recompute float8 FSDP all-gather scales (all amaxes, one all-reduce) before each step."""
 
     def __init__(self, args, env):
         # Not under cpu_offload: FSDP's copy of a CPU shard to the GPU drops precomputed scales.

@@ -1,7 +1,6 @@
 """Float8 MoE experts (`distributed.float8`, any recipe): torchao's float8 rowwise grouped GEMM
 (e4m3, power-of-2 scales along the reduced dim), each expert's rows padded to a multiple of 16.
-Off CUDA `EmulatedFloat8GroupedMM` does the same casts and multiplies in fp32.
-"""
+Off CUDA `EmulatedFloat8GroupedMM` does the same casts and multiplies in fp32."""
 
 import torch
 from torch import nn
