@@ -1,7 +1,6 @@
-"""lingua: the shared core (model blocks, parallelism, training, evaluation, launch).
-
-Importing it silences three harmless messages, each filter naming its own: torchao's optional
-CUDA kernels, Triton missing on a CPU build, and torch deprecating torchao's Enum registration."""
+"""lingua: the shared core (model, parallelism, training, evaluation, launch). Importing it silences
+three harmless messages (each filter names its own): torchao's optional CUDA kernels, Triton
+missing on a CPU build, torch deprecating torchao's Enum registration."""
 
 import logging
 

@@ -1,7 +1,6 @@
 """Errors for bad user input, and how their message reaches the person once: under torchrun
 every rank usually hits it, so `report` prints it once (the first rank claims it in the TCP
-store) and writes the rank's TORCHELASTIC_ERROR_FILE, so torchrun's summary prints it too.
-"""
+store) and writes the rank's TORCHELASTIC_ERROR_FILE, so torchrun's summary prints it too."""
 
 import datetime
 import json

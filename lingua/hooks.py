@@ -24,8 +24,7 @@ returns what it wants done. It keeps its own state, and never takes or calls ano
                                 first; every rank must answer alike, from view.tally
   close(view)                   always, however the loop ended, in reverse order
   state_dict() / load_state_dict(train_state)   the hook's keys of the checkpoint's train state
-                                (loaded at resume and at a rollback)
-"""
+                                (loaded at resume and at a rollback)"""
 
 from dataclasses import dataclass
 from typing import Iterable, Optional
