@@ -20,8 +20,7 @@ from lingua.model.masks import AttentionMask
 
 ATTN_BACKENDS = ("sdpa", "flex", "xformers")
 
-# True during a pipeline schedule's first-step shape inference (an extra forward on copies):
-# whatever counts forwards (MoE routing, probes) asks `inferring_shapes()` and leaves it out.
+# True in a pipeline's first-step shape inference: forward counters (MoE routing, probes) skip it.
 _INFERRING_SHAPES = False
 
 

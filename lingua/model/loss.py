@@ -1,6 +1,5 @@
-"""The loss seam: how an app turns its model's output into the loss the trainer minimises.
-
-An app gives the trainer (lingua.train.app.App) `loss(output, target) -> LossOutput` (default
+"""The loss seam: how an app turns its model's output into the loss the trainer minimises. An app
+gives the trainer (lingua.train.app.App) `loss(output, target) -> LossOutput` (default
 `cross_entropy`) and `batch_inputs(tokens, labels) -> (model_kwargs, target)` (default ({}, labels):
 the model's extra keyword tensors [b, s, ...] and the loss's target). The trainer shards both with
 the tokens, calls the loss on the last stage and back-propagates `loss_sum / global batch tokens`,
@@ -65,8 +64,7 @@ class LossOutput:
     tokens: Number                         # how many targets loss_sum summed over
     # Extra values to log: name -> (sum, count), logged as sum / count over micro-batches, ranks.
     metrics: Dict[str, Tuple[Number, Number]] = field(default_factory=dict)
-    # The next-token cross-entropy `loss` in metrics.jsonl reports; None: loss_sum is it. An
-    # objective with more terms (MoE balancing, MTP) gives its cross-entropy here.
+    # The next-token cross-entropy metrics' `loss` logs (None: loss_sum is; MoE, MTP add terms).
     logged_sum: Optional[torch.Tensor] = None
 
 
