@@ -1,7 +1,6 @@
-"""Context parallelism (CP): each rank of the cp group holds a slice of every sequence.
-
-Backends: "allgather" (CPU and CUDA, any mask; Llama 3's) all-gathers the whole sequence's K/V,
-masked by the model's rule at global positions; "ring" (CUDA, plain causal) is torch's
+"""Context parallelism (CP): each rank of the cp group holds a slice of every sequence. Backends:
+"allgather" (CPU and CUDA, any mask; Llama 3's) all-gathers the whole sequence's K/V, masked
+by the model's rule at global positions; "ring" (CUDA, plain causal) is torch's
 `context_parallel`. Causal: rank r holds chunks r and 2*cp-1-r of 2*cp (load balance). Forward AND
 backward run inside `cp_batch` (recomputed attention and ring backward need its context)."""
 

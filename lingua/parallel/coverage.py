@@ -1,9 +1,7 @@
-"""Refuse, at start, a parallel plan that leaves a parameter out of the layout's reductions.
-
-`check_parallel_coverage` runs on every rank after the app's `parallelize`. A parameter is
-covered when its DTensor mesh includes each of dp_replicate, dp_shard, cp (different tokens) and
-tp (partial sums) of size > 1; a plain one inside a ReplicatedCompute module needs no tp. Under
-ep, grouped experts must be on the "ep" mesh. The ConfigError names the plan lines to add."""
+"""Refuse at start (every rank, after the app's `parallelize`) a plan leaving a parameter out of
+the layout's reductions. Covered: its DTensor mesh has each of dp_replicate, dp_shard, cp
+(different tokens) and tp (partial sums) of size > 1; a plain one in a ReplicatedCompute module
+needs no tp; under ep grouped experts are on the "ep" mesh. The error names plan lines to add."""
 
 import torch.distributed as dist
 from torch import nn

@@ -347,8 +347,7 @@ def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs,
     dp_mesh = env.mesh[("dp_replicate", "dp_shard_cp") if env.dims.dp_replicate > 1
                        else "dp_shard_cp"]
     compute = torch.bfloat16 if args.model_dtype == "bf16" else torch.float32
-    # cast_forward_inputs=False: blocks receive the RoPE tables as inputs, which must stay fp32
-    # as in one process (the bf16 embedding already makes bf16 hidden states).
+    # cast_forward_inputs=False: the RoPE tables blocks receive stay fp32, as in one process.
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
     options = dict(mesh=dp_mesh, mp_policy=mp,

@@ -1,8 +1,6 @@
-"""Tensor (+ sequence) parallelism and loss parallelism, driven by plans the app supplies.
-
-An app gives two plans of ParallelStyles, keyed by FQNs under the model root and under a block.
-Loss parallel: the cross-entropy runs on vocabulary-sharded logits (Shard(-1)); its forward AND
-backward must run inside `loss_parallel_context(True)`."""
+"""Tensor (+ sequence) and loss parallelism from the app's two plans of ParallelStyles, keyed by
+FQNs under the model root and under a block. Loss parallel: the cross-entropy runs on vocab-sharded
+logits (Shard(-1)); its forward AND backward must run inside `loss_parallel_context(True)`."""
 
 import contextlib
 import logging
