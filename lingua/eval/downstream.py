@@ -216,8 +216,7 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
     was_training = model.training
     model.eval()
     limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
-    # lm-eval's evaluate(), not simple_evaluate(): the latter reseeds the global RNGs (the
-    # training run's) and runs pip, conda, git and nvidia-smi for an environment report.
+    # evaluate(), not simple_evaluate(): that reseeds the run's RNGs, runs pip/git/nvidia-smi.
     loaded = _load(names, args.include_path)
     lm = LinguaLM(model, tokenizer, env, args, max_length, autocast, progress or Progress(),
                   tasks=loaded["tasks"])

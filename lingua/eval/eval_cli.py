@@ -28,8 +28,7 @@ from lingua.observe import metrics
 from lingua.parallel import distributed
 from lingua.train import build
 
-# What an evaluation may change of the run's config (the model is the checkpoint's); the
-# tokenizer's path, for a run whose tokenizer file has moved.
+# What an evaluation may change (not the model); the tokenizer path, for a moved tokenizer file.
 CHANGEABLE = ("eval", "distributed", "logging", "slurm", "data.tokenizer")
 
 

@@ -1,9 +1,7 @@
 """Text generation with a KV cache: greedy, temperature, top-k and top-p sampling, for any app
 whose model takes `forward(tokens, cache=...)`. Each app's generate.py is the command:
 
-    python -m apps.<app>.generate <run_dir or checkpoint_dir> --prompt "Once upon" [--prompt ...]
-        [--prompts-file f.txt] [--max-new-tokens 64] [--temperature 0.8] [--top-k 50]
-        [--top-p 0.95] [--seed 0] [--device cpu]"""
+    python -m apps.<app>.generate <run_dir or checkpoint_dir> --prompt "Once upon" [--help]"""
 
 import argparse
 import sys
