@@ -2,8 +2,7 @@
 safetensors) <-> Transformer, the family read from config.json's model_type (model.family).
 
 `python -m apps.llama.hf export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32]`. The families'
-names and config.json live here, lingua/checkpoint/hf.py does the rest. Our RoPE rotates each
-head's halves as HF's `rotate_half` does, so q/k rows are copied as they are."""
+names and config.json live here, lingua/checkpoint/hf.py does the rest (q/k rows copied as is)."""
 
 import torch
 
