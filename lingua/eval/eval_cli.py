@@ -1,14 +1,8 @@
-"""Evaluate a checkpoint on downstream tasks, the same for every app:
-
-    python -m apps.<app>.eval <dump_dir or dump_dir/checkpoints/STEP> [key=value ...]
-    torchrun --nproc-per-node N -m apps.<app>.eval <...> distributed.dp_shard=N [...]
-
-A dump_dir means its newest complete checkpoint, whose config is the run's; the command line may
-change the evaluation (`eval.tasks=[lingua_continuation] eval.limit=100`), the layout
-(`distributed.*`: DCP reshards, no pipeline or context parallelism), logging, slurm and
-data.tokenizer, not the model. All is checked before the model is built; results go to
-<dump_dir>/evals/<step>/results.json and metrics.jsonl, skipping tasks the step already has.
-The jobs of eval.mode=async run this too."""
+"""Evaluate a checkpoint on downstream tasks, the same for every app (docs/evaluation.md,
+"Downstream tasks (lm-evaluation-harness)"): `python -m apps.<app>.eval <dump_dir or
+dump_dir/checkpoints/STEP> [key=value ...]`, under torchrun too; eval.mode=async's jobs run it.
+The config is the checkpoint's but for CHANGEABLE; all is checked before the model is built, and
+tasks the step already has results for (<dump_dir>/evals/<step>/) are not run again."""
 
 import os
 import sys

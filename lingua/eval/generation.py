@@ -59,7 +59,6 @@ def generate(model: torch.nn.Module, prompt: List[int], max_new_tokens: int,
     tokens = torch.tensor([prompt], device=next(model.parameters()).device)
     out: List[int] = []
     for _ in range(max_new_tokens):
-        # The prompt in one pass, then one token at a time.
         logits = model(tokens, cache=cache)[:, -1]
         tokens = sample_next(logits, temperature, top_k, top_p, generator)[:, None]
         out.append(int(tokens))
