@@ -74,7 +74,6 @@ def validate_args(args: LoRAArgs) -> None:
 
 
 def linear_names(model: nn.Module) -> dict:
-    """{module name: Linear} of every Linear in the model."""
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 

@@ -34,7 +34,6 @@ def shard_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> to
 
 
 def shard_sequence(t: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
-    """The part of `t` (sequence along `dim`) that `cp_rank` holds."""
     return t.index_select(dim, shard_positions(t.shape[dim], cp_rank, cp_size, t.device))
 
 

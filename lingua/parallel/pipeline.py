@@ -107,7 +107,6 @@ def split_model(model: nn.Module, layer_ids: Sequence[int], is_first: bool,
     for name in list(part.layers):
         if name not in keep:
             del part.layers[name]
-    # Which modules only the first / last stage holds: the model says (Decoder's defaults).
     first_only = getattr(model, "first_stage_modules", ("tok_embeddings",))
     last_only = getattr(model, "last_stage_modules", ("norm", "output"))
     for name in (() if is_first else first_only) + (() if is_last else last_only):

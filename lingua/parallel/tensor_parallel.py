@@ -59,9 +59,7 @@ def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, block
     _check_plan(model, root_plan, "model")
     for block in blocks:
         _check_plan(block, block_plan, "block")
-    # LoRA layers: adapters laid out like their weight (lora_tp.py)
     root_plan, block_plans = lora_tp_plans(model, root_plan, block_plan, blocks)
-    # torchao's float8 styles where the Linears are float8 (lingua/float8/__init__.py)
     root_plan = float8_tp_plan(model, root_plan, tp_mesh.device_type)
     block_plans = [float8_tp_plan(block, plan, tp_mesh.device_type)
                    for block, plan in zip(blocks, block_plans)]
