@@ -1,9 +1,6 @@
-"""Training metrics: FLOPs and MFU, memory, and where they go (stdout, metrics.jsonl, wandb).
-
-MFU = flops_per_token x tokens/s / peak FLOP/s. The peak (`Peak`, dump_dir/peak.json) is a data
-sheet's on a known GPU, else measured before the loop on the model's largest linear in the run's
-dtype; never cached across runs (a busy machine would skew every later run). Above 1 (a wrong peak
-or FLOP count) mfu is null, the ratio under `mfu_above_peak`; null too for bf16 emulated on CPU."""
+"""Training metrics: FLOPs and MFU, memory, and where they go (stdout, metrics.jsonl, wandb). MFU's
+peak (`Peak`, dump_dir/peak.json: a data sheet's or measured per run, never cached) and when mfu is
+null: docs/observing.md, "Metrics and MFU"."""
 
 import collections
 import json

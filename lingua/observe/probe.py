@@ -1,9 +1,7 @@
 """Activation, weight and gradient statistics: `probe.every=N`, one JSON line per probe step in
-`dump_dir/probe/probe.jsonl` (docs/observing.md). Hooks exist only during a probe step.
-
-Every layout records the whole logical tensor's statistic over the global batch: each rank reduces
-its part to fixed-size vectors of sums (moments, log-grid histogram) and maxima, summed (maxed) over
-ranks holding distinct parts (DTensor placements say which; tp activations: sharded or copies)."""
+`dump_dir/probe/probe.jsonl`; hooks exist only during a probe step. Each rank's vectors of sums and
+maxima are reduced over the ranks holding distinct parts, so every layout records the whole tensor
+(docs/observing.md, "Probing activations, weights and gradients")."""
 
 import fnmatch
 import json
