@@ -1,6 +1,5 @@
 """LoRA (Hu et al., 2021): a frozen Linear plus a trainable low-rank update, y = x W^T + s x A^T
 B^T, s = alpha / rank; B starts at zero (the base model's outputs until the first update).
-
 `apply_lora(model, args)` converts on meta, before parallelism, each Linear whose last name is in
 `args.targets`, and freezes the rest. It stays an nn.Linear named as before (`...wq.weight`: TP
 plans and HF key maps find it) with `...wq.lora_a` [rank, in] and `...wq.lora_b` [out, rank],

@@ -1,6 +1,5 @@
 """A model part's first weights, given after it was built on the meta device, split and sharded:
 drawn from per-tensor seeded streams, or filled from rank 0's copy of a Hugging Face model.
-
 In init_weights each random init draws the whole tensor from a generator seeded by (seed, its
 checkpoint name) and a DTensor keeps its slice: the same numbers in every layout, no distributed
 code in models. Not the global RNG: each pipeline stage would replay the same stream, and on CUDA

@@ -1,7 +1,6 @@
 """Muon (torch.optim.Muon's update) for the blocks' matrices (each expert one; not embeddings nor
 `output`), AdamW for the rest, in one optimizer for plain tensors and DTensors (FSDP2, TP, EP).
 Experts are stored [in, out] and read transposed (NS(M^T) = NS(M)^T).
-
 Sharding: only Newton-Schulz needs whole matrices. Those of one shape and placement are stacked N
 at a time (N: the ranks sharding them) and all-to-all'd so each rank orthogonalises one whole
 matrix, then sent back: 1/N of the work of all-gathering everywhere. FSDP2 x TP's _StridedShard is

@@ -1,6 +1,5 @@
 """Tensor + sequence parallelism (Megatron style) for the decoder shell: its own modules' plan,
 the checks independent of an app's blocks, and pieces block plans share (each app's parallelize.py).
-
 Between blocks the residual stream is a Shard(1) DTensor, so `h.shape[1]` gives the decoder the
 global length for RoPE and the mask; each block half all-gathers its input, column-shards its input
 projections (whole heads per rank) and row-shards its output projection back to Shard(1)."""

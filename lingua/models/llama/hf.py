@@ -1,6 +1,5 @@
 """Hugging Face interop: Llama, Mistral, Qwen2/2.5 and Qwen3 directories (config.json +
 safetensors) <-> Transformer, the family read from config.json's model_type (model.family).
-
 `python -m apps.llama.hf export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32]`. The families'
 names and config.json live here, lingua/checkpoint/hf.py does the rest (q/k rows copied as is)."""
 
