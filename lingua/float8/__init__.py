@@ -1,6 +1,5 @@
 """Float8 training with torchao (`distributed.float8`): the Linears an app's filter picks become
-torchao `Float8Linear`s (high-precision master weights that checkpoints and the optimizer see).
-Order: conversion on meta per pipeline part, TP (float8 styles), AC, compile, FSDP2. CUDA needs
+`Float8Linear`s (high-precision master weights, as checkpoints and the optimizer see). CUDA needs
 bf16 and torch.compile; the CPU (the tests) runs emulated matmuls, high-precision collectives."""
 
 import dataclasses

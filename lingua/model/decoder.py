@@ -14,8 +14,7 @@ The contract lingua relies on and a fork keeps (checked at start by `check_model
   `init_weights(std, out_std)` its own weights.
 - layers are called `layer(h, rope, mask, cache)`; softmax attention goes through CoreAttention
   (CP swaps it, the probe hooks it); a recurrent layer keeps decoding state in `cache.states`.
-- `mask_spec` (masks.AttentionMask): what attention may see; every backend and CP build masks
-  from it."""
+- `mask_spec` (masks.AttentionMask): what attention may see; every backend and CP use it."""
 
 import math
 from typing import Optional

@@ -1,6 +1,5 @@
 """Compare training runs from their metrics.jsonl against step: `python -m lingua.plot runs/a
-runs/b [--out DIR]` writes compare.png (and downstream.png for `eval/<task>/<metric>` keys). Each
-run has its own colour, line style and marker, so identical curves stay visible."""
+runs/b [--out DIR]` writes compare.png (and downstream.png for `eval/<task>/<metric>` keys)."""
 
 import argparse
 import json

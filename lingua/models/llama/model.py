@@ -1,7 +1,6 @@
 """The LLaMA model: its blocks (attention, SwiGLU) inside lingua's decoder shell. A plain nn.Module
 with no distributed code: parallelize.py beside it shards it from outside, by these module names.
-A fork keeps the contract in lingua/model/decoder.py's docstring (checked at start, naming what
-is missing): subclass Decoder, give layers `init_weights(std, out_std)`, attend by CoreAttention."""
+A fork keeps the contract in lingua/model/decoder.py's docstring (checked at start)."""
 
 from dataclasses import dataclass
 from typing import Optional
