@@ -1,8 +1,6 @@
-"""lingua: the shared core (model blocks, parallelism, training, evaluation, launch).
-
-Importing it silences three known-harmless messages at their source: torchao (imported by
-transformers) failing to load its optional CUDA kernels on a CPU build and missing Triton, and torch
-deprecating the Enum registration torchao still does. Each filter names its message."""
+"""lingua: the shared core (model, parallelism, training, evaluation, launch). Importing it silences
+three harmless messages (each filter names its own): torchao's optional CUDA kernels, Triton
+missing on a CPU build, torch deprecating torchao's Enum registration."""
 
 import logging
 

@@ -1,7 +1,6 @@
 """Errors for bad user input, and how their message reaches the person once: under torchrun
 every rank usually hits it, so `report` prints it once (the first rank claims it in the TCP
-store) and writes the rank's TORCHELASTIC_ERROR_FILE, so torchrun's summary prints it too.
-"""
+store) and writes the rank's TORCHELASTIC_ERROR_FILE, so torchrun's summary prints it too."""
 
 import datetime
 import json
@@ -15,13 +14,11 @@ class ConfigError(ValueError):
 
 
 class RunError(RuntimeError):
-    """A run had to stop for a reason outside the code (a full disk, a lost rank, non-finite
-    values): the message says what happened, what is safe on disk and how to go on. Entry points
-    print it without a traceback and exit 1."""
+    """A run stopped for a reason outside the code (full disk, lost rank, non-finite values): the
+    message says what happened, what is safe on disk and how to go on. Printed with no traceback."""
 
 
-# How long a rank waits on torchrun's store to learn whether another rank reported first: the
-# store is the agent's, alive while any worker is; the wait is only ever this long if it is gone.
+# A rank's wait on torchrun's store (the agent's, alive while any worker is) for an earlier report.
 STORE_TIMEOUT_S = 10
 
 
@@ -34,8 +31,7 @@ def report(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
         return
     first_rank, first_time = first
-    # Later than the first report's, so that torchrun (which takes the earliest failure as the
-    # root cause) shows the message itself, not this pointer to it.
+    # Later than the first report's: torchrun shows the earliest failure, the message itself.
     _write_error_file(f"the same error as rank {first_rank} (its message is above)",
                       max(now, first_time + 1))
 

@@ -1,9 +1,8 @@
 """How features attach to the training loop (lingua/train/loop.py): a Hook's methods are called
 at fixed points of every step, in the order of the run's hook list (lingua.launch.run.hooks: the
-app's hooks, then the core's); each does nothing here. docs/ARCHITECTURE.md has who uses which.
-Hooks decide; the loop acts: a hook reads the run through `view` (a read-only RunView) and
-returns what it wants done. It keeps its own state, and never takes or calls another hook.
-`step` is the 1-based number of the step being run, as metrics.jsonl counts it.
+app's, then the core's); each does nothing here. docs/ARCHITECTURE.md has who uses which. Hooks
+decide; the loop acts: a hook reads the run through `view` (a read-only RunView), returns what it
+wants done, keeps its own state and never calls another hook. `step`: 1-based, as metrics.jsonl.
 
   start(view)                   once, resumed and the log open, before the first step
   before_step(view, step)       before the step's data is read; may return a Request, carried
@@ -17,15 +16,12 @@ returns what it wants done. It keeps its own state, and never takes or calls ano
                                 checkpoint step), then loads the newest intact checkpoint before
                                 it as resume does; with none, the step is skipped (SKIP)
   after_step(view, step)        view.step == step; view.decision: UPDATE (applied) or SKIP
-  metrics(view, row)            a logged row of metrics.jsonl (evaluation steps always log): add
-                                fields (every rank calls)
+  metrics(view, row)            a logged row (evaluation steps always log): add fields; all ranks
   after_save(view, step)        the checkpoint of `step` is complete on disk
   should_stop(view)             after the step's checkpoint: True ends the loop, which saves
                                 first; every rank must answer alike, from view.tally
   close(view)                   always, however the loop ended, in reverse order
-  state_dict() / load_state_dict(train_state)   the hook's keys of the checkpoint's train state
-                                (loaded at resume and at a rollback)
-"""
+  state_dict() / load_state_dict(train_state)   its train-state keys (loaded at resume, rollback)"""
 
 from dataclasses import dataclass
 from typing import Iterable, Optional

@@ -1,2 +1,1 @@
-"""Evaluating and using a checkpoint: validation loss, downstream tasks through lm-eval,
-async evaluation jobs, the eval CLI, generation and the shipped tasks. Built on train."""
+"""Using a checkpoint: validation loss, lm-eval tasks, async jobs, the CLI, generation, tasks."""

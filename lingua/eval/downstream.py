@@ -1,7 +1,6 @@
 """Downstream tasks through lm-evaluation-harness, on the model sharded as for training. lm-eval
 is told it runs in one process, so every rank builds the same requests; `LinguaLM` splits each
-batch over the data-parallel ranks and sums the results. Results: <dump_dir>/evals/<step>/.
-"""
+batch over the data-parallel ranks and sums the results. Results: <dump_dir>/evals/<step>/."""
 
 import difflib
 import functools
@@ -35,8 +34,7 @@ def quiet_lm_eval() -> None:
     import tqdm
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    # Bootstrapped stderrs in this process, not a pool forked from it (a fork can hang in CUDA,
-    # NCCL and gloo threads); the same values.
+    # Bootstrap in this process, not a forked pool (a fork can hang in CUDA, NCCL, gloo threads).
     os.environ["DISABLE_MULTIPROC"] = "1"
     logging.getLogger("lm_eval.api.task").addFilter(   # its advice at each load of our tasks
         lambda record: "Custom kwargs can be passed" not in record.getMessage())
@@ -218,8 +216,7 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
     was_training = model.training
     model.eval()
     limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
-    # lm-eval's evaluate(), not simple_evaluate(): the latter reseeds the global RNGs (the
-    # training run's) and runs pip, conda, git and nvidia-smi for an environment report.
+    # evaluate(), not simple_evaluate(): that reseeds the run's RNGs, runs pip/git/nvidia-smi.
     loaded = _load(names, args.include_path)
     lm = LinguaLM(model, tokenizer, env, args, max_length, autocast, progress or Progress(),
                   tasks=loaded["tasks"])
@@ -231,15 +228,13 @@ def evaluate_tasks(model, tokenizer, env: DistEnv, args: EvalArgs, max_length: i
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
     lm.progress.say(f"building the requests of {', '.join(names)}")
     try:
-        # Every rank computes the metrics (lm-eval sees one process each); rank 0's are kept, so
-        # only rank 0 bootstraps stderrs (in this process: quiet_lm_eval).
+        # Every rank computes the metrics; only rank 0's are kept, so only it bootstraps stderrs.
         results = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit,
                                      log_samples=args.log_samples,
                                      bootstrap_iters=BOOTSTRAP_ITERS if env.rank == 0 else 0)
     finally:
         model.train(was_training)
-    # Every rank computed the same results; rank 0's plain sections (the configs hold
-    # functions) are everyone's.
+    # Every rank computed the same: rank 0's plain sections (configs hold functions) are everyone's.
     samples = (results or {}).get("samples") if env.rank == 0 else None
     if results is not None:
         results = {k: results[k] for k in SECTIONS + ("results",) if k in results}

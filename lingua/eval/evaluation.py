@@ -1,5 +1,4 @@
-"""Validation loss and perplexity on a fixed held-out set, the same for every parallel layout;
-in the training loop, ValidationHook adds them to the rows of evaluation steps."""
+"""Validation loss and perplexity on a fixed held-out set, same in any layout (ValidationHook)."""
 
 import logging
 import math

@@ -1,10 +1,7 @@
 """Text generation with a KV cache: greedy, temperature, top-k and top-p sampling, for any app
 whose model takes `forward(tokens, cache=...)`. Each app's generate.py is the command:
 
-    python -m apps.<app>.generate <run_dir or checkpoint_dir> --prompt "Once upon" [--prompt ...]
-        [--prompts-file f.txt] [--max-new-tokens 64] [--temperature 0.8] [--top-k 50]
-        [--top-p 0.95] [--seed 0] [--device cpu]
-"""
+    python -m apps.<app>.generate <run_dir or checkpoint_dir> --prompt "Once upon" [--help]"""
 
 import argparse
 import sys
@@ -62,7 +59,6 @@ def generate(model: torch.nn.Module, prompt: List[int], max_new_tokens: int,
     tokens = torch.tensor([prompt], device=next(model.parameters()).device)
     out: List[int] = []
     for _ in range(max_new_tokens):
-        # The prompt in one pass, then one token at a time.
         logits = model(tokens, cache=cache)[:, -1]
         tokens = sample_next(logits, temperature, top_k, top_p, generator)[:, None]
         out.append(int(tokens))

@@ -1,5 +1,4 @@
-"""`LinguaLM`: lm-evaluation-harness's view of our model (lingua/eval/downstream.py says how the
-requests are shared over the ranks). Imported only where an evaluation runs: lm-eval is optional."""
+"""`LinguaLM`: lm-eval's view of our model; imported only by evaluations (lm-eval is optional)."""
 
 import contextlib
 import hashlib

@@ -1,8 +1,6 @@
 """Float8 training with torchao (`distributed.float8`): the Linears an app's filter picks become
-torchao `Float8Linear`s (high-precision master weights that checkpoints and the optimizer see).
-Order: conversion on meta per pipeline part, TP (float8 styles), AC, compile, FSDP2. CUDA needs
-bf16 and torch.compile; the CPU (the tests) runs emulated matmuls, high-precision collectives.
-"""
+`Float8Linear`s (high-precision master weights, as checkpoints and the optimizer see). CUDA needs
+bf16 and torch.compile; the CPU (the tests) runs emulated matmuls, high-precision collectives."""
 
 import dataclasses
 import importlib.util
@@ -53,8 +51,8 @@ def validate_float8(args, device_type: str) -> None:
 
 
 def default_filter(fqn: str, module: nn.Module) -> bool:
-    """A Linear other than `output` (the logits need the precision) with features multiples of
-    16, as float8 kernels require; or MoE experts the float8 grouped GEMM can run."""
+    """A Linear but `output` (logits need precision) with features multiples of 16 (the kernels'
+    rule), or MoE experts the float8 grouped GEMM can run."""
     if isinstance(module, nn.Linear):
         return (fqn.split(".")[-1] != "output"
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
@@ -155,8 +153,7 @@ def float8_tp_plan(module: nn.Module, plan: dict, device_type: str) -> dict:
 
 
 def _feeds_only_float8(target: nn.Module, fqn: str, plan: dict) -> bool:
-    # The input, cast to float8 once, must reach only float8 Linears: every Linear under the
-    # module is a tensorwise Float8Linear the plan shards, with column-wise readers.
+    # The once-cast float8 input must reach only tensorwise Float8Linears the plan shards colwise.
     from torch.distributed.tensor import parallel as tp
 
     prefix = f"{fqn}." if fqn else ""
@@ -177,8 +174,7 @@ def _copy_style(style, cls):
 
 
 class Float8ScalesHook(Hook):
-    """Recompute the float8 FSDP all-gather scales (every converted weight's amax in one
-    all-reduce) before each step's forwards: after an update, a resume or a rollback alike."""
+    """Recompute float8 FSDP all-gather scales (all amaxes, one all-reduce) before each step."""
 
     def __init__(self, args, env):
         # Not under cpu_offload: FSDP's copy of a CPU shard to the GPU drops precomputed scales.

@@ -1,8 +1,6 @@
-"""Float8 for the MoE experts (`distributed.float8`, any recipe): a converted GroupedExperts runs
-its grouped matmuls with torchao's float8 rowwise grouped GEMM (e4m3, power-of-2 scales per row
-along the reduced dimension), each expert's rows padded to a multiple of 16. Off CUDA (no scaled
-grouped matmul) `EmulatedFloat8GroupedMM` does the same casts and multiplies in fp32.
-"""
+"""Float8 MoE experts (`distributed.float8`, any recipe): torchao's float8 rowwise grouped GEMM
+(e4m3, power-of-2 scales along the reduced dim), each expert's rows padded to a multiple of 16.
+Off CUDA `EmulatedFloat8GroupedMM` does the same casts and multiplies in fp32."""
 
 import torch
 from torch import nn

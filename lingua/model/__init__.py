@@ -1,3 +1,2 @@
-"""The model's building blocks: attention, feed-forward, norms, RoPE, the decoder shell,
-the MoE layer, the loss and weight initialisation. Plain nn.Modules and functions: no
-process group, no parallelism (lingua.parallel applies that from outside)."""
+"""The model's building blocks (attention, FFN, norms, RoPE, decoder shell, MoE, loss, weight
+init): plain nn.Modules and functions, no process groups (lingua.parallel works from outside)."""

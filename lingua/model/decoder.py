@@ -1,25 +1,20 @@
 """The decoder shell every app's model is: embeddings, RoPE tables, mask, layer loop, final norm
 and output projection. An app subclasses `Decoder` and builds one layer in `make_layer`.
 
-What the rest of lingua relies on, and a fork keeps (checked at start by `check_model_contract`):
-- `forward(tokens, doc_ids=None, cache=None, positions=None)`: tokens [b, s] -> logits
-  [b, s, vocab]; a pipeline stage without `tok_embeddings` takes hidden states [b, s, dim], one
-  without `output` returns them. doc_ids [b, s] keep attention inside documents; `cache` is for
-  decoding; `positions` [s] are the tokens' positions when not 0..s-1 (a context-parallel shard).
-- `layers`, an nn.ModuleDict keyed "0".."n-1": pipeline parallelism deletes the entries a stage
-  does not hold and sets the `first_stage_modules` / `last_stage_modules` it does not own to None.
-- the loss seam's extra inputs (lingua/model/loss.py: `batch_inputs`) arrive as forward keyword
-  arguments on every pipeline stage. In training a part may return (output, extra tensors...);
-  under pipeline parallelism a stage's extras reach the next as keyword arguments named by the
-  model's `stage_outputs` (apps/moe: the balancing losses).
-- `init_weights(buffer_device=None)` (re)initialises every parameter and buffer after `to_empty`;
-  each layer's `init_weights(std, out_std)` its own weights.
-- every layer is called as `layer(h, rope, mask, cache)`; softmax attention goes through
-  `lingua.model.layers.CoreAttention` (context parallelism swaps it; the probe hooks it); a
-  recurrent layer keeps its decoding state in `cache.states` (apps/qwen3_next).
-- `mask_spec`, a lingua.model.masks.AttentionMask: what attention may see (causal unless the model
-  sets e.g. a sliding window); every backend and context parallelism build their masks from it.
-"""
+The contract lingua relies on and a fork keeps (checked at start by `check_model_contract`):
+- `forward(tokens, doc_ids=None, cache=None, positions=None)`: tokens [b, s] -> logits; a stage
+  without `tok_embeddings` takes hidden states [b, s, dim], one without `output` returns them.
+  doc_ids [b, s] keep attention in documents; `positions` [s]: when not 0..s-1 (a CP shard).
+- `layers`, an nn.ModuleDict keyed "0".."n-1": a pipeline stage deletes those it does not hold,
+  and sets `first_stage_modules` / `last_stage_modules` it does not own to None.
+- the loss seam's extra inputs (loss.py: `batch_inputs`) arrive as forward keyword arguments on
+  every stage. In training a part may return (output, extras...); under pp the extras reach the
+  next stage as keywords named by the model's `stage_outputs` (apps/moe: the balancing losses).
+- `init_weights(buffer_device=None)` (re)initialises everything after `to_empty`; each layer's
+  `init_weights(std, out_std)` its own weights.
+- layers are called `layer(h, rope, mask, cache)`; softmax attention goes through CoreAttention
+  (CP swaps it, the probe hooks it); a recurrent layer keeps decoding state in `cache.states`.
+- `mask_spec` (masks.AttentionMask): what attention may see; every backend and CP use it."""
 
 import math
 from typing import Optional
@@ -80,9 +75,8 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, buffer_device=None):
-        """(Re)initialise every parameter and the RoPE tables, e.g. after `to_empty`. The
-        residual-branch outputs of layer i start at std / sqrt(2 (i + 1)) (depth_init) or
-        std / sqrt(2 n_layers), so the residual stream's variance does not grow with depth."""
+        """(Re)initialise all parameters and RoPE tables. Layer i's residual-branch outputs start
+        at std / sqrt(2 (i + 1)) (depth_init) or std / sqrt(2 n_layers): variance flat in depth."""
         self.init_rope(buffer_device)
         a = self.args
         if self.tok_embeddings is not None:
@@ -119,8 +113,7 @@ class Decoder(nn.Module):
               cache: Optional[KVCache] = None, positions: Optional[torch.Tensor] = None) -> tuple:
         """Embeddings and layers: (hidden states, rope, mask) before the head (apps/mtp)."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
-        # Under sequence parallelism h is a DTensor shaped like the whole sequence, as attention
-        # sees it after its all-gather.
+        # Under SP h is a DTensor shaped like the whole sequence (as attention sees it).
         rope, mask = self.rope_and_mask(h.shape[1], doc_ids, cache, positions, h.device)
         for layer in self.layers.values():
             h = layer(h, rope, mask, cache)
@@ -137,9 +130,8 @@ class Decoder(nn.Module):
 
 
 def check_model_contract(model: nn.Module, where: str, context_parallel: bool = False) -> None:
-    """Raise ConfigError if `model` (on meta, before any parallelism) lacks what the module
-    docstring lists, or, with `context_parallel`, has a layer that does not attend through
-    CoreAttention (each rank would attend within its own shard). `where`: the app's model file."""
+    """ConfigError if `model` (meta, unparallelized) breaks the module docstring's contract, or
+    with `context_parallel` attends outside CoreAttention (in its shard). `where`: model file."""
     problems = []
     for name in ("tok_embeddings", "norm", "output", "layers", "args"):
         if not hasattr(model, name):

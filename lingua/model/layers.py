@@ -1,11 +1,8 @@
-"""Small transformer pieces apps build their blocks from: RMSNorm, RoPE, the attention kernel
-call (CoreAttention: sdpa / flex / xformers), a KV cache, SwiGLU, and TransformerArgs. No
-distributed code: tensor parallelism shards Linears from outside, so apps read head counts from
-the tensors (`view(b, s, -1, head_dim)`).
-
-RoPE rotates the two *halves* of each head (Hugging Face's layout, not Meta's interleaved complex
-pairs): HF checkpoints load without permuting q/k rows, and cos/sin stay real tensors.
-"""
+"""Transformer pieces apps build their blocks from: RMSNorm, RoPE, CoreAttention (sdpa / flex /
+xformers), a KV cache, SwiGLU, TransformerArgs. No distributed code: tensor parallelism shards
+Linears from outside, so apps read head counts from the tensors (`view(b, s, -1, head_dim)`).
+RoPE rotates the two *halves* of each head (HF's layout, not Meta's interleaved complex pairs):
+HF checkpoints load without permuting q/k rows, and cos/sin stay real tensors."""
 
 import functools
 import math
@@ -23,8 +20,7 @@ from lingua.model.masks import AttentionMask
 
 ATTN_BACKENDS = ("sdpa", "flex", "xformers")
 
-# True during a pipeline schedule's first-step shape inference (an extra forward on copies):
-# whatever counts forwards (MoE routing, probes) asks `inferring_shapes()` and leaves it out.
+# True in a pipeline's first-step shape inference: forward counters (MoE routing, probes) skip it.
 _INFERRING_SHAPES = False
 
 
@@ -110,8 +106,7 @@ def _eager_plain(*tensors) -> bool:
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm with a written-out backward: the composite's arithmetic in about half the memory
-    passes, which are the cost on CPU (faster than F.rms_norm in eager)."""
+    """RMSNorm with a written-out backward: half the memory passes (the cost on CPU)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -149,10 +144,6 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self):
         nn.init.ones_(self.weight)
-
-
-# ---------------------------------------------------------------------------------------------
-# Rotary position embeddings
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: bool = False, scale_factor: float = 8.0,
@@ -241,10 +232,6 @@ def repeat_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int) -> Tuple[torch.Ten
     if n_rep == 1:
         return k, v
     return k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention backends
 
 
 _FLEX_CPU_TRAINING = ("model.attn_backend=flex cannot train on CPU: torch's flex_attention has "
@@ -347,9 +334,8 @@ def softmax_attention(q, k, v, mask=None, scale: Optional[float] = None, sinks=N
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's attention sinks: a learned logit per head in each softmax's denominator, a key
-    with no value. From the output and log-sum-exp [b, h, s] without it, exactly:
-    out * Z / (Z + e^sink) = out * sigmoid(lse - sink)."""
+    """gpt-oss's sinks (a learned per-head logit in the softmax denominator), exactly from the
+    sink-free output and lse [b, h, s]: out * Z / (Z + e^sink) = out * sigmoid(lse - sink)."""
     return out * torch.sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
 
 
@@ -399,15 +385,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
     return out.transpose(1, 2)
 
 
-# ---------------------------------------------------------------------------------------------
-# KV cache for incremental decoding (generation only; training never passes one)
-
-
 class KVCache:
-    """Keys/values of the positions seen so far, per attention layer (keyed like `layers`). A
-    layer's buffers are made at its first update, shaped like what it caches (under TP only the
-    layer's output knows its heads; MLA caches its latent and rope key). A recurrent layer keeps
-    its state in `states[key]`, a dict of its own (apps/qwen3_next)."""
+    """Keys/values seen so far per attention layer (keyed like `layers`), allocated at its first
+    update shaped like what it caches (under TP only the layer knows its heads; MLA caches its
+    latent). A recurrent layer keeps its state in the dict `states[key]` (apps/qwen3_next)."""
 
     def __init__(self, layer_keys, batch: int, max_len: int):
         self.kv: Dict[str, Optional[Tuple[torch.Tensor, torch.Tensor]]] = dict.fromkeys(layer_keys)
@@ -459,9 +440,8 @@ class CoreAttention(nn.Module):
 
 
 def grouped_kv_ok(core: nn.Module, q: torch.Tensor, mask=None) -> bool:
-    """Whether `core` may hand sdpa k/v with fewer heads than q (enable_gqa, no repeat_kv copy):
-    only plain sdpa on CPU with no mask. On CUDA sdpa groups heads in its flash kernel only and
-    would otherwise fall back to the slow math kernel. Independent of the probe."""
+    """May `core` hand sdpa fewer k/v heads than q (enable_gqa)? Only plain unmasked sdpa on CPU:
+    CUDA sdpa groups heads in its flash kernel only, else falls back to the slow math kernel."""
     return (q.device.type == "cpu" and mask is None and isinstance(core, CoreAttention)
             and core.backend == "sdpa")
 

@@ -1,12 +1,9 @@
-"""LoRA (Hu et al., 2021): a frozen Linear plus a trainable low-rank update, y = x W^T + s x A^T B^T
-with s = alpha / rank. B starts at zero, so a converted model computes what the base model does
-until the first update.
-
-`apply_lora(model, args)` converts, on meta before any parallelism, every Linear whose last name
-is in `args.targets`, and freezes the rest. A converted layer stays an nn.Linear named as before
-(`...wq.weight`: TP plans and HF key maps find it), with `...wq.lora_a` [rank, in] and
-`...wq.lora_b` [out, rank], laid out like their weight under TP (lingua/parallel/lora_tp.py).
-"""
+"""LoRA (Hu et al., 2021): a frozen Linear plus a trainable low-rank update, y = x W^T + s x A^T
+B^T, s = alpha / rank; B starts at zero (the base model's outputs until the first update).
+`apply_lora(model, args)` converts on meta, before parallelism, each Linear whose last name is in
+`args.targets`, and freezes the rest. It stays an nn.Linear named as before (`...wq.weight`: TP
+plans and HF key maps find it) with `...wq.lora_a` [rank, in] and `...wq.lora_b` [out, rank],
+laid out like their weight under TP (lingua/parallel/lora_tp.py)."""
 
 import logging
 import math
@@ -76,7 +73,6 @@ def validate_args(args: LoRAArgs) -> None:
 
 
 def linear_names(model: nn.Module) -> dict:
-    """{module name: Linear} of every Linear in the model."""
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 

@@ -1,15 +1,10 @@
-"""The loss seam: how an app turns its model's output into the loss the trainer minimises.
-
-An app gives the trainer (lingua.train.app.App):
-  loss(output, target) -> LossOutput      default `cross_entropy` (next-token)
-  batch_inputs(tokens, labels) -> (model_kwargs, target)
-                                          default ({}, labels): the model's extra keyword
-                                          tensors [b, s, ...] and the loss's target
-The trainer shards both with the tokens, calls the loss on the last pipeline stage and
-back-propagates `loss_sum / tokens of the global batch`, so every layout computes the same mean's
-gradient: a loss returns a SUM over tokens, never a mean. The logged `loss` (LossOutput.logged_sum)
-is the next-token cross-entropy in every app, so runs of different apps compare.
-"""
+"""The loss seam: how an app turns its model's output into the loss the trainer minimises. An app
+gives the trainer (lingua.train.app.App) `loss(output, target) -> LossOutput` (default
+`cross_entropy`) and `batch_inputs(tokens, labels) -> (model_kwargs, target)` (default ({}, labels):
+the model's extra keyword tensors [b, s, ...] and the loss's target). The trainer shards both with
+the tokens, calls the loss on the last stage and back-propagates `loss_sum / global batch tokens`,
+so every layout has the same gradient: a loss returns a SUM over tokens, never a mean. The logged
+`loss` (LossOutput.logged_sum) is the next-token cross-entropy in every app, so apps compare."""
 
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple, Union
@@ -67,11 +62,9 @@ class _CompiledCrossEntropySum(torch.autograd.Function):
 class LossOutput:
     loss_sum: torch.Tensor                 # summed over tokens; what backward goes through
     tokens: Number                         # how many targets loss_sum summed over
-    # Extra values to log: name -> (sum, count), logged as sum / count over the step's
-    # micro-batches and ranks.
+    # Extra values to log: name -> (sum, count), logged as sum / count over micro-batches, ranks.
     metrics: Dict[str, Tuple[Number, Number]] = field(default_factory=dict)
-    # The next-token cross-entropy `loss` in metrics.jsonl reports; None: loss_sum is it. An
-    # objective with more terms (MoE balancing, MTP) gives its cross-entropy here.
+    # The next-token cross-entropy metrics' `loss` logs (None: loss_sum is; MoE, MTP add terms).
     logged_sum: Optional[torch.Tensor] = None
 
 
@@ -85,8 +78,7 @@ def default_batch_inputs(tokens: torch.Tensor, labels: torch.Tensor) -> tuple:
 
 
 def for_training(loss: Callable, compile: bool, backend: str, loss_parallel: bool) -> Callable:
-    """Compiled too under distributed.compile=true (eager cross-entropy keeps fp32 log-probs;
-    compiled, it fuses); eager under loss parallelism, whose DTensor logits we do not trace."""
+    """Compiled under distributed.compile (fuses away fp32 log-probs); eager under loss parallel."""
     if not compile or loss_parallel:
         return loss
     return torch.compile(loss, backend=backend)

@@ -15,8 +15,7 @@ from lingua.errors import ConfigError
 class AttentionMask:
     causal: bool = True            # keys at or before the query only
     window: Optional[int] = None   # sliding window: the `window` nearest positions (self included)
-    sink_tokens: int = 0           # with a window, the row's first positions stay visible
-                                   # (StreamingLLM); documents still apply
+    sink_tokens: int = 0           # with a window: a row's first N stay visible, within documents
 
     def __post_init__(self):
         if (self.window is not None and self.window < 1) or self.sink_tokens < 0:

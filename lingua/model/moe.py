@@ -1,25 +1,19 @@
 """Mixture-of-experts layer: router, grouped experts, load-balancing losses. No distributed code.
 
-`MoE.forward` (x flattened to T tokens): router -> top-k experts and weights per token -> stable
-sort of the T*k assignments by expert -> optional capacity dropping -> `experts(x_sorted, counts)`
--> unsort -> weighted sum over the k slots -> plus shared experts. `experts` is expert
-parallelism's swap point: any module with `forward(x_sorted [n, dim] grouped in expert order,
-counts [n_experts]) -> [n, dim]`.
+`MoE.forward` (x flattened to T tokens): router -> top-k experts per token -> stable sort of the
+T*k assignments by expert -> optional capacity drop -> `experts(x_sorted, counts)` -> unsort ->
+weighted sum over the k slots -> plus shared experts. `experts` is expert parallelism's swap
+point: any module with `forward(x_sorted [n, dim] in expert order, counts [n_experts]) -> [n, dim]`.
 
-Load balancing over the GLOBAL batch:
-  * `moe.count_reducer(t)` sums `t` over the ranks holding distinct tokens of the micro-batch
-    (may work in place; identity unless lingua.parallel.expert_parallel sets it). Called once per
-    layer per training forward when aux_loss_coef or z_loss_coef > 0 (recomputes included), once
-    per step by update_expert_bias, never in eval mode.
-  * The balancing losses are SUMS over this rank's tokens, like the cross-entropy. With
-    f_e = reduced_count_e / sum(reduced_counts) (no gradient):
-      aux_sum = aux_loss_coef * n_experts * sum_e f_e * (sum over tokens of normalised scores_e)
-      z_sum   = z_loss_coef * (sum over tokens of logsumexp(logits)^2)
-    A training forward leaves `moe.balance_loss` = aux_sum + z_sum (None when both coefficients
-    are 0) for the app's loss (apps/moe) to add.
-  * `update_expert_bias(layers, rate)` (DeepSeek-V3 aux-loss-free balancing) runs after each
-    optimizer step on the counts reduced with the layers' `count_reducer`.
-"""
+Load balancing over the GLOBAL batch: `moe.count_reducer(t)` sums `t` (maybe in place) over the
+ranks holding distinct tokens of the micro-batch (identity unless lingua.parallel.expert_parallel
+sets it); called per layer per training forward when aux_loss_coef or z_loss_coef > 0 (recomputes
+included), once per step by update_expert_bias, never in eval mode. The balancing losses are SUMS
+over this rank's tokens, like the cross-entropy; with f_e = reduced_count_e / sum(reduced_counts):
+  aux_sum = aux_loss_coef * n_experts * sum_e f_e * (sum over tokens of normalised scores_e)
+  z_sum   = z_loss_coef * (sum over tokens of logsumexp(logits)^2)
+A training forward leaves `moe.balance_loss` = aux_sum + z_sum (None when both coefficients are 0)
+for apps/moe to add."""
 
 import math
 from typing import Callable, Dict, Iterable, Optional
@@ -120,9 +114,8 @@ class _Dispatch(torch.autograd.Function):
         return slots.view(-1, ctx.top_k, grad.shape[1]).sum(1), None, None, None
 
 
-# CPU oneDNN builds and caches a bf16/fp16 kernel per matmul shape, and each expert's row count
-# changes every step: so there each expert's rows are zero-padded to a multiple of CPU_GROUP_ROWS,
-# unless that padding is over 10% of the rows. A GPU's grouped GEMM is one kernel for any split.
+# CPU oneDNN caches a bf16/fp16 kernel per matmul shape and expert row counts change every step:
+# pad each expert's rows to a multiple of CPU_GROUP_ROWS unless that adds over 10% rows.
 CPU_GROUP_ROWS = 16
 
 
@@ -151,11 +144,9 @@ class _ScatterRows(torch.autograd.Function):
 
 
 def _pad_groups(x: torch.Tensor, counts: torch.Tensor, multiple: int):
-    """Expert-sorted rows x [n, dim], counts[e] per expert -> (padded_x, rows, offs): expert e's
-    rows start at a multiple of `multiple` with zero rows between groups, x[i] is
-    padded_x[rows[i]], offs are torch._grouped_mm's int32 group ends. padded_x has n + n_experts
-    * (multiple - 1) rows rounded up (independent of the routing, for torch.compile); the last
-    group runs to its end, as _grouped_mm leaves rows outside any group unwritten."""
+    """Expert-sorted x [n, dim] -> (padded_x, rows, offs): each group starts at a multiple of
+    `multiple`, x[i] is padded_x[rows[i]], offs are _grouped_mm's int32 group ends. The size does
+    not depend on the routing (torch.compile); the last group runs to the end (else unwritten)."""
     n, n_experts = x.shape[0], counts.numel()
     n_out = -(-(n + n_experts * (multiple - 1)) // multiple) * multiple
     padded = (counts + multiple - 1) // multiple * multiple
@@ -192,8 +183,7 @@ class GroupedExperts(nn.Module):
         if impl == "grouped":
             check_grouped_alignment(dim, hidden)
         self.impl = impl
-        # Swap points for lingua.float8.moe: a grouped matmul (x, w, offs), and the row multiple
-        # each expert's group is padded to (0: none).
+        # float8.moe's swap points: grouped matmul (x, w, offs), group row multiple (0: none).
         self.grouped_mm: Optional[Callable] = None
         self.group_multiple = 0
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
@@ -236,10 +226,9 @@ class GroupedExperts(nn.Module):
 class Router(nn.Module):
     """Scores every expert, picks top_k per token. The gate runs in fp32 even under autocast:
     routing flips on small logit differences. `expert_bias` (DeepSeek-V3) only changes which
-    experts are chosen; the combine weights are their unbiased scores. With n_groups > 1
-    (DeepSeek-V3's group-limited routing) the experts form n_groups equal groups, each scored by
-    the sum of its two best biased scores, and a token picks its top_k among the topk_groups best
-    groups only."""
+    experts are chosen; the combine weights are their unbiased scores. n_groups > 1 (DeepSeek-V3's
+    group-limited routing): n_groups equal groups, each scored by its two best biased scores; a
+    token picks its top_k in the topk_groups best groups."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str = "softmax",
                  norm_topk: bool = False, route_scale: float = 1.0, n_groups: int = 1,
@@ -256,8 +245,7 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=True)
 
     def forward(self, x: torch.Tensor):
-        """x [T, dim] -> (weights [T, k] fp32, experts [T, k] long, scores [T, E] fp32,
-        logits [T, E] fp32)."""
+        """x [T, dim] -> (weights [T, k], experts [T, k] long, scores, logits [T, E]); fp32."""
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
@@ -353,10 +341,9 @@ class MoE(nn.Module):
         return out.reshape(*shape[:-1], out.shape[-1])
 
     def _combine(self, y, order, inverse, weights) -> torch.Tensor:
-        """Expert outputs y [n, dim] (row i is slot order[i] = t * top_k + j) -> sum over j of
-        weights[t, j] * (slot (t, j)'s row), [T, dim] in y's dtype; dropped slots count as zero.
-        The rows go back to slot order by a gather (a scatter into zeros with drops), then one
-        batched [1, k] x [k, dim] product per token: deterministic on GPU (no index_add)."""
+        """y [n, dim] (row i is slot order[i] = t * top_k + j) -> sum_j weights[t, j] * y's slot
+        (t, j) row, [T, dim]; dropped slots count as zero. A gather then a batched [1, k] x [k, dim]
+        product per token: deterministic on GPU (no index_add)."""
         n_slots, dim = weights.numel(), y.shape[-1]
         if order.numel() == n_slots:
             slots = _GatherRows.apply(y, inverse, order)
@@ -375,8 +362,7 @@ class MoE(nn.Module):
 
     def _balance(self, counts, scores, logits, n_dropped: int) -> None:
         counts_f = counts.float()
-        # Not counted: recomputes in backward (a compiled one's is inside the compiled backward)
-        # and pipeline shape inference.
+        # Not counted: recomputes in backward (compiled ones too) and pipeline shape inference.
         in_backward = (not torch.compiler.is_compiling()
                        and torch._C._current_graph_task_id() != -1)
         counted = self.training and not in_backward and not inferring_shapes()
@@ -432,8 +418,7 @@ def moe_layers(model: nn.Module):
 
 
 def balance_loss_sum(layers: Iterable[MoE], device) -> torch.Tensor:
-    """The last training forward's balancing losses, summed ([1]), each layer's then dropped (a
-    tensor with a graph would make the module uncopyable)."""
+    """The last forward's balancing losses summed ([1]), then dropped (a graph blocks deepcopy)."""
     total = torch.zeros(1, device=device)
     for m in layers:
         if m.balance_loss is not None:
@@ -461,8 +446,7 @@ def routing_metrics(layers: Dict[int, MoE], n_layers: int, n_experts: int,
       imbalance         max / mean of the tokens routed to each expert (1 = perfectly balanced)
       dropped_fraction  routed slots dropped by capacity / all routed slots
       router_entropy    mean over tokens of the entropy of the router's distribution (nats)
-      aux_loss, z_loss  the balancing losses added to the step's loss, per token
-    """
+      aux_loss, z_loss  the balancing losses added to the step's loss, per token"""
     table = torch.zeros(n_layers, n_experts + len(ROUTING_SUMS), device=device)
     for index, layer in layers.items():
         if layer.routing is not None:
@@ -483,9 +467,8 @@ def routing_metrics(layers: Dict[int, MoE], n_layers: int, n_experts: int,
 
 
 def active_params_per_token(model: nn.Module) -> float:
-    """Matmul parameters one token goes through, for FLOPs/MFU: every nn.Linear plus top_k /
-    n_experts of each layer's routed experts. Not the embedding lookup; a tied output matrix is
-    no nn.Linear, so callers add it."""
+    """Matmul parameters per token (FLOPs/MFU): every nn.Linear plus top_k / n_experts of routed
+    experts; not the embedding lookup nor a tied output (no nn.Linear: callers add it)."""
     total = float(sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)))
     return total + sum(routed_params_per_token(m) for m in moe_layers(model))
 

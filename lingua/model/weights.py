@@ -1,11 +1,9 @@
 """A model part's first weights, given after it was built on the meta device, split and sharded:
 drawn from per-tensor seeded streams, or filled from rank 0's copy of a Hugging Face model.
-
-While init_weights runs, every random init draws the whole tensor from a generator seeded from
-(seed, its checkpoint name), and a DTensor keeps its slice: the same numbers in every layout, and no
-distributed code in the model file. The global RNG would not do: every pipeline stage would replay
-the same stream, and on CUDA torch's OffsetBasedRNGTracker broadcasts rank 0's state.
-"""
+In init_weights each random init draws the whole tensor from a generator seeded by (seed, its
+checkpoint name) and a DTensor keeps its slice: the same numbers in every layout, no distributed
+code in models. Not the global RNG: each pipeline stage would replay the same stream, and on CUDA
+torch's OffsetBasedRNGTracker broadcasts rank 0's state."""
 
 import hashlib
 import logging
@@ -20,8 +18,7 @@ from lingua.errors import RunError
 
 logger = logging.getLogger(__name__)
 
-# torch.nn.init's random initialisers and torch.Tensor's in-place random methods: each fills the
-# tensor passed first (or as `tensor=`) and takes `generator=`.
+# Random initialisers that fill the tensor passed first (or `tensor=`) and take `generator=`.
 RANDOM_INITS = frozenset({
     "normal_", "uniform_", "trunc_normal_", "kaiming_normal_", "kaiming_uniform_",
     "xavier_normal_", "xavier_uniform_", "orthogonal_", "sparse_",
@@ -58,8 +55,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class PerTensorStreams(TorchFunctionMode):
-    """While active, every random init of `module`'s tensors draws the whole tensor from its own
-    generator; a DTensor then copies in its local slice."""
+    """While active, `module`'s random inits draw whole tensors from their own generators."""
 
     def __init__(self, module: nn.Module, seed: int, device: torch.device):
         super().__init__()
@@ -166,9 +162,8 @@ def broadcast_object(obj, src: int = 0):
 
 def load_full_state(parts, state: Optional[Mapping[str, torch.Tensor]], device,
                     keep: Callable[[str], bool] = lambda name: False) -> None:
-    """Fill every rank's parts from rank 0's `state` (None elsewhere) one tensor at a time, so no
-    rank holds more than its shards plus one full tensor (unlike torch's broadcast_from_rank0).
-    Tensors where keep(name) is true may be absent and keep their values (LoRA adapters)."""
+    """Fill every rank's parts from rank 0's `state` (None elsewhere) a tensor at a time: at most
+    shards plus one full tensor per rank. keep(name) tensors may be absent (LoRA adapters)."""
     device = torch.device(device)
     world = _world()
     rank = dist.get_rank() if world else 0

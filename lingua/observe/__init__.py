@@ -1,3 +1,2 @@
-"""Seeing what a run does: metrics and MFU, profiling windows, activation/gradient probes,
-their reports and run-comparison plots. Reads lingua.model and lingua.parallel; the
-loop in lingua.train calls it."""
+"""Seeing what a run does: metrics and MFU, profiling, activation/gradient probes, their reports,
+run-comparison plots. Reads lingua.model and lingua.parallel; lingua.train's loop calls it."""

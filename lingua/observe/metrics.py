@@ -1,11 +1,6 @@
-"""Training metrics: FLOPs and MFU, memory, and where they go (stdout, metrics.jsonl, wandb).
-
-MFU = model FLOPs per token (flops_per_token) x tokens/s / peak FLOP/s. The peak is a data-sheet
-value on a known GPU, else measured once before the loop on the model's largest linear in the run's
-dtype, recorded in dump_dir/peak.json (`Peak`); never cached across runs (a busy machine would skew
-every later run). An MFU above 1 says the peak (or the FLOP count) is wrong: it is logged as null
-with the ratio under `mfu_above_peak`; with no credible peak (bf16 emulated on CPU) mfu is null.
-"""
+"""Training metrics: FLOPs and MFU, memory, and where they go (stdout, metrics.jsonl, wandb). MFU's
+peak (`Peak`, dump_dir/peak.json: a data sheet's or measured per run, never cached) and when mfu is
+null: docs/observing.md, "Metrics and MFU"."""
 
 import collections
 import json
@@ -45,10 +40,8 @@ class LoggingArgs:
 
 def flops_per_token(model: nn.Module, n_layers: int, attn_width: int, seq_len: int,
                     tied_embeddings: bool = False) -> float:
-    """6 x trainable + 4 x frozen (LoRA's base: no weight gradient) matmul parameters, plus
-    attention's QK^T and AV (PaLM's convention, as if not causal). Counted: every matrix an
-    nn.Linear holds (LoRA adapters too, never a bias), the output projection once even when tied;
-    not the embedding lookup."""
+    """6 x trainable + 4 x frozen (LoRA's base: no weight grad) nn.Linear matrices (no bias, tied
+    output once, no embedding), plus attention's QK^T and AV (PaLM's: as if not causal)."""
     matrices = [p for m in model.modules() if isinstance(m, nn.Linear)
                 for p in m.parameters(recurse=False) if p.dim() >= 2]
     if tied_embeddings:  # the output matmul reuses the embedding matrix, but still costs FLOPs
@@ -206,9 +199,7 @@ def _now() -> str:
 
 def run_peak(device: torch.device, dtype_name: str, parts=(), tokens: int = 1024,
              step: int = 0, dump_dir=None) -> Peak:
-    """The run's peak for MFU: the data-sheet value on a known GPU, else measured now on the
-    model's largest linear over `tokens` (a micro-batch); None (source "none") for bf16 emulated
-    on CPU. With dump_dir (rank 0), written to dump_dir/peak.json, an earlier entry kept."""
+    """The run's `Peak` (module docstring), measured over `tokens`; with dump_dir, in peak.json."""
     peak = _obtain_peak(device, dtype_name, parts, tokens)
     peak.from_step = step
     if dump_dir is not None:
@@ -258,8 +249,7 @@ def _obtain_peak(device: torch.device, dtype_name: str, parts, tokens: int) -> P
                 **measure_rounds(m, k, n, DTYPES[dtype_name], device))
 
 
-# A measured peak: the best of PEAK_ROUNDS rounds of PEAK_ROUND_S, a pause as long as the round
-# between them, so that a moment of other load lowers one round, not the peak.
+# Best of PEAK_ROUNDS rounds with equal pauses between: a moment of other load lowers one round.
 PEAK_ROUNDS = 3
 PEAK_ROUND_S = 0.2
 
@@ -389,9 +379,8 @@ def format_duration(seconds: float) -> str:
 
 
 class Window:
-    """Step times and token counts since the last logged step, and the ends of the last
-    RECENT_STEPS steps (the ETA's pace, which outlive a reset). The pace includes evaluation and
-    checkpoints between steps and leaves out the first step (compilation, warm-up)."""
+    """Step times and tokens since the last logged step; the ends of the last RECENT_STEPS steps
+    (the ETA's pace, evaluation and checkpoints included, the first step's warm-up left out)."""
 
     RECENT_STEPS = 50
 

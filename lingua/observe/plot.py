@@ -1,7 +1,5 @@
 """Compare training runs from their metrics.jsonl against step: `python -m lingua.plot runs/a
-runs/b [--out DIR]` writes compare.png (and downstream.png for `eval/<task>/<metric>` keys). Each
-run has its own colour, line style and marker, so identical curves stay visible.
-"""
+runs/b [--out DIR]` writes compare.png (and downstream.png for `eval/<task>/<metric>` keys)."""
 
 import argparse
 import json
@@ -38,8 +36,7 @@ TITLE_CHARS = 110    # a longer list of run names ends in "and N more" (the lege
 LOG_SUBS = [(1,), (1, 2, 5), (1, 2, 3, 5, 7), (1, 1.5, 2, 3, 4, 5, 6, 8)]  # tick mantissas
 MAX_LOG_TICKS = 8
 TICK_SLACK = 1.05  # a log axis may end this factor beyond its end tick rather than a tick further
-# Multiple-choice tasks -> choices per question, for their accuracies' chance line (ARC: ~4). A
-# task not listed gets no chance line rather than a guessed one.
+# Multiple-choice task -> choices per question, for the chance line (unlisted: no line, no guess).
 TASK_CHOICES = {
     "lingua_continuation": 4, "arc_easy": 4, "arc_challenge": 4, "hellaswag": 4, "openbookqa": 4,
     "sciq": 4, "mmlu": 4, "race": 4, "logiqa": 4, "piqa": 2, "winogrande": 2, "boolq": 2,
@@ -48,8 +45,7 @@ TASK_CHOICES = {
 }
 CHANCE_METRICS = ("acc", "acc_norm")
 CHANCE_STYLE = {"color": "0.35", "linestyle": "--", "linewidth": 1.0}
-# Run i: colour C<i>, line style and marker cycled at other periods (distinct even in greyscale).
-# "o" is left for val_loss.
+# Run i: colour C<i>, style and marker cycled at other periods (greyscale-distinct); "o": val_loss.
 LINESTYLES = ["-", "--", ":", "-."]
 MARKERS = ["s", "^", "D", "v", "P", "X"]
 MARKERS_PER_LINE = 8
@@ -240,8 +236,8 @@ def log_scale(ax, values=None) -> None:
 
 
 def log_ticks(low: float, high: float) -> List[float]:
-    """3 to MAX_LOG_TICKS ticks enclosing [low, high]: of the grids of LOG_SUBS the one spanning
-    the least, then the one with more ticks. [] where none fits (many decades)."""
+    """3 to MAX_LOG_TICKS ticks enclosing [low, high] from the tightest, then densest, LOG_SUBS
+    grid; [] where none fits (many decades)."""
     decades = range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
     grids = [sorted(m * 10.0 ** k for k in decades for m in subs) for subs in LOG_SUBS]
     if math.log10(high / low) < 1:

@@ -1,11 +1,7 @@
 """Activation, weight and gradient statistics: `probe.every=N`, one JSON line per probe step in
-`dump_dir/probe/probe.jsonl` (docs/observing.md). Hooks exist only during a probe step.
-
-Every layout records the statistic of the whole logical tensor over the global batch: each rank
-reduces its part to fixed-size vectors of sums (moments, a log-grid histogram) and maxima, summed
-(maxed) over the ranks holding distinct parts: DTensor placements say which for weights and
-gradients; activations over tp are sharded or identical copies (told apart by their vectors).
-"""
+`dump_dir/probe/probe.jsonl`; hooks exist only during a probe step. Each rank's vectors of sums and
+maxima are reduced over the ranks holding distinct parts, so every layout records the whole tensor
+(docs/observing.md, "Probing activations, weights and gradients")."""
 
 import fnmatch
 import json
@@ -132,8 +128,6 @@ class Probe:
     def active(self, step: int) -> bool:
         return bool(self.args.every) and step % self.args.every == 0
 
-    # -- hooks ------------------------------------------------------------------------------
-
     def _selected(self, name: str) -> bool:
         return bool(name) and any(fnmatch.fnmatchcase(name, p) for p in self.args.modules)
 
@@ -222,8 +216,6 @@ class Probe:
         self.handles = []
         self.seen = {}
 
-    # -- weights and gradients -----------------------------------------------------------------
-
     def _record_params(self) -> None:
         """Weights and gradients (after backward, before the optimizer step)."""
         kinds = set(self.args.tensors) & {"weight", "grad"}
@@ -260,8 +252,6 @@ class Probe:
                 dist.all_reduce(sums, group=group)
                 dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
         return sums, maxes
-
-    # -- reduction and output ----------------------------------------------------------------
 
     def _reduce_activations(self, keys: List[str]) -> None:
         """Sum the activation/attention/router vectors over the ranks that hold distinct data."""
@@ -379,8 +369,7 @@ class ProbeHook(Hook):
     def start(self, view) -> None:
         dump_dir = Path(view.args.dump_dir)
         if not self.args.every and self.spikes_on and view.env.is_main:
-            # A probe made later at a spike is too late to drop the lines of the steps about to
-            # run again (Probe does when probe.every is set): drop them now.
+            # A probe made at a spike missed dropping the lines of steps run again: drop them now.
             drop_rows_after(dump_dir / "probe" / "probe.jsonl", view.step)
         if self.args.every:
             self.probe = Probe(self.args, view.parts, view.env, dump_dir, view.step)

@@ -1,6 +1,5 @@
 """Reading and plotting what the probe recorded: `python -m lingua.probe plot <dump_dir>`. This
-module imports neither torch nor training code, so reading a run's probe stays cheap.
-"""
+module imports neither torch nor training code, so reading a run's probe stays cheap."""
 
 import argparse
 import fnmatch
@@ -54,16 +53,14 @@ def _layer_of(module: str):
 
 
 DEFAULT_STATS = ("abs_max", "rms", "kurtosis")
-# The residual stream (block output), the attention and FFN outputs, and the output projections'
-# weights and gradients: where outliers usually show first. The default heatmap panels.
+# Default heatmaps: block, attention and FFN outputs, output projections (outliers show first).
 DEFAULT_KINDS = [("block", "output"), ("attention", "output"), ("feed_forward", "output"),
                  ("attention.wo", "weight"), ("attention.wo", "weight.grad"),
                  ("feed_forward.w2", "weight"), ("feed_forward.w2", "weight.grad")]
 TENSOR_ORDER = ("output", "input", "weight", "weight.grad")
 # Per-head summaries and routing, recorded beside the module statistics: not --stats names.
 SUMMARY_TENSORS = ("attention", "router")
-# Heatmap colours span the quartiles +- CLIP_IQR interquartile ranges (Tukey's far-out fences)
-# where a cell lies beyond them: one outlier cell would otherwise wash the rest into one colour.
+# Heatmap colours clip at the quartiles +- CLIP_IQR IQRs (Tukey): one outlier washes out the rest.
 CLIP_IQR = 3.0
 STAT_LABELS = {"abs_max": "max |x|", "rms": "rms", "kurtosis": "kurtosis (normal: 3)",
                "std": "std", "mean": "mean", "zero_frac": "fraction of zeros",
@@ -126,9 +123,9 @@ def select_modules(patterns, lines, path) -> List[str]:
 
 
 def plot(dump_dir, out_dir=None, stats=None, modules=None) -> List[Path]:
-    """PNGs, their paths returned: per stat, layer x step heatmaps and lines per module; attention
-    entropy and max logit; the loss with the probe steps marked. `modules`: names or glob
-    patterns (default: block outputs in lines, DEFAULT_KINDS in heatmaps)."""
+    """PNG paths: per stat, layer x step heatmaps and lines per module; attention entropy and max
+    logit; the loss with probe steps marked. `modules`: names or globs (default: block outputs in
+    lines, DEFAULT_KINDS in heatmaps)."""
     import matplotlib
 
     matplotlib.use("Agg")

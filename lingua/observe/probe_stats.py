@@ -1,6 +1,5 @@
-"""The probe's statistics math: a tensor, an attention's sampled logits or a router's choices
-reduced to fixed-size vectors of sums and maxima that add up over ranks, and the statistics
-(moments, histogram quantiles, entropy, expert load) read back from the reduced vectors."""
+"""The probe's math: tensors, sampled attention logits or router choices reduced to fixed-size
+sum/max vectors that add up over ranks, and the statistics read back from the reduced vectors."""
 
 import math
 from typing import Optional
@@ -101,8 +100,7 @@ def finish(sums: torch.Tensor, maxes: torch.Tensor, wanted, quantiles) -> dict:
 
 
 def _fraction_below(lower: torch.Tensor, upper: torch.Tensor, edge: float) -> torch.Tensor:
-    """Share of each bin [lower, upper) below `edge`, values spread log-uniformly in magnitude
-    within a bin (the zero bin is a point)."""
+    """Share of each bin [lower, upper) below `edge` (log-uniform within a bin; zero: a point)."""
     tiny = 1e-300
     if edge > 0:   # only positive bins can be cut by a positive edge
         frac = ((math.log(max(edge, tiny)) - lower.clamp_min(tiny).log()) /

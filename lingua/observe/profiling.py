@@ -1,6 +1,5 @@
 """Where a step's time goes: per-phase timings for metrics.jsonl (`PhaseTimer`), and a
-torch.profiler window (`StepProfiler`, `profiling.enabled=true`) writing `dump_dir/profiling/`.
-"""
+torch.profiler window (`StepProfiler`, `profiling.enabled=true`) writing `dump_dir/profiling/`."""
 
 import contextlib
 import logging
@@ -26,13 +25,11 @@ PHASE_LABELS = {"data": "data", "fwd": "forward", "bwd": "backward", "optim": "o
 @dataclass
 class ProfilingArgs:
     enabled: bool = False       # off: no profiler object and no hooks, the loop runs as without it
-    start_step: int = 5         # first step of the window (trainer's numbering, from 1): the first
-                                # steps pay for allocator growth, compilation and caches
+    start_step: int = 5         # the window's first step (from 1; earlier ones compile, warm up)
     wait: int = 1               # torch.profiler.schedule, from start_step on: steps run unprofiled,
     warmup: int = 1             # then profiled and thrown away (the profiler's own start-up cost),
     active: int = 3             # then recorded into the trace and the summary
-    memory: bool = True         # profile_memory (allocations per operator); on CUDA also a memory
-                                # snapshot for pytorch.org/memory_viz
+    memory: bool = True         # allocations per operator; on CUDA also a memory_viz snapshot
     record_shapes: bool = True  # input shapes per operator: tells which matmul is which
     with_stack: bool = False    # Python stacks per operator: very useful, but large traces and slow
     top_ops: int = 15           # rows of the operator table in summary_rank<r>.txt
@@ -77,8 +74,8 @@ def last_active_step(args: ProfilingArgs) -> int:
 
 
 class PhaseTimer:
-    """Seconds per phase of the current step. CUDA phases are synchronized (else only launches
-    are timed) only on `timed` steps, the logged ones, so other steps keep their overlap."""
+    """Seconds per phase of the step. CUDA syncs (else only launches are timed) on `timed` steps
+    only, the logged ones, so other steps keep their overlap."""
 
     def __init__(self, device: torch.device):
         self.synchronize = torch.cuda.synchronize if device.type == "cuda" else None

@@ -1,5 +1,4 @@
-"""The optimizers (OPTIMIZERS: a file each, adamw.py and muon.py, with its OptimizerSpec, spec.py),
-their shared settings optim.*, and the learning-rate schedules researchers usually compare."""
+"""The optimizers (OPTIMIZERS, a file each with its OptimizerSpec), optim.*, the lr schedules."""
 
 import math
 from dataclasses import dataclass, field, make_dataclass
@@ -28,8 +27,7 @@ class SharedOptimArgs:
     lr_min_ratio: float = 0.1       # final lr / peak lr for linear, cosine and wsd
     decay_fraction: float = 0.2     # wsd: the last fraction of steps decays linearly
     fused: bool = True              # fused AdamW kernel where the device has one
-    # A NaN/Inf gradient norm: "skip" the update (counted in metrics as nonfinite_steps; the lr
-    # schedule and data move on) or "stop" after saving the state from before that step.
+    # NaN/Inf grad norm: "skip" the update (nonfinite_steps) or "stop", saving the state before.
     nonfinite: str = "stop"
 
 
@@ -113,8 +111,7 @@ class Optimizers:
             optimizer.zero_grad(set_to_none=True)
 
     def scheduler_state(self) -> dict:
-        # Only the position: the lr follows from it, and the number of parameter groups (which
-        # torch's scheduler state also records) depends on the parallel layout.
+        # Only the position: torch's scheduler state records the groups, which depend on the layout.
         return {"last_epoch": self.schedulers[0].last_epoch}
 
     def load_scheduler_state(self, state: dict) -> None:

@@ -1,14 +1,10 @@
-"""Muon for the blocks' matrices (stacked experts one matrix each; not embeddings nor `output`),
-AdamW for everything else, in one optimizer for plain tensors and DTensors (FSDP2, TP, EP). The
-update is torch.optim.Muon's. An expert's matrix is stored [in, out], so it is read transposed
-(NS(M^T) = NS(M)^T).
-
-Sharding: only Newton-Schulz needs the whole matrix. Matrices of one shape and placement are
-stacked N at a time (N: the ranks that shard them) and redistributed by all-to-all so each rank
-orthogonalises one whole matrix, then sent back: 1/N of the work of all-gathering everywhere.
-FSDP2 x TP's _StridedShard is read as a Shard (a row reordering, which NS commutes with); where
-its rows do not divide evenly, torch's route through Replicate is taken.
-"""
+"""Muon (torch.optim.Muon's update) for the blocks' matrices (each expert one; not embeddings nor
+`output`), AdamW for the rest, in one optimizer for plain tensors and DTensors (FSDP2, TP, EP).
+Experts are stored [in, out] and read transposed (NS(M^T) = NS(M)^T).
+Sharding: only Newton-Schulz needs whole matrices. Those of one shape and placement are stacked N
+at a time (N: the ranks sharding them) and all-to-all'd so each rank orthogonalises one whole
+matrix, then sent back: 1/N of the work of all-gathering everywhere. FSDP2 x TP's _StridedShard is
+read as a Shard (NS commutes with row reordering); uneven rows take torch's route via Replicate."""
 
 import functools
 import itertools
@@ -79,8 +75,7 @@ def validate(optim_args) -> None:
 
 def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float,
                   dtype: str) -> torch.Tensor:
-    """torch's own function in bf16, or the same iteration in fp32 (for CPUs that emulate bf16;
-    a sharded run then equals one process to fp32 rounding)."""
+    """torch's own function in bf16, or the same iteration in fp32 (CPUs that emulate bf16)."""
     if dtype == "bf16":
         return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
     a, b, c = coefficients
@@ -122,8 +117,7 @@ def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
 
 
 class MuonAdamW(torch.optim.AdamW):
-    """One torch optimizer holding AdamW groups (torch's AdamW step) and Muon groups
-    (`group["muon"] = True`), so the lr schedule scales both and DCP saves both by name."""
+    """One optimizer of AdamW and Muon (`group["muon"]`) groups: one lr schedule, DCP saves both."""
 
     def __init__(self, adamw_groups: list, muon_groups: list, *, lr: float, betas, eps: float,
                  fused, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
@@ -252,8 +246,7 @@ def _shifted(pl):
 
 
 def _ns_on_owners(local_stack: torch.Tensor, mesh, placements, shape: tuple, ns) -> torch.Tensor:
-    """Each matrix of the stack goes whole to one rank of the mesh dims that shard it, is
-    orthogonalised there, and comes back as this rank's shard of the results."""
+    """Each stacked matrix is orthogonalised whole on one sharding rank and comes back sharded."""
     plain = _plain_shards(tuple(mesh.shape), tuple(placements), tuple(shape))
     if plain is not None:
         return _ns_by_all_to_all(local_stack, mesh, plain, shape, ns)
@@ -289,9 +282,8 @@ def _plain_shards(mesh_shape: tuple, placements: tuple, shape: tuple):
 
 def _ns_by_all_to_all(local_stack: torch.Tensor, mesh, placements, shape: tuple,
                       ns) -> torch.Tensor:
-    """The stack, zero-padded to q N matrices, is viewed [s_1, ..., s_j, q, m, n], and each
-    sharding mesh dim moves its shard to its own stack dim, one at a time (at once, torch's
-    planner would go through Replicate where two shard the same dim)."""
+    """The stack, zero-padded to q N matrices, viewed [s_1, ..., s_j, q, m, n]; each sharding mesh
+    dim moves its shard to its own stack dim in turn (at once would go through Replicate)."""
     dims = [i for i, pl in enumerate(placements) if isinstance(pl, Shard)]
     sizes = [mesh.size(i) for i in dims]
     k, n = shape[0], math.prod(sizes)

@@ -1,8 +1,6 @@
-"""Loss spikes: `spikes.policy=off|log|skip|rollback` and the running statistics that find them
-(docs/training.md). Every rank decides alone on the same numbers (the step's tally); the windows
-are in the train state, so a resumed run decides as before. A rollback's batch range counts
-next_step() calls (the same in every layout), recorded in `spikes.jsonl` before the reload.
-"""
+"""Loss spikes (docs/training.md): every rank decides alone on the step's tally; the windows are in
+the train state (a resume decides as before). A rollback's batch range counts next_step() calls
+(the same in every layout), recorded in `spikes.jsonl` before the reload."""
 
 import json
 import logging
@@ -33,12 +31,10 @@ class SpikeArgs:
     """`spikes.*`: what a loss spike does (docs/training.md, "Loss spikes")."""
     policy: str = "log"             # off | log | skip | rollback
     on: str = "loss"                # loss | grad_norm | both: what is judged
-    rule: str = "median"            # median: above factor x the running median;
-                                    # sigma: above the mean + sigmas std of the window
+    rule: str = "median"            # median: > factor x running median | sigma: > mean + sigmas std
     factor: float = 2.0
     sigmas: float = 6.0
-    window: int = 50                # accepted steps in the running statistics; none judged
-                                    # before the window is full
+    window: int = 50                # accepted steps in the statistics; none judged before it fills
     warmup: int = 0                 # and none judged in the first N steps
     skip_before: int = 0            # rollback: data batches skipped before the spiking one
     skip_after: int = 0             # and after it (0, 0: the spiking batch alone)
@@ -128,8 +124,7 @@ class SpikeMonitor:
         return None
 
     def accept(self, values: dict) -> None:
-        """Under `log` a spike's values join too (a new level must become the new normal, not warn
-        forever); under skip and rollback a spike never gets here."""
+        """Under `log` spikes join (a new level becomes normal); skip, rollback never accept one."""
         self.in_a_row = 0
         for name, window in self.windows.items():
             if math.isfinite(values[name]):
@@ -349,5 +344,5 @@ class SpikeHook(Hook):
 
     def load_state_dict(self, train_state: dict) -> None:
         self.monitor.load_state_dict(train_state.get("spikes", {}), self.keep_records)
-        if self.keep_records:   # a rollback's reload: the next row (the checkpoint's next step)
-            self.monitor.since_row, self.keep_records = True, False   # says so
+        if self.keep_records:   # a rollback's reload: the next row says so
+            self.monitor.since_row, self.keep_records = True, False

@@ -1,3 +1,2 @@
-"""Processes and parallelism: the device mesh and its groups (distributed.py), FSDP2/HSDP
-wrapping, tensor/sequence, context, pipeline and expert parallel, and the check that an
-app's plans cover its model. Imports lingua.model only."""
+"""Processes and parallelism: the mesh and its groups, FSDP2/HSDP, tensor/sequence, context,
+pipeline and expert parallel, and the plans' coverage check. Imports lingua.model only."""

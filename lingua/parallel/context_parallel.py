@@ -1,11 +1,8 @@
-"""Context parallelism (CP): each rank of the cp group holds a slice of every sequence.
-
-Backends: "allgather" (CPU and CUDA, any mask; as in the Llama 3 paper) all-gathers the keys and
-values of the whole sequence, masked by the model's own rule at global positions; "ring" (CUDA,
-plain causal only) is torch's `context_parallel`. Under a causal mask rank r holds chunks r and
-2*cp-1-r of 2*cp (load balance). Forward AND backward run inside `cp_batch` (recomputed attention
-and ring attention's backward need its context).
-"""
+"""Context parallelism (CP): each rank of the cp group holds a slice of every sequence. Backends:
+"allgather" (CPU and CUDA, any mask; Llama 3's) all-gathers the whole sequence's K/V, masked
+by the model's rule at global positions; "ring" (CUDA, plain causal) is torch's
+`context_parallel`. Causal: rank r holds chunks r and 2*cp-1-r of 2*cp (load balance). Forward AND
+backward run inside `cp_batch` (recomputed attention and ring backward need its context)."""
 
 import contextlib
 import logging
@@ -37,7 +34,6 @@ def shard_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> to
 
 
 def shard_sequence(t: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
-    """The part of `t` (sequence along `dim`) that `cp_rank` holds."""
     return t.index_select(dim, shard_positions(t.shape[dim], cp_rank, cp_size, t.device))
 
 
@@ -125,8 +121,7 @@ class AllGatherKVAttention(_CPAttention):
     """Local queries against the whole sequence's keys/values; backward reduce-scatters."""
 
     def forward(self, q, k, v, mask=None, decoding: bool = False, sinks=None):  # never decoding
-        # `mask` is ignored: the model built it for the shard as if it were a whole sequence; the
-        # context's mask relates each query's global position (and document) to every key.
+        # The model's `mask` treats the shard as a whole sequence: the context's mask is global.
         ctx = self.ctx.require()
         # K/V come with their own (grouped-query) heads: gather those, repeat after the gather.
         # Joined on the last dim (one collective for both): v's head size may differ (MLA).
@@ -226,8 +221,7 @@ def cp_batch(models: Union[nn.Module, Iterable[nn.Module]], tokens: torch.Tensor
         if ctx.backend == "ring":
             from torch.distributed.tensor.experimental import context_parallel
 
-            # torch shards this buffer with its own load balancer (our head-tail layout); using
-            # what it returns keeps tokens and its ring schedule consistent.
+            # torch shards this by its (head-tail) balancer: its ring schedule must match.
             positions = torch.arange(seq_len, device=tokens.device)
             stack.enter_context(context_parallel(ctx.mesh, buffers=[positions], buffer_seq_dims=[0],
                                                  no_restore_buffers={positions}))

@@ -1,10 +1,7 @@
-"""Refuse, at start, a parallel plan that leaves a parameter out of the layout's reductions.
-
-`check_parallel_coverage` runs on every rank after the app's `parallelize`. A parameter is
-covered when its DTensor mesh includes each of dp_replicate, dp_shard, cp (different tokens) and
-tp (partial sums) of size > 1; a plain one inside a ReplicatedCompute module needs no tp. Under
-ep, grouped experts must be on the "ep" mesh. The ConfigError names the plan lines to add.
-"""
+"""Refuse at start (every rank, after the app's `parallelize`) a plan leaving a parameter out of
+the layout's reductions. Covered: its DTensor mesh has each of dp_replicate, dp_shard, cp
+(different tokens) and tp (partial sums) of size > 1; a plain one in a ReplicatedCompute module
+needs no tp; under ep grouped experts are on the "ep" mesh. The error names plan lines to add."""
 
 import torch.distributed as dist
 from torch import nn
@@ -73,8 +70,7 @@ def _tp_fix(module_path: str, module: nn.Module) -> tuple:
 
 
 def _findings(parts, env, ep: int) -> tuple:
-    """(problems [(parameter name, missing dims, tp fix or None)], whether this rank holds
-    expert-parallel weights)."""
+    """(problems [(param, missing dims, tp fix or None)], whether this rank holds EP weights)."""
     dims = [d for d in REDUCED_DIMS if env.mesh[d].size() > 1]
     needed = {d: _ranks(env.mesh[d]) for d in dims}
     problems, has_ep, ranks_of = [], False, {}
@@ -121,8 +117,7 @@ def check_parallel_coverage(parts, env, ep: int = 1) -> None:
         for problem in rank_problems:
             first.setdefault(problem[0], problem)
     problems = list(first.values())
-    # Experts that are not grouped-experts modules escape the per-module rule: refuse when no
-    # parameter at all is expert-parallel (on the fake group, only this stage's part is known).
+    # Non-grouped experts escape the per-module rule: refuse when nothing is expert-parallel.
     known = len(everyone) > 1 or env.dims.pp == 1
     no_ep = ep > 1 and known and not any(has_ep for _, has_ep in everyone)
     if problems or no_ep:

@@ -157,8 +157,7 @@ def slurm_step_vars() -> dict:
     job = SlurmJobEnvironment()
     job_id = int(os.environ.get("SLURM_JOB_ID", "0"))
     per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0]
-    # The step's first node hosts rank 0; submitit's hostnames read the job's nodelist, whose
-    # first node is not in a step that runs on part of the job (srun -N1 in a 2-node job).
+    # Rank 0 is on the step's first node, not the job's (srun -N1 in a 2-node job).
     nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
     master = _parse_node_list(nodelist)[0] if nodelist else job.hostname
     return {"RANK": str(job.global_rank), "WORLD_SIZE": str(tasks),
@@ -222,8 +221,7 @@ def _device(local_rank: int) -> torch.device:
 
 
 def process_group_backend(args: DistributedArgs, device_type: str) -> str:
-    """Under cpu_offload the gradient norm and the probe reduce CPU tensors, which NCCL cannot
-    move, so nccl gets gloo for the CPU too."""
+    """cpu_offload: the grad norm and the probe reduce CPU tensors (NCCL cannot): add gloo."""
     backend = args.backend if args.backend != "auto" else (
         "nccl" if device_type == "cuda" else "gloo")
     if backend == "nccl" and args.cpu_offload:
@@ -309,9 +307,8 @@ def destroy() -> None:
 
 
 def exit_process(code: int) -> None:
-    """End a process that used gloo collectives: flush, then os._exit without interpreter teardown,
-    during which a gloo worker thread may still free a tensor and abort the process ("terminate
-    called without an active exception"; pytorch/pytorch#179291)."""
+    """Flush, then os._exit: in interpreter teardown a gloo thread may free a tensor and abort
+    ("terminate called without an active exception"; pytorch/pytorch#179291)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -324,8 +321,7 @@ def barrier(env: DistEnv) -> None:
 
 
 def all_reduce_sum(value: torch.Tensor, env: DistEnv, dims=("dp_cp", "pp")) -> torch.Tensor:
-    """Sum over the named mesh dimensions (default: all but tensor-parallel ranks, which hold
-    copies)."""
+    """Sum over the named mesh dimensions (default: all but tp, whose ranks hold copies)."""
     if env.world_size > 1:
         for name in dims:
             if env.mesh[name].size() > 1:
@@ -351,8 +347,7 @@ def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs,
     dp_mesh = env.mesh[("dp_replicate", "dp_shard_cp") if env.dims.dp_replicate > 1
                        else "dp_shard_cp"]
     compute = torch.bfloat16 if args.model_dtype == "bf16" else torch.float32
-    # cast_forward_inputs=False: blocks receive the RoPE tables as inputs, which must stay fp32
-    # as in one process (the bf16 embedding already makes bf16 hidden states).
+    # cast_forward_inputs=False: the RoPE tables blocks receive stay fp32, as in one process.
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
     options = dict(mesh=dp_mesh, mp_policy=mp,
@@ -375,8 +370,7 @@ def apply_fsdp(model: nn.Module, blocks, env: DistEnv, args: DistributedArgs,
     return model
 
 
-# Ops whose outputs selective (op-level) checkpointing keeps: the expensive ones. Everything else
-# (norms, activations, RoPE, adds) is recomputed in backward, which is cheap next to a matmul.
+# Op-level checkpointing keeps these ops' outputs; the rest (norms, RoPE, adds) is cheap to redo.
 _SAVE_OPS = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,

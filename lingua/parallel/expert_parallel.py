@@ -1,8 +1,7 @@
 """Expert parallelism (EP): each EP rank holds n_experts / ep of every MoE layer's routed experts
 (DTensors Shard(0): checkpoints reshard) and processes their tokens; `MoE.forward` never knows.
 EP's ranks come from "dp_shard_cp" unflattened into ("dp_shard_mod_ep", "ep"); FSDP shards the
-experts over ("dp_replicate", "dp_shard_mod_ep"), the ranks holding the same expert shard.
-"""
+experts over ("dp_replicate", "dp_shard_mod_ep"), the ranks holding the same expert shard."""
 
 import inspect
 import logging
@@ -45,8 +44,7 @@ class RoutingHook(Hook):
     def before_step(self, view, step: int) -> None:
         layers = [m for part in view.parts for m in moe_layers(part)]
         reset_routing(layers)
-        # The bias update counts this step's tokens only: a skipped or rolled-back step's counts
-        # (no update cleared them) must not reach the next one, nor do they after a resume.
+        # Only this step's tokens: a skipped or rolled-back step's counts must not carry over.
         for m in layers:
             m.step_counts = None
 
@@ -155,13 +153,11 @@ def _install_dispatch(module: nn.Module, ep_mesh) -> None:
     group, ep = ep_mesh.get_group(), ep_mesh.size()
 
     def forward(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # Read the weights at call time: FSDP swaps in its unsharded DTensors before forward.
-        # (to_local is differentiable.)
+        # Read at call time: FSDP swaps in unsharded DTensors before forward (to_local has grads).
         weights = {w: getattr(module, w) for w in EXPERT_WEIGHTS}
         local_weights = {w: t.to_local() if isinstance(t, DTensor) else t
                          for w, t in weights.items()}
-        # The module's own compute on a throwaway instance holding the local shards (its
-        # instance dict wins over nn.Module's parameter lookup).
+        # Its own compute on a throwaway instance whose dict (over nn.Module's) holds the shards.
         view = object.__new__(cls)
         view.__dict__.update(module.__dict__, **local_weights)
         return ep_dispatch(x, counts, lambda xs, c: cls.forward(view, xs, c), ep, group)

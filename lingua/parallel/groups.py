@@ -1,6 +1,5 @@
-"""The process groups behind the device mesh: each carries the default group's timeout
-(distributed.timeout_s), and a dimension whose ranks another already covers reuses its group
-(the size-1 dimensions share one)."""
+"""The device mesh's process groups: each has the default group's timeout (distributed.timeout_s),
+and a dimension whose ranks another already covers reuses its group (size-1 ones share one)."""
 
 import copy
 import datetime
@@ -28,9 +27,8 @@ def world_timeout() -> Optional[datetime.timedelta]:
 
 
 def subgroup_options():
-    """Backend options for a mesh sub-group that carry the default group's timeout (torch
-    otherwise gives sub-groups the backend's default). NCCL's options are the default group's,
-    copied; gloo's cannot be copied, so only the timeout is. None for other backends (fake)."""
+    """A sub-group's backend options, with the default group's timeout (else the backend's):
+    NCCL's copied from the default group; gloo's timeout only; None for others (fake)."""
     backends = _world_backends()
     if not set(backends) <= {"nccl", "gloo"}:
         return None
@@ -42,9 +40,8 @@ def subgroup_options():
 
 
 def override(size: int, options) -> tuple:
-    """The (backend, options) pair for one mesh dimension of `size` ranks. A world-wide one gets
-    none, so DeviceMesh reuses the default group; except under gloo on a machine with CUDA,
-    where DeviceMesh makes a new group anyway, which then needs the options."""
+    """(backend, options) for a mesh dimension of `size` ranks; none world-wide (DeviceMesh reuses
+    the default group), except gloo on a CUDA machine, where DeviceMesh makes one anyway."""
     world_wide = size == dist.get_world_size()
     cuda_gloo = torch.cuda.is_available() and dist.get_backend() == "gloo"
     return (None, None if world_wide and not cuda_gloo else options)
@@ -109,8 +106,7 @@ def _make_groups(mesh, sizes: tuple) -> None:
 
 
 def _known_groups(root) -> dict:
-    """{partition: group name} of `root`'s dimensions and flattened views, kept on the root
-    (which torch may have built itself)."""
+    """{partition: group name} of `root`'s dims and flattened views, kept on it (torch's too)."""
     known = root.__dict__.get("_groups_by_partition")
     if known is None:
         known = root.__dict__["_groups_by_partition"] = {}

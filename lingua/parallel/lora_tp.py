@@ -1,8 +1,6 @@
-"""Tensor parallelism for LoRA layers: the adapters follow their base Linear's sharding, so the
-low-rank update lands on x W^T's output layout. Colwise: x A^T is whole on every rank, times this
-rank's rows of B. Rowwise: x's shard times A's columns is a partial sum, reduced with the base's
-output. torch's own styles would need extra collectives each step, hence the styles below.
-"""
+"""Tensor parallelism for LoRA: adapters follow their base Linear's sharding (no extra collective,
+unlike torch's styles). Colwise: x A^T is whole on every rank, times this rank's rows of B.
+Rowwise: x's shard times A's columns is a partial sum, reduced with the base's output."""
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor

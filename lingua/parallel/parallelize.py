@@ -1,7 +1,6 @@
 """The generic half of an app's parallelize.py: torchtitan's order of applying the parallelisms to a
 decoder (tensor, context, activation checkpointing, compile, then FSDP). The app supplies its
-plans: the tensor-parallel plan of its blocks and which modules are FSDP units.
-"""
+plans: the tensor-parallel plan of its blocks and which modules are FSDP units."""
 
 from typing import Callable
 
@@ -19,8 +18,7 @@ from lingua.parallel.tensor_parallel import apply_tp
 
 
 def uses_loss_parallel(args: DistributedArgs) -> bool:
-    # Vocabulary-sharded logits are DTensors; pipeline stages pass plain tensors, so with pp > 1
-    # the last stage gathers the logits instead.
+    # Vocabulary-sharded logits are DTensors, but stages pass plain tensors: pp > 1 gathers them.
     return args.loss_parallel and args.tp > 1 and args.pp == 1
 
 

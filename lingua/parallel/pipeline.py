@@ -1,7 +1,6 @@
 """Pipeline parallelism: split a model into stages and run them with torch's pipelining schedules.
 Parts keep the full model's parameter names, so checkpoints are layout-independent. Gradients
-are the SUM over micro-batches (scale_grads=False): loss_fn already divides by the global count.
-"""
+are the SUM over micro-batches (scale_grads=False): loss_fn already divides by the global count."""
 
 import copy
 import itertools
@@ -16,8 +15,7 @@ from lingua.model.layers import set_inferring_shapes
 
 logger = logging.getLogger(__name__)
 
-# Schedule name (as torch spells it) -> stage layout: one per rank, looped (r + k*pp on rank r),
-# or V (r and 2*pp-1-r on rank r).
+# torch's schedule name -> stages on rank r: one, looped (r + k*pp), or V (r and 2*pp-1-r).
 SCHEDULE_STYLES = {"GPipe": "single", "1F1B": "single", "Interleaved1F1B": "loop",
                    "LoopedBFS": "loop", "InterleavedZeroBubble": "loop", "ZBVZeroBubble": "v",
                    "DualPipeV": "v"}
@@ -109,7 +107,6 @@ def split_model(model: nn.Module, layer_ids: Sequence[int], is_first: bool,
     for name in list(part.layers):
         if name not in keep:
             del part.layers[name]
-    # Which modules only the first / last stage holds: the model says (Decoder's defaults).
     first_only = getattr(model, "first_stage_modules", ("tok_embeddings",))
     last_only = getattr(model, "last_stage_modules", ("norm", "output"))
     for name in (() if is_first else first_only) + (() if is_last else last_only):
@@ -206,9 +203,8 @@ class Pipeline:
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.device = stages[0].device
-        # torch's stages infer shapes on their first step with an extra forward (and torch 2.13 an
-        # extra loss_fn call from _prepare_backward_infra) on uninitialised tensors: both are marked
-        # with inferring_shapes(), loss_fn calls told apart by caller, not count (2.11 makes none).
+        # torch's first step infers shapes with an extra forward (and in 2.13 a loss_fn call from
+        # _prepare_backward_infra) on garbage: both marked inferring_shapes(), by caller not count.
         self.steps_run = 0
         self._preparing_backward = False
         for stage in stages:
@@ -234,8 +230,7 @@ class Pipeline:
             set_inferring_shapes(False)
 
     def _mark_first_forwards(self) -> None:
-        """Mark the first forward of each local stage (torch's shape inference, which runs before
-        any micro-batch on a process's first step) with inferring_shapes(); then unhook."""
+        """Mark each local stage's first forward (torch's shape inference) inferring_shapes()."""
         for stage in self.stages:
             handles, submod = [], stage.submod
 
@@ -304,8 +299,7 @@ class Pipeline:
         return self.stage_to_rank[stage] == self.group.rank()
 
 
-# Hidden states cross ranks with a small header (dtype code, ndim, shape) so the receiver needs
-# no shape knowledge: sequence parallelism or context parallelism change the sequence length.
+# Hidden states cross ranks with a header (dtype, ndim, shape): SP and CP change the length.
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 

@@ -1,9 +1,6 @@
-"""Tensor (+ sequence) parallelism and loss parallelism, driven by plans the app supplies.
-
-An app gives two plans of ParallelStyles, keyed by FQNs under the model root and under a block.
-Loss parallel: the cross-entropy runs on vocabulary-sharded logits (Shard(-1)); its forward AND
-backward must run inside `loss_parallel_context(True)`.
-"""
+"""Tensor (+ sequence) and loss parallelism from the app's two plans of ParallelStyles, keyed by
+FQNs under the model root and under a block. Loss parallel: the cross-entropy runs on vocab-sharded
+logits (Shard(-1)); its forward AND backward must run inside `loss_parallel_context(True)`."""
 
 import contextlib
 import logging
@@ -40,8 +37,7 @@ def check_async_tp(enabled: bool, device_type: str, compile: bool) -> None:
 
 
 def _check_plan(module: nn.Module, plan: dict, where: str) -> None:
-    """Fail on a plan key that names no submodule: torch only warns and skips it, which would
-    leave that layer silently replicated (and wrong next to its sharded neighbours)."""
+    """Fail on a plan key naming no submodule: torch warns and skips it (silently replicated)."""
     for fqn in plan:
         try:
             module.get_submodule(fqn)
@@ -63,14 +59,11 @@ def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, block
     _check_plan(model, root_plan, "model")
     for block in blocks:
         _check_plan(block, block_plan, "block")
-    # LoRA layers: adapters laid out like their weight (lora_tp.py)
     root_plan, block_plans = lora_tp_plans(model, root_plan, block_plan, blocks)
-    # torchao's float8 styles where the Linears are float8 (lingua/float8/__init__.py)
     root_plan = float8_tp_plan(model, root_plan, tp_mesh.device_type)
     block_plans = [float8_tp_plan(block, plan, tp_mesh.device_type)
                    for block, plan in zip(blocks, block_plans)]
-    # torch's SequenceParallel makes its new Parameters trainable: a frozen weight (LoRA's base
-    # model) would train under tp and not in one process. Names do not change, so restore.
+    # torch's SequenceParallel makes new Parameters trainable: refreeze (e.g. LoRA's base model).
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     for block, plan in zip(blocks, block_plans):
         parallelize_module(block, tp_mesh, plan)
@@ -81,8 +74,7 @@ def apply_tp(model: nn.Module, tp_mesh, root_plan: dict, block_plan: dict, block
     if async_tp:
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-        # The inductor pass fuses all-gather + matmul and matmul + reduce-scatter into overlapped
-        # chunks; it needs the group's symmetric memory.
+        # inductor's overlap of all-gather/reduce-scatter with matmuls needs symmetric memory.
         torch._inductor.config._micro_pipeline_tp = True
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)
     logger.info("applied tensor parallel over %d ranks: root %s; %d blocks %s; async TP %s",
@@ -113,10 +105,9 @@ class ReplicatedCompute(PrepareModuleInputOutput):
 
 
 class ComputedWhole(ParallelStyle):
-    """For a module inside a block half that every tp rank runs whole on the half's gathered
-    input, before the head-sharded projections (MLA's latent projections and norms): its
-    parameters stay plain, and their gradients are whole and equal on every rank once what
-    follows returns whole gradients (ColwiseParallel's input does; see SumGradOverTP)."""
+    """For a module in a block half that every tp rank runs whole on the half's gathered input,
+    before head-sharded projections (MLA's latent projections, norms): plain parameters, whole and
+    equal gradients once what follows returns whole ones (ColwiseParallel's input does)."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         setattr(module, REPLICATED_MARK, True)
@@ -124,10 +115,9 @@ class ComputedWhole(ParallelStyle):
 
 
 class SumGradOverTP(ParallelStyle):
-    """For a module whose output every tp rank computes whole but then uses only in part (MLA's
-    rope key, shared by all heads while a rank holds some heads): the identity forward, and the
-    output's gradient summed over tp in backward (Megatron's "f"), so what came before it gets
-    every head's gradient. DTensor's to_local(grad_placements=Partial) is exactly that."""
+    """For an output every tp rank computes whole but uses in part (MLA's rope key, for all heads
+    while a rank holds some): identity forward, gradient summed over tp in backward (Megatron's
+    "f": to_local(grad_placements=Partial)), so what came before gets every head's gradient."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         def hook(_module, _inputs, out):

@@ -1,10 +1,8 @@
 """Tensor + sequence parallelism (Megatron style) for the decoder shell: its own modules' plan,
 the checks independent of an app's blocks, and pieces block plans share (each app's parallelize.py).
-
 Between blocks the residual stream is a Shard(1) DTensor, so `h.shape[1]` gives the decoder the
 global length for RoPE and the mask; each block half all-gathers its input, column-shards its input
-projections (whole heads per rank) and row-shards its output projection back to Shard(1).
-"""
+projections (whole heads per rank) and row-shards its output projection back to Shard(1)."""
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -92,9 +90,8 @@ class StageBoundary(ParallelStyle):
 
 
 def decoder_root_plan(model: nn.Module, loss_parallel: bool) -> dict:
-    """apply_tp's root plan for the shell's own modules that `model` (the decoder or a pipeline
-    part) holds. With `loss_parallel` the logits stay sharded over the vocabulary (Shard(-1)),
-    else they are all-gathered into a plain tensor."""
+    """apply_tp's root plan for the shell modules `model` (decoder or pipeline part) holds; with
+    `loss_parallel` the logits stay vocab-sharded (Shard(-1)), else gathered to a plain tensor."""
     if getattr(getattr(model, "args", None), "tie_embeddings", False):
         raise ConfigError("model.tie_embeddings=true is not supported with distributed.tp>1: "
                           "set model.tie_embeddings=false (see "
