@@ -54,6 +54,11 @@ MUTANTS = [
            'getattr(own[key], "_local_tensor", own[key]).copy_(value)', "pass",
            ("tests/test_fault_tolerance.py::"
             "test_a_killed_group_heals_from_the_live_one_even_after_a_kill_during_its_heal",)),
+    Mutant("ft_heal_jsonl_not_read_forward", "a healing rank keeps its own jsonl position but "
+           "does not read forward to its peer's step", "lingua/train/saving.py",
+           "        for _ in range(behind):\n", "        for _ in range(0):\n",
+           ("tests/test_fault_tolerance.py::"
+            "test_a_group_behind_heals_and_reads_its_own_jsonl_stream_forward",)),
     Mutant("stool_ft_groups_share_an_id", "stool gives every replica group of a fault-tolerant "
            "run group_id 0 (each group would read the same part of the batch)",
            "lingua/launch/stool.py", 'f"fault_tolerance.group_id={g}"',
