@@ -240,13 +240,14 @@ HEALED = "heals from a live group: step"   # FaultToleranceHook's, once the stat
 SAVE_EVERY = 5
 
 
-def start_group(corpus, dump, lighthouse, group_id, log_name) -> subprocess.Popen:
+def start_group(corpus, dump, lighthouse, group_id, log_name, steps=100_000) -> subprocess.Popen:
     """One group: a real torchrun of 2 ranks (FSDP), in a session of its own so that the test can
-    kill it. Its steps are many: the test ends the run with SIGTERM once it has what it checks."""
+    kill it. Its steps are many: the test stops the run with SIGTERM once it has what it checks
+    (so that the survivor never has to outlast a restart), then resumes it to a near end."""
     args = tiny_args(corpus, dump, "data.batch_size=1", "distributed.dp_shard=2", *NO_VAL,
                      *ft_args(lighthouse, group_id), "fault_tolerance.min_replicas=1",
                      "fault_tolerance.quorum_timeout_s=20", f"checkpoint.every={SAVE_EVERY}",
-                     "checkpoint.keep=0", "logging.every=1", steps=100_000)
+                     "checkpoint.keep=0", "logging.every=1", steps=steps)
     from tests.conftest import free_port
 
     log = open(dump.parent / log_name, "w")
@@ -279,7 +280,7 @@ def kill(proc, sig=signal.SIGKILL) -> None:
             os.kill(pid, sig)
 
 
-def wait_for(condition, procs, what, limit_s=90) -> None:
+def wait_for(condition, procs, what, limit_s=180) -> None:
     deadline = time.monotonic() + limit_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -338,12 +339,20 @@ def test_a_killed_group_heals_from_the_live_one_even_after_a_kill_during_its_hea
                 os.kill(pid, signal.SIGTERM)
         for p in procs:
             p.wait(timeout=60)
+        kept, healed = read_rows(dumps[survivor]), read_rows(dumps[victim])
+        # Both started again (each resumes its own stop checkpoint; one behind heals) and run to
+        # an end a few steps on: the run finishes.
+        end = max(kept[-1]["step"], healed[-1]["step"]) + 3
+        procs = [start(dumps[g], group_id=g, log_name=f"end{g}.log", steps=end) for g in range(2)]
+        for g, p in enumerate(procs):
+            assert p.wait(timeout=180) == 0, (tmp_path / f"end{g}.log").read_text()[-3000:]
     finally:
         for p in procs:
             kill(p)
         server.shutdown()
+    assert model_checksums(final_checkpoint(dumps[0], end)) == \
+        model_checksums(final_checkpoint(dumps[1], end))
     assert killed_at < healed_at
-    kept, healed = read_rows(dumps[survivor]), read_rows(dumps[victim])
     steps_kept = [r["step"] for r in kept]
     assert steps_kept == list(range(1, steps_kept[-1] + 1))   # none lost or twice
     # The healed group's rows: its own before the kill, then from the step after the heal on (the
