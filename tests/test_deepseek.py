@@ -120,7 +120,42 @@ def test_import_command_prints_the_model_section(pair, capsys):
     main(["import", str(path)])
     out = capsys.readouterr().out
     assert f"checkpoint.init_from={path}" in out and "every tensor mapped" in out
+    assert "sets this model section from the directory by itself" in out   # nothing to copy
     assert f"kv_lora_rank: {args.kv_lora_rank}" in out and "n_groups: 4" in out
+
+
+def test_init_from_alone_trains_from_the_directorys_shape(corpus, tmp_path):
+    """checkpoint.init_from=<dir> with no model.* typed (issue 58): the run takes the directory's
+    shape (3 layers of 64, 8 experts, YaRN, eps 1e-6, none of them the debug preset's; no MTP
+    module, as save_pretrained wrote none), and its first loss is transformers' on the same batch.
+    A shape typed that disagrees with the directory is refused, naming the key."""
+    from apps.deepseek.hf import args_from_hf_config
+    from lingua import config, data
+    from lingua.checkpoint.hf import RUNTIME_KEYS
+    from lingua.model.loss import token_loss_sum
+
+    hf = hf_model("q_latent_yarn", seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    dump = tmp_path / "run"
+    common = [f"checkpoint.init_from={tmp_path / 'hf'}", f"data.root={corpus}",
+              "data.prepare_embedded=false", "data.seq_len=32", "data.batch_size=2",
+              "data.val_sequences=8", "steps=1", "checkpoint.every=0", "eval.every=0",
+              "eval.at_end=false", "logging.every=1", "distributed.model_dtype=fp32"]
+    argv = [f"dump_dir={dump}", *common]
+    args = train.load_config(argv)
+    theirs = config.to_dict(args_from_hf_config(tmp_path / "hf" / "config.json"))
+    ours = config.to_dict(args.model)
+    assert {k: v for k, v in ours.items() if k not in RUNTIME_KEYS | {"mtp_depth"}} == {
+        k: v for k, v in theirs.items() if k not in RUNTIME_KEYS | {"mtp_depth"}}
+    assert (ours["n_layers"], ours["dim"], ours["yarn"], ours["norm_eps"]) == (3, 64, True, 1e-6)
+    assert (theirs["mtp_depth"], ours["mtp_depth"]) == (1, 0)
+    assert train.main(argv) == 0
+    (batch,) = data.build_train_loader(args.data, 0, 1, args.seed).next_step()
+    with torch.no_grad():
+        want = token_loss_sum(hf(batch.tokens).logits, batch.labels).item() / batch.labels.numel()
+    assert [r["loss"] for r in read_rows(dump) if "loss" in r][0] == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ConfigError, match=r"'n_layers': \(2, 3\)"):
+        train.main([f"dump_dir={tmp_path / 'typed'}", *common, "model.n_layers=2"])
 
 
 def test_import_refuses_what_it_cannot_compute(tmp_path):
@@ -392,7 +427,9 @@ def test_export_of_a_training_run_computes_its_logits(reference, tmp_path, capsy
     from apps.deepseek.generate import load_model
 
     main(["export", str(reference), str(tmp_path / "hf")])
-    assert "wrote DeepseekV3ForCausalLM" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "wrote DeepseekV3ForCausalLM" in out
+    assert "model.layers.4.*: the MTP modules" in out and "UNEXPECTED" in out
     ours, _ = load_model(str(reference))
     hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
     x = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -26,12 +26,12 @@ CASES = {
 }
 
 
-def hf_model(seed=0, **extra):
+def hf_model(seed=0, eps=1e-5, **extra):
     # LlamaConfig writes rope_theta into the rope_scaling dict it is given
     extra = copy.deepcopy(extra)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                      rope_theta=500000.0, max_position_embeddings=64, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, max_position_embeddings=64, rms_norm_eps=eps,
                       attn_implementation="sdpa", **extra)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
@@ -67,6 +67,35 @@ def test_hf_to_ours_and_back(case, tmp_path):
     assert cfg["intermediate_size"] == 160 and cfg["num_key_value_heads"] == 2
     assert cfg["torch_dtype"] == "float32" and cfg["rope_theta"] == 500000.0
     assert cfg["rope_scaling"] == (dict(LLAMA3_ROPE) if case == "llama3_rope" else None)
+
+
+def test_llama_app_trains_from_init_from_alone(corpus, tmp_path):
+    """apps.llama.train checkpoint.init_from=<dir> with no model.* typed (issue 58): the run takes
+    the directory's shape, none of it the debug preset's (width 64 whose 160-wide FFN needs
+    ffn_dim_multiplier, eps 1e-6, Llama 3.1 RoPE at theta 5e5, vocabulary 300), and its first
+    loss is transformers' on the same batch."""
+    from apps.llama import train
+    from lingua import data
+    from lingua.model.loss import token_loss_sum
+    from tests.conftest import read_metrics
+
+    hf = hf_model(eps=1e-6, rope_scaling=LLAMA3_ROPE)
+    hf.save_pretrained(tmp_path / "hf")
+    argv = [f"checkpoint.init_from={tmp_path / 'hf'}", f"dump_dir={tmp_path / 'run'}",
+            f"data.root={corpus}", "data.prepare_embedded=false", "data.seq_len=32",
+            "data.batch_size=2", "data.val_sequences=8", "steps=1", "checkpoint.every=0",
+            "eval.every=0", "eval.at_end=false", "logging.every=1"]
+    cfg = train.load_config(argv)
+    m = cfg.model
+    assert (m.dim, m.n_layers, m.n_kv_heads, m.vocab_size, m.norm_eps) == (64, 2, 2, 300, 1e-6)
+    assert (m.rope_theta, m.rope_scaling, m.multiple_of) == (500000.0, True, 160)
+    assert m.ffn_dim_multiplier == pytest.approx(160 / 170)
+    assert train.main(argv) == 0
+    (batch,) = data.build_train_loader(cfg.data, 0, 1, cfg.seed).next_step()
+    with torch.no_grad():
+        want = token_loss_sum(hf(batch.tokens).logits, batch.labels).item() / batch.labels.numel()
+    loss = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r][0]
+    assert loss == pytest.approx(want, rel=1e-5)
 
 
 def test_scaling_and_layout_matter(tmp_path):

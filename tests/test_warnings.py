@@ -73,9 +73,9 @@ def test_every_sub_mesh_is_looked_up_without_the_deprecation_warning():
 
 @pytest.mark.slow   # a fresh interpreter importing transformers and torchao: ~9 s
 def test_importing_the_hf_interop_and_float8_prints_nothing():
-    """transformers imports torchao whenever it is installed: torchao's CUDA libraries a CPU build
-    cannot load, its missing Triton and torch's Enum deprecation are silenced at their source
-    (lingua/__init__.py), and nothing else is printed."""
+    """transformers and peft import torchao whenever it is installed: torchao's CUDA libraries a
+    CPU build cannot load ("Failed to load ..."), its missing Triton and torch's Enum deprecation
+    are silenced at their source (lingua/__init__.py), and nothing else is printed."""
     import subprocess
     import sys
 
@@ -84,6 +84,7 @@ def test_importing_the_hf_interop_and_float8_prints_nothing():
     code = ("import apps.sft.train, apps.sft.prepare, lingua.checkpoint.hf\n"
             "import lingua.float8\n"
             "from transformers import LlamaForCausalLM\n"
+            "import peft\n"   # the PEFT adapter check tests/test_sft_hf.py runs
             "import torchao.float8, torchao.kernel.intmm, sys\n"
             "print('torchao' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,

@@ -13,8 +13,8 @@ halves (lingua.model.layers). The rope rows of the query and of kv_a_proj_with_m
 the way out and back, which leaves every attention score unchanged.
 
 CLI: python -m apps.deepseek.hf export <run_dir or checkpoint_dir> <out_dir> [--dtype bf16|fp32]
-     python -m apps.deepseek.hf import <hf_dir>   (checks it and prints the model.* overrides
-     that train from it with checkpoint.init_from=<hf_dir>)
+     python -m apps.deepseek.hf import <hf_dir>   (checks it and prints the model section that
+     checkpoint.init_from=<hf_dir> sets by itself)
 """
 
 from dataclasses import fields
@@ -268,6 +268,16 @@ def args_from_hf_config(config_path) -> DeepSeekArgs:
     return args
 
 
+def args_from_hf_dir(config_path) -> DeepSeekArgs:
+    """The directory's args: its config.json's, with mtp_depth 0 where its safetensors hold no MTP
+    layer (transformers' save_pretrained drops the ones num_nextn_predict_layers counts)."""
+    args = args_from_hf_config(config_path)
+    names = lingua_hf.tensor_names(Path(config_path).parent)
+    if f"model.layers.{args.n_layers}.eh_proj.weight" not in names:
+        args.mtp_depth = 0
+    return args
+
+
 def _expert_blocks(args: DeepSeekArgs) -> List[Tuple[str, str]]:
     """(our prefix, HF prefix) of every MoE block."""
     blocks = [(f"layers.{i}.", f"model.layers.{i}.") for i in range(args.n_dense_layers,
@@ -284,9 +294,7 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32):
     if not config_path.is_file():
         raise ConfigError(f"{config_path} is missing: {path} is not a Hugging Face model "
                           "directory.")
-    args, file_names = args_from_hf_config(config_path), lingua_hf.tensor_names(path)
-    if f"model.layers.{args.n_layers}.eh_proj.weight" not in file_names:
-        args.mtp_depth = 0   # transformers' save_pretrained drops the MTP layers the config counts
+    args, file_names = args_from_hf_dir(config_path), lingua_hf.tensor_names(path)
     names = key_map(args)
     consumed = set(names.values())
     for _, theirs in _expert_blocks(args):
@@ -322,10 +330,16 @@ def load_hf(path, dtype: Optional[torch.dtype] = torch.float32):
 
 
 def export(ckpt_dir, out_dir, dtype: Optional[torch.dtype] = None) -> None:
-    lingua_hf.export(ckpt_dir, out_dir, dtype, model_class=Transformer, args_class=DeepSeekArgs,
-                     export_problems=export_problems, to_hf=to_hf, hf_config=hf_config,
-                     not_exported=NOT_EXPORTED, where=_where(),
-                     command=lingua_hf.command(__file__))
+    args = lingua_hf.export(ckpt_dir, out_dir, dtype, model_class=Transformer,
+                            args_class=DeepSeekArgs, export_problems=export_problems, to_hf=to_hf,
+                            hf_config=hf_config, not_exported=NOT_EXPORTED, where=_where(),
+                            command=lingua_hf.command(__file__))
+    if args.mtp_depth:   # said before transformers' load report lists them as UNEXPECTED
+        layers = ", ".join(f"model.layers.{args.n_layers + k}.*" for k in range(args.mtp_depth))
+        print(f"note: {layers}: the MTP modules, written as DeepSeek-V3's checkpoint holds "
+              f"them; transformers' DeepseekV3ForCausalLM does not use them and "
+              f"lists them as UNEXPECTED when it loads {out_dir}: expected, nothing is wrong. "
+              f"`python -m apps.deepseek.hf import` and checkpoint.init_from read them back.")
 
 
 def main(argv=None) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from apps.deepseek.hf import export_problems, load_hf
+from apps.deepseek.hf import args_from_hf_dir, export_problems, load_hf
 from apps.deepseek.model import DeepSeekArgs, Transformer, dense_hidden, validate_model_args
 from apps.deepseek.model import flops_per_token as model_flops_per_token
 from apps.deepseek.parallelize import float8_filter, parallelize_deepseek, validate_tp
@@ -103,7 +103,11 @@ def validate(args: TrainArgs) -> None:
 
 def load_config(argv=None, check: bool = True) -> TrainArgs:
     """Compose (and check) the config exactly as a run would; stool calls this before submitting."""
-    return config.load("deepseek", TrainArgs, argv, validate if check else None)
+    args = config.load("deepseek", TrainArgs, argv)
+    lingua_hf.shape_from_init_from(args, argv, args_from_hf_dir)   # continued pretraining
+    if check:
+        validate(args)
+    return args
 
 
 def main(argv=None) -> int:

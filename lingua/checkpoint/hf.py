@@ -389,7 +389,7 @@ def export_cli(argv, prog: str, description: str, export, load_hf: Optional[Call
     """`<prog> export <checkpoint_dir> <out_dir> [--dtype]`, one command line for every app's hf.py:
     `export(ckpt_dir, out_dir, dtype)` is the app's own; with the app's `load_hf`, also `<prog>
     import <hf_dir>`, which reads the directory as training would and prints the model section
-    that trains from it. A bad input prints an `error:` line and exits with status 2."""
+    checkpoint.init_from sets from it. A bad input prints an `error:` line and exits, status 2."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("export", help="write a training checkpoint as a Hugging Face directory")
@@ -399,7 +399,7 @@ def export_cli(argv, prog: str, description: str, export, load_hf: Optional[Call
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: as trained (fp32)")
     if load_hf is not None:
         p = sub.add_parser("import", help="read a Hugging Face directory and print the model "
-                                          "section that trains from it (checkpoint.init_from)")
+                                          "section checkpoint.init_from sets from it")
         p.add_argument("hf_dir")
     ns = parser.parse_args(argv)
     try:
@@ -420,7 +420,9 @@ def imported(hf_dir, load_hf: Callable) -> str:
     n_params = sum(p.numel() for p in model.parameters())
     section = OmegaConf.to_yaml({"model": config.to_dict(args)})
     return (f"read {hf_dir}: {n_params:,} parameters, every tensor mapped. Train from it with "
-            f"checkpoint.init_from={hf_dir} and this model section:\n{section}")
+            f"checkpoint.init_from={hf_dir} alone: the run sets this model section from the "
+            f"directory by itself (shown for reference, nothing to copy; a model.* key typed on "
+            f"the command line must agree with it):\n{section}")
 
 
 def wrote(ckpt_dir, out_dir) -> str:
