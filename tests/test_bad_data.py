@@ -106,7 +106,9 @@ def test_jsonl_bad_lines_counted_by_reason_and_logged_with_file_and_line(bad_sou
     [message] = skip_warnings(caplog)
     path, line = bad_at[0]
     assert message.startswith(f"skipping unusable line {line} of {path} ("), message
-    assert "refused if more than 0.1 of the lines read are" in message
+    # a whole sentence (issue 58: it ended at "of the lines read are")
+    assert message.endswith("refused if more than 0.1 of the lines read are unusable "
+                            "(data.max_skipped_fraction)"), message
     # a checkpointed position keeps the counts
     state = json.loads(json.dumps(loader.state_dict()))
     resumed = JsonlLoader(jargs(src), 0, 1, seed=0)
@@ -276,6 +278,22 @@ def memmap_corpus(tmp_path):
     write_memmap_corpus(root, {"train": iter(docs[:60]), "val": iter(docs[60:])}, ByteTokenizer(),
                         TokenizerArgs(), source="test")
     return root
+
+
+def test_plain_data_logs_its_tokenizer_and_vocabulary_on_rank_0(bad_source, memmap_corpus,
+                                                                 caplog):
+    """Issue 58: the log names the tokenizer that reads the data, as chat data's does."""
+    src = bad_source[0]
+    caplog.set_level(logging.INFO, logger="lingua.data")
+    JsonlLoader(jargs(src), 0, 1, seed=0)
+    MemmapLoader(corpus_args(memmap_corpus), 0, 1, seed=0)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert "jsonl data: the bytes tokenizer (258 tokens)" in lines
+    assert f"memmap data: {memmap_corpus}, tokenized by the bytes tokenizer (258 tokens)" in lines
+    caplog.clear()
+    JsonlLoader(jargs(src), 1, 2, seed=0)   # another data-parallel rank says nothing
+    MemmapLoader(corpus_args(memmap_corpus), 1, 2, seed=0)
+    assert not [r for r in caplog.records if r.levelno == logging.INFO]
 
 
 def corpus_args(root, **kw):

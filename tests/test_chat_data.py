@@ -124,6 +124,11 @@ def test_parse_sample_reads_both_forms_and_names_what_is_wrong():
             assert err.value.reason == reason, obj
     with pytest.raises(BadLine, match="role 'tool'"):
         parse_sample(bad["bad_role"][0])
+    # issue 58: another format's key is named, not only counted as not_chat
+    with pytest.raises(BadLine, match='message 1 has "text" where "content" is expected') as err:
+        parse_sample({"messages": [{"role": "user", "content": "u"},
+                                   {"role": "assistant", "text": "a"}]})
+    assert err.value.reason == "not_chat"
 
 
 # ------------------------------------------------------------------------------------------------

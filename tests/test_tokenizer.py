@@ -244,3 +244,43 @@ def test_file_of_the_wrong_kind(tmp_path, tiktoken_file):
     build_tokenizer(TokenizerArgs("hf", str(hf_file)))
     build_tokenizer(TokenizerArgs("sentencepiece", str(sp_file)))
     build_tokenizer(TokenizerArgs("tiktoken", str(tiktoken_file)))
+
+
+def test_a_path_that_disagrees_with_the_kind_is_refused_before_loading(tmp_path, tiktoken_file):
+    """Issue 58: kind=bytes with a tokenizer file (the debug presets' kind and a user's path)
+    trained on byte ids with the file ignored; a file the kind does not read is refused at
+    config time too, each naming both keys and the kind that reads the file."""
+    hf_file = train_hf(tmp_path)
+    sp_file = train_sentencepiece(tmp_path)
+    cases = [("bytes", hf_file, "hf"), ("bytes", sp_file, "tiktoken or sentencepiece"),
+             ("tiktoken", hf_file, "hf"), ("sentencepiece", hf_file, "hf"),
+             ("hf", sp_file, "tiktoken or sentencepiece"),
+             ("hf", tiktoken_file, "tiktoken or sentencepiece")]
+    for kind, path, fix in cases:
+        with pytest.raises(ConfigError) as err:
+            check_tokenizer_args(TokenizerArgs(kind, str(path)))
+        message = str(err.value)
+        assert f"data.tokenizer.kind={kind}" in message and str(path) in message, message
+        assert f"Set data.tokenizer.kind={fix}" in message, message
+    for kind, path in [("hf", hf_file), ("sentencepiece", sp_file), ("tiktoken", tiktoken_file)]:
+        check_tokenizer_args(TokenizerArgs(kind, str(path)))
+    # a run saved before this check (kind bytes, a stray path) still reads back as bytes
+    assert build_tokenizer(TokenizerArgs("bytes", str(hf_file))).vocab_size == 258
+
+
+def test_a_vocabulary_past_the_embedding_names_the_value_to_set(tmp_path):
+    """Issue 58 point 9: a new tokenizer's vocabulary is not read into model.vocab_size; the
+    refusal names the tokenizer, its vocabulary and the value to type."""
+    from types import SimpleNamespace
+
+    from lingua.train.app import check_vocab
+
+    path = train_hf(tmp_path)   # 320 tokens
+    args = SimpleNamespace(data=SimpleNamespace(tokenizer=TokenizerArgs("hf", str(path))),
+                           model=SimpleNamespace(vocab_size=258),
+                           checkpoint=SimpleNamespace(init_from=None))
+    with pytest.raises(ConfigError, match=f"The tokenizer \\(hf {path}\\) has 320 tokens but "
+                                          f"model.vocab_size=258: .* set model.vocab_size=320"):
+        check_vocab(args)
+    args.model.vocab_size = 320
+    check_vocab(args)

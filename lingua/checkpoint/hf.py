@@ -443,7 +443,8 @@ RUNTIME_KEYS = {"attn_backend", "attn_mask", "init_std", "depth_init", "max_seq_
 def shape_from_init_from(args, argv, args_from_hf_config: Callable) -> None:
     """With checkpoint.init_from a Hugging Face directory, model.* takes its config.json's shape
     (`args_from_hf_config`) and data.tokenizer its tokenizer.json (and chat template). A key the
-    command line sets is kept, so that the check against the weights names it."""
+    command line sets is kept, so that the check against the weights names it (data.tokenizer.path
+    naming that tokenizer.json alone is the directory's)."""
     path = args.checkpoint.init_from
     config_json = Path(path) / "config.json" if path is not None else None
     if config_json is None or not config_json.is_file():
@@ -455,7 +456,13 @@ def shape_from_init_from(args, argv, args_from_hf_config: Callable) -> None:
         if key not in RUNTIME_KEYS and key not in given:
             setattr(args.model, key, value)
     tokenizer_json, tok = Path(path) / "tokenizer.json", args.data.tokenizer
-    if any(key == "data.tokenizer" or key.startswith("data.tokenizer.") for key in keys):
+    named = {key for key in keys if key == "data.tokenizer" or key.startswith("data.tokenizer.")}
+    # The directory's own tokenizer.json named without a kind is the directory's tokenizer, not
+    # a file for the preset's kind (which may be bytes) to ignore.
+    if named == {"data.tokenizer.path"} and tok.path and tokenizer_json.is_file() and \
+            Path(tok.path).resolve() == tokenizer_json.resolve():
+        named = set()
+    if named:
         return
     if tokenizer_json.is_file():   # our byte tokenizer's export reads back as itself
         byte = hf_files.is_byte_tokenizer(tokenizer_json)

@@ -79,6 +79,8 @@ def parse_sample(obj) -> List[dict]:
 
 
 def _message(m, i: int) -> dict:
+    if isinstance(m, dict) and "content" not in m and "text" in m:   # another format's key
+        raise BadLine("not_chat", f'message {i} has "text" where "content" is expected')
     if not isinstance(m, dict) or not isinstance(m.get("content"), str):
         raise BadLine("not_chat", f"message {i} is not an object with a string \"content\"")
     if m.get("role") not in ROLES:

@@ -74,7 +74,8 @@ class SkipCounter:
         if self.log:
             logger.warning("skipping unusable line %d of %s (%s); such lines are skipped and "
                            "counted (skipped_lines, skipped_<reason>), the run refused if more "
-                           "than %g of the lines read are", line_no, path, why, self.max_fraction)
+                           "than %g of the lines read are unusable (data.max_skipped_fraction)",
+                           line_no, path, why, self.max_fraction)
 
     def check(self) -> None:
         read = self.usable + self.count
@@ -210,6 +211,10 @@ class JsonlLoader(Loader):
     def __init__(self, args, dp_rank: int, dp_size: int, seed: int):
         self.args, self.dp_rank, self.dp_size = args, dp_rank, dp_size
         self.tokenizer = build_tokenizer(args.tokenizer)
+        if dp_rank == 0:
+            tok = args.tokenizer
+            logger.info("%s data: the %s tokenizer%s (%d tokens)", self.name, tok.kind,
+                        f" {tok.path}" if tok.path else "", self.tokenizer.vocab_size)
         self.counter = SkipCounter(SKIP_REASONS, args.max_skipped_fraction)
         dirs = source_dirs(args, self.SOURCE.PATTERN)
         self.sources = [self.SOURCE(n, d, dp_rank, dp_size, self.counter) for n, d in dirs.items()]

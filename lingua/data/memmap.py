@@ -172,6 +172,11 @@ class MemmapLoader(Loader):
         self.windows = TokenWindows(args.root, "train", args.seq_len)
         # Bad lines were dropped when the corpus was prepared (meta.json counts them): none here.
         self.samples_consumed, self.counter = 0, SkipCounter(SKIP_REASONS)
+        if dp_rank == 0:
+            meta, tok = self.windows.meta, self.windows.meta.get("tokenizer") or {}
+            logger.info("memmap data: %s, tokenized by the %s tokenizer%s (%s tokens)", args.root,
+                        tok.get("kind"), f" {tok['path']}" if tok.get("path") else "",
+                        meta.get("vocab_size"))
         prepared = self.windows.meta.get("skipped_lines")
         if prepared and dp_rank == 0:
             logger.info("%s was prepared from jsonl with %d lines skipped (%s)", args.root,

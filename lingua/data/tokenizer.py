@@ -166,12 +166,28 @@ def _hf_special_tokens(config_path: Path) -> dict:
     return {key: (found[key],) if key in found else () for key in ("bos_token", "eos_token")}
 
 
+def _kind_of(path: str) -> str:
+    """The kind that reads `path`, as far as its first bytes tell: a tokenizer.json is a JSON
+    object; tiktoken's ranks (base64 lines) and sentencepiece's protobuf are not."""
+    try:
+        with open(path, "rb") as f:
+            is_json = f.read(64).lstrip().startswith(b"{")
+    except OSError:
+        return "the file's kind (hf, tiktoken or sentencepiece)"
+    return "hf" if is_json else "tiktoken or sentencepiece"
+
+
 def check_tokenizer_args(args: TokenizerArgs) -> None:
-    """Cheap checks (no file is parsed): the kind is known and its file exists."""
+    """Cheap checks (no file is parsed): the kind is known, its file exists and is of the kind."""
     if args.kind not in KINDS:
         raise ConfigError(f"data.tokenizer.kind={args.kind!r} is unknown: use one of "
                           f"{', '.join(KINDS)}.")
     if args.kind == "bytes":
+        if args.path:   # the file would be ignored and the data read as bytes
+            raise ConfigError(f"data.tokenizer.path={args.path} is set, but data.tokenizer."
+                              f"kind=bytes reads no file. Set data.tokenizer.kind="
+                              f"{_kind_of(args.path)} to tokenize with that file, or "
+                              f"data.tokenizer.path=null for bytes.")
         return
     if not args.path:
         raise ConfigError(f"data.tokenizer.kind={args.kind} needs a file: set "
@@ -180,12 +196,20 @@ def check_tokenizer_args(args: TokenizerArgs) -> None:
         raise ConfigError(f"Tokenizer file data.tokenizer.path={args.path} does not exist (kind "
                           f"{args.kind}). Point data.tokenizer.path at the local "
                           f"{EXPECTED_FILE[args.kind]}, or use data.tokenizer.kind=bytes.")
+    kind = _kind_of(args.path)
+    if (kind == "hf") != (args.kind == "hf"):
+        is_json = "JSON" if kind == "hf" else "not JSON"
+        raise ConfigError(f"data.tokenizer.kind={args.kind} reads a {EXPECTED_FILE[args.kind]}, "
+                          f"but data.tokenizer.path={args.path} is {is_json} (a Hugging Face "
+                          f"tokenizer.json is). Set data.tokenizer.kind="
+                          f"{kind}, or point data.tokenizer.path at a "
+                          f"{EXPECTED_FILE[args.kind]}.")
 
 
 def build_tokenizer(args: TokenizerArgs) -> Tokenizer:
-    check_tokenizer_args(args)
-    if args.kind == "bytes":
+    if args.kind == "bytes":   # before the check: a run saved with a stray path still reads back
         return ByteTokenizer()
+    check_tokenizer_args(args)
     builders = {"tiktoken": TikTokenizer, "sentencepiece": SentencePieceTokenizer,
                 "hf": HFTokenizer}
     try:

@@ -95,8 +95,14 @@ def device_type() -> str:
 
 def check_vocab(args) -> None:
     """The tokenizer file loads, and the model's vocabulary holds its tokens."""
-    vocab = build_tokenizer(args.data.tokenizer).vocab_size
+    tok, init_from = args.data.tokenizer, args.checkpoint.init_from
+    vocab = build_tokenizer(tok).vocab_size
+    # With init_from the embedding is the checkpoint's: model.vocab_size cannot grow there.
+    fix = (f"The embedding is checkpoint.init_from={init_from}'s (its config.json's "
+           f"vocab_size): use the tokenizer that model was trained with" if init_from else
+           f"A tokenizer's vocabulary is not read into the model: set model.vocab_size={vocab} "
+           f"or more")
     config.require(vocab <= args.model.vocab_size,
-                   f"The tokenizer ({args.data.tokenizer.kind}) has {vocab} tokens but "
-                   f"model.vocab_size={args.model.vocab_size}. Set model.vocab_size={vocab} or "
-                   f"more.")
+                   f"The tokenizer ({tok.kind}{f' {tok.path}' if tok.path else ''}) has {vocab} "
+                   f"tokens but model.vocab_size={args.model.vocab_size}: its ids would run past "
+                   f"the embedding. {fix}.")
