@@ -120,8 +120,6 @@ class FaultToleranceHook(Hook):
             rank=self.env.rank, world_size=self.env.world_size, **store,
             lighthouse_addr=self.ft.lighthouse, replica_id=f"group_{self.ft.group_id}",
             init_sync=False)
-        # The groups start from the same seed or checkpoint: its step is the Manager's.
-        self.manager.load_state_dict({"step": view.step, "batches_committed": 0})
         units = [m for part in view.parts for m in part.modules()
                  if hasattr(m, "set_all_reduce_hook")]
         for unit in units:
@@ -131,6 +129,10 @@ class FaultToleranceHook(Hook):
     def before_step(self, view, step: int) -> Optional[Request]:
         if self.manager is None:
             return None
+        # The Manager counts the run's steps (uncommitted ones too, which torchft's own count
+        # leaves out): a quorum finds the group behind by the step it would resume from.
+        self.manager.load_state_dict({"step": view.step,
+                                      "batches_committed": self.manager.batches_committed()})
         self.manager.start_quorum(allow_heal=True)   # sync: a heal's state is received on return
         state, self.received = self.received, None
         if state is None:
