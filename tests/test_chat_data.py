@@ -580,3 +580,47 @@ def test_tokenized_conversations_are_cached_and_read_back_alike(tmp_path, caplog
     caplog.clear()
     assert len(ChatLoader(args, 0, 1, seed=0).convs) > 0
     assert "could not cache the tokenized conversations" in caplog.text and caches() == 2
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-9])
+
+
+def _out_of_vocabulary(path: Path) -> None:   # the same size, ids no embedding has
+    ids = np.load(path)
+    np.save(path, np.full_like(ids, 70000))
+
+
+def _flip_within_vocabulary(path: Path) -> None:   # one id's low byte: still a byte's id
+    raw = bytearray(path.read_bytes())
+    raw[-8] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _out_of_vocabulary, _flip_within_vocabulary])
+def test_a_damaged_chat_cache_is_rebuilt_with_a_warning(tmp_path, caplog, monkeypatch, damage):
+    """Issue 58: a truncated, overwritten or bit-flipped .chat_cache fails its checksum, is named
+    in a warning and rebuilt; the rows are those of a fresh tokenization, and the next start
+    reads the rebuilt cache."""
+    root = make_corpus(tmp_path / "c")
+    args = chat_args(root)
+    fresh = ChatLoader(args, 0, 1, seed=0)
+    [cache] = (root / chat_data.CACHE_DIR).iterdir()
+    ids = cache / "ids.npy"
+    before = ids.read_bytes()
+    damage(ids)
+    assert ids.read_bytes() != before
+    calls, tokenize = [], chat_data.tokenize_conversations
+    monkeypatch.setattr(chat_data, "tokenize_conversations",
+                        lambda *a, **k: calls.append(1) or tokenize(*a, **k))
+    rebuilt = ChatLoader(args, 0, 1, seed=0)
+    assert len(calls) == 1 and f"the tokenized cache file {ids} is damaged" in caplog.text
+    assert ids.read_bytes() == before and [p.name for p in cache.parent.iterdir()] == [cache.name]
+    caplog.clear()
+    again = ChatLoader(args, 0, 1, seed=0)
+    assert len(calls) == 1 and "tokenized cache file" not in caplog.text   # read back
+    for _ in range(3):
+        want = fresh.next_step()[0]
+        for loader in (rebuilt, again):
+            got = loader.next_step()[0]
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
