@@ -624,3 +624,24 @@ def test_a_damaged_chat_cache_is_rebuilt_with_a_warning(tmp_path, caplog, monkey
         for loader in (rebuilt, again):
             got = loader.next_step()[0]
             assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+
+
+@pytest.mark.distributed
+def test_a_damaged_chat_cache_is_rebuilt_once_on_two_ranks(tmp_path):
+    """Rank 0 checks and rebuilds it while rank 1 waits, then rank 1 reads the rebuilt cache
+    (no tokenizing, no warning of its own); each rank's rows are those of a fresh cache."""
+    from tests.conftest import run_torchrun
+
+    root = make_corpus(tmp_path / "c")
+    args = chat_args(root, val_sequences=0)
+    want = [ChatLoader(args, rank, 2, seed=0).next_step()[0].tokens.tolist() for rank in (0, 1)]
+    [cache] = (root / chat_data.CACHE_DIR).iterdir()
+    before = (cache / "ids.npy").read_bytes()
+    _flip_within_vocabulary(cache / "ids.npy")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_torchrun(2, "tests.workers.chat_cache_worker", [str(root), str(out)], timeout=120)
+    got = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [g["tokenized"] for g in got] == [1, 0] and [g["tokens"] for g in got] == want
+    assert proc.stdout.count("tokenized cache file") == 1 and "[rank0]" in proc.stdout
+    assert (cache / "ids.npy").read_bytes() == before
