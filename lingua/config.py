@@ -248,29 +248,55 @@ def _scope_to_preset(cfg: DictConfig, overrides: Sequence[str], preset_alone: Ca
 
 
 def compose_config(app: str, argv: Sequence[str], default_preset: str = "debug",
-                   schema: Optional[Type] = None) -> DictConfig:
-    """Compose (preset + overrides) into a typed DictConfig, or ConfigError."""
+                   schema: Optional[Type] = None, problems: Optional[list] = None) -> DictConfig:
+    """Compose (preset + overrides) into a typed DictConfig, or ConfigError. Given a list
+    `problems`, each override refused alone (an unknown key, a wrong type) is noted there and
+    left out, so that the rest is composed and its own problems found in the same try."""
     keys = schema_keys(schema) if schema is not None else {}
     maps = [key for key, is_map in keys.items() if is_map]
     preset, overrides = split_argv(argv, default_preset)
     config_dir, config_name = _preset_location(app, preset)
-    try:
+    errors = (HydraException, OmegaConfBaseException, ValueError, TypeError)
+
+    def composed(given: Sequence[str]) -> DictConfig:
         with initialize_config_dir(config_dir=config_dir, version_base=None, job_name=app):
-            cfg = compose(config_name=config_name, overrides=_open_maps(overrides, maps))
-            _scope_to_preset(cfg, overrides, lambda: compose(config_name=config_name))
-    except (HydraException, OmegaConfBaseException, ValueError, TypeError) as err:
-        message = _type_mismatch(err, overrides, schema) or \
-            _explain_compose_error(err, overrides, list(keys), maps)
-        for override in overrides:  # quote the user's override, not our `++` form of it
+            cfg = compose(config_name=config_name, overrides=_open_maps(given, maps))
+            _scope_to_preset(cfg, given, lambda: compose(config_name=config_name))
+        return cfg
+
+    def refusal(err: Exception, given: Sequence[str]) -> str:
+        message = _type_mismatch(err, given, schema) or \
+            _explain_compose_error(err, given, list(keys), maps)
+        for override in given:  # quote the user's override, not our `++` form of it
             message = message.replace("++" + override, override)
-        raise ConfigError(message) from None
-    return cfg
+        return message
+
+    try:
+        return composed(overrides)
+    except errors as err:
+        first = refusal(err, overrides)
+    if problems is not None:   # each override on top of the good ones before it
+        found, good, cfg = [], [], None
+        for override in overrides:
+            try:
+                cfg = composed([*good, override])
+                good.append(override)
+            except errors as err:
+                found.append(refusal(err, overrides))
+        if found:
+            problems += found
+            return composed([]) if cfg is None else cfg
+    raise ConfigError(first)
 
 
 def load(app: str, schema: Type[T], argv: Optional[Sequence[str]] = None,
          validate: Optional[Callable[[T], None]] = None, default_preset: str = "debug") -> T:
-    """The one entry point: argv -> a dataclass instance of `schema`, checked by `validate`."""
-    cfg = compose_config(app, sys.argv[1:] if argv is None else argv, default_preset, schema)
+    """The one entry point: argv -> a dataclass instance of `schema`, checked by `validate`.
+    The overrides it could not apply are named with validate's problems; without `validate`,
+    they wait on the instance for lingua.launch.run.validate (`pending_problems`)."""
+    problems = []
+    cfg = compose_config(app, sys.argv[1:] if argv is None else argv, default_preset, schema,
+                         problems)
     try:
         args = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:  # e.g. a missing mandatory value (???)
@@ -279,9 +305,25 @@ def load(app: str, schema: Type[T], argv: Optional[Sequence[str]] = None,
     if not isinstance(args, schema):
         raise ConfigError(f"The preset for '{app}' does not use the {schema.__name__} schema: its "
                           f"defaults list must start with the schema registered for the app.")
+    if problems:
+        setattr(args, PENDING, problems)
     if validate is not None:
-        validate(args)
+        with every_problem() as check:
+            check(pending_problems, args)
+            check(validate, args)
     return args
+
+
+PENDING = "_overrides_refused"
+
+
+def pending_problems(args: Any) -> None:
+    """Raise what `load` refused on the command line, for every_problem."""
+    problems = getattr(args, PENDING, [])
+    if problems:
+        err = ConfigError(problems[0])
+        err.problems = problems
+        raise err
 
 
 def to_yaml(args: Any) -> str:
@@ -347,9 +389,10 @@ def every_problem():
     def check(fn: Callable, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except ConfigError as err:
-            if str(err) not in found:
-                found.append(str(err))
+        except ConfigError as err:   # one problem, or a nested every_problem's
+            for problem in getattr(err, "problems", [str(err)]):
+                if problem not in found:
+                    found.append(problem)
         except Exception:
             if not found:
                 raise
@@ -360,8 +403,10 @@ def every_problem():
     if len(found) == 1:
         raise ConfigError(found[0])
     if found:
-        raise ConfigError(f"{len(found)} problems with this configuration, each with its fix:\n"
+        err = ConfigError(f"{len(found)} problems with this configuration, each with its fix:\n"
                           + "\n".join(f"  {i}. {problem}" for i, problem in enumerate(found, 1)))
+        err.problems = found
+        raise err
 
 
 def require(condition: bool, message: str) -> None:

@@ -585,3 +585,68 @@ def test_tokenized_conversations_are_cached_and_read_back_alike(tmp_path, caplog
     caplog.clear()
     assert len(ChatLoader(args, 0, 1, seed=0).convs) > 0
     assert "could not cache the tokenized conversations" in caplog.text and caches() == 2
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-9])
+
+
+def _out_of_vocabulary(path: Path) -> None:   # the same size, ids no embedding has
+    ids = np.load(path)
+    np.save(path, np.full_like(ids, 70000))
+
+
+def _flip_within_vocabulary(path: Path) -> None:   # one id's low byte: still a byte's id
+    raw = bytearray(path.read_bytes())
+    raw[-8] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _out_of_vocabulary, _flip_within_vocabulary])
+def test_a_damaged_chat_cache_is_rebuilt_with_a_warning(tmp_path, caplog, monkeypatch, damage):
+    """Issue 58: a truncated, overwritten or bit-flipped .chat_cache fails its checksum, is named
+    in a warning and rebuilt; the rows are those of a fresh tokenization, and the next start
+    reads the rebuilt cache."""
+    root = make_corpus(tmp_path / "c")
+    args = chat_args(root)
+    fresh = ChatLoader(args, 0, 1, seed=0)
+    [cache] = (root / chat_data.CACHE_DIR).iterdir()
+    ids = cache / "ids.npy"
+    before = ids.read_bytes()
+    damage(ids)
+    assert ids.read_bytes() != before
+    calls, tokenize = [], chat_data.tokenize_conversations
+    monkeypatch.setattr(chat_data, "tokenize_conversations",
+                        lambda *a, **k: calls.append(1) or tokenize(*a, **k))
+    rebuilt = ChatLoader(args, 0, 1, seed=0)
+    assert len(calls) == 1 and f"the tokenized cache file {ids} is damaged" in caplog.text
+    assert ids.read_bytes() == before and [p.name for p in cache.parent.iterdir()] == [cache.name]
+    caplog.clear()
+    again = ChatLoader(args, 0, 1, seed=0)
+    assert len(calls) == 1 and "tokenized cache file" not in caplog.text   # read back
+    for _ in range(3):
+        want = fresh.next_step()[0]
+        for loader in (rebuilt, again):
+            got = loader.next_step()[0]
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+
+
+@pytest.mark.distributed
+def test_a_damaged_chat_cache_is_rebuilt_once_on_two_ranks(tmp_path):
+    """Rank 0 checks and rebuilds it while rank 1 waits, then rank 1 reads the rebuilt cache
+    (no tokenizing, no warning of its own); each rank's rows are those of a fresh cache."""
+    from tests.conftest import run_torchrun
+
+    root = make_corpus(tmp_path / "c")
+    args = chat_args(root, val_sequences=0)
+    want = [ChatLoader(args, rank, 2, seed=0).next_step()[0].tokens.tolist() for rank in (0, 1)]
+    [cache] = (root / chat_data.CACHE_DIR).iterdir()
+    before = (cache / "ids.npy").read_bytes()
+    _flip_within_vocabulary(cache / "ids.npy")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_torchrun(2, "tests.workers.chat_cache_worker", [str(root), str(out)], timeout=120)
+    got = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [g["tokenized"] for g in got] == [1, 0] and [g["tokens"] for g in got] == want
+    assert proc.stdout.count("tokenized cache file") == 1 and "[rank0]" in proc.stdout
+    assert (cache / "ids.npy").read_bytes() == before

@@ -179,3 +179,34 @@ def test_contract_spellings_that_are_python_keywords():
     args = load_config(["checkpoint.async=false"], check=False)
     assert args.checkpoint.async_save is False
     assert load_config(["eval.async=true"], check=False).eval.mode == "async"
+
+
+def test_every_mistake_is_named_in_one_try(corpus, tmp_path):
+    """Issue 58: a key typo, a value of the wrong type and an impossible value in one command
+    are one ConfigError naming all three (each override refused alone, the rest checked)."""
+    from apps.llama.train import load_config
+
+    argv = tiny_args(corpus, tmp_path / "run", "optim.warmpu=3", "steps=ten", "gc_every=-1")
+    for entry in (load_config, load):   # the apps' path (validated later) and config.load's
+        with pytest.raises(ConfigError) as err:
+            entry(argv)
+        message = str(err.value)
+        assert message.startswith("3 problems with this configuration"), message
+        assert "Did you mean optim.warmup?" in message
+        assert "steps takes an integer, not 'ten'" in message and "gc_every=-1" in message
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("preset", ["llama_1b", "debug"])
+def test_a_missing_data_root_is_said_once(tmp_path, preset):
+    """Issue 58: no follow-on "the corpus in . has no usable line in its 0 *.jsonl files" for an
+    unset data.root (llama_1b's), nor for one that does not exist."""
+    from apps.llama.train import load_config
+
+    root = "" if preset == "llama_1b" else str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError) as err:
+        load_config([f"config={preset}", f"dump_dir={tmp_path / 'run'}", "data.format=jsonl",
+                     f"data.root='{root}'"])
+    message = str(err.value)
+    assert "usable line" not in message, message
+    assert (f"data.root={root} does not exist" if root else "data.root is not set") in message

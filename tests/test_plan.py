@@ -625,7 +625,7 @@ def test_stool_still_refuses_a_job_without_its_data(tmp_path, dry_run):
 def test_world_size_comes_from_slurm_keys(data, tmp_path):
     p = run_plan("apps.llama.train", "llama_1b", data, tmp_path, None, "slurm.nodes=2",
                  "slurm.gpus_per_node=8")
-    assert p.world_size == 16
+    assert p.world_size == 16 and not p.notes   # the slurm keys gave it: no note on it
     with pytest.raises(ConfigError, match="dp_shard"):
         # 70B's tp=8 cannot fill a world of 12
         run_plan("apps.llama.train", "llama_70b", data, tmp_path, 12)
@@ -823,3 +823,21 @@ def test_lora_activation_formula_matches_what_blocks_keep(ac, targets):
     predicted = (plan_activations.block_activation_bytes(shape, False, ac, 4, grouped_kv=True)
                  + plan_activations.lora_activation_bytes(block, shape, False, ac, 4))
     assert measured == pytest.approx(predicted, rel=0.01, abs=1.0)
+
+
+def test_without_a_world_size_the_plan_says_it_is_for_one_rank(tmp_path):
+    """Issue 58: no --world-size and no slurm.nodes: the plan says it is for 1 rank and names
+    --world-size; a layout that cannot run on 1 rank is refused in the planner's words."""
+    dump = f"dump_dir={tmp_path / 'run'}"
+    p = planner.plan("apps.llama.train", ["config=llama_8b", dump], suggest=False)
+    assert p.world_size == 1 and not p.fits
+    text = planner.format_plan(p)
+    assert "planned for 1 rank: no --world-size and no slurm.nodes given" in text, text
+    assert "--world-size N" in text
+    for app, preset, fill in (("apps.llama.train", "llama_70b", 8),   # tp=8, dp_shard=-1
+                              ("apps.moe.train", "moe_1b", 8)):       # ep=8 out of dp_shard
+        with pytest.raises(ConfigError) as err:
+            planner.plan(app, [f"config={preset}", dump])
+        message = str(err.value)
+        assert f"--world-size {fill}" in message and "slurm.nodes=N" in message, message
+        assert "Launch" not in message and "Pick ep" not in message, message

@@ -16,9 +16,12 @@ is rows [k*G, (k+1)*G). Rank 0 alone reports skipped lines (the trainer sums ove
 """
 
 import hashlib
+import io
 import json
 import logging
+import os
 import re
+import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,7 +206,8 @@ def _load(args, files: List[Path], counter: SkipCounter, what: str):
     return tokenizer, convs
 
 
-CACHE_DIR, CACHE_VERSION = ".chat_cache", 1
+CACHE_DIR, CACHE_VERSION = ".chat_cache", 2   # 2: meta.json holds the arrays' CRC-32
+CACHE_ARRAYS = ("ids", "counted", "lengths", "targets")
 
 
 def cache_key(files: List[Path], args, template: ChatTemplate) -> str:
@@ -226,50 +230,76 @@ def cache_key(files: List[Path], args, template: ChatTemplate) -> str:
 def cached_conversations(files: List[Path], args, template: ChatTemplate, tokenizer: Tokenizer,
                          counter: SkipCounter) -> Conversations:
     """The conversations of `files`, tokenized once by rank 0 into data.root/.chat_cache/<key>/
-    for later starts and the other ranks; a read-only data.root tokenizes at every start."""
+    for later starts and the other ranks, which read it once rank 0 has checked (or rebuilt) it;
+    a read-only data.root tokenizes at every start."""
     import torch.distributed as dist
 
     cache = Path(args.root) / CACHE_DIR / cache_key(files, args, template)
-    if not (cache / "meta.json").is_file():
-        ranks = dist.get_world_size() if dist.is_initialized() else 1
-        if ranks == 1 or dist.get_rank() == 0:
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    if ranks == 1 or dist.get_rank() == 0:
+        convs = _read_cache(cache, counter, warn=True)
+        if convs is None:
             convs = tokenize_conversations(files, args, template, tokenizer, counter)
             try:
+                if cache.exists():   # damaged: moved aside first, so that no one reads half of it
+                    aside = cache.parent / f".{cache.name}.damaged-{os.getpid()}"
+                    os.rename(cache, aside)
+                    shutil.rmtree(aside)
                 write_once(cache, "meta.json", lambda tmp: _write_cache(tmp, convs, counter),
                            "the chat data's tokenized cache")
             except (OSError, ConfigError) as err:
                 logger.warning("chat data: could not cache the tokenized conversations in %s "
                                "(%s); every start tokenizes them again", cache, err)
-            if ranks > 1:
-                dist.barrier()
-            return convs
-        dist.barrier()   # rank 0 writes it
-        if not (cache / "meta.json").is_file():   # not on this node's filesystem
-            return tokenize_conversations(files, args, template, tokenizer, counter)
-    return _read_cache(cache, counter)
+        if ranks > 1:
+            dist.barrier()
+        return convs
+    dist.barrier()   # rank 0 checks, rebuilds or writes it
+    # Not on this node's filesystem (or damaged since): tokenize, leave the file to rank 0.
+    convs = _read_cache(cache, counter, warn=False)
+    return convs or tokenize_conversations(files, args, template, tokenizer, counter)
 
 
 def _write_cache(tmp: Path, convs: Conversations, counter: SkipCounter) -> None:
     tmp.mkdir(parents=True)
     ids = np.concatenate(convs.ids) if len(convs) else np.zeros(0, np.int64)
-    np.save(tmp / "ids.npy", ids.astype(np.int32) if ids.size and ids.max() < 2**31 else ids)
-    np.save(tmp / "counted.npy", np.concatenate(convs.counted) if len(convs) else np.zeros(0, bool))
-    np.save(tmp / "lengths.npy", convs.lengths)
-    np.save(tmp / "targets.npy", convs.targets)
+    arrays = {"ids": ids.astype(np.int32) if ids.size and ids.max() < 2**31 else ids,
+              "counted": np.concatenate(convs.counted) if len(convs) else np.zeros(0, bool),
+              "lengths": convs.lengths, "targets": convs.targets}
+    crc = {}
+    for name in CACHE_ARRAYS:
+        np.save(tmp / f"{name}.npy", arrays[name])
+        crc[name] = zlib.crc32((tmp / f"{name}.npy").read_bytes())
     first = None if counter.first is None else [str(counter.first[0]), *counter.first[1:]]
     (tmp / "meta.json").write_text(json.dumps({
         "truncated": convs.truncated, "skipped_by_reason": counter.by_reason,
-        "usable": counter.usable, "first_skipped": first}))
+        "usable": counter.usable, "first_skipped": first, "crc32": crc}))
 
 
-def _read_cache(cache: Path, counter: SkipCounter) -> Conversations:
-    meta = json.loads((cache / "meta.json").read_text())
-    lengths = np.load(cache / "lengths.npy")
+def _read_cache(cache: Path, counter: SkipCounter, warn: bool) -> Optional[Conversations]:
+    """The cache's conversations; None when there is none, or (a warning naming the file) when
+    it does not read back as written: truncated, overwritten, a byte flipped."""
+    if not cache.exists():
+        return None
+    arrays, path = {}, cache / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+        for name in CACHE_ARRAYS:
+            path = cache / f"{name}.npy"
+            raw = path.read_bytes()
+            if zlib.crc32(raw) != meta["crc32"][name]:
+                raise ValueError("its checksum does not match the one written with it")
+            arrays[name] = np.load(io.BytesIO(raw))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        if warn:
+            logger.warning("chat data: the tokenized cache file %s is damaged (%s); tokenizing "
+                           "the conversations again and rebuilding the cache", path, err)
+        return None
+    lengths = arrays["lengths"]
     bounds = np.cumsum(lengths)[:-1]
-    ids = np.split(np.load(cache / "ids.npy"), bounds) if len(lengths) else []
-    counted = np.split(np.load(cache / "counted.npy"), bounds) if len(lengths) else []
+    ids = np.split(arrays["ids"], bounds) if len(lengths) else []
+    counted = np.split(arrays["counted"], bounds) if len(lengths) else []
     counter.restore(meta["skipped_by_reason"], meta["usable"], meta["first_skipped"])
-    return Conversations(ids, counted, lengths, np.load(cache / "targets.npy"), meta["truncated"])
+    return Conversations(ids, counted, lengths, arrays["targets"], meta["truncated"])
 
 
 class ChatLoader(Loader):

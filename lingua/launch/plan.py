@@ -3,33 +3,22 @@
     python -m lingua.plan apps.llama.train config=llama_8b slurm.nodes=8 slurm.gpus_per_node=8
     python -m lingua.plan apps.moe.train config=deepseek_16b ... --world-size 64 --mfu 0.3
 
-The config is composed and validated as the job's (lingua.launch.run.validate) for its world size
-and device, without the data: a missing data.root, tokenizer, val/ or checkpoint.init_from is a
-`warning:` line, the vocabulary model.vocab_size. Then the real model is built on the meta device
-and parallelised with the app's own plan (TP, CP, EP, AC, FSDP, pipeline stages) on torch's fake
-process group at the job's world size; what a rank holds is read off its parameters' local shards,
-not a formula (a layer left replicated shows). The first rank of each stage is built (torch gives
-the first ranks the larger chunks of uneven splits); the busiest rank decides.
+The config is validated as the job's (run.validate) for its world size and device, but a missing
+corpus, tokenizer or checkpoint.init_from is a `warning:`. The model is built on the meta device
+and parallelised with the app's own plan on torch's fake process group at that world size; a
+rank's share is read off its parameters' local shards, not a formula. The first rank of each
+stage is built (it gets the larger chunks of uneven splits); the busiest rank decides.
 
-A rank's memory (lingua.launch.plan_memory): parameters (local shards as stored, plus buffers);
-gradients (same shapes and dtype, trainable parameters only: LoRA's frozen base has neither
-gradient nor optimizer state); optimizer (OptimizerSpec.state_bytes; AdamW: two moments a shard);
-FSDP buffers (compute-dtype gathers of the root unit, kept all step, and of two blocks in flight,
-or every block with reshard_after_forward=false; the unsharded gradients of the root and one block
-and its fp32 reduce-scatter input); autocast (bf16 layouts without FSDP keep a bf16 copy of each
-matmul weight); activations (lingua.launch.plan_activations, for the micro-batches in flight). It
-fits at 90% of the GPU's memory at most (the rest: CUDA context, NCCL, fragmentation). Under
-distributed.cpu_offload parameters, gradients and optimizer state are host memory, not counted. A
-LoRA run also prints its busiest rank at lora.rank=0.
-
-FLOPs per token are the app's (App.flops_per_token, else lingua.observe.metrics.flops_per_token,
-as MFU is logged); tokens/s = MFU x peak / FLOPs per token, with metrics.GPU_PEAK_FLOPS's dense
-bf16 (or fp32) peak. The MFU is assumed (--mfu, default 40%), bubbles and communication included.
-When the run does not fit, the planner re-plans the cheapest changes in order (ac=op, ac=full, a
-larger tp inside a node up to 8, then 2x / 4x / 8x the nodes, each with each ac) and names the
-first that fits."""
+Memory (plan_memory): parameters, gradients and optimizer state of the trainable shards (LoRA's
+frozen base: storage only), FSDP's gathered buffers, autocast copies, activations
+(plan_activations) for the micro-batches in flight; it fits at USABLE_FRACTION of the GPU's
+memory; cpu_offload's host memory is not counted. Time: tokens/s = MFU (--mfu) x the dense peak
+(metrics.GPU_PEAK_FLOPS) / FLOPs per token (App.flops_per_token, else metrics'). A run that does
+not fit is re-planned with the cheapest changes in order (ac=op, ac=full, tp up to 8 in a node,
+2x / 4x / 8x the nodes) and the first that fits is named."""
 
 import argparse
+import copy
 import dataclasses
 import functools
 import os
@@ -102,8 +91,7 @@ class Plan:
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
-        # MFU is over the bf16 peak (as torchtitan reports it); the converted matmuls run at the
-        # float8 rate, the same fraction of a peak FLOAT8_SPEEDUP times higher.
+        # MFU is over the bf16 peak (as torchtitan's); float8 matmuls at FLOAT8_SPEEDUP x it.
         f8 = self.float8_flops_per_token
         return self.mfu * self.peak_flops / (self.flops_per_token - f8 + f8 / FLOAT8_SPEEDUP)
 
@@ -133,27 +121,45 @@ def job_world_size(slurm) -> int:
 
 def load_args(app_module: str, overrides: List[str], world_size: Optional[int],
               device_type: str):
-    """(app module, validated args, world size): composed and checked as the job will be, but
-    for the corpus and tokenizer files (data_warnings)."""
+    """(app module, args, world size), checked as the job will be but for the data files."""
     app = app_checks.load_app(app_module)
     raw = app.load_config(list(overrides), check=False)
     world = world_size or job_world_size(raw.slurm)
     if world < 1:
         raise ConfigError(f"The world size must be at least 1, got {world}.")
-    checked = raw
+    checked = copy.copy(raw)   # keeps the overrides config.load refused, for run.validate
     init_from = raw.checkpoint.init_from
     if init_from is not None and not Path(init_from).is_dir():   # read by the job, not the plan
-        checked = dataclasses.replace(raw, checkpoint=dataclasses.replace(raw.checkpoint,
-                                                                          init_from=None))
-    with distributed.job_view(world, device_type):
-        run.validate(checked, app, data_files=False)
+        checked.checkpoint = dataclasses.replace(raw.checkpoint, init_from=None)
+    try:
+        _validate(checked, app, world, device_type)
+    except ConfigError as err:
+        d = checked.distributed   # the smallest world the degrees fill (dp_shard=-1: ep ranks)
+        fits = d.dp_replicate * d.cp * d.tp * d.pp * (d.dp_shard if d.dp_shard > 0 else d.ep)
+        if world_size or world != 1 or fits == 1:
+            raise
+        try:
+            _validate(checked, app, fits, device_type)
+        except ConfigError:
+            raise err from None   # not (only) the world size: the job's own message
+        why = "; ".join(p.split(". ")[0].rstrip(".") for p in getattr(err, "problems", [str(err)]))
+        raise ConfigError(f"{NO_WORLD_SIZE}, and this layout cannot run on 1 rank ({why}). Give "
+                          f"the job's world size: --world-size N, e.g. --world-size {fits}, or "
+                          f"slurm.nodes=N slurm.gpus_per_node=G.") from None
     return app, raw, world
 
 
+NO_WORLD_SIZE = "Planned for 1 rank: no --world-size and no slurm.nodes given"
+
+
+def _validate(args, app, world: int, device_type: str) -> None:
+    with distributed.job_view(world, device_type):
+        run.validate(args, app, data_files=False)
+
+
 def data_warnings(args, app=None) -> List[str]:
-    """What a job would refuse to start without and a plan does without: the corpus (data.root,
-    its val/), the tokenizer file and the checkpoint.init_from directory (the app module's own
-    App.check_init_from where it has one: apps/sft's), each problem once."""
+    """What a job needs and a plan does without, each problem once: the corpus and its val/, the
+    tokenizer file, checkpoint.init_from (App.check_init_from where the app has one)."""
     found, corpus = [], args.data
     init_from = args.checkpoint.init_from
     if app is not None and app.check_init_from is not None:
@@ -179,8 +185,7 @@ def data_warnings(args, app=None) -> List[str]:
 
 
 def model_on_meta(args, app) -> torch.nn.Module:
-    """The whole model on the meta device as the trainer builds it: the app's transform_model
-    applied (apps/sft: LoRA adapters, the base frozen)."""
+    """The whole model on meta as the trainer builds it, the app's transform_model applied."""
     with torch.device("meta"):
         model = app.model_class(args.model)
     if app.transform_model is not None:
@@ -244,6 +249,9 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
         result.peak_flops = cpu_peak_flops(dtype, args.model.dim)
         result.notes.append("planned for cpu: the memory is this machine's RAM and the peak its "
                             "own measured matmul rate; a cluster node's CPU may differ")
+    if world_size is None and world == 1:
+        result.notes.append(f"{NO_WORLD_SIZE.lower()}; pass --world-size N (or slurm.nodes=N "
+                            f"slurm.gpus_per_node=G) to plan the job at its size")
     if suggest and not result.fits:
         result.suggestion, result.tried = _cheapest_fix(result, gpu, gpu_mem_gib, mfu,
                                                         device_type)
@@ -256,9 +264,8 @@ def lora_rank(args) -> int:
 
 
 def float8_flops_per_token(args, app, model) -> float:
-    """FLOPs a token of the matmuls distributed.float8 converts in `model` (whole, on meta): 6 x
-    each converted Linear's weight (4 x a frozen one's: no weight gradient), and 6 x the weights
-    of the top_k experts a token meets in each MoE whose experts are converted."""
+    """FLOPs a token of the matmuls distributed.float8 converts in `model` (on meta): 6 x each
+    converted Linear's weight (4 x a frozen one's), 6 x the top_k experts' of a converted MoE."""
     if args.distributed.float8 == "none":
         return 0.0
     from lingua import float8
@@ -277,8 +284,7 @@ def float8_flops_per_token(args, app, model) -> float:
 
 
 def _candidates(p: Plan) -> list:
-    """(overrides to add, world size) in the order of cost: recompute, then tp inside a node,
-    then more nodes."""
+    """(overrides to add, world size) by cost: recompute, tp inside a node, more nodes."""
     d, slurm = p.args.distributed, p.args.slurm
     acs = list(dict.fromkeys([d.ac, "op", "full"]))
 
@@ -330,8 +336,7 @@ def _count(n: float) -> str:
 
 
 def _beside_the_peak(p: Plan, fmt, unit: str) -> list:
-    """Lines on what the busiest rank needs besides its peak: the optimizer's workspace (its step
-    runs once the activations are freed) and its process groups."""
+    """The busiest rank's optimizer workspace (once activations are freed) and process groups."""
     b, lines = p.busiest, []
     if b.optim_workspace:
         what = OPTIMIZERS[p.args.optim.name].workspace_label

@@ -1,12 +1,10 @@
-"""A whole training run, composed: the config schema every app's TrainArgs extends
-(BaseTrainArgs), its checks before any work (validate), the hooks around the loop, and `run`,
-which reads top to bottom like a script. What differs between apps (model class, parallel plan,
-checks, loss, extra metrics, per-step updates) comes in through `App` (lingua/train/app.py), so
-fixes to the flow reach every app. It lives at the top layer because the schema and the hooks
-include evaluation's (lingua.eval)."""
+"""A whole training run: the schema every app's TrainArgs extends, its checks before any work
+(validate), the hooks around the loop and `run`; what differs between apps comes through `App`
+(lingua/train/app.py). At the top layer: the schema and hooks include evaluation's."""
 
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -66,15 +64,15 @@ class BaseTrainArgs:
 
 
 def validate(args, app: App, data_files: bool = True) -> None:
-    """Every check that needs no process group, device or write: runs before any work starts.
-    data_files=False leaves out the corpus and tokenizer files (lingua.launch.plan plans without
-    them and warns of them)."""
+    """Every check that needs no process group, device or write, before any work. data_files=False
+    leaves out the corpus and tokenizer files (lingua.launch.plan warns of them)."""
     with config.every_problem() as check:   # every problem named in one try
         _checks(check, args, app, data_files)
 
 
 def _checks(check, args, app: App, data_files: bool) -> None:
     require = functools.partial(check, config.require)
+    check(config.pending_problems, args)   # the overrides config.load could not apply
     check(config.check_positive, args, "", ["steps"])
     check(config.check_dump_dir, args.dump_dir)
     for key in ("gc_every", "gc_full_every"):
@@ -100,7 +98,8 @@ def _checks(check, args, app: App, data_files: bool) -> None:
     check(fault_tolerance.validate_args, args)
     d = args.distributed
     dims = check(distributed.parallel_dims, d, distributed.world_size_from_env())
-    if dims is not None and data_files:   # jsonl: a usable line for every data-parallel rank
+    corpus = data_files and args.data.root and Path(args.data.root).is_dir()   # else: said above
+    if dims is not None and corpus:   # jsonl: a usable line for every data-parallel rank
         check(data.loader_class(args.data).check_ranks, args.data, dims.dp)
     check(pipeline.validate_pp, args.model.n_layers, d.pp, d.pp_virtual_stages, d.pp_schedule,
           d.pp_microbatches, args.data.batch_size, args.model.tie_embeddings, d.pp_split)
@@ -143,9 +142,8 @@ def hooks(args, env: DistEnv, app: App) -> Hooks:
 
 
 def run(args, app: App) -> int:
-    """Train `app` with checked `args` from start (or the newest checkpoint) to args.steps:
-    0 when done, EXIT_STOPPED (3) when a signal stopped it after saving (EXIT_INTERRUPTED, 130,
-    when that signal was a Ctrl-C; both in lingua.train.preemption). Every app's main calls it."""
+    """Train `app` with checked `args` (from the newest checkpoint, if any) to args.steps: 0 when
+    done, else preemption.EXIT_STOPPED (3) or, after a Ctrl-C, EXIT_INTERRUPTED (130)."""
     env = fault_tolerance.join(args.fault_tolerance, distributed.init(args.distributed))
     start_process(args, env)
     if args.eval.tasks and args.eval.mode == "inline":   # a task's data unreadable: stop now
@@ -172,10 +170,8 @@ def run(args, app: App) -> int:
 
 
 def exit_cli(main: Callable) -> None:
-    """Run an app's main() as a command: a ConfigError prints its paragraph and exits 2, a
-    RunError exits 1, both without a traceback (lingua.errors.report); a Ctrl-C outside the
-    training loop is one line and exit code 130. A run that ended leaves through
-    distributed.exit_process."""
+    """Run an app's main() as a command: a ConfigError exits 2, a RunError 1, both without a
+    traceback (errors.report); a Ctrl-C outside the loop is one line and exit code 130."""
     import signal
     import sys
 
@@ -189,8 +185,7 @@ def exit_cli(main: Callable) -> None:
         code = main()
     except ConfigError as err:
         report(err)
-        # Most config errors come before any process group; a plan refused after it started
-        # (lingua.parallel.coverage) leaves gloo threads that can abort a normal interpreter exit.
+        # A plan refused after the process group started leaves gloo threads that can abort exit.
         if torch.distributed.is_initialized():
             distributed.exit_process(2)
         sys.exit(2)
