@@ -194,6 +194,14 @@ def model_on_meta(args, app) -> torch.nn.Module:
     return model
 
 
+def _flops_per_token(args, app, whole) -> float:
+    if app.flops_per_token is not None:
+        return app.flops_per_token(args)
+    m = args.model
+    return metrics.flops_per_token(whole, m.n_layers, m.n_heads * head_dim(m), args.data.seq_len,
+                                   m.tie_embeddings)
+
+
 def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None,
          device_type: str = "cuda", gpu: str = "H100", gpu_mem_gib: Optional[float] = None,
          mfu: float = DEFAULT_MFU, suggest: bool = True) -> Plan:
@@ -220,14 +228,10 @@ def plan(app_module: str, overrides: List[str], world_size: Optional[int] = None
     built = [rank_plan(args, app, dims, pp_rank * per_stage, n_mb, microbatch, device_type)
              for pp_rank in range(dims.pp)]
     ranks, flights = [one for one, _ in built], [flight for _, flight in built]
-    whole, m = model_on_meta(args, app), args.model
+    whole = model_on_meta(args, app)
     n_params = sum(p.numel() for p in whole.parameters())
     n_trainable = sum(p.numel() for p in whole.parameters() if p.requires_grad)
-    if app.flops_per_token is not None:
-        flops = app.flops_per_token(args)
-    else:
-        flops = metrics.flops_per_token(whole, m.n_layers, m.n_heads * head_dim(m),
-                                        args.data.seq_len, m.tie_embeddings)
+    flops = _flops_per_token(args, app, whole)
     dtype = "bf16" if d.model_dtype == "bf16" else "fp32"
     result = Plan(module=app_module, overrides=overrides, args=args, world_size=world, dims=dims,
                   device_type=device_type, gpu=gpu, gpu_mem_gib=gpu_mem_gib, mfu=mfu, ranks=ranks,
