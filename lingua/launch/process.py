@@ -1,6 +1,5 @@
-"""A training process's start before the loop: logging, the torch version check, malloc tuning on
-CPU (host_memory.py), signal listening, the embedded corpus on first use, the run's config.yaml.
-"""
+"""A training process's start: logging, the torch version check, malloc on CPU (host_memory.py),
+signals, the embedded corpus on first use, the run's config.yaml."""
 
 import logging
 from pathlib import Path

@@ -1,9 +1,7 @@
-"""A whole training run, composed: the config schema every app's TrainArgs extends
-(BaseTrainArgs), its checks before any work (validate), the hooks around the loop, and `run`,
-which reads top to bottom like a script. What differs between apps (model class, parallel plan,
-checks, loss, extra metrics, per-step updates) comes in through `App` (lingua/train/app.py), so
-fixes to the flow reach every app. It lives at the top layer because the schema and the hooks
-include evaluation's (lingua.eval)."""
+"""A whole training run, composed: the config schema apps extend (BaseTrainArgs), its checks
+before any work (validate), the hooks, and `run`, read top to bottom like a script. What differs
+between apps comes in through `App` (lingua/train/app.py), so fixes reach every app. At the top
+layer: the schema and the hooks include evaluation's (lingua.eval)."""
 
 import functools
 from dataclasses import dataclass, field
@@ -35,7 +33,7 @@ from lingua.parallel.context_parallel import validate_cp
 from lingua.parallel.distributed import DistEnv, DistributedArgs
 from lingua.parallel.fault_tolerance import FaultToleranceArgs, FaultToleranceHook
 from lingua.parallel.tensor_parallel import check_async_tp
-from lingua.train import preemption
+from lingua.train import dump_lock, preemption
 from lingua.train.app import App, check_vocab, device_type
 from lingua.train.build import build_model_parts
 from lingua.train.loop import Run
@@ -66,9 +64,8 @@ class BaseTrainArgs:
 
 
 def validate(args, app: App, data_files: bool = True) -> None:
-    """Every check that needs no process group, device or write: runs before any work starts.
-    data_files=False leaves out the corpus and tokenizer files (lingua.launch.plan plans without
-    them and warns of them)."""
+    """Every check that needs no process group, device or write, before any work. data_files=False
+    leaves out the corpus and tokenizer files (lingua.launch.plan plans without them, warning)."""
     with config.every_problem() as check:   # every problem named in one try
         _checks(check, args, app, data_files)
 
@@ -148,14 +145,19 @@ def run(args, app: App) -> int:
     when that signal was a Ctrl-C; both in lingua.train.preemption). Every app's main calls it."""
     env = fault_tolerance.join(args.fault_tolerance, distributed.init(args.distributed))
     start_process(args, env)
+    with dump_lock.held(args.dump_dir, env):   # one run per dump_dir, before any write there
+        return _run(args, app, env)
+
+
+def _run(args, app: App, env: DistEnv) -> int:
     if args.eval.tasks and args.eval.mode == "inline":   # a task's data unreadable: stop now
         downstream.load_tasks(args.eval.tasks, args.eval.include_path)
-    write_config(args, env)
     checkpoint.prepare_async_saves(args.checkpoint, env.world_size)   # fails now, not mid-run
     parts, stage_ids = build_model_parts(args, env, app)
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
     training = Run(args, env, app, parts, stage_ids, optimizers, hooks(args, env, app),
                    eval_jobs.checkpoint_in_use(args.dump_dir))
+    write_config(args, env)   # weights and data ready: a start refused before wrote nothing
     training.resume()                 # from the newest intact checkpoint of dump_dir, if any
     if env.device.type == "cpu":
         release_freed_memory()        # setup's transient copies (see keep_freed_memory)
@@ -172,10 +174,9 @@ def run(args, app: App) -> int:
 
 
 def exit_cli(main: Callable) -> None:
-    """Run an app's main() as a command: a ConfigError prints its paragraph and exits 2, a
-    RunError exits 1, both without a traceback (lingua.errors.report); a Ctrl-C outside the
-    training loop is one line and exit code 130. A run that ended leaves through
-    distributed.exit_process."""
+    """An app's main() as a command: a ConfigError prints its paragraph and exits 2, a RunError
+    exits 1, both without a traceback (lingua.errors.report); a Ctrl-C outside the training loop
+    is one line and exit code 130. The process ends through distributed.exit_process."""
     import signal
     import sys
 
