@@ -1,6 +1,7 @@
 """One run per dump_dir (lingua/train/dump_lock.py): a second run is refused on every rank and
 writes nothing; a killed run's lock and unfinished saves are cleared at the next start; a start
-refused while loading weights leaves no dump_dir behind."""
+refused while loading weights leaves no dump_dir behind. And setup/test.sh starts the local Slurm
+only for a selection that can hold slurm tests."""
 
 import json
 import os
@@ -13,7 +14,7 @@ import torch
 from apps.llama import train
 from lingua.errors import ConfigError
 from lingua.train import dump_lock
-from tests.conftest import read_metrics, run_torchrun, tiny_args
+from tests.conftest import load_setup_script, read_metrics, run_torchrun, tiny_args
 
 
 def hold(dump) -> int:
@@ -106,3 +107,13 @@ def test_weights_of_another_shape_are_refused_with_nothing_written(corpus, tmp_p
                                           r"implies \(64,\)"):
         train.main(tiny_args(corpus, dump, f"checkpoint.init_from={hf}", steps=1))
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("argv, starts", [
+    ([], True), (["-m", "not slow"], False), (["-m", "slurm"], True), (["-mnot slow"], False),
+    (["-m", "not slurm and not gpu"], False), (["-m", "gpu"], False), (["-m", "slow"], True),
+    (["-m", "not gpu"], True), (["-m", "slurm", "-m", "not slow"], False),
+    (["-k", "hf", "tests/test_hf.py"], True), (["-m", "((broken"], True),
+])
+def test_the_quick_tier_leaves_slurm_alone(argv, starts):
+    assert load_setup_script("slurm_wanted").wanted(argv) is starts
