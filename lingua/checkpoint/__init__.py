@@ -100,8 +100,7 @@ def remove_unfinished(dump_dir) -> None:
     for tmp in sorted(p for p in checkpoints_dir(dump_dir).glob("*.tmp-*") if p.is_dir()):
         size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
         shutil.rmtree(tmp, ignore_errors=True)
-        logger.warning("removed %s (%.1f MB), a save that never finished (its run was stopped "
-                       "while writing it)", tmp, size / 1e6)
+        logger.warning("removed %s (%.1f MB), a save its run was stopped in", tmp, size / 1e6)
 
 
 def resolve(target, in_run: bool = False) -> Path:

@@ -14,7 +14,6 @@ from pathlib import Path
 from lingua import checkpoint
 from lingua.errors import ConfigError
 from lingua.model.weights import broadcast_object
-from lingua.parallel.distributed import DistEnv
 
 logger = logging.getLogger("train")
 
@@ -22,8 +21,7 @@ LOCK = ".lock"
 REQUEUE_WAIT_S = 120.0   # a requeued job's previous instance may hold it this long (NFS leases)
 
 
-def _holder(fd: int) -> tuple:
-    """The record in the lock file and its words for the messages."""
+def _holder(fd: int) -> tuple:   # the lock file's record, and its words for the messages
     with contextlib.suppress(OSError, ValueError):
         if r := json.loads(os.pread(fd, 4096, 0) or b"{}"):
             job = f"Slurm job {r['slurm_job']}, " if r.get("slurm_job") else ""
@@ -70,7 +68,7 @@ def acquire(dump_dir) -> int:
 
 
 @contextlib.contextmanager
-def held(dump_dir, env: DistEnv):
+def held(dump_dir, env):
     """Rank 0 holds dump_dir's lock while the body runs, after removing unfinished saves; a refusal
     reaches every rank. Directories this start made are removed again if left empty."""
     path, fd, problem = Path(dump_dir), None, None
