@@ -1,7 +1,6 @@
-"""A whole training run, composed: the config schema apps extend (BaseTrainArgs), its checks
-before any work (validate), the hooks, and `run`, read top to bottom like a script. What differs
-between apps comes in through `App` (lingua/train/app.py), so fixes reach every app. At the top
-layer: the schema and the hooks include evaluation's (lingua.eval)."""
+"""A whole training run: the schema every app's TrainArgs extends, its checks before any work
+(validate), the hooks around the loop and `run`; what differs between apps comes through `App`
+(lingua/train/app.py). At the top layer: the schema and hooks include evaluation's."""
 
 import functools
 from dataclasses import dataclass, field
@@ -65,7 +64,7 @@ class BaseTrainArgs:
 
 def validate(args, app: App, data_files: bool = True) -> None:
     """Every check that needs no process group, device or write, before any work. data_files=False
-    leaves out the corpus and tokenizer files (lingua.launch.plan plans without them, warning)."""
+    leaves out the corpus and tokenizer files (lingua.launch.plan warns of them)."""
     with config.every_problem() as check:   # every problem named in one try
         _checks(check, args, app, data_files)
 
@@ -174,9 +173,8 @@ def _run(args, app: App, env: DistEnv) -> int:
 
 
 def exit_cli(main: Callable) -> None:
-    """An app's main() as a command: a ConfigError prints its paragraph and exits 2, a RunError
-    exits 1, both without a traceback (lingua.errors.report); a Ctrl-C outside the training loop
-    is one line and exit code 130. The process ends through distributed.exit_process."""
+    """Run an app's main() as a command: a ConfigError exits 2, a RunError 1, both without a
+    traceback (errors.report); a Ctrl-C outside the loop is one line and exit code 130."""
     import signal
     import sys
 
