@@ -162,8 +162,7 @@ def _run(args, app: App, env: DistEnv) -> int:
         release_freed_memory()        # setup's transient copies (see keep_freed_memory)
     completed = training.train()
     if not completed:
-        # Stopped and saved: the ranks leave together, so that under srun rank 0 (the one that
-        # exits non-zero, see lingua.launch.stool) can leave last.
+        # Stopped and saved: the ranks leave together, rank 0 (non-zero under srun) last.
         distributed.barrier(env)
     distributed.destroy()
     if completed:
@@ -179,8 +178,7 @@ def exit_cli(main: Callable) -> None:
     import sys
 
     def report(err):
-        # torchrun stops the other workers with SIGTERM as soon as one exits: a rank that is
-        # saying why it failed finishes saying it (milliseconds), then leaves by itself.
+        # torchrun SIGTERMs the others once one exits: this rank finishes saying why, then leaves.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         errors.report(f"error: {err}")
 
