@@ -352,7 +352,7 @@ def dump(args: Any, path: Path) -> None:
 # directory a run's.
 RUN_DIRECTORY_MARKS = ("config.yaml", "metrics.jsonl", "checkpoints", "peak.json", "spikes.jsonl",
                        "probe", "evals", "profiling", "wandb", "wandb_id.txt", "code", "slurm",
-                       "plots")
+                       "plots", ".lock")
 
 
 def check_dump_dir(dump_dir: str) -> None:

@@ -8,6 +8,8 @@ as_root=""
 if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo -n true 2>/dev/null; then as_root="sudo -n"; fi
 if [ "${LINGUA_NO_SLURM:-0}" != "0" ]; then
   echo ">> LINGUA_NO_SLURM=$LINGUA_NO_SLURM: the local Slurm is not started, the slurm tests will skip"
+elif ! python setup/slurm_wanted.py "$@"; then
+  echo ">> -m selects no slurm test: the local Slurm is not started"
 elif { [ "$(id -u)" -eq 0 ] || [ -n "$as_root" ]; } && { command -v apt-get >/dev/null || command -v slurmctld >/dev/null; }; then
   echo ">> starting a local one-node Slurm as root for the slurm tests (installs slurm and munge if missing; LINGUA_NO_SLURM=1 skips it and them)"
   $as_root bash setup/slurm_local.sh start

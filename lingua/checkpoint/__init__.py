@@ -1,9 +1,7 @@
 """Distributed checkpoints (DCP) that are either complete or invisible, and resume from the newest.
-
 Everything is written into `<step>.tmp-<nonce>/` and renamed by rank 0 once every rank is done
-(manifest.json, sizes and CRC-32s, last), so a crash leaves only a `.tmp` directory, which resume
-ignores; resume falls back past a damaged checkpoint (integrity.py).
-"""
+(manifest.json, sizes and CRC-32s, last): a crash leaves a `.tmp-` directory, which resume ignores
+and the next start removes; resume falls back past a damaged checkpoint (integrity.py)."""
 
 import io
 import json
@@ -95,6 +93,14 @@ def newest(dump_dir, warn: bool = True) -> Optional[Path]:
             logger.warning("skipping damaged checkpoint %s: %s; trying the one before", ckpt,
                            problem)
     return None
+
+
+def remove_unfinished(dump_dir) -> None:
+    """Delete what killed saves left; at start, under lingua.train.dump_lock: none in flight."""
+    for tmp in sorted(p for p in checkpoints_dir(dump_dir).glob("*.tmp-*") if p.is_dir()):
+        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+        shutil.rmtree(tmp, ignore_errors=True)
+        logger.warning("removed %s (%.1f MB), a save its run was stopped in", tmp, size / 1e6)
 
 
 def resolve(target, in_run: bool = False) -> Path:

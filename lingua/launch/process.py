@@ -1,6 +1,5 @@
-"""A training process's start before the loop: logging, the torch version check, malloc tuning on
-CPU (host_memory.py), signal listening, the embedded corpus on first use, the run's config.yaml.
-"""
+"""A training process's start: logging, the torch version check, malloc on CPU (host_memory.py),
+signals, the embedded corpus on first use, the run's config.yaml."""
 
 import logging
 from pathlib import Path
@@ -32,7 +31,6 @@ def torch_version_warning(version: str) -> Optional[str]:
 
 
 def start_process(args, env: DistEnv) -> None:
-    """Logging, the version warning, malloc on CPU, signals, the embedded corpus on first use."""
     metrics.setup_logging(env.rank)
     if env.is_main and (untested := torch_version_warning(torch.__version__)):
         logger.warning(untested)
@@ -50,7 +48,6 @@ def start_process(args, env: DistEnv) -> None:
 
 
 def write_config(args, env: DistEnv) -> None:
-    """The run directory and its resolved config.yaml (rank 0)."""
+    """The resolved config.yaml (rank 0), into the dump_dir lingua.train.dump_lock made."""
     if env.is_main:
-        Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
         config.dump(args, Path(args.dump_dir) / "config.yaml")

@@ -33,7 +33,7 @@ from lingua.parallel.context_parallel import validate_cp
 from lingua.parallel.distributed import DistEnv, DistributedArgs
 from lingua.parallel.fault_tolerance import FaultToleranceArgs, FaultToleranceHook
 from lingua.parallel.tensor_parallel import check_async_tp
-from lingua.train import preemption
+from lingua.train import dump_lock, preemption
 from lingua.train.app import App, check_vocab, device_type
 from lingua.train.build import build_model_parts
 from lingua.train.loop import Run
@@ -146,21 +146,25 @@ def run(args, app: App) -> int:
     done, else preemption.EXIT_STOPPED (3) or, after a Ctrl-C, EXIT_INTERRUPTED (130)."""
     env = fault_tolerance.join(args.fault_tolerance, distributed.init(args.distributed))
     start_process(args, env)
+    with dump_lock.held(args.dump_dir, env):   # one run per dump_dir, before any write there
+        return _run(args, app, env)
+
+
+def _run(args, app: App, env: DistEnv) -> int:
     if args.eval.tasks and args.eval.mode == "inline":   # a task's data unreadable: stop now
         downstream.load_tasks(args.eval.tasks, args.eval.include_path)
-    write_config(args, env)
     checkpoint.prepare_async_saves(args.checkpoint, env.world_size)   # fails now, not mid-run
     parts, stage_ids = build_model_parts(args, env, app)
     optimizers = optim.Optimizers(parts, args.optim, args.steps, env.device)
     training = Run(args, env, app, parts, stage_ids, optimizers, hooks(args, env, app),
                    eval_jobs.checkpoint_in_use(args.dump_dir))
+    write_config(args, env)   # weights and data ready: a start refused before wrote nothing
     training.resume()                 # from the newest intact checkpoint of dump_dir, if any
     if env.device.type == "cpu":
         release_freed_memory()        # setup's transient copies (see keep_freed_memory)
     completed = training.train()
     if not completed:
-        # Stopped and saved: the ranks leave together, so that under srun rank 0 (the one that
-        # exits non-zero, see lingua.launch.stool) can leave last.
+        # Stopped and saved: the ranks leave together, rank 0 (non-zero under srun) last.
         distributed.barrier(env)
     distributed.destroy()
     if completed:
@@ -176,8 +180,7 @@ def exit_cli(main: Callable) -> None:
     import sys
 
     def report(err):
-        # torchrun stops the other workers with SIGTERM as soon as one exits: a rank that is
-        # saying why it failed finishes saying it (milliseconds), then leaves by itself.
+        # torchrun SIGTERMs the others once one exits: this rank finishes saying why, then leaves.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         errors.report(f"error: {err}")
 
