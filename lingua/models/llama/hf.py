@@ -1,7 +1,9 @@
 """Hugging Face interop: Llama, Mistral, Qwen2/2.5 and Qwen3 directories (config.json +
 safetensors) <-> Transformer, the family read from config.json's model_type (model.family).
+
 `python -m apps.llama.hf export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32]`. The families'
-names and config.json live here, lingua/checkpoint/hf.py does the rest (q/k rows copied as is)."""
+names and config.json live here, lingua/checkpoint/hf.py does the rest. Our RoPE rotates each
+head's halves as HF's `rotate_half` does, so q/k rows are copied as they are."""
 
 import torch
 
@@ -10,7 +12,8 @@ from lingua.checkpoint import hf_files
 from lingua.errors import ConfigError
 from lingua.models.llama.model import LlamaArgs, Transformer
 
-# model.family -> HF architecture and its attention options (biases, QK-norm, sliding window).
+# model.family -> its Hugging Face architecture, and the options its model computes with (each
+# family's attention: Qwen2's q/k/v biases, Qwen3's QK-norm, Mistral's sliding window).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FAMILY_OPTIONS = {"llama": {"qk_norm": False, "qkv_bias": False},

@@ -1,6 +1,7 @@
 """The LLaMA model: its blocks (attention, SwiGLU) inside lingua's decoder shell. A plain nn.Module
 with no distributed code: parallelize.py beside it shards it from outside, by these module names.
-A fork keeps the contract in lingua/model/decoder.py's docstring (checked at start)."""
+A fork keeps the contract in lingua/model/decoder.py's docstring (checked at start, naming what
+is missing): subclass Decoder, give layers `init_weights(std, out_std)`, attend by CoreAttention."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -105,8 +106,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x, rope, mask=None, cache: KVCache | None = None):
-        # Only x is positional (the TP plan's first input). layer_id only when decoding: compile
-        # guards on it, compiling each block apart (past 8, silently eager).
+        # Only x is positional: the TP plan lays out the first input. layer_id is read only when
+        # decoding: compile guards on it, compiling each block apart (past 8, silently eager).
         cache_key = "" if cache is None else str(self.layer_id)
         x = x + self.attention(self.attention_norm(x), rope=rope, mask=mask, cache=cache,
                                cache_key=cache_key)

@@ -13,9 +13,10 @@ validate_tp = validate_whole_heads   # q/k/v are sharded by head: each rank hold
 
 
 def attention_plan(model) -> dict:
-    """q/k/v column-sharded by head (biases with them), wo row-wise. Qwen3's QK-norm works within
-    whole heads (no forward reduction); its weight, shared by all heads, is replicated over the
-    heads' dim (SequenceParallel on dim 2), so DTensor sums its gradient across tp ranks."""
+    """The attention's entries: q/k/v column-sharded by head (biases with them), wo row-wise. The
+    QK-norm (Qwen3) normalises within a head, and each rank holds whole heads: its forward needs
+    no reduction. Its weight is shared by all heads, so it is a replicated DTensor over the heads'
+    dimension (SequenceParallel on dim 2), whose gradient DTensor sums across the tp ranks."""
     plan = {"attention": gathered_input(),
             **{f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
             "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
