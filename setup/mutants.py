@@ -59,6 +59,16 @@ MUTANTS = [
            "        for _ in range(behind):\n", "        for _ in range(0):\n",
            ("tests/test_fault_tolerance.py::"
             "test_a_group_behind_heals_and_reads_its_own_jsonl_stream_forward",)),
+    Mutant("dump_dir_lock_not_taken", "a run takes no flock on its dump_dir: a second run "
+           "on it is not refused", "lingua/train/dump_lock.py",
+           "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", "pass",
+           ("tests/test_run_directory.py::"
+            "test_a_second_run_on_a_held_dump_dir_is_refused_and_writes_nothing",)),
+    Mutant("chat_cache_checksum_unchecked", "the chat cache's arrays read without their CRC-32 "
+           "checked: damage within the vocabulary trains silently", "lingua/data/chat.py",
+           'if zlib.crc32(raw) != meta["crc32"][name]:', "if False:",
+           ("tests/test_chat_data.py::test_a_damaged_chat_cache_is_rebuilt_with_a_warning"
+            "[_flip_within_vocabulary]",)),
     Mutant("stool_ft_groups_share_an_id", "stool gives every replica group of a fault-tolerant "
            "run group_id 0 (each group would read the same part of the batch)",
            "lingua/launch/stool.py", 'f"fault_tolerance.group_id={g}"',

@@ -303,6 +303,7 @@ def test_a_killed_group_heals_from_the_live_one_even_after_a_kill_during_its_hea
 
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000,
                               quorum_tick_ms=50, heartbeat_timeout_ms=1000)
+    servers = [server]
     dumps = [tmp_path / f"group{g}" for g in range(2)]
     start = functools.partial(start_group, corpus, lighthouse=server.address())
     procs = []
@@ -341,15 +342,20 @@ def test_a_killed_group_heals_from_the_live_one_even_after_a_kill_during_its_hea
             p.wait(timeout=60)
         kept, healed = read_rows(dumps[survivor]), read_rows(dumps[victim])
         # Both started again (each resumes its own stop checkpoint; one behind heals) and run to
-        # an end a few steps on: the run finishes.
+        # an end a few steps on: the run finishes. Their lighthouse waits for both (the first one
+        # up would otherwise train the last steps alone, gone before the other joins).
+        servers.append(LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=10000,
+                                        quorum_tick_ms=50))
         end = max(kept[-1]["step"], healed[-1]["step"]) + 3
-        procs = [start(dumps[g], group_id=g, log_name=f"end{g}.log", steps=end) for g in range(2)]
+        procs = [start_group(corpus, dumps[g], servers[-1].address(), g, f"end{g}.log", steps=end)
+                 for g in range(2)]
         for g, p in enumerate(procs):
             assert p.wait(timeout=180) == 0, (tmp_path / f"end{g}.log").read_text()[-3000:]
     finally:
         for p in procs:
             kill(p)
-        server.shutdown()
+        for one in servers:
+            one.shutdown()
     assert model_checksums(final_checkpoint(dumps[0], end)) == \
         model_checksums(final_checkpoint(dumps[1], end))
     assert killed_at < healed_at

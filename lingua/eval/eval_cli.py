@@ -1,8 +1,16 @@
-"""Evaluate a checkpoint on downstream tasks, the same for every app (docs/evaluation.md,
-"Downstream tasks (lm-evaluation-harness)"): `python -m apps.<app>.eval <dump_dir or
-dump_dir/checkpoints/STEP> [key=value ...]`, under torchrun too; eval.mode=async's jobs run it.
-The config is the checkpoint's but for CHANGEABLE; all is checked before the model is built, and
-tasks the step already has results for (<dump_dir>/evals/<step>/) are not run again."""
+"""Evaluate a checkpoint on downstream tasks, the same for every app:
+
+    python -m apps.<app>.eval <dump_dir or dump_dir/checkpoints/STEP> [key=value ...]
+    torchrun --nproc-per-node N -m apps.<app>.eval <...> distributed.dp_shard=N [...]
+
+A dump_dir means its newest complete checkpoint. The run's config comes from the checkpoint; the
+command line may change the evaluation (`eval.tasks=[lingua_continuation] eval.limit=100 ...`),
+the layout (`distributed.*`: DCP reshards the checkpoint to it, without pipeline or context
+parallelism), logging, slurm and data.tokenizer, not the model. Everything is checked before the
+model is built; results go to <dump_dir>/evals/<step>/results.json and metrics.jsonl, and tasks
+that step already has results for are not run again. Rank 0 says on stderr how far it is
+(logging.quiet=true silences it). The jobs of eval.mode=async run this too.
+"""
 
 import os
 import sys
@@ -22,7 +30,8 @@ from lingua.observe import metrics
 from lingua.parallel import distributed
 from lingua.train import build
 
-# What an evaluation may change (not the model); the tokenizer path, for a moved tokenizer file.
+# What an evaluation may change of the run's config (the model is the checkpoint's); the
+# tokenizer's path, for a run whose tokenizer file has moved.
 CHANGEABLE = ("eval", "distributed", "logging", "slurm", "data.tokenizer")
 
 
@@ -129,8 +138,8 @@ def record(dump_dir: Path, step: int, results: dict, args, ckpt: Path, env,
 
 
 def log_wandb(dump_dir: Path, step: int, flat: dict, args) -> None:
-    """A wandb run per evaluated step, grouped with the training run, the trained step as eval/*'s
-    x axis (jobs may finish out of order)."""
+    """An evaluation job's wandb run: one per evaluated step, grouped with the training run
+    (its id), with the trained step as the x axis of eval/* (jobs may finish out of order)."""
     if not args.logging.wandb:
         return
     import wandb
