@@ -344,12 +344,11 @@ def dry_run_plan(module: str, sub, sweep: bool) -> str:
 def plan_run(app, overrides: List[str], multirun: bool) -> tuple:
     """(jobs, run directory or None): with fault_tolerance.enabled, one job per replica group g,
     in <dump_dir>/group_<g>, each validated with its group_id."""
-    combos = sweep_overrides(overrides)[0] if multirun else [overrides]
-    raws = [app.load_config(combo, check=False) for combo in combos]
-    ft = [r.fault_tolerance for r in raws if getattr(r, "fault_tolerance", None) is not None
-          and r.fault_tolerance.enabled]
+    submissions = plan(app, overrides, multirun)
+    ft = [f for f in (getattr(s.args, "fault_tolerance", None) for s in submissions)
+          if f is not None and f.enabled]
     if not ft:
-        return plan(app, overrides, multirun), None
+        return submissions, None
     if multirun:
         raise ConfigError("stool --multirun with fault_tolerance.enabled=true is not supported "
                           "(each run would need its own lighthouse and replica groups): submit "
@@ -358,7 +357,7 @@ def plan_run(app, overrides: List[str], multirun: bool) -> tuple:
         raise ConfigError("fault_tolerance.group_id is given, but stool submits every replica "
                           "group itself (group g as a job of its own, in <dump_dir>/group_<g>) "
                           "and assigns the ids. Leave fault_tolerance.group_id out.")
-    root = Path(raws[0].dump_dir).resolve()
+    root = submissions[0].dump_dir.resolve()
     return [plan(app, [*overrides, f"fault_tolerance.group_id={g}",
                        path_override("dump_dir", root / f"group_{g}")], False)[0]
             for g in range(ft[0].replica_groups)], root
