@@ -267,8 +267,10 @@ def _write_cache(tmp: Path, convs: Conversations, counter: SkipCounter) -> None:
               "lengths": convs.lengths, "targets": convs.targets}
     crc = {}
     for name in CACHE_ARRAYS:
-        np.save(tmp / f"{name}.npy", arrays[name])
-        crc[name] = zlib.crc32((tmp / f"{name}.npy").read_bytes())
+        buffer = io.BytesIO()
+        np.save(buffer, arrays[name])
+        (tmp / f"{name}.npy").write_bytes(buffer.getvalue())
+        crc[name] = zlib.crc32(buffer.getvalue())
     first = None if counter.first is None else [str(counter.first[0]), *counter.first[1:]]
     (tmp / "meta.json").write_text(json.dumps({
         "truncated": convs.truncated, "skipped_by_reason": counter.by_reason,
